@@ -1,0 +1,3 @@
+from hybridserve.core.connector.base import KVConnectorBase
+
+__all__ = ["KVConnectorBase"]

@@ -1,0 +1,40 @@
+"""The scheduler side of a KV connector (offload to host memory, transfer between engines).
+
+Protocol, per request:
+1. At admission the scheduler asks `get_num_new_matched_tokens`: how many tokens beyond
+   the local prefix hit the connector can supply, and whether the load is asynchronous.
+2. After blocks are allocated, `update_state_after_alloc` names the blocks to load into.
+3. `build_connector_meta` packs this step's loads and stores for the executor side.
+4. The executor reports finished loads/stores and failed block ids in
+   ModelRunnerOutput.kv_connector_output. An async load keeps the request in
+   WAITING_FOR_REMOTE_KVS, holding its blocks, until its load is reported done.
+5. At finish, `request_finished` sees the request's block table, pruned of out-of-window
+   blocks on the processed basis; it may ask to delay the free until a store is done.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from hybridserve.core.request import Request
+
+
+class KVConnectorBase(ABC):
+    @abstractmethod
+    def get_num_new_matched_tokens(self, request: Request, num_local_computed_tokens: int) -> tuple[int, bool]:
+        """(external tokens available beyond the local hit, whether the load is async)."""
+
+    @abstractmethod
+    def update_state_after_alloc(
+        self, request: Request, block_ids: tuple[list[int], ...], num_external_tokens: int
+    ) -> None:
+        """Blocks are allocated: remember where the external tokens should be loaded."""
+
+    @abstractmethod
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        """Loads and stores for the executor side, attached to the SchedulerOutput."""
+
+    @abstractmethod
+    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, Any]:
+        """(delay freeing until the executor reports the store done, extra params)."""

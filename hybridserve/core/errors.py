@@ -1,0 +1,21 @@
+"""Named exceptions. Library users catch these; the CLI and server turn them into one line."""
+
+
+class HybridServeError(Exception):
+    """Base of every error hybridserve raises on purpose."""
+
+
+class ConfigError(HybridServeError, ValueError):
+    """An engine, model or KV cache setting is invalid."""
+
+
+class BlockPoolError(HybridServeError, RuntimeError):
+    """The block pool was asked to do something impossible (double free, null block free)."""
+
+
+class OutOfBlocksError(BlockPoolError):
+    """More blocks were requested than are free."""
+
+
+class RequestError(HybridServeError, ValueError):
+    """A request is malformed (duplicate id, empty prompt, unknown id in an output)."""

@@ -1,0 +1,84 @@
+"""Fans KV operations out over the groups of a hybrid model, and agrees on prefix hits."""
+
+from __future__ import annotations
+
+from hybridserve.core.kv.block_pool import BlockPool, KVCacheBlock
+from hybridserve.core.kv.managers import FullAttentionManager, SingleTypeKVCacheManager, make_manager
+from hybridserve.core.kv.spec import KVCacheGroup
+from hybridserve.core.request import Request
+
+BlocksPerGroup = list[list[KVCacheBlock]]
+
+
+class KVCacheCoordinator:
+    def __init__(self, groups: tuple[KVCacheGroup, ...], pool: BlockPool, enable_caching: bool) -> None:
+        self.groups = groups
+        self.pool = pool
+        self.block_size = groups[0].spec.block_size
+        self.managers: list[SingleTypeKVCacheManager] = [
+            make_manager(g.spec, pool, i, enable_caching) for i, g in enumerate(groups)
+        ]
+        # Full attention first: it is the most selective, so later groups search short.
+        self.search_order = sorted(
+            range(len(groups)), key=lambda i: not isinstance(self.managers[i], FullAttentionManager)
+        )
+
+    def empty(self) -> BlocksPerGroup:
+        return [[] for _ in self.managers]
+
+    def find_longest_cache_hit(self, block_hashes: list[int], max_length: int) -> tuple[BlocksPerGroup, int]:
+        """The longest prefix every group can serve: shrink until no group shrinks it."""
+        candidate = (max_length // self.block_size) * self.block_size
+        hits = self.empty()
+        while True:
+            shrunk = False
+            for i in self.search_order:
+                hit = self.managers[i].find_longest_cache_hit(block_hashes, candidate)
+                hits[i] = hit
+                length = len(hit) * self.block_size
+                if length < candidate:
+                    candidate = length
+                    shrunk = True
+            if not shrunk:
+                return hits, candidate
+
+    def get_num_blocks_to_allocate(
+        self, request_id: str, num_tokens: int, new_computed_blocks: BlocksPerGroup
+    ) -> int:
+        return sum(
+            m.get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks[i])
+            for i, m in enumerate(self.managers)
+        )
+
+    def save_new_computed_blocks(self, request_id: str, new_computed_blocks: BlocksPerGroup) -> None:
+        for i, m in enumerate(self.managers):
+            m.save_new_computed_blocks(request_id, new_computed_blocks[i])
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> BlocksPerGroup:
+        return [m.allocate_new_blocks(request_id, num_tokens) for m in self.managers]
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        for m in self.managers:
+            m.cache_blocks(request, num_tokens)
+
+    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int) -> None:
+        for m in self.managers:
+            m.remove_skipped_blocks(request_id, processed_computed_tokens)
+
+    def pop(self, request_id: str) -> list[KVCacheBlock]:
+        """Detach the request from every group; its real blocks, each group tail first."""
+        out: list[KVCacheBlock] = []
+        for m in self.managers:
+            out.extend(m.pop(request_id))
+        return out
+
+    def full_sequence_blocks(self, num_tokens: int, max_in_flight_tokens: int, max_model_len: int) -> int:
+        """Blocks a request of num_tokens tokens holds at its peak, by the admission caps."""
+        total = 0
+        for m in self.managers:
+            cap = m.spec.max_admission_blocks_per_request(max_in_flight_tokens, max_model_len)
+            total += min(m.num_required_blocks(num_tokens), cap)
+        return total
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        return tuple([b.block_id for b in m.req_to_blocks.get(request_id, ())] for m in self.managers)

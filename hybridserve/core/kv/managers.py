@@ -1,0 +1,226 @@
+"""One manager per attention type. They differ in one hook and in how they find hits.
+
+`get_num_skipped_tokens(n)`: with n tokens processed, how many leading tokens no future
+query reads. `remove_skipped_blocks` turns every block wholly below that boundary into
+the null block and frees it::
+
+    sliding window W=4, block 2, n=7 processed: next query (pos 7) reads 4..7
+    tokens  0 1 | 2 3 | 4 5 | 6 _
+    blocks  [0]   [1]   [2]   [3]      skipped = 7-4+1 = 4 -> blocks 0,1 -> null
+"""
+
+from __future__ import annotations
+
+from hybridserve.core.kv.block_pool import BlockPool, KVCacheBlock
+from hybridserve.core.kv.spec import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+    cdiv,
+)
+from hybridserve.core.request import Request
+
+
+class SingleTypeKVCacheManager:
+    """Block tables of one KV cache group.
+
+    Invariants: a request's table is indexed by absolute block position (block i holds
+    tokens i*bs .. (i+1)*bs-1), so freeing never shifts it; null blocks only ever form a
+    prefix of a table (pruning walks backward from the boundary and stops at a null).
+    """
+
+    spec: KVCacheSpec
+
+    def __init__(self, spec: KVCacheSpec, block_pool: BlockPool, group_id: int, enable_caching: bool) -> None:
+        self.spec = spec
+        self.block_size = spec.block_size
+        self.pool = block_pool
+        self.group_id = group_id
+        self.enable_caching = enable_caching
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.num_cached_blocks: dict[str, int] = {}
+        # Length of each table's null prefix, reported to the executor.
+        self.num_null_blocks: dict[str, int] = {}
+
+    # -- the hook -------------------------------------------------------------
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        return 0
+
+    # -- allocation -----------------------------------------------------------
+    def num_required_blocks(self, num_tokens: int) -> int:
+        return cdiv(num_tokens, self.block_size)
+
+    def get_num_blocks_to_allocate(
+        self, request_id: str, num_tokens: int, new_computed_blocks: list[KVCacheBlock]
+    ) -> int:
+        """Blocks the pool must give up: new ones, plus free hit blocks leaving the queue."""
+        held = len(self.req_to_blocks.get(request_id, ()))
+        num_new = max(0, self.num_required_blocks(num_tokens) - held - len(new_computed_blocks))
+        evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
+        return num_new + evictable
+
+    def save_new_computed_blocks(self, request_id: str, new_computed_blocks: list[KVCacheBlock]) -> None:
+        blocks = self.req_to_blocks.setdefault(request_id, [])
+        if new_computed_blocks:
+            assert not blocks, "prefix hits are only taken by requests that hold no blocks"
+            blocks.extend(new_computed_blocks)
+            nulls = 0
+            while nulls < len(blocks) and blocks[nulls].is_null:
+                nulls += 1
+            self.num_null_blocks[request_id] = nulls
+            self.num_cached_blocks[request_id] = len(blocks)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+        blocks = self.req_to_blocks.setdefault(request_id, [])
+        n = self.num_required_blocks(num_tokens) - len(blocks)
+        if n <= 0:
+            return []
+        new = self.pool.get_new_blocks(n)
+        blocks.extend(new)
+        return new
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Publish the request's full blocks below num_tokens as prefix-cache entries."""
+        rid = request.request_id
+        num_full = min(num_tokens // self.block_size, len(request.block_hashes))
+        start = self.num_cached_blocks.get(rid, 0)
+        if num_full <= start:
+            return
+        blocks = self.req_to_blocks[rid]
+        for i in range(start, num_full):
+            if not blocks[i].is_null:
+                self.pool.cache_block(blocks[i], request.block_hashes[i], self.group_id)
+        self.num_cached_blocks[rid] = num_full
+
+    # -- freeing ----------------------------------------------------------------
+    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int) -> None:
+        """Null out and free blocks wholly below the skipped boundary.
+
+        Walks backward from the boundary and stops at the first null block, so calling it
+        again (or with a smaller count) never frees twice.
+        """
+        num_skipped = self.get_num_skipped_tokens(processed_computed_tokens)
+        if num_skipped <= 0:
+            return
+        blocks = self.req_to_blocks.get(request_id)
+        if not blocks:
+            return
+        end = min(num_skipped // self.block_size, len(blocks))
+        start = self.num_null_blocks.get(request_id, 0)
+        if end <= start:
+            return
+        removed = []
+        null = self.pool.null_block
+        for i in range(end - 1, start - 1, -1):
+            block = blocks[i]
+            if block.is_null:
+                break
+            removed.append(block)
+            blocks[i] = null
+        self.pool.free_blocks(removed)
+        self.num_null_blocks[request_id] = end
+
+    def pop(self, request_id: str) -> list[KVCacheBlock]:
+        """Detach a request's table; return its real blocks tail first (for freeing)."""
+        blocks = self.req_to_blocks.pop(request_id, [])
+        self.num_cached_blocks.pop(request_id, None)
+        self.num_null_blocks.pop(request_id, None)
+        return [b for b in reversed(blocks) if not b.is_null]
+
+    # -- prefix cache -----------------------------------------------------------
+    def find_longest_cache_hit(self, block_hashes: list[int], max_length: int) -> list[KVCacheBlock]:
+        """Blocks (nulls allowed) covering the longest cached prefix of at most max_length tokens."""
+        raise NotImplementedError
+
+    def _lookup(self, block_hash: int) -> KVCacheBlock | None:
+        return self.pool.get_cached_block(block_hash, self.group_id)
+
+
+class FullAttentionManager(SingleTypeKVCacheManager):
+    def find_longest_cache_hit(self, block_hashes: list[int], max_length: int) -> list[KVCacheBlock]:
+        hit = []
+        for h in block_hashes[: max_length // self.block_size]:
+            block = self._lookup(h)
+            if block is None:
+                break
+            hit.append(block)
+        return hit
+
+
+class SlidingWindowManager(SingleTypeKVCacheManager):
+    spec: SlidingWindowSpec
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        # The next token, at position n, reads n-W+1 .. n.
+        return max(0, num_computed_tokens - self.spec.sliding_window + 1)
+
+    def find_longest_cache_hit(self, block_hashes: list[int], max_length: int) -> list[KVCacheBlock]:
+        """Scan right to left for cdiv(W-1, bs) contiguous cached blocks; nulls before them."""
+        need = cdiv(self.spec.sliding_window - 1, self.block_size)
+        num_blocks = min(max_length // self.block_size, len(block_hashes))
+        hit = [self.pool.null_block] * num_blocks
+        if need == 0:
+            return hit
+        run = 0
+        for i in range(num_blocks - 1, -1, -1):
+            block = self._lookup(block_hashes[i])
+            if block is None:
+                run = 0
+                continue
+            hit[i] = block
+            run += 1
+            if run == need:
+                return hit[: i + need]
+        # Reached position 0 with a shorter run: the window covers all of it.
+        return hit[:run]
+
+
+class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
+    spec: ChunkedLocalAttentionSpec
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        c = self.spec.attention_chunk_size
+        return (num_computed_tokens // c) * c
+
+    def find_longest_cache_hit(self, block_hashes: list[int], max_length: int) -> list[KVCacheBlock]:
+        """Whole chunks before the one holding max_length are nulls; scan the rest left to right."""
+        bs = self.block_size
+        num_blocks = min(max_length // bs, len(block_hashes))
+        first = self.get_num_skipped_tokens(max_length) // bs
+        first = min(first, num_blocks)
+        hit = [self.pool.null_block] * first
+        for i in range(first, num_blocks):
+            block = self._lookup(block_hashes[i])
+            if block is None:
+                break
+            hit.append(block)
+        return hit
+
+
+class MambaManager(SingleTypeKVCacheManager):
+    """A request holds 1 + num_speculative_blocks state blocks, whatever its length."""
+
+    spec: MambaSpec
+
+    def num_required_blocks(self, num_tokens: int) -> int:
+        return self.spec.num_state_blocks if num_tokens > 0 else 0
+
+    def find_longest_cache_hit(self, block_hashes: list[int], max_length: int) -> list[KVCacheBlock]:
+        return []  # states are not cached per prefix
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        return
+
+
+MANAGER_FOR_SPEC: dict[type, type[SingleTypeKVCacheManager]] = {
+    FullAttentionSpec: FullAttentionManager,
+    SlidingWindowSpec: SlidingWindowManager,
+    ChunkedLocalAttentionSpec: ChunkedLocalAttentionManager,
+    MambaSpec: MambaManager,
+}
+
+
+def make_manager(spec: KVCacheSpec, pool: BlockPool, group_id: int, enable_caching: bool) -> SingleTypeKVCacheManager:
+    return MANAGER_FOR_SPEC[type(spec)](spec, pool, group_id, enable_caching)

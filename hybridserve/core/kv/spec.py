@@ -1,0 +1,228 @@
+"""KV cache specs: what one layer stores per block, and how many blocks a request may hold.
+
+Every spec is a frozen dataclass, so equal layers compare (and hash) equal and fall into
+the same KV cache group. All groups share one block pool and one block size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+from hybridserve.core.errors import ConfigError
+
+DTYPE_BYTES: dict[str, int] = {
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "float8": 1,
+    "int8": 1,
+}
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def dtype_size(dtype: str) -> int:
+    try:
+        return DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ConfigError(f"unknown KV cache dtype {dtype!r}; use one of {sorted(DTYPE_BYTES)}") from None
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """Base of all specs. `block_size` tokens share one block id."""
+
+    block_size: int
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes one layer of this spec stores in one block."""
+        raise NotImplementedError
+
+    def max_admission_blocks_per_request(self, max_in_flight_tokens: int, max_model_len: int) -> int:
+        """Most blocks one request of this group can hold at once.
+
+        Admission control and startup sizing both call this, so the two never disagree.
+        """
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class AttentionSpec(KVCacheSpec):
+    num_kv_heads: int
+    head_size: int
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.num_kv_heads < 1 or self.head_size < 1:
+            raise ConfigError(f"num_kv_heads and head_size must be >= 1, got {self.num_kv_heads}, {self.head_size}")
+        dtype_size(self.dtype)
+
+    @property
+    def page_size_bytes(self) -> int:
+        # K and V for every token slot of the block.
+        return 2 * self.block_size * self.num_kv_heads * self.head_size * dtype_size(self.dtype)
+
+
+@dataclass(frozen=True)
+class FullAttentionSpec(AttentionSpec):
+    """Every token attends to every earlier token: nothing is ever out of window."""
+
+    def max_admission_blocks_per_request(self, max_in_flight_tokens: int, max_model_len: int) -> int:
+        return cdiv(max_model_len, self.block_size)
+
+
+@dataclass(frozen=True)
+class SlidingWindowSpec(AttentionSpec):
+    """Token n attends to n-W+1..n.
+
+    A request holds the W-1 processed tokens still in the window plus everything in
+    flight; the window may start mid-block, hence one extra block::
+
+        settled window (W-1) | in flight (max_in_flight_tokens)
+        [..|xxxx|xxxx|xxxx|xx..]   <- +1 block for the misaligned start
+    """
+
+    sliding_window: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.sliding_window < 1:
+            raise ConfigError(f"sliding_window must be >= 1, got {self.sliding_window}")
+
+    def max_admission_blocks_per_request(self, max_in_flight_tokens: int, max_model_len: int) -> int:
+        tokens = min(self.sliding_window - 1 + max_in_flight_tokens, max_model_len)
+        return cdiv(tokens, self.block_size) + 1
+
+
+@dataclass(frozen=True)
+class ChunkedLocalAttentionSpec(AttentionSpec):
+    """Token n attends to its own chunk: (n // C) * C .. n.
+
+    A request holds at most the current chunk (C tokens) plus everything in flight.
+    Chunks start on multiples of C, and C is a multiple of the block size in every
+    real model, so no extra block is needed for misalignment.
+    """
+
+    attention_chunk_size: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.attention_chunk_size < 1:
+            raise ConfigError(f"attention_chunk_size must be >= 1, got {self.attention_chunk_size}")
+
+    def max_admission_blocks_per_request(self, max_in_flight_tokens: int, max_model_len: int) -> int:
+        tokens = min(self.attention_chunk_size + max_in_flight_tokens, max_model_len)
+        return cdiv(tokens, self.block_size)
+
+
+@dataclass(frozen=True)
+class MambaSpec(KVCacheSpec):
+    """A state-space layer: one state per request (conv state and SSM state), not per token.
+
+    `num_speculative_blocks` extra state blocks hold the states after draft tokens, so a
+    rejected draft can fall back to the state after the last accepted token.
+    """
+
+    shapes: tuple[tuple[int, ...], ...] = ()
+    dtype: str = "float32"
+    num_speculative_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.num_speculative_blocks < 0:
+            raise ConfigError(f"num_speculative_blocks must be >= 0, got {self.num_speculative_blocks}")
+        dtype_size(self.dtype)
+
+    @property
+    def page_size_bytes(self) -> int:
+        return sum(prod(s) for s in self.shapes) * dtype_size(self.dtype)
+
+    @property
+    def num_state_blocks(self) -> int:
+        return 1 + self.num_speculative_blocks
+
+    def max_admission_blocks_per_request(self, max_in_flight_tokens: int, max_model_len: int) -> int:
+        return self.num_state_blocks
+
+
+@dataclass(frozen=True)
+class KVCacheGroup:
+    """Layers that share one spec and one block table per request."""
+
+    spec: KVCacheSpec
+    layer_names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """The pool (num_blocks, block 0 being the null block) and the groups drawing from it.
+
+    Block memory is shared across groups the way production engines do it: layer j of
+    every group uses slot tensor j, so one block id costs
+    `max(layers per group) * max(page size)` bytes, not the sum over all layers.
+    """
+
+    num_blocks: int
+    groups: tuple[KVCacheGroup, ...]
+
+    @property
+    def block_size(self) -> int:
+        return self.groups[0].spec.block_size
+
+    @property
+    def bytes_per_block(self) -> int:
+        return bytes_per_block(self.groups)
+
+    def min_num_blocks(self, max_in_flight_tokens: int, max_model_len: int) -> int:
+        """Smallest pool (null block included) that admits one max_model_len request."""
+        return 1 + blocks_per_request(self.groups, max_in_flight_tokens, max_model_len)
+
+    def max_concurrency(self, max_in_flight_tokens: int, max_model_len: int) -> float:
+        """How many max_model_len requests the pool admits at once."""
+        need = blocks_per_request(self.groups, max_in_flight_tokens, max_model_len)
+        return (self.num_blocks - 1) / need
+
+
+def bytes_per_block(groups: tuple[KVCacheGroup, ...] | list[KVCacheGroup]) -> int:
+    layers = max(len(g.layer_names) for g in groups)
+    return layers * max(g.spec.page_size_bytes for g in groups)
+
+
+def blocks_per_request(
+    groups: tuple[KVCacheGroup, ...] | list[KVCacheGroup], max_in_flight_tokens: int, max_model_len: int
+) -> int:
+    return sum(g.spec.max_admission_blocks_per_request(max_in_flight_tokens, max_model_len) for g in groups)
+
+
+def group_layers(layer_specs: dict[str, KVCacheSpec]) -> tuple[KVCacheGroup, ...]:
+    """Group layers by spec; split big groups so every group has the same number of layers.
+
+    Equal group sizes let layer j of every group share slot tensor j (see KVCacheConfig).
+    A 5:1 sliding/global model of 18 layers becomes 1 full + 5 sliding groups of 3 layers.
+    """
+    if not layer_specs:
+        raise ConfigError("a model needs at least one KV cache layer")
+    block_sizes = {s.block_size for s in layer_specs.values()}
+    if len(block_sizes) != 1:
+        raise ConfigError(f"all KV cache groups must share one block size, got {sorted(block_sizes)}")
+    by_spec: dict[KVCacheSpec, list[str]] = {}
+    for name, spec in layer_specs.items():
+        by_spec.setdefault(spec, []).append(name)
+    size = min(len(v) for v in by_spec.values())
+    # Only split when every group divides evenly; otherwise keep one group per spec.
+    if any(len(v) % size for v in by_spec.values()):
+        return tuple(KVCacheGroup(s, tuple(v)) for s, v in by_spec.items())
+    groups: list[KVCacheGroup] = []
+    for spec, names in by_spec.items():
+        for i in range(0, len(names), size):
+            groups.append(KVCacheGroup(spec, tuple(names[i : i + size])))
+    return tuple(groups)

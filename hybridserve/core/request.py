@@ -1,0 +1,170 @@
+"""A request as the scheduler sees it: tokens, counters, status and block hashes.
+
+Token line of a request with async scheduling and one decode step in flight::
+
+    prompt ......... | outputs ... | placeholder
+    0                P             num_tokens    num_tokens + num_output_placeholders
+    |<-------- num_computed_tokens (optimistic) ------->|
+    |<- processed ->|<------ num_in_flight_tokens ----->|
+
+`num_computed_tokens` counts tokens whose KV is computed *or scheduled*; the processed
+count, `num_computed_tokens - num_in_flight_tokens`, is what freeing may trust.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from hybridserve.core.errors import RequestError
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    WAITING_FOR_REMOTE_KVS = 1
+    RUNNING = 2
+    PREEMPTED = 3
+    # Everything from here on is finished.
+    FINISHED_STOPPED = 10
+    FINISHED_LENGTH_CAPPED = 11
+    FINISHED_ABORTED = 12
+    FINISHED_ERROR = 13
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens. The scheduler reads max_tokens, stops and ignore_eos; the
+    executor reads the rest."""
+
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    logprobs: int | None = None
+    min_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise RequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise RequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise RequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise RequestError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise RequestError(f"logprobs must be >= 0, got {self.logprobs}")
+        self.stop_token_ids = tuple(self.stop_token_ids)
+
+
+BlockHasher = Callable[["Request"], list[int]]
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    eos_token_id: int | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0
+    cache_salt: str | None = None
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_in_flight_tokens: int = 0
+    num_output_placeholders: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until then
+    num_external_computed_tokens: int = 0
+    block_hashes: list[int] = field(default_factory=list)
+    stop_reason: int | str | None = None
+    # Set by the scheduler: a whole-request free is fenced behind this step.
+    last_scheduled_step: int = -1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise RequestError("request_id must be a non-empty string")
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        if not self.prompt_token_ids:
+            raise RequestError(f"request {self.request_id}: the prompt is empty")
+        self._block_hasher: BlockHasher | None = None
+
+    # -- tokens ---------------------------------------------------------------
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Known tokens: prompt plus sampled outputs (placeholders excluded)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without copying the whole sequence."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling_params.max_tokens
+
+    @property
+    def num_processed_tokens(self) -> int:
+        """Tokens whose step output has been processed: the settled basis for freeing."""
+        return max(0, self.num_computed_tokens - self.num_in_flight_tokens)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        self.output_token_ids.extend(token_ids)
+        self.update_block_hashes()
+
+    # -- block hashes -----------------------------------------------------------
+    def set_block_hasher(self, hasher: BlockHasher) -> None:
+        self._block_hasher = hasher
+        self.update_block_hashes()
+
+    def update_block_hashes(self) -> None:
+        if self._block_hasher is not None:
+            self.block_hashes.extend(self._block_hasher(self))

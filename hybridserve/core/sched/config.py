@@ -1,0 +1,60 @@
+"""Scheduler settings, validated once, with the in-flight allowance derived in one place."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridserve.core.errors import ConfigError
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    max_model_len: int = 8192
+    # Prefill chunks of one request are capped at this many tokens (0: no cap).
+    long_prefill_token_threshold: int = 0
+    policy: str = "fcfs"  # or "priority"
+    async_scheduling: bool = True
+    pipeline_parallel_size: int = 1
+    # None: derived (pipeline size, or 2 for async on one stage, else 1).
+    max_concurrent_batches: int | None = None
+    # None: derived as max_concurrent_batches * max_num_batched_tokens.
+    max_in_flight_tokens_override: int | None = None
+    num_speculative_tokens: int = 0
+    enable_prefix_caching: bool = True
+    # Admit a waiting request only if its whole sequence (prompt + max_tokens) fits now.
+    full_sequence_must_fit: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "pipeline_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.policy not in ("fcfs", "priority"):
+            raise ConfigError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.num_speculative_tokens < 0:
+            raise ConfigError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
+        if self.long_prefill_token_threshold < 0:
+            raise ConfigError("long_prefill_token_threshold must be >= 0")
+        if self.max_concurrent_batches is not None and self.max_concurrent_batches < 1:
+            raise ConfigError(f"max_concurrent_batches must be >= 1, got {self.max_concurrent_batches}")
+        if self.num_speculative_tokens + 1 > self.max_num_batched_tokens:
+            raise ConfigError(
+                f"max_num_batched_tokens must be >= num_speculative_tokens + 1 = {self.num_speculative_tokens + 1}"
+            )
+
+    @property
+    def num_concurrent_batches(self) -> int:
+        """Steps that may be in flight at once."""
+        if self.max_concurrent_batches is not None:
+            return self.max_concurrent_batches
+        if self.pipeline_parallel_size > 1:
+            return self.pipeline_parallel_size
+        return 2 if self.async_scheduling else 1
+
+    @property
+    def max_in_flight_tokens(self) -> int:
+        """Most tokens of one request that can be scheduled but not yet processed."""
+        if self.max_in_flight_tokens_override is not None:
+            return self.max_in_flight_tokens_override
+        return self.num_concurrent_batches * self.max_num_batched_tokens

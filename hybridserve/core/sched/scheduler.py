@@ -1,0 +1,427 @@
+"""Continuous-batching scheduler that stays correct while steps are in flight.
+
+Per step: running requests first (chunked prefills, decodes with draft slots), then
+waiting ones (prefix hits, connector hits), one token budget. `schedule()` advances
+counts optimistically; `update_from_output()` settles them. Counters per request::
+
+    schedule():            num_computed_tokens += n   num_in_flight_tokens += n
+                           (sampling step) num_output_placeholders += 1 + drafts
+    update_from_output():  num_in_flight_tokens -= n  (always, first)
+                           num_computed_tokens -= rejected drafts
+                           num_output_placeholders -= 1 + drafts
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hybridserve.core.connector.base import KVConnectorBase
+from hybridserve.core.errors import RequestError
+from hybridserve.core.kv.manager import KVCacheManager
+from hybridserve.core.kv.managers import FullAttentionManager
+from hybridserve.core.kv.spec import KVCacheConfig
+from hybridserve.core.request import Request, RequestStatus
+from hybridserve.core.sched.config import SchedulerConfig
+from hybridserve.core.sched.output import (
+    ModelRunnerOutput,
+    NewRequestData,
+    RequestOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from hybridserve.core.sched.queues import make_queue
+from hybridserve.core.sched.stats import SchedulerStats, check_stop
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_config: KVCacheConfig,
+        connector: KVConnectorBase | None = None,
+        unsafe_optimistic_free: bool = False,
+    ) -> None:
+        self.config = config
+        self.kv = KVCacheManager(
+            kv_cache_config,
+            max_model_len=config.max_model_len,
+            max_in_flight_tokens=config.max_in_flight_tokens,
+            enable_caching=config.enable_prefix_caching,
+            unsafe_optimistic_free=unsafe_optimistic_free,
+        )
+        self.connector = connector
+        self.requests: dict[str, Request] = {}
+        self.waiting = make_queue(config.policy)
+        self.running: list[Request] = []
+        self.next_step_id = 0
+        # step id -> [(request, its num_preemptions when scheduled)]
+        self.in_flight: dict[int, list[tuple[Request, int]]] = {}
+        self.finished_req_ids: set[str] = set()
+        self.preempted_req_ids: set[str] = set()
+        self.finished_recving: set[str] = set()
+        self.awaiting_store: dict[str, Request] = {}
+        self.aborted_loading: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+
+    @property
+    def kv_cache_manager(self) -> KVCacheManager:
+        return self.kv
+
+    # -- requests --------------------------------------------------------------
+    def add_request(self, request: Request) -> RequestOutput | None:
+        """Queue a request. Returns a finished output at once if it can never run."""
+        if request.request_id in self.requests:
+            raise RequestError(f"duplicate request id {request.request_id!r}")
+        limit = self.config.max_model_len
+        if request.num_prompt_tokens >= limit:
+            status = RequestStatus.FINISHED_ERROR if request.num_prompt_tokens > limit else RequestStatus.FINISHED_LENGTH_CAPPED
+            request.status = status
+            return RequestOutput(request.request_id, [], True, status.finish_reason)
+        self.kv.init_request(request)
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+        return None
+
+    def abort_requests(self, request_ids: str | list[str]) -> None:
+        """Abort known requests; unknown (or already finished) ids are ignored."""
+        ids = [request_ids] if isinstance(request_ids, str) else request_ids
+        aborted = False
+        for rid in ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                aborted = True
+            else:
+                self.waiting.remove(req)
+            loading = req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and rid not in self.finished_recving
+            req.status = RequestStatus.FINISHED_ABORTED
+            if loading:
+                # A load is still writing into its blocks: free them when it reports done.
+                del self.requests[rid]
+                self.finished_req_ids.add(rid)
+                self.aborted_loading[rid] = req
+            else:
+                self.finished_recving.discard(rid)
+                self._free_request(req)
+        if aborted:
+            self.running = [r for r in self.running if not r.is_finished]
+
+    def has_unfinished_requests(self) -> bool:
+        """Requests to run, or finished ones whose blocks wait on a connector store/load."""
+        return bool(self.requests or self.awaiting_store or self.aborted_loading)
+
+    @property
+    def num_in_flight_steps(self) -> int:
+        return len(self.in_flight)
+
+    # -- schedule ------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        budget = cfg.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        scheduled_reqs: list[Request] = []
+        preempted_now = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            sr = self._plan_running(req, budget)
+            if sr is None:
+                i += 1
+                continue
+            n = sr.num_scheduled_tokens
+            while True:
+                new_blocks = self.kv.allocate_slots(req, n)
+                if new_blocks is not None:
+                    break
+                victim = self._pick_victim(req)
+                preempted_now = True
+                vi = self.running.index(victim)
+                self._preempt(victim)
+                if victim is req:
+                    break
+                if victim in scheduled_reqs:
+                    j = scheduled_reqs.index(victim)
+                    budget += scheduled[j].num_scheduled_tokens
+                    del scheduled[j], scheduled_reqs[j]
+                if vi < i:
+                    i -= 1
+            if req.status != RequestStatus.RUNNING:
+                continue  # preempted itself; running shrank, i now points at the next one
+            sr.new_block_ids = tuple([b.block_id for b in g] for g in new_blocks)
+            sr.num_null_blocks = self.kv.get_num_null_blocks(req.request_id)
+            scheduled.append(sr)
+            scheduled_reqs.append(req)
+            budget -= n
+            i += 1
+
+        if not preempted_now:
+            budget = self._schedule_waiting(budget, scheduled, scheduled_reqs)
+
+        out = SchedulerOutput(
+            step_id=self.next_step_id,
+            requests=scheduled,
+            total_num_scheduled_tokens=cfg.max_num_batched_tokens - budget,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids=self.preempted_req_ids,
+        )
+        self.finished_req_ids, self.preempted_req_ids = set(), set()
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
+        self._update_after_schedule(out, scheduled_reqs)
+        return out
+
+    def _plan_running(self, req: Request, budget: int) -> ScheduledRequest | None:
+        """How many tokens (and drafts) a running request gets, or None to skip it."""
+        cfg = self.config
+        if req.num_in_flight_tokens and not cfg.async_scheduling:
+            return None  # pipeline-parallel without async: wait for its outputs
+        known = req.num_tokens + req.num_output_placeholders
+        n = known - req.num_computed_tokens
+        n = min(n, budget, cfg.max_model_len - 1 - req.num_computed_tokens)
+        if cfg.long_prefill_token_threshold:
+            n = min(n, cfg.long_prefill_token_threshold)
+        if n <= 0:
+            return None
+        samples = req.num_computed_tokens + n >= known
+        drafts = 0
+        if samples:
+            allowed = req.max_tokens - req.num_output_tokens - req.num_output_placeholders
+            if allowed <= 0:
+                return None  # enough outputs already in flight
+            if n == 1 and cfg.num_speculative_tokens:
+                drafts = min(
+                    cfg.num_speculative_tokens,
+                    allowed - 1,
+                    budget - 1,
+                    cfg.max_model_len - 2 - req.num_computed_tokens,
+                )
+                drafts = max(drafts, 0)
+        return ScheduledRequest(req.request_id, req.num_computed_tokens, n + drafts, drafts, (), (), samples)
+
+    def _schedule_waiting(
+        self, budget: int, scheduled: list[ScheduledRequest], scheduled_reqs: list[Request]
+    ) -> int:
+        cfg = self.config
+        skipped: list[Request] = []
+        while len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            req = self.waiting.peek()
+            if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                if req.request_id not in self.finished_recving:
+                    skipped.append(self.waiting.pop())
+                    continue
+                self._finish_remote_load(req)
+            if req.num_in_flight_tokens:
+                # Steps from before a preemption are still out: resume after they return.
+                skipped.append(self.waiting.pop())
+                continue
+            hits, num_hit, num_external, load_async = self.kv.coordinator.empty(), 0, 0, False
+            if not self.kv.holds_blocks(req.request_id):  # not resuming after a (failed) load
+                hits, num_hit = self.kv.get_computed_blocks(req)
+                if self.connector is not None:
+                    num_external, load_async = self.connector.get_num_new_matched_tokens(req, num_hit)
+            num_computed = req.num_computed_tokens + num_hit + num_external
+            if load_async:
+                n = 0
+            else:
+                n = min(req.num_tokens - num_computed, budget, cfg.max_model_len - 1 - num_computed)
+                if cfg.long_prefill_token_threshold:
+                    n = min(n, cfg.long_prefill_token_threshold)
+                if n <= 0:
+                    break
+            new_blocks = self.kv.allocate_slots(
+                req,
+                n,
+                num_new_computed_tokens=num_hit,
+                new_computed_blocks=hits,
+                num_external_computed_tokens=num_external,
+                delay_cache_blocks=load_async,
+                full_sequence_must_fit=cfg.full_sequence_must_fit,
+            )
+            if new_blocks is None:
+                break
+            self.waiting.pop()
+            if self.connector is not None:
+                self.connector.update_state_after_alloc(req, self.kv.get_block_ids(req.request_id), num_external)
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            if load_async:
+                req.num_computed_tokens = num_hit
+                req.num_external_computed_tokens = num_external
+                req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                skipped.append(req)
+                continue
+            req.num_computed_tokens = num_computed
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            block_ids = self.kv.get_block_ids(req.request_id)
+            new = NewRequestData(
+                req.request_id, req.prompt_token_ids, req.sampling_params, req.all_token_ids, req.eos_token_id
+            )
+            samples = num_computed + n >= req.num_tokens
+            sr = ScheduledRequest(
+                req.request_id, num_computed, n, 0, block_ids, self.kv.get_num_null_blocks(req.request_id), samples, new
+            )
+            scheduled.append(sr)
+            scheduled_reqs.append(req)
+            budget -= n
+        if skipped:
+            self.waiting.prepend(skipped)
+        return budget
+
+    def _finish_remote_load(self, req: Request) -> None:
+        self.finished_recving.discard(req.request_id)
+        req.num_computed_tokens += req.num_external_computed_tokens
+        req.num_external_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        self.kv.cache_blocks(req, req.num_computed_tokens)
+
+    def _update_after_schedule(self, out: SchedulerOutput, reqs: list[Request]) -> None:
+        step = out.step_id
+        for sr, req in zip(out.requests, reqs):
+            n = sr.num_scheduled_tokens
+            req.num_computed_tokens += n
+            req.num_in_flight_tokens += n
+            if sr.samples:
+                req.num_output_placeholders += 1 + sr.num_draft_tokens
+            req.last_scheduled_step = step
+        self.in_flight[step] = [(r, r.num_preemptions) for r in reqs]
+        self.next_step_id += 1
+        self.stats.num_steps += 1
+
+    def _pick_victim(self, req: Request) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute later. num_in_flight_tokens is kept: it drains as old steps return."""
+        self.running.remove(req)
+        self.kv.free(req, fence_step=req.last_scheduled_step)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_output_placeholders = 0
+        req.spec_token_ids = []
+        req.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.preempted_req_ids.add(req.request_id)
+        self.waiting.prepend([req])
+
+    # -- update ----------------------------------------------------------------
+    def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
+        step = scheduler_output.step_id
+        if step not in self.in_flight:
+            raise RequestError(f"output for step {step}, which is not in flight")
+        index = {rid: k for k, rid in enumerate(runner_output.req_ids)}
+        if len(index) > len(scheduler_output.requests) or not index.keys() <= {
+            r.request_id for r in scheduler_output.requests
+        }:
+            unknown = sorted(set(index) - {r.request_id for r in scheduler_output.requests})
+            raise RequestError(f"output of step {step} names requests it did not schedule: {unknown[:5]}")
+        entries = self.in_flight.pop(step)
+        outputs: list[RequestOutput] = []
+        any_finished = False
+        for sr, (req, epoch) in zip(scheduler_output.requests, entries):
+            req.num_in_flight_tokens -= sr.num_scheduled_tokens  # first, whatever happened since
+            if req.is_finished:
+                continue
+            k = index.get(sr.request_id)
+            sampled = runner_output.sampled_token_ids[k] if k is not None else []
+            if epoch == req.num_preemptions and sr.samples:
+                rejected = sr.num_draft_tokens + 1 - len(sampled) if sampled else 0
+                req.num_computed_tokens -= rejected
+                req.num_output_placeholders -= 1 + sr.num_draft_tokens
+                self.stats.record_spec(sr.num_draft_tokens, len(sampled) - 1 if sampled else 0)
+            if not sampled:
+                continue
+            new_tokens: list[int] = []
+            status = None
+            for t in sampled:
+                req.output_token_ids.append(t)
+                new_tokens.append(t)
+                status = check_stop(req, t, self.config.max_model_len)
+                if status is not None:
+                    break
+            req.update_block_hashes()
+            self.stats.num_generated_tokens += len(new_tokens)
+            logprobs = runner_output.logprobs.get(sr.request_id)
+            if status is not None:
+                any_finished = True
+                if req.status != RequestStatus.RUNNING:
+                    self.waiting.remove(req)  # finished by a step from before its preemption
+                req.status = status
+                self._free_request(req)
+            outputs.append(
+                RequestOutput(sr.request_id, new_tokens, req.is_finished, req.status.finish_reason, req.stop_reason, logprobs, max(req.num_cached_tokens, 0))
+            )
+        if any_finished:
+            self.running = [r for r in self.running if not r.is_finished]
+        if runner_output.kv_connector_output is not None:
+            self._update_connector(runner_output.kv_connector_output)
+        self.kv.step_processed(step)
+        return outputs
+
+    def _update_connector(self, kco: Any) -> None:
+        self.finished_recving |= kco.finished_recving
+        for rid in kco.finished_recving & self.aborted_loading.keys():
+            self.finished_recving.discard(rid)
+            self.kv.free(self.aborted_loading.pop(rid))
+        for rid in kco.finished_sending:
+            req = self.awaiting_store.pop(rid, None)
+            if req is not None:
+                self.kv.free(req, fence_step=req.last_scheduled_step)
+        if kco.invalid_block_ids:
+            self._handle_failed_loads(kco.invalid_block_ids)
+
+    def _handle_failed_loads(self, invalid: set[int]) -> None:
+        """Rewind requests whose loaded blocks failed to the last prefix every group can serve.
+
+        Full attention can resume at the first failed block. A windowed group only had the
+        blocks before the load's end loaded, so a shorter prefix would read unloaded
+        blocks: with such a group, the request resumes at its local prefix-cache hit.
+        """
+        bs = self.kv.block_size
+        windowed = any(not isinstance(m, FullAttentionManager) for m in self.kv.coordinator.managers)
+        for req in list(self.waiting):
+            if req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+                continue
+            loaded_end = req.num_computed_tokens + req.num_external_computed_tokens
+            valid = loaded_end
+            for table in self.kv.get_block_ids(req.request_id):
+                for pos, bid in enumerate(table):
+                    if bid in invalid:
+                        valid = min(valid, pos * bs)
+                        break
+            if valid >= loaded_end:
+                continue
+            self.stats.num_failed_loads += 1
+            if windowed:
+                valid = req.num_computed_tokens
+            req.num_external_computed_tokens = max(0, valid - req.num_computed_tokens)
+            req.num_computed_tokens = min(req.num_computed_tokens, valid)
+
+    def _free_request(self, req: Request) -> None:
+        del self.requests[req.request_id]
+        self.finished_req_ids.add(req.request_id)
+        if self.connector is not None:
+            delay, _ = self._connector_finished(req)
+            if delay:
+                self.awaiting_store[req.request_id] = req
+                return
+        self.kv.free(req, fence_step=req.last_scheduled_step)
+
+    def _connector_finished(self, req: Request) -> tuple[bool, Any]:
+        """Hand the connector the table pruned on the processed basis, never the optimistic one."""
+        basis = req.num_computed_tokens if self.kv.unsafe_optimistic_free else req.num_processed_tokens
+        self.kv.remove_skipped_blocks(req.request_id, basis)
+        assert self.connector is not None
+        return self.connector.request_finished(req, self.kv.get_block_ids(req.request_id))
+
+    def make_stats(self) -> SchedulerStats:
+        self.stats.num_running = len(self.running)
+        self.stats.num_waiting = len(self.waiting)
+        self.stats.kv_usage = self.kv.usage
+        self.stats.prefix_cache_hit_rate = self.kv.prefix_cache_stats.hit_rate
+        return self.stats

@@ -1,0 +1,53 @@
+"""Scheduler statistics and the stop check."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hybridserve.core.request import Request, RequestStatus
+
+
+@dataclass
+class SchedulerStats:
+    num_steps: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    num_preemptions: int = 0
+    num_generated_tokens: int = 0
+    num_failed_loads: int = 0
+    kv_usage: float = 0.0
+    group_kv_usage: list[float] = field(default_factory=list)
+    prefix_cache_hit_rate: float = 0.0
+    # Speculative decoding: drafts scheduled, drafts accepted, verification steps.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_spec_steps: int = 0
+
+    def record_spec(self, num_drafts: int, num_accepted: int) -> None:
+        if num_drafts:
+            self.num_spec_steps += 1
+            self.num_draft_tokens += num_drafts
+            self.num_accepted_tokens += min(num_accepted, num_drafts)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens produced per verification step (accepted drafts + the bonus token)."""
+        return 1 + self.num_accepted_tokens / self.num_spec_steps if self.num_spec_steps else 0.0
+
+
+def check_stop(req: Request, token: int, max_model_len: int) -> RequestStatus | None:
+    """Status the request finishes with after appending `token`, or None to go on."""
+    sp = req.sampling_params
+    if req.num_output_tokens >= sp.min_tokens:
+        if token in sp.stop_token_ids:
+            req.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if not sp.ignore_eos and token == req.eos_token_id:
+            return RequestStatus.FINISHED_STOPPED
+    if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH_CAPPED
+    return None

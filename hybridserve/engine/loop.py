@@ -1,0 +1,76 @@
+"""The engine loop: keep up to `max_concurrent_batches` steps in flight, for any executor.
+
+    schedule N+1 -> execute N+1 -> wait N -> update_from_output N -> schedule N+2 ...
+
+Sync scheduling is the same loop with one step in flight.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+from hybridserve.core.errors import HybridServeError
+from hybridserve.core.request import Request
+from hybridserve.core.sched.output import RequestOutput, SchedulerOutput
+from hybridserve.core.sched.scheduler import Scheduler
+from hybridserve.engine.executor import Executor
+
+
+class EngineStuckError(HybridServeError, RuntimeError):
+    """Requests remain but none can make progress."""
+
+
+class EngineCore:
+    def __init__(self, scheduler: Scheduler, executor: Executor, initialize: bool = True) -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+        self.max_concurrent_batches = scheduler.config.num_concurrent_batches
+        self.queue: deque[tuple[SchedulerOutput, Any]] = deque()
+        if initialize:
+            executor.initialize(scheduler.kv.config)
+        executor.observe_block_pool(scheduler.kv.pool)
+
+    def add_request(self, request: Request) -> RequestOutput | None:
+        """Queue a request; a request that can never run comes back finished at once."""
+        return self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.abort_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self.queue)
+
+    def step(self) -> tuple[SchedulerOutput | None, list[RequestOutput]]:
+        """Dispatch until the queue is full (or nothing more is schedulable), then
+        process the oldest step. Returns that step and its per-request outputs."""
+        while len(self.queue) < self.max_concurrent_batches and self.scheduler.has_unfinished_requests():
+            out = self.scheduler.schedule()
+            # An empty step still goes out: it carries finished ids and polls connector loads.
+            self.queue.append((out, self.executor.execute(out)))
+            if out.is_empty():
+                break
+        if not self.queue:
+            return None, []
+        out, handle = self.queue.popleft()
+        runner_output = self.executor.wait(handle)
+        return out, self.scheduler.update_from_output(out, runner_output)
+
+    def run(self) -> dict[str, list[int]]:
+        """Run every queued request to completion; return output token ids per request."""
+        tokens: dict[str, list[int]] = {}
+        idle = 0
+        while self.has_unfinished_requests():
+            out, outputs = self.step()
+            idle = idle + 1 if out is None or out.is_empty() else 0
+            if idle > 100_000:
+                raise EngineStuckError("no request could be scheduled for 100000 steps")
+            for o in outputs:
+                tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+        return tokens
+
+    def shutdown(self) -> None:
+        while self.queue:
+            out, handle = self.queue.popleft()
+            self.executor.wait(handle)
+        self.executor.shutdown()

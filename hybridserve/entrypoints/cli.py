@@ -1,0 +1,43 @@
+"""`hybridserve`: one argparse app; each subcommand lives in its own module.
+
+Errors a user can cause print one line and exit 2; never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Sequence
+
+from hybridserve import __version__
+
+# subcommand -> module with add_parser(subparsers) and run(args) -> int
+COMMANDS = {
+    "simulate": "hybridserve.entrypoints.simulate",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hybridserve",
+        description="LLM serving engine for hybrid-attention models.",
+    )
+    parser.add_argument("--version", action="version", version=f"hybridserve {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, module in COMMANDS.items():
+        importlib.import_module(module).add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return int(importlib.import_module(COMMANDS[args.command]).run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""Shared helpers for simulator tests: build an engine, run a workload, compute references."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hybridserve.core.kv.spec import KVCacheSpec
+from hybridserve.core.request import Request, SamplingParams
+from hybridserve.engine.loop import EngineCore
+from hybridserve.executor.sim.connector import SimOffloadConnector
+from hybridserve.executor.sim.executor import ROOT_FP, SimExecutor, extend_fp
+from hybridserve.testing import make_kv_cache_config, make_scheduler
+
+VOCAB = 32_000
+
+
+def reference_output(prompt: list[int], max_tokens: int, max_model_len: int) -> list[int]:
+    """What a request produces alone, synchronously: the fingerprint chain's tokens."""
+    fp = ROOT_FP
+    for t in prompt:
+        fp = extend_fp(fp, t)
+    out = []
+    while len(out) < max_tokens and len(prompt) + len(out) < max_model_len:
+        t = fp % VOCAB
+        out.append(t)
+        fp = extend_fp(fp, t)
+    return out
+
+
+@dataclass
+class SimRun:
+    outputs: dict[str, list[int]]
+    violations: list
+    num_free_blocks: int
+    num_blocks: int
+    scheduler: object
+    connector: object = None
+    finish_reasons: dict[str, str] = field(default_factory=dict)
+
+
+def run_sim(
+    specs: list[KVCacheSpec],
+    requests: list[tuple[int, Request]],
+    num_blocks: int,
+    aborts: dict[int, list[str]] | None = None,
+    async_scheduling: bool = True,
+    concurrent_batches: int | None = None,
+    num_speculative_tokens: int = 0,
+    acceptance_rate: float = 0.7,
+    connector: bool = False,
+    failure_rate: float = 0.0,
+    unsafe: bool = False,
+    strict: bool = True,
+    seed: int = 0,
+    **sched_kw: object,
+) -> SimRun:
+    """Run (arrival_step, request) pairs through scheduler + SimExecutor with the detector on."""
+    kw = dict(sched_kw)
+    block_size = specs[0].block_size
+    if concurrent_batches is not None:
+        kw["max_concurrent_batches"] = concurrent_batches
+    conn = (
+        SimOffloadConnector(make_kv_cache_config(num_blocks, specs, block_size), failure_rate=failure_rate, seed=seed)
+        if connector
+        else None
+    )
+    sched = make_scheduler(
+        block_size=block_size,
+        num_blocks=num_blocks,
+        kv_specs=specs,
+        async_scheduling=async_scheduling,
+        num_speculative_tokens=num_speculative_tokens,
+        connector=conn,
+        unsafe_optimistic_free=unsafe,
+        **kw,
+    )
+    ex = SimExecutor(
+        vocab_size=VOCAB,
+        num_speculative_tokens=num_speculative_tokens,
+        acceptance_rate=acceptance_rate,
+        seed=seed,
+        strict=strict,
+        connector=conn,
+    )
+    engine = EngineCore(sched, ex)
+    pending = sorted(requests, key=lambda x: x[0])
+    aborts = aborts or {}
+    outputs: dict[str, list[int]] = {r.request_id: [] for _, r in requests}
+    reasons: dict[str, str] = {}
+    step = 0
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][0] <= step:
+            _, req = pending.pop(0)
+            done = engine.add_request(req)
+            if done is not None:
+                reasons[req.request_id] = done.finish_reason or ""
+        if step in aborts:
+            engine.abort_requests(aborts[step])
+        _, outs = engine.step()
+        for o in outs:
+            outputs[o.request_id].extend(o.new_token_ids)
+            if o.finished:
+                reasons[o.request_id] = o.finish_reason or ""
+        step += 1
+        if step > 50_000:
+            raise RuntimeError("simulation did not finish")
+    return SimRun(outputs, ex.violations, sched.kv.pool.num_free_blocks, num_blocks, sched, conn, reasons)
+
+
+def make_request(rid: str, prompt: list[int], max_tokens: int) -> Request:
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))

@@ -80,5 +80,14 @@ class KVCacheCoordinator:
             total += min(m.num_required_blocks(num_tokens), cap)
         return total
 
+    def slack(self, request_id: str) -> tuple[float, float, float]:
+        """(tokens with slots, processed count that frees a block, tokens that cache a block)."""
+        ms = self.managers
+        return (
+            min(m.num_covered_tokens(request_id) for m in ms),
+            min(m.next_free_basis(request_id) for m in ms),
+            min(m.next_cache_tokens(request_id) for m in ms),
+        )
+
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         return tuple([b.block_id for b in m.req_to_blocks.get(request_id, ())] for m in self.managers)

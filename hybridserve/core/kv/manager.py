@@ -58,6 +58,11 @@ class KVCacheManager:
         # (fence step, blocks tail first): freed once every step up to the fence is processed.
         self.fenced: deque[tuple[int, list[KVCacheBlock]]] = deque()
         self.last_processed_step = -1
+        self.no_new_blocks: BlocksPerGroup = [[] for _ in kv_cache_config.groups]
+        # Per request: (tokens with slots, processed count that frees a block, token count
+        # that caches a block). Below all three, allocate_slots has nothing to do.
+        self._slack: dict[str, tuple[float, float, float]] = {}
+        self._nulls: dict[str, tuple[int, ...]] = {}
 
     @property
     def num_groups(self) -> int:
@@ -106,41 +111,93 @@ class KVCacheManager:
         changes nothing beyond freeing out-of-window blocks on the processed basis.
         """
         rid = request.request_id
-        hits = new_computed_blocks if new_computed_blocks is not None else self.coordinator.empty()
-        total_computed = min(
-            request.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens,
-            self.max_model_len,
+        mml = self.max_model_len
+        total_computed = request.num_computed_tokens + num_new_computed_tokens + num_external_computed_tokens
+        if total_computed > mml:
+            total_computed = mml
+        num_tokens_need_slot = total_computed + num_new_tokens + num_lookahead_tokens
+        if num_tokens_need_slot > mml:
+            num_tokens_need_slot = mml
+        if self.unsafe_optimistic_free:
+            basis = total_computed
+        else:
+            basis = total_computed - request.num_in_flight_tokens
+            if basis < 0:
+                basis = 0
+
+        slack = self._slack.get(rid)
+        if slack is not None and new_computed_blocks is None and num_tokens_need_slot <= slack[0] and basis < slack[1]:
+            # Nothing to free or allocate; caching is due only when a block filled up.
+            cacheable = len(request.prompt_token_ids) + len(request.output_token_ids)
+            if total_computed + num_new_tokens < cacheable:
+                cacheable = total_computed + num_new_tokens
+            if delay_cache_blocks or cacheable < slack[2]:
+                return self.no_new_blocks
+        self._slack.pop(rid, None)
+        result = self._allocate_slots(
+            request, total_computed, num_new_tokens, num_tokens_need_slot, basis, new_computed_blocks,
+            delay_cache_blocks, full_sequence_must_fit,
         )
-        num_tokens_need_slot = min(total_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
+        if result is not None:
+            self._slack[rid] = self.coordinator.slack(rid)
+            self._nulls[rid] = tuple([m.num_null_blocks.get(rid, 0) for m in self.coordinator.managers])
+        return result
 
-        basis = total_computed if self.unsafe_optimistic_free else max(0, total_computed - request.num_in_flight_tokens)
-        self.coordinator.remove_skipped_blocks(rid, basis)
+    def _allocate_slots(
+        self,
+        request: Request,
+        total_computed: int,
+        num_new_tokens: int,
+        num_tokens_need_slot: int,
+        basis: int,
+        new_computed_blocks: BlocksPerGroup | None,
+        delay_cache_blocks: bool,
+        full_sequence_must_fit: bool,
+    ) -> BlocksPerGroup | None:
+        rid = request.request_id
+        managers = self.coordinator.managers
+        for m in managers:
+            m.remove_skipped_blocks(rid, basis)
 
-        num_needed = self.coordinator.get_num_blocks_to_allocate(rid, num_tokens_need_slot, hits)
+        hits = new_computed_blocks
+        num_needed = 0
+        if hits is None:  # a running request: the common, cheap path
+            for m in managers:
+                num_needed += m.get_num_blocks_to_allocate(rid, num_tokens_need_slot, ())
+        else:
+            for m, group_hits in zip(managers, hits):
+                num_needed += m.get_num_blocks_to_allocate(rid, num_tokens_need_slot, group_hits)
         num_free = self.pool.num_free_blocks
         if num_needed > num_free:
             return None
         if full_sequence_must_fit:
             n = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
             peak = self.coordinator.full_sequence_blocks(n, self.max_in_flight_tokens, self.max_model_len)
-            shared_hits = sum(1 for g in hits for b in g if b.ref_cnt > 0 and not b.is_null)
+            shared_hits = sum(1 for g in hits or () for b in g if b.ref_cnt > 0 and not b.is_null)
             if peak - shared_hits > num_free:
                 return None
 
-        for group_hits in hits:
-            self.pool.touch(group_hits)
-        self.coordinator.save_new_computed_blocks(rid, hits)
-        new_blocks = self.coordinator.allocate_new_blocks(rid, num_tokens_need_slot)
+        if hits is not None:
+            for group_hits in hits:
+                self.pool.touch(group_hits)
+            self.coordinator.save_new_computed_blocks(rid, hits)
+        new_blocks = self.coordinator.allocate_new_blocks(rid, num_tokens_need_slot) if num_needed else self.no_new_blocks
         if self.enable_caching and not delay_cache_blocks:
             self.coordinator.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
         return new_blocks
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int) -> None:
+        self._forget(request_id)
         self.coordinator.remove_skipped_blocks(request_id, processed_computed_tokens)
 
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         if self.enable_caching:
+            self._forget(request.request_id)
             self.coordinator.cache_blocks(request, num_computed_tokens)
+
+    def _forget(self, request_id: str) -> None:
+        self._slack.pop(request_id, None)
+        self._nulls.pop(request_id, None)
 
     def init_request(self, request: Request) -> None:
         """Give a new request its block hasher (hashes cover known tokens only)."""
@@ -150,6 +207,7 @@ class KVCacheManager:
     # -- freeing -------------------------------------------------------------
     def free(self, request: Request, fence_step: int | None = None) -> None:
         """Detach the request's tables now; return its blocks once `fence_step` is processed."""
+        self._forget(request.request_id)
         blocks = self.coordinator.pop(request.request_id)
         if not blocks:
             return
@@ -171,7 +229,10 @@ class KVCacheManager:
         return self.coordinator.get_block_ids(request_id)
 
     def get_num_null_blocks(self, request_id: str) -> tuple[int, ...]:
-        return tuple(m.num_null_blocks.get(request_id, 0) for m in self.coordinator.managers)
+        nulls = self._nulls.get(request_id)
+        if nulls is None:
+            nulls = tuple([m.num_null_blocks.get(request_id, 0) for m in self.coordinator.managers])
+        return nulls
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()

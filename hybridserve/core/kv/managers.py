@@ -50,16 +50,19 @@ class SingleTypeKVCacheManager:
 
     # -- allocation -----------------------------------------------------------
     def num_required_blocks(self, num_tokens: int) -> int:
-        return cdiv(num_tokens, self.block_size)
+        return -(-num_tokens // self.block_size)
 
     def get_num_blocks_to_allocate(
         self, request_id: str, num_tokens: int, new_computed_blocks: list[KVCacheBlock]
     ) -> int:
         """Blocks the pool must give up: new ones, plus free hit blocks leaving the queue."""
-        held = len(self.req_to_blocks.get(request_id, ()))
-        num_new = max(0, self.num_required_blocks(num_tokens) - held - len(new_computed_blocks))
-        evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
-        return num_new + evictable
+        blocks = self.req_to_blocks.get(request_id)
+        num_new = self.num_required_blocks(num_tokens) - (len(blocks) if blocks else 0) - len(new_computed_blocks)
+        if num_new < 0:
+            num_new = 0
+        if new_computed_blocks:
+            num_new += sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
+        return num_new
 
     def save_new_computed_blocks(self, request_id: str, new_computed_blocks: list[KVCacheBlock]) -> None:
         blocks = self.req_to_blocks.setdefault(request_id, [])
@@ -102,15 +105,16 @@ class SingleTypeKVCacheManager:
         again (or with a smaller count) never frees twice.
         """
         num_skipped = self.get_num_skipped_tokens(processed_computed_tokens)
-        if num_skipped <= 0:
+        if num_skipped < self.block_size:
+            return
+        start = self.num_null_blocks.get(request_id, 0)
+        end = num_skipped // self.block_size
+        if end <= start:
             return
         blocks = self.req_to_blocks.get(request_id)
         if not blocks:
             return
-        end = min(num_skipped // self.block_size, len(blocks))
-        start = self.num_null_blocks.get(request_id, 0)
-        if end <= start:
-            return
+        end = min(end, len(blocks))
         removed = []
         null = self.pool.null_block
         for i in range(end - 1, start - 1, -1):
@@ -121,6 +125,39 @@ class SingleTypeKVCacheManager:
             blocks[i] = null
         self.pool.free_blocks(removed)
         self.num_null_blocks[request_id] = end
+
+    def next_free_basis(self, request_id: str) -> float:
+        """Smallest processed count at which remove_skipped_blocks frees another block.
+
+        Found from the hook alone (it is monotonic and never exceeds its argument), by
+        doubling then bisecting above the target, so every manager gets it for free.
+        """
+        target = (self.num_null_blocks.get(request_id, 0) + 1) * self.block_size
+        hook = self.get_num_skipped_tokens
+        if hook(1 << 62) < target:
+            return float("inf")  # never frees (full attention, Mamba)
+        lo, step = target, self.block_size
+        hi = lo + step
+        while hook(hi) < target:
+            lo, step = hi, step * 2
+            hi = lo + step
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if hook(mid) >= target:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    def num_covered_tokens(self, request_id: str) -> float:
+        """Tokens the request's table has slots for."""
+        return len(self.req_to_blocks.get(request_id, ())) * self.block_size
+
+    def next_cache_tokens(self, request_id: str) -> float:
+        """Token count at which cache_blocks would publish another block."""
+        if not self.enable_caching:
+            return float("inf")
+        return (self.num_cached_blocks.get(request_id, 0) + 1) * self.block_size
 
     def pop(self, request_id: str) -> list[KVCacheBlock]:
         """Detach a request's table; return its real blocks tail first (for freeing)."""
@@ -209,6 +246,12 @@ class MambaManager(SingleTypeKVCacheManager):
 
     def find_longest_cache_hit(self, block_hashes: list[int], max_length: int) -> list[KVCacheBlock]:
         return []  # states are not cached per prefix
+
+    def num_covered_tokens(self, request_id: str) -> float:
+        return float("inf") if request_id in self.req_to_blocks else 0
+
+    def next_cache_tokens(self, request_id: str) -> float:
+        return float("inf")
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         return

@@ -30,7 +30,7 @@ class NewRequestData:
     eos_token_id: int | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     request_id: str
     # Scheduler's optimistic count before this step. A runner in async mode may know
@@ -98,7 +98,7 @@ class ModelRunnerOutput:
     num_draft_tokens: dict[str, int] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """What the scheduler reports for one request after a step is processed."""
 

@@ -32,6 +32,9 @@ from hybridserve.core.sched.output import (
 from hybridserve.core.sched.queues import make_queue
 from hybridserve.core.sched.stats import SchedulerStats, check_stop
 
+FINISHED = RequestStatus.FINISHED_STOPPED  # statuses >= this are finished
+EMPTY: list[int] = []
+
 
 class Scheduler:
     def __init__(
@@ -62,6 +65,7 @@ class Scheduler:
         self.awaiting_store: dict[str, Request] = {}
         self.aborted_loading: dict[str, Request] = {}
         self.stats = SchedulerStats()
+        self.no_block_ids: tuple[list[int], ...] = tuple([] for _ in kv_cache_config.groups)
 
     @property
     def kv_cache_manager(self) -> KVCacheManager:
@@ -150,7 +154,10 @@ class Scheduler:
                     i -= 1
             if req.status != RequestStatus.RUNNING:
                 continue  # preempted itself; running shrank, i now points at the next one
-            sr.new_block_ids = tuple([b.block_id for b in g] for g in new_blocks)
+            if new_blocks is self.kv.no_new_blocks:
+                sr.new_block_ids = self.no_block_ids
+            else:
+                sr.new_block_ids = tuple([b.block_id for b in g] for g in new_blocks)
             sr.num_null_blocks = self.kv.get_num_null_blocks(req.request_id)
             scheduled.append(sr)
             scheduled_reqs.append(req)
@@ -178,28 +185,31 @@ class Scheduler:
         cfg = self.config
         if req.num_in_flight_tokens and not cfg.async_scheduling:
             return None  # pipeline-parallel without async: wait for its outputs
-        known = req.num_tokens + req.num_output_placeholders
-        n = known - req.num_computed_tokens
-        n = min(n, budget, cfg.max_model_len - 1 - req.num_computed_tokens)
-        if cfg.long_prefill_token_threshold:
-            n = min(n, cfg.long_prefill_token_threshold)
+        num_outputs = len(req.output_token_ids)
+        placeholders = req.num_output_placeholders
+        computed = req.num_computed_tokens
+        known = len(req.prompt_token_ids) + num_outputs + placeholders
+        n = known - computed
+        if n > budget:
+            n = budget
+        if n > cfg.max_model_len - 1 - computed:
+            n = cfg.max_model_len - 1 - computed
+        if cfg.long_prefill_token_threshold and n > cfg.long_prefill_token_threshold:
+            n = cfg.long_prefill_token_threshold
         if n <= 0:
             return None
-        samples = req.num_computed_tokens + n >= known
+        samples = computed + n >= known
         drafts = 0
         if samples:
-            allowed = req.max_tokens - req.num_output_tokens - req.num_output_placeholders
+            allowed = req.sampling_params.max_tokens - num_outputs - placeholders
             if allowed <= 0:
                 return None  # enough outputs already in flight
             if n == 1 and cfg.num_speculative_tokens:
-                drafts = min(
-                    cfg.num_speculative_tokens,
-                    allowed - 1,
-                    budget - 1,
-                    cfg.max_model_len - 2 - req.num_computed_tokens,
+                drafts = max(
+                    0,
+                    min(cfg.num_speculative_tokens, allowed - 1, budget - 1, cfg.max_model_len - 2 - computed),
                 )
-                drafts = max(drafts, 0)
-        return ScheduledRequest(req.request_id, req.num_computed_tokens, n + drafts, drafts, (), (), samples)
+        return ScheduledRequest(req.request_id, computed, n + drafts, drafts, (), (), samples)
 
     def _schedule_waiting(
         self, budget: int, scheduled: list[ScheduledRequest], scheduled_reqs: list[Request]
@@ -323,30 +333,41 @@ class Scheduler:
         entries = self.in_flight.pop(step)
         outputs: list[RequestOutput] = []
         any_finished = False
+        max_model_len = self.config.max_model_len
+        logprobs_of = runner_output.logprobs
+        sampled_of = runner_output.sampled_token_ids
         for sr, (req, epoch) in zip(scheduler_output.requests, entries):
             req.num_in_flight_tokens -= sr.num_scheduled_tokens  # first, whatever happened since
-            if req.is_finished:
+            if req.status >= FINISHED:
                 continue
             k = index.get(sr.request_id)
-            sampled = runner_output.sampled_token_ids[k] if k is not None else []
-            if epoch == req.num_preemptions and sr.samples:
-                rejected = sr.num_draft_tokens + 1 - len(sampled) if sampled else 0
-                req.num_computed_tokens -= rejected
-                req.num_output_placeholders -= 1 + sr.num_draft_tokens
-                self.stats.record_spec(sr.num_draft_tokens, len(sampled) - 1 if sampled else 0)
+            sampled = sampled_of[k] if k is not None else EMPTY
+            if sr.samples and epoch == req.num_preemptions:
+                drafts = sr.num_draft_tokens
+                if drafts:
+                    accepted = len(sampled) - 1 if sampled else 0
+                    req.num_computed_tokens -= drafts - accepted if sampled else 0
+                    self.stats.record_spec(drafts, accepted)
+                req.num_output_placeholders -= 1 + drafts
             if not sampled:
                 continue
-            new_tokens: list[int] = []
             status = None
-            for t in sampled:
+            if len(sampled) == 1:
+                t = sampled[0]
                 req.output_token_ids.append(t)
-                new_tokens.append(t)
-                status = check_stop(req, t, self.config.max_model_len)
-                if status is not None:
-                    break
-            req.update_block_hashes()
+                new_tokens = sampled
+                status = check_stop(req, t, max_model_len)
+            else:
+                new_tokens = []
+                for t in sampled:
+                    req.output_token_ids.append(t)
+                    new_tokens.append(t)
+                    status = check_stop(req, t, max_model_len)
+                    if status is not None:
+                        break
+            if req._block_hasher is not None:
+                req.update_block_hashes()
             self.stats.num_generated_tokens += len(new_tokens)
-            logprobs = runner_output.logprobs.get(sr.request_id)
             if status is not None:
                 any_finished = True
                 if req.status != RequestStatus.RUNNING:
@@ -354,7 +375,11 @@ class Scheduler:
                 req.status = status
                 self._free_request(req)
             outputs.append(
-                RequestOutput(sr.request_id, new_tokens, req.is_finished, req.status.finish_reason, req.stop_reason, logprobs, max(req.num_cached_tokens, 0))
+                RequestOutput(
+                    sr.request_id, new_tokens, status is not None, req.status.finish_reason if status else None,
+                    req.stop_reason, logprobs_of.get(sr.request_id) if logprobs_of else None,
+                    req.num_cached_tokens if req.num_cached_tokens > 0 else 0,
+                )
             )
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]

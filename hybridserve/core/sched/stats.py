@@ -42,12 +42,13 @@ class SchedulerStats:
 def check_stop(req: Request, token: int, max_model_len: int) -> RequestStatus | None:
     """Status the request finishes with after appending `token`, or None to go on."""
     sp = req.sampling_params
-    if req.num_output_tokens >= sp.min_tokens:
-        if token in sp.stop_token_ids:
+    num_outputs = len(req.output_token_ids)
+    if num_outputs >= sp.min_tokens:
+        if sp.stop_token_ids and token in sp.stop_token_ids:
             req.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
-        if not sp.ignore_eos and token == req.eos_token_id:
+        if token == req.eos_token_id and not sp.ignore_eos:
             return RequestStatus.FINISHED_STOPPED
-    if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= max_model_len:
+    if num_outputs >= sp.max_tokens or len(req.prompt_token_ids) + num_outputs >= max_model_len:
         return RequestStatus.FINISHED_LENGTH_CAPPED
     return None

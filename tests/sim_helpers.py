@@ -83,6 +83,11 @@ def run_sim(
         connector=conn,
     )
     engine = EngineCore(sched, ex)
+    kv = sched.kv
+    caps = [
+        m.spec.max_admission_blocks_per_request(sched.config.max_in_flight_tokens, sched.config.max_model_len, kv.window_tail)
+        for m in kv.coordinator.managers
+    ]
     pending = sorted(requests, key=lambda x: x[0])
     aborts = aborts or {}
     outputs: dict[str, list[int]] = {r.request_id: [] for _, r in requests}
@@ -101,6 +106,10 @@ def run_sim(
             outputs[o.request_id].extend(o.new_token_ids)
             if o.finished:
                 reasons[o.request_id] = o.finish_reason or ""
+        for m, cap in zip(kv.coordinator.managers, caps):
+            for rid, blocks in m.req_to_blocks.items():
+                real = sum(1 for b in blocks if not b.is_null)
+                assert real <= cap, f"request {rid} holds {real} real blocks of {type(m.spec).__name__}, cap {cap}"
         step += 1
         if step > 50_000:
             raise RuntimeError("simulation did not finish")

@@ -1,8 +1,9 @@
 """Random workloads through the real scheduler and KV manager with the detector on.
 
-For every generated workload: no violation (strict mode raises), every request's output
-equals its sync single-request output (a prefix of it when aborted), and every block is
-back in the pool at the end.
+For every generated workload, with settled-basis or window-tail allocation: no violation
+(strict mode raises), no request ever holds more real blocks in a group than that group's
+admission cap (checked after every step), every request's output equals its sync
+single-request output (a prefix of it when aborted), and every block is back in the pool.
 """
 
 from __future__ import annotations
@@ -75,12 +76,14 @@ def workloads(draw):
         connector=draw(st.booleans()),
         failure_rate=draw(st.sampled_from([0.0, 0.2])),
         seed=draw(st.integers(0, 1000)),
+        window_tail_allocation=draw(st.booleans()),
     )
     # A pool from the admission minimum up: small pools force preemption.
     sc = SchedulerConfig(max_num_batched_tokens=budget, max_model_len=MML, async_scheduling=async_sched,
                          max_concurrent_batches=batches, num_speculative_tokens=spec_tokens)
     groups = tuple(KVCacheGroup(s, (f"l{i}",)) for i, s in enumerate(specs))
-    min_blocks = KVCacheConfig(1, groups).min_num_blocks(sc.max_in_flight_tokens, MML)
+    tail = sc.window_tail if cfg["window_tail_allocation"] else None
+    min_blocks = KVCacheConfig(1, groups).min_num_blocks(sc.max_in_flight_tokens, MML, tail)
     num_blocks = min_blocks + draw(st.integers(0, 60))
     return specs, reqs, aborts, num_blocks, cfg
 

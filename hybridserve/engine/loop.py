@@ -10,7 +10,10 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from hybridserve.core.errors import HybridServeError
+from hybridserve.core.connector.base import KVConnectorBase
+from hybridserve.core.errors import ConfigError, HybridServeError
+from hybridserve.core.kv.spec import KVCacheConfig
+from hybridserve.core.sched.config import SchedulerConfig
 from hybridserve.core.request import Request
 from hybridserve.core.sched.output import RequestOutput, SchedulerOutput
 from hybridserve.core.sched.scheduler import Scheduler
@@ -19,6 +22,26 @@ from hybridserve.engine.executor import Executor
 
 class EngineStuckError(HybridServeError, RuntimeError):
     """Requests remain but none can make progress."""
+
+
+def build_engine(
+    config: SchedulerConfig,
+    kv_cache_config: KVCacheConfig,
+    executor: Executor,
+    connector: KVConnectorBase | None = None,
+    unsafe_optimistic_free: bool = False,
+) -> EngineCore:
+    """Scheduler + executor, with window-tail allocation resolved from the executor."""
+    tail = config.window_tail_allocation
+    if tail is None:
+        tail = executor.computes_in_chunk_attention_from_batch
+    elif tail and not executor.computes_in_chunk_attention_from_batch:
+        raise ConfigError(
+            f"window_tail_allocation needs an executor that computes in-chunk attention from the batch; "
+            f"{type(executor).__name__} does not"
+        )
+    scheduler = Scheduler(config, kv_cache_config, connector, unsafe_optimistic_free, window_tail=tail)
+    return EngineCore(scheduler, executor)
 
 
 class EngineCore:

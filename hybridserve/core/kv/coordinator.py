@@ -4,19 +4,25 @@ from __future__ import annotations
 
 from hybridserve.core.kv.block_pool import BlockPool, KVCacheBlock
 from hybridserve.core.kv.managers import FullAttentionManager, SingleTypeKVCacheManager, make_manager
-from hybridserve.core.kv.spec import KVCacheGroup
+from hybridserve.core.kv.spec import KVCacheGroup, WindowTail
 from hybridserve.core.request import Request
 
 BlocksPerGroup = list[list[KVCacheBlock]]
 
 
 class KVCacheCoordinator:
-    def __init__(self, groups: tuple[KVCacheGroup, ...], pool: BlockPool, enable_caching: bool) -> None:
+    def __init__(
+        self,
+        groups: tuple[KVCacheGroup, ...],
+        pool: BlockPool,
+        enable_caching: bool,
+        window_tail: WindowTail | None = None,
+    ) -> None:
         self.groups = groups
         self.pool = pool
         self.block_size = groups[0].spec.block_size
         self.managers: list[SingleTypeKVCacheManager] = [
-            make_manager(g.spec, pool, i, enable_caching) for i, g in enumerate(groups)
+            make_manager(g.spec, pool, i, enable_caching, window_tail) for i, g in enumerate(groups)
         ]
         # Full attention first: it is the most selective, so later groups search short.
         self.search_order = sorted(
@@ -54,8 +60,8 @@ class KVCacheCoordinator:
         for i, m in enumerate(self.managers):
             m.save_new_computed_blocks(request_id, new_computed_blocks[i])
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> BlocksPerGroup:
-        return [m.allocate_new_blocks(request_id, num_tokens) for m in self.managers]
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, chunk_start: int = 0) -> BlocksPerGroup:
+        return [m.allocate_new_blocks(request_id, num_tokens, chunk_start) for m in self.managers]
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         for m in self.managers:
@@ -72,11 +78,13 @@ class KVCacheCoordinator:
             out.extend(m.pop(request_id))
         return out
 
-    def full_sequence_blocks(self, num_tokens: int, max_in_flight_tokens: int, max_model_len: int) -> int:
+    def full_sequence_blocks(
+        self, num_tokens: int, max_in_flight_tokens: int, max_model_len: int, window_tail: WindowTail | None = None
+    ) -> int:
         """Blocks a request of num_tokens tokens holds at its peak, by the admission caps."""
         total = 0
         for m in self.managers:
-            cap = m.spec.max_admission_blocks_per_request(max_in_flight_tokens, max_model_len)
+            cap = m.spec.max_admission_blocks_per_request(max_in_flight_tokens, max_model_len, window_tail)
             total += min(m.num_required_blocks(num_tokens), cap)
         return total
 

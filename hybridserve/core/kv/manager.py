@@ -8,14 +8,14 @@ a step of the request may still be in flight are fenced behind that step.
 
 from __future__ import annotations
 
-from collections import deque
+import heapq
 from dataclasses import dataclass
 
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.kv.block_pool import BlockPool, KVCacheBlock
 from hybridserve.core.kv.coordinator import BlocksPerGroup, KVCacheCoordinator
 from hybridserve.core.kv.hashing import make_block_hasher
-from hybridserve.core.kv.spec import KVCacheConfig
+from hybridserve.core.kv.spec import KVCacheConfig, WindowTail
 from hybridserve.core.request import Request
 
 
@@ -37,8 +37,9 @@ class KVCacheManager:
         max_in_flight_tokens: int,
         enable_caching: bool = True,
         unsafe_optimistic_free: bool = False,
+        window_tail: WindowTail | None = None,
     ) -> None:
-        need = kv_cache_config.min_num_blocks(max_in_flight_tokens, max_model_len)
+        need = kv_cache_config.min_num_blocks(max_in_flight_tokens, max_model_len, window_tail)
         if kv_cache_config.num_blocks < need:
             raise ConfigError(
                 f"num_blocks={kv_cache_config.num_blocks} cannot hold one request of max_model_len="
@@ -52,11 +53,14 @@ class KVCacheManager:
         # Research switch: free on the optimistic count (the bug this engine avoids).
         self.unsafe_optimistic_free = unsafe_optimistic_free
         self.pool = BlockPool(kv_cache_config.num_blocks, enable_caching)
-        self.coordinator = KVCacheCoordinator(kv_cache_config.groups, self.pool, enable_caching)
+        # Window-tail allocation (sliding groups hold the window and chunk tails only).
+        self.window_tail = window_tail
+        self.coordinator = KVCacheCoordinator(kv_cache_config.groups, self.pool, enable_caching, window_tail)
         self.block_hasher = make_block_hasher(self.block_size)
         self.prefix_cache_stats = PrefixCacheStats()
-        # (fence step, blocks tail first): freed once every step up to the fence is processed.
-        self.fenced: deque[tuple[int, list[KVCacheBlock]]] = deque()
+        # Heap of (fence step, seq, blocks tail first): freed once the fence is processed.
+        self.fenced: list[tuple[int, int, list[KVCacheBlock]]] = []
+        self._fence_seq = 0
         self.last_processed_step = -1
         self.no_new_blocks: BlocksPerGroup = [[] for _ in kv_cache_config.groups]
         # Per request: (tokens with slots, processed count that frees a block, token count
@@ -163,16 +167,18 @@ class KVCacheManager:
         num_needed = 0
         if hits is None:  # a running request: the common, cheap path
             for m in managers:
-                num_needed += m.get_num_blocks_to_allocate(rid, num_tokens_need_slot, ())
+                num_needed += m.get_num_blocks_to_allocate(rid, num_tokens_need_slot, (), total_computed)
         else:
             for m, group_hits in zip(managers, hits):
-                num_needed += m.get_num_blocks_to_allocate(rid, num_tokens_need_slot, group_hits)
+                num_needed += m.get_num_blocks_to_allocate(rid, num_tokens_need_slot, group_hits, total_computed)
         num_free = self.pool.num_free_blocks
         if num_needed > num_free:
             return None
         if full_sequence_must_fit:
             n = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
-            peak = self.coordinator.full_sequence_blocks(n, self.max_in_flight_tokens, self.max_model_len)
+            peak = self.coordinator.full_sequence_blocks(
+                n, self.max_in_flight_tokens, self.max_model_len, self.window_tail
+            )
             shared_hits = sum(1 for g in hits or () for b in g if b.ref_cnt > 0 and not b.is_null)
             if peak - shared_hits > num_free:
                 return None
@@ -181,7 +187,7 @@ class KVCacheManager:
             for group_hits in hits:
                 self.pool.touch(group_hits)
             self.coordinator.save_new_computed_blocks(rid, hits)
-        new_blocks = self.coordinator.allocate_new_blocks(rid, num_tokens_need_slot) if num_needed else self.no_new_blocks
+        new_blocks = self.coordinator.allocate_new_blocks(rid, num_tokens_need_slot, total_computed)
         if self.enable_caching and not delay_cache_blocks:
             self.coordinator.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
         return new_blocks
@@ -214,13 +220,14 @@ class KVCacheManager:
         if fence_step is None or fence_step <= self.last_processed_step:
             self.pool.free_blocks(blocks)
         else:
-            self.fenced.append((fence_step, blocks))
+            self._fence_seq += 1
+            heapq.heappush(self.fenced, (fence_step, self._fence_seq, blocks))
 
     def step_processed(self, step_id: int) -> None:
         """Steps are processed in order: release every fenced free up to this step."""
         self.last_processed_step = step_id
         while self.fenced and self.fenced[0][0] <= step_id:
-            self.pool.free_blocks(self.fenced.popleft()[1])
+            self.pool.free_blocks(heapq.heappop(self.fenced)[2])
 
     def holds_blocks(self, request_id: str) -> bool:
         return request_id in self.coordinator.managers[0].req_to_blocks

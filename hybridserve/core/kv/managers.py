@@ -18,6 +18,7 @@ from hybridserve.core.kv.spec import (
     KVCacheSpec,
     MambaSpec,
     SlidingWindowSpec,
+    WindowTail,
     cdiv,
 )
 from hybridserve.core.request import Request
@@ -27,8 +28,10 @@ class SingleTypeKVCacheManager:
     """Block tables of one KV cache group.
 
     Invariants: a request's table is indexed by absolute block position (block i holds
-    tokens i*bs .. (i+1)*bs-1), so freeing never shifts it; null blocks only ever form a
-    prefix of a table (pruning walks backward from the boundary and stops at a null).
+    tokens i*bs .. (i+1)*bs-1), so freeing never shifts it; every entry below
+    num_null_blocks[request] is the null block (pruned, or padding before a prefix hit),
+    and pruning only moves that mark forward, so no block is freed twice. With
+    window-tail allocation, nulls also appear inside a table (chunk slots before a tail).
     """
 
     spec: KVCacheSpec
@@ -53,13 +56,16 @@ class SingleTypeKVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def get_num_blocks_to_allocate(
-        self, request_id: str, num_tokens: int, new_computed_blocks: list[KVCacheBlock]
+        self, request_id: str, num_tokens: int, new_computed_blocks: list[KVCacheBlock] | tuple, chunk_start: int = 0
     ) -> int:
         """Blocks the pool must give up: new ones, plus free hit blocks leaving the queue."""
         blocks = self.req_to_blocks.get(request_id)
         num_new = self.num_required_blocks(num_tokens) - (len(blocks) if blocks else 0) - len(new_computed_blocks)
         if num_new < 0:
             num_new = 0
+        elif num_new and self.window_tail is not None:
+            first = (len(blocks) if blocks else 0) + len(new_computed_blocks)
+            num_new = sum(1 for i in range(first, first + num_new) if self.is_real(i, chunk_start, num_tokens))
         if new_computed_blocks:
             num_new += sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
         return num_new
@@ -75,14 +81,30 @@ class SingleTypeKVCacheManager:
             self.num_null_blocks[request_id] = nulls
             self.num_cached_blocks[request_id] = len(blocks)
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, chunk_start: int = 0) -> list[KVCacheBlock]:
+        """Blocks for positions up to num_tokens; returns the new table entries (nulls included)."""
         blocks = self.req_to_blocks.setdefault(request_id, [])
         n = self.num_required_blocks(num_tokens) - len(blocks)
         if n <= 0:
             return []
-        new = self.pool.get_new_blocks(n)
+        if self.window_tail is None:
+            new = self.pool.get_new_blocks(n)
+        else:
+            first = len(blocks)
+            real = [self.is_real(i, chunk_start, num_tokens) for i in range(first, first + n)]
+            fresh = iter(self.pool.get_new_blocks(sum(real)))
+            new = [next(fresh) if r else self.pool.null_block for r in real]
         blocks.extend(new)
         return new
+
+    # Window-tail allocation: set by the KV cache manager for sliding-window groups.
+    window_tail: WindowTail | None = None
+
+    def is_real(self, index: int, chunk_start: int, chunk_end: int) -> bool:
+        """Does block `index` need a real block for a chunk chunk_start .. chunk_end-1?
+
+        Only with window-tail allocation; see SlidingWindowManager."""
+        return True
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Publish the request's full blocks below num_tokens as prefix-cache entries."""
@@ -101,8 +123,9 @@ class SingleTypeKVCacheManager:
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int) -> None:
         """Null out and free blocks wholly below the skipped boundary.
 
-        Walks backward from the boundary and stops at the first null block, so calling it
-        again (or with a smaller count) never frees twice.
+        Only blocks between the null mark (num_null_blocks) and the boundary are visited,
+        walking backward, and the mark then moves to the boundary: calling it again, or
+        with a smaller count, never frees twice.
         """
         num_skipped = self.get_num_skipped_tokens(processed_computed_tokens)
         if num_skipped < self.block_size:
@@ -117,10 +140,10 @@ class SingleTypeKVCacheManager:
         end = min(end, len(blocks))
         removed = []
         null = self.pool.null_block
-        for i in range(end - 1, start - 1, -1):
+        for i in range(end - 1, start - 1, -1):  # tail first: longer prefixes evicted first
             block = blocks[i]
             if block.is_null:
-                break
+                continue  # a hole (window-tail allocation); never freed, never counted
             removed.append(block)
             blocks[i] = null
         self.pool.free_blocks(removed)
@@ -214,6 +237,23 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         return hit[:run]
 
 
+    def is_real(self, index: int, chunk_start: int, chunk_end: int) -> bool:
+        """Real iff the block overlaps the retained window before the chunk, or its tail.
+
+        chunk s..e-1 (e = chunk_end), W window, d max drafts::
+
+            [ s-W+1 .. s-1 ]  retained window: read from the cache by the chunk's queries
+            [ s .. e-W-d ]    null: read only by the chunk's own queries, from the batch
+            [ e-W-d+1 .. e-1] tail: read from the cache by the steps that follow
+        """
+        assert self.window_tail is not None
+        bs, w = self.block_size, self.spec.sliding_window - 1
+        lo, hi = index * bs, index * bs + bs
+        if hi > chunk_start - w and lo < chunk_start:
+            return True
+        return hi > max(chunk_start, chunk_end - w - self.window_tail.max_draft_tokens)
+
+
 class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
     spec: ChunkedLocalAttentionSpec
 
@@ -265,5 +305,10 @@ MANAGER_FOR_SPEC: dict[type, type[SingleTypeKVCacheManager]] = {
 }
 
 
-def make_manager(spec: KVCacheSpec, pool: BlockPool, group_id: int, enable_caching: bool) -> SingleTypeKVCacheManager:
-    return MANAGER_FOR_SPEC[type(spec)](spec, pool, group_id, enable_caching)
+def make_manager(
+    spec: KVCacheSpec, pool: BlockPool, group_id: int, enable_caching: bool, window_tail: WindowTail | None = None
+) -> SingleTypeKVCacheManager:
+    manager = MANAGER_FOR_SPEC[type(spec)](spec, pool, group_id, enable_caching)
+    if isinstance(manager, SlidingWindowManager):
+        manager.window_tail = window_tail
+    return manager

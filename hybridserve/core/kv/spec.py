@@ -32,6 +32,22 @@ def dtype_size(dtype: str) -> int:
 
 
 @dataclass(frozen=True)
+class WindowTail:
+    """Window-tail allocation is on: a step's in-chunk keys come from the batch itself,
+    so a sliding-window group needs real blocks only for the retained window and the
+    tail of each scheduled chunk (see SlidingWindowSpec.max_admission_blocks_per_request).
+    """
+
+    max_in_flight_steps: int
+    max_draft_tokens: int = 0
+
+
+def blocks_touched(num_tokens: int, block_size: int) -> int:
+    """Most blocks a run of num_tokens consecutive positions can touch (any alignment)."""
+    return 0 if num_tokens <= 0 else 1 + cdiv(num_tokens - 1, block_size)
+
+
+@dataclass(frozen=True)
 class KVCacheSpec:
     """Base of all specs. `block_size` tokens share one block id."""
 
@@ -46,7 +62,9 @@ class KVCacheSpec:
         """Bytes one layer of this spec stores in one block."""
         raise NotImplementedError
 
-    def max_admission_blocks_per_request(self, max_in_flight_tokens: int, max_model_len: int) -> int:
+    def max_admission_blocks_per_request(
+        self, max_in_flight_tokens: int, max_model_len: int, window_tail: WindowTail | None = None
+    ) -> int:
         """Most blocks one request of this group can hold at once.
 
         Admission control and startup sizing both call this, so the two never disagree.
@@ -76,7 +94,9 @@ class AttentionSpec(KVCacheSpec):
 class FullAttentionSpec(AttentionSpec):
     """Every token attends to every earlier token: nothing is ever out of window."""
 
-    def max_admission_blocks_per_request(self, max_in_flight_tokens: int, max_model_len: int) -> int:
+    def max_admission_blocks_per_request(
+        self, max_in_flight_tokens: int, max_model_len: int, window_tail: WindowTail | None = None
+    ) -> int:
         return cdiv(max_model_len, self.block_size)
 
 
@@ -98,9 +118,34 @@ class SlidingWindowSpec(AttentionSpec):
         if self.sliding_window < 1:
             raise ConfigError(f"sliding_window must be >= 1, got {self.sliding_window}")
 
-    def max_admission_blocks_per_request(self, max_in_flight_tokens: int, max_model_len: int) -> int:
+    def max_admission_blocks_per_request(
+        self, max_in_flight_tokens: int, max_model_len: int, window_tail: WindowTail | None = None
+    ) -> int:
+        """Settled basis: cdiv(min(W - 1 + max_in_flight_tokens, max_model_len), bs) + 1.
+
+        With window-tail allocation (k = max_in_flight_steps, d = max_draft_tokens)::
+
+            touch(L) = 1 + cdiv(L - 1, bs)    most blocks L consecutive tokens can touch
+            cap      = min(settled, touch(W - 1) + k * touch(W - 1 + d))
+
+        Proof. At allocation time, after pruning on the processed count P, a request's
+        real blocks are those of (a) the retained window P-W+1 .. P-1, which the oldest
+        in-flight step reads from the cache, and (b) each scheduled chunk s..e's tail,
+        the last W-1+d positions e-W-d+2 .. e (clipped to the chunk), which later steps
+        read, even after up to d rejected drafts pull the next start back to e+1-d.
+        Every other slot of a chunk gets the null block: only the chunk's own queries
+        read it, from the batch. At most k chunks are in flight counting the one being
+        allocated, and the window is W-1 tokens, so real blocks <= touch(W-1) +
+        k * touch(W-1+d); never more than the settled basis holds. The cap does not
+        depend on max_num_batched_tokens.
+        """
         tokens = min(self.sliding_window - 1 + max_in_flight_tokens, max_model_len)
-        return cdiv(tokens, self.block_size) + 1
+        settled = cdiv(tokens, self.block_size) + 1
+        if window_tail is None:
+            return settled
+        w, bs = self.sliding_window - 1, self.block_size
+        tail = blocks_touched(w, bs) + window_tail.max_in_flight_steps * blocks_touched(w + window_tail.max_draft_tokens, bs)
+        return min(settled, tail)
 
 
 @dataclass(frozen=True)
@@ -116,10 +161,15 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.attention_chunk_size < 1:
-            raise ConfigError(f"attention_chunk_size must be >= 1, got {self.attention_chunk_size}")
+        if self.attention_chunk_size < 1 or self.attention_chunk_size % self.block_size:
+            raise ConfigError(
+                f"attention_chunk_size must be a positive multiple of block_size={self.block_size}, "
+                f"got {self.attention_chunk_size}"
+            )
 
-    def max_admission_blocks_per_request(self, max_in_flight_tokens: int, max_model_len: int) -> int:
+    def max_admission_blocks_per_request(
+        self, max_in_flight_tokens: int, max_model_len: int, window_tail: WindowTail | None = None
+    ) -> int:
         tokens = min(self.attention_chunk_size + max_in_flight_tokens, max_model_len)
         return cdiv(tokens, self.block_size)
 
@@ -150,7 +200,9 @@ class MambaSpec(KVCacheSpec):
     def num_state_blocks(self) -> int:
         return 1 + self.num_speculative_blocks
 
-    def max_admission_blocks_per_request(self, max_in_flight_tokens: int, max_model_len: int) -> int:
+    def max_admission_blocks_per_request(
+        self, max_in_flight_tokens: int, max_model_len: int, window_tail: WindowTail | None = None
+    ) -> int:
         return self.num_state_blocks
 
 
@@ -182,13 +234,17 @@ class KVCacheConfig:
     def bytes_per_block(self) -> int:
         return bytes_per_block(self.groups)
 
-    def min_num_blocks(self, max_in_flight_tokens: int, max_model_len: int) -> int:
+    def min_num_blocks(
+        self, max_in_flight_tokens: int, max_model_len: int, window_tail: WindowTail | None = None
+    ) -> int:
         """Smallest pool (null block included) that admits one max_model_len request."""
-        return 1 + blocks_per_request(self.groups, max_in_flight_tokens, max_model_len)
+        return 1 + blocks_per_request(self.groups, max_in_flight_tokens, max_model_len, window_tail)
 
-    def max_concurrency(self, max_in_flight_tokens: int, max_model_len: int) -> float:
+    def max_concurrency(
+        self, max_in_flight_tokens: int, max_model_len: int, window_tail: WindowTail | None = None
+    ) -> float:
         """How many max_model_len requests the pool admits at once."""
-        need = blocks_per_request(self.groups, max_in_flight_tokens, max_model_len)
+        need = blocks_per_request(self.groups, max_in_flight_tokens, max_model_len, window_tail)
         return (self.num_blocks - 1) / need
 
 
@@ -198,9 +254,16 @@ def bytes_per_block(groups: tuple[KVCacheGroup, ...] | list[KVCacheGroup]) -> in
 
 
 def blocks_per_request(
-    groups: tuple[KVCacheGroup, ...] | list[KVCacheGroup], max_in_flight_tokens: int, max_model_len: int
+    groups: tuple[KVCacheGroup, ...] | list[KVCacheGroup],
+    max_in_flight_tokens: int,
+    max_model_len: int,
+    window_tail: WindowTail | None = None,
 ) -> int:
-    return sum(g.spec.max_admission_blocks_per_request(max_in_flight_tokens, max_model_len) for g in groups)
+    if window_tail is None:
+        return sum(g.spec.max_admission_blocks_per_request(max_in_flight_tokens, max_model_len) for g in groups)
+    return sum(
+        g.spec.max_admission_blocks_per_request(max_in_flight_tokens, max_model_len, window_tail) for g in groups
+    )
 
 
 def group_layers(layer_specs: dict[str, KVCacheSpec]) -> tuple[KVCacheGroup, ...]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridserve.core.errors import ConfigError
+from hybridserve.core.kv.spec import WindowTail
 
 
 @dataclass
@@ -25,6 +26,9 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     # Admit a waiting request only if its whole sequence (prompt + max_tokens) fits now.
     full_sequence_must_fit: bool = False
+    # Sliding-window groups hold only the window and each chunk's tail. None: on when
+    # the executor computes in-chunk attention from the batch (resolved by the builder).
+    window_tail_allocation: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "pipeline_parallel_size"):
@@ -51,6 +55,11 @@ class SchedulerConfig:
         if self.pipeline_parallel_size > 1:
             return self.pipeline_parallel_size
         return 2 if self.async_scheduling else 1
+
+    @property
+    def window_tail(self) -> WindowTail:
+        """The in-flight shape window-tail admission is computed from."""
+        return WindowTail(self.num_concurrent_batches, self.num_speculative_tokens)
 
     @property
     def max_in_flight_tokens(self) -> int:

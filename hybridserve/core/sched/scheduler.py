@@ -43,14 +43,19 @@ class Scheduler:
         kv_cache_config: KVCacheConfig,
         connector: KVConnectorBase | None = None,
         unsafe_optimistic_free: bool = False,
+        window_tail: bool | None = None,
     ) -> None:
+        """window_tail: override config.window_tail_allocation (None: use the config;
+        builders resolve the config's None from the executor, see engine.build_engine)."""
         self.config = config
+        use_tail = config.window_tail_allocation if window_tail is None else window_tail
         self.kv = KVCacheManager(
             kv_cache_config,
             max_model_len=config.max_model_len,
             max_in_flight_tokens=config.max_in_flight_tokens,
             enable_caching=config.enable_prefix_caching,
             unsafe_optimistic_free=unsafe_optimistic_free,
+            window_tail=config.window_tail if use_tail else None,
         )
         self.connector = connector
         self.requests: dict[str, Request] = {}

@@ -81,7 +81,7 @@ class SamplingParams:
         self.stop_token_ids = tuple(self.stop_token_ids)
 
 
-BlockHasher = Callable[["Request"], list[int]]
+BlockHasher = Callable[["Request"], list[bytes]]
 
 
 @dataclass(eq=False)
@@ -103,7 +103,7 @@ class Request:
     num_preemptions: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first admission; -1 until then
     num_external_computed_tokens: int = 0
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
     stop_reason: int | str | None = None
     # Set by the scheduler: a whole-request free is fenced behind this step.
     last_scheduled_step: int = -1

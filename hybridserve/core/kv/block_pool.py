@@ -13,7 +13,7 @@ from typing import Callable, Iterable
 
 from hybridserve.core.errors import BlockPoolError, ConfigError, OutOfBlocksError
 
-CacheKey = tuple[int, int]  # (block hash, group id)
+CacheKey = tuple[bytes, int]  # (block hash, group id)
 
 
 class KVCacheBlock:
@@ -151,13 +151,13 @@ class BlockPool:
                     self.free_queue.append(block)  # findable until evicted (LRU)
 
     # -- prefix cache -----------------------------------------------------------
-    def get_cached_block(self, block_hash: int, group_id: int) -> KVCacheBlock | None:
+    def get_cached_block(self, block_hash: bytes, group_id: int) -> KVCacheBlock | None:
         entry = self.cached.get((block_hash, group_id))
         if not entry:
             return None
         return next(iter(entry.values()))
 
-    def cache_block(self, block: KVCacheBlock, block_hash: int, group_id: int) -> None:
+    def cache_block(self, block: KVCacheBlock, block_hash: bytes, group_id: int) -> None:
         if block.is_null:
             raise BlockPoolError("the null block cannot be cached")
         if block.cache_key is not None:

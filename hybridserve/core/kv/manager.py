@@ -92,10 +92,12 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return self.coordinator.empty(), 0
-        hits, length = self.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)
-        self.prefix_cache_stats.queries += request.num_tokens
-        self.prefix_cache_stats.hits += length
-        return hits, length
+        return self.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted request's lookup (not the retries of a blocked one)."""
+        self.prefix_cache_stats.queries += num_tokens
+        self.prefix_cache_stats.hits += num_hit_tokens
 
     # -- allocation --------------------------------------------------------------
     def allocate_slots(
@@ -137,7 +139,7 @@ class KVCacheManager:
                 cacheable = total_computed + num_new_tokens
             if delay_cache_blocks or cacheable < slack[2]:
                 return self.no_new_blocks
-        self._slack.pop(rid, None)
+        self._forget(rid)
         result = self._allocate_slots(
             request, total_computed, num_new_tokens, num_tokens_need_slot, basis, new_computed_blocks,
             delay_cache_blocks, full_sequence_must_fit,

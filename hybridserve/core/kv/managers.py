@@ -190,16 +190,16 @@ class SingleTypeKVCacheManager:
         return [b for b in reversed(blocks) if not b.is_null]
 
     # -- prefix cache -----------------------------------------------------------
-    def find_longest_cache_hit(self, block_hashes: list[int], max_length: int) -> list[KVCacheBlock]:
+    def find_longest_cache_hit(self, block_hashes: list[bytes], max_length: int) -> list[KVCacheBlock]:
         """Blocks (nulls allowed) covering the longest cached prefix of at most max_length tokens."""
         raise NotImplementedError
 
-    def _lookup(self, block_hash: int) -> KVCacheBlock | None:
+    def _lookup(self, block_hash: bytes) -> KVCacheBlock | None:
         return self.pool.get_cached_block(block_hash, self.group_id)
 
 
 class FullAttentionManager(SingleTypeKVCacheManager):
-    def find_longest_cache_hit(self, block_hashes: list[int], max_length: int) -> list[KVCacheBlock]:
+    def find_longest_cache_hit(self, block_hashes: list[bytes], max_length: int) -> list[KVCacheBlock]:
         hit = []
         for h in block_hashes[: max_length // self.block_size]:
             block = self._lookup(h)
@@ -216,7 +216,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         # The next token, at position n, reads n-W+1 .. n.
         return max(0, num_computed_tokens - self.spec.sliding_window + 1)
 
-    def find_longest_cache_hit(self, block_hashes: list[int], max_length: int) -> list[KVCacheBlock]:
+    def find_longest_cache_hit(self, block_hashes: list[bytes], max_length: int) -> list[KVCacheBlock]:
         """Scan right to left for cdiv(W-1, bs) contiguous cached blocks; nulls before them."""
         need = cdiv(self.spec.sliding_window - 1, self.block_size)
         num_blocks = min(max_length // self.block_size, len(block_hashes))
@@ -261,7 +261,7 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
         c = self.spec.attention_chunk_size
         return (num_computed_tokens // c) * c
 
-    def find_longest_cache_hit(self, block_hashes: list[int], max_length: int) -> list[KVCacheBlock]:
+    def find_longest_cache_hit(self, block_hashes: list[bytes], max_length: int) -> list[KVCacheBlock]:
         """Whole chunks before the one holding max_length are nulls; scan the rest left to right."""
         bs = self.block_size
         num_blocks = min(max_length // bs, len(block_hashes))
@@ -284,7 +284,7 @@ class MambaManager(SingleTypeKVCacheManager):
     def num_required_blocks(self, num_tokens: int) -> int:
         return self.spec.num_state_blocks if num_tokens > 0 else 0
 
-    def find_longest_cache_hit(self, block_hashes: list[int], max_length: int) -> list[KVCacheBlock]:
+    def find_longest_cache_hit(self, block_hashes: list[bytes], max_length: int) -> list[KVCacheBlock]:
         return []  # states are not cached per prefix
 
     def num_covered_tokens(self, request_id: str) -> float:

@@ -262,6 +262,8 @@ class Scheduler:
                 self.connector.update_state_after_alloc(req, self.kv.get_block_ids(req.request_id), num_external)
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
+                if self.config.enable_prefix_caching:
+                    self.kv.record_prefix_lookup(req.num_tokens, num_hit)
             if load_async:
                 req.num_computed_tokens = num_hit
                 req.num_external_computed_tokens = num_external

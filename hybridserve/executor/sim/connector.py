@@ -160,7 +160,7 @@ class SimOffloadConnector(KVConnectorBase):
                 out.invalid_block_ids.add(bid)
                 self.num_failed_blocks += 1
                 if shadow is not None:
-                    shadow.write(bid, 0, [~h] * self.block_size, "load:" + job.request_id)
+                    shadow.write(bid, 0, [~hash(h)] * self.block_size, "load:" + job.request_id)
                 continue
             self.num_loaded_blocks += 1
             if shadow is not None and content is not None:

@@ -1,0 +1,268 @@
+"""BlockPool and FreeBlockQueue: the null block, errors, free-queue order, prefix-cache map."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridserve.core.errors import BlockPoolError, ConfigError, OutOfBlocksError
+from hybridserve.core.kv.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
+
+
+def free_ids(pool: BlockPool) -> list[int]:
+    return [b.block_id for b in pool.free_queue]
+
+
+# -- the null block ---------------------------------------------------------------
+
+
+def test_null_block_is_never_handed_out() -> None:
+    pool = BlockPool(6)
+    assert pool.null_block is pool.blocks[0] and pool.null_block.is_null
+    assert free_ids(pool) == [1, 2, 3, 4, 5]
+    assert pool.num_free_blocks == 5
+    got = pool.get_new_blocks(5)
+    assert [b.block_id for b in got] == [1, 2, 3, 4, 5]
+    assert all(b.ref_cnt == 1 for b in got)
+    assert pool.null_block.ref_cnt == 0
+    with pytest.raises(OutOfBlocksError):
+        pool.get_new_blocks(1)
+
+
+def test_null_block_cannot_be_freed_cached_or_referenced() -> None:
+    pool = BlockPool(4)
+    with pytest.raises(BlockPoolError, match="null"):
+        pool.free_blocks([pool.null_block])
+    with pytest.raises(BlockPoolError, match="null"):
+        pool.cache_block(pool.null_block, 123, 0)
+    pool.touch([pool.null_block])  # a hit list may contain nulls: they are skipped
+    assert pool.null_block.ref_cnt == 0
+    assert pool.null_block.cache_key is None and not pool.cached
+    assert 0 not in free_ids(pool)
+
+
+def test_pool_needs_a_real_block() -> None:
+    with pytest.raises(ConfigError):
+        BlockPool(1)
+
+
+# -- errors -------------------------------------------------------------------------
+
+
+def test_double_free_raises() -> None:
+    pool = BlockPool(4)
+    (b,) = pool.get_new_blocks(1)
+    pool.free_blocks([b])
+    with pytest.raises(BlockPoolError, match="double free of block 1"):
+        pool.free_blocks([b])
+    assert pool.num_free_blocks == 3
+
+
+def test_asking_for_more_than_free_raises_and_changes_nothing() -> None:
+    pool = BlockPool(5)
+    pool.get_new_blocks(2)
+    before = free_ids(pool)
+    with pytest.raises(OutOfBlocksError, match="asked for 3 blocks, only 2 free"):
+        pool.get_new_blocks(3)
+    assert free_ids(pool) == before and pool.num_free_blocks == 2
+    assert isinstance(OutOfBlocksError("x"), BlockPoolError)
+
+
+def test_remove_of_block_not_in_queue_raises() -> None:
+    pool = BlockPool(4)
+    (b,) = pool.get_new_blocks(1)
+    with pytest.raises(BlockPoolError, match="not in the free queue"):
+        pool.free_queue.remove(b)
+
+
+# -- free-queue order ---------------------------------------------------------------
+
+
+def test_unhashed_freed_blocks_go_to_front_and_are_reused_first() -> None:
+    pool = BlockPool(8)
+    blocks = pool.get_new_blocks(4)  # 1..4
+    pool.free_blocks(reversed(blocks[2:]))  # tail first: 4 then 3
+    assert free_ids(pool) == [3, 4, 5, 6, 7]
+    assert [b.block_id for b in pool.get_new_blocks(2)] == [3, 4]
+
+
+def test_hashed_freed_blocks_go_to_back_longest_prefix_evicted_first() -> None:
+    pool = BlockPool(8)
+    blocks = pool.get_new_blocks(3)  # a request's table: 1, 2, 3
+    for i, b in enumerate(blocks):
+        pool.cache_block(b, 100 + i, 0)
+    pool.free_blocks(reversed(blocks))  # tail first
+    assert free_ids(pool) == [4, 5, 6, 7, 3, 2, 1]
+    # Drain the never-used blocks, then evict one cached block: the tail (longest prefix) goes.
+    pool.get_new_blocks(4)
+    (evicted,) = pool.get_new_blocks(1)
+    assert evicted.block_id == 3 and evicted.cache_key is None
+    assert pool.get_cached_block(102, 0) is None
+    assert pool.get_cached_block(101, 0) is blocks[1]
+    assert pool.get_cached_block(100, 0) is blocks[0]
+    assert (102, 0) not in pool.cached
+
+
+def test_mixed_free_keeps_unhashed_front_hashed_back() -> None:
+    pool = BlockPool(6)
+    blocks = pool.get_new_blocks(4)  # 1..4, only 1 and 2 are full (hashed) blocks
+    pool.cache_block(blocks[0], 7, 0)
+    pool.cache_block(blocks[1], 8, 0)
+    pool.free_blocks(reversed(blocks))  # 4, 3 (unhashed) then 2, 1 (hashed)
+    assert free_ids(pool) == [3, 4, 5, 2, 1]
+
+
+def test_lru_a_hit_refreshes_position() -> None:
+    pool = BlockPool(5)
+    a, b = pool.get_new_blocks(2)
+    pool.cache_block(a, 1, 0)
+    pool.cache_block(b, 2, 0)
+    pool.free_blocks([a])
+    pool.free_blocks([b])
+    assert free_ids(pool) == [3, 4, 1, 2]
+    pool.touch([pool.get_cached_block(1, 0)])  # hit on a: leaves the queue
+    assert a.ref_cnt == 1 and free_ids(pool) == [3, 4, 2]
+    pool.free_blocks([a])  # most recently used: back of the queue
+    assert free_ids(pool) == [3, 4, 2, 1]
+
+
+# -- prefix cache map ------------------------------------------------------------
+
+
+def test_stale_hash_is_evicted_when_cached_free_block_is_reused() -> None:
+    pool = BlockPool(3)
+    a, b = pool.get_new_blocks(2)
+    pool.cache_block(a, 42, 0)
+    pool.free_blocks([b, a])
+    assert pool.get_cached_block(42, 0) is a
+    got = pool.get_new_blocks(2)
+    assert [x.block_id for x in got] == [2, 1]  # unhashed b first, then cached a
+    assert a.cache_key is None and pool.get_cached_block(42, 0) is None and not pool.cached
+
+
+def test_touch_shared_and_free_cached_blocks() -> None:
+    pool = BlockPool(4)
+    a, b = pool.get_new_blocks(2)
+    pool.cache_block(a, 1, 0)
+    pool.cache_block(b, 2, 0)
+    pool.free_blocks([b])
+    pool.touch([a, b])  # a shared (ref 1 -> 2), b revived from the queue (0 -> 1)
+    assert (a.ref_cnt, b.ref_cnt) == (2, 1)
+    assert free_ids(pool) == [3] and pool.num_free_blocks == 1
+
+
+def test_same_key_on_two_blocks_stays_findable_until_both_evicted() -> None:
+    pool = BlockPool(3)
+    a, b = pool.get_new_blocks(2)  # two requests computed the same prefix
+    pool.cache_block(a, 9, 0)
+    pool.cache_block(b, 9, 0)
+    pool.cache_block(a, 9, 0)  # caching again is a no-op
+    assert set(pool.cached[(9, 0)]) == {1, 2}
+    pool.free_blocks([a, b])
+    pool.get_new_blocks(1)  # evicts a
+    assert pool.get_cached_block(9, 0) is b
+    pool.get_new_blocks(1)
+    assert pool.get_cached_block(9, 0) is None and not pool.cached
+
+
+def test_cache_key_includes_group() -> None:
+    pool = BlockPool(4)
+    a, b = pool.get_new_blocks(2)
+    pool.cache_block(a, 5, 0)
+    pool.cache_block(b, 5, 1)
+    assert pool.get_cached_block(5, 0) is a
+    assert pool.get_cached_block(5, 1) is b
+    assert pool.get_cached_block(5, 2) is None
+
+
+def test_reset_prefix_cache_refuses_while_in_use() -> None:
+    pool = BlockPool(4)
+    a, b = pool.get_new_blocks(2)
+    pool.cache_block(a, 1, 0)
+    pool.free_blocks([a])
+    assert pool.reset_prefix_cache() is False
+    assert pool.get_cached_block(1, 0) is a  # nothing forgotten
+    pool.free_blocks([b])
+    assert pool.reset_prefix_cache() is True
+    assert not pool.cached and all(x.cache_key is None for x in pool.blocks)
+    assert pool.num_free_blocks == 3
+
+
+def test_usage_fraction() -> None:
+    pool = BlockPool(5)
+    assert pool.usage == 0.0
+    got = pool.get_new_blocks(3)
+    assert pool.usage == pytest.approx(0.75)
+    pool.free_blocks(got)
+    assert pool.usage == 0.0
+
+
+def test_on_free_hook_sees_each_block_reaching_zero() -> None:
+    pool = BlockPool(4)
+    seen: list[int] = []
+    pool.on_free = seen.append
+    a, b = pool.get_new_blocks(2)
+    pool.touch([a])  # a shared: first free only drops a ref
+    pool.free_blocks([b, a])
+    assert seen == [2]
+    pool.free_blocks([a])
+    assert seen == [2, 1]
+
+
+# -- FreeBlockQueue is an intrusive list (O(1) operations) -----------------------
+
+
+class CountingBlock(KVCacheBlock):
+    """A block that counts every read of its list pointers."""
+
+    reads = 0
+
+    def __init__(self, block_id: int) -> None:
+        self._links: list[KVCacheBlock | None] = [None, None]
+        super().__init__(block_id)
+
+    @property  # type: ignore[override]
+    def prev_free(self) -> KVCacheBlock | None:
+        CountingBlock.reads += 1
+        return self._links[0]
+
+    @prev_free.setter
+    def prev_free(self, value: KVCacheBlock | None) -> None:
+        self._links[0] = value
+
+    @property  # type: ignore[override]
+    def next_free(self) -> KVCacheBlock | None:
+        CountingBlock.reads += 1
+        return self._links[1]
+
+    @next_free.setter
+    def next_free(self, value: KVCacheBlock | None) -> None:
+        self._links[1] = value
+
+
+@pytest.mark.parametrize("size", [10, 5000])
+def test_queue_operations_touch_a_constant_number_of_links(size: int) -> None:
+    """remove-from-middle, popleft and append read O(1) links whatever the queue length."""
+    blocks = [CountingBlock(i) for i in range(size)]
+    queue = FreeBlockQueue(blocks)
+    middle = blocks[size // 2]
+    CountingBlock.reads = 0
+    queue.remove(middle)
+    queue.append(middle)
+    queue.appendleft(queue.popleft())
+    assert CountingBlock.reads <= 12
+    assert queue.num_free_blocks == size
+
+
+def test_queue_remove_from_middle_relinks_neighbours() -> None:
+    blocks = [KVCacheBlock(i) for i in range(5)]
+    queue = FreeBlockQueue(blocks)
+    queue.remove(blocks[2])
+    assert [b.block_id for b in queue] == [0, 1, 3, 4]
+    assert blocks[1].next_free is blocks[3] and blocks[3].prev_free is blocks[1]
+    assert blocks[2].prev_free is None and blocks[2].next_free is None
+    queue.remove(blocks[0])
+    queue.remove(blocks[4])
+    assert [b.block_id for b in queue] == [1, 3] and queue.num_free_blocks == 2
+    assert queue.popleft() is blocks[1] and queue.popleft() is blocks[3]
+    with pytest.raises(OutOfBlocksError):
+        queue.popleft()

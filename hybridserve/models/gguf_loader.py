@@ -1,0 +1,231 @@
+"""GGUF file -> cached Hugging Face checkpoint directory (config.json, model.safetensors, tokenizer).
+
+The PyTorch runner loads Hugging Face directories, so a GGUF is converted once into one and the
+result is cached; every later start returns the cached directory without reading the GGUF.
+
+Cache layout, under `$HYBRIDSERVE_CACHE_DIR` (default `~/.cache/hybridserve`):
+
+    converted/<gguf stem>-<key>-<dtype>-v<CONVERTER_VERSION>/
+        config.json  model.safetensors  tokenizer.json  tokenizer_config.json  hybridserve-conversion.json
+
+Invariants:
+- A directory under `converted/` with that name is complete: it is written under a temporary
+  name and renamed into place as the last step (an atomic rename on one file system), so an
+  interrupted conversion leaves only a `.tmp-*` folder that is never read.
+- `<key>` identifies the GGUF's content, not its path: SHA-256 over the file size and 17 evenly
+  spaced 64 KiB windows (head and tail included), about 1 MiB read. Hashing the whole file would
+  cost a second or two per start for the default model; callers that already know a strong
+  content hash (the packaged default model) pass it as `cache_key`.
+- Bumping `CONVERTER_VERSION` orphans every old conversion (they are not reused).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hybridserve.core.errors import ConfigError
+
+CONVERTER_VERSION = 1
+CACHE_DIR_ENV_VAR = "HYBRIDSERVE_CACHE_DIR"
+CONVERSION_MARKER = "hybridserve-conversion.json"
+SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
+_KEY_WINDOW_BYTES = 64 * 1024
+_KEY_WINDOW_COUNT = 17
+# transformers tokenizer type (a model_type) per GGUF architecture; others get the generic class.
+_TOKENIZER_TYPES = {"gemma3": "gemma3_text"}
+
+
+def say(progress: bool, message: str) -> None:
+    """One line of first-start progress on stderr (stdout stays clean for generated text)."""
+    if progress:
+        print(f"hybridserve: {message}", file=sys.stderr, flush=True)
+
+
+def cache_root(cache_dir: str | Path | None = None) -> Path:
+    """The cache folder: `cache_dir`, else $HYBRIDSERVE_CACHE_DIR, else ~/.cache/hybridserve."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    from_env = os.environ.get(CACHE_DIR_ENV_VAR)
+    return Path(from_env).expanduser() if from_env else Path.home() / ".cache" / "hybridserve"
+
+
+def gguf_file_key(gguf_path: Path) -> str:
+    """A cheap content key for a GGUF file (see the module docstring); 16 hex digits."""
+    size = gguf_path.stat().st_size
+    digest = hashlib.sha256(size.to_bytes(8, "little"))
+    with gguf_path.open("rb") as file:
+        for window in range(_KEY_WINDOW_COUNT):
+            file.seek(max(0, size - _KEY_WINDOW_BYTES) * window // (_KEY_WINDOW_COUNT - 1))
+            digest.update(file.read(_KEY_WINDOW_BYTES))
+    return digest.hexdigest()[:16]
+
+
+def converted_dir(gguf_stem: str, cache_key: str, dtype: str, cache_dir: str | Path | None = None) -> Path:
+    """Where the conversion of a GGUF with this stem and key, in this dtype, lives (or would)."""
+    safe_stem = re.sub(r"[^A-Za-z0-9._-]+", "_", gguf_stem)[:80] or "model"
+    safe_key = re.sub(r"[^A-Za-z0-9._-]+", "_", cache_key)[:80]
+    return cache_root(cache_dir) / "converted" / f"{safe_stem}-{safe_key}-{dtype}-v{CONVERTER_VERSION}"
+
+
+def find_converted(gguf_stem: str, cache_key: str, dtype: str, cache_dir: str | Path | None = None) -> Path | None:
+    """The cached conversion directory if it exists and is complete, else None."""
+    target = converted_dir(gguf_stem, cache_key, dtype, cache_dir)
+    return target if (target / CONVERSION_MARKER).is_file() else None
+
+
+def has_gguf_magic(path: Path) -> bool:
+    """Whether the file at `path` starts with the 4 GGUF magic bytes."""
+    with path.open("rb") as file:
+        return file.read(4) == b"GGUF"
+
+
+def convert_gguf(
+    gguf_path: str | Path,
+    cache_dir: str | Path | None = None,
+    dtype: str = "float32",
+    progress: bool = True,
+    cache_key: str | None = None,
+) -> Path:
+    """Convert a GGUF file to a cached HF checkpoint directory and return that directory.
+
+    A second call with the same file (or `cache_key`) and dtype returns the cached directory
+    after reading about 1 MiB (nothing with `cache_key`). Raises ConfigError when the path does
+    not exist, is not a GGUF file, or holds an unsupported architecture or tensor type.
+    """
+    if dtype not in SUPPORTED_DTYPES:
+        raise ConfigError(f"dtype must be one of {', '.join(SUPPORTED_DTYPES)}, got {dtype!r}")
+    path = Path(gguf_path).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"GGUF file does not exist: {path}")
+    if not has_gguf_magic(path):
+        raise ConfigError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
+    key = cache_key or gguf_file_key(path)
+    cached = find_converted(path.stem, key, dtype, cache_dir)
+    if cached is not None:
+        return cached
+    from hybridserve.models.gguf_arch import arch_spec_for
+    from hybridserve.models.gguf_header import read_gguf_header
+
+    started = time.perf_counter()
+    header = read_gguf_header(path)
+    spec = arch_spec_for(header)
+    config = spec.build_config(header)
+    target = converted_dir(path.stem, key, dtype, cache_dir)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.parent / f".tmp-{target.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    try:
+        say(progress, f"first start: converting {path.name} ({header.architecture}) to a {dtype} checkpoint")
+        tensors = _dequantize_all(header, spec, config, progress)
+        say(progress, f"caching {len(tensors)} tensors as {dtype} safetensors in {target}")
+        _write_safetensors(tensors, staging / "model.safetensors", dtype)
+        del tensors
+        (staging / "config.json").write_text(json.dumps({**config, "torch_dtype": dtype}, indent=2) + "\n")
+        say(progress, "building the tokenizer from the GGUF's embedded vocabulary")
+        _save_tokenizer(path, header.architecture, staging)
+        marker = {
+            "converter_version": CONVERTER_VERSION,
+            "source": str(path.resolve()),
+            "source_bytes": path.stat().st_size,
+            "cache_key": key,
+            "architecture": header.architecture,
+            "dtype": dtype,
+            "conversion_seconds": round(time.perf_counter() - started, 2),
+        }
+        (staging / CONVERSION_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+        _publish(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    say(progress, f"converted in {time.perf_counter() - started:.1f} s; later starts load the cache")
+    return target
+
+
+def _publish(staging: Path, target: Path) -> None:
+    """Rename the finished staging folder into place; another process finishing first wins."""
+    try:
+        os.rename(staging, target)
+    except OSError:
+        if not (target / CONVERSION_MARKER).is_file():
+            raise
+        shutil.rmtree(staging, ignore_errors=True)  # an identical conversion is already published
+
+
+def _dequantize_all(header: Any, spec: Any, config: dict[str, Any], progress: bool) -> dict[str, np.ndarray]:
+    """Every mapped tensor as float32 with HF names and llama.cpp's fix-ups undone."""
+    from tqdm import tqdm
+
+    from hybridserve.models.gguf_header import dequantize_tensor
+
+    total_params = sum(int(np.prod(t.shape, dtype=np.int64)) for t in header.tensors)
+    tensors: dict[str, np.ndarray] = {}
+    with tqdm(
+        total=total_params, desc="hybridserve: dequantizing", unit="param", unit_scale=True,
+        disable=not progress, file=sys.stderr, leave=False,
+    ) as bar:
+        for info in header.tensors:
+            hf_name = spec.hf_name(info.name)
+            if hf_name is not None:
+                values = spec.fix_tensor(hf_name, dequantize_tensor(header, info), config)
+                # Own, writable memory: an F32 tensor is otherwise a view of the read-only file map.
+                tensors[hf_name] = np.require(values, np.float32, ["C_CONTIGUOUS", "WRITEABLE"])
+            bar.update(int(np.prod(info.shape, dtype=np.int64)))
+    return tensors
+
+
+def _write_safetensors(tensors: dict[str, np.ndarray], path: Path, dtype: str) -> None:
+    """Write in `dtype`; the "pt" format tag is what transformers requires to load the file."""
+    metadata = {"format": "pt"}
+    if dtype == "bfloat16":  # numpy has no bfloat16: go through torch for this one
+        import torch
+        from safetensors.torch import save_file as save_torch
+
+        save_torch({k: torch.from_numpy(v).to(torch.bfloat16) for k, v in tensors.items()}, str(path), metadata)
+        return
+    from safetensors.numpy import save_file as save_numpy
+
+    save_numpy({k: v.astype(dtype, copy=False) for k, v in tensors.items()}, str(path), metadata)
+
+
+def _save_tokenizer(gguf_path: Path, architecture: str, out_dir: Path) -> None:
+    """Build the tokenizer from the GGUF vocabulary with transformers and save it to `out_dir`.
+
+    transformers is pointed at a folder holding only a link to the GGUF: a tokenizer.json that
+    happens to sit next to the GGUF would otherwise take precedence over the embedded vocabulary.
+    `tokenizer_type` is passed so transformers does not parse the whole GGUF a second time to find
+    the model type (about 24 s on a 262k vocabulary).
+    """
+    try:
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    except ImportError:
+        raise ConfigError("building a tokenizer from a GGUF needs transformers: pip install 'hybridserve[gemma]'") \
+            from None
+    source_dir = out_dir / ".gguf-source"
+    source_dir.mkdir()
+    try:
+        (source_dir / gguf_path.name).symlink_to(gguf_path.resolve())
+    except OSError:  # no symlinks (some Windows setups): use the GGUF's own folder
+        source_dir.rmdir()
+        source_dir = gguf_path.parent
+    try:
+        common: dict[str, Any] = {"gguf_file": gguf_path.name, "local_files_only": True}
+        tokenizer_type = _TOKENIZER_TYPES.get(architecture)
+        if tokenizer_type is not None:
+            tokenizer = AutoTokenizer.from_pretrained(str(source_dir), tokenizer_type=tokenizer_type, **common)
+        else:
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(str(source_dir), **common)
+    finally:
+        if source_dir != gguf_path.parent:
+            shutil.rmtree(source_dir)
+    tokenizer.save_pretrained(str(out_dir))

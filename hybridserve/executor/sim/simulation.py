@@ -15,13 +15,13 @@ the bottleneck. The clock never goes backwards.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from tqdm import tqdm
 
 from hybridserve.core.errors import ConfigError, HybridServeError
-from hybridserve.core.kv.spec import KVCacheConfig, KVCacheGroup, SlidingWindowSpec, ChunkedLocalAttentionSpec, MambaSpec
+from hybridserve.core.kv.spec import KVCacheConfig
 from hybridserve.core.sched.config import SchedulerConfig
 from hybridserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from hybridserve.core.sched.scheduler import Scheduler
@@ -30,13 +30,15 @@ from hybridserve.engine.loop import EngineCore
 from hybridserve.executor.sim.cost_model import CostModel
 from hybridserve.executor.sim.executor import SimExecutor
 from hybridserve.executor.sim.presets import get_gpu, get_layout, load_presets
-from hybridserve.executor.sim.report import SimReport, TimeSeries, percentiles
+from hybridserve.executor.sim.recorder import RunRecorder, config_dict
+from hybridserve.executor.sim.report import SimReport, plot, print_summary
 from hybridserve.executor.sim.workload import WorkloadItem, to_requests
+
+__all__ = ["SimConfig", "SimReport", "SimulationError", "TimedExecutor", "build_kv_cache_config", "plot",
+           "print_summary", "run_simulation"]
 
 # Consecutive engine iterations without a processed step or arrival before giving up.
 MAX_IDLE_ITERATIONS = 100_000
-# KV usage per group is sampled at most about this many times per run (stride doubles).
-MAX_KV_SAMPLES = 4096
 
 
 class SimulationError(HybridServeError, RuntimeError):
@@ -61,6 +63,10 @@ class SimConfig:
     num_speculative_tokens: int = 0
     acceptance_rate: float = 0.7
     enable_prefix_caching: bool = True
+    # Admit a request only if its whole sequence fits by the admission caps now.
+    full_sequence_must_fit: bool = False
+    # None: derived by SchedulerConfig (concurrent batches * max_num_batched_tokens).
+    max_in_flight_tokens: int | None = None
     connector: bool = False
     connector_capacity_blocks: int = 4096
     connector_max_delay_steps: int = 3
@@ -72,36 +78,24 @@ class SimConfig:
 
     def resolve_max_model_len(self, items: list[WorkloadItem]) -> int:
         layout = get_layout(self.model_layout)
-        longest = max(it.prompt_len + it.output_len for it in items)
+        longest_item = max(items, key=lambda it: it.prompt_len + it.output_len)
+        longest = longest_item.prompt_len + longest_item.output_len
         if self.max_model_len is not None:
             if self.max_model_len < 2:
                 raise ConfigError(f"--max-model-len must be >= 2, got {self.max_model_len}")
             for it in items:
                 if it.prompt_len + it.output_len > self.max_model_len:
                     raise ConfigError(
-                        f"--max-model-len {self.max_model_len} is shorter than request {it.index}: prompt "
+                        f"--max-model-len {self.max_model_len} is shorter than {it.describe()}: prompt "
                         f"{it.prompt_len} + output {it.output_len} tokens"
                     )
             return self.max_model_len
         if longest > layout.max_position_embeddings:
             raise ConfigError(
-                f"a request of {longest} tokens exceeds {layout.name}'s {layout.max_position_embeddings} positions"
+                f"{longest_item.describe()} has {longest} tokens, more than {layout.name}'s "
+                f"{layout.max_position_embeddings} positions"
             )
         return max(8192, longest)
-
-
-def group_label(index: int, group: KVCacheGroup) -> str:
-    """A short name for a KV cache group, e.g. 'g0 sliding W=1024 (52 layers)'."""
-    spec = group.spec
-    if isinstance(spec, SlidingWindowSpec):
-        kind = f"sliding W={spec.sliding_window}"
-    elif isinstance(spec, ChunkedLocalAttentionSpec):
-        kind = f"chunked C={spec.attention_chunk_size}"
-    elif isinstance(spec, MambaSpec):
-        kind = "mamba"
-    else:
-        kind = "full"
-    return f"g{index} {kind} ({len(group.layer_names)} layers)"
 
 
 def build_kv_cache_config(cfg: SimConfig) -> KVCacheConfig:
@@ -151,9 +145,13 @@ class TimedExecutor(Executor):
 
     def execute(self, scheduler_output: SchedulerOutput) -> Any:
         handle = self.inner.execute(scheduler_output)
+        t = self.clock.now + self.cpu_overhead_s
+        if not scheduler_output.requests:
+            # An empty step launches no GPU work: it only takes the CPU's time, so idle
+            # polling (e.g. for connector loads) lets simulated time pass.
+            return (handle, t + self.cost.overheads.fixed_step_overhead_s)
         batch = [(r.num_computed_tokens, r.num_scheduled_tokens) for r in scheduler_output.requests]
         stage_time = self.cost.step_time(batch) / self.pp + self.stage_overhead_s
-        t = self.clock.now + self.cpu_overhead_s
         free = self.stage_free
         for s in range(self.pp):
             t = (t if t > free[s] else free[s]) + stage_time
@@ -204,6 +202,8 @@ def run_simulation(sim_config: SimConfig, items: list[WorkloadItem], progress: b
         pipeline_parallel_size=cfg.pipeline_parallel_size,
         num_speculative_tokens=cfg.num_speculative_tokens,
         enable_prefix_caching=cfg.enable_prefix_caching,
+        full_sequence_must_fit=cfg.full_sequence_must_fit,
+        max_in_flight_tokens_override=cfg.max_in_flight_tokens,
     )
     kv_config = build_kv_cache_config(cfg)
     connector = _make_connector(cfg, kv_config)
@@ -223,30 +223,22 @@ def run_simulation(sim_config: SimConfig, items: list[WorkloadItem], progress: b
     engine = EngineCore(scheduler, timed)
 
     requests = sorted(to_requests(items, cfg.seed, layout.vocab_size), key=lambda r: r.arrival_time)
-    n = len(requests)
-    slot = {r.request_id: k for k, r in enumerate(requests)}
     arrival = [r.arrival_time for r in requests]
-    first_token = [-1.0] * n
-    finish = [-1.0] * n
-    num_out = [0] * n
-    rejected = 0
-    series = TimeSeries(kv_usage=[[] for _ in kv_config.groups])
-    kv_stride, next_kv_sample = 1, 0
+    rec = RunRecorder(requests, len(kv_config.groups))
+    n = len(requests)
     bar = tqdm(total=n, unit="req", disable=not progress, leave=False, desc=cfg.label)
-    clock.now = arrival[0]
-    start_time = arrival[0]
+    clock.now = start_time = arrival[0]
     i = idle = 0
     try:
         while i < n or engine.has_unfinished_requests():
             while i < n and arrival[i] <= clock.now:
                 out = engine.add_request(requests[i])
                 if out is not None and out.finished:
-                    rejected += 1
-                    finish[i] = clock.now
+                    rec.rejected(i, clock.now)
                     bar.update(1)
                 i += 1
             if not engine.has_unfinished_requests():
-                clock.now = max(clock.now, arrival[i])
+                clock.now = max(clock.now, arrival[i])  # idle until the next arrival
                 continue
             so, outs = engine.step()
             if so is None or (so.is_empty() and not outs):
@@ -259,116 +251,13 @@ def run_simulation(sim_config: SimConfig, items: list[WorkloadItem], progress: b
                     clock.now += cost.overheads.fixed_step_overhead_s
                 continue
             idle = 0
-            now = clock.now
-            produced = done = 0
-            for o in outs:
-                k = slot[o.request_id]
-                if o.new_token_ids:
-                    produced += len(o.new_token_ids)
-                    if first_token[k] < 0:
-                        first_token[k] = now
-                    num_out[k] += len(o.new_token_ids)
-                if o.finished:
-                    finish[k] = now
-                    done += 1
+            done = rec.step(clock.now, outs, scheduler)
             if done:
                 bar.update(done)
-            series.time.append(now)
-            series.running.append(len(scheduler.running))
-            series.waiting.append(len(scheduler.waiting))
-            series.output_tokens.append(produced)
-            step_index = len(series.time) - 1
-            if step_index >= next_kv_sample:
-                _sample_kv(series, scheduler, now)
-                if len(series.kv_time) >= MAX_KV_SAMPLES:
-                    _halve_kv_samples(series)
-                    kv_stride *= 2
-                next_kv_sample = step_index + kv_stride
     finally:
         bar.close()
         timed.shutdown()
-    _sample_kv(series, scheduler, clock.now)
-    violations = list(getattr(sim_exec, "violations", []))
-    return _make_report(cfg, max_model_len, kv_config, scheduler, series, arrival, first_token, finish,
-                        num_out, requests, rejected, clock.now - start_time, time.perf_counter() - wall_start,
-                        violations)
-
-
-def _sample_kv(series: TimeSeries, scheduler: Scheduler, now: float) -> None:
-    series.kv_time.append(now)
-    for g, usage in enumerate(scheduler.kv_cache_manager.group_usage()):
-        series.kv_usage[g].append(usage)
-
-
-def _halve_kv_samples(series: TimeSeries) -> None:
-    series.kv_time = series.kv_time[::2]
-    series.kv_usage = [u[::2] for u in series.kv_usage]
-
-
-def _time_weighted_mean(times: list[float], values: list[float]) -> float:
-    """Mean of a step function that holds values[i] from times[i] to times[i+1]."""
-    if not values:
-        return 0.0
-    if len(values) == 1 or times[-1] <= times[0]:
-        return sum(values) / len(values)
-    total = sum(v * (t1 - t0) for v, t0, t1 in zip(values, times, times[1:]))
-    return total / (times[-1] - times[0])
-
-
-def _make_report(
-    cfg: SimConfig, max_model_len: int, kv_config: KVCacheConfig, scheduler: Scheduler, series: TimeSeries,
-    arrival: list[float], first_token: list[float], finish: list[float], num_out: list[int],
-    requests: list[Any], rejected: int, sim_time: float, wall_time: float, violations: list[Any],
-) -> SimReport:
-    ttft, tpot, e2e = [], [], []
-    finished = 0
-    for k in range(len(arrival)):
-        if finish[k] < 0 or num_out[k] == 0:
-            continue
-        finished += 1
-        ttft.append(first_token[k] - arrival[k])
-        e2e.append(finish[k] - arrival[k])
-        if num_out[k] > 1:
-            tpot.append((finish[k] - first_token[k]) / (num_out[k] - 1))
-    out_tokens = sum(num_out)
-    prompt_tokens = sum(r.num_prompt_tokens for r, o in zip(requests, num_out) if o)
-    span = sim_time if sim_time > 0 else float("nan")
-    stats = scheduler.stats
-    kv = scheduler.kv_cache_manager
-    config = asdict(cfg)
-    config["max_model_len"] = max_model_len
-    config["max_in_flight_tokens"] = scheduler.config.max_in_flight_tokens
-    return SimReport(
-        label=cfg.label,
-        config=config,
-        num_requests=len(arrival),
-        num_finished=finished,
-        num_rejected=rejected,
-        sim_time_s=sim_time,
-        wall_time_s=wall_time,
-        num_steps=len(series.time),
-        prompt_tokens=prompt_tokens,
-        output_tokens=out_tokens,
-        output_tokens_per_s=out_tokens / span,
-        total_tokens_per_s=(out_tokens + prompt_tokens) / span,
-        ttft_s=percentiles(ttft),
-        tpot_s=percentiles(tpot),
-        e2e_s=percentiles(e2e),
-        mean_running=_time_weighted_mean(series.time, [float(x) for x in series.running]),
-        max_running=max(series.running, default=0),
-        num_preemptions=stats.num_preemptions,
-        num_blocks=kv_config.num_blocks,
-        kv_groups=[group_label(g, grp) for g, grp in enumerate(kv_config.groups)],
-        kv_peak_usage=[max(u, default=0.0) for u in series.kv_usage],
-        kv_mean_usage=[_time_weighted_mean(series.kv_time, u) for u in series.kv_usage],
-        pool_peak_usage=max((sum(col) for col in zip(*series.kv_usage)), default=0.0),
-        prefix_cache_hit_rate=kv.prefix_cache_stats.hit_rate,
-        spec_acceptance_rate=stats.acceptance_rate,
-        violations=len(violations),
-        violation_examples=[str(v) for v in violations[:20]],
-        series=series,
-    )
-
-
-def with_label(cfg: SimConfig, label: str) -> SimConfig:
-    return replace(cfg, label=label)
+    rec.sample_kv(clock.now, scheduler)
+    config = config_dict(cfg, max_model_len=max_model_len, max_in_flight_tokens=sched_cfg.max_in_flight_tokens)
+    return rec.report(config, cfg.label, kv_config, scheduler, clock.now - start_time,
+                      time.perf_counter() - wall_start, list(sim_exec.violations))

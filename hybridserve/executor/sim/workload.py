@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -82,8 +82,8 @@ class WorkloadSpec:
     """A generated workload. arrival_rate None (or inf) means every request arrives at t=0."""
 
     num_requests: int = 200
-    prompt_len: LengthDistribution = LengthDistribution("uniform", 256, 2048)
-    output_len: LengthDistribution = LengthDistribution("uniform", 64, 512)
+    prompt_len: LengthDistribution = LengthDistribution("uniform", 128, 1024)
+    output_len: LengthDistribution = LengthDistribution("uniform", 32, 256)
     arrival_rate: float | None = None
     num_prefix_groups: int = 0
     prefix_len: int = 0
@@ -130,6 +130,11 @@ class WorkloadItem:
     arrival_time: float
     prefix_id: str | None = None
     prefix_len: int = 0
+    # Where the item came from ("trace.jsonl:3"), for error messages; "" when generated.
+    origin: str = ""
+
+    def describe(self) -> str:
+        return f"request {self.index}" + (f" ({self.origin})" if self.origin else "")
 
 
 def generate(spec: WorkloadSpec, seed: int = 0) -> list[WorkloadItem]:
@@ -184,7 +189,7 @@ def _parse_trace_line(text: str, where: str, index: int) -> tuple[WorkloadItem, 
     if plen is not None and pid is None:
         raise WorkloadError(f"{where}: 'prefix_len' given without 'prefix_id'")
     assert prompt_len is not None and output_len is not None  # required fields
-    item = WorkloadItem(index, prompt_len, output_len, float(arrival), None if pid is None else str(pid))
+    item = WorkloadItem(index, prompt_len, output_len, float(arrival), None if pid is None else str(pid), 0, where)
     return item, plen
 
 
@@ -215,10 +220,7 @@ def load_trace(path: str | Path, default_prefix_len: int | None = None) -> list[
         if item.prefix_id is not None:
             if plen is None:
                 plen = default_prefix_len if default_prefix_len is not None else shortest[item.prefix_id]
-            item = WorkloadItem(
-                item.index, item.prompt_len, item.output_len, item.arrival_time, item.prefix_id,
-                min(plen, item.prompt_len),
-            )
+            item = replace(item, prefix_len=min(plen, item.prompt_len))
         items.append(item)
     items.sort(key=lambda it: it.arrival_time)
     return items

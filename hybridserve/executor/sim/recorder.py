@@ -1,0 +1,180 @@
+"""Per-request timings and per-step samples of one simulation run, turned into a SimReport.
+
+Invariants: a request's first-token time is the clock when its first token was processed,
+its finish time the clock when its finishing output was processed; every processed step
+appends exactly one sample to each per-step series. KV usage per group is sampled with a
+stride that doubles whenever MAX_KV_SAMPLES is reached and grows with the blocks held,
+so long runs and big pools stay cheap; the stride depends only on simulated state, so
+identical runs record identical samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from hybridserve.core.kv.spec import ChunkedLocalAttentionSpec, KVCacheConfig, KVCacheGroup, MambaSpec, SlidingWindowSpec
+from hybridserve.core.request import Request
+from hybridserve.core.sched.output import RequestOutput
+from hybridserve.core.sched.scheduler import Scheduler
+from hybridserve.executor.sim.report import SimReport, TimeSeries, percentiles
+
+MAX_KV_SAMPLES = 4096
+# A sample walks every held block; space samples so that, per step, sampling costs about
+# as much as walking this many blocks.
+KV_SAMPLE_BLOCKS_PER_STEP = 2048
+
+
+def group_label(index: int, group: KVCacheGroup) -> str:
+    """A short name for a KV cache group, e.g. 'g0 sliding W=1024 (52 layers)'."""
+    spec = group.spec
+    if isinstance(spec, SlidingWindowSpec):
+        kind = f"sliding W={spec.sliding_window}"
+    elif isinstance(spec, ChunkedLocalAttentionSpec):
+        kind = f"chunked C={spec.attention_chunk_size}"
+    elif isinstance(spec, MambaSpec):
+        kind = "mamba"
+    else:
+        kind = "full"
+    return f"g{index} {kind} ({len(group.layer_names)} layers)"
+
+
+def group_usage(scheduler: Scheduler) -> list[float]:
+    """Per group, the fraction of allocatable blocks its block tables hold.
+
+    Blocks shared by several requests (prefix-cache hits) count once, so a group never
+    exceeds 100%; the null block does not count. The set is built by C-level
+    `set.update` per table, which keeps sampling cheap on pools of many blocks.
+    """
+    kv = scheduler.kv_cache_manager
+    total = kv.pool.num_blocks - 1
+    usage = []
+    for m in kv.coordinator.managers:
+        held: set[Any] = set()
+        for blocks in m.req_to_blocks.values():
+            held.update(blocks)
+        held.discard(kv.pool.null_block)
+        usage.append(len(held) / total)
+    return usage
+
+
+def time_weighted_mean(times: list[float], values: list[float]) -> float:
+    """Mean of a step function that holds values[i] from times[i] to times[i+1]."""
+    if not values:
+        return 0.0
+    if len(values) == 1 or times[-1] <= times[0]:
+        return sum(values) / len(values)
+    total = sum(v * (t1 - t0) for v, t0, t1 in zip(values, times, times[1:]))
+    return total / (times[-1] - times[0])
+
+
+class RunRecorder:
+    def __init__(self, requests: list[Request], num_groups: int) -> None:
+        self.requests = requests
+        n = len(requests)
+        self.slot = {r.request_id: k for k, r in enumerate(requests)}
+        self.arrival = [r.arrival_time for r in requests]
+        self.first_token = [-1.0] * n
+        self.finish = [-1.0] * n
+        self.num_out = [0] * n
+        self.num_rejected = 0
+        self.series = TimeSeries(kv_usage=[[] for _ in range(num_groups)])
+        self._kv_stride = 1
+        self._next_kv_sample = 0
+
+    def rejected(self, index: int, now: float) -> None:
+        self.num_rejected += 1
+        self.finish[index] = now
+
+    def step(self, now: float, outputs: list[RequestOutput], scheduler: Scheduler) -> int:
+        """Record one processed step; returns how many requests it finished."""
+        produced = done = 0
+        slot, first, num_out = self.slot, self.first_token, self.num_out
+        for o in outputs:
+            k = slot[o.request_id]
+            if o.new_token_ids:
+                produced += len(o.new_token_ids)
+                if first[k] < 0:
+                    first[k] = now
+                num_out[k] += len(o.new_token_ids)
+            if o.finished:
+                self.finish[k] = now
+                done += 1
+        s = self.series
+        s.time.append(now)
+        s.running.append(len(scheduler.running))
+        s.waiting.append(len(scheduler.waiting))
+        s.output_tokens.append(produced)
+        index = len(s.time) - 1
+        if index >= self._next_kv_sample:
+            held = self.sample_kv(now, scheduler)
+            if len(s.kv_time) >= MAX_KV_SAMPLES:
+                s.kv_time = s.kv_time[::2]
+                s.kv_usage = [u[::2] for u in s.kv_usage]
+                self._kv_stride *= 2
+            self._next_kv_sample = index + max(self._kv_stride, 1 + held // KV_SAMPLE_BLOCKS_PER_STEP)
+        return done
+
+    def sample_kv(self, now: float, scheduler: Scheduler) -> int:
+        """Record every group's usage at `now`; returns the blocks the tables hold."""
+        self.series.kv_time.append(now)
+        usage = group_usage(scheduler)
+        for g, u in enumerate(usage):
+            self.series.kv_usage[g].append(u)
+        return round(sum(usage) * (scheduler.kv_cache_manager.pool.num_blocks - 1))
+
+    def report(
+        self, config: dict[str, Any], label: str, kv_config: KVCacheConfig, scheduler: Scheduler,
+        sim_time: float, wall_time: float, violations: list[Any],
+    ) -> SimReport:
+        ttft, tpot, e2e = [], [], []
+        finished = prompt_tokens = 0
+        for k, req in enumerate(self.requests):
+            if self.finish[k] < 0 or self.num_out[k] == 0:
+                continue
+            finished += 1
+            prompt_tokens += req.num_prompt_tokens
+            ttft.append(self.first_token[k] - self.arrival[k])
+            e2e.append(self.finish[k] - self.arrival[k])
+            if self.num_out[k] > 1:
+                tpot.append((self.finish[k] - self.first_token[k]) / (self.num_out[k] - 1))
+        out_tokens = sum(self.num_out)
+        span = sim_time if sim_time > 0 else float("nan")
+        s, stats = self.series, scheduler.stats
+        return SimReport(
+            label=label,
+            config=config,
+            num_requests=len(self.requests),
+            num_finished=finished,
+            num_rejected=self.num_rejected,
+            sim_time_s=sim_time,
+            wall_time_s=wall_time,
+            num_steps=len(s.time),
+            prompt_tokens=prompt_tokens,
+            output_tokens=out_tokens,
+            output_tokens_per_s=out_tokens / span,
+            total_tokens_per_s=(out_tokens + prompt_tokens) / span,
+            ttft_s=percentiles(ttft),
+            tpot_s=percentiles(tpot),
+            e2e_s=percentiles(e2e),
+            mean_running=time_weighted_mean(s.time, [float(x) for x in s.running]),
+            max_running=max(s.running, default=0),
+            num_preemptions=stats.num_preemptions,
+            num_blocks=kv_config.num_blocks,
+            kv_groups=[group_label(g, grp) for g, grp in enumerate(kv_config.groups)],
+            kv_peak_usage=[max(u, default=0.0) for u in s.kv_usage],
+            kv_mean_usage=[time_weighted_mean(s.kv_time, u) for u in s.kv_usage],
+            pool_peak_usage=max((sum(col) for col in zip(*s.kv_usage)), default=0.0),
+            prefix_cache_hit_rate=scheduler.kv_cache_manager.prefix_cache_stats.hit_rate,
+            spec_acceptance_rate=stats.acceptance_rate,
+            violations=len(violations),
+            violation_examples=[str(v) for v in violations[:20]],
+            series=s,
+        )
+
+
+def config_dict(cfg: Any, **resolved: Any) -> dict[str, Any]:
+    """The run's configuration as JSON-ready dict, with values resolved at run time."""
+    d = asdict(cfg)
+    d.update(resolved)
+    return d

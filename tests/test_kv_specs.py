@@ -18,6 +18,7 @@ from hybridserve.core.kv.spec import (
     MambaSpec,
     SlidingWindowSpec,
     blocks_per_request,
+    bytes_per_block,
     group_layers,
 )
 
@@ -145,15 +146,17 @@ def test_group_layers_5_to_1_makes_six_groups_of_three() -> None:
     assert sorted(names) == sorted(layers) and len(set(names)) == 18
 
 
-def test_group_layers_uneven_keeps_one_group_per_spec() -> None:
-    # 4 sliding + 3 full: 4 % 3 != 0, so no split.
+def test_group_layers_uneven_splits_in_groups_of_the_smallest_count() -> None:
+    # 4 sliding + 3 full: groups of 3, the last sliding group holds 1 layer.
     layers: dict[str, KVCacheSpec] = {f"s{i}": sliding() for i in range(4)}
     layers.update({f"f{i}": full() for i in range(3)})
     groups = group_layers(layers)
     assert [(type(g.spec), len(g.layer_names)) for g in groups] == [
-        (SlidingWindowSpec, 4),
+        (SlidingWindowSpec, 3),
+        (SlidingWindowSpec, 1),
         (FullAttentionSpec, 3),
     ]
+    assert bytes_per_block(groups) == 3 * full().page_size_bytes
 
 
 def test_group_layers_distinct_windows_are_distinct_groups() -> None:

@@ -186,3 +186,21 @@ def test_output_naming_unknown_request_is_rejected_without_side_effects():
 def test_pool_too_small_for_one_request_is_a_config_error():
     with pytest.raises(ConfigError, match="need at least 17"):
         make_scheduler(num_blocks=10, max_model_len=256)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_full_sequence_must_fit_reserves_growth_so_nothing_is_preempted(async_scheduling):
+    def run(must_fit):
+        sched = make_scheduler(
+            kv_specs=[FullAttentionSpec(16, 1, 8), SlidingWindowSpec(16, 1, 8, sliding_window=32)],
+            num_blocks=60, max_model_len=256, max_num_batched_tokens=64, async_scheduling=async_scheduling,
+            full_sequence_must_fit=must_fit,
+        )
+        reqs = make_requests(8, 60, max_tokens=100)
+        for r in reqs:
+            sched.add_request(r)
+        drain(sched)
+        assert all(len(r.output_token_ids) == 100 for r in reqs)
+        return sched.stats.num_preemptions
+    assert run(False) > 0
+    assert run(True) == 0

@@ -110,11 +110,15 @@ class KVCacheManager:
         num_external_computed_tokens: int = 0,
         delay_cache_blocks: bool = False,
         full_sequence_must_fit: bool = False,
+        num_reserved_blocks: int = 0,
     ) -> BlocksPerGroup | None:
         """Give the request slots for num_new_tokens (+ lookahead) more tokens.
 
         Returns the newly allocated blocks per group, or None if they do not fit; a None
         changes nothing beyond freeing out-of-window blocks on the processed basis.
+        With full_sequence_must_fit, the request's peak by the admission caps must fit in
+        the free blocks left after `num_reserved_blocks` (what admitted requests will
+        still grow by, see `outstanding_blocks`).
         """
         rid = request.request_id
         mml = self.max_model_len
@@ -142,7 +146,7 @@ class KVCacheManager:
         self._forget(rid)
         result = self._allocate_slots(
             request, total_computed, num_new_tokens, num_tokens_need_slot, basis, new_computed_blocks,
-            delay_cache_blocks, full_sequence_must_fit,
+            delay_cache_blocks, full_sequence_must_fit, num_reserved_blocks,
         )
         if result is not None:
             self._slack[rid] = self.coordinator.slack(rid)
@@ -159,6 +163,7 @@ class KVCacheManager:
         new_computed_blocks: BlocksPerGroup | None,
         delay_cache_blocks: bool,
         full_sequence_must_fit: bool,
+        num_reserved_blocks: int,
     ) -> BlocksPerGroup | None:
         rid = request.request_id
         managers = self.coordinator.managers
@@ -177,12 +182,9 @@ class KVCacheManager:
         if num_needed > num_free:
             return None
         if full_sequence_must_fit:
-            n = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
-            peak = self.coordinator.full_sequence_blocks(
-                n, self.max_in_flight_tokens, self.max_model_len, self.window_tail
-            )
             shared_hits = sum(1 for g in hits or () for b in g if b.ref_cnt > 0 and not b.is_null)
-            if peak - shared_hits > num_free:
+            held = sum(m.num_real_blocks.get(rid, 0) for m in managers)
+            if self.peak_blocks(request) - held - shared_hits + num_reserved_blocks > num_free:
                 return None
 
         if hits is not None:
@@ -193,6 +195,20 @@ class KVCacheManager:
         if self.enable_caching and not delay_cache_blocks:
             self.coordinator.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
         return new_blocks
+
+    def peak_blocks(self, request: Request) -> int:
+        """Blocks the request holds at its peak (prompt + max_tokens), by the admission caps."""
+        n = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
+        return self.coordinator.full_sequence_blocks(n, self.max_in_flight_tokens, self.max_model_len, self.window_tail)
+
+    def outstanding_blocks(self, requests: list[Request]) -> int:
+        """How many more blocks these requests may still take before their peaks."""
+        managers = self.coordinator.managers
+        total = 0
+        for r in requests:
+            held = sum(m.num_real_blocks.get(r.request_id, 0) for m in managers)
+            total += max(0, self.peak_blocks(r) - held)
+        return total
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int) -> None:
         self._forget(request_id)

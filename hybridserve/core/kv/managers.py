@@ -46,6 +46,8 @@ class SingleTypeKVCacheManager:
         self.num_cached_blocks: dict[str, int] = {}
         # Length of each table's null prefix, reported to the executor.
         self.num_null_blocks: dict[str, int] = {}
+        # Real (non-null) blocks in each table, kept incrementally for admission.
+        self.num_real_blocks: dict[str, int] = {}
 
     # -- the hook -------------------------------------------------------------
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
@@ -80,6 +82,7 @@ class SingleTypeKVCacheManager:
                 nulls += 1
             self.num_null_blocks[request_id] = nulls
             self.num_cached_blocks[request_id] = len(blocks)
+            self.num_real_blocks[request_id] = sum(1 for b in blocks if not b.is_null)
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int, chunk_start: int = 0) -> list[KVCacheBlock]:
         """Blocks for positions up to num_tokens; returns the new table entries (nulls included)."""
@@ -89,12 +92,15 @@ class SingleTypeKVCacheManager:
             return []
         if self.window_tail is None:
             new = self.pool.get_new_blocks(n)
+            num_real = n
         else:
             first = len(blocks)
             real = [self.is_real(i, chunk_start, num_tokens) for i in range(first, first + n)]
-            fresh = iter(self.pool.get_new_blocks(sum(real)))
+            num_real = sum(real)
+            fresh = iter(self.pool.get_new_blocks(num_real))
             new = [next(fresh) if r else self.pool.null_block for r in real]
         blocks.extend(new)
+        self.num_real_blocks[request_id] = self.num_real_blocks.get(request_id, 0) + num_real
         return new
 
     # Window-tail allocation: set by the KV cache manager for sliding-window groups.
@@ -148,6 +154,7 @@ class SingleTypeKVCacheManager:
             blocks[i] = null
         self.pool.free_blocks(removed)
         self.num_null_blocks[request_id] = end
+        self.num_real_blocks[request_id] -= len(removed)
 
     def next_free_basis(self, request_id: str) -> float:
         """Smallest processed count at which remove_skipped_blocks frees another block.
@@ -187,6 +194,7 @@ class SingleTypeKVCacheManager:
         blocks = self.req_to_blocks.pop(request_id, [])
         self.num_cached_blocks.pop(request_id, None)
         self.num_null_blocks.pop(request_id, None)
+        self.num_real_blocks.pop(request_id, None)
         return [b for b in reversed(blocks) if not b.is_null]
 
     # -- prefix cache -----------------------------------------------------------

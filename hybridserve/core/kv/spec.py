@@ -267,10 +267,12 @@ def blocks_per_request(
 
 
 def group_layers(layer_specs: dict[str, KVCacheSpec]) -> tuple[KVCacheGroup, ...]:
-    """Group layers by spec; split big groups so every group has the same number of layers.
+    """Group layers by spec, in groups of at most g layers, g = the smallest spec's count.
 
-    Equal group sizes let layer j of every group share slot tensor j (see KVCacheConfig).
-    A 5:1 sliding/global model of 18 layers becomes 1 full + 5 sliding groups of 3 layers.
+    Layer j of every group shares slot tensor j (see KVCacheConfig), so a block costs
+    g pages. A 5:1 sliding/global model of 18 layers becomes 1 full + 5 sliding groups of
+    3 layers; 52 sliding + 10 full layers become 6 sliding groups (the last of 2 layers)
+    and 1 full group of 10, so a block costs 10 pages, not 52.
     """
     if not layer_specs:
         raise ConfigError("a model needs at least one KV cache layer")
@@ -281,9 +283,6 @@ def group_layers(layer_specs: dict[str, KVCacheSpec]) -> tuple[KVCacheGroup, ...
     for name, spec in layer_specs.items():
         by_spec.setdefault(spec, []).append(name)
     size = min(len(v) for v in by_spec.values())
-    # Only split when every group divides evenly; otherwise keep one group per spec.
-    if any(len(v) % size for v in by_spec.values()):
-        return tuple(KVCacheGroup(s, tuple(v)) for s, v in by_spec.items())
     groups: list[KVCacheGroup] = []
     for spec, names in by_spec.items():
         for i in range(0, len(names), size):

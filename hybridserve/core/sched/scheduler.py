@@ -221,6 +221,8 @@ class Scheduler:
     ) -> int:
         cfg = self.config
         skipped: list[Request] = []
+        # Full-sequence admission reserves what admitted requests will still grow by.
+        reserved = self.kv.outstanding_blocks(self.running) if cfg.full_sequence_must_fit and self.waiting else 0
         while len(self.waiting) and budget > 0 and len(self.running) < cfg.max_num_seqs:
             req = self.waiting.peek()
             if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
@@ -254,9 +256,12 @@ class Scheduler:
                 num_external_computed_tokens=num_external,
                 delay_cache_blocks=load_async,
                 full_sequence_must_fit=cfg.full_sequence_must_fit,
+                num_reserved_blocks=reserved,
             )
             if new_blocks is None:
                 break
+            if cfg.full_sequence_must_fit:
+                reserved += self.kv.outstanding_blocks([req])
             self.waiting.pop()
             if self.connector is not None:
                 self.connector.update_state_after_alloc(req, self.kv.get_block_ids(req.request_id), num_external)

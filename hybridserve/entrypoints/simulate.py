@@ -67,6 +67,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     eng.add_argument("--enable-prefix-caching", action=BOA, default=True)
     eng.add_argument("--full-sequence-must-fit", action=BOA, default=False,
                      help="admit a request only if prompt + max_tokens fit by the admission caps")
+    eng.add_argument("--window-tail", dest="window_tail_allocation", action=BOA, default=None,
+                     help="sliding-window groups hold only the window and each chunk's tail (default: on)")
     eng.add_argument("--max-in-flight-tokens", type=int, default=None,
                      help="override the in-flight allowance (default: concurrent batches * max-num-batched-tokens)")
     eng.add_argument("--connector", action=BOA, default=False, help="simulated CPU KV offload connector")
@@ -160,7 +162,8 @@ def sim_config_from_args(a: argparse.Namespace, label: str) -> Any:
         async_scheduling=a.async_scheduling, pipeline_parallel_size=a.pipeline_parallel_size,
         num_speculative_tokens=a.num_speculative_tokens, acceptance_rate=a.acceptance_rate,
         enable_prefix_caching=a.enable_prefix_caching, full_sequence_must_fit=a.full_sequence_must_fit,
-        max_in_flight_tokens=a.max_in_flight_tokens, connector=a.connector,
+        max_in_flight_tokens=a.max_in_flight_tokens, window_tail_allocation=a.window_tail_allocation,
+        connector=a.connector,
         connector_capacity_blocks=a.connector_capacity_blocks, connector_max_delay_steps=a.connector_max_delay_steps,
         connector_failure_rate=a.connector_failure_rate, detector=a.detector,
         unsafe_optimistic_free=a.unsafe_optimistic_free, seed=a.seed, label=label,

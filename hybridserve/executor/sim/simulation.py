@@ -26,7 +26,7 @@ from hybridserve.core.sched.config import SchedulerConfig
 from hybridserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from hybridserve.core.sched.scheduler import Scheduler
 from hybridserve.engine.executor import Executor
-from hybridserve.engine.loop import EngineCore
+from hybridserve.engine.loop import build_engine
 from hybridserve.executor.sim.cost_model import CostModel
 from hybridserve.executor.sim.executor import SimExecutor
 from hybridserve.executor.sim.presets import get_gpu, get_layout, load_presets
@@ -67,6 +67,8 @@ class SimConfig:
     full_sequence_must_fit: bool = False
     # None: derived by SchedulerConfig (concurrent batches * max_num_batched_tokens).
     max_in_flight_tokens: int | None = None
+    # None: on (the simulated executor computes in-chunk attention from the batch).
+    window_tail_allocation: bool | None = None
     connector: bool = False
     connector_capacity_blocks: int = 4096
     connector_max_delay_steps: int = 3
@@ -204,10 +206,10 @@ def run_simulation(sim_config: SimConfig, items: list[WorkloadItem], progress: b
         enable_prefix_caching=cfg.enable_prefix_caching,
         full_sequence_must_fit=cfg.full_sequence_must_fit,
         max_in_flight_tokens_override=cfg.max_in_flight_tokens,
+        window_tail_allocation=cfg.window_tail_allocation,
     )
     kv_config = build_kv_cache_config(cfg)
     connector = _make_connector(cfg, kv_config)
-    scheduler = Scheduler(sched_cfg, kv_config, connector=connector, unsafe_optimistic_free=cfg.unsafe_optimistic_free)
     sim_exec = SimExecutor(
         vocab_size=layout.vocab_size,
         num_speculative_tokens=cfg.num_speculative_tokens,
@@ -220,7 +222,8 @@ def run_simulation(sim_config: SimConfig, items: list[WorkloadItem], progress: b
     clock = SimClock()
     cost = CostModel(gpu, layout, kv_dtype=cfg.kv_dtype)
     timed = TimedExecutor(sim_exec, clock, cost, load_presets().engine.cpu_step_overhead_s, cfg.pipeline_parallel_size)
-    engine = EngineCore(scheduler, timed)
+    engine = build_engine(sched_cfg, kv_config, timed, connector, cfg.unsafe_optimistic_free)
+    scheduler = engine.scheduler
 
     requests = sorted(to_requests(items, cfg.seed, layout.vocab_size), key=lambda r: r.arrival_time)
     arrival = [r.arrival_time for r in requests]

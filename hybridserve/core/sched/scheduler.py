@@ -334,25 +334,28 @@ class Scheduler:
     # -- update ----------------------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[RequestOutput]:
         step = scheduler_output.step_id
-        if step not in self.in_flight:
+        entries = self.in_flight.get(step)
+        if entries is None:
             raise RequestError(f"output for step {step}, which is not in flight")
-        index = {rid: k for k, rid in enumerate(runner_output.req_ids)}
-        if len(index) > len(scheduler_output.requests) or not index.keys() <= {
-            r.request_id for r in scheduler_output.requests
-        }:
-            unknown = sorted(set(index) - {r.request_id for r in scheduler_output.requests})
-            raise RequestError(f"output of step {step} names requests it did not schedule: {unknown[:5]}")
-        entries = self.in_flight.pop(step)
+        scheduled_ids = [req.request_id for req, _ in entries]
+        sampled_of = runner_output.sampled_token_ids
+        if runner_output.req_ids == scheduled_ids:
+            rows: list[int | None] | range = range(len(scheduled_ids))  # the usual case: same order
+        else:
+            index = {rid: k for k, rid in enumerate(runner_output.req_ids)}
+            unknown = index.keys() - set(scheduled_ids)
+            if unknown:
+                raise RequestError(f"output of step {step} names requests it did not schedule: {sorted(unknown)[:5]}")
+            rows = [index.get(rid) for rid in scheduled_ids]
+        del self.in_flight[step]
         outputs: list[RequestOutput] = []
         any_finished = False
         max_model_len = self.config.max_model_len
         logprobs_of = runner_output.logprobs
-        sampled_of = runner_output.sampled_token_ids
-        for sr, (req, epoch) in zip(scheduler_output.requests, entries):
+        for sr, (req, epoch), k in zip(scheduler_output.requests, entries, rows):
             req.num_in_flight_tokens -= sr.num_scheduled_tokens  # first, whatever happened since
             if req.status >= FINISHED:
                 continue
-            k = index.get(sr.request_id)
             sampled = sampled_of[k] if k is not None else EMPTY
             if sr.samples and epoch == req.num_preemptions:
                 drafts = sr.num_draft_tokens

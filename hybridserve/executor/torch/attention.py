@@ -1,0 +1,254 @@
+"""Paged attention in plain PyTorch, exact at chunk, block and window boundaries.
+
+For a request whose step computes positions s..s+c-1 (its chunk), a query at position
+p attends to keys max(0, p-W+1)..p (W = window, unbounded for full attention). The
+chunk's K/V is written only to slots whose block id is not the null block 0; no step
+reads a slot before s-W+1. Keys come from one of two places, chosen per group:
+
+- read-after-write: when every slot of the step is a real block (always under plain
+  allocation, and for decodes under window-tail allocation), the step first writes its
+  K/V, then gathers positions lo..s+c-1 (lo = max(0, s-W+1)) from the blocks;
+- from the batch: when some slot of the step is the null block (window-tail
+  allocation), positions lo..s-1 come from the blocks and the chunk's own keys
+  from the batch, so a null slot is never read.
+
+Requests are computed in padded batches: all decode-sized requests together (one
+gather per layer, no per-request loop), long prefill chunks one by one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from hybridserve.core.kv.spec import SlidingWindowSpec
+from hybridserve.executor.torch.requests import BlockTables
+
+# Requests with at most this many query tokens share one padded batch.
+SMALL_CHUNK = 16
+
+
+@dataclass
+class BatchLayout:
+    """Which requests one attention call computes, and how its queries map to flat rows."""
+
+    req: np.ndarray  # indices into the step's request list
+    B: int
+    C: int  # padded query length
+    row_slice: tuple[int, int] | None  # contiguous flat rows when no padding is needed
+    q_gather: torch.Tensor | None  # [B*C] flat rows (padding -> row 0) otherwise
+    valid_rows: torch.Tensor | None  # flat rows of the non-padding queries
+    valid_sel: torch.Tensor | None  # their positions in the padded [B*C]
+
+
+@dataclass
+class KeyPlan:
+    """Per (batch, window, mode): the blocks to gather and the mask over the keys."""
+
+    first_blk: np.ndarray  # [B] first gathered block column per request
+    num_blocks: int  # NB gathered per request (padded)
+    from_batch: bool  # True: keys = gathered cached part + the chunk's own keys
+    # [B, 1, C, keys] additive (0 or -inf; SDPA's CPU kernel is faster with a float mask
+    # than a bool one); None: plain causal over the chunk.
+    mask: torch.Tensor | None
+
+
+@dataclass
+class GroupPlan:
+    slots: torch.Tensor  # [Tw] token slots (block id * bs + offset) written this step
+    write_sel: torch.Tensor | None  # [Tw] flat rows written (None: all rows, in order)
+    gather_ids: list[torch.Tensor | None]  # per batch: [B * NB] block ids, None if NB == 0
+    plans: list[KeyPlan]  # per batch
+
+
+class StepAttention:
+    """The AttentionBackend of one step: built once, then called by every layer."""
+
+    def __init__(self, layers: list[tuple[int, torch.Tensor]], groups: list[int | None], tables: BlockTables,
+                 block_size: int, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray, scale: float,
+                 softcap: float | None, device: torch.device, dtype: torch.dtype) -> None:
+        """`layers[i]` = (group, cache view) of model layer i; `groups[g]` = window of group g
+        (None: full attention); rows/starts/counts: per request of the step."""
+        self.layers = layers
+        self.scale = scale
+        self.softcap = softcap
+        self.num_tokens = T = int(counts.sum())
+        bs = block_size
+        offsets = np.cumsum(counts) - counts
+        self.batches = _partition(counts, offsets, device)
+        if T == len(counts):  # a pure decode step: one token per request
+            tok_pos, tok_rows = starts, rows
+        else:
+            tok_req = np.repeat(np.arange(len(counts)), counts)
+            tok_pos = np.repeat(starts - offsets, counts) + np.arange(T)
+            tok_rows = rows[tok_req]
+        blk_col = tok_pos // bs
+        if np.any(blk_col >= tables.lengths[:, tok_rows]):
+            raise RuntimeError("a scheduled token has no block in its table (scheduler and runner out of sync)")
+        blk = tables.table[:, tok_rows, blk_col]  # [G, T]: every group looked up at once
+        real = blk != 0
+        all_real = real.all(axis=1)
+        slots = torch.from_numpy(blk * bs + tok_pos % bs).to(device)
+        # Groups that share (window, read mode) share their key plans and gather together.
+        plans: dict[tuple[int, int | None, bool], KeyPlan] = {}
+        by_plan: dict[tuple[int, int | None, bool], list[int]] = {}
+        for b, layout in enumerate(self.batches):
+            # Nothing cached for any request of the batch: its keys are all in the batch.
+            nothing_cached = not starts[layout.req].any()
+            for g, window in enumerate(groups):
+                by_plan.setdefault((b, window, nothing_cached or not all_real[g]), []).append(g)
+        gather_ids: dict[tuple[int, int], torch.Tensor | None] = {}
+        for key, gs in by_plan.items():
+            b, window, from_batch = key
+            layout = self.batches[b]
+            plan = plans[key] = _key_plan(layout, starts, counts, window, bs, from_batch, device, dtype)
+            if plan.num_blocks == 0:
+                gather_ids.update({(g, b): None for g in gs})
+                continue
+            cols = plan.first_blk[:, None] + np.arange(plan.num_blocks)[None, :]
+            ids = torch.from_numpy(tables.gather(gs, rows[layout.req], cols).reshape(len(gs), -1)).to(device)
+            gather_ids.update({(g, b): ids[k] for k, g in enumerate(gs)})
+        plan_of = {(g, key[0]): plans[key] for key, gs in by_plan.items() for g in gs}
+        self.groups: list[GroupPlan] = []
+        for g in range(len(groups)):
+            sel = None if all_real[g] else np.nonzero(real[g])[0]
+            self.groups.append(GroupPlan(
+                slots=slots[g] if sel is None else slots[g][torch.from_numpy(sel).to(device)],
+                write_sel=None if sel is None else torch.from_numpy(sel).to(device),
+                gather_ids=[gather_ids[(g, b)] for b in range(len(self.batches))],
+                plans=[plan_of[(g, b)] for b in range(len(self.batches))],
+            ))
+
+    def attention(self, layer_idx: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """q [T, H, D], kv [T, 2, KVH, D] -> [T, H*D]; also stores this step's K/V."""
+        g, cache = self.layers[layer_idx]  # cache: [num_blocks, bs, 2, KVH, D]
+        gp = self.groups[g]
+        if gp.slots.numel():
+            src = kv if gp.write_sel is None else kv[gp.write_sel]
+            cache.view(-1, kv.shape[1] * kv.shape[2] * kv.shape[3]).index_copy_(0, gp.slots, src.reshape(src.shape[0], -1))
+        T, H, D = q.shape
+        if len(self.batches) == 1 and self.batches[0].row_slice is not None:
+            return self._batch(0, self.batches[0], gp, cache, q, kv).reshape(T, H * D)
+        flat = q.new_empty(T, H * D)
+        for b, layout in enumerate(self.batches):
+            out = self._batch(b, layout, gp, cache, q, kv).reshape(layout.B * layout.C, H * D)
+            if layout.row_slice is not None:
+                flat[layout.row_slice[0] : layout.row_slice[1]] = out
+            else:
+                flat[layout.valid_rows] = out[layout.valid_sel]
+        return flat
+
+    def _batch(self, b: int, layout: BatchLayout, gp: GroupPlan, cache: torch.Tensor, q: torch.Tensor,
+               kv: torch.Tensor) -> torch.Tensor:
+        """Attention of one padded batch -> [B, C, H, D]."""
+        B, C = layout.B, layout.C
+        _, H, D = q.shape
+        plan = gp.plans[b]
+        if layout.row_slice is not None:
+            a, e = layout.row_slice
+            qb = q[a:e].view(B, C, H, D)
+            fresh = kv[a:e].view(B, C, *kv.shape[1:]) if plan.from_batch or plan.num_blocks == 0 else None
+        else:
+            qb = q[layout.q_gather].view(B, C, H, D)
+            fresh = kv[layout.q_gather].view(B, C, *kv.shape[1:]) if plan.from_batch or plan.num_blocks == 0 else None
+        ids = gp.gather_ids[b]
+        if ids is None:
+            keys = fresh  # nothing cached and nothing written: the chunk's own keys
+        else:
+            # Gather whole blocks as flat rows (a plain row copy), then view as token slots.
+            keys = cache.view(cache.shape[0], -1).index_select(0, ids).view(B, -1, *cache.shape[2:])
+            if plan.from_batch:
+                keys = torch.cat((keys, fresh), dim=1)
+        assert keys is not None
+        out = self._sdpa(qb.transpose(1, 2), keys[:, :, 0].transpose(1, 2), keys[:, :, 1].transpose(1, 2), plan.mask)
+        return out.transpose(1, 2)
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """q [B, H, C, D], k/v [B, KVH, N, D], mask [B, 1, C, N] -> [B, H, C, D]."""
+        if self.softcap is None:
+            if mask is None:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
+        # Soft-capping sits between the scores and the softmax: no fused kernel for it.
+        B, H, C, D = q.shape
+        kvh, N = k.shape[1], k.shape[2]
+        qg = q.reshape(B, kvh, H // kvh * C, D)  # query heads of one kv head, then positions
+        scores = torch.matmul(qg, k.transpose(-1, -2)) * self.scale
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if mask is None:
+            causal = torch.ones(C, N, dtype=torch.bool, device=q.device).tril(N - C)
+            mask = torch.zeros(C, N, dtype=q.dtype, device=q.device).masked_fill_(~causal, float("-inf"))
+        scores = scores.view(B, kvh, H // kvh, C, N) + mask.view(-1, 1, 1, C, N)
+        probs = torch.softmax(scores, dim=-1).view(B, kvh, H // kvh * C, N)
+        return torch.matmul(probs, v).view(B, H, C, D)
+
+
+def _partition(counts: np.ndarray, offsets: np.ndarray, device: torch.device) -> list[BatchLayout]:
+    """One padded batch when padding is cheap; else small chunks together, big ones alone."""
+    n, total, cmax = len(counts), int(counts.sum()), int(counts.max())
+    if cmax <= 1 or n == 1:
+        return [BatchLayout(np.arange(n), n, cmax, (0, total), None, None, None)]
+    if cmax <= SMALL_CHUNK or n * cmax <= 2 * total:
+        return [_padded(np.arange(n), counts, offsets, device)]
+    small = np.nonzero(counts <= SMALL_CHUNK)[0]
+    out = [_padded(small, counts, offsets, device)] if len(small) else []
+    for i in np.nonzero(counts > SMALL_CHUNK)[0]:
+        a = int(offsets[i])
+        out.append(BatchLayout(np.array([i]), 1, int(counts[i]), (a, a + int(counts[i])), None, None, None))
+    return out
+
+
+def _padded(req: np.ndarray, counts: np.ndarray, offsets: np.ndarray, device: torch.device) -> BatchLayout:
+    c = counts[req]
+    B, C = len(req), int(c.max())
+    if C == 1 and np.all(np.diff(offsets[req]) == 1):
+        a = int(offsets[req[0]])
+        return BatchLayout(req, B, 1, (a, a + B), None, None, None)
+    j = np.arange(C)[None, :]
+    valid = j < c[:, None]
+    rows = offsets[req][:, None] + j
+    flat_valid = valid.reshape(-1)
+    return BatchLayout(
+        req, B, C, None,
+        torch.from_numpy(np.where(valid, rows, 0).reshape(-1)).to(device),
+        torch.from_numpy(rows.reshape(-1)[flat_valid]).to(device),
+        torch.from_numpy(np.nonzero(flat_valid)[0]).to(device),
+    )
+
+
+def _key_plan(layout: BatchLayout, starts: np.ndarray, counts: np.ndarray, window: int | None, bs: int,
+              from_batch: bool, device: torch.device, dtype: torch.dtype) -> KeyPlan:
+    s = starts[layout.req]
+    c = counts[layout.req]
+    C = layout.C
+    lo = np.maximum(0, s - window + 1) if window is not None else np.zeros_like(s)
+    # Gathered positions: lo..s-1 (from the batch) or lo..s+c-1 (read after write).
+    end = s if from_batch else s + c
+    first_blk = lo // bs
+    nblk = np.where(end > lo, (end - 1) // bs - first_blk + 1, 0)
+    NB = int(nblk.max())
+    qp = s[:, None] + np.arange(C)[None, :]  # [B, C] query positions
+    win = window if window is not None else 1 << 62
+    if NB == 0 and layout.B == 1 and window is None:
+        return KeyPlan(first_blk, 0, True, None)  # a first chunk under full attention: plain causal
+    parts = []
+    if NB:
+        kp = first_blk[:, None] * bs + np.arange(NB * bs)[None, :]  # [B, NB*bs] key positions
+        in_range = (kp >= lo[:, None]) & (kp < end[:, None])
+        if C == 1:  # a decode query at s: in range already means causal and in window
+            parts.append(in_range[:, None, :])
+        else:
+            parts.append(in_range[:, None, :] & (kp[:, None, :] <= qp[:, :, None])
+                         & (kp[:, None, :] > qp[:, :, None] - win))
+    if (from_batch or NB == 0) and C == 1:
+        parts.append(np.ones((layout.B, 1, 1), dtype=bool))  # a decode query sees its own key
+    elif from_batch or NB == 0:
+        j = np.arange(C)
+        ok = (j[None, None, :] <= j[None, :, None]) & (j[None, None, :] < c[:, None, None])
+        parts.append(ok & (j[None, None, :] > j[None, :, None] - win))
+    allowed = np.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]
+    mask = np.where(allowed[:, None], np.float32(0), np.float32(-np.inf))
+    return KeyPlan(first_blk, NB, from_batch or NB == 0, torch.from_numpy(mask).to(device, dtype))

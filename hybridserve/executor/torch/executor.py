@@ -1,0 +1,115 @@
+"""TorchExecutor: the PyTorch backend of the Executor interface, with a worker thread.
+
+`execute` enqueues a step on a single worker thread and returns a Future; `wait` blocks
+on it. One worker means steps run strictly in dispatch order, which is what lets step
+N+1 read the tokens step N sampled (async scheduling). With `use_worker_thread=False`
+steps run inline in `execute` (simplest to debug; sync scheduling loses nothing).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridserve.core.errors import ConfigError
+from hybridserve.core.kv.spec import KVCacheConfig, KVCacheSpec, group_layers
+from hybridserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from hybridserve.engine.executor import Executor
+from hybridserve.executor.torch.kv_cache import TORCH_DTYPES, num_blocks_for_memory
+from hybridserve.executor.torch.model_runner import ModelRunner
+from hybridserve.models.config import ModelConfig
+from hybridserve.models.decoder import DecoderLM
+from hybridserve.models.kv_specs import model_kv_layer_specs
+from hybridserve.models.loader import load_model
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """"cpu" by default; "cuda" (or "cuda:N") only when asked for and available; "auto" picks."""
+    if device is None or device == "cpu":
+        return torch.device("cpu")
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r} requested but CUDA is not available")
+    return dev
+
+
+def build_kv_cache_config(model_cfg: ModelConfig, block_size: int = 16, *, num_blocks: int | None = None,
+                          kv_cache_memory: int | str | None = None, kv_dtype: str = "float32") -> KVCacheConfig:
+    """KVCacheConfig for a model: groups from its layer types, pool from a budget or a count."""
+    if (num_blocks is None) == (kv_cache_memory is None):
+        raise ConfigError("give exactly one of num_blocks or kv_cache_memory")
+    if kv_dtype not in TORCH_DTYPES:
+        raise ConfigError(f"kv cache dtype {kv_dtype!r} not supported; use one of {sorted(TORCH_DTYPES)}")
+    groups = group_layers(model_kv_layer_specs(model_cfg, block_size, kv_dtype))
+    if num_blocks is None:
+        assert kv_cache_memory is not None
+        num_blocks = num_blocks_for_memory(groups, kv_cache_memory)
+    if num_blocks < 2:
+        raise ConfigError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
+    return KVCacheConfig(num_blocks=num_blocks, groups=groups)
+
+
+class TorchExecutor(Executor):
+    """Runs a DecoderLM (or an HF model directory) with paged attention."""
+
+    computes_in_chunk_attention_from_batch = True
+
+    def __init__(self, model: DecoderLM | str | Path, *, device: str | torch.device | None = None,
+                 dtype: torch.dtype = torch.float32, use_worker_thread: bool = True, seed: int = 0,
+                 num_threads: int | None = None) -> None:
+        self.device = resolve_device(device)
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        self.model = model if isinstance(model, DecoderLM) else load_model(model, self.device, dtype)
+        self.seed = seed
+        self.runner: ModelRunner | None = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch-runner") if use_worker_thread else None
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.model.cfg
+
+    @property
+    def kv_dtype(self) -> str:
+        """The KV cache dtype: the model's own (K/V are written as the model computes them)."""
+        return next(k for k, v in TORCH_DTYPES.items() if v == self.model.dtype)
+
+    def kv_layer_specs(self, block_size: int) -> dict[str, KVCacheSpec]:
+        return model_kv_layer_specs(self.model.cfg, block_size, self.kv_dtype)
+
+    def kv_cache_config(self, block_size: int = 16, *, num_blocks: int | None = None,
+                        kv_cache_memory: int | str | None = None) -> KVCacheConfig:
+        """The model's KV cache groups and a pool from `num_blocks` or a `kv_cache_memory` budget."""
+        return build_kv_cache_config(self.model.cfg, block_size, num_blocks=num_blocks,
+                                     kv_cache_memory=kv_cache_memory, kv_dtype=self.kv_dtype)
+
+    def initialize(self, kv_cache_config: KVCacheConfig) -> None:
+        if self.runner is not None:
+            raise ConfigError("TorchExecutor.initialize called twice")
+        self.runner = ModelRunner(self.model, kv_cache_config, self.device, self.seed)
+
+    def execute(self, scheduler_output: SchedulerOutput) -> Any:
+        if self.runner is None:
+            raise ConfigError("TorchExecutor.execute before initialize")
+        if self._pool is not None:
+            return self._pool.submit(self.runner.execute, scheduler_output)
+        done: Future = Future()
+        try:
+            done.set_result(self.runner.execute(scheduler_output))
+        except BaseException as exc:  # re-raised by wait(), in step order like the threaded path
+            done.set_exception(exc)
+        return done
+
+    def wait(self, handle: Any) -> ModelRunnerOutput:
+        return handle.result()
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        self.runner = None

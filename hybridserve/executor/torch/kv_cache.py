@@ -1,0 +1,104 @@
+"""Paged KV cache memory: one raw buffer per slot index, shared across KV cache groups.
+
+Layer j of every group uses slot buffer j (see KVCacheConfig): one block id costs
+`max(layers per group) * max(page size)` bytes, and a block id belongs to one group at
+a time, so groups never overwrite each other. An attention layer views its buffer as
+
+    [num_blocks, block_size, 2 (K, V), num_kv_heads, head_size]     (block-major)
+
+so one token slot holds its K and V side by side: a step writes all its slots with one
+index_copy_ and gathers whole blocks with one index_select per layer.
+
+Block 0 is the null block: it is zero-filled here and never written by the runner, so
+a masked read of it is always finite.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from hybridserve.core.errors import ConfigError
+from hybridserve.core.kv.spec import AttentionSpec, KVCacheConfig, KVCacheGroup, bytes_per_block
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
+          "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+
+
+def parse_memory(value: int | str) -> int:
+    """Bytes from an int or a string like "2GiB", "512MiB", "1.5G" (binary units)."""
+    if isinstance(value, int):
+        if value < 1:
+            raise ConfigError(f"kv_cache_memory must be positive, got {value}")
+        return value
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if m is None or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"cannot parse memory size {value!r}; use bytes or e.g. '2GiB'")
+    size = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if size < 1:
+        raise ConfigError(f"kv_cache_memory must be positive, got {value!r}")
+    return size
+
+
+def num_blocks_for_memory(groups: tuple[KVCacheGroup, ...], kv_cache_memory: int | str) -> int:
+    """How many blocks (null block included) fit in the budget."""
+    budget = parse_memory(kv_cache_memory)
+    n = budget // bytes_per_block(groups)
+    if n < 2:
+        raise ConfigError(f"kv_cache_memory {kv_cache_memory!r} holds fewer than 2 blocks "
+                          f"({bytes_per_block(groups)} bytes each)")
+    return n
+
+
+def _check_specs(config: KVCacheConfig) -> AttentionSpec:
+    specs = [g.spec for g in config.groups]
+    bad = [type(s).__name__ for s in specs if not isinstance(s, AttentionSpec)]
+    if bad:
+        raise ConfigError(f"the torch runner does not support KV cache spec(s) {sorted(set(bad))} yet")
+    attn = [s for s in specs if isinstance(s, AttentionSpec)]
+    shapes = {(s.num_kv_heads, s.head_size, s.dtype, s.block_size) for s in attn}
+    if len(shapes) != 1:
+        raise ConfigError(
+            "all attention layers must share one page layout (kv heads, head size, dtype, block size); "
+            f"got {sorted(shapes)}"
+        )
+    if attn[0].dtype not in TORCH_DTYPES:
+        raise ConfigError(f"KV cache dtype {attn[0].dtype!r} is not supported by the torch runner")
+    return attn[0]
+
+
+class PagedKVCache:
+    """Slot buffers plus, per layer name, its group index and its [nb, bs, 2, kvh, d] view."""
+
+    def __init__(self, config: KVCacheConfig, device: torch.device) -> None:
+        spec = _check_specs(config)
+        self.config = config
+        self.block_size = spec.block_size
+        self.num_blocks = config.num_blocks
+        dtype = TORCH_DTYPES[spec.dtype]
+        elem = torch.tensor([], dtype=dtype).element_size()
+        page_elems = max(g.spec.page_size_bytes for g in config.groups) // elem
+        num_slots = max(len(g.layer_names) for g in config.groups)
+        self.buffers = [torch.zeros(config.num_blocks, page_elems, dtype=dtype, device=device)
+                        for _ in range(num_slots)]
+        attn_elems = spec.page_size_bytes // elem
+        self.layer_group: dict[str, int] = {}
+        self.layer_view: dict[str, torch.Tensor] = {}
+        for gi, group in enumerate(config.groups):
+            for j, name in enumerate(group.layer_names):
+                self.layer_group[name] = gi
+                # Attention pages all have one size here, so the view is contiguous and
+                # can be flattened to token slots.
+                self.layer_view[name] = self.buffers[j][:, :attn_elems].view(
+                    config.num_blocks, spec.block_size, 2, spec.num_kv_heads, spec.head_size
+                )
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers)

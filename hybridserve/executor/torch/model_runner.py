@@ -1,0 +1,198 @@
+"""ModelRunner: executes one SchedulerOutput on a DecoderLM with the paged KV cache.
+
+Runs in one thread, steps strictly in dispatch order. Each step's inputs are built at
+execution time from runner-side state: with async scheduling the scheduler schedules a
+decode before it has seen the previous step's token, and by the time this step runs
+the runner has appended it (`RequestState.token_ids`).
+
+A request computes `tokens[num_computed : num_computed + n]` where num_computed is the
+runner's own count (authoritative; it trails the scheduler's after rejected drafts) and
+n = num_scheduled_tokens - num_draft_tokens + drafts actually proposed (none yet).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from hybridserve.core.errors import ConfigError, RequestError
+from hybridserve.core.kv.spec import KVCacheConfig, SlidingWindowSpec
+from hybridserve.core.sched.output import (
+    LogprobInfo,
+    ModelRunnerOutput,
+    NewRequestData,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from hybridserve.executor.torch.attention import StepAttention
+from hybridserve.executor.torch.kv_cache import PagedKVCache
+from hybridserve.executor.torch.requests import BlockTables, RequestState
+from hybridserve.executor.torch.sampler import SampleRow, is_greedy, logprob_info, sample
+from hybridserve.models.decoder import DecoderLM
+from hybridserve.models.kv_specs import layer_index
+
+
+class ModelRunner:
+    """Owns the KV cache, the per-request state and the block tables; runs one step at a time.
+
+    Invariants: steps execute in dispatch order; a request's state exists from the step
+    that carries its NewRequestData until a step lists it as finished or preempted; a
+    preempted seeded request keeps its generator, so its sample stream continues.
+    """
+
+    def __init__(self, model: DecoderLM, kv_cache_config: KVCacheConfig, device: torch.device,
+                 seed: int = 0) -> None:
+        self.model = model
+        self.device = device
+        self.kv = PagedKVCache(kv_cache_config, device)
+        expected = set(range(model.cfg.num_layers))
+        got = {layer_index(n) for n in self.kv.layer_group}
+        if got != expected:
+            raise ConfigError(f"KV cache config covers layers {sorted(got)}, the model has {sorted(expected)}")
+        if self.kv.buffers[0].dtype != model.dtype:
+            raise ConfigError(f"KV cache dtype {self.kv.buffers[0].dtype} differs from the model's {model.dtype}")
+        self.layers: list[tuple[int, torch.Tensor]] = [(-1, torch.empty(0))] * model.cfg.num_layers
+        for name, g in self.kv.layer_group.items():
+            self.layers[layer_index(name)] = (g, self.kv.layer_view[name])
+        self.group_windows: list[int | None] = [
+            g.spec.sliding_window if isinstance(g.spec, SlidingWindowSpec) else None for g in kv_cache_config.groups
+        ]
+        self.tables = BlockTables(len(kv_cache_config.groups))
+        self.states: dict[str, RequestState] = {}
+        # Generators of preempted seeded requests, so a resumed request keeps its stream.
+        self._parked_generators: dict[str, torch.Generator] = {}
+        self.default_generator = torch.Generator(device=device)
+        self.default_generator.manual_seed(seed)
+
+    # -- request state ----------------------------------------------------------
+    def _drop(self, req_id: str, preempted: bool) -> None:
+        state = self.states.pop(req_id, None)
+        if state is None:
+            if not preempted:
+                self._parked_generators.pop(req_id, None)
+            return
+        self.tables.free_row(state.row)
+        if preempted and state.generator is not None:
+            self._parked_generators[req_id] = state.generator
+
+    def _add(self, new: NewRequestData, num_computed: int) -> RequestState:
+        if new.request_id in self.states:
+            raise RequestError(f"request {new.request_id} is already running on the runner")
+        p = new.sampling_params
+        gen = self._parked_generators.pop(new.request_id, None)
+        if gen is None and new.sampling_params.seed is not None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(new.sampling_params.seed)
+        state = RequestState(
+            req_id=new.request_id, token_ids=list(new.token_ids), num_computed=num_computed,
+            params=new.sampling_params, row=self.tables.alloc_row(), generator=gen,
+            num_prompt_tokens=len(new.prompt_token_ids), eos_token_id=new.eos_token_id,
+            plain_greedy=is_greedy(p) and p.logprobs is None and not p.min_tokens,
+        )
+        self.states[new.request_id] = state
+        return state
+
+    def _update_tables(self, sr: ScheduledRequest, state: RequestState) -> None:
+        for g, ids in enumerate(sr.new_block_ids):
+            if ids:
+                self.tables.append(g, state.row, ids)
+        if any(sr.num_null_blocks):
+            for g, num_null in enumerate(sr.num_null_blocks):
+                if num_null:
+                    self.tables.set_null_prefix(g, state.row, num_null)
+
+    @staticmethod
+    def _banned(state: RequestState) -> tuple[int, ...]:
+        """EOS and stop tokens are masked until the request has min_tokens outputs."""
+        p = state.params
+        if not p.min_tokens or len(state.token_ids) - state.num_prompt_tokens >= p.min_tokens:
+            return ()
+        eos = () if state.eos_token_id is None or p.ignore_eos else (state.eos_token_id,)
+        return tuple(p.stop_token_ids) + eos
+
+    # -- one step -----------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        for rid in so.finished_req_ids:
+            self._drop(rid, preempted=False)
+        for rid in so.preempted_req_ids:
+            self._drop(rid, preempted=True)
+        if not so.requests:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        states, starts_l, counts_l, ids = self._prepare(so)
+        starts = np.array(starts_l, dtype=np.int64)
+        counts = np.array(counts_l, dtype=np.int64)
+        rows = np.array([s.row for s in states], dtype=np.int64)
+        ends = np.cumsum(counts)
+        positions = np.repeat(starts - (ends - counts), counts) + np.arange(int(ends[-1]))
+        cfg = self.model.cfg
+        attn = StepAttention(self.layers, self.group_windows, self.tables, self.kv.block_size, rows, starts,
+                             counts, cfg.attn_scale, cfg.attn_softcap, self.device, self.model.dtype)
+        ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
+        pos_t = torch.from_numpy(positions).to(self.device)
+        hidden = self.model(ids_t, pos_t, int(positions.max()), attn)
+        sampled, logprobs = self._sample(so, states, hidden, ends)
+        for state, count in zip(states, counts_l):
+            state.num_computed += count
+        return ModelRunnerOutput(req_ids=[s.req_id for s in states], sampled_token_ids=sampled, logprobs=logprobs)
+
+    def _prepare(self, so: SchedulerOutput) -> tuple[list[RequestState], list[int], list[int], list[int]]:
+        """Apply new requests and block-table deltas; the tokens each request computes."""
+        states: list[RequestState] = []
+        starts: list[int] = []
+        counts: list[int] = []
+        ids: list[int] = []
+        for sr in so.requests:
+            state = self.states.get(sr.request_id)
+            if sr.new is not None:
+                if state is not None:  # resumed under the same id without a preemption notice
+                    self._drop(sr.request_id, preempted=True)
+                state = self._add(sr.new, sr.num_computed_tokens)
+            elif state is None:
+                raise RequestError(f"request {sr.request_id} scheduled but unknown to the runner")
+            self._update_tables(sr, state)
+            count = sr.num_scheduled_tokens - sr.num_draft_tokens
+            start = state.num_computed
+            if count < 1 or start + count > len(state.token_ids):
+                raise RequestError(
+                    f"request {sr.request_id}: {count} tokens scheduled from position {start}, "
+                    f"but the runner knows only {len(state.token_ids)} tokens"
+                )
+            states.append(state)
+            starts.append(start)
+            counts.append(count)
+            ids += state.token_ids[start : start + count]
+        return states, starts, counts, ids
+
+    def _sample(self, so: SchedulerOutput, states: list[RequestState], hidden: torch.Tensor, ends: np.ndarray
+                ) -> tuple[list[list[int]], dict[str, LogprobInfo]]:
+        """Sample for the requests the scheduler marked; append the tokens to their state.
+
+        Such a step must reach the end of the runner's known tokens: a token sampled
+        mid-sequence would be silently lost.
+        """
+        samplers = [i for i, sr in enumerate(so.requests) if sr.samples]
+        sampled: list[list[int]] = [[] for _ in states]
+        logprobs: dict[str, LogprobInfo] = {}
+        if not samplers:
+            return sampled, logprobs
+        for i in samplers:
+            if states[i].num_computed + so.requests[i].num_scheduled_tokens - so.requests[i].num_draft_tokens \
+                    != len(states[i].token_ids):
+                raise RequestError(f"request {states[i].req_id}: a sampling step ends before its last known token")
+        if len(samplers) == hidden.shape[0]:
+            logits = self.model.logits(hidden)  # a pure decode step: every row samples
+        else:
+            logits = self.model.logits(hidden[torch.from_numpy(ends[samplers] - 1).to(self.device)])
+        if all(states[i].plain_greedy for i in samplers):
+            tokens = logits.argmax(dim=-1).tolist()
+            lps: list = []
+        else:
+            rows_info = [SampleRow(states[i].params, states[i].generator, self._banned(states[i])) for i in samplers]
+            tokens, lps = sample(logits, rows_info, self.default_generator)
+        for j, i in enumerate(samplers):
+            sampled[i] = [tokens[j]]
+            states[i].token_ids.append(tokens[j])
+            if lps and lps[j] is not None:
+                logprobs[states[i].req_id] = logprob_info([lps[j]])
+        return sampled, logprobs

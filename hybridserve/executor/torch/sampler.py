@@ -1,0 +1,115 @@
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+
+Filters apply in the order temperature -> top-k -> top-p -> min-p, each to the result
+of the previous one. Random rows draw with the Gumbel-free "exponential race"
+(argmax p_i / E_i with E_i ~ Exp(1)), which samples exactly from p and lets every
+request use its own torch.Generator. Logprobs are those of the model's raw
+distribution (log_softmax of the logits, soft-capping included, before any sampling
+filter), the way HF's output logits report them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybridserve.core.request import SamplingParams
+from hybridserve.core.sched.output import LogprobInfo
+
+
+@dataclass
+class SampleRow:
+    """One logits row to sample: its request's parameters and generator."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    # Tokens this row may not produce (EOS and stop tokens before min_tokens outputs).
+    banned: tuple[int, ...] = ()
+
+
+def is_greedy(params: SamplingParams) -> bool:
+    return params.temperature == 0.0 or params.top_k == 1
+
+
+def sample(logits: torch.Tensor, rows: list[SampleRow], default_generator: torch.Generator
+           ) -> tuple[list[int], list[tuple[float, list[tuple[int, float]] | None] | None]]:
+    """logits [S, V] -> (token per row, (logprob, top-n or None) per row or None)."""
+    greedy = [is_greedy(r.params) for r in rows]
+    raw = logits
+    if any(r.banned for r in rows):
+        logits = logits.clone()
+        for i, r in enumerate(rows):
+            if r.banned:
+                logits[i, list(r.banned)] = float("-inf")
+    tokens = logits.argmax(dim=-1)
+    if not all(greedy):
+        idx = [i for i, g in enumerate(greedy) if not g]
+        picked = _sample_random(logits[idx].float(), [rows[i] for i in idx], default_generator)
+        tokens[idx] = picked
+    token_list = tokens.tolist()
+    want = [r.params.logprobs is not None for r in rows]
+    if not any(want):
+        return token_list, [None] * len(rows)
+    lp = torch.log_softmax(raw.float(), dim=-1)
+    chosen = lp.gather(1, tokens[:, None]).squeeze(1).tolist()
+    n_top = max((r.params.logprobs or 0) for r in rows)
+    top_vals: list[list[float]] = []
+    top_ids: list[list[int]] = []
+    if n_top:
+        tv, ti = lp.topk(min(n_top, lp.shape[1]), dim=-1)
+        top_vals, top_ids = tv.tolist(), ti.tolist()
+    out: list[tuple[float, list[tuple[int, float]] | None] | None] = []
+    for i, r in enumerate(rows):
+        if not want[i]:
+            out.append(None)
+            continue
+        n = r.params.logprobs or 0
+        top = list(zip(top_ids[i][:n], top_vals[i][:n])) if n else None
+        out.append((chosen[i], top))
+    return token_list, out
+
+
+def _sample_random(logits: torch.Tensor, rows: list[SampleRow], default_generator: torch.Generator) -> torch.Tensor:
+    dev = logits.device
+    temp = torch.tensor([r.params.temperature for r in rows], device=dev, dtype=logits.dtype)
+    x = logits / temp[:, None]
+    top_k = [r.params.top_k for r in rows]
+    if any(k > 0 for k in top_k):
+        V = x.shape[1]
+        k = torch.tensor([min(k, V) if k > 0 else V for k in top_k], device=dev)
+        sorted_x = x.sort(dim=-1, descending=True).values
+        threshold = sorted_x.gather(1, (k - 1)[:, None])
+        x = x.masked_fill(x < threshold, float("-inf"))
+    top_p = [r.params.top_p for r in rows]
+    if any(p < 1.0 for p in top_p):
+        sorted_x, order = x.sort(dim=-1, descending=True)
+        probs = sorted_x.softmax(dim=-1)
+        # Drop a token once the mass strictly before it already reaches top_p; the most
+        # likely token is always kept.
+        drop = (probs.cumsum(dim=-1) - probs) >= torch.tensor(top_p, device=dev, dtype=x.dtype)[:, None]
+        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+        x = torch.empty_like(x).scatter_(1, order, sorted_x)
+    min_p = [r.params.min_p for r in rows]
+    if any(p > 0.0 for p in min_p):
+        probs = x.softmax(dim=-1)
+        limit = torch.tensor(min_p, device=dev, dtype=x.dtype)[:, None] * probs.max(dim=-1, keepdim=True).values
+        x = x.masked_fill(probs < limit, float("-inf"))
+    probs = x.softmax(dim=-1)
+    noise = torch.empty_like(probs)
+    shared = [i for i, r in enumerate(rows) if r.generator is None]
+    if shared:
+        noise[shared] = torch.empty(len(shared), probs.shape[1], device=dev).exponential_(generator=default_generator)
+    for i, r in enumerate(rows):
+        if r.generator is not None:
+            noise[i].exponential_(generator=r.generator)
+    return (probs / noise).argmax(dim=-1)
+
+
+def logprob_info(entries: list[tuple[float, list[tuple[int, float]] | None]]) -> LogprobInfo:
+    """Fold per-token (logprob, top-n) pairs of one request into a LogprobInfo."""
+    tops = [t for _, t in entries]
+    return LogprobInfo(
+        token_logprobs=[lp for lp, _ in entries],
+        top_logprobs=tops if any(t is not None for t in tops) else None,
+    )

@@ -1,0 +1,258 @@
+"""Model configuration read from a Hugging Face `config.json`, normalised across versions.
+
+One `ModelConfig` describes every decoder-only architecture hybridserve runs from an HF
+directory (Llama, Mistral, Qwen2, Gemma2, Gemma3 text). Fields an implementation would
+otherwise silently ignore are checked here: anything we do not honour raises ConfigError
+naming the field, so a model never runs with wrong numbers.
+
+Config spellings differ across transformers versions; both are accepted:
+- layer kinds: `layer_types` (>= 4.5x / 5.x), or derived from `sliding_window`
+  (Mistral), `use_sliding_window` + `max_window_layers` (Qwen2) or
+  `sliding_window_pattern` (Gemma3; Gemma2 alternates);
+- RoPE: `rope_parameters` (5.x, possibly one dict per layer type for Gemma3) or
+  `rope_theta` + `rope_scaling` (+ `rope_local_base_freq` for Gemma3 local layers).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hybridserve.core.errors import ConfigError
+
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+
+SUPPORTED_ARCHITECTURES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
+}
+_GEMMA = ("gemma2", "gemma3")
+# HF activation names -> ours. gelu_pytorch_tanh is the tanh approximation of GELU.
+_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
+                "gelu": "gelu", "gelu_tanh": "gelu_tanh"}
+_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding of one layer type (NeoX half-split layout, as HF applies it)."""
+
+    theta: float
+    rope_type: str = "default"  # "default" | "linear" | "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything the decoder needs; derived fields are final (no further defaults apply)."""
+
+    architecture: str
+    family: str  # llama | mistral | qwen2 | gemma2 | gemma3
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    activation: str  # silu | gelu_tanh | gelu
+    layer_types: tuple[str, ...]  # FULL or SLIDING, one per layer
+    sliding_window: int | None
+    rope: dict[str, RopeConfig]  # keyed by layer type
+    max_position_embeddings: int
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Gemma3: RMSNorm over head_dim on q and k before RoPE
+    gemma_norm: bool = False  # RMSNorm multiplies by (1 + w)
+    sandwich_norm: bool = False  # Gemma2/3: norms after attention and around the MLP
+    embed_scale: float = 1.0
+    attn_scale: float = 1.0
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    tie_word_embeddings: bool = False
+    eos_token_id: int | list[int] | None = None
+
+    def layer_window(self, layer_idx: int) -> int | None:
+        """The sliding window of one layer, or None for full attention."""
+        return self.sliding_window if self.layer_types[layer_idx] == SLIDING else None
+
+
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    """Read `<model_dir>/config.json` and normalise it; ConfigError on anything unsupported."""
+    path = Path(model_dir) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"no config.json in {model_dir}") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: invalid JSON ({exc})") from None
+    return parse_model_config(raw)
+
+
+def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
+    archs = raw.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ConfigError(
+            f"unsupported architecture {archs or raw.get('model_type')!r}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    family = SUPPORTED_ARCHITECTURES[arch]
+    num_layers = _req_int(raw, "num_hidden_layers")
+    num_heads = _req_int(raw, "num_attention_heads")
+    hidden = _req_int(raw, "hidden_size")
+    num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
+    head_dim = int(raw.get("head_dim") or hidden // num_heads)
+    if num_heads % num_kv_heads:
+        raise ConfigError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
+    _check_unhonoured(raw, family)
+    layer_types = _layer_types(raw, family, num_layers)
+    window = raw.get("sliding_window") if SLIDING in layer_types else None
+    if SLIDING in layer_types and (not isinstance(window, int) or window < 1):
+        raise ConfigError(f"sliding layers need a positive integer sliding_window, got {window!r}")
+    act_name = raw.get("hidden_activation") or raw.get("hidden_act") or "silu"
+    if act_name not in _ACTIVATIONS:
+        raise ConfigError(f"unsupported activation {act_name!r} (hidden_act / hidden_activation)")
+    gemma = family in _GEMMA
+    attn_scale = head_dim**-0.5
+    if gemma:
+        attn_scale = float(raw.get("query_pre_attn_scalar") or head_dim) ** -0.5
+    bias = bool(raw.get("attention_bias", False))
+    return ModelConfig(
+        architecture=arch,
+        family=family,
+        vocab_size=_req_int(raw, "vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=_req_int(raw, "intermediate_size"),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        activation=_ACTIVATIONS[act_name],
+        layer_types=layer_types,
+        sliding_window=window,
+        rope=_rope_configs(raw, family, set(layer_types)),
+        max_position_embeddings=int(raw.get("max_position_embeddings") or 8192),
+        qkv_bias=True if family == "qwen2" else bias,
+        o_bias=bias if family != "qwen2" else False,
+        mlp_bias=bool(raw.get("mlp_bias", False)),
+        qk_norm=family == "gemma3",
+        gemma_norm=gemma,
+        sandwich_norm=gemma,
+        embed_scale=math.sqrt(hidden) if gemma else 1.0,
+        attn_scale=attn_scale,
+        attn_softcap=raw.get("attn_logit_softcapping") if gemma else None,
+        final_softcap=raw.get("final_logit_softcapping") if gemma else None,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
+        eos_token_id=raw.get("eos_token_id"),
+    )
+
+
+def _req_int(raw: dict[str, Any], key: str) -> int:
+    value = raw.get(key)
+    if not isinstance(value, int) or value < 1:
+        raise ConfigError(f"config.json: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _check_unhonoured(raw: dict[str, Any], family: str) -> None:
+    """Fields that change the numbers and that this implementation does not implement."""
+    if raw.get("use_bidirectional_attention"):
+        raise ConfigError("use_bidirectional_attention=true is not supported (causal decoding only)")
+    if int(raw.get("pretraining_tp") or 1) != 1:
+        raise ConfigError(f"pretraining_tp={raw['pretraining_tp']} is not supported")
+    if raw.get("partial_rotary_factor", 1.0) not in (None, 1, 1.0):
+        raise ConfigError(f"partial_rotary_factor={raw['partial_rotary_factor']} is not supported")
+    if raw.get("attention_chunk_size"):
+        raise ConfigError(f"attention_chunk_size is not supported for {family}")
+    if family == "mistral" and raw.get("layer_types"):
+        # HF's Mistral ignores layer_types and slides every layer; refusing avoids guessing.
+        if any(t != SLIDING for t in raw["layer_types"]) or raw.get("sliding_window") is None:
+            raise ConfigError("MistralForCausalLM with mixed layer_types is not supported (use Ministral)")
+
+
+def _layer_types(raw: dict[str, Any], family: str, num_layers: int) -> tuple[str, ...]:
+    window = raw.get("sliding_window")
+    if family == "qwen2" and not raw.get("use_sliding_window", False):
+        window = None  # Qwen2 ignores sliding_window unless use_sliding_window is set
+    given = raw.get("layer_types")
+    if given is not None and family != "mistral":
+        if len(given) != num_layers:
+            raise ConfigError(f"layer_types has {len(given)} entries for {num_layers} layers")
+        bad = sorted({t for t in given if t not in (FULL, SLIDING)})
+        if bad:
+            raise ConfigError(f"unsupported layer type(s) {bad} in layer_types")
+        if window is None and SLIDING in given:
+            return tuple(FULL for _ in given)  # HF: a sliding layer without a window is full
+        return tuple(given)
+    if family in ("llama",):
+        return tuple(FULL for _ in range(num_layers))
+    if family == "mistral":
+        return tuple((SLIDING if window is not None else FULL) for _ in range(num_layers))
+    if family == "qwen2":
+        max_window_layers = int(raw.get("max_window_layers", num_layers))
+        return tuple(SLIDING if window is not None and i >= max_window_layers else FULL for i in range(num_layers))
+    pattern = 2 if family == "gemma2" else int(raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or 6)
+    return tuple(SLIDING if (i + 1) % pattern else FULL for i in range(num_layers))
+
+
+def _rope_configs(raw: dict[str, Any], family: str, layer_types: set[str]) -> dict[str, RopeConfig]:
+    params = raw.get("rope_parameters")
+    if family == "gemma3":
+        if isinstance(params, dict) and (FULL in params or SLIDING in params):
+            full = params.get(FULL) or {"rope_theta": 1_000_000.0}
+            local = params.get(SLIDING) or {"rope_theta": 10_000.0}
+        else:
+            full = dict(params or raw.get("rope_scaling") or {})
+            full.setdefault("rope_theta", raw.get("rope_theta", 1_000_000.0))
+            local = {"rope_theta": raw.get("rope_local_base_freq", 10_000.0)}
+        return {FULL: _one_rope(full, "rope_parameters.full_attention"),
+                SLIDING: _one_rope(local, "rope_parameters.sliding_attention")}
+    if isinstance(params, dict) and (FULL in params or SLIDING in params):
+        out = {t: _one_rope(params[t], f"rope_parameters.{t}") for t in (FULL, SLIDING) if t in params}
+        missing = layer_types - set(out)
+        if missing:
+            raise ConfigError(f"rope_parameters has no entry for layer type(s) {sorted(missing)}")
+        return out
+    if isinstance(params, dict):
+        one = dict(params)
+    else:
+        one = dict(raw.get("rope_scaling") or {})
+    one.setdefault("rope_theta", raw.get("rope_theta", 10_000.0))
+    rope = _one_rope(one, "rope_parameters" if params else "rope_scaling")
+    return {FULL: rope, SLIDING: rope}
+
+
+def _one_rope(p: dict[str, Any], where: str) -> RopeConfig:
+    rope_type = p.get("rope_type") or p.get("type") or "default"
+    if rope_type not in _ROPE_TYPES:
+        raise ConfigError(f"{where}: rope_type {rope_type!r} is not supported (supported: {', '.join(_ROPE_TYPES)})")
+    if p.get("partial_rotary_factor", 1.0) not in (None, 1, 1.0):
+        raise ConfigError(f"{where}: partial_rotary_factor={p['partial_rotary_factor']} is not supported")
+    theta = p.get("rope_theta")
+    if theta is None:
+        raise ConfigError(f"{where}: rope_theta is missing")
+    factor = float(p.get("factor", 1.0) or 1.0)
+    if rope_type == "default":
+        factor = 1.0
+    return RopeConfig(
+        theta=float(theta),
+        rope_type=rope_type,
+        factor=factor,
+        low_freq_factor=float(p.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(p.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(p.get("original_max_position_embeddings", 8192)),
+    )

@@ -1,0 +1,148 @@
+"""The decoder-only transformer shared by Llama, Mistral, Qwen2, Gemma2 and Gemma3 text.
+
+The model computes a flat batch: T tokens of any number of requests, with their
+positions. Attention itself is delegated to an `AttentionBackend` (the runner's paged
+attention), so the model knows nothing about blocks, windows or requests.
+
+Weights are stored fused for speed at small sizes (per-op overhead dominates there):
+q/k/v as one matrix, gate/up as one matrix, Gemma's (1 + w) norm weights precomputed.
+Numerics follow HF's float32 path op for op where it matters (RMSNorm in float32,
+RoPE angles in float32, soft-capping as tanh(x / cap) * cap).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridserve.models.config import ModelConfig
+from hybridserve.models.rope import RopeTable, apply_rope_
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: torch.Tensor, inv_dim: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dim, in 4 kernels.
+
+    F.rms_norm is a 9-kernel composite on CPU; at decode sizes kernels are the cost.
+    mean(x^2) is taken as ||x||^2 / d, which differs from HF's pow-mean by float rounding
+    (about 1e-7 relative).
+    """
+    if x.dtype != torch.float32:  # half-precision models normalise in float32, as HF does
+        w32 = None if weight is None else weight.float()
+        return rms_norm(x.float(), w32, eps.float(), inv_dim).to(x.dtype)
+    n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+    out = x * torch.addcmul(eps, n, n, value=inv_dim).rsqrt_()
+    return out if weight is None else out * weight
+
+
+def _residual_linear(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """h + x @ weight.T (+ bias): the residual add fused into the matmul (one kernel)."""
+    out = torch.addmm(h, x, weight.t())
+    return out if bias is None else out + bias
+
+
+class AttentionBackend(Protocol):
+    """Computes one attention layer for the step's flat batch and stores its K/V."""
+
+    def attention(self, layer_idx: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        """q [T, H, D] and kv [T, 2, KVH, D] (RoPE applied; may be strided views)
+        -> attention output [T, H * D]."""
+        ...
+
+
+class DecoderLayerWeights(nn.Module):
+    """One layer's parameters, fused. Names are ours; the loader maps HF names onto them."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        hd = cfg.head_dim
+        qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * hd
+
+        def p(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.zeros(*shape, dtype=dtype), requires_grad=False)
+
+        self.input_norm = p(cfg.hidden_size)
+        self.qkv = p(qkv_out, cfg.hidden_size)
+        self.qkv_bias = p(qkv_out) if cfg.qkv_bias else None
+        self.o = p(cfg.hidden_size, cfg.num_heads * hd)
+        self.o_bias = p(cfg.hidden_size) if cfg.o_bias else None
+        # q_norm weight repeated per query head, then k_norm per kv head: [H + KVH, D].
+        self.qk_norm = p(cfg.num_heads + cfg.num_kv_heads, hd) if cfg.qk_norm else None
+        self.post_attn_norm = p(cfg.hidden_size)
+        self.pre_ffn_norm = p(cfg.hidden_size) if cfg.sandwich_norm else None
+        self.post_ffn_norm = p(cfg.hidden_size) if cfg.sandwich_norm else None
+        self.gate_up = p(2 * cfg.intermediate_size, cfg.hidden_size)
+        self.gate_up_bias = p(2 * cfg.intermediate_size) if cfg.mlp_bias else None
+        self.down = p(cfg.hidden_size, cfg.intermediate_size)
+        self.down_bias = p(cfg.hidden_size) if cfg.mlp_bias else None
+
+
+class DecoderLM(nn.Module):
+    """forward(ids, positions, backend) -> final hidden states; logits(h) -> vocab logits."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed = nn.Parameter(torch.zeros(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayerWeights(cfg, dtype) for _ in range(cfg.num_layers))
+        self.final_norm = nn.Parameter(torch.zeros(cfg.hidden_size, dtype=dtype), requires_grad=False)
+        self.lm_head: torch.Tensor | None = None  # set by the loader (tied: the embedding)
+        self._rope: dict[str, RopeTable] = {}
+        self._act = {"silu": F.silu, "gelu": F.gelu,
+                     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}[cfg.activation]
+
+    def setup_rope(self, device: torch.device, max_positions: int) -> None:
+        """Build cos/sin tables per layer type (call after moving the weights)."""
+        # Start small (grown on demand): a 128k-position table would cost hundreds of MB.
+        self._rope = {t: RopeTable(r, self.cfg.head_dim, min(max_positions, 4096), device, self.dtype)
+                      for t, r in self.cfg.rope.items() if t in self.cfg.layer_types}
+        self._embed_scale = torch.tensor(self.cfg.embed_scale, dtype=self.dtype, device=device)
+        self._eps = torch.tensor(self.cfg.rms_norm_eps, dtype=self.dtype, device=device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, max_position: int,
+                backend: AttentionBackend) -> torch.Tensor:
+        """input_ids, positions: [T] long on the model's device. Returns hidden [T, hidden]."""
+        cfg = self.cfg
+        h = F.embedding(input_ids, self.embed)
+        if cfg.embed_scale != 1.0:
+            h = h * self._embed_scale
+        rope = {t: table.lookup(positions, max_position) for t, table in self._rope.items()}
+        nq, nkv, hd, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self._eps
+        inv_h, inv_hd = 1.0 / cfg.hidden_size, 1.0 / hd
+        T = input_ids.shape[0]
+        for i, w in enumerate(self.layers):
+            x = rms_norm(h, w.input_norm, eps, inv_h)
+            qkv = F.linear(x, w.qkv, w.qkv_bias)
+            # q | k | v per token: after RoPE in place, k and v are adjacent, which is
+            # exactly one KV cache slot ([2, KVH, D]).
+            qk = qkv[:, : (nq + nkv) * hd].view(T, nq + nkv, hd)
+            if w.qk_norm is not None:
+                torch.mul(rms_norm(qk, None, eps, inv_hd), w.qk_norm, out=qk)
+            cos, sin = rope[cfg.layer_types[i]]
+            apply_rope_(qk, cos, sin)  # q and k share positions: one rotation covers both
+            attn = backend.attention(i, qk[:, :nq], qkv[:, nq * hd :].view(T, 2, nkv, hd))
+            if cfg.sandwich_norm:
+                h = h + rms_norm(F.linear(attn, w.o, w.o_bias), w.post_attn_norm, eps, inv_h)
+                x = rms_norm(h, w.pre_ffn_norm, eps, inv_h)
+            else:
+                h = _residual_linear(h, attn, w.o, w.o_bias)
+                x = rms_norm(h, w.post_attn_norm, eps, inv_h)
+            gate, up = F.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
+            y = self._act(gate) * up
+            if cfg.sandwich_norm:
+                h = h + rms_norm(F.linear(y, w.down, w.down_bias), w.post_ffn_norm, eps, inv_h)
+            else:
+                h = _residual_linear(h, y, w.down, w.down_bias)
+        return rms_norm(h, self.final_norm, eps, inv_h)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Vocab logits for the rows that sample only (the head dominates large vocabularies)."""
+        assert self.lm_head is not None, "weights not loaded"
+        out = F.linear(hidden, self.lm_head)
+        cap = self.cfg.final_softcap
+        if cap:
+            out = torch.tanh(out / cap) * cap
+        return out

@@ -1,0 +1,36 @@
+"""The KV cache spec of every layer of a model: what decides its KV cache groups.
+
+Pure Python (no torch), so the engine can size the cache and build its KVCacheConfig
+before any weights are loaded.
+"""
+
+from __future__ import annotations
+
+from hybridserve.core.kv.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from hybridserve.models.config import SLIDING, ModelConfig
+
+
+def layer_name(layer_idx: int) -> str:
+    """The KV layer name of decoder layer `layer_idx` (the runner maps names back by this)."""
+    return f"layers.{layer_idx}"
+
+
+def layer_index(name: str) -> int:
+    return int(name.rsplit(".", 1)[1])
+
+
+def model_kv_layer_specs(cfg: ModelConfig, block_size: int, dtype: str = "float32") -> dict[str, KVCacheSpec]:
+    """{layer name: spec}: sliding layers get SlidingWindowSpec(window), the rest full attention."""
+    specs: dict[str, KVCacheSpec] = {}
+    for i, kind in enumerate(cfg.layer_types):
+        if kind == SLIDING:
+            assert cfg.sliding_window is not None
+            specs[layer_name(i)] = SlidingWindowSpec(
+                block_size=block_size, num_kv_heads=cfg.num_kv_heads, head_size=cfg.head_dim, dtype=dtype,
+                sliding_window=cfg.sliding_window,
+            )
+        else:
+            specs[layer_name(i)] = FullAttentionSpec(
+                block_size=block_size, num_kv_heads=cfg.num_kv_heads, head_size=cfg.head_dim, dtype=dtype
+            )
+    return specs

@@ -1,0 +1,73 @@
+"""Rotary position embeddings: inverse frequencies per RoPE type and a cos/sin table.
+
+Layout is the NeoX half split HF uses (`rotate_half`): for x = [x1, x2] (halves of the
+head dim), rope(x) = [x1*cos - x2*sin, x2*cos + x1*sin] with one angle per half-dim pair.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from hybridserve.models.config import RopeConfig
+
+
+def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] in float32, scaled as `rope.rope_type` defines."""
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        return _llama3_scale(inv_freq, rope)
+    return inv_freq
+
+
+def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
+    # Long wavelengths are divided by `factor`, short ones kept, the band between them
+    # interpolated linearly in 1/wavelength (Llama 3.1's published recipe).
+    old_len = rope.original_max_position_embeddings
+    low_freq_wavelen = old_len / rope.low_freq_factor
+    high_freq_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+class RopeTable:
+    """cos and signed sin for positions 0..P-1, grown on demand; [P, head_dim] each.
+
+    Angles are computed in float32 exactly as HF does (position * inv_freq, then cos/sin),
+    so a position's embedding does not depend on the batch it is computed in. Storing
+    sin as [-sin, sin] turns HF's rotate_half into a roll: rope(x) = x*cos + roll(x)*sin'.
+    """
+
+    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.inv_freq = inverse_frequencies(rope, head_dim)
+        self.device = device
+        self.dtype = dtype
+        self.cos = torch.empty(0, head_dim, device=device, dtype=dtype)
+        self.sin = torch.empty(0, head_dim, device=device, dtype=dtype)
+        self._grow(max(1, max_positions))
+
+    def _grow(self, size: int) -> None:
+        angles = torch.arange(size, dtype=torch.int64).float()[:, None] * self.inv_freq[None, :]
+        cos, sin = angles.cos(), angles.sin()
+        self.cos = torch.cat((cos, cos), dim=-1).to(self.device, self.dtype)
+        self.sin = torch.cat((-sin, sin), dim=-1).to(self.device, self.dtype)
+
+    def lookup(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin for `positions` ([T] long, on the table's device), each [T, 1, head_dim]."""
+        if max_position >= self.cos.shape[0]:
+            self._grow(max(2 * self.cos.shape[0], max_position + 1))
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """In place: x [T, heads, head_dim] (may be a strided view); cos/sin from RopeTable.lookup."""
+    rolled = x.roll(x.shape[-1] // 2, dims=-1)  # [x2, x1]; times [-sin, sin] = rotate_half(x) * sin
+    x.mul_(cos).addcmul_(rolled, sin)

@@ -1,0 +1,120 @@
+"""Tiny random HF models of each supported architecture, and HF greedy generation as oracle.
+
+Models: hidden 64, 4 layers (Gemma3: 6), 4 query / 2 KV heads, float32,
+initializer_range 0.3 (peaky logits, so greedy choices are not near-ties), windows of
+16 so 40-120 token prompts cross them, eos unset so nothing stops early.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+WINDOW = 16
+
+_COMMON = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=2048, initializer_range=0.3, eos_token_id=None,
+    bos_token_id=1, pad_token_id=0, rms_norm_eps=1e-6,
+)
+
+
+def hf_config(kind: str, window: int = WINDOW):
+    import transformers as tf
+
+    c = dict(_COMMON)
+    if kind == "llama":
+        return tf.LlamaConfig(tie_word_embeddings=False, rope_scaling={
+            "rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64}, **c)
+    if kind == "mistral":
+        return tf.MistralConfig(sliding_window=window, tie_word_embeddings=False, **c)
+    if kind == "qwen2":
+        return tf.Qwen2Config(use_sliding_window=True, sliding_window=window, max_window_layers=2,
+                              tie_word_embeddings=True, **c)
+    if kind == "gemma2":
+        return tf.Gemma2Config(sliding_window=window, head_dim=16, query_pre_attn_scalar=24,
+                               attn_logit_softcapping=5.0, final_logit_softcapping=10.0, **c)
+    if kind == "gemma3":
+        c["num_hidden_layers"] = 6
+        return tf.Gemma3TextConfig(
+            sliding_window=window, head_dim=16, query_pre_attn_scalar=16,
+            layer_types=["sliding_attention"] * 2 + ["full_attention"] + ["sliding_attention"] * 2 + ["full_attention"],
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}},
+            **c,
+        )
+    raise ValueError(kind)
+
+
+KINDS = ("llama", "mistral", "qwen2", "gemma2", "gemma3")
+
+
+def build_tiny(kind: str, out_dir: Path, seed: int = 0, window: int = WINDOW) -> Path:
+    """Write a tiny random `kind` model to out_dir with save_pretrained; returns out_dir."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config(kind, window), dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def load_hf(model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    attn = "eager"  # Gemma2 soft-capping needs eager; use it everywhere for one code path
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attn).eval()
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """HF greedy continuation of one prompt (batch 1, no padding) and each token's logprob."""
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0,
+            eos_token_id=None, return_dict_in_generate=True, output_logits=True,
+        )
+    new = out.sequences[0, len(prompt):]
+    logp = torch.stack(out.logits, dim=1)[0].float().log_softmax(-1)
+    return new.tolist(), logp.gather(-1, new[:, None]).squeeze(-1).tolist()
+
+
+def random_prompts(n: int, lo: int, hi: int, vocab: int = 256, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randint(3, vocab - 1) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+_DIRS: dict[tuple[str, int], Path] = {}
+_ROOT: list[Path] = []
+_ORACLE: dict[tuple[str, tuple[int, ...], int], tuple[list[int], list[float]]] = {}
+_HF_MODELS: dict[str, object] = {}
+
+
+def tiny_model_dir(kind: str, window: int = WINDOW) -> Path:
+    """A tiny model of `kind`, built once per test process and shared by every test file."""
+    key = (kind, window)
+    if key not in _DIRS:
+        if not _ROOT:
+            import atexit
+            import shutil
+            import tempfile
+
+            root = Path(tempfile.mkdtemp(prefix="hybridserve_tiny_"))
+            atexit.register(shutil.rmtree, root, True)
+            _ROOT.append(root)
+        _DIRS[key] = build_tiny(kind, _ROOT[0] / f"{kind}_w{window}", window=window)
+    return _DIRS[key]
+
+
+def oracle(kind: str, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """HF greedy tokens and logprobs for one prompt of the shared tiny `kind` model (memoised)."""
+    key = (kind, tuple(prompt), max_new_tokens)
+    if key not in _ORACLE:
+        if kind not in _HF_MODELS:
+            _HF_MODELS[kind] = load_hf(tiny_model_dir(kind))
+        _ORACLE[key] = hf_greedy(_HF_MODELS[kind], prompt, max_new_tokens)
+    return _ORACLE[key]

@@ -1,3 +1,40 @@
-"""hybridserve: an LLM serving engine for hybrid-attention models."""
+"""hybridserve: an LLM serving engine for hybrid-attention models.
+
+    from hybridserve import LLM, SamplingParams
+    outs = LLM("path/to/model").generate(["Hello"], SamplingParams(max_tokens=16))
+
+The names below load lazily, so `import hybridserve` (and the CLI's `simulate`) never
+pays for torch or transformers.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "LLM": "hybridserve.engine.llm",
+    "AsyncLLM": "hybridserve.engine.async_llm",
+    "EngineDeadError": "hybridserve.engine.async_llm",
+    "SamplingParams": "hybridserve.engine.outputs",
+    "GenerationOutput": "hybridserve.engine.outputs",
+    "CompletionOutput": "hybridserve.engine.outputs",
+    "EngineConfig": "hybridserve.config",
+    "EngineArgs": "hybridserve.config",
+}
+__all__ = ["__version__", *_EXPORTS]
+
+if TYPE_CHECKING:
+    from hybridserve.config import EngineArgs, EngineConfig
+    from hybridserve.engine.async_llm import AsyncLLM, EngineDeadError
+    from hybridserve.engine.llm import LLM
+    from hybridserve.engine.outputs import CompletionOutput, GenerationOutput, SamplingParams
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hybridserve' has no attribute {name!r}")
+    return getattr(import_module(module), name)

@@ -8,18 +8,28 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 from hybridserve import __version__
 
 # subcommand -> module with add_parser(subparsers) and run(args) -> int
 COMMANDS = {
+    "generate": "hybridserve.entrypoints.generate",
+    "serve": "hybridserve.entrypoints.serve",
+    "bench": "hybridserve.entrypoints.bench",
     "simulate": "hybridserve.entrypoints.simulate",
 }
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """Top-level errors (unknown command, ...) as one line on stderr, exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog="hybridserve",
         description="LLM serving engine for hybrid-attention models.",
     )

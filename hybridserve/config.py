@@ -1,0 +1,231 @@
+"""EngineConfig: every engine argument in one validated object (also exported as EngineArgs).
+
+Checks happen in two stages, both at start:
+- `EngineConfig(...)` checks each value and the combinations that need no model
+  (block size a power of two, max_num_batched_tokens >= block_size, ...);
+- `resolve_engine_settings(config, model_config, ...)` checks what needs the model's
+  layers: max_model_len against the model, and that the KV pool admits one
+  max_model_len request by the admission formula (`KVCacheConfig.min_num_blocks`,
+  the function admission itself uses).
+
+Every error names the setting and, where one exists, the smallest value that works.
+This module is pure Python (no torch), so `import hybridserve` stays light.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+from typing import Any
+
+from hybridserve.core.errors import ConfigError
+from hybridserve.core.kv.spec import KVCacheConfig, KVCacheGroup, bytes_per_block
+from hybridserve.core.sched.config import SchedulerConfig
+
+DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when neither kv_cache_memory nor num_blocks is given
+DEFAULT_MAX_MODEL_LEN_CAP = 8192  # default max_model_len: min(model context, this)
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
+          "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40,
+          "tib": 1 << 40}
+_DEVICE = re.compile(r"cpu|auto|cuda(:\d+)?")
+
+
+def parse_size(name: str, value: int | str, allow_zero: bool = False) -> int:
+    """Bytes from an int or a string such as "2GiB", "512MiB" or "1.5G" (binary units)."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ConfigError(f"{name} must be bytes or a size like '2GiB', got {value!r}")
+    if isinstance(value, int):
+        size = value
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+        if m is None or m.group(2).lower() not in _UNITS:
+            raise ConfigError(f"{name}: cannot parse size {value!r}; use bytes or e.g. '2GiB'")
+        size = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if size < 0 or (size == 0 and not allow_zero):
+        raise ConfigError(f"{name} must be {'>= 0' if allow_zero else 'positive'}, got {value!r}")
+    return size
+
+
+def format_size(num_bytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if num_bytes >= scale:
+            return f"{num_bytes / scale:.2f}{unit}"
+    return f"{num_bytes}B"
+
+
+def _check_int(name: str, value: Any, minimum: int, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"{name} must be >= {minimum}, got {value}")
+
+
+@dataclass
+class EngineConfig:
+    """Engine arguments. `model=None` means the default model (see models.default_model)."""
+
+    model: str | None = None
+    tokenizer: str | None = None  # default: the model directory
+    block_size: int = 16
+    kv_cache_memory: int | str | None = None  # bytes or "2GiB"; exclusive with num_blocks
+    num_blocks: int | None = None  # pool size, null block included
+    max_model_len: int | None = None  # default: min(model context, 8192)
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    async_scheduling: bool = True
+    num_speculative_tokens: int = 0
+    enable_prefix_caching: bool = True
+    kv_offload_memory: int | str = 0  # host memory for KV offload; not available yet (must be 0)
+    seed: int = 0  # seeds the sampler of requests without their own seed
+    device: str | None = None  # "cpu" (default), "cuda", "cuda:N" or "auto"
+    dtype: str = "float32"  # weights, compute and KV cache (the runner stores K/V as computed)
+    num_threads: int | None = None  # torch CPU threads (default: torch's choice)
+
+    def __post_init__(self) -> None:
+        if self.model is not None and not isinstance(self.model, str):
+            self.model = str(self.model)  # a Path is fine
+        if self.tokenizer is not None and not isinstance(self.tokenizer, str):
+            self.tokenizer = str(self.tokenizer)
+        _check_int("block_size", self.block_size, 1)
+        if self.block_size & (self.block_size - 1):
+            lower = 1 << (self.block_size.bit_length() - 1)
+            raise ConfigError(
+                f"block_size must be a power of two, got {self.block_size}; the nearest that work are "
+                f"{lower} and {lower * 2}"
+            )
+        if self.kv_cache_memory is not None and self.num_blocks is not None:
+            raise ConfigError("give kv_cache_memory or num_blocks, not both")
+        if self.kv_cache_memory is not None:
+            parse_size("kv_cache_memory", self.kv_cache_memory)
+        _check_int("num_blocks", self.num_blocks, 2, optional=True)
+        _check_int("max_model_len", self.max_model_len, 2, optional=True)
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        if self.max_num_batched_tokens < self.block_size:
+            raise ConfigError(
+                f"max_num_batched_tokens must be >= block_size ({self.block_size}), got "
+                f"{self.max_num_batched_tokens}; the smallest value that works is {self.block_size}"
+            )
+        _check_int("num_speculative_tokens", self.num_speculative_tokens, 0)
+        if self.num_speculative_tokens:
+            # The scheduler supports draft slots, but the PyTorch runner has no drafter yet:
+            # accepting the setting would only spend batch budget on empty drafts.
+            raise ConfigError(
+                "num_speculative_tokens: speculative decoding is not available in the PyTorch runner yet "
+                "(the n-gram drafter comes in a later release); set it to 0"
+            )
+        if self.num_speculative_tokens + 1 > self.max_num_batched_tokens:
+            raise ConfigError(
+                f"max_num_batched_tokens must be >= num_speculative_tokens + 1; the smallest value that "
+                f"works is {self.num_speculative_tokens + 1}"
+            )
+        for name in ("async_scheduling", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if parse_size("kv_offload_memory", self.kv_offload_memory, allow_zero=True) > 0:
+            raise ConfigError(
+                "kv_offload_memory: KV offload is not available yet in this version (its connector comes "
+                "in a later release); set it to 0"
+            )
+        _check_int("seed", self.seed, 0)
+        if self.seed >= 1 << 63:
+            raise ConfigError(f"seed must be < 2**63, got {self.seed}")
+        if self.device is not None and (not isinstance(self.device, str) or not _DEVICE.fullmatch(self.device)):
+            raise ConfigError(f"device must be 'cpu', 'cuda', 'cuda:N' or 'auto', got {self.device!r}")
+        if self.dtype not in MODEL_DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.dtype!r}")
+        _check_int("num_threads", self.num_threads, 1, optional=True)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Like the constructor, but unknown names become one ConfigError instead of a TypeError."""
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(kwargs) - set(names))
+        if unknown:
+            raise ConfigError(f"unknown engine argument(s) {unknown}; known: {', '.join(names)}")
+        return cls(**kwargs)
+
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=max_model_len,
+            async_scheduling=self.async_scheduling,
+            num_speculative_tokens=self.num_speculative_tokens,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
+
+
+@dataclass(frozen=True)
+class ResolvedSettings:
+    """What the model decided: the final max_model_len, scheduler config and pool size."""
+
+    max_model_len: int
+    scheduler_config: SchedulerConfig
+    kv_cache_config: KVCacheConfig
+
+
+def resolve_max_model_len(config: EngineConfig, model_max_len: int) -> int:
+    if config.max_model_len is None:
+        return max(2, min(model_max_len, DEFAULT_MAX_MODEL_LEN_CAP))
+    if config.max_model_len > model_max_len:
+        raise ConfigError(
+            f"max_model_len={config.max_model_len} exceeds the model's context "
+            f"(max_position_embeddings={model_max_len}); the largest value that works is {model_max_len}"
+        )
+    return config.max_model_len
+
+
+def resolve_engine_settings(config: EngineConfig, groups: tuple[KVCacheGroup, ...], model_max_len: int,
+                            window_tail: bool) -> ResolvedSettings:
+    """Size the KV pool and check that it admits one max_model_len request.
+
+    `window_tail` must be what the engine builder resolves for the executor (see
+    engine.loop.build_engine), so this check and admission use the same formula.
+    """
+    max_model_len = resolve_max_model_len(config, model_max_len)
+    sched = config.scheduler_config(max_model_len)
+    tail = sched.window_tail if window_tail else None
+    per_block = bytes_per_block(groups)
+
+    def need(length: int) -> int:
+        return KVCacheConfig(2, groups).min_num_blocks(sched.max_in_flight_tokens, length, tail)
+
+    needed = need(max_model_len)
+    if config.num_blocks is not None:
+        num_blocks = config.num_blocks
+    elif config.kv_cache_memory is not None:
+        num_blocks = parse_size("kv_cache_memory", config.kv_cache_memory) // per_block
+    else:
+        # Default: 1 GiB, but never more blocks than max_num_seqs full-length requests can
+        # use (a big pool of a tiny model only costs start-up time), never less than one.
+        budget_blocks = DEFAULT_KV_CACHE_MEMORY // per_block
+        num_blocks = max(min(budget_blocks, config.max_num_seqs * (needed - 1) + 1), min(needed, budget_blocks))
+    if num_blocks < needed:
+        raise ConfigError(_pool_too_small(config, num_blocks, needed, per_block, max_model_len, need))
+    return ResolvedSettings(max_model_len, sched, KVCacheConfig(num_blocks=num_blocks, groups=groups))
+
+
+def _pool_too_small(config: EngineConfig, num_blocks: int, needed: int, per_block: int, max_model_len: int,
+                    need: Any) -> str:
+    if config.num_blocks is not None:
+        setting = f"num_blocks={num_blocks} is too small"
+        fix = f"the smallest num_blocks that works is {needed}"
+    else:
+        given = config.kv_cache_memory if config.kv_cache_memory is not None else format_size(DEFAULT_KV_CACHE_MEMORY)
+        setting = f"kv_cache_memory={given} ({num_blocks} blocks of {per_block} bytes) is too small"
+        fix = f"the smallest kv_cache_memory that works is {needed * per_block} ({format_size(needed * per_block)})"
+    # The longest max_model_len this pool admits (need() grows with the length).
+    lo, hi = 1, max_model_len - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if need(mid) <= num_blocks else (lo, mid - 1)
+    alt = f", or lower max_model_len to {lo}" if lo >= 2 and need(lo) <= num_blocks else ""
+    return (f"{setting}: one max_model_len={max_model_len} request needs {needed} blocks by the admission "
+            f"formula; {fix}{alt}")
+
+
+EngineArgs = EngineConfig

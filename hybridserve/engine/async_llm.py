@@ -1,0 +1,377 @@
+"""AsyncLLM: the engine on its own thread, for servers.
+
+    llm = AsyncLLM("path/to/hf_dir")
+    async for out in llm.generate("Hello", SamplingParams(max_tokens=32), request_id="r1"):
+        print(out.outputs[0].delta_text, end="")
+    await llm.abort("r1")          # from anywhere; the stream ends with finish_reason "abort"
+    llm.shutdown()
+
+Threads: the caller's event loop tokenizes and submits commands (add, abort, stats) to
+a queue; the engine thread drains it between steps, steps the EngineCore, detokenizes
+and hands each stream its outputs with one `call_soon_threadsafe` per loop and step.
+
+Failure contract: an error inside the engine thread kills the engine (its state is no
+longer trustworthy): every open stream raises EngineDeadError, later calls raise it at
+once, nothing hangs. A consumer that stops iterating (client gone, task cancelled)
+aborts its request, so its blocks return to the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import re
+import threading
+import time
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Sequence
+
+from hybridserve.config import EngineConfig
+from hybridserve.core.errors import HybridServeError, RequestError
+from hybridserve.core.kv.spec import KVCacheSpec, SlidingWindowSpec
+from hybridserve.core.request import SamplingParams as CoreSamplingParams
+from hybridserve.core.sched.output import RequestOutput as CoreOutput
+from hybridserve.engine.frontend import EngineParts, Prompt, build_engine_parts, check_params, new_request_id
+from hybridserve.engine.frontend import prepare_chat, prepare_prompt
+from hybridserve.engine.outputs import GenerationOutput, GenerationTracker, RequestMetrics, as_sampling_params
+
+logger = logging.getLogger("hybridserve")
+
+
+class EngineDeadError(HybridServeError, RuntimeError):
+    """The engine thread failed or was shut down; no request can run any more."""
+
+
+@dataclass
+class EngineStats:
+    """A consistent snapshot taken on the engine thread between steps."""
+
+    num_running: int
+    num_waiting: int
+    num_preemptions: int
+    num_generated_tokens: int
+    kv_usage: float
+    group_kv_usage: list[float]
+    group_labels: list[str]
+    prefix_cache_hit_rate: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+@dataclass(eq=False)
+class _Stream:
+    tracker: GenerationTracker
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    reported: set[str] = field(default_factory=set)
+
+
+def group_label(spec: KVCacheSpec) -> str:
+    """A metrics label: "full_attention", "sliding_window_512", "mamba", ..."""
+    if isinstance(spec, SlidingWindowSpec):
+        return f"sliding_window_{spec.sliding_window}"
+    name = type(spec).__name__.removesuffix("Spec")
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+class AsyncLLM:
+    def __init__(self, model: str | None = None, *, config: EngineConfig | None = None, progress: bool = True,
+                 on_request_finished: Callable[[RequestMetrics], None] | None = None, **engine_args: Any) -> None:
+        self.config = config or EngineConfig.from_kwargs(model=model, **engine_args)
+        self.parts: EngineParts = build_engine_parts(self.config, progress=progress)
+        self.on_request_finished = on_request_finished
+        self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # guards _active and _dead against the engine thread's death
+        self._active: set[str] = set()
+        self._dead: EngineDeadError | None = None
+        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._by_core: dict[str, _Stream] = {}  # engine thread only
+        self._group_labels = [group_label(g.spec) for g in self.parts.engine.scheduler.kv.config.groups]
+        self._thread = threading.Thread(target=self._run, name="hybridserve-engine", daemon=True)
+        self._thread.start()
+
+    # -- caller side -----------------------------------------------------------------
+    @property
+    def tokenizer(self) -> Any:
+        return self.parts.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.parts.max_model_len
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        return self._dead
+
+    async def generate(self, prompt: Prompt, params: CoreSamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[GenerationOutput]:
+        """Incremental outputs of one prompt (its n choices); the last has finished=True."""
+        p = as_sampling_params(params)
+        check_params(self.parts, p)
+        text, ids = prepare_prompt(self.parts, prompt)
+        # aclosing: closing this generator must close (and so abort) the inner one now, not at GC.
+        async with aclosing(self.generate_tokens(ids, p, request_id, text)) as outs:
+            async for out in outs:
+                yield out
+
+    async def chat(self, messages: Sequence[dict[str, str]], params: CoreSamplingParams | None = None,
+                   request_id: str | None = None) -> AsyncIterator[GenerationOutput]:
+        """Like generate, for a conversation (chat template, else the plain template)."""
+        p = as_sampling_params(params)
+        check_params(self.parts, p)
+        text, ids, p = prepare_chat(self.parts, messages, p)
+        async with aclosing(self.generate_tokens(ids, p, request_id, text)) as outs:
+            async for out in outs:
+                yield out
+
+    async def generate_tokens(self, prompt_token_ids: list[int], params: Any, request_id: str | None = None,
+                              prompt: str | None = None) -> AsyncIterator[GenerationOutput]:
+        """generate() for a prompt already tokenized and checked (see frontend.prepare_prompt),
+        with front-end SamplingParams; `prompt` is only reported back."""
+        text, ids = prompt, prompt_token_ids
+        rid = request_id or new_request_id()
+        if not isinstance(rid, str) or not rid:
+            raise RequestError("request_id must be a non-empty string")
+        tracker = GenerationTracker(rid, text, ids, params, self.parts.tokenizer)
+        stream = _Stream(tracker, asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            if self._dead is not None:
+                raise EngineDeadError(str(self._dead))
+            if rid in self._active:
+                raise RequestError(f"duplicate request id {rid!r}")
+            self._active.add(rid)
+            self._commands.put(("add", stream))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                # The abort is queued before any later command, so the id may be reused at once.
+                with self._lock:
+                    if self._dead is None:
+                        self._commands.put(("abort", [rid]))
+                    self._active.discard(rid)
+
+    async def abort(self, request_id: str | Sequence[str]) -> None:
+        """Abort requests by id (unknown or finished ids are ignored)."""
+        self._abort_nowait([request_id] if isinstance(request_id, str) else list(request_id))
+
+    def _abort_nowait(self, request_ids: list[str]) -> None:
+        with self._lock:
+            if self._dead is None:
+                self._commands.put(("abort", request_ids))
+
+    async def get_stats(self) -> EngineStats | None:
+        """A snapshot from the engine thread (None once the engine is dead)."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[EngineStats] = loop.create_future()
+        with self._lock:
+            if self._dead is not None:
+                return None
+            self._commands.put(("stats", loop, fut))
+        return await fut
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the engine thread; open streams fail with EngineDeadError."""
+        with self._lock:
+            if self._dead is None:
+                self._commands.put(("stop",))
+        self._thread.join(timeout)
+
+    # -- engine thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        engine = self.parts.engine
+        reason = "the engine was shut down"
+        try:
+            while True:
+                if not self._drain(block=not engine.has_unfinished_requests()):
+                    break
+                if engine.has_unfinished_requests():
+                    _, outs = engine.step()
+                    self._handle_outputs(outs)
+        except BaseException as exc:  # noqa: BLE001 - reported to every waiting stream
+            logger.exception("engine thread failed")
+            reason = f"engine failed: {type(exc).__name__}: {exc}"
+        self._die(reason)
+
+    def _drain(self, block: bool) -> bool:
+        """Run queued commands; False on stop."""
+        try:
+            cmd = self._commands.get() if block else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            kind = cmd[0]
+            if kind == "stop":
+                return False
+            if kind == "add":
+                self._add(cmd[1])
+            elif kind == "abort":
+                self._abort(cmd[1])
+            elif kind == "stats":
+                self._send_stats(cmd[1], cmd[2])
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _add(self, stream: _Stream) -> None:
+        engine, tracker = self.parts.engine, stream.tracker
+        requests = tracker.core_requests(self.parts.eos_token_id, self.parts.model_stop_ids)
+        if any(r.request_id in self._by_core for r in requests):
+            self._deliver({stream.loop: [(stream, RequestError(f"duplicate request id {tracker.request_id!r}"))]})
+            self._release(stream)
+            return
+        self._streams[tracker.request_id] = stream
+        now = time.monotonic()
+        added: list[str] = []
+        try:
+            for req in requests:
+                self._by_core[req.request_id] = stream
+                done = engine.add_request(req)
+                added.append(req.request_id)
+                if done is not None:
+                    tracker.process(done, now)
+        except HybridServeError as exc:  # this request is bad, the engine is fine
+            engine.abort_requests(added)
+            self._retire(stream)
+            self._deliver({stream.loop: [(stream, exc)]})
+            return
+        if tracker.finished:
+            self._publish([stream])
+
+    def _abort(self, request_ids: list[str]) -> None:
+        now = time.monotonic()
+        touched = []
+        for rid in request_ids:
+            stream = self._streams.get(rid)
+            if stream is None:
+                continue
+            live = [cid for cid, seq in stream.tracker.by_core_id.items() if not seq.finished]
+            self.parts.engine.abort_requests(live)
+            for cid in live:
+                stream.tracker.by_core_id[cid].abort(now)
+            touched.append(stream)
+        self._publish(touched)
+
+    def _handle_outputs(self, outs: list[CoreOutput]) -> None:
+        now = time.monotonic()
+        touched: dict[int, _Stream] = {}
+        stops = []
+        for o in outs:
+            stream = self._by_core.get(o.request_id)
+            if stream is None:
+                continue
+            if stream.tracker.process(o, now):
+                stops.append(o.request_id)
+            touched[id(stream)] = stream
+        if stops:
+            self.parts.engine.abort_requests(stops)
+        self._publish(list(touched.values()))
+
+    def _publish(self, streams: list[_Stream]) -> None:
+        """Hand changed streams their outputs; retire finished ones."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, Any]]] = {}
+        for stream in streams:
+            out = stream.tracker.take_output()
+            if out is not None:
+                batches.setdefault(stream.loop, []).append((stream, out))
+            self._report_finished(stream)
+            if stream.tracker.finished:
+                self._retire(stream)
+        self._deliver(batches)
+
+    def _report_finished(self, stream: _Stream) -> None:
+        if self.on_request_finished is None:
+            return
+        for cid, seq in stream.tracker.by_core_id.items():
+            if seq.finished and cid not in stream.reported:
+                stream.reported.add(cid)
+                try:
+                    self.on_request_finished(stream.tracker.metrics(cid))
+                except Exception:  # noqa: BLE001 - a metrics hook must not kill the engine
+                    logger.exception("on_request_finished hook failed")
+
+    def _retire(self, stream: _Stream) -> None:
+        self._streams.pop(stream.tracker.request_id, None)
+        for cid in stream.tracker.core_ids:
+            self._by_core.pop(cid, None)
+        self._release(stream)
+
+    def _release(self, stream: _Stream) -> None:
+        with self._lock:
+            self._active.discard(stream.tracker.request_id)
+
+    def _deliver(self, batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, Any]]]) -> None:
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the caller's loop is closed: nobody is listening
+                live = [s.tracker.request_id for s, _ in items if not s.tracker.finished]
+                if live and self._dead is None:
+                    self._abort(live)
+
+    def _send_stats(self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future) -> None:
+        sched = self.parts.engine.scheduler
+        st = sched.make_stats()
+        pcs = sched.kv.prefix_cache_stats
+        stats = EngineStats(st.num_running, st.num_waiting, st.num_preemptions, st.num_generated_tokens,
+                            st.kv_usage, sched.kv.group_usage(), list(self._group_labels), pcs.hit_rate,
+                            pcs.queries, pcs.hits)
+        try:
+            loop.call_soon_threadsafe(_set_result, fut, stats)
+        except RuntimeError:
+            pass
+
+    def _die(self, reason: str) -> None:
+        """Fail every open stream and every queued command; no command enters afterwards."""
+        with self._lock:
+            self._dead = EngineDeadError(reason)
+            self._active.clear()
+        pending: list[_Stream] = list(self._streams.values())
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if cmd[0] == "add":
+                pending.append(cmd[1])
+            elif cmd[0] == "stats":
+                try:
+                    cmd[1].call_soon_threadsafe(_set_result, cmd[2], None)
+                except RuntimeError:
+                    pass
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, Any]]] = {}
+        for stream in pending:
+            batches.setdefault(stream.loop, []).append((stream, EngineDeadError(reason)))
+        self._streams.clear()
+        self._by_core.clear()
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:
+                pass
+        try:
+            self.parts.engine.shutdown()
+        except Exception:  # noqa: BLE001 - already dead; the first error was logged
+            logger.debug("engine shutdown after failure raised", exc_info=True)
+
+
+def _put_all(items: list[tuple[_Stream, Any]]) -> None:
+    for stream, item in items:
+        stream.queue.put_nowait(item)
+
+
+def _set_result(fut: asyncio.Future, value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)

@@ -1,0 +1,158 @@
+"""Build an engine from an EngineConfig, and turn user prompts into checked token ids.
+
+Shared by `LLM` and `AsyncLLM`. Order of work at start, cheapest checks first: resolve
+the model path, read its config.json, size and check the KV pool (no weights yet),
+load the tokenizer, then the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from hybridserve.config import EngineConfig, resolve_engine_settings
+from hybridserve.core.errors import ConfigError, RequestError
+from hybridserve.core.kv.spec import group_layers
+from hybridserve.engine.loop import EngineCore
+from hybridserve.engine.tokenizer import Tokenizer
+from hybridserve.models.config import ModelConfig
+
+Prompt = str | Sequence[int]
+
+
+@dataclass
+class EngineParts:
+    """A running engine plus what the front ends need to talk to it."""
+
+    config: EngineConfig
+    engine: EngineCore
+    tokenizer: Tokenizer | None
+    model_path: Path
+    model_config: ModelConfig
+    max_model_len: int
+    eos_token_id: int | None
+    # Further ids that end generation like EOS (generation_config.json lists), unless ignore_eos.
+    model_stop_ids: tuple[int, ...]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+
+def build_engine_parts(config: EngineConfig, progress: bool = True) -> EngineParts:
+    """Resolve, check, load. Raises ConfigError (MissingExtraError for an absent extra)."""
+    from hybridserve.engine.loop import build_engine
+    from hybridserve.executor.torch.executor import TorchExecutor
+    from hybridserve.executor.torch.kv_cache import TORCH_DTYPES
+    from hybridserve.models.config import load_model_config
+    from hybridserve.models.default_model import resolve_model_path
+    from hybridserve.models.kv_specs import model_kv_layer_specs
+
+    path = resolve_model_path(config.model, progress=progress)
+    model_cfg = load_model_config(path)
+    groups = group_layers(model_kv_layer_specs(model_cfg, config.block_size, config.dtype))
+    settings = resolve_engine_settings(config, groups, model_cfg.max_position_embeddings,
+                                       window_tail=TorchExecutor.computes_in_chunk_attention_from_batch)
+    tokenizer = Tokenizer.from_dir(config.tokenizer or path)
+    if tokenizer is None and config.tokenizer is not None:
+        raise ConfigError(f"tokenizer: no tokenizer files in {config.tokenizer}")
+    eos, extra = _stop_token_ids(path, model_cfg, tokenizer)
+    executor = TorchExecutor(path, device=config.device, dtype=TORCH_DTYPES[config.dtype],
+                             use_worker_thread=config.async_scheduling, seed=config.seed,
+                             num_threads=config.num_threads)
+    try:
+        engine = build_engine(settings.scheduler_config, settings.kv_cache_config, executor)
+    except BaseException:
+        executor.shutdown()
+        raise
+    return EngineParts(config, engine, tokenizer, path, model_cfg, settings.max_model_len, eos, extra)
+
+
+def _ids(value: Any) -> list[int]:
+    if isinstance(value, bool) or value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+
+
+def _stop_token_ids(path: Path, cfg: ModelConfig, tokenizer: Tokenizer | None) -> tuple[int | None, tuple[int, ...]]:
+    """EOS is the tokenizer's (else the model config's first); the other EOS ids that the
+    model and generation configs list stop generation too."""
+    generation: list[int] = []
+    gen_path = path / "generation_config.json"
+    if gen_path.is_file():
+        try:
+            generation = _ids(json.loads(gen_path.read_text()).get("eos_token_id"))
+        except (OSError, ValueError, AttributeError):
+            generation = []  # an unreadable generation config only loses extra stop ids
+    candidates = _ids(cfg.eos_token_id) + generation
+    eos = tokenizer.eos_token_id if tokenizer is not None and tokenizer.eos_token_id is not None else None
+    if eos is None and candidates:
+        eos = candidates[0]
+    extra = tuple(dict.fromkeys(t for t in candidates if t != eos))
+    return eos, extra
+
+
+def new_request_id(prefix: str = "req") -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def prepare_prompt(parts: EngineParts, prompt: Prompt) -> tuple[str | None, list[int]]:
+    """(text or None, token ids) for a text or token-id prompt; RequestError if unusable."""
+    if isinstance(prompt, str):
+        if parts.tokenizer is None:
+            raise RequestError("text prompts need a tokenizer; this model has none (pass token ids)")
+        ids = parts.tokenizer.encode(prompt)
+        text: str | None = prompt
+    else:
+        try:
+            ids = [int(t) for t in prompt]
+        except (TypeError, ValueError):
+            raise RequestError("a prompt is a string or a list of token ids") from None
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in prompt):
+            raise RequestError("token ids must be integers")
+        text = None
+    check_prompt_ids(ids, parts.max_model_len, parts.vocab_size)
+    return text, ids
+
+
+class ContextLengthError(RequestError):
+    """The prompt (or prompt + max_tokens) does not fit in max_model_len."""
+
+
+def check_prompt_ids(ids: Sequence[int], max_model_len: int, vocab_size: int) -> None:
+    if not ids:
+        raise RequestError("the prompt is empty")
+    if len(ids) >= max_model_len:
+        raise ContextLengthError(
+            f"the prompt has {len(ids)} tokens, but max_model_len={max_model_len} allows at most "
+            f"{max_model_len - 1} prompt tokens (one must remain for the output)"
+        )
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise RequestError(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
+
+
+def check_params(parts: EngineParts, params: Any) -> None:
+    if params.stop and parts.tokenizer is None:
+        raise RequestError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+
+
+def prepare_chat(parts: EngineParts, messages: Sequence[dict[str, str]], params: Any) -> tuple[str, list[int], Any]:
+    """(prompt text, ids, params) for a conversation. Without a chat template the plain
+    template applies and PLAIN_CHAT_STOP joins the stop strings."""
+    from dataclasses import replace
+
+    from hybridserve.engine.tokenizer import PLAIN_CHAT_STOP
+
+    if parts.tokenizer is None:
+        raise RequestError("chat needs a tokenizer; this model has none")
+    text, ids = parts.tokenizer.chat_prompt(messages)
+    check_prompt_ids(ids, parts.max_model_len, parts.vocab_size)
+    if not parts.tokenizer.has_chat_template and PLAIN_CHAT_STOP not in params.stop:
+        params = replace(params, stop=tuple(params.stop) + (PLAIN_CHAT_STOP,))
+    return text, ids, params

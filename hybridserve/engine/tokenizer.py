@@ -1,0 +1,152 @@
+"""Text <-> token ids: the model's Hugging Face tokenizer, chat prompts, incremental detokenizing.
+
+Chat prompts use the tokenizer's chat template when it has one. Otherwise the plain
+template below applies (documented in the README), and chat requests also stop at
+PLAIN_CHAT_STOP so a base model does not write the user's next turn itself::
+
+    System: {content}
+    User: {content}
+    Assistant: {content}
+    ...
+    Assistant:
+
+Streaming text: `IncrementalDetokenizer` turns tokens into text deltas whose
+concatenation is the completion's text. It decodes a short window that starts a few
+tokens back (prompt tokens at first), so word-initial spaces survive, and it holds a
+delta back while it ends in U+FFFD (a multi-byte character split across tokens).
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any, Sequence
+
+from hybridserve.core.errors import ConfigError, RequestError
+
+PLAIN_CHAT_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
+PLAIN_CHAT_STOP = "\nUser:"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+_CONTEXT_TOKENS = 5  # prompt tokens the detokenizer starts from
+_REPLACEMENT = "\ufffd"
+
+
+class Tokenizer:
+    """One model's tokenizer. Invariant: `encode` of a prompt adds the model's special
+    prefix (BOS) exactly as Hugging Face does; chat prompts carry it through the template."""
+
+    def __init__(self, hf_tokenizer: Any) -> None:
+        self.hf = hf_tokenizer
+        self.eos_token_id: int | None = hf_tokenizer.eos_token_id
+        self.bos_token_id: int | None = hf_tokenizer.bos_token_id
+        self.chat_template: str | None = getattr(hf_tokenizer, "chat_template", None) or None
+        self._token_text: dict[int, str] = {}
+        # The engine thread decodes while the server's event loop encodes; HF fast
+        # tokenizers are not documented as thread-safe, so calls are serialised.
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer | None:
+        """The tokenizer stored in a model directory, or None when it has none."""
+        path = Path(path)
+        if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+            return None
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            raise ConfigError("text prompts need transformers: pip install 'hybridserve[torch]'") from None
+        try:
+            return cls(AutoTokenizer.from_pretrained(str(path)))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"cannot load the tokenizer in {path}: {exc}") from None
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self.chat_template is not None
+
+    def __len__(self) -> int:
+        return len(self.hf)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        with self._lock:
+            return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        with self._lock:
+            return self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens,
+                                  clean_up_tokenization_spaces=False)
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token on its own (logprob listings), special tokens included."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self.decode([token_id], skip_special_tokens=False)
+        return text
+
+    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> tuple[str, list[int]]:
+        """(prompt text, token ids) for a conversation, ready for the assistant's reply."""
+        if not messages:
+            raise RequestError("messages must not be empty")
+        if self.chat_template is not None:
+            try:
+                with self._lock:
+                    text = self.hf.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+            except Exception as exc:  # jinja raises its own errors (TemplateError, raise_exception)
+                raise RequestError(f"the model's chat template rejected the messages: {exc}") from None
+            return text, self.encode(text, add_special_tokens=False)
+        text = plain_chat_text(messages)
+        return text, self.encode(text, add_special_tokens=True)
+
+    def detokenizer(self, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self, prompt_token_ids, skip_special_tokens)
+
+
+def plain_chat_text(messages: Sequence[dict[str, str]]) -> str:
+    """The plain template (module docstring); unknown roles are title-cased."""
+    lines = []
+    for m in messages:
+        role = m.get("role", "")
+        name = PLAIN_CHAT_ROLES.get(role, role.title() or "User")
+        lines.append(f"{name}: {m.get('content', '')}")
+    lines.append("Assistant:")
+    return "\n".join(lines)
+
+
+class IncrementalDetokenizer:
+    """Text deltas of a growing token list.
+
+    Invariant: the concatenation of all deltas (including `finish()`) equals the text of
+    the output tokens as decoded after the prompt's last tokens.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        # ids[prefix_offset:read_offset] decodes to text already emitted (context for the next).
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def _decode(self, start: int, end: int | None = None) -> str:
+        return self.tokenizer.decode(self.ids[start:end], self.skip_special_tokens)
+
+    def push(self, new_token_ids: Sequence[int]) -> str:
+        """Add tokens; return the text they complete (may be "" while a character is split)."""
+        if not new_token_ids:
+            return ""
+        self.ids.extend(new_token_ids)
+        prefix_text = self._decode(self.prefix_offset, self.read_offset)
+        new_text = self._decode(self.prefix_offset)
+        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return new_text[len(prefix_text):]
+
+    def finish(self) -> str:
+        """Flush what `push` held back (an incomplete character decodes to U+FFFD)."""
+        if self.read_offset == len(self.ids):
+            return ""
+        prefix_text = self._decode(self.prefix_offset, self.read_offset)
+        new_text = self._decode(self.prefix_offset)
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return new_text[len(prefix_text):]

@@ -1,0 +1,137 @@
+"""`hybridserve bench`: offline throughput of a model on this machine.
+
+    hybridserve bench --model ./my-model --num-prompts 16 --input-len 128 --output-len 64
+
+N random token prompts (seeded, EOS excluded) all arrive at t=0 and run greedily with
+ignore_eos, so every request produces exactly --output-len tokens. A short warm-up
+batch runs first. Reports output tokens/s, total tokens/s, time to first token and
+time per output token (mean / median / p99 over requests), optionally as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from typing import Any
+
+from hybridserve.entrypoints.engine_flags import (
+    FlagError,
+    add_engine_arguments,
+    engine_config_from_args,
+    one_line_errors,
+    run_guarded,
+)
+
+PROG = "hybridserve bench"
+DESCRIPTION = "Measure output tokens/s, TTFT and TPOT of a model on N prompts x M tokens."
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    w = p.add_argument_group("workload")
+    w.add_argument("--num-prompts", type=int, default=16)
+    w.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (default: 128)")
+    w.add_argument("--output-len", type=int, default=64, help="new tokens per request (default: 64)")
+    w.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True)
+    w.add_argument("--json", default=None, metavar="OUT.json", help="also write the results as JSON")
+    add_engine_arguments(p)
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("bench", help="measure throughput, TTFT and TPOT on a model", description=DESCRIPTION)
+    one_line_errors(p, PROG)
+    _add_arguments(p)
+    return p
+
+
+def random_prompts(n: int, length: int, vocab_size: int, avoid: set[int], seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    pool = [t for t in range(min(vocab_size, 1 << 20)) if t not in avoid]
+    return [[rng.choice(pool) for _ in range(length)] for _ in range(n)]
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": 0.0, "median": 0.0, "p99": 0.0}
+    ordered = sorted(values)
+    return {"mean": statistics.fmean(values), "median": statistics.median(values),
+            "p99": ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]}
+
+
+def run(args: argparse.Namespace) -> int:
+    return run_guarded(PROG, lambda: _run(args))
+
+
+def _run(a: argparse.Namespace) -> int:
+    for flag, value in (("--num-prompts", a.num_prompts), ("--input-len", a.input_len),
+                        ("--output-len", a.output_len)):
+        if value < 1:
+            raise FlagError(f"argument {flag}: must be >= 1, got {value}")
+    from hybridserve.engine.llm import LLM
+    from hybridserve.engine.outputs import SamplingParams
+
+    config = engine_config_from_args(a)
+    llm = LLM(config=config)
+    try:
+        if a.input_len + a.output_len > llm.max_model_len:
+            raise FlagError(f"--input-len + --output-len = {a.input_len + a.output_len} exceeds max_model_len "
+                            f"{llm.max_model_len}")
+        avoid = {t for t in (llm.parts.eos_token_id, *llm.parts.model_stop_ids) if t is not None}
+        prompts = random_prompts(a.num_prompts, a.input_len, llm.parts.vocab_size, avoid, config.seed)
+        params = SamplingParams(max_tokens=a.output_len, temperature=0.0, ignore_eos=True)
+        if a.warmup:
+            llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
+        start = time.monotonic()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.monotonic() - start
+    finally:
+        llm.shutdown()
+    metrics = [m for o in outs for m in (o.metrics or [])]
+    output_tokens = sum(len(o.token_ids) for o in outs)
+    ttft = [m.first_token_time - start for m in metrics if m.first_token_time is not None]
+    tpot = [t for t in (m.tpot for m in metrics) if t is not None]
+    result = {
+        "model": str(llm.parts.model_path), "num_prompts": a.num_prompts, "input_len": a.input_len,
+        "output_len": a.output_len, "elapsed_s": elapsed, "output_tokens": output_tokens,
+        "output_tokens_per_s": output_tokens / elapsed,
+        "total_tokens_per_s": (output_tokens + a.num_prompts * a.input_len) / elapsed,
+        "ttft_ms": {k: v * 1000 for k, v in _summary(ttft).items()},
+        "tpot_ms": {k: v * 1000 for k, v in _summary(tpot).items()},
+        "async_scheduling": config.async_scheduling, "dtype": config.dtype,
+    }
+    _print(result)
+    if a.json:
+        try:
+            with open(a.json, "w", encoding="utf-8") as f:
+                json.dump(result, f, indent=2)
+        except OSError as exc:
+            raise FlagError(f"argument --json: cannot write {a.json} ({exc.strerror or exc})") from None
+    return 0
+
+
+def _print(r: dict[str, Any]) -> None:
+    lines = [
+        f"model               {r['model']}",
+        f"workload            {r['num_prompts']} prompts x {r['input_len']} tokens -> {r['output_len']} new tokens",
+        f"elapsed             {r['elapsed_s']:.2f} s",
+        f"output throughput   {r['output_tokens_per_s']:.1f} tok/s",
+        f"total throughput    {r['total_tokens_per_s']:.1f} tok/s",
+    ]
+    for name in ("ttft_ms", "tpot_ms"):
+        s = r[name]
+        lines.append(f"{name[:4].upper():<19} mean {s['mean']:.1f} ms  median {s['median']:.1f} ms  p99 {s['p99']:.1f} ms")
+    print("\n".join(lines), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION)
+    one_line_errors(p, PROG)
+    _add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

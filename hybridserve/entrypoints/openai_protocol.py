@@ -1,0 +1,179 @@
+"""OpenAI request bodies (pydantic, strict types) and the JSON the server sends back.
+
+Bodies are validated from raw JSON bytes in strict mode: "16" is not an integer and
+true is not a number, as with OpenAI. Unknown fields are ignored, except features this
+server does not implement (tools, logit_bias, penalties, suffix, ...), which are a 400
+rather than a silently different result.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from hybridserve.engine.outputs import CompletionOutput, TokenLogprob
+from hybridserve.engine.tokenizer import Tokenizer
+
+MAX_N = 128
+MAX_LOGPROBS = 20
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI-style JSON: {"error": {message, type, param, code}}."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
+                 type_: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.message, self.status, self.param, self.code, self.type = message, status, param, code, type_
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # Extensions many OpenAI-compatible servers accept.
+    top_k: int | None = None
+    min_p: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ContentPart(_Body):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[ContentPart] | None = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+Body = TypeVar("Body", bound=_Body)
+
+
+def parse_body(cls: type[Body], raw: bytes) -> Body:
+    try:
+        return cls.model_validate_json(raw or b"")
+    except ValidationError as exc:
+        err = exc.errors(include_url=False)[0]
+        if err["type"] == "json_invalid":
+            raise ApiError(f"malformed JSON body: {err['msg']}") from None
+        loc = [str(x) for x in err["loc"] if isinstance(x, (str, int))]
+        param = loc[0] if loc else None
+        where = ".".join(loc[:1] + [x for x in loc[1:] if x.isdigit()]) if loc else "body"
+        raise ApiError(f"{where}: {err['msg']}", param=param) from None
+
+
+def check_unsupported(req: _Sampling) -> None:
+    """400 for options that would change results if silently ignored."""
+    if req.presence_penalty or req.frequency_penalty:
+        raise ApiError("presence_penalty and frequency_penalty are not supported", param="presence_penalty")
+    if req.logit_bias:
+        raise ApiError("logit_bias is not supported", param="logit_bias")
+    if isinstance(req, CompletionRequest):
+        if req.suffix:
+            raise ApiError("suffix is not supported", param="suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise ApiError("best_of must equal n (no server-side ranking)", param="best_of")
+    if isinstance(req, ChatRequest):
+        if req.tools or req.functions or req.tool_choice not in (None, "none"):
+            raise ApiError("tool calling is not supported", param="tools")
+        if req.response_format and req.response_format.get("type") not in (None, "text"):
+            raise ApiError("response_format other than text is not supported", param="response_format")
+    if not 1 <= req.n <= MAX_N:
+        raise ApiError(f"n must be between 1 and {MAX_N}, got {req.n}", param="n")
+
+
+def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    items = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if any(not s for s in items):
+        raise ApiError("stop strings must be non-empty", param="stop")
+    return items
+
+
+def finish_reason(reason: str | None) -> str | None:
+    return reason
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_logprobs(tok: Tokenizer, entries: list[TokenLogprob], offset: int) -> dict[str, Any]:
+    """The legacy completions format; offsets count characters from `offset`."""
+    tokens, offsets = [], []
+    for e in entries:
+        text = tok.token_text(e.token_id)
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+    tops = []
+    for e in entries:
+        top = {tok.token_text(t): lp for t, lp in (e.top or [])}
+        top.setdefault(tok.token_text(e.token_id), e.logprob)
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def chat_logprobs(tok: Tokenizer, entries: list[TokenLogprob], top_n: int) -> dict[str, Any]:
+    def item(token_id: int, lp: float) -> dict[str, Any]:
+        text = tok.token_text(token_id)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [
+        {**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in (e.top or [])[:top_n]]}
+        for e in entries
+    ]}
+
+
+def completion_choice(index: int, text: str, out: CompletionOutput, logprobs: dict[str, Any] | None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(out.finish_reason)}
+
+
+def chat_choice(out: CompletionOutput, index: int, logprobs: dict[str, Any] | None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": out.text}, "logprobs": logprobs,
+            "finish_reason": finish_reason(out.finish_reason)}

@@ -1,0 +1,120 @@
+"""EngineConfig: each invalid setting fails at start, naming the setting and the smallest value that works."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridserve.config import EngineConfig, format_size, parse_size, resolve_engine_settings
+from hybridserve.core.errors import ConfigError
+from hybridserve.core.kv.spec import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec, group_layers
+
+
+def groups(block_size: int = 16, window: int = 16) -> tuple:
+    specs = {}
+    for i in range(6):
+        if i in (2, 5):
+            specs[f"layers.{i}"] = FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=16)
+        else:
+            specs[f"layers.{i}"] = SlidingWindowSpec(block_size=block_size, num_kv_heads=2, head_size=16,
+                                                     sliding_window=window)
+    return group_layers(specs)
+
+
+def test_block_size_must_be_a_power_of_two() -> None:
+    with pytest.raises(ConfigError, match=r"block_size must be a power of two, got 24; .* 16 and 32"):
+        EngineConfig(block_size=24)
+    assert EngineConfig(block_size=32).block_size == 32
+
+
+def test_max_num_batched_tokens_below_block_size_names_the_smallest_value() -> None:
+    with pytest.raises(ConfigError, match=r"max_num_batched_tokens must be >= block_size \(32\), got 16; "
+                                          r"the smallest value that works is 32"):
+        EngineConfig(block_size=32, max_num_batched_tokens=16)
+
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    ({"num_blocks": 1}, r"num_blocks must be >= 2"),
+    ({"max_model_len": 1}, r"max_model_len must be >= 2"),
+    ({"max_num_seqs": 0}, r"max_num_seqs must be >= 1"),
+    ({"num_speculative_tokens": -1}, r"num_speculative_tokens must be >= 0"),
+    ({"seed": -3}, r"seed must be >= 0"),
+    ({"block_size": True}, r"block_size must be an integer"),
+    ({"dtype": "float64"}, r"dtype must be one of float32, bfloat16, float16"),
+    ({"device": "tpu"}, r"device must be 'cpu', 'cuda', 'cuda:N' or 'auto'"),
+    ({"kv_cache_memory": "lots"}, r"kv_cache_memory: cannot parse size 'lots'"),
+    ({"kv_cache_memory": "1GiB", "num_blocks": 10}, r"give kv_cache_memory or num_blocks, not both"),
+    ({"async_scheduling": "yes"}, r"async_scheduling must be true or false"),
+])
+def test_bad_values_name_the_setting(kwargs: dict, pattern: str) -> None:
+    with pytest.raises(ConfigError, match=pattern):
+        EngineConfig(**kwargs)
+
+
+def test_kv_offload_is_refused_not_ignored() -> None:
+    assert EngineConfig(kv_offload_memory=0).kv_offload_memory == 0
+    with pytest.raises(ConfigError, match=r"kv_offload_memory: KV offload is not available yet"):
+        EngineConfig(kv_offload_memory="4GiB")
+
+
+def test_unknown_engine_argument_is_one_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"unknown engine argument\(s\) \['max_num_seq'\]"):
+        EngineConfig.from_kwargs(max_num_seq=4)
+
+
+def test_sizes_parse_in_binary_units() -> None:
+    assert parse_size("x", "2GiB") == 2 << 30
+    assert parse_size("x", "1.5M") == 3 << 19
+    assert parse_size("x", 4096) == 4096
+    assert format_size(3 << 19) == "1.50MiB"
+
+
+def test_pool_too_small_by_num_blocks_names_the_admission_minimum() -> None:
+    g = groups()
+    cfg = EngineConfig(num_blocks=10, max_model_len=256, max_num_batched_tokens=64)
+    sched = cfg.scheduler_config(256)
+    need = KVCacheConfig(2, g).min_num_blocks(sched.max_in_flight_tokens, 256, sched.window_tail)
+    assert need > 10
+    with pytest.raises(ConfigError) as info:
+        resolve_engine_settings(cfg, g, model_max_len=2048, window_tail=True)
+    msg = str(info.value)
+    assert f"num_blocks=10 is too small: one max_model_len=256 request needs {need} blocks" in msg
+    assert f"the smallest num_blocks that works is {need}" in msg
+    # The pool of exactly `need` blocks is accepted.
+    ok = resolve_engine_settings(EngineConfig(num_blocks=need, max_model_len=256, max_num_batched_tokens=64), g,
+                                 model_max_len=2048, window_tail=True)
+    assert ok.kv_cache_config.num_blocks == need
+
+
+def test_pool_too_small_by_memory_names_the_smallest_memory_and_the_longest_length() -> None:
+    g = groups()
+    per_block = KVCacheConfig(2, g).bytes_per_block
+    cfg = EngineConfig(kv_cache_memory=per_block * 12, max_model_len=1024, max_num_batched_tokens=64)
+    sched = cfg.scheduler_config(1024)
+    need = KVCacheConfig(2, g).min_num_blocks(sched.max_in_flight_tokens, 1024, None)
+    with pytest.raises(ConfigError) as info:
+        resolve_engine_settings(cfg, g, model_max_len=2048, window_tail=False)
+    msg = str(info.value)
+    assert f"(12 blocks of {per_block} bytes) is too small" in msg
+    assert f"the smallest kv_cache_memory that works is {need * per_block}" in msg
+    longest = int(msg.rsplit("lower max_model_len to ", 1)[1])
+    fits = KVCacheConfig(2, g).min_num_blocks(sched.max_in_flight_tokens, longest, None)
+    too_long = KVCacheConfig(2, g).min_num_blocks(sched.max_in_flight_tokens, longest + 1, None)
+    assert fits <= 12 < too_long
+
+
+def test_max_model_len_defaults_from_the_model_and_is_capped() -> None:
+    g = groups()
+    assert resolve_engine_settings(EngineConfig(), g, model_max_len=2048, window_tail=True).max_model_len == 2048
+    assert resolve_engine_settings(EngineConfig(), g, model_max_len=131072, window_tail=True).max_model_len == 8192
+    with pytest.raises(ConfigError, match=r"max_model_len=4096 exceeds the model's context .* largest value that "
+                                          r"works is 2048"):
+        resolve_engine_settings(EngineConfig(max_model_len=4096), g, model_max_len=2048, window_tail=True)
+
+
+def test_default_pool_fits_max_num_seqs_full_requests_within_one_gib() -> None:
+    g = groups()
+    cfg = EngineConfig(max_model_len=256, max_num_seqs=4)
+    sched = cfg.scheduler_config(256)
+    need = KVCacheConfig(2, g).min_num_blocks(sched.max_in_flight_tokens, 256, sched.window_tail)
+    got = resolve_engine_settings(cfg, g, model_max_len=2048, window_tail=True).kv_cache_config.num_blocks
+    assert got == 4 * (need - 1) + 1

@@ -1,0 +1,152 @@
+"""The blocking Python API on a tiny hybrid model, checked against HF transformers' greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from tests import hf_tiny  # noqa: E402
+from tests.serving_models import PROMPTS, tiny_serving_dir, vocabulary  # noqa: E402
+
+from hybridserve import LLM, SamplingParams  # noqa: E402
+from hybridserve.core.errors import ConfigError, RequestError  # noqa: E402
+
+EOS = 1
+MAX_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    engine = LLM(str(tiny_serving_dir()), max_model_len=MAX_LEN, progress=False)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    return hf_tiny.load_hf(tiny_serving_dir())
+
+
+def words(token_ids: list[int]) -> str:
+    vocab = vocabulary()
+    return "".join(f" {vocab[t]}" for t in token_ids if t >= 7)
+
+
+def test_greedy_matches_hf_in_input_order(llm: LLM, hf_model) -> None:
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12), use_tqdm=False)
+    assert [o.prompt for o in outs] == PROMPTS
+    stopped = 0
+    for o in outs:
+        assert o.prompt_token_ids == llm.tokenizer.encode(o.prompt)
+        want, _ = hf_tiny.hf_greedy(hf_model, o.prompt_token_ids, 12)
+        if o.finish_reason == "stop":  # EOS: HF (no eos set) continues past it
+            stopped += 1
+            assert o.token_ids == want[: want.index(EOS) + 1]
+        else:
+            assert o.finish_reason == "length" and o.token_ids == want
+        assert o.text == words(o.token_ids)  # EOS is a special token: not in the text
+    assert stopped >= 1  # this model ends at least one of these prompts with EOS
+
+
+def test_token_id_prompts_give_the_same_result_as_text(llm: LLM) -> None:
+    ids = llm.tokenizer.encode(PROMPTS[1])
+    by_ids, by_text = llm.generate([ids, PROMPTS[1]], SamplingParams(max_tokens=8), use_tqdm=False)
+    assert by_ids.prompt is None and by_ids.prompt_token_ids == ids
+    assert by_ids.token_ids == by_text.token_ids and by_ids.text == by_text.text
+    single = llm.generate(ids, SamplingParams(max_tokens=8), use_tqdm=False)
+    assert len(single) == 1 and single[0].token_ids == by_ids.token_ids
+
+
+def test_stop_string_truncates_text_and_ends_the_request(llm: LLM) -> None:
+    full = llm.generate(PROMPTS[0], SamplingParams(max_tokens=12), use_tqdm=False)[0]
+    stop_word = full.text.split()[3]
+    cut = llm.generate(PROMPTS[0], SamplingParams(max_tokens=12, stop=[stop_word]), use_tqdm=False)[0]
+    assert cut.finish_reason == "stop" and cut.outputs[0].stop_reason == stop_word
+    assert cut.text == full.text[: full.text.index(stop_word)]
+    assert cut.token_ids == full.token_ids[: len(cut.token_ids)] and len(cut.token_ids) < 12
+
+
+def test_n_choices_use_seed_plus_index_and_ignore_batch_company(llm: LLM) -> None:
+    p = SamplingParams(max_tokens=10, temperature=1.0, seed=11, n=3)
+    together = llm.generate(PROMPTS[2], p, use_tqdm=False)[0]
+    assert [c.index for c in together.outputs] == [0, 1, 2]
+    for i, choice in enumerate(together.outputs):
+        alone = llm.generate([PROMPTS[5], PROMPTS[2]], [SamplingParams(max_tokens=10),
+                                                        SamplingParams(max_tokens=10, temperature=1.0, seed=11 + i)],
+                             use_tqdm=False)[1]
+        assert alone.token_ids == choice.token_ids and alone.text == choice.text
+    assert len({tuple(c.token_ids) for c in together.outputs}) > 1  # temperature 1 differs across seeds
+
+
+def test_logprobs_of_greedy_tokens_are_the_top_ones(llm: LLM) -> None:
+    out = llm.generate(PROMPTS[3], SamplingParams(max_tokens=6, logprobs=2), use_tqdm=False)[0].outputs[0]
+    assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids) == 6
+    for tok, lp in zip(out.token_ids, out.logprobs):
+        assert lp.token_id == tok and len(lp.top) == 2
+        assert lp.top[0] == (tok, pytest.approx(lp.logprob)) and lp.top[0][1] >= lp.top[1][1]
+        assert lp.logprob <= 0.0
+
+
+def test_max_tokens_is_capped_by_max_model_len(llm: LLM) -> None:
+    prompt = [10] * (MAX_LEN - 6)
+    out = llm.generate(prompt, SamplingParams(max_tokens=100, ignore_eos=True), use_tqdm=False)[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 6
+
+
+@pytest.mark.parametrize("prompt, pattern", [
+    ([10] * MAX_LEN, r"prompt 0: the prompt has 256 tokens, but max_model_len=256 allows at most 255"),
+    ([10, 999], r"prompt 0: token id 999 is outside the vocabulary \(0..255\)"),
+    ([], r"prompt 0: the prompt is empty"),
+])
+def test_unusable_prompts_are_request_errors(llm: LLM, prompt: list[int], pattern: str) -> None:
+    with pytest.raises(RequestError, match=pattern):
+        llm.generate([prompt], use_tqdm=False)
+
+
+def test_params_list_must_match_prompts(llm: LLM) -> None:
+    with pytest.raises(RequestError, match="got 1 sampling params for 2 prompts"):
+        llm.generate(PROMPTS[:2], [SamplingParams()], use_tqdm=False)
+
+
+def test_stream_deltas_add_up_to_generate_and_an_abandoned_stream_frees_its_blocks(llm: LLM) -> None:
+    params = SamplingParams(max_tokens=9)
+    full = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+    texts = ["", "", ""]
+    finished = set()
+    for i, out in llm.stream(PROMPTS[:3], params):
+        texts[i] += out.outputs[0].delta_text
+        if out.finished:
+            finished.add(i)
+    assert texts == [o.text for o in full] and finished == {0, 1, 2}
+    for i, _ in llm.stream(PROMPTS, SamplingParams(max_tokens=50, ignore_eos=True)):
+        break  # abandon the batch after the first output
+    assert not llm.parts.engine.has_unfinished_requests()
+    assert llm.parts.engine.scheduler.kv.usage == 0.0
+
+
+def test_progress_bar_only_when_asked(llm: LLM, capsys: pytest.CaptureFixture[str]) -> None:
+    llm.generate(PROMPTS[:2], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert capsys.readouterr().err == ""
+    llm.generate(PROMPTS[:2], SamplingParams(max_tokens=2), use_tqdm=True)
+    assert "generating" in capsys.readouterr().err
+
+
+def test_chat_uses_the_template_or_the_plain_one(llm: LLM) -> None:
+    conv = [{"role": "user", "content": "hello cat"}]
+    templated = llm.chat(conv, SamplingParams(max_tokens=4))[0]
+    assert templated.prompt == "<bos><user> hello cat <assistant>"
+    assert templated.prompt_token_ids == [2, 5, 7, 10, 6]
+    plain_llm = LLM(str(tiny_serving_dir(chat_template=False)), max_model_len=MAX_LEN, progress=False)
+    try:
+        plain = plain_llm.chat(conv, SamplingParams(max_tokens=4))[0]
+    finally:
+        plain_llm.shutdown()
+    assert plain.prompt == "User: hello cat\nAssistant:"
+    assert plain.prompt_token_ids == plain_llm.tokenizer.encode(plain.prompt)
+
+
+def test_a_too_small_pool_fails_before_loading_weights() -> None:
+    with pytest.raises(ConfigError, match=r"num_blocks=4 is too small: .* the smallest num_blocks that works is \d+"):
+        LLM(str(tiny_serving_dir()), max_model_len=MAX_LEN, num_blocks=4, progress=False)

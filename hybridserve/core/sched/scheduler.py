@@ -351,6 +351,7 @@ class Scheduler:
         outputs: list[RequestOutput] = []
         any_finished = False
         max_model_len = self.config.max_model_len
+        block_size = self.kv.block_size
         logprobs_of = runner_output.logprobs
         for sr, (req, epoch), k in zip(scheduler_output.requests, entries, rows):
             req.num_in_flight_tokens -= sr.num_scheduled_tokens  # first, whatever happened since
@@ -380,8 +381,8 @@ class Scheduler:
                     status = check_stop(req, t, max_model_len)
                     if status is not None:
                         break
-            if req._block_hasher is not None:
-                req.update_block_hashes()
+            if req._block_hasher is not None and req.num_tokens >= (len(req.block_hashes) + 1) * block_size:
+                req.update_block_hashes()  # a block just filled up
             self.stats.num_generated_tokens += len(new_tokens)
             if status is not None:
                 any_finished = True

@@ -3,22 +3,28 @@
 The token sampled after a prefix is a pure function of that prefix (a fingerprint chain),
 so a request's output stream is the same under any scheduling. Steps execute at
 dispatch, in order, like a GPU stream; `wait` completes them.
+
+Per request the executor keeps the fingerprint of every known prefix (fps[p] covers
+tokens 0..p; len(fps) is the number of known tokens) and its own computed count. Block
+tables are kept only when the detector is on: nothing else reads them.
 """
 
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 from hybridserve.core.errors import HybridServeError
 from hybridserve.core.kv.block_pool import BlockPool
 from hybridserve.core.kv.spec import ChunkedLocalAttentionSpec, KVCacheConfig, MambaSpec, SlidingWindowSpec
 from hybridserve.core.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from hybridserve.engine.executor import Executor
-from hybridserve.executor.sim.shadow_kv import NULL, ShadowKV, Violation
+from hybridserve.executor.sim.shadow_kv import NULL, NULL_READ, UNALLOCATED, WRONG, ShadowKV, StepTouches, Violation
 
 ROOT_FP = 0x51A1
+_NO_FPS: list[int] = []  # segments that only write never compare content
+_NO_DRAFTS: tuple[int, ...] = ()  # shared "no accepted drafts"; never mutated
+_FULL, _SLIDING, _CHUNKED, _MAMBA = range(4)  # attention kinds of a KV cache group
 
 
 class SimExecutorError(HybridServeError, RuntimeError):
@@ -29,19 +35,28 @@ def extend_fp(fp: int, token: int) -> int:
     return hash((fp, token))
 
 
-@dataclass
-class _ReqState:
-    tokens: list[int]
-    fps: list[int]  # fps[p]: fingerprint of tokens[0..p]
-    num_computed: int
-    tables: list[list[int]]
-    num_nulls: list[int]
-    # group -> block index -> (block id, version, highest slot verified)
-    verified: list[dict[int, tuple[int, int, int]]] = field(default_factory=list)
+def prefix_fingerprints(tokens: list[int]) -> list[int]:
+    """fps[p] = fingerprint of tokens[0..p] (the extend_fp chain from ROOT_FP), inlined."""
+    fps: list[int] = []
+    add = fps.append
+    fp = ROOT_FP
+    for t in tokens:
+        fp = hash((fp, t))
+        add(fp)
+    return fps
 
-    def append(self, token: int) -> None:
-        self.fps.append(extend_fp(self.fps[-1] if self.fps else ROOT_FP, token))
-        self.tokens.append(token)
+
+class _ReqState:
+    """One request as the executor sees it. Invariant: num_computed <= len(fps)."""
+
+    __slots__ = ("fps", "num_computed", "tables", "num_nulls", "row")
+
+    def __init__(self, fps: list[int], num_computed: int) -> None:
+        self.fps = fps
+        self.num_computed = num_computed
+        self.tables: list[list[int]] = []
+        self.num_nulls: tuple[int, ...] = ()
+        self.row = -1  # shadow table row (detector on)
 
 
 class SimExecutor(Executor):
@@ -70,12 +85,14 @@ class SimExecutor(Executor):
         self.shadow: ShadowKV | None = None
         self.reqs: dict[str, _ReqState] = {}
         self.group_kinds: list[tuple[str, int]] = []
+        self._groups: tuple[tuple[int, int, int], ...] = ()  # (group, kind code, window/chunk)
 
     @property
     def violations(self) -> list[Violation]:
         return self.shadow.violations if self.shadow else []
 
     def token_after(self, fp: int) -> int:
+        """The token sampled after a prefix with fingerprint fp (inlined in `execute`)."""
         return fp % self.vocab_size
 
     # -- Executor interface -------------------------------------------------------
@@ -92,8 +109,10 @@ class SimExecutor(Executor):
                 self.group_kinds.append(("mamba", 0))
             else:
                 self.group_kinds.append(("full", 0))
+        codes = {"full": _FULL, "sliding": _SLIDING, "chunked": _CHUNKED, "mamba": _MAMBA}
+        self._groups = tuple((g, codes[kind], size) for g, (kind, size) in enumerate(self.group_kinds))
         if self.detector:
-            self.shadow = ShadowKV(kv_cache_config.num_blocks, self.block_size, self.strict)
+            self.shadow = ShadowKV(kv_cache_config.num_blocks, self.block_size, len(self.group_kinds), self.strict)
         if self.connector is not None:
             self.connector.attach_executor(self)
 
@@ -103,18 +122,85 @@ class SimExecutor(Executor):
 
     def execute(self, scheduler_output: SchedulerOutput) -> Any:
         so = scheduler_output
+        shadow = self.shadow
+        reqs = self.reqs
         for rid in so.finished_req_ids | so.preempted_req_ids:
-            self.reqs.pop(rid, None)
+            self._drop(rid)
         kco = None
         if self.connector is not None:
             kco = self.connector.run_step(so.step_id, so.kv_connector_metadata)
-        touched: list[tuple[int, str, int, int]] = []
-        ids, sampled = [], []
+        touches = StepTouches(so.step_id) if shadow is not None else None
+        ids: list[str] = []
+        sampled: list[list[int]] = []
+        vocab = self.vocab_size
         for sr in so.requests:
-            ids.append(sr.request_id)
-            sampled.append(self._run(sr, so.step_id, touched))
-        rec = self.shadow.begin(so.step_id, touched) if self.shadow else None
+            rid = sr.request_id
+            if sr.new is not None:
+                st = self._new_state(sr)
+            else:
+                st = reqs.get(rid)  # type: ignore[assignment]
+                if st is None:
+                    raise SimExecutorError(f"step schedules unknown request {rid!r}")
+                if shadow is not None and (sr.num_null_blocks != st.num_nulls or any(sr.new_block_ids)):
+                    self._update_tables(sr, st)
+            fps = st.fps
+            s = st.num_computed
+            d = sr.num_draft_tokens
+            n = s + sr.num_scheduled_tokens - d  # exclusive end of the known tokens computed
+            if n > len(fps):
+                raise SimExecutorError(
+                    f"request {rid}: step {so.step_id} computes positions up to {n - 1}, "
+                    f"but only {len(fps)} tokens are known"
+                )
+            if not sr.samples:  # a prefill chunk short of the prompt's end
+                if touches is not None:
+                    self._shadow_step(touches, st, rid, s, n - s, d, _NO_DRAFTS)
+                st.num_computed = n
+                ids.append(rid)
+                sampled.append([])
+                continue
+            fp = fps[n - 1]
+            accepted: Sequence[int]
+            if d:
+                accepted, out = self._verify_drafts(fp, d)  # fingerprints after each accepted draft
+                fp = accepted[-1] if accepted else fp
+                t = out[-1]
+            else:
+                accepted = _NO_DRAFTS
+                t = fp % vocab
+                out = [t]
+            if touches is not None:
+                self._shadow_step(touches, st, rid, s, n - s, d, accepted)
+            st.num_computed = n + len(accepted)
+            if len(fps) == n:  # the usual case: the chain continues from fps[n-1]
+                if accepted:
+                    fps += accepted
+                fps.append(hash((fp, t)))
+            else:
+                last = fps[-1]
+                for tok in out:
+                    last = hash((last, tok))
+                    fps.append(last)
+            ids.append(rid)
+            sampled.append(out)
+        rec = shadow.begin(touches) if shadow is not None and touches is not None else None
         return ModelRunnerOutput(ids, sampled, kv_connector_output=kco), rec
+
+    def _verify_drafts(self, fp: int, num_drafts: int) -> tuple[list[int], list[int]]:
+        """Propose num_drafts drafts after fp; each matches the true next token with the
+        acceptance probability (one rng draw per draft until the first miss). Returns the
+        fingerprints after each accepted draft and the tokens produced (accepted + bonus)."""
+        rand, rate, vocab = self.rng.random, self.acceptance_rate, self.vocab_size
+        accepted: list[int] = []
+        out: list[int] = []
+        for _ in range(num_drafts):
+            if rand() >= rate:
+                break
+            out.append(fp % vocab)
+            fp = hash((fp, fp % vocab))
+            accepted.append(fp)
+        out.append(fp % vocab)
+        return accepted, out
 
     def wait(self, handle: Any) -> ModelRunnerOutput:
         out, rec = handle
@@ -122,123 +208,127 @@ class SimExecutor(Executor):
             self.shadow.end(rec)
         return out
 
-    # -- one request of one step ------------------------------------------------
-    def _state(self, sr: ScheduledRequest) -> _ReqState:
-        if sr.new is not None:
-            st = _ReqState([], [], sr.num_computed_tokens, [list(t) for t in sr.new_block_ids], list(sr.num_null_blocks))
-            for t in sr.new.token_ids:
-                st.append(t)
-            st.verified = [{} for _ in self.group_kinds]
-            self.reqs[sr.request_id] = st
-            return st
-        st = self.reqs.get(sr.request_id)
-        if st is None:
-            raise SimExecutorError(f"step schedules unknown request {sr.request_id!r}")
-        for g, ids in enumerate(sr.new_block_ids):
-            if ids:
-                st.tables[g].extend(ids)
-            nulls = sr.num_null_blocks[g]
-            if nulls > st.num_nulls[g]:
-                table = st.tables[g]
-                for i in range(st.num_nulls[g], nulls):
-                    table[i] = NULL
-                st.num_nulls[g] = nulls
+    # -- request state ------------------------------------------------------------
+    def _drop(self, rid: str) -> None:
+        st = self.reqs.pop(rid, None)
+        if st is not None and st.row >= 0 and self.shadow is not None:
+            self.shadow.release_row(st.row)
+
+    def _new_state(self, sr: ScheduledRequest) -> _ReqState:
+        assert sr.new is not None
+        self._drop(sr.request_id)
+        st = _ReqState(prefix_fingerprints(sr.new.token_ids), sr.num_computed_tokens)
+        shadow = self.shadow
+        if shadow is not None:
+            st.tables = [list(t) for t in sr.new_block_ids]
+            st.num_nulls = tuple(sr.num_null_blocks)
+            st.row = shadow.alloc_row()
+            for g, table in enumerate(st.tables):
+                shadow.set_blocks(g, st.row, 0, table)
+        self.reqs[sr.request_id] = st
         return st
 
-    def _run(self, sr: ScheduledRequest, step: int, touched: list) -> list[int]:
-        st = self._state(sr)
-        s = st.num_computed
-        d = sr.num_draft_tokens
-        k = sr.num_scheduled_tokens - d
-        if s + k > len(st.tokens):
-            raise SimExecutorError(
-                f"request {sr.request_id}: step {step} computes positions up to {s + k - 1}, "
-                f"but only {len(st.tokens)} tokens are known"
-            )
-        accepted: list[int] = []
-        out: list[int] = []
-        if sr.samples:
-            fp = st.fps[s + k - 1]
-            for _ in range(d):
-                if self.rng.random() >= self.acceptance_rate:
-                    break
-                t = self.token_after(fp)
-                accepted.append(t)
-                fp = extend_fp(fp, t)
-            out = accepted + [self.token_after(fp)]
-        if self.shadow is not None:
-            self._shadow_step(sr, st, s, k, d, accepted, step, touched)
-        st.num_computed = s + k + len(accepted)
-        for t in out:
-            st.append(t)
-        return out
+    def _update_tables(self, sr: ScheduledRequest, st: _ReqState) -> None:
+        shadow = self.shadow
+        assert shadow is not None
+        for g, ids in enumerate(sr.new_block_ids):
+            table = st.tables[g]
+            if ids:
+                shadow.set_blocks(g, st.row, len(table), ids)
+                table.extend(ids)
+            nulls = sr.num_null_blocks[g]
+            old = st.num_nulls[g]
+            if nulls > old:
+                for i in range(old, nulls):
+                    table[i] = NULL
+                shadow.set_null(g, st.row, old, nulls)
+        st.num_nulls = tuple(max(a, b) for a, b in zip(st.num_nulls, sr.num_null_blocks))
 
+    # -- shadow KV: one request of one step ---------------------------------------------
     def _shadow_step(
-        self, sr: ScheduledRequest, st: _ReqState, s: int, k: int, d: int, accepted: list[int], step: int, touched: list
+        self, touches: StepTouches, st: _ReqState, rid: str, s: int, k: int, d: int, accepted: Sequence[int]
     ) -> None:
+        """Write the step's slots now; queue its reads and touches (checked in ShadowKV.begin).
+
+        Touch order per group matches the order a step makes them: reads (lo..s-1, the
+        step's own keys come from the batch), then writes (s..end-1).
+        """
         shadow = self.shadow
         assert shadow is not None
         bs = self.block_size
-        rid = sr.request_id
+        fps = st.fps
+        row = st.row
         # Fingerprints this step writes: known tokens, accepted drafts, then garbage for
         # rejected drafts (a later read of those slots must fail).
-        writes = st.fps[s : s + k]
-        fp = writes[-1] if writes else ROOT_FP
-        for t in accepted:
-            fp = extend_fp(fp, t)
-            writes.append(fp)
-        writes.extend(~hash((rid, s + k + j, "rejected")) for j in range(d - len(accepted)))
+        writes = fps[s : s + k]
+        if d:
+            writes += accepted
+            if d > len(accepted):
+                writes.extend(~hash((rid, s + k + j, "rejected")) for j in range(d - len(accepted)))
         end = s + len(writes)  # exclusive
-        for g, (kind, size) in enumerate(self.group_kinds):
+        nums, ctx = touches.nums, touches.ctx
+        seg_ctx = (rid, fps)
+        slots_of, writer = shadow.slots, shadow.writer
+        w_first, w_last = s // bs, (end - 1) // bs
+        for g, kind, size in self._groups:
             table = st.tables[g]
-            if kind == "mamba":
-                self._mamba(table, g, s, st.fps[s - 1] if s else None, writes[k + len(accepted) - 1], rid, step, touched)
+            num_blocks = len(table)
+            if kind == _MAMBA:
+                self._mamba(touches, table, g, row, s, fps[s - 1] if s else None, writes[k + len(accepted) - 1], rid)
                 continue
-            # Reads from the cache: keys lo..s-1 (the step's own keys come from the batch).
-            lo = 0 if kind == "full" else max(0, s - size + 1) if kind == "sliding" else (s // size) * size
+            lo = 0 if kind == _FULL else (s - size + 1 if s >= size else 0) if kind == _SLIDING else s - s % size
             if s > lo:
-                self._check_reads(st, g, lo, s - 1, rid, step, touched)
-            for b in range(s // bs, (end - 1) // bs + 1):
-                if b >= len(table):
-                    shadow.report(Violation("unallocated-slot", step, rid, g, -1, b * bs))
-                    break
-                a = max(s, b * bs)
-                z = min(end, b * bs + bs)
-                shadow.write(table[b], a - b * bs, writes[a - s : z - s], rid)
-                touched.append((table[b], rid, g, a))
-
-    def _check_reads(self, st: _ReqState, g: int, lo: int, hi: int, rid: str, step: int, touched: list) -> None:
-        shadow = self.shadow
-        assert shadow is not None
-        bs = self.block_size
-        table = st.tables[g]
-        verified = st.verified[g]
-        version = shadow.version
-        for b in range(lo // bs, hi // bs + 1):
-            a = max(lo, b * bs)
-            z = min(hi, b * bs + bs - 1)
-            if b >= len(table):
-                shadow.report(Violation("unallocated-slot", step, rid, g, -1, a))
-                return
-            bid = table[b]
-            touched.append((bid, rid, g, a))
-            v = verified.get(b)
-            if v is not None and v[0] == bid and bid != NULL and v[1] == version[bid] and v[2] >= z:
+                first, last = lo // bs, (s - 1) // bs
+                if last < num_blocks:
+                    nums += (g, row, first, last - first + 1, lo, s - 1)
+                    ctx.append(seg_ctx)
+                else:
+                    nums += (g, row, first, num_blocks - first if num_blocks > first else 0, lo, s - 1)
+                    ctx.append(seg_ctx)
+                    touches.mark(Violation(UNALLOCATED, touches.step, rid, g, -1, max(lo, max(first, num_blocks) * bs)))
+            if end <= s:
                 continue
-            if shadow.check_read(bid, a - b * bs, st.fps[a : z + 1], (step, rid, g, a)):
-                verified[b] = (bid, version[bid], z)
+            stop = w_last + 1 if w_last < num_blocks else num_blocks
+            nums += (g, row, w_first, stop - w_first if stop > w_first else 0, s, -1)
+            ctx.append(seg_ctx)
+            for b in range(w_first, stop):
+                bid = table[b]
+                if bid == NULL:
+                    continue  # writes to the null block vanish
+                base = b * bs
+                a = s if s > base else base
+                z = end if end < base + bs else base + bs
+                slots = slots_of[bid]
+                if slots is None:
+                    slots = slots_of[bid] = [0] * bs
+                slots[a - base : z - base] = writes[a - s : z - s]
+                if writer[bid] != rid:
+                    writer[bid] = rid
+                    shadow.version[bid] += 1
+            if w_last >= num_blocks:
+                touches.mark(Violation(UNALLOCATED, touches.step, rid, g, -1, max(w_first, num_blocks) * bs))
 
     def _mamba(
-        self, table: list[int], g: int, s: int, read_fp: int | None, state_fp: int, rid: str, step: int, touched: list
+        self, touches: StepTouches, table: list[int], g: int, row: int, s: int, read_fp: int | None, state_fp: int,
+        rid: str,
     ) -> None:
-        """Read the state after position s-1, write the state after the last valid position."""
+        """Read the state after position s-1, write the state after the last valid position.
+
+        The read is checked now, before the write replaces it; its outcome joins the
+        step's reports in touch order.
+        """
         shadow = self.shadow
         assert shadow is not None
         if not table:
-            shadow.report(Violation("unallocated-slot", step, rid, g, -1, s))
+            touches.mark(Violation(UNALLOCATED, touches.step, rid, g, -1, s))
             return
         bid = table[0]
         if read_fp is not None:
-            shadow.check_read(bid, 0, [read_fp], (step, rid, g, s - 1))
+            if bid == NULL:
+                touches.mark(Violation(NULL_READ, touches.step, rid, g, bid, s - 1))
+            else:
+                slots = shadow.slots[bid]
+                if slots is None or slots[0] != read_fp:
+                    touches.mark(Violation(WRONG, touches.step, rid, g, bid, s - 1))
         shadow.write_state(bid, state_fp, rid)
-        touched.append((bid, rid, g, s))
+        touches.add(g, row, 0, 1, s, -1, rid, _NO_FPS)

@@ -89,16 +89,17 @@ class RunRecorder:
     def step(self, now: float, outputs: list[RequestOutput], scheduler: Scheduler) -> int:
         """Record one processed step; returns how many requests it finished."""
         produced = done = 0
-        slot, first, num_out = self.slot, self.first_token, self.num_out
+        slot, first, num_out, finish = self.slot, self.first_token, self.num_out, self.finish
         for o in outputs:
             k = slot[o.request_id]
-            if o.new_token_ids:
-                produced += len(o.new_token_ids)
-                if first[k] < 0:
+            new = len(o.new_token_ids)
+            if new:
+                produced += new
+                if not num_out[k]:  # first tokens (num_out and first_token move together)
                     first[k] = now
-                num_out[k] += len(o.new_token_ids)
+                num_out[k] += new
             if o.finished:
-                self.finish[k] = now
+                finish[k] = now
                 done += 1
         s = self.series
         s.time.append(now)

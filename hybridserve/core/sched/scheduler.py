@@ -13,12 +13,10 @@ counts optimistically; `update_from_output()` settles them. Counters per request
 
 from __future__ import annotations
 
-from typing import Any
 
 from hybridserve.core.connector.base import KVConnectorBase
 from hybridserve.core.errors import RequestError
 from hybridserve.core.kv.manager import KVCacheManager
-from hybridserve.core.kv.managers import FullAttentionManager
 from hybridserve.core.kv.spec import KVCacheConfig
 from hybridserve.core.request import Request, RequestStatus
 from hybridserve.core.sched.config import SchedulerConfig
@@ -29,6 +27,7 @@ from hybridserve.core.sched.output import (
     ScheduledRequest,
     SchedulerOutput,
 )
+from hybridserve.core.sched.kv_transfer import KVTransferMixin
 from hybridserve.core.sched.queues import make_queue
 from hybridserve.core.sched.stats import SchedulerStats, check_stop
 
@@ -36,7 +35,7 @@ FINISHED = RequestStatus.FINISHED_STOPPED  # statuses >= this are finished
 EMPTY: list[int] = []
 
 
-class Scheduler:
+class Scheduler(KVTransferMixin):
     def __init__(
         self,
         config: SchedulerConfig,
@@ -293,13 +292,6 @@ class Scheduler:
             self.waiting.prepend(skipped)
         return budget
 
-    def _finish_remote_load(self, req: Request) -> None:
-        self.finished_recving.discard(req.request_id)
-        req.num_computed_tokens += req.num_external_computed_tokens
-        req.num_external_computed_tokens = 0
-        req.status = RequestStatus.WAITING
-        self.kv.cache_blocks(req, req.num_computed_tokens)
-
     def _update_after_schedule(self, out: SchedulerOutput, reqs: list[Request]) -> None:
         step = out.step_id
         for sr, req in zip(out.requests, reqs):
@@ -404,45 +396,6 @@ class Scheduler:
         self.kv.step_processed(step)
         return outputs
 
-    def _update_connector(self, kco: Any) -> None:
-        self.finished_recving |= kco.finished_recving
-        for rid in kco.finished_recving & self.aborted_loading.keys():
-            self.finished_recving.discard(rid)
-            self.kv.free(self.aborted_loading.pop(rid))
-        for rid in kco.finished_sending:
-            req = self.awaiting_store.pop(rid, None)
-            if req is not None:
-                self.kv.free(req, fence_step=req.last_scheduled_step)
-        if kco.invalid_block_ids:
-            self._handle_failed_loads(kco.invalid_block_ids)
-
-    def _handle_failed_loads(self, invalid: set[int]) -> None:
-        """Rewind requests whose loaded blocks failed to the last prefix every group can serve.
-
-        Full attention can resume at the first failed block. A windowed group only had the
-        blocks before the load's end loaded, so a shorter prefix would read unloaded
-        blocks: with such a group, the request resumes at its local prefix-cache hit.
-        """
-        bs = self.kv.block_size
-        windowed = any(not isinstance(m, FullAttentionManager) for m in self.kv.coordinator.managers)
-        for req in list(self.waiting):
-            if req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
-                continue
-            loaded_end = req.num_computed_tokens + req.num_external_computed_tokens
-            valid = loaded_end
-            for table in self.kv.get_block_ids(req.request_id):
-                for pos, bid in enumerate(table):
-                    if bid in invalid:
-                        valid = min(valid, pos * bs)
-                        break
-            if valid >= loaded_end:
-                continue
-            self.stats.num_failed_loads += 1
-            if windowed:
-                valid = req.num_computed_tokens
-            req.num_external_computed_tokens = max(0, valid - req.num_computed_tokens)
-            req.num_computed_tokens = min(req.num_computed_tokens, valid)
-
     def _free_request(self, req: Request) -> None:
         del self.requests[req.request_id]
         self.finished_req_ids.add(req.request_id)
@@ -452,13 +405,6 @@ class Scheduler:
                 self.awaiting_store[req.request_id] = req
                 return
         self.kv.free(req, fence_step=req.last_scheduled_step)
-
-    def _connector_finished(self, req: Request) -> tuple[bool, Any]:
-        """Hand the connector the table pruned on the processed basis, never the optimistic one."""
-        basis = req.num_computed_tokens if self.kv.unsafe_optimistic_free else req.num_processed_tokens
-        self.kv.remove_skipped_blocks(req.request_id, basis)
-        assert self.connector is not None
-        return self.connector.request_finished(req, self.kv.get_block_ids(req.request_id))
 
     def make_stats(self) -> SchedulerStats:
         self.stats.num_running = len(self.running)

@@ -79,9 +79,9 @@ def main() -> None:
         wall = time.perf_counter() - t0
         rates[cfg.label] = r.total_tokens_per_s
         vs_sync = r.total_tokens_per_s / rates["sync"]
-        vs_settled = r.total_tokens_per_s / rates["settled"] if "settled" in rates else float("nan")
+        vs_settled = f"{r.total_tokens_per_s / rates['settled']:.2f}x" if "settled" in rates else "-"
         print(f"| {name} | {caps[cap]} | {r.output_tokens_per_s:,.0f} | {r.total_tokens_per_s:,.0f} | "
-              f"{vs_sync:.2f}x | {vs_settled:.2f}x | {r.mean_running:.2f} / {r.max_running} | {r.num_preemptions} | "
+              f"{vs_sync:.2f}x | {vs_settled} | {r.mean_running:.2f} / {r.max_running} | {r.num_preemptions} | "
               f"{r.violations} | {wall:.1f} |", flush=True)
 
 

@@ -24,6 +24,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -77,9 +78,10 @@ def build_prompts(args: argparse.Namespace, mdir: Path) -> list[list[int]]:
 
 
 Run = tuple[float, list[list[int]], list[float], list[float]]  # seconds, tokens, TTFTs, TPOTs
+Runner = tuple[Callable[[], Run], Callable[[], None], float]  # generate, close, startup seconds
 
 
-def engine_runner(args: argparse.Namespace, mdir: Path, prompts: list[list[int]], mode: str):
+def engine_runner(args: argparse.Namespace, mdir: Path, prompts: list[list[int]], mode: str) -> Runner:
     """A warmed-up engine; returns (generate() -> Run, close(), startup seconds).
 
     mode: sync | async (runner in its worker thread) | async-inline (async scheduling,
@@ -126,7 +128,7 @@ def engine_runner(args: argparse.Namespace, mdir: Path, prompts: list[list[int]]
     return generate, engine.shutdown, startup_s
 
 
-def hf_runner(args: argparse.Namespace, mdir: Path, prompts: list[list[int]]):
+def hf_runner(args: argparse.Namespace, mdir: Path, prompts: list[list[int]]) -> Runner:
     """HF generate over left-padded batches; returns (generate() -> Run, close(), startup seconds)."""
     import torch
     from transformers import AutoModelForCausalLM

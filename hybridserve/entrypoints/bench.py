@@ -24,6 +24,7 @@ from hybridserve.entrypoints.engine_flags import (
     engine_config_from_args,
     one_line_errors,
     run_guarded,
+    standalone_main,
 )
 
 PROG = "hybridserve bench"
@@ -127,10 +128,7 @@ def _print(r: dict[str, Any]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION)
-    one_line_errors(p, PROG)
-    _add_arguments(p)
-    return run(p.parse_args(argv))
+    return standalone_main(PROG, DESCRIPTION, _add_arguments, run, argv)
 
 
 if __name__ == "__main__":

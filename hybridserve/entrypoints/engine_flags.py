@@ -29,6 +29,20 @@ def one_line_errors(parser: argparse.ArgumentParser, prog: str) -> None:
     parser.error = error  # type: ignore[method-assign]
 
 
+def standalone_main(
+    prog: str,
+    description: str,
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+    run: Callable[[argparse.Namespace], int],
+    argv: list[str] | None = None,
+) -> int:
+    """`python -m hybridserve.entrypoints.<command>`: the subcommand without the CLI app."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    one_line_errors(p, prog)
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     BOA = argparse.BooleanOptionalAction
     m = p.add_argument_group("model")

@@ -21,6 +21,7 @@ from hybridserve.entrypoints.engine_flags import (
     engine_config_from_args,
     one_line_errors,
     run_guarded,
+    standalone_main,
 )
 
 PROG = "hybridserve serve"
@@ -95,10 +96,7 @@ def _run(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION)
-    one_line_errors(p, PROG)
-    _add_arguments(p)
-    return run(p.parse_args(argv))
+    return standalone_main(PROG, DESCRIPTION, _add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -12,13 +12,14 @@ RoPE angles in float32, soft-capping as tanh(x / cap) * cap).
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from hybridserve.models.config import ModelConfig
+from hybridserve.models.linear import Linear, ResidualLinear, make_linear
 from hybridserve.models.rope import RopeTable, apply_rope_
 
 
@@ -35,12 +36,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: torch.Tensor, in
     n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
     out = x * torch.addcmul(eps, n, n, value=inv_dim).rsqrt_()
     return out if weight is None else out * weight
-
-
-def _residual_linear(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """h + x @ weight.T (+ bias): the residual add fused into the matmul (one kernel)."""
-    out = torch.addmm(h, x, weight.t())
-    return out if bias is None else out + bias
 
 
 class AttentionBackend(Protocol):
@@ -79,6 +74,28 @@ class DecoderLayerWeights(nn.Module):
         self.down_bias = p(cfg.hidden_size) if cfg.mlp_bias else None
 
 
+class LayerLinears(NamedTuple):
+    """One layer's matmuls as callables (plain or oneDNN-packed, see models/linear.py)."""
+
+    qkv: Linear
+    o: Linear
+    o_residual: ResidualLinear
+    gate_up: Linear
+    down: Linear
+    down_residual: ResidualLinear
+
+
+def _layer_linears(w: DecoderLayerWeights, release: bool) -> LayerLinears:
+    made = {}
+    for name in ("qkv", "o", "gate_up", "down"):
+        weight: nn.Parameter = getattr(w, name)
+        linear, residual, packed = make_linear(weight, getattr(w, name + "_bias"))
+        if packed and release:
+            weight.data = torch.empty(0, dtype=weight.dtype)  # only the packed copy is read now
+        made[name], made[name + "_residual"] = linear, residual
+    return LayerLinears(**{f: made[f] for f in LayerLinears._fields})
+
+
 class DecoderLM(nn.Module):
     """forward(ids, positions, backend) -> final hidden states; logits(h) -> vocab logits."""
 
@@ -91,6 +108,8 @@ class DecoderLM(nn.Module):
         self.final_norm = nn.Parameter(torch.zeros(cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.lm_head: torch.Tensor | None = None  # set by the loader (tied: the embedding)
         self._rope: dict[str, RopeTable] = {}
+        self._linears: list[LayerLinears] = []
+        self._head: Linear | None = None
         self._act = {"silu": F.silu, "gelu": F.gelu,
                      "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}[cfg.activation]
 
@@ -101,6 +120,15 @@ class DecoderLM(nn.Module):
                       for t, r in self.cfg.rope.items() if t in self.cfg.layer_types}
         self._embed_scale = torch.tensor(self.cfg.embed_scale, dtype=self.dtype, device=device)
         self._eps = torch.tensor(self.cfg.rms_norm_eps, dtype=self.dtype, device=device)
+
+    def build_linears(self, release_weights: bool = True) -> None:
+        """Bind each matmul to its fastest kernel (call once the weights are final and on
+        their device). With release_weights, weights that were packed free their plain
+        copy: the model is then for inference only; reload it to change weights."""
+        self._linears = [_layer_linears(w, release_weights) for w in self.layers]
+        assert self.lm_head is not None, "weights not loaded"
+        # A tied head keeps the embedding (the lookup reads it): the packed copy is extra.
+        self._head, _, _ = make_linear(self.lm_head, None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, max_position: int,
                 backend: AttentionBackend) -> torch.Tensor:
@@ -113,9 +141,12 @@ class DecoderLM(nn.Module):
         nq, nkv, hd, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self._eps
         inv_h, inv_hd = 1.0 / cfg.hidden_size, 1.0 / hd
         T = input_ids.shape[0]
+        if not self._linears:
+            self.build_linears(release_weights=False)
         for i, w in enumerate(self.layers):
+            lin = self._linears[i]
             x = rms_norm(h, w.input_norm, eps, inv_h)
-            qkv = F.linear(x, w.qkv, w.qkv_bias)
+            qkv = lin.qkv(x)
             # q | k | v per token: after RoPE in place, k and v are adjacent, which is
             # exactly one KV cache slot ([2, KVH, D]).
             qk = qkv[:, : (nq + nkv) * hd].view(T, nq + nkv, hd)
@@ -125,23 +156,25 @@ class DecoderLM(nn.Module):
             apply_rope_(qk, cos, sin)  # q and k share positions: one rotation covers both
             attn = backend.attention(i, qk[:, :nq], qkv[:, nq * hd :].view(T, 2, nkv, hd))
             if cfg.sandwich_norm:
-                h = h + rms_norm(F.linear(attn, w.o, w.o_bias), w.post_attn_norm, eps, inv_h)
+                h = h + rms_norm(lin.o(attn), w.post_attn_norm, eps, inv_h)
                 x = rms_norm(h, w.pre_ffn_norm, eps, inv_h)
             else:
-                h = _residual_linear(h, attn, w.o, w.o_bias)
+                h = lin.o_residual(h, attn)
                 x = rms_norm(h, w.post_attn_norm, eps, inv_h)
-            gate, up = F.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
+            gate, up = lin.gate_up(x).chunk(2, dim=-1)
             y = self._act(gate) * up
             if cfg.sandwich_norm:
-                h = h + rms_norm(F.linear(y, w.down, w.down_bias), w.post_ffn_norm, eps, inv_h)
+                h = h + rms_norm(lin.down(y), w.post_ffn_norm, eps, inv_h)
             else:
-                h = _residual_linear(h, y, w.down, w.down_bias)
+                h = lin.down_residual(h, y)
         return rms_norm(h, self.final_norm, eps, inv_h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocab logits for the rows that sample only (the head dominates large vocabularies)."""
-        assert self.lm_head is not None, "weights not loaded"
-        out = F.linear(hidden, self.lm_head)
+        if self._head is None:
+            self.build_linears(release_weights=False)
+        assert self._head is not None
+        out = self._head(hidden)
         cap = self.cfg.final_softcap
         if cap:
             out = torch.tanh(out / cap) * cap

@@ -71,6 +71,7 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
     if cfg.tie_word_embeddings:
         model.lm_head = model.embed
     model.setup_rope(torch.device(device), cfg.max_position_embeddings)
+    model.build_linears()
     return model.eval()
 
 

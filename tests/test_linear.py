@@ -1,0 +1,39 @@
+"""models/linear.py: packed oneDNN matmuls equal F.linear; small or non-float32 weights stay plain."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hybridserve.models.linear import PACK_MIN_NUMEL, make_linear, pack
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 7, 16, 130])
+def test_packed_linear_equals_f_linear(bias: bool, rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(1024, 640, generator=g) / 25
+    b = torch.randn(1024, generator=g) if bias else None
+    x = torch.randn(rows, 640, generator=g)
+    h = torch.randn(rows, 1024, generator=g)
+    linear, residual, packed = make_linear(w, b)
+    if not packed:
+        pytest.skip("oneDNN packing unavailable on this CPU/torch build")
+    torch.testing.assert_close(linear(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(residual(h, x), h + F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    # a strided input (attention output views) is accepted
+    xs = torch.randn(rows, 1280, generator=g)[:, ::2]
+    torch.testing.assert_close(linear(xs), F.linear(xs, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_small_and_half_precision_weights_stay_plain() -> None:
+    small = torch.randn(PACK_MIN_NUMEL // 640 - 1, 640)
+    assert pack(small) is None
+    assert pack(torch.randn(1024, 640, dtype=torch.bfloat16)) is None
+    linear, residual, packed = make_linear(small, None)
+    x = torch.randn(3, 640)
+    assert not packed
+    assert torch.equal(linear(x), F.linear(x, small))
+    h = torch.randn(3, small.shape[0])
+    torch.testing.assert_close(residual(h, x), h + F.linear(x, small))

@@ -45,7 +45,7 @@ class EngineParts:
 def build_engine_parts(config: EngineConfig, progress: bool = True) -> EngineParts:
     """Resolve, check, load. Raises ConfigError (MissingExtraError for an absent extra)."""
     from hybridserve.engine.loop import build_engine
-    from hybridserve.executor.torch.executor import TorchExecutor
+    from hybridserve.executor.torch.executor import TorchExecutor, resolve_device
     from hybridserve.executor.torch.kv_cache import TORCH_DTYPES
     from hybridserve.models.config import load_model_config
     from hybridserve.models.default_model import resolve_model_path
@@ -61,8 +61,13 @@ def build_engine_parts(config: EngineConfig, progress: bool = True) -> EnginePar
     if tokenizer is None and config.tokenizer is not None:
         raise ConfigError(f"tokenizer: no tokenizer files in {config.tokenizer}")
     eos, extra = _stop_token_ids(path, model_cfg, tokenizer)
-    executor = TorchExecutor(path, device=config.device, dtype=TORCH_DTYPES[config.dtype],
-                             use_worker_thread=config.async_scheduling, seed=config.seed,
+    device = resolve_device(config.device)
+    # Async scheduling overlaps the next step's scheduling with this one's execution. On a
+    # GPU a worker thread lets the host run ahead of the kernels; on CPU the model's own
+    # threads use every core and a second Python thread only steals them (measured: Gemma 3
+    # 270M 17% slower), so the step runs inline and the overlap is the scheduler's alone.
+    executor = TorchExecutor(path, device=device, dtype=TORCH_DTYPES[config.dtype],
+                             use_worker_thread=config.async_scheduling and device.type != "cpu", seed=config.seed,
                              num_threads=config.num_threads)
     try:
         engine = build_engine(settings.scheduler_config, settings.kv_cache_config, executor)

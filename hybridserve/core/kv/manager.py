@@ -153,6 +153,28 @@ class KVCacheManager:
             self._nulls[rid] = tuple([m.num_null_blocks.get(rid, 0) for m in self.coordinator.managers])
         return result
 
+    def append_decode_slot(self, request: Request) -> tuple[int, ...] | None:
+        """`allocate_slots(request, 1)` for a decode that needs no new block, frees nothing
+        and fills no block (most steps of a long decode): returns the request's null-block
+        counts; None means "call allocate_slots" (the same checks as its fast path).
+        """
+        rid = request.request_id
+        slack = self._slack.get(rid)
+        if slack is None:
+            return None
+        computed = request.num_computed_tokens
+        if computed >= self.max_model_len:
+            return None
+        basis = computed if self.unsafe_optimistic_free else computed - request.num_in_flight_tokens
+        if computed + 1 > slack[0] or (basis if basis > 0 else 0) >= slack[1]:
+            return None
+        cacheable = len(request.prompt_token_ids) + len(request.output_token_ids)
+        if computed + 1 < cacheable:
+            cacheable = computed + 1
+        if cacheable >= slack[2]:
+            return None
+        return self._nulls[rid]
+
     def _allocate_slots(
         self,
         request: Request,

@@ -133,8 +133,26 @@ class Scheduler(KVTransferMixin):
         preempted_now = False
 
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        running, kv, no_block_ids = self.running, self.kv, self.no_block_ids
+        # Steady decodes (one token, no drafts, no block to allocate, free or cache) take a
+        # short path: most requests of most steps are exactly that.
+        short_path = not cfg.num_speculative_tokens
+        unblocked = cfg.async_scheduling
+        last_position = cfg.max_model_len - 1
+        while i < len(running) and budget > 0:
+            req = running[i]
+            if short_path and (unblocked or not req.num_in_flight_tokens):
+                computed = req.num_computed_tokens
+                num_outputs = len(req.output_token_ids) + req.num_output_placeholders
+                if (len(req.prompt_token_ids) + num_outputs == computed + 1 and computed < last_position
+                        and req.sampling_params.max_tokens > num_outputs):
+                    nulls = kv.append_decode_slot(req)
+                    if nulls is not None:
+                        scheduled.append(ScheduledRequest(req.request_id, computed, 1, 0, no_block_ids, nulls, True))
+                        scheduled_reqs.append(req)
+                        budget -= 1
+                        i += 1
+                        continue
             sr = self._plan_running(req, budget)
             if sr is None:
                 i += 1
@@ -345,6 +363,7 @@ class Scheduler(KVTransferMixin):
         max_model_len = self.config.max_model_len
         block_size = self.kv.block_size
         logprobs_of = runner_output.logprobs
+        num_generated = 0
         for sr, (req, epoch), k in zip(scheduler_output.requests, entries, rows):
             req.num_in_flight_tokens -= sr.num_scheduled_tokens  # first, whatever happened since
             if req.status >= FINISHED:
@@ -362,9 +381,14 @@ class Scheduler(KVTransferMixin):
             status = None
             if len(sampled) == 1:
                 t = sampled[0]
-                req.output_token_ids.append(t)
+                outs = req.output_token_ids
+                outs.append(t)
                 new_tokens = sampled
-                status = check_stop(req, t, max_model_len)
+                sp = req.sampling_params
+                # No stop ids, not EOS, below both length limits: nothing can stop it.
+                if (sp.stop_token_ids or (t == req.eos_token_id and not sp.ignore_eos)
+                        or len(outs) >= sp.max_tokens or len(req.prompt_token_ids) + len(outs) >= max_model_len):
+                    status = check_stop(req, t, max_model_len)
             else:
                 new_tokens = []
                 for t in sampled:
@@ -373,22 +397,25 @@ class Scheduler(KVTransferMixin):
                     status = check_stop(req, t, max_model_len)
                     if status is not None:
                         break
-            if req._block_hasher is not None and req.num_tokens >= (len(req.block_hashes) + 1) * block_size:
+            if (req._block_hasher is not None
+                    and len(req.prompt_token_ids) + len(req.output_token_ids) >= (len(req.block_hashes) + 1) * block_size):
                 req.update_block_hashes()  # a block just filled up
-            self.stats.num_generated_tokens += len(new_tokens)
+            num_generated += len(new_tokens)
             if status is not None:
                 any_finished = True
                 if req.status != RequestStatus.RUNNING:
                     self.waiting.remove(req)  # finished by a step from before its preemption
                 req.status = status
                 self._free_request(req)
+            cached = req.num_cached_tokens
             outputs.append(
                 RequestOutput(
                     sr.request_id, new_tokens, status is not None, req.status.finish_reason if status else None,
                     req.stop_reason, logprobs_of.get(sr.request_id) if logprobs_of else None,
-                    req.num_cached_tokens if req.num_cached_tokens > 0 else 0,
+                    cached if cached > 0 else 0,
                 )
             )
+        self.stats.num_generated_tokens += num_generated
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
         if runner_output.kv_connector_output is not None:

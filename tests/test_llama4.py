@@ -207,3 +207,28 @@ def test_preemption_recomputes_exactly(async_scheduling: bool) -> None:
         eng.shutdown()
     check_tokens(KIND, PROMPTS, got)
     assert preemptions > 0
+
+
+def test_routed_experts_top2_match_hf_moe_block() -> None:
+    """Top-2 routing (released models use top-1): our MoE equals HF's Llama4TextMoe."""
+    import transformers as tf
+    from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
+
+    from hybridserve.models.llama4 import Llama4Experts, routed_experts
+
+    torch.manual_seed(3)
+    hf_cfg = tf.Llama4TextConfig(hidden_size=32, intermediate_size=48, num_local_experts=5, num_experts_per_tok=2)
+    moe = Llama4TextMoe(hf_cfg).eval()
+    for prm in moe.parameters():
+        torch.nn.init.normal_(prm, std=0.3)
+    cfg = parse_model_config(dict(_raw(), hidden_size=32, intermediate_size=48))
+    ours = Llama4Experts(cfg, 5, torch.float32)
+    with torch.no_grad():
+        ours.router.copy_(moe.router.weight)
+        ours.gate_up.copy_(moe.experts.gate_up_proj)
+        ours.down.copy_(moe.experts.down_proj)
+        x = torch.randn(9, 32)
+        want, _ = moe(x)
+        shared = moe.shared_expert(x)
+        got = shared + routed_experts(x, ours, 2, torch.nn.functional.silu)
+    assert (got - want).abs().max().item() < 1e-5

@@ -2,6 +2,7 @@
 
     python benchmarks/throughput.py --model tiny-mistral --repeat 5 --hf
     python benchmarks/throughput.py --model tiny-gemma3 --repeat 5 --hf
+    python benchmarks/throughput.py --model tiny-llama4 --repeat 5 --hf
     python benchmarks/throughput.py --model /path/to/hf_dir --prompts-file prompts.json --hf
 
 N prompts are submitted at once; greedy, ignore EOS, exactly M new tokens each. Reported:
@@ -11,7 +12,9 @@ with left-padded batches as the baseline (same prompts; the token match count is
 cross-check). Prompts are those of the peer kit in shared/peers/vllm_cpu (workload.py):
 random ids from random.Random(seed), lengths in [min, max], ids in [token_low, vocab).
 The tiny models are the kit's `--tiny` models (hidden 128, 4 layers, 4/2 heads, vocab
-512, window 16, initializer_range 0.3, seed 0), built with transformers on first use.
+512, window 16, initializer_range 0.3, seed 0), built with transformers on first use;
+tiny-llama4 (not in the kit) is the same size with chunks of 32 on 3 of 4 layers, a
+NoPE global layer, and 4 experts (top-1) on every other layer.
 """
 
 from __future__ import annotations
@@ -28,12 +31,12 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-TINY = ("tiny-mistral", "tiny-gemma3")
+TINY = ("tiny-mistral", "tiny-gemma3", "tiny-llama4")
 
 
 def build_tiny(kind: str, out_dir: Path, window: int = 16, seed: int = 0) -> Path:
     import torch
-    from transformers import AutoModelForCausalLM, Gemma3TextConfig, MistralConfig
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig, Llama4TextConfig, MistralConfig
 
     common = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
@@ -41,6 +44,9 @@ def build_tiny(kind: str, out_dir: Path, window: int = 16, seed: int = 0) -> Pat
                   eos_token_id=None)
     if kind == "tiny-mistral":
         config = MistralConfig(sliding_window=window, **common)
+    elif kind == "tiny-llama4":
+        config = Llama4TextConfig(head_dim=32, intermediate_size_mlp=256, num_local_experts=4, num_experts_per_tok=1,
+                                  interleave_moe_layer_step=2, attention_chunk_size=2 * window, **common)
     else:
         config = Gemma3TextConfig(head_dim=32, query_pre_attn_scalar=32, sliding_window=window,
                                   layer_types=["sliding_attention"] * 3 + ["full_attention"], **common)

@@ -46,10 +46,21 @@ def hf_config(kind: str, window: int = WINDOW):
                              "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}},
             **c,
         )
+    if kind == "llama4":
+        # Layers: chunked+dense, chunked+MoE, chunked+dense, NoPE global+MoE. Chunks of 2 * window
+        # (two blocks of 16, so chunks are read across blocks and prefix hits land mid-chunk);
+        # floor_scale 16 makes the NoPE temperature change inside the test prompts.
+        c.update(vocab_size=512, intermediate_size=64)
+        return tf.Llama4TextConfig(
+            head_dim=16, intermediate_size_mlp=128, num_local_experts=4, num_experts_per_tok=1,
+            interleave_moe_layer_step=2, no_rope_layer_interval=4, attention_chunk_size=2 * window,
+            attn_temperature_tuning=True, floor_scale=16, attn_scale=0.5, use_qk_norm=True,
+            tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, **c,
+        )
     raise ValueError(kind)
 
 
-KINDS = ("llama", "mistral", "qwen2", "gemma2", "gemma3")
+KINDS = ("llama", "mistral", "qwen2", "gemma2", "gemma3")  # llama4 has its own test file
 
 
 def build_tiny(kind: str, out_dir: Path, seed: int = 0, window: int = WINDOW) -> Path:

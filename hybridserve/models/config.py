@@ -1,7 +1,8 @@
 """Model configuration read from a Hugging Face `config.json`, normalised across versions.
 
 One `ModelConfig` describes every decoder-only architecture hybridserve runs from an HF
-directory (Llama, Mistral, Qwen2, Gemma2, Gemma3 text). Fields an implementation would
+directory (Llama, Mistral, Qwen2, Gemma2, Gemma3 text, Llama 4 text; the Llama 4 extras
+live in `llama4_config.Llama4Options`). Fields an implementation would
 otherwise silently ignore are checked here: anything we do not honour raises ConfigError
 naming the field, so a model never runs with wrong numbers.
 
@@ -22,9 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from hybridserve.core.errors import ConfigError
+from hybridserve.models.llama4_config import CHUNKED, Llama4Options, llama4_layer_types, parse_llama4_options
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
+__all__ = ["CHUNKED", "FULL", "SLIDING", "ModelConfig", "RopeConfig", "load_model_config", "parse_model_config"]
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
@@ -32,6 +35,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "qwen2",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    "Llama4ForCausalLM": "llama4",
 }
 _GEMMA = ("gemma2", "gemma3")
 # HF activation names -> ours. gelu_pytorch_tanh is the tanh approximation of GELU.
@@ -57,7 +61,7 @@ class ModelConfig:
     """Everything the decoder needs; derived fields are final (no further defaults apply)."""
 
     architecture: str
-    family: str  # llama | mistral | qwen2 | gemma2 | gemma3
+    family: str  # llama | mistral | qwen2 | gemma2 | gemma3 | llama4
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -67,7 +71,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     activation: str  # silu | gelu_tanh | gelu
-    layer_types: tuple[str, ...]  # FULL or SLIDING, one per layer
+    layer_types: tuple[str, ...]  # FULL, SLIDING or CHUNKED, one per layer
     sliding_window: int | None
     rope: dict[str, RopeConfig]  # keyed by layer type
     max_position_embeddings: int
@@ -83,6 +87,8 @@ class ModelConfig:
     final_softcap: float | None = None
     tie_word_embeddings: bool = False
     eos_token_id: int | list[int] | None = None
+    attention_chunk_size: int | None = None  # CHUNKED layers: a query at p reads (p // C) * C .. p
+    llama4: Llama4Options | None = None  # family "llama4" only
 
     def layer_window(self, layer_idx: int) -> int | None:
         """The sliding window of one layer, or None for full attention."""
@@ -118,7 +124,12 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
     if num_heads % num_kv_heads:
         raise ConfigError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
     _check_unhonoured(raw, family)
-    layer_types = _layer_types(raw, family, num_layers)
+    llama4 = parse_llama4_options(raw, num_layers, _req_int(raw, "intermediate_size")) if family == "llama4" else None
+    chunk = None
+    if llama4 is not None:
+        layer_types, chunk = llama4_layer_types(raw, llama4)
+    else:
+        layer_types = _layer_types(raw, family, num_layers)
     window = raw.get("sliding_window") if SLIDING in layer_types else None
     if SLIDING in layer_types and (not isinstance(window, int) or window < 1):
         raise ConfigError(f"sliding layers need a positive integer sliding_window, got {window!r}")
@@ -158,6 +169,8 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
         final_softcap=raw.get("final_logit_softcapping") if gemma else None,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
         eos_token_id=raw.get("eos_token_id"),
+        attention_chunk_size=chunk,
+        llama4=llama4,
     )
 
 
@@ -176,7 +189,7 @@ def _check_unhonoured(raw: dict[str, Any], family: str) -> None:
         raise ConfigError(f"pretraining_tp={raw['pretraining_tp']} is not supported")
     if raw.get("partial_rotary_factor", 1.0) not in (None, 1, 1.0):
         raise ConfigError(f"partial_rotary_factor={raw['partial_rotary_factor']} is not supported")
-    if raw.get("attention_chunk_size"):
+    if raw.get("attention_chunk_size") and family != "llama4":
         raise ConfigError(f"attention_chunk_size is not supported for {family}")
     if family == "mistral" and raw.get("layer_types"):
         # HF's Mistral ignores layer_types and slides every layer; refusing avoids guessing.
@@ -231,9 +244,9 @@ def _rope_configs(raw: dict[str, Any], family: str, layer_types: set[str]) -> di
         one = dict(params)
     else:
         one = dict(raw.get("rope_scaling") or {})
-    one.setdefault("rope_theta", raw.get("rope_theta", 10_000.0))
+    one.setdefault("rope_theta", raw.get("rope_theta", 500_000.0 if family == "llama4" else 10_000.0))
     rope = _one_rope(one, "rope_parameters" if params else "rope_scaling")
-    return {FULL: rope, SLIDING: rope}
+    return {FULL: rope, SLIDING: rope, CHUNKED: rope}
 
 
 def _one_rope(p: dict[str, Any], where: str) -> RopeConfig:

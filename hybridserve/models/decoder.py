@@ -104,7 +104,7 @@ class DecoderLM(nn.Module):
         self.cfg = cfg
         self.dtype = dtype
         self.embed = nn.Parameter(torch.zeros(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayerWeights(cfg, dtype) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self._layer_weights(i, dtype) for i in range(cfg.num_layers))
         self.final_norm = nn.Parameter(torch.zeros(cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.lm_head: torch.Tensor | None = None  # set by the loader (tied: the embedding)
         self._rope: dict[str, RopeTable] = {}
@@ -112,6 +112,10 @@ class DecoderLM(nn.Module):
         self._head: Linear | None = None
         self._act = {"silu": F.silu, "gelu": F.gelu,
                      "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}[cfg.activation]
+
+    def _layer_weights(self, layer_idx: int, dtype: torch.dtype) -> DecoderLayerWeights:
+        """Layer `layer_idx`'s parameters (a hook: Llama 4 sizes its dense MLPs per layer)."""
+        return DecoderLayerWeights(self.cfg, dtype)
 
     def setup_rope(self, device: torch.device, max_positions: int) -> None:
         """Build cos/sin tables per layer type (call after moving the weights)."""

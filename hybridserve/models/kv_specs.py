@@ -6,8 +6,8 @@ before any weights are loaded.
 
 from __future__ import annotations
 
-from hybridserve.core.kv.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
-from hybridserve.models.config import SLIDING, ModelConfig
+from hybridserve.core.kv.spec import ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from hybridserve.models.config import CHUNKED, SLIDING, ModelConfig
 
 
 def layer_name(layer_idx: int) -> str:
@@ -20,7 +20,9 @@ def layer_index(name: str) -> int:
 
 
 def model_kv_layer_specs(cfg: ModelConfig, block_size: int, dtype: str = "float32") -> dict[str, KVCacheSpec]:
-    """{layer name: spec}: sliding layers get SlidingWindowSpec(window), the rest full attention."""
+    """{layer name: spec}: sliding layers get SlidingWindowSpec(window), chunked-local layers
+    ChunkedLocalAttentionSpec(chunk size; ConfigError unless a multiple of block_size), the
+    rest full attention."""
     specs: dict[str, KVCacheSpec] = {}
     for i, kind in enumerate(cfg.layer_types):
         if kind == SLIDING:
@@ -28,6 +30,12 @@ def model_kv_layer_specs(cfg: ModelConfig, block_size: int, dtype: str = "float3
             specs[layer_name(i)] = SlidingWindowSpec(
                 block_size=block_size, num_kv_heads=cfg.num_kv_heads, head_size=cfg.head_dim, dtype=dtype,
                 sliding_window=cfg.sliding_window,
+            )
+        elif kind == CHUNKED:
+            assert cfg.attention_chunk_size is not None  # parse_model_config guarantees it
+            specs[layer_name(i)] = ChunkedLocalAttentionSpec(
+                block_size=block_size, num_kv_heads=cfg.num_kv_heads, head_size=cfg.head_dim, dtype=dtype,
+                attention_chunk_size=cfg.attention_chunk_size,
             )
         else:
             specs[layer_name(i)] = FullAttentionSpec(

@@ -16,6 +16,7 @@ import torch
 from hybridserve.core.errors import ConfigError
 from hybridserve.models.config import ModelConfig, load_model_config
 from hybridserve.models.decoder import DecoderLM
+from hybridserve.models.llama4 import Llama4LM, fill_llama4
 
 # Buffers some checkpoints carry that hold nothing we need (recomputed from the config).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -61,9 +62,14 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
     """Build a DecoderLM from an HF directory, weights on `device` in `dtype`."""
     model_dir = Path(model_dir)
     cfg = load_model_config(model_dir)
-    model = DecoderLM(cfg, dtype)
     w = _Weights(_open_tensors(model_dir), dtype)
-    _fill(model, cfg, w)
+    if cfg.family == "llama4":  # its own layer layout (MoE, per-layer MLP sizes, RoPE order)
+        llama4 = Llama4LM(cfg, dtype)
+        fill_llama4(llama4, cfg, w)
+        model: DecoderLM = llama4
+    else:
+        model = DecoderLM(cfg, dtype)
+        _fill(model, cfg, w)
     left = w.leftovers()
     if left:
         raise ConfigError(f"checkpoint has {len(left)} tensor(s) this implementation would ignore, e.g. {left[0]}")

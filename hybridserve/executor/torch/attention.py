@@ -1,15 +1,21 @@
 """Paged attention in plain PyTorch, exact at chunk, block and window boundaries.
 
 For a request whose step computes positions s..s+c-1 (its chunk), a query at position
-p attends to keys max(0, p-W+1)..p (W = window, unbounded for full attention). The
-chunk's K/V is written only to slots whose block id is not the null block 0; no step
-reads a slot before s-W+1. Keys come from one of two places, chosen per group:
+p attends to keys lo(p)..p, where the per-query lower bound is
+
+    full attention        lo(p) = 0
+    sliding window W      lo(p) = max(0, p-W+1)
+    chunked local, size A lo(p) = (p // A) * A        (A: attention_chunk_size)
+
+lo never decreases with p, so the step reads nothing before lo(s). The chunk's K/V is
+written only to slots whose block id is not the null block 0. Keys come from one of
+two places, chosen per group:
 
 - read-after-write: when every slot of the step is a real block (always under plain
   allocation, and for decodes under window-tail allocation), the step first writes its
-  K/V, then gathers positions lo..s+c-1 (lo = max(0, s-W+1)) from the blocks;
+  K/V, then gathers positions lo(s)..s+c-1 from the blocks;
 - from the batch: when some slot of the step is the null block (window-tail
-  allocation), positions lo..s-1 come from the blocks and the chunk's own keys
+  allocation), positions lo(s)..s-1 come from the blocks and the chunk's own keys
   from the batch, so a null slot is never read.
 
 Requests are computed in padded batches: all decode-sized requests together (one
@@ -28,6 +34,8 @@ from hybridserve.executor.torch.requests import BlockTables
 
 # Requests with at most this many query tokens share one padded batch.
 SMALL_CHUNK = 16
+# (batch index, sliding window, attention chunk size, keys from the batch)
+_PlanKey = tuple[int, int | None, int | None, bool]
 
 
 @dataclass
@@ -68,9 +76,11 @@ class StepAttention:
 
     def __init__(self, layers: list[tuple[int, torch.Tensor]], groups: list[int | None], tables: BlockTables,
                  block_size: int, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray, scale: float,
-                 softcap: float | None, device: torch.device, dtype: torch.dtype) -> None:
+                 softcap: float | None, device: torch.device, dtype: torch.dtype,
+                 chunks: list[int | None] | None = None) -> None:
         """`layers[i]` = (group, cache view) of model layer i; `groups[g]` = window of group g
-        (None: full attention); rows/starts/counts: per request of the step."""
+        (None: not sliding); `chunks[g]` = attention chunk size of a chunked-local group g
+        (None or omitted: not chunked); rows/starts/counts: per request of the step."""
         self.layers = layers
         self.scale = scale
         self.softcap = softcap
@@ -91,19 +101,20 @@ class StepAttention:
         real = blk != 0
         all_real = real.all(axis=1)
         slots = torch.from_numpy(blk * bs + tok_pos % bs).to(device)
-        # Groups that share (window, read mode) share their key plans and gather together.
-        plans: dict[tuple[int, int | None, bool], KeyPlan] = {}
-        by_plan: dict[tuple[int, int | None, bool], list[int]] = {}
+        chunk_of = chunks if chunks is not None else [None] * len(groups)
+        # Groups that share (window, chunk, read mode) share their key plans and gather together.
+        plans: dict[_PlanKey, KeyPlan] = {}
+        by_plan: dict[_PlanKey, list[int]] = {}
         for b, layout in enumerate(self.batches):
             # Nothing cached for any request of the batch: its keys are all in the batch.
             nothing_cached = not starts[layout.req].any()
             for g, window in enumerate(groups):
-                by_plan.setdefault((b, window, nothing_cached or not all_real[g]), []).append(g)
+                by_plan.setdefault((b, window, chunk_of[g], nothing_cached or not all_real[g]), []).append(g)
         gather_ids: dict[tuple[int, int], torch.Tensor | None] = {}
         for key, gs in by_plan.items():
-            b, window, from_batch = key
+            b, window, chunk, from_batch = key
             layout = self.batches[b]
-            plan = plans[key] = _key_plan(layout, starts, counts, window, bs, from_batch, device, dtype)
+            plan = plans[key] = _key_plan(layout, starts, counts, window, bs, from_batch, device, dtype, chunk)
             if plan.num_blocks == 0:
                 gather_ids.update({(g, b): None for g in gs})
                 continue
@@ -219,19 +230,26 @@ def _padded(req: np.ndarray, counts: np.ndarray, offsets: np.ndarray, device: to
 
 
 def _key_plan(layout: BatchLayout, starts: np.ndarray, counts: np.ndarray, window: int | None, bs: int,
-              from_batch: bool, device: torch.device, dtype: torch.dtype) -> KeyPlan:
+              from_batch: bool, device: torch.device, dtype: torch.dtype, chunk: int | None = None) -> KeyPlan:
     s = starts[layout.req]
     c = counts[layout.req]
     C = layout.C
-    lo = np.maximum(0, s - window + 1) if window is not None else np.zeros_like(s)
+    # [B, C] query positions; padding queries repeat the last real one, so their mask rows
+    # are never all -inf (a chunked bound past the request's last key would make them so).
+    qp = s[:, None] + np.minimum(np.arange(C)[None, :], c[:, None] - 1)
+    if window is not None:
+        qlo = np.maximum(0, qp - window + 1)
+    elif chunk is not None:
+        qlo = qp // chunk * chunk
+    else:
+        qlo = np.zeros_like(qp)
+    lo = qlo[:, 0]  # the first query's bound is the smallest
     # Gathered positions: lo..s-1 (from the batch) or lo..s+c-1 (read after write).
     end = s if from_batch else s + c
     first_blk = lo // bs
     nblk = np.where(end > lo, (end - 1) // bs - first_blk + 1, 0)
     NB = int(nblk.max())
-    qp = s[:, None] + np.arange(C)[None, :]  # [B, C] query positions
-    win = window if window is not None else 1 << 62
-    if NB == 0 and layout.B == 1 and window is None:
+    if NB == 0 and layout.B == 1 and window is None and chunk is None:
         return KeyPlan(first_blk, 0, True, None)  # a first chunk under full attention: plain causal
     parts = []
     if NB:
@@ -241,13 +259,14 @@ def _key_plan(layout: BatchLayout, starts: np.ndarray, counts: np.ndarray, windo
             parts.append(in_range[:, None, :])
         else:
             parts.append(in_range[:, None, :] & (kp[:, None, :] <= qp[:, :, None])
-                         & (kp[:, None, :] > qp[:, :, None] - win))
+                         & (kp[:, None, :] >= qlo[:, :, None]))
     if (from_batch or NB == 0) and C == 1:
         parts.append(np.ones((layout.B, 1, 1), dtype=bool))  # a decode query sees its own key
     elif from_batch or NB == 0:
         j = np.arange(C)
         ok = (j[None, None, :] <= j[None, :, None]) & (j[None, None, :] < c[:, None, None])
-        parts.append(ok & (j[None, None, :] > j[None, :, None] - win))
+        key_pos = s[:, None] + j[None, :]  # [B, C] positions of the chunk's own keys
+        parts.append(ok & (key_pos[:, None, :] >= qlo[:, :, None]))
     allowed = np.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]
     mask = np.where(allowed[:, None], np.float32(0), np.float32(-np.inf))
     return KeyPlan(first_blk, NB, from_batch or NB == 0, torch.from_numpy(mask).to(device, dtype))

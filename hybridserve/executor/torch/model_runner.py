@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from hybridserve.core.errors import ConfigError, RequestError
-from hybridserve.core.kv.spec import KVCacheConfig, SlidingWindowSpec
+from hybridserve.core.kv.spec import ChunkedLocalAttentionSpec, KVCacheConfig, SlidingWindowSpec
 from hybridserve.core.sched.output import (
     LogprobInfo,
     ModelRunnerOutput,
@@ -56,6 +56,10 @@ class ModelRunner:
             self.layers[layer_index(name)] = (g, self.kv.layer_view[name])
         self.group_windows: list[int | None] = [
             g.spec.sliding_window if isinstance(g.spec, SlidingWindowSpec) else None for g in kv_cache_config.groups
+        ]
+        self.group_chunks: list[int | None] = [
+            g.spec.attention_chunk_size if isinstance(g.spec, ChunkedLocalAttentionSpec) else None
+            for g in kv_cache_config.groups
         ]
         self.tables = BlockTables(len(kv_cache_config.groups))
         self.states: dict[str, RequestState] = {}
@@ -127,7 +131,8 @@ class ModelRunner:
         positions = np.repeat(starts - (ends - counts), counts) + np.arange(int(ends[-1]))
         cfg = self.model.cfg
         attn = StepAttention(self.layers, self.group_windows, self.tables, self.kv.block_size, rows, starts,
-                             counts, cfg.attn_scale, cfg.attn_softcap, self.device, self.model.dtype)
+                             counts, cfg.attn_scale, cfg.attn_softcap, self.device, self.model.dtype,
+                             self.group_chunks)
         ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos_t = torch.from_numpy(positions).to(self.device)
         hidden = self.model(ids_t, pos_t, int(positions.max()), attn)

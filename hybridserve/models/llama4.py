@@ -1,0 +1,208 @@
+"""Llama 4 text (`Llama4ForCausalLM`): chunked local attention, NoPE layers, mixture of experts.
+
+A `DecoderLM` whose layers differ in three ways (which layers do what: llama4_config.py):
+
+- RoPE layers rotate q/k, then (use_qk_norm) L2-normalise them: a weightless RMSNorm
+  over head_dim with eps = rms_norm_eps. NoPE layers skip both and, with temperature
+  tuning, scale q at position p by 1 + attn_scale * log1p(floor((p + 1) / floor_scale)).
+  The attention type (chunked or full) is the KV group's business, not the model's.
+- Llama 4's RoPE rotates interleaved pairs (x[2i], x[2i+1]) as complex numbers. The
+  loader permutes the rows of each q/k head to [even dims, odd dims], which turns that
+  into the NeoX half-split rotation `rope.apply_rope_` already does; q.k is invariant
+  under one permutation of head_dim applied to both, so attention is unchanged (V and
+  the cache layout are untouched; the cache simply holds permuted keys).
+- MoE layers: the router picks the top-k experts per token; the sigmoid of each picked
+  logit scales the expert's *input*, and a shared expert (a plain MLP) runs on every
+  token:  out = shared(x) + sum_{e in topk(x)} expert_e(sigmoid(logit_e) * x).
+  Only experts that received tokens are computed (tokens sorted by expert, one
+  index_select / index_add_ per expert). Dense layers use intermediate_size_mlp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Callable, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridserve.models.config import FULL, ModelConfig
+from hybridserve.models.decoder import AttentionBackend, DecoderLayerWeights, DecoderLM, rms_norm
+from hybridserve.models.llama4_config import Llama4Options
+from hybridserve.models.rope import RopeTable, apply_rope_
+
+
+class Llama4Experts(nn.Module):
+    """One MoE layer's router [E, H] and experts in HF's layout: x @ gate_up[e] -> [gate | up]
+    ([E, H, 2I]), then (up * act(gate)) @ down[e] ([E, I, H])."""
+
+    def __init__(self, cfg: ModelConfig, num_experts: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        H, I = cfg.hidden_size, cfg.intermediate_size
+
+        def p(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.zeros(*shape, dtype=dtype), requires_grad=False)
+
+        self.router = p(num_experts, H)
+        self.gate_up = p(num_experts, H, 2 * I)
+        self.down = p(num_experts, I, H)
+
+
+def routed_experts(x: torch.Tensor, experts: Llama4Experts, top_k: int,
+                   act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """sum over each token's top-k experts of expert_e(sigmoid(logit_e) * x), x [T, H] -> [T, H].
+
+    Tokens are sorted by expert (stable, so each expert sees its tokens in order); one
+    host sync reads the per-expert counts. A token's contributions are added in expert
+    order, as HF's sum over the expert axis does.
+    """
+    logits = F.linear(x, experts.router)  # [T, E]
+    top_logits, top_idx = torch.topk(logits, top_k, dim=1)
+    # HF takes the sigmoid in float32 (it scatters the picked logits into -inf, sigmoid 0).
+    scores = torch.sigmoid(top_logits.float()).to(x.dtype).reshape(-1)
+    flat = top_idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=experts.router.shape[0]).tolist()
+    token_of = order // top_k  # slot j of token t sits at t * top_k + j
+    score_of = scores[order]
+    out = torch.zeros_like(x)
+    a = 0
+    for e, n in enumerate(counts):
+        if not n:
+            continue
+        tok = token_of[a : a + n]
+        xe = x.index_select(0, tok) * score_of[a : a + n, None]
+        gate, up = torch.mm(xe, experts.gate_up[e]).chunk(2, dim=-1)
+        out.index_add_(0, tok, torch.mm(up * act(gate), experts.down[e]))
+        a += n
+    return out
+
+
+class Llama4LM(DecoderLM):
+    """Llama 4 text on the shared decoder weights. `layers[i]` holds attention, norms and
+    the dense MLP, or on MoE layers the shared expert; `experts[str(i)]` the routed part."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+        if cfg.llama4 is None:
+            raise ValueError("Llama4LM needs a ModelConfig parsed from a Llama 4 config")
+        self.opts: Llama4Options = cfg.llama4
+        super().__init__(cfg, dtype)
+        self.experts = nn.ModuleDict({
+            str(i): Llama4Experts(cfg, self.opts.num_experts, dtype)
+            for i, moe in enumerate(self.opts.moe_layers) if moe
+        })
+
+    def _layer_weights(self, layer_idx: int, dtype: torch.dtype) -> DecoderLayerWeights:
+        if self.opts.moe_layers[layer_idx]:
+            return DecoderLayerWeights(self.cfg, dtype)  # gate_up/down: the shared expert
+        return DecoderLayerWeights(replace(self.cfg, intermediate_size=self.opts.intermediate_size_mlp), dtype)
+
+    def setup_rope(self, device: torch.device, max_positions: int) -> None:
+        super().setup_rope(device, max_positions)
+        # One rotary table for every RoPE layer, chunked or full (no per-type frequencies).
+        self._rope = {FULL: RopeTable(self.cfg.rope[FULL], self.cfg.head_dim, min(max_positions, 4096), device,
+                                      self.dtype)}
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, max_position: int,
+                backend: AttentionBackend) -> torch.Tensor:
+        """input_ids, positions: [T] long on the model's device. Returns hidden [T, hidden]."""
+        cfg, opts = self.cfg, self.opts
+        nq, nkv, hd, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self._eps
+        inv_h, inv_hd = 1.0 / cfg.hidden_size, 1.0 / hd
+        T = input_ids.shape[0]
+        if not self._linears:
+            self.build_linears(release_weights=False)
+        h = F.embedding(input_ids, self.embed)
+        cos, sin = self._rope[FULL].lookup(positions, max_position)
+        temperature = None
+        if opts.attn_temperature_tuning and not all(opts.rope_layers):
+            # float32 as HF computes it; q * temperature promotes, copy_ casts back.
+            steps = torch.floor((positions.float() + 1.0) / opts.floor_scale)
+            temperature = (torch.log1p(steps) * opts.temperature_scale + 1.0)[:, None, None]
+        for i, w in enumerate(self.layers):
+            lin = self._linears[i]
+            x = rms_norm(h, w.input_norm, eps, inv_h)
+            qkv = lin.qkv(x)
+            qk = qkv[:, : (nq + nkv) * hd].view(T, nq + nkv, hd)
+            if opts.rope_layers[i]:
+                apply_rope_(qk, cos, sin)
+                if opts.use_qk_norm:  # after RoPE, as HF (a rotation keeps the norm anyway)
+                    qk.copy_(rms_norm(qk, None, eps, inv_hd))
+            elif temperature is not None:
+                q = qk[:, :nq]
+                q.copy_(q * temperature)
+            attn = backend.attention(i, qk[:, :nq], qkv[:, nq * hd :].view(T, 2, nkv, hd))
+            h = lin.o_residual(h, attn)
+            x = rms_norm(h, w.post_attn_norm, eps, inv_h)
+            gate, up = lin.gate_up(x).chunk(2, dim=-1)
+            y = self._act(gate) * up
+            experts = self.experts[str(i)] if opts.moe_layers[i] else None
+            if experts is None:
+                h = lin.down_residual(h, y)
+            else:  # HF: out = shared(x); out += routed; h = h + out
+                h = h + (lin.down(y) + routed_experts(x, experts, opts.num_experts_per_tok, self._act))
+        return rms_norm(h, self.final_norm, eps, inv_h)
+
+
+class WeightSource(Protocol):
+    """The loader's tensor store (models/loader.py `_Weights`)."""
+
+    tensors: dict[str, torch.Tensor]
+
+    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor: ...
+
+
+def interleaved_to_half_split(w: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
+    """Rows of a q/k projection (weight [heads*hd, in] or bias [heads*hd]) reordered per head
+    from Llama 4's interleaved RoPE pairs (2i, 2i+1) to the half split (i, i + hd/2)."""
+    perm = torch.cat((torch.arange(0, head_dim, 2), torch.arange(1, head_dim, 2)))
+    return w.reshape(num_heads, head_dim, *w.shape[1:])[:, perm].reshape(w.shape)
+
+
+def fill_llama4(model: Llama4LM, cfg: ModelConfig, w: WeightSource) -> None:
+    """Copy HF Llama4ForCausalLM tensors into `model` (shapes checked by `w.take`)."""
+    opts = model.opts
+    H, hd, I, E = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, opts.num_experts
+    nq, nkv = cfg.num_heads, cfg.num_kv_heads
+    with torch.no_grad():
+        model.embed.copy_(w.take("model.embed_tokens.weight", (cfg.vocab_size, H)))
+        model.final_norm.copy_(w.take("model.norm.weight", (H,)))
+        if not cfg.tie_word_embeddings:
+            model.lm_head = nn.Parameter(w.take("lm_head.weight", (cfg.vocab_size, H)), requires_grad=False)
+        else:
+            w.tensors.pop("lm_head.weight", None)
+        for i, layer in enumerate(model.layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            rope = opts.rope_layers[i]
+
+            def qk(t: torch.Tensor, heads: int, rope: bool = rope) -> torch.Tensor:
+                return interleaved_to_half_split(t, heads, hd) if rope else t
+
+            layer.input_norm.copy_(w.take(p + "input_layernorm.weight", (H,)))
+            layer.qkv.copy_(torch.cat([qk(w.take(a + "q_proj.weight", (nq * hd, H)), nq),
+                                       qk(w.take(a + "k_proj.weight", (nkv * hd, H)), nkv),
+                                       w.take(a + "v_proj.weight", (nkv * hd, H))]))
+            if layer.qkv_bias is not None:
+                layer.qkv_bias.copy_(torch.cat([qk(w.take(a + "q_proj.bias", (nq * hd,)), nq),
+                                                qk(w.take(a + "k_proj.bias", (nkv * hd,)), nkv),
+                                                w.take(a + "v_proj.bias", (nkv * hd,))]))
+            layer.o.copy_(w.take(a + "o_proj.weight", (H, nq * hd)))
+            if layer.o_bias is not None:
+                layer.o_bias.copy_(w.take(a + "o_proj.bias", (H,)))
+            layer.post_attn_norm.copy_(w.take(p + "post_attention_layernorm.weight", (H,)))
+            f = p + "feed_forward."
+            if opts.moe_layers[i]:
+                ex = model.experts[str(i)]
+                assert isinstance(ex, Llama4Experts)
+                ex.router.copy_(w.take(f + "router.weight", (E, H)))
+                ex.gate_up.copy_(w.take(f + "experts.gate_up_proj", (E, H, 2 * I)))
+                ex.down.copy_(w.take(f + "experts.down_proj", (E, I, H)))
+                f += "shared_expert."
+                size = I
+            else:
+                size = opts.intermediate_size_mlp
+            layer.gate_up.copy_(torch.cat([w.take(f + "gate_proj.weight", (size, H)),
+                                           w.take(f + "up_proj.weight", (size, H))]))
+            layer.down.copy_(w.take(f + "down_proj.weight", (H, size)))

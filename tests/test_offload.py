@@ -23,6 +23,7 @@ from hybridserve.config import EngineConfig  # noqa: E402
 from hybridserve.core.connector.offload import HostOffloadConnector  # noqa: E402
 from hybridserve.core.errors import ConfigError  # noqa: E402
 from hybridserve.core.kv.spec import FullAttentionSpec  # noqa: E402
+from hybridserve.core.request import Request, RequestStatus, SamplingParams  # noqa: E402
 from hybridserve.core.sched.config import SchedulerConfig  # noqa: E402
 from hybridserve.core.sched.output import KVConnectorOutput  # noqa: E402
 from hybridserve.engine.loop import EngineCore, build_engine  # noqa: E402
@@ -137,6 +138,23 @@ def test_failed_loads_recompute_exactly(kind: str) -> None:
         assert loaded > 0
 
 
+def test_abort_while_loading_leaks_nothing() -> None:
+    eng, conn = make_engine("llama", async_scheduling=True)
+    try:
+        run(eng, WAVE1[:1], tag="a")
+        run(eng, FILLER, tag="f")
+        eng.add_request(Request("x", WAVE1[0] + [5] * 20, SamplingParams(max_tokens=NEW_TOKENS)))
+        eng.step()  # admitted straight into a load: its prefix is only in host memory
+        assert eng.scheduler.requests["x"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        eng.abort_requests(["x"])
+        while eng.has_unfinished_requests():
+            eng.step()
+        assert conn.stats.num_loaded_blocks > 0
+        assert_nothing_leaks(eng, conn)
+    finally:
+        eng.shutdown()
+
+
 def test_host_pool_lru_bound_in_the_engine() -> None:
     eng, conn = make_engine("llama", async_scheduling=True, host_blocks=10)
     try:
@@ -191,13 +209,14 @@ def test_config_and_sizes() -> None:
 
 
 def test_llm_with_kv_offload_memory_matches_hf() -> None:
-    from hybridserve import LLM, SamplingParams
+    from hybridserve import LLM
+    from hybridserve import SamplingParams as UserParams
 
     llm = LLM(config=EngineConfig(model=str(hf_tiny.tiny_model_dir("llama")), num_blocks=12, max_model_len=160,
                                   max_num_seqs=1, kv_offload_memory="1MiB"), progress=False)
     try:
         prompts = [WAVE1[0], WAVE1[1], wave2("llama")[0]]  # one at a time: WAVE1[1] evicts WAVE1[0]
-        outs = [llm.generate([p], SamplingParams(max_tokens=NEW_TOKENS), use_tqdm=False)[0] for p in prompts]
+        outs = [llm.generate([p], UserParams(max_tokens=NEW_TOKENS), use_tqdm=False)[0] for p in prompts]
         stats = llm.parts.engine.scheduler.make_stats()
     finally:
         llm.shutdown()

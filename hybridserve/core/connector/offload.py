@@ -89,14 +89,16 @@ class HostOffloadConnector(KVConnectorBase):
         self.stats = OffloadStats()
 
     # -- hit search -----------------------------------------------------------------
-    def _needed(self, g: int, b: int, end: int) -> bool:
-        """Is block b of group g read by the token at position `end` (the first computed)?"""
+    def _first_needed(self, g: int, end: int) -> int:
+        """First block of group g that the token at position `end` (the first computed) reads:
+        (b + 1) * bs > end - W + 1 for a sliding window W, > the chunk start for chunked
+        local attention, every block for full attention."""
         s, bs = self.specs[g], self.block_size
         if isinstance(s, SlidingWindowSpec):
-            return (b + 1) * bs > end - s.sliding_window + 1
+            return max(0, (end - s.sliding_window + 1) // bs)
         if isinstance(s, ChunkedLocalAttentionSpec):
-            return (b + 1) * bs > (end // s.attention_chunk_size) * s.attention_chunk_size
-        return True
+            return (end // s.attention_chunk_size) * s.attention_chunk_size // bs
+        return 0
 
     def get_num_new_matched_tokens(self, request: Request, num_local_computed_tokens: int) -> tuple[int, bool]:
         """Longest end (a block boundary before the last token) whose needed blocks past the
@@ -104,16 +106,28 @@ class HostOffloadConnector(KVConnectorBase):
 
             tokens  [ device hit | host hit ........ | computed ]
                     0          first*bs        end*bs       num_tokens
+
+        Full-attention groups need every block, so they bound the end by their contiguous
+        run (one pass); windowed groups are then checked only over their window per end.
         """
         bs = self.block_size
         hashes = request.block_hashes
+        index = self.index
         first = num_local_computed_tokens // bs
-        last = min(len(hashes), (request.num_tokens - 1) // bs)
-        groups = range(len(self.specs))
-        for end_block in range(last, first, -1):
+        limit = min(len(hashes), (request.num_tokens - 1) // bs)
+        windowed = []
+        for g, spec in enumerate(self.specs):
+            if isinstance(spec, (SlidingWindowSpec, ChunkedLocalAttentionSpec)):
+                windowed.append(g)
+                continue
+            b = first
+            while b < limit and (hashes[b], g) in index:
+                b += 1
+            limit = b
+        for end_block in range(limit, first, -1):
             end = end_block * bs
-            if all((hashes[b], g) in self.index for b in range(first, end_block) for g in groups
-                   if self._needed(g, b, end)):
+            if all((hashes[b], g) in index for g in windowed
+                   for b in range(max(first, self._first_needed(g, end)), end_block)):
                 self._matched[request.request_id] = (first, end_block)
                 return (end_block - first) * bs, True
         self._matched.pop(request.request_id, None)
@@ -127,9 +141,10 @@ class HostOffloadConnector(KVConnectorBase):
         first, end_block = span
         end = end_block * self.block_size
         job = TransferJob(request.request_id)
+        starts = [self._first_needed(g, end) for g in range(len(block_ids))]
         for b in range(first, end_block):
             for g, table in enumerate(block_ids):
-                if not self._needed(g, b, end) or table[b] == NULL_BLOCK:
+                if b < starts[g] or table[b] == NULL_BLOCK:
                     continue  # never read by this request (the scheduler prunes it before caching)
                 key = (request.block_hashes[b], g)
                 slot = self.index[key]  # present: matched in this same schedule() call

@@ -78,7 +78,7 @@ class EngineConfig:
     async_scheduling: bool = True
     num_speculative_tokens: int = 0
     enable_prefix_caching: bool = True
-    kv_offload_memory: int | str = 0  # host memory for KV offload; not available yet (must be 0)
+    kv_offload_memory: int | str = 0  # host memory for offloaded KV blocks (0: no offload)
     seed: int = 0  # seeds the sampler of requests without their own seed
     device: str | None = None  # "cpu" (default), "cuda", "cuda:N" or "auto"
     dtype: str = "float32"  # weights, compute and KV cache (the runner stores K/V as computed)
@@ -128,11 +128,11 @@ class EngineConfig:
         for name in ("async_scheduling", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if parse_size("kv_offload_memory", self.kv_offload_memory, allow_zero=True) > 0:
-            raise ConfigError(
-                "kv_offload_memory: KV offload is not available yet in this version (its connector comes "
-                "in a later release); set it to 0"
-            )
+        if parse_size("kv_offload_memory", self.kv_offload_memory, allow_zero=True) > 0 \
+                and not self.enable_prefix_caching:
+            # Host blocks are keyed by the prefix hashes that prefix caching computes.
+            raise ConfigError("kv_offload_memory needs enable_prefix_caching (offloaded blocks are found by "
+                              "their prefix hashes); enable it or set kv_offload_memory to 0")
         _check_int("seed", self.seed, 0)
         if self.seed >= 1 << 63:
             raise ConfigError(f"seed must be < 2**63, got {self.seed}")

@@ -50,10 +50,13 @@ def test_bad_values_name_the_setting(kwargs: dict, pattern: str) -> None:
         EngineConfig(**kwargs)
 
 
-def test_kv_offload_is_refused_not_ignored() -> None:
+def test_kv_offload_memory_is_checked() -> None:
     assert EngineConfig(kv_offload_memory=0).kv_offload_memory == 0
-    with pytest.raises(ConfigError, match=r"kv_offload_memory: KV offload is not available yet"):
-        EngineConfig(kv_offload_memory="4GiB")
+    assert EngineConfig(kv_offload_memory="4GiB").kv_offload_memory == "4GiB"
+    with pytest.raises(ConfigError, match=r"kv_offload_memory must be >= 0"):
+        EngineConfig(kv_offload_memory=-1)
+    with pytest.raises(ConfigError, match=r"kv_offload_memory needs enable_prefix_caching"):
+        EngineConfig(kv_offload_memory="4GiB", enable_prefix_caching=False)
 
 
 def test_unknown_engine_argument_is_one_config_error() -> None:

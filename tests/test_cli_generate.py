@@ -84,7 +84,7 @@ def _busy_port() -> socket.socket:
     (["--block-size", "24"], "block_size must be a power of two, got 24; the nearest that work are 16 and 32"),
     (["--num-blocks", "4"], "num_blocks=4 is too small"),
     (["--max-tokens", "0"], "max_tokens must be >= 1, got 0"),
-    (["--kv-offload-memory", "1GiB"], "KV offload is not available yet"),
+    (["--kv-offload-memory", "lots"], "kv_offload_memory: cannot parse size 'lots'"),
     (["--max-num-batched-tokens", "8"], "max_num_batched_tokens must be >= block_size (16), got 8"),
     (["--temperature", "warm"], "argument --temperature: invalid float value: 'warm'"),
     (["--dtype", "int4"], "argument --dtype: invalid choice: 'int4'"),

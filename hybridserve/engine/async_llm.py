@@ -58,6 +58,10 @@ class EngineStats:
     prefix_cache_hit_rate: float
     prefix_cache_queries: int
     prefix_cache_hits: int
+    # KV offload to host memory (0 without --kv-offload-memory).
+    offloaded_blocks: int = 0
+    offload_loaded_blocks: int = 0
+    offload_hit_tokens: int = 0
 
 
 @dataclass(eq=False)
@@ -327,7 +331,8 @@ class AsyncLLM:
         pcs = sched.kv.prefix_cache_stats
         stats = EngineStats(st.num_running, st.num_waiting, st.num_preemptions, st.num_generated_tokens,
                             st.kv_usage, sched.kv.group_usage(), list(self._group_labels), pcs.hit_rate,
-                            pcs.queries, pcs.hits)
+                            pcs.queries, pcs.hits, st.num_offloaded_blocks, st.num_offload_loaded_blocks,
+                            st.num_offload_hit_tokens)
         try:
             loop.call_soon_threadsafe(_set_result, fut, stats)
         except RuntimeError:

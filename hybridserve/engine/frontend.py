@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from hybridserve.config import EngineConfig, resolve_engine_settings
+from hybridserve.config import EngineConfig, parse_size, resolve_engine_settings
 from hybridserve.core.errors import ConfigError, RequestError
 from hybridserve.core.kv.spec import group_layers
 from hybridserve.engine.loop import EngineCore
@@ -70,7 +70,14 @@ def build_engine_parts(config: EngineConfig, progress: bool = True) -> EnginePar
                              use_worker_thread=config.async_scheduling and device.type != "cpu", seed=config.seed,
                              num_threads=config.num_threads)
     try:
-        engine = build_engine(settings.scheduler_config, settings.kv_cache_config, executor)
+        connector = None
+        offload_bytes = parse_size("kv_offload_memory", config.kv_offload_memory, allow_zero=True)
+        if offload_bytes:
+            from hybridserve.executor.torch.offload import attach_host_offload, num_host_blocks_for_memory
+
+            connector = attach_host_offload(executor, settings.kv_cache_config,
+                                            num_host_blocks_for_memory(settings.kv_cache_config, offload_bytes))
+        engine = build_engine(settings.scheduler_config, settings.kv_cache_config, executor, connector)
     except BaseException:
         executor.shutdown()
         raise

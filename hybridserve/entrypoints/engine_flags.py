@@ -68,7 +68,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--num-speculative-tokens", type=int, default=0)
     e.add_argument("--enable-prefix-caching", action=BOA, default=True, help="(default: on)")
     e.add_argument("--kv-offload-memory", default="0", metavar="SIZE",
-                   help="host memory for KV offload (not available yet: must be 0)")
+                   help="host memory for offloaded KV blocks, bytes or e.g. 4GiB (default: 0, no offload)")
     e.add_argument("--seed", type=int, default=None, help="random seed (default: 0 for the engine, none per request)")
 
 

@@ -10,6 +10,8 @@ Protocol, per request:
    WAITING_FOR_REMOTE_KVS, holding its blocks, until its load is reported done.
 5. At finish, `request_finished` sees the request's block table, pruned of out-of-window
    blocks on the processed basis; it may ask to delay the free until a store is done.
+6. Each step's connector output is also handed to `update_connector_output`, so the
+   scheduler side learns which of its loads and stores finished.
 """
 
 from __future__ import annotations
@@ -38,3 +40,9 @@ class KVConnectorBase(ABC):
     @abstractmethod
     def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, Any]:
         """(delay freeing until the executor reports the store done, extra params)."""
+
+    def update_connector_output(self, kv_connector_output: Any) -> None:
+        """The executor's report of finished loads/stores (KVConnectorOutput); default: ignore."""
+
+    def record_stats(self, stats: Any) -> None:
+        """Copy connector counters into the scheduler's SchedulerStats; default: none."""

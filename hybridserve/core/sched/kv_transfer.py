@@ -22,9 +22,16 @@ class KVTransferMixin:
         req.num_computed_tokens += req.num_external_computed_tokens
         req.num_external_computed_tokens = 0
         req.status = RequestStatus.WAITING
+        # A windowed group got real blocks for the whole loaded span, but a connector loads
+        # only the ones inside the window (chunk) of the first computed token; prune the
+        # rest before caching so no unloaded block is published under its hash. The request
+        # has no step in flight here, so this count is the processed basis.
+        self.kv.remove_skipped_blocks(req.request_id, req.num_processed_tokens)
         self.kv.cache_blocks(req, req.num_computed_tokens)
 
     def _update_connector(self: Scheduler, kco: Any) -> None:
+        assert self.connector is not None
+        self.connector.update_connector_output(kco)
         self.finished_recving |= kco.finished_recving
         for rid in kco.finished_recving & self.aborted_loading.keys():
             self.finished_recving.discard(rid)

@@ -438,4 +438,6 @@ class Scheduler(KVTransferMixin):
         self.stats.num_waiting = len(self.waiting)
         self.stats.kv_usage = self.kv.usage
         self.stats.prefix_cache_hit_rate = self.kv.prefix_cache_stats.hit_rate
+        if self.connector is not None:
+            self.connector.record_stats(self.stats)
         return self.stats

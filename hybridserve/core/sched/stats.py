@@ -22,6 +22,11 @@ class SchedulerStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     num_spec_steps: int = 0
+    # KV offload to host memory (filled by the connector's record_stats): blocks copied
+    # device -> host and host -> device, and prompt tokens served from host memory.
+    num_offloaded_blocks: int = 0
+    num_offload_loaded_blocks: int = 0
+    num_offload_hit_tokens: int = 0
 
     def record_spec(self, num_drafts: int, num_accepted: int) -> None:
         if num_drafts:

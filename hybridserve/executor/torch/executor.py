@@ -20,6 +20,7 @@ from hybridserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from hybridserve.engine.executor import Executor
 from hybridserve.executor.torch.kv_cache import TORCH_DTYPES, num_blocks_for_memory
 from hybridserve.executor.torch.model_runner import ModelRunner
+from hybridserve.executor.torch.offload import OffloadWorker
 from hybridserve.models.config import ModelConfig
 from hybridserve.models.decoder import DecoderLM
 from hybridserve.models.kv_specs import model_kv_layer_specs
@@ -68,6 +69,9 @@ class TorchExecutor(Executor):
         self.model = model if isinstance(model, DecoderLM) else load_model(model, self.device, dtype)
         self.seed = seed
         self.runner: ModelRunner | None = None
+        # KV offload to host memory (enable_kv_offload): (host blocks, injected load failures).
+        self._offload_args: tuple[int, int] | None = None
+        self.offload: OffloadWorker | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch-runner") if use_worker_thread else None
 
     @property
@@ -92,15 +96,37 @@ class TorchExecutor(Executor):
         if self.runner is not None:
             raise ConfigError("TorchExecutor.initialize called twice")
         self.runner = ModelRunner(self.model, kv_cache_config, self.device, self.seed)
+        if self._offload_args is not None:
+            num_host_blocks, fail_loads = self._offload_args
+            self.offload = OffloadWorker(self.runner.kv, num_host_blocks, self.device, fail_loads)
+
+    def enable_kv_offload(self, num_host_blocks: int, fail_loads: int = 0) -> None:
+        """Run the executor side of host KV offload (see executor/torch/offload.py); call
+        before initialize, with the scheduler side built for the same num_host_blocks."""
+        if self.runner is not None:
+            raise ConfigError("enable_kv_offload must be called before initialize")
+        self._offload_args = (num_host_blocks, fail_loads)
+
+    def _step(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """One step on the runner thread; with offload, start this step's copies first (they
+        overlap the model) and report the copies finished by the end of the step."""
+        assert self.runner is not None
+        offload = self.offload
+        if offload is None:
+            return self.runner.execute(so)
+        offload.submit(so.kv_connector_metadata)
+        out = self.runner.execute(so)
+        out.kv_connector_output = offload.collect(wait_for_one=so.is_empty())
+        return out
 
     def execute(self, scheduler_output: SchedulerOutput) -> Any:
         if self.runner is None:
             raise ConfigError("TorchExecutor.execute before initialize")
         if self._pool is not None:
-            return self._pool.submit(self.runner.execute, scheduler_output)
+            return self._pool.submit(self._step, scheduler_output)
         done: Future = Future()
         try:
-            done.set_result(self.runner.execute(scheduler_output))
+            done.set_result(self._step(scheduler_output))
         except BaseException as exc:  # re-raised by wait(), in step order like the threaded path
             done.set_exception(exc)
         return done
@@ -112,4 +138,7 @@ class TorchExecutor(Executor):
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self.offload is not None:
+            self.offload.shutdown()
+            self.offload = None
         self.runner = None

@@ -19,9 +19,12 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hybridserve.core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from hybridserve.models.mamba_config import MambaMixerConfig
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
@@ -32,7 +35,11 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "qwen2",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    # State-space models: parsed by models/mamba_config.py, built by models/mamba_loader.py.
+    "Mamba2ForCausalLM": "mamba2",
+    "BambaForCausalLM": "bamba",
 }
+MAMBA_FAMILIES = ("mamba2", "bamba")
 _GEMMA = ("gemma2", "gemma3")
 # HF activation names -> ours. gelu_pytorch_tanh is the tanh approximation of GELU.
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
@@ -57,7 +64,7 @@ class ModelConfig:
     """Everything the decoder needs; derived fields are final (no further defaults apply)."""
 
     architecture: str
-    family: str  # llama | mistral | qwen2 | gemma2 | gemma3
+    family: str  # llama | mistral | qwen2 | gemma2 | gemma3 | mamba2 | bamba
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -67,7 +74,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     activation: str  # silu | gelu_tanh | gelu
-    layer_types: tuple[str, ...]  # FULL or SLIDING, one per layer
+    layer_types: tuple[str, ...]  # FULL, SLIDING or MAMBA (mamba_config.py), one per layer
     sliding_window: int | None
     rope: dict[str, RopeConfig]  # keyed by layer type
     max_position_embeddings: int
@@ -83,6 +90,10 @@ class ModelConfig:
     final_softcap: float | None = None
     tie_word_embeddings: bool = False
     eos_token_id: int | list[int] | None = None
+    # State-space models (Mamba2, Bamba): the mixer of every "mamba" layer in layer_types.
+    mamba: MambaMixerConfig | None = None
+    # Dims of each head RoPE rotates (the first ones); None: all of head_dim (Bamba: half).
+    rotary_dim: int | None = None
 
     def layer_window(self, layer_idx: int) -> int | None:
         """The sliding window of one layer, or None for full attention."""
@@ -110,6 +121,10 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     family = SUPPORTED_ARCHITECTURES[arch]
+    if family in MAMBA_FAMILIES:
+        from hybridserve.models.mamba_config import parse_mamba_family
+
+        return parse_mamba_family(raw, arch, family)
     num_layers = _req_int(raw, "num_hidden_layers")
     num_heads = _req_int(raw, "num_attention_heads")
     hidden = _req_int(raw, "hidden_size")

@@ -77,41 +77,53 @@ def test_bad_mamba2_configs_raise(change: dict, needle: str) -> None:
 
 
 # -- the runner by hand: logits and states -------------------------------------------------
-def _hand_run(kind: str, prompt: list[int], chunks: list[int], decodes: int):
-    """Prefill `prompt` in chunks of the given sizes, then decode; returns (runner,
-    per-step logits of the sampling steps, sampled tokens). One request, blocks 1.."""
-    m = model(kind)
-    kvc = build_kv_cache_config(m.cfg, BS, num_blocks=64)
-    runner = ModelRunner(m, kvc, torch.device("cpu"))
-    recorded: list[torch.Tensor] = []
-    real_logits = m.logits
+class HandRun:
+    """One request "r" on a ModelRunner, scheduled by hand: all blocks are handed out at
+    its first step (attention: enough for the prompt + 48 tokens; Mamba: one state block)."""
 
-    def logits(hidden: torch.Tensor) -> torch.Tensor:
-        out = real_logits(hidden)
-        recorded.append(out[0].clone())
+    def __init__(self, kind: str, prompt: list[int]) -> None:
+        self.model = model(kind)
+        kvc = build_kv_cache_config(self.model.cfg, BS, num_blocks=64)
+        self.runner = ModelRunner(self.model, kvc, torch.device("cpu"))
+        self.prompt = prompt
+        nb = -(-(len(prompt) + 48) // BS)
+        ids, next_id = [], 1
+        for g in kvc.groups:
+            count = 1 if isinstance(g.spec, MambaSpec) else nb
+            ids.append(list(range(next_id, next_id + count)))
+            next_id += count
+        self.first_ids = tuple(ids)
+        self.done = self.steps = 0
+        self.tokens: list[int] = []
+        self.logits: list[torch.Tensor] = []  # of every sampling step
+
+    def step(self, n: int) -> None:
+        first = self.steps == 0
+        nulls = (0,) * len(self.first_ids)
+        new = NewRequestData("r", self.prompt, SamplingParams(max_tokens=64), list(self.prompt)) if first else None
+        sr = ScheduledRequest("r", self.done, n, 0, self.first_ids if first else tuple([] for _ in nulls), nulls,
+                              self.done + n >= len(self.prompt), new)
+        real = self.model.logits
+        self.model.logits = lambda h: self._record(real(h))  # type: ignore[method-assign]
+        try:
+            out = self.runner.execute(SchedulerOutput(self.steps, [sr], n))
+        finally:
+            del self.model.logits
+        self.tokens += out.sampled_token_ids[0]
+        self.done += n
+        self.steps += 1
+
+    def _record(self, out: torch.Tensor) -> torch.Tensor:
+        self.logits.append(out[0].clone())
         return out
 
-    new = NewRequestData("r", prompt, SamplingParams(max_tokens=decodes + 1), list(prompt))
-    next_id, have, done, tokens = 1, 0, 0, []
-    m.logits = logits  # type: ignore[method-assign]
-    try:
-        for step, n in enumerate(chunks + [1] * decodes):
-            need = -(-(done + n) // BS) - have
-            ids = []
-            for g in kvc.groups:
-                is_mamba = isinstance(g.spec, MambaSpec)
-                count = (1 if have == 0 else 0) if is_mamba else need
-                ids.append(list(range(next_id, next_id + count)))
-                next_id += count
-            have += need
-            sr = ScheduledRequest("r", done, n, 0, tuple(ids), (0,) * len(ids), done + n >= len(prompt),
-                                  new if step == 0 else None)
-            out = runner.execute(SchedulerOutput(step, [sr], n))
-            tokens += out.sampled_token_ids[0]
-            done += n
-    finally:
-        del m.logits
-    return runner, recorded, tokens
+
+def _hand_run(kind: str, prompt: list[int], chunks: list[int], decodes: int) -> HandRun:
+    """Prefill `prompt` in chunks of the given sizes, then `decodes` decode steps."""
+    run = HandRun(kind, prompt)
+    for n in chunks + [1] * decodes:
+        run.step(n)
+    return run
 
 
 def _states(runner: ModelRunner) -> list[torch.Tensor]:
@@ -129,10 +141,10 @@ def _states(runner: ModelRunner) -> list[torch.Tensor]:
 @pytest.mark.parametrize("kind", tiny.KINDS)
 def test_chunked_prefill_states_equal_unchunked(kind: str) -> None:
     prompt = PROMPTS[1]
-    whole, _, _ = _hand_run(kind, prompt, [len(prompt)], 0)
+    whole = _hand_run(kind, prompt, [len(prompt)], 0).runner
     # Chunks ending inside SSD chunks and blocks, shorter than the conv kernel, and of 1.
     sizes = [7, 2, 1, 23, 16]
-    chunked, _, _ = _hand_run(kind, prompt, sizes + [len(prompt) - sum(sizes)], 0)
+    chunked = _hand_run(kind, prompt, sizes + [len(prompt) - sum(sizes)], 0).runner
     for a, b in zip(_states(whole), _states(chunked), strict=True):
         assert a.abs().max() > 0
         assert (a - b).abs().max() <= 1e-4 * a.abs().max()
@@ -141,7 +153,8 @@ def test_chunked_prefill_states_equal_unchunked(kind: str) -> None:
 @pytest.mark.parametrize("kind", tiny.KINDS)
 def test_logits_match_hf(kind: str) -> None:
     prompt = PROMPTS[0]
-    _, ours, tokens = _hand_run(kind, prompt, [20, len(prompt) - 20], NEW_TOKENS - 1)
+    hand = _hand_run(kind, prompt, [20, len(prompt) - 20], NEW_TOKENS - 1)
+    ours, tokens = hand.logits, hand.tokens
     hf = tiny.load_hf(kind)
     with torch.no_grad():
         out = hf.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
@@ -150,6 +163,47 @@ def test_logits_match_hf(kind: str) -> None:
     assert tokens == out.sequences[0, len(prompt):].tolist()
     for step, (a, b) in enumerate(zip(ours, out.logits, strict=True)):
         assert (a - b[0]).abs().max() <= 1e-4 * b.abs().max(), step
+
+
+@pytest.mark.parametrize("kind", tiny.KINDS)
+def test_verify_step_commits_the_state_at_the_accepted_length(kind: str) -> None:
+    """Speculative decoding's Mamba side: a decode + 3 drafts in one step keeps the state
+    after every token; committing 2 accepted drafts leaves exactly the state of plain
+    decoding, and decoding on from there gives HF's tokens."""
+    import numpy as np
+
+    from hybridserve.executor.torch.attention import StepAttention
+    from hybridserve.executor.torch.mamba_states import GroupSubset, StepBackend, StepMambaStates
+
+    prompt = PROMPTS[2]
+    want, _ = tiny.oracle(kind, prompt, NEW_TOKENS)
+    hand = _hand_run(kind, prompt, [len(prompt)], 0)
+    assert hand.tokens == want[:1]
+    runner, m, state = hand.runner, hand.model, hand.runner.states["r"]
+    assert runner.mamba is not None
+    # The decode token want[0], drafts want[1], want[2] (right) and a wrong third one.
+    chunk = [want[0], want[1], want[2], (want[3] + 1) % 512]
+    s, n = len(prompt), len(chunk)
+    rows, starts, counts = np.array([state.row]), np.array([s]), np.array([n])
+    attn = None
+    if runner.group_windows:
+        attn = StepAttention(runner.layers, runner.group_windows, GroupSubset(runner.tables, runner.mamba.attn_groups),
+                             BS, rows, starts, counts, m.cfg.attn_scale, None, torch.device("cpu"), m.dtype)
+    io = StepMambaStates.build(runner.mamba, runner.tables, rows, starts, [n], torch.device("cpu"), verify=[0])
+    with torch.inference_mode():
+        hidden = m(torch.tensor(chunk), torch.arange(s, s + n), s + n - 1, StepBackend(attn, io))
+        predicted = m.logits(hidden).argmax(-1).tolist()
+    assert predicted[:3] == want[1:4]  # drafts 1, 2 accepted; the third (wrong) rejected
+    io.commit([3])  # the decode token + 2 accepted drafts
+    state.token_ids += [want[1], want[2], want[3]]
+    state.num_computed += 3
+    reference = _hand_run(kind, prompt, [len(prompt)], 3).runner
+    for a, b in zip(_states(reference), _states(runner), strict=True):
+        assert (a - b).abs().max() <= 1e-4 * a.abs().max()
+    hand.done = state.num_computed
+    for _ in range(NEW_TOKENS - 4):
+        hand.step(1)
+    assert hand.tokens[1:] == want[4:]
 
 
 def test_runner_refuses_a_mid_sequence_start() -> None:

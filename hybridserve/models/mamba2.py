@@ -23,7 +23,8 @@ prefill is cut into chunks does not change the tokens.
 
 from __future__ import annotations
 
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -36,15 +37,34 @@ class MambaStateIO(Protocol):
     """The runner's per-step access to each request's Mamba states (see mamba_states.py)."""
 
     counts: list[int]  # tokens of each request in the flat batch, in batch order
+    # Requests whose chunk is a decode plus draft tokens: their state after every token
+    # is kept (TokenStates), so the runner can commit the one at the accepted length.
+    verify: list[int]
 
     def read(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(conv [R, conv_dim, K-1], ssm [R, H, P, N]) of every request: fresh copies,
         zeros for requests that start this step."""
         ...
 
-    def write(self, layer_idx: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
-        """Store the states after this step."""
+    def write(self, layer_idx: int, conv: torch.Tensor, ssm: torch.Tensor,
+              token_states: TokenStates | None = None) -> None:
+        """Store the states after this step (and the verify requests' per-token states)."""
         ...
+
+
+@dataclass
+class TokenStates:
+    """The states of verify requests after each token of their chunk::
+
+        chunk   t0 (decode)  d1  d2  d3          (count 4: one token + 3 drafts)
+        states  S[0]         S[1] S[2] S[3]      S[j]: after token j; S[count-1] = final
+
+    If the first a drafts are accepted, the request continues from S[a].
+    """
+
+    reqs: list[int]  # request indices (into the step's requests)
+    conv: torch.Tensor  # [V, n, conv_dim, K-1], n = the longest verify chunk
+    ssm: torch.Tensor  # [V, n, H, P, N]
 
 
 class Mamba2MixerWeights(nn.Module):
@@ -69,33 +89,76 @@ class Mamba2MixerWeights(nn.Module):
 
 
 def mamba2_mixer(w: Mamba2MixerWeights, cfg: MambaMixerConfig, h: torch.Tensor, conv_state: torch.Tensor,
-                 ssm_state: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """h [T, hidden] (normed) -> [T, hidden]; conv_state [R, conv_dim, K-1] and
-    ssm_state [R, H, P, N] are advanced past each request's chunk, in place."""
+                 ssm_state: torch.Tensor, counts: list[int], verify: Sequence[int] = ()
+                 ) -> tuple[torch.Tensor, TokenStates | None]:
+    """h [T, hidden] (normed) -> ([T, hidden], the verify requests' TokenStates or None);
+    conv_state [R, conv_dim, K-1] and ssm_state [R, H, P, N] are advanced past each
+    request's whole chunk, in place."""
     I, H, P = cfg.intermediate_size, cfg.num_heads, cfg.head_dim
     proj = F.linear(h, w.in_proj, w.in_proj_bias)
     z, xbc, dt = proj.split([I, cfg.conv_dim, H], dim=-1)
     T, R = h.shape[0], len(counts)
+    token_states = None
     if T == R:  # a pure decode step: one recurrence step for every request at once
         y = _decode(w, cfg, xbc, dt, conv_state, ssm_state)
     else:
         y = h.new_empty(T, H, P, dtype=torch.float32)
-        decodes = [r for r, c in enumerate(counts) if c == 1]
+        # Longer chunks one by one (each a scan of its own length); the one-token
+        # requests of the step together, as a batched recurrence step.
+        decodes: list[int] = []
+        decode_rows: list[int] = []
+        verify_set = set(verify)
+        verify_rows: list[int] = []
         start = 0
         for r, c in enumerate(counts):
-            if c > 1:
+            if r in verify_set:
+                verify_rows.append(start)
+            elif c > 1:
                 y[start : start + c] = _prefill(w, cfg, xbc[start : start + c], dt[start : start + c],
                                                 conv_state[r], ssm_state[r])
+            else:
+                decodes.append(r)
+                decode_rows.append(start)
             start += c
         if decodes:
-            offsets = [sum(counts[:r]) for r in decodes]
-            rows = torch.tensor(offsets, device=h.device)
+            rows = torch.tensor(decode_rows, device=h.device)
             sel = torch.tensor(decodes, device=h.device)
             conv, ssm = conv_state[sel], ssm_state[sel]
             y[rows] = _decode(w, cfg, xbc[rows], dt[rows], conv, ssm)
             conv_state[sel] = conv
             ssm_state[sel] = ssm
-    return F.linear(_gated_norm(y.reshape(T, I), z, w.norm, cfg).to(h.dtype), w.out_proj, w.out_proj_bias)
+        if verify:
+            token_states = _verify(w, cfg, xbc, dt, conv_state, ssm_state, y, list(verify), verify_rows,
+                                   [counts[r] for r in verify])
+    out = F.linear(_gated_norm(y.reshape(T, I), z, w.norm, cfg).to(h.dtype), w.out_proj, w.out_proj_bias)
+    return out, token_states
+
+
+def _verify(w: Mamba2MixerWeights, cfg: MambaMixerConfig, xbc: torch.Tensor, dt: torch.Tensor,
+            conv_state: torch.Tensor, ssm_state: torch.Tensor, y: torch.Tensor, reqs: list[int],
+            rows: list[int], counts: list[int]) -> TokenStates:
+    """Decode + drafts: the recurrence token by token (batched over the verify requests),
+    writing y and keeping the state after every token; states end after the whole chunk."""
+    n = max(counts)
+    sel = torch.tensor(reqs, device=xbc.device)
+    conv, ssm = conv_state[sel], ssm_state[sel]
+    conv_steps = conv.new_empty(len(reqs), n, *conv.shape[1:])
+    ssm_steps = ssm.new_empty(len(reqs), n, *ssm.shape[1:])
+    for j in range(n):
+        act = [v for v, c in enumerate(counts) if c > j]
+        tok = torch.tensor([rows[v] + j for v in act], device=xbc.device)
+        if len(act) == len(reqs):
+            y[tok] = _decode(w, cfg, xbc[tok], dt[tok], conv, ssm)
+            conv_steps[:, j], ssm_steps[:, j] = conv, ssm
+        else:  # shorter chunks are done: advance only the others
+            a = torch.tensor(act, device=xbc.device)
+            c_a, s_a = conv[a], ssm[a]
+            y[tok] = _decode(w, cfg, xbc[tok], dt[tok], c_a, s_a)
+            conv[a], ssm[a] = c_a, s_a
+            conv_steps[a, j], ssm_steps[a, j] = c_a, s_a
+    conv_state[sel] = conv
+    ssm_state[sel] = ssm
+    return TokenStates(reqs, conv_steps, ssm_steps)
 
 
 def _gated_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, cfg: MambaMixerConfig) -> torch.Tensor:
@@ -140,11 +203,11 @@ def _prefill(w: Mamba2MixerWeights, cfg: MambaMixerConfig, xbc: torch.Tensor, dt
     """One request's chunk of L tokens: xbc [L, conv_dim], dt [L, H] -> y [L, H, P] (float32);
     conv_state [conv_dim, K-1] and ssm_state [H, P, N] advance past the chunk in place."""
     L = xbc.shape[0]
-    H, P, N, G, K = cfg.num_heads, cfg.head_dim, cfg.state_size, cfg.n_groups, cfg.conv_kernel
+    H, P, N, G = cfg.num_heads, cfg.head_dim, cfg.state_size, cfg.n_groups
     seq = torch.cat((conv_state, xbc.t().to(conv_state.dtype)), dim=1)  # [conv_dim, K-1+L]
     conv_state.copy_(seq[:, L:])  # the last K-1 inputs
+    # Cross-correlation over K-1+L inputs with no padding: output t sees inputs t..t+K-1.
     out = F.conv1d(seq[None], w.conv_w[:, None, :], w.conv_b, groups=cfg.conv_dim)[0].t()  # [L, conv_dim]
-    assert out.shape[0] == L and seq.shape[1] == L + K - 1
     x, B, C = F.silu(out).float().split([cfg.intermediate_size, G * N, G * N], dim=-1)
     y = ssd_scan(x.view(L, H, P), _dt(dt, w, cfg), w.A.float(), B.view(L, G, N), C.view(L, G, N), ssm_state,
                  cfg.chunk_size)

@@ -96,9 +96,11 @@ class MambaLM(nn.Module):
         for i, w in enumerate(self.layers):
             x = rms_norm(h, w.norm, eps, inv_h)
             if w.mixer is not None:
-                conv, ssm = backend.mamba.read(i)
-                h = h + mamba2_mixer(w.mixer, mixer_cfg, x, conv, ssm, backend.mamba.counts)
-                backend.mamba.write(i, conv, ssm)
+                io = backend.mamba
+                conv, ssm = io.read(i)
+                out, token_states = mamba2_mixer(w.mixer, mixer_cfg, x, conv, ssm, io.counts, io.verify)
+                h = h + out
+                io.write(i, conv, ssm, token_states)
             else:
                 assert w.attn is not None and rope is not None
                 h = h + self._attention(i, w.attn, x, rope, backend)

@@ -21,7 +21,7 @@ Why the states are always right:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -32,6 +32,7 @@ from hybridserve.executor.torch.attention import StepAttention
 from hybridserve.executor.torch.kv_cache import PagedKVCache
 from hybridserve.executor.torch.requests import BlockTables
 from hybridserve.models.kv_specs import layer_index
+from hybridserve.models.mamba2 import TokenStates
 
 
 class GroupSubset:
@@ -80,10 +81,14 @@ class StepMambaStates:
     counts: list[int]
     block_ids: dict[int, torch.Tensor]  # Mamba group -> [R] state block ids
     fresh: torch.Tensor | None  # [R] bool, requests starting at token 0 (None: none do)
+    # Speculative decoding: requests whose chunk is a decode plus drafts, and per layer
+    # their states after every token (see commit).
+    verify: list[int] = field(default_factory=list)
+    token_states: dict[int, TokenStates] = field(default_factory=dict)
 
     @classmethod
     def build(cls, layout: MambaLayout, tables: BlockTables, rows: np.ndarray, starts: np.ndarray,
-              counts: list[int], device: torch.device) -> StepMambaStates:
+              counts: list[int], device: torch.device, verify: list[int] | None = None) -> StepMambaStates:
         block_ids = {}
         for g in layout.mamba_groups:
             if np.any(tables.lengths[g, rows] < 1):
@@ -93,7 +98,8 @@ class StepMambaStates:
                 raise RuntimeError("a Mamba state block is the null block")
             block_ids[g] = torch.from_numpy(ids).to(device)
         fresh = starts == 0
-        return cls(layout, counts, block_ids, torch.from_numpy(fresh).to(device) if fresh.any() else None)
+        return cls(layout, counts, block_ids, torch.from_numpy(fresh).to(device) if fresh.any() else None,
+                   list(verify or ()))
 
     def read(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         entry = self.layout.states[layer_idx]
@@ -106,13 +112,39 @@ class StepMambaStates:
             ssm[self.fresh] = 0
         return conv, ssm
 
-    def write(self, layer_idx: int, conv: torch.Tensor, ssm: torch.Tensor) -> None:
+    def write(self, layer_idx: int, conv: torch.Tensor, ssm: torch.Tensor,
+              token_states: TokenStates | None = None) -> None:
         entry = self.layout.states[layer_idx]
         assert entry is not None
         g, (conv_view, ssm_view) = entry
         ids = self.block_ids[g]
         conv_view.index_copy_(0, ids, conv)
         ssm_view.index_copy_(0, ids, ssm)
+        if token_states is not None:
+            self.token_states[layer_idx] = token_states
+
+    def commit(self, num_valid: list[int]) -> None:
+        """After verification: verify request `self.verify[v]` keeps its first
+        num_valid[v] tokens (the decode token + accepted drafts), so its state becomes
+        the one after token num_valid[v] - 1. Without a commit a verify request keeps the
+        state after its whole chunk (every draft accepted)."""
+        if len(num_valid) != len(self.verify):
+            raise ValueError(f"{len(num_valid)} accepted lengths for {len(self.verify)} verify requests")
+        for v, r in enumerate(self.verify):
+            if not 1 <= num_valid[v] <= self.counts[r]:
+                raise ValueError(f"request {r}: {num_valid[v]} valid tokens of a chunk of {self.counts[r]}")
+        for layer_idx, ts in self.token_states.items():
+            entry = self.layout.states[layer_idx]
+            assert entry is not None
+            g, (conv_view, ssm_view) = entry
+            pick = [(v, num_valid[v] - 1) for v, r in enumerate(ts.reqs) if num_valid[v] < self.counts[r]]
+            if not pick:
+                continue
+            v_idx = torch.tensor([v for v, _ in pick], device=ts.conv.device)
+            j_idx = torch.tensor([j for _, j in pick], device=ts.conv.device)
+            ids = self.block_ids[g][torch.tensor([ts.reqs[v] for v, _ in pick], device=ts.conv.device)]
+            conv_view.index_copy_(0, ids, ts.conv[v_idx, j_idx])
+            ssm_view.index_copy_(0, ids, ts.ssm[v_idx, j_idx])
 
 
 @dataclass

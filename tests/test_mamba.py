@@ -156,7 +156,7 @@ def test_logits_match_hf(kind: str) -> None:
     hand = _hand_run(kind, prompt, [20, len(prompt) - 20], NEW_TOKENS - 1)
     ours, tokens = hand.logits, hand.tokens
     hf = tiny.load_hf(kind)
-    with torch.no_grad():
+    with torch.no_grad(), tiny.one_thread():
         out = hf.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                           max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
                           eos_token_id=None, return_dict_in_generate=True, output_logits=True)

@@ -81,7 +81,9 @@ class Mamba2MixerWeights(nn.Module):
         self.conv_w = p(cfg.conv_dim, cfg.conv_kernel)
         self.conv_b = p(cfg.conv_dim) if cfg.conv_bias else None
         self.dt_bias = p(cfg.num_heads)
-        self.A = p(cfg.num_heads)  # -exp(A_log), precomputed by the loader
+        # -exp(A_log), precomputed by the loader in float32 (as HF computes it each call):
+        # rounding A to bf16 would change every decay.
+        self.A = nn.Parameter(torch.zeros(cfg.num_heads, dtype=torch.float32), requires_grad=False)
         self.D = p(cfg.num_heads)
         self.norm = p(cfg.intermediate_size)
         self.out_proj = p(hidden_size, cfg.intermediate_size)

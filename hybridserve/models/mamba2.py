@@ -195,8 +195,12 @@ def _decode(w: Mamba2MixerWeights, cfg: MambaMixerConfig, xbc: torch.Tensor, dt:
     C = C.view(R, G, 1, N).expand(R, G, H // G, N).reshape(R, H, N)
     dt = _dt(dt, w, cfg)  # [R, H]
     decay = torch.exp(dt * w.A.float())  # [R, H]
-    state = ssm_state.float() * decay[:, :, None, None] + (dt[:, :, None] * x)[..., None] * B[:, :, None, :]
-    ssm_state.copy_(state)
+    dtx = (dt[:, :, None] * x)[..., None]  # [R, H, P, 1]
+    if ssm_state.dtype == torch.float32:  # update in place: no temporary state, no copy back
+        state = ssm_state.mul_(decay[:, :, None, None]).addcmul_(dtx, B[:, :, None, :])
+    else:
+        state = torch.addcmul(ssm_state.float() * decay[:, :, None, None], dtx, B[:, :, None, :])
+        ssm_state.copy_(state)
     return torch.matmul(state, C[..., None]).squeeze(-1) + w.D.float()[:, None] * x
 
 

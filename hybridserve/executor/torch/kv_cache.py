@@ -110,8 +110,9 @@ class PagedKVCache:
                     self.state_views[name] = tuple(views)
                     continue
                 assert isinstance(spec, AttentionSpec)
-                # Attention pages all have one size here, so the view is contiguous and
-                # can be flattened to token slots.
+                # Attention pages all have one size, so without Mamba groups the view is
+                # contiguous and flattens to token slots; a larger Mamba page leaves gaps
+                # between blocks (StepAttention then writes by (block, offset)).
                 self.layer_view[name] = self.buffers[j][:, : spec.page_size_bytes // elem].view(
                     config.num_blocks, spec.block_size, 2, spec.num_kv_heads, spec.head_size
                 )

@@ -127,8 +127,9 @@ def parse_mamba_family(raw: dict[str, Any], arch: str, family: str) -> Any:
     n_heads = _int(raw, "mamba_n_heads", 128)
     expand = _int(raw, "mamba_expand", 2)
     d_head = raw.get("mamba_d_head", "auto")
+    mamba_head_dim = expand * hidden // n_heads if d_head in (None, "auto") else _int(raw, "mamba_d_head")
     mixer = MambaMixerConfig(
-        num_heads=n_heads, head_dim=expand * hidden // n_heads if d_head in (None, "auto") else _int(raw, "mamba_d_head"),
+        num_heads=n_heads, head_dim=mamba_head_dim,
         state_size=_int(raw, "mamba_d_state", 256), n_groups=_int(raw, "mamba_n_groups", 1),
         conv_kernel=_int(raw, "mamba_d_conv", 4), chunk_size=_int(raw, "mamba_chunk_size", 256), norm_eps=eps,
         conv_bias=bool(raw.get("mamba_conv_bias", True)), proj_bias=bool(raw.get("mamba_proj_bias", False)),

@@ -69,7 +69,8 @@ def _fill(model: MambaLM, cfg: ModelConfig, w: _Weights) -> None:
     mamba2 = cfg.family == "mamba2"
     root = "backbone." if mamba2 else "model."
     with torch.no_grad():
-        model.embed.copy_(w.take(root + ("embeddings.weight" if mamba2 else "embed_tokens.weight"), (cfg.vocab_size, H)))
+        embed = root + ("embeddings.weight" if mamba2 else "embed_tokens.weight")
+        model.embed.copy_(w.take(embed, (cfg.vocab_size, H)))
         model.final_norm.copy_(w.take(root + ("norm_f.weight" if mamba2 else "final_layernorm.weight"), (H,)))
         if not cfg.tie_word_embeddings:
             model.lm_head = torch.nn.Parameter(w.take("lm_head.weight", (cfg.vocab_size, H)), requires_grad=False)

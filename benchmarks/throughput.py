@@ -3,6 +3,7 @@
     python benchmarks/throughput.py --model tiny-mistral --repeat 5 --hf
     python benchmarks/throughput.py --model tiny-gemma3 --repeat 5 --hf
     python benchmarks/throughput.py --model tiny-llama4 --repeat 5 --hf
+    python benchmarks/throughput.py --model tiny-mamba2 --repeat 5 --hf    (also tiny-bamba)
     python benchmarks/throughput.py --model /path/to/hf_dir --prompts-file prompts.json --hf
 
 N prompts are submitted at once; greedy, ignore EOS, exactly M new tokens each. Reported:
@@ -31,22 +32,33 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-TINY = ("tiny-mistral", "tiny-gemma3", "tiny-llama4")
+TINY = ("tiny-mistral", "tiny-gemma3", "tiny-llama4", "tiny-mamba2", "tiny-bamba")
 
 
 def build_tiny(kind: str, out_dir: Path, window: int = 16, seed: int = 0) -> Path:
     import torch
-    from transformers import AutoModelForCausalLM, Gemma3TextConfig, Llama4TextConfig, MistralConfig
+    from transformers import (AutoModelForCausalLM, BambaConfig, Gemma3TextConfig, Llama4TextConfig, Mamba2Config,
+                              MistralConfig)
 
     common = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                   initializer_range=0.3, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
                   eos_token_id=None)
+    # Mamba models: 8 heads of 32 channels (expand 2), state 32, SSD chunks of 16;
+    # tiny-bamba has attention at layer 2 of 4 (its KV cache and 3 Mamba state groups share the pool).
+    mamba = dict(vocab_size=512, hidden_size=128, num_hidden_layers=4, initializer_range=0.3,
+                 tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=None)
     if kind == "tiny-mistral":
         config = MistralConfig(sliding_window=window, **common)
     elif kind == "tiny-llama4":
         config = Llama4TextConfig(head_dim=32, intermediate_size_mlp=256, num_local_experts=4, num_experts_per_tok=1,
                                   interleave_moe_layer_step=2, attention_chunk_size=2 * window, **common)
+    elif kind == "tiny-mamba2":
+        config = Mamba2Config(num_heads=8, head_dim=32, state_size=32, n_groups=1, chunk_size=16, **mamba)
+    elif kind == "tiny-bamba":
+        config = BambaConfig(intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                             attn_layer_indices=[2], mamba_n_heads=8, mamba_d_state=32, mamba_n_groups=1,
+                             mamba_chunk_size=16, max_position_embeddings=4096, **mamba)
     else:
         config = Gemma3TextConfig(head_dim=32, query_pre_attn_scalar=32, sliding_window=window,
                                   layer_types=["sliding_attention"] * 3 + ["full_attention"], **common)
@@ -140,8 +152,10 @@ def hf_runner(args: argparse.Namespace, mdir: Path, prompts: list[list[int]]) ->
     from transformers import AutoModelForCausalLM
 
     t0 = time.perf_counter()
-    attn = "eager" if json.loads((mdir / "config.json").read_text()).get("model_type") == "gemma2" else "sdpa"
-    model = AutoModelForCausalLM.from_pretrained(mdir, dtype=torch.float32, attn_implementation=attn).eval()
+    model_type = json.loads((mdir / "config.json").read_text()).get("model_type")
+    attn = {"gemma2": "eager", "mamba2": None}.get(model_type, "sdpa")  # Mamba2 has no attention to choose
+    kwargs = {} if attn is None else {"attn_implementation": attn}
+    model = AutoModelForCausalLM.from_pretrained(mdir, dtype=torch.float32, **kwargs).eval()
     model.generation_config.eos_token_id = None
     pad = model.config.pad_token_id or 0
     startup_s = time.perf_counter() - t0

@@ -20,10 +20,13 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hybridserve.core.errors import ConfigError
 from hybridserve.models.llama4_config import CHUNKED, Llama4Options, llama4_layer_types, parse_llama4_options
+
+if TYPE_CHECKING:
+    from hybridserve.models.mamba_config import MambaMixerConfig
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
@@ -36,7 +39,11 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Llama4ForCausalLM": "llama4",
+    # State-space models: parsed by models/mamba_config.py, built by models/mamba_loader.py.
+    "Mamba2ForCausalLM": "mamba2",
+    "BambaForCausalLM": "bamba",
 }
+MAMBA_FAMILIES = ("mamba2", "bamba")
 _GEMMA = ("gemma2", "gemma3")
 # HF activation names -> ours. gelu_pytorch_tanh is the tanh approximation of GELU.
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
@@ -61,7 +68,7 @@ class ModelConfig:
     """Everything the decoder needs; derived fields are final (no further defaults apply)."""
 
     architecture: str
-    family: str  # llama | mistral | qwen2 | gemma2 | gemma3 | llama4
+    family: str  # llama | mistral | qwen2 | gemma2 | gemma3 | llama4 | mamba2 | bamba
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -71,7 +78,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     activation: str  # silu | gelu_tanh | gelu
-    layer_types: tuple[str, ...]  # FULL, SLIDING or CHUNKED, one per layer
+    layer_types: tuple[str, ...]  # FULL, SLIDING, CHUNKED or MAMBA (mamba_config.py), one per layer
     sliding_window: int | None
     rope: dict[str, RopeConfig]  # keyed by layer type
     max_position_embeddings: int
@@ -89,6 +96,10 @@ class ModelConfig:
     eos_token_id: int | list[int] | None = None
     attention_chunk_size: int | None = None  # CHUNKED layers: a query at p reads (p // C) * C .. p
     llama4: Llama4Options | None = None  # family "llama4" only
+    # State-space models (Mamba2, Bamba): the mixer of every "mamba" layer in layer_types.
+    mamba: MambaMixerConfig | None = None
+    # Dims of each head RoPE rotates (the first ones); None: all of head_dim (Bamba: half).
+    rotary_dim: int | None = None
 
     def layer_window(self, layer_idx: int) -> int | None:
         """The sliding window of one layer, or None for full attention."""
@@ -116,6 +127,10 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     family = SUPPORTED_ARCHITECTURES[arch]
+    if family in MAMBA_FAMILIES:
+        from hybridserve.models.mamba_config import parse_mamba_family
+
+        return parse_mamba_family(raw, arch, family)
     num_layers = _req_int(raw, "num_hidden_layers")
     num_heads = _req_int(raw, "num_attention_heads")
     hidden = _req_int(raw, "hidden_size")

@@ -6,8 +6,10 @@ before any weights are loaded.
 
 from __future__ import annotations
 
-from hybridserve.core.kv.spec import ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from hybridserve.core.kv.spec import (ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheSpec, MambaSpec,
+                                      SlidingWindowSpec)
 from hybridserve.models.config import CHUNKED, SLIDING, ModelConfig
+from hybridserve.models.mamba_config import MAMBA
 
 
 def layer_name(layer_idx: int) -> str:
@@ -21,11 +23,14 @@ def layer_index(name: str) -> int:
 
 def model_kv_layer_specs(cfg: ModelConfig, block_size: int, dtype: str = "float32") -> dict[str, KVCacheSpec]:
     """{layer name: spec}: sliding layers get SlidingWindowSpec(window), chunked-local layers
-    ChunkedLocalAttentionSpec(chunk size; ConfigError unless a multiple of block_size), the
-    rest full attention."""
+    ChunkedLocalAttentionSpec(chunk size; ConfigError unless a multiple of block_size), Mamba
+    layers a MambaSpec (one state per request: conv state and SSM state), the rest full attention."""
     specs: dict[str, KVCacheSpec] = {}
     for i, kind in enumerate(cfg.layer_types):
-        if kind == SLIDING:
+        if kind == MAMBA:
+            assert cfg.mamba is not None
+            specs[layer_name(i)] = MambaSpec(block_size=block_size, shapes=cfg.mamba.state_shapes, dtype=dtype)
+        elif kind == SLIDING:
             assert cfg.sliding_window is not None
             specs[layer_name(i)] = SlidingWindowSpec(
                 block_size=block_size, num_kv_heads=cfg.num_kv_heads, head_size=cfg.head_dim, dtype=dtype,

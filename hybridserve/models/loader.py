@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,9 @@ from hybridserve.core.errors import ConfigError
 from hybridserve.models.config import ModelConfig, load_model_config
 from hybridserve.models.decoder import DecoderLM
 from hybridserve.models.llama4 import Llama4LM, fill_llama4
+
+if TYPE_CHECKING:
+    from hybridserve.models.mamba_lm import MambaLM
 
 # Buffers some checkpoints carry that hold nothing we need (recomputed from the config).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -58,10 +62,14 @@ class _Weights:
 
 
 def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32) -> DecoderLM:
-    """Build a DecoderLM from an HF directory, weights on `device` in `dtype`."""
+               dtype: torch.dtype = torch.float32) -> DecoderLM | MambaLM:
+    """Build a DecoderLM (a MambaLM for Mamba2 / Bamba) from an HF directory, weights on `device` in `dtype`."""
     model_dir = Path(model_dir)
     cfg = load_model_config(model_dir)
+    if cfg.mamba is not None:
+        from hybridserve.models.mamba_loader import load_mamba_model
+
+        return load_mamba_model(model_dir, cfg, device, dtype)
     w = _Weights(_open_tensors(model_dir), dtype)
     if cfg.family == "llama4":  # its own layer layout (MoE, per-layer MLP sizes, RoPE order)
         llama4 = Llama4LM(cfg, dtype)

@@ -138,7 +138,12 @@ class StepAttention:
         gp = self.groups[g]
         if gp.slots.numel():
             src = kv if gp.write_sel is None else kv[gp.write_sel]
-            cache.view(-1, kv.shape[1] * kv.shape[2] * kv.shape[3]).index_copy_(0, gp.slots, src.reshape(src.shape[0], -1))
+            src = src.reshape(src.shape[0], -1)
+            if cache.is_contiguous():
+                cache.view(-1, src.shape[1]).index_copy_(0, gp.slots, src)
+            else:  # a hybrid pool (Mamba state pages are larger): gaps between blocks' rows
+                bs = cache.shape[1]
+                cache.view(cache.shape[0], bs, -1).index_put_((gp.slots // bs, gp.slots % bs), src)
         T, H, D = q.shape
         if len(self.batches) == 1 and self.batches[0].row_slice is not None:
             return self._batch(0, self.batches[0], gp, cache, q, kv).reshape(T, H * D)

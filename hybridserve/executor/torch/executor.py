@@ -25,6 +25,7 @@ from hybridserve.models.config import ModelConfig
 from hybridserve.models.decoder import DecoderLM
 from hybridserve.models.kv_specs import model_kv_layer_specs
 from hybridserve.models.loader import load_model
+from hybridserve.models.mamba_lm import MambaLM
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -56,17 +57,17 @@ def build_kv_cache_config(model_cfg: ModelConfig, block_size: int = 16, *, num_b
 
 
 class TorchExecutor(Executor):
-    """Runs a DecoderLM (or an HF model directory) with paged attention."""
+    """Runs a DecoderLM or MambaLM (or an HF model directory) with paged attention."""
 
     computes_in_chunk_attention_from_batch = True
 
-    def __init__(self, model: DecoderLM | str | Path, *, device: str | torch.device | None = None,
+    def __init__(self, model: DecoderLM | MambaLM | str | Path, *, device: str | torch.device | None = None,
                  dtype: torch.dtype = torch.float32, use_worker_thread: bool = True, seed: int = 0,
                  num_threads: int | None = None) -> None:
         self.device = resolve_device(device)
         if num_threads is not None:
             torch.set_num_threads(num_threads)
-        self.model = model if isinstance(model, DecoderLM) else load_model(model, self.device, dtype)
+        self.model = model if isinstance(model, (DecoderLM, MambaLM)) else load_model(model, self.device, dtype)
         self.seed = seed
         self.runner: ModelRunner | None = None
         # KV offload to host memory (enable_kv_offload): (host blocks, injected load failures).

@@ -7,7 +7,9 @@ a time, so groups never overwrite each other. An attention layer views its buffe
     [num_blocks, block_size, 2 (K, V), num_kv_heads, head_size]     (block-major)
 
 so one token slot holds its K and V side by side: a step writes all its slots with one
-index_copy_ and gathers whole blocks with one index_select per layer.
+index_copy_ and gathers whole blocks with one index_select per layer. A Mamba layer
+(MambaSpec) views the same row as its state shapes, back to back: a state block holds
+one request's conv state and SSM state.
 
 Block 0 is the null block: it is zero-filled here and never written by the runner, so
 a masked read of it is always finite.
@@ -16,11 +18,12 @@ a masked read of it is always finite.
 from __future__ import annotations
 
 import re
+from math import prod
 
 import torch
 
 from hybridserve.core.errors import ConfigError
-from hybridserve.core.kv.spec import AttentionSpec, KVCacheConfig, KVCacheGroup, bytes_per_block
+from hybridserve.core.kv.spec import AttentionSpec, KVCacheConfig, KVCacheGroup, MambaSpec, bytes_per_block
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -56,46 +59,61 @@ def num_blocks_for_memory(groups: tuple[KVCacheGroup, ...], kv_cache_memory: int
     return n
 
 
-def _check_specs(config: KVCacheConfig) -> AttentionSpec:
+def _check_specs(config: KVCacheConfig) -> str:
+    """The cache dtype; checks that every attention page has one layout."""
     specs = [g.spec for g in config.groups]
-    bad = [type(s).__name__ for s in specs if not isinstance(s, AttentionSpec)]
+    bad = [type(s).__name__ for s in specs if not isinstance(s, (AttentionSpec, MambaSpec))]
     if bad:
         raise ConfigError(f"the torch runner does not support KV cache spec(s) {sorted(set(bad))} yet")
     attn = [s for s in specs if isinstance(s, AttentionSpec)]
     shapes = {(s.num_kv_heads, s.head_size, s.dtype, s.block_size) for s in attn}
-    if len(shapes) != 1:
+    if len(shapes) > 1:
         raise ConfigError(
             "all attention layers must share one page layout (kv heads, head size, dtype, block size); "
             f"got {sorted(shapes)}"
         )
-    if attn[0].dtype not in TORCH_DTYPES:
-        raise ConfigError(f"KV cache dtype {attn[0].dtype!r} is not supported by the torch runner")
-    return attn[0]
+    dtypes = {s.dtype for s in specs}  # type: ignore[attr-defined]
+    if len(dtypes) != 1 or next(iter(dtypes)) not in TORCH_DTYPES:
+        raise ConfigError(f"KV cache dtype(s) {sorted(dtypes)} not supported by the torch runner (one of "
+                          f"{sorted(TORCH_DTYPES)})")
+    return next(iter(dtypes))
 
 
 class PagedKVCache:
-    """Slot buffers plus, per layer name, its group index and its [nb, bs, 2, kvh, d] view."""
+    """Slot buffers plus, per layer name, its group index and its view: attention layers
+    [nb, bs, 2, kvh, d] in `layer_view`; Mamba layers one view per state shape, each
+    [nb, *shape], in `state_views` (a block id holds one request's states)."""
 
     def __init__(self, config: KVCacheConfig, device: torch.device) -> None:
-        spec = _check_specs(config)
+        dtype = TORCH_DTYPES[_check_specs(config)]
         self.config = config
-        self.block_size = spec.block_size
+        self.block_size = config.block_size
         self.num_blocks = config.num_blocks
-        dtype = TORCH_DTYPES[spec.dtype]
         elem = torch.tensor([], dtype=dtype).element_size()
         page_elems = max(g.spec.page_size_bytes for g in config.groups) // elem
         num_slots = max(len(g.layer_names) for g in config.groups)
         self.buffers = [torch.zeros(config.num_blocks, page_elems, dtype=dtype, device=device)
                         for _ in range(num_slots)]
-        attn_elems = spec.page_size_bytes // elem
         self.layer_group: dict[str, int] = {}
         self.layer_view: dict[str, torch.Tensor] = {}
+        self.state_views: dict[str, tuple[torch.Tensor, ...]] = {}
         for gi, group in enumerate(config.groups):
+            spec = group.spec
             for j, name in enumerate(group.layer_names):
                 self.layer_group[name] = gi
-                # Attention pages all have one size here, so the view is contiguous and
-                # can be flattened to token slots.
-                self.layer_view[name] = self.buffers[j][:, :attn_elems].view(
+                if isinstance(spec, MambaSpec):
+                    views, at = [], 0
+                    for shape in spec.shapes:
+                        n = prod(shape)
+                        views.append(self.buffers[j][:, at : at + n].view(config.num_blocks, *shape))
+                        at += n
+                    self.state_views[name] = tuple(views)
+                    continue
+                assert isinstance(spec, AttentionSpec)
+                # Attention pages all have one size, so without Mamba groups the view is
+                # contiguous and flattens to token slots; a larger Mamba page leaves gaps
+                # between blocks (StepAttention then writes by (block, offset)).
+                self.layer_view[name] = self.buffers[j][:, : spec.page_size_bytes // elem].view(
                     config.num_blocks, spec.block_size, 2, spec.num_kv_heads, spec.head_size
                 )
 

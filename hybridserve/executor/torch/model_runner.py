@@ -26,10 +26,12 @@ from hybridserve.core.sched.output import (
 )
 from hybridserve.executor.torch.attention import StepAttention
 from hybridserve.executor.torch.kv_cache import PagedKVCache
+from hybridserve.executor.torch.mamba_states import GroupSubset, MambaLayout, StepBackend, StepMambaStates
 from hybridserve.executor.torch.requests import BlockTables, RequestState
 from hybridserve.executor.torch.sampler import SampleRow, is_greedy, logprob_info, sample
 from hybridserve.models.decoder import DecoderLM
 from hybridserve.models.kv_specs import layer_index
+from hybridserve.models.mamba_lm import MambaLM
 
 
 class ModelRunner:
@@ -40,7 +42,7 @@ class ModelRunner:
     preempted seeded request keeps its generator, so its sample stream continues.
     """
 
-    def __init__(self, model: DecoderLM, kv_cache_config: KVCacheConfig, device: torch.device,
+    def __init__(self, model: DecoderLM | MambaLM, kv_cache_config: KVCacheConfig, device: torch.device,
                  seed: int = 0) -> None:
         self.model = model
         self.device = device
@@ -51,15 +53,22 @@ class ModelRunner:
             raise ConfigError(f"KV cache config covers layers {sorted(got)}, the model has {sorted(expected)}")
         if self.kv.buffers[0].dtype != model.dtype:
             raise ConfigError(f"KV cache dtype {self.kv.buffers[0].dtype} differs from the model's {model.dtype}")
-        self.layers: list[tuple[int, torch.Tensor]] = [(-1, torch.empty(0))] * model.cfg.num_layers
-        for name, g in self.kv.layer_group.items():
-            self.layers[layer_index(name)] = (g, self.kv.layer_view[name])
+        # Mamba layers (Mamba2, Bamba): their state blocks, and attention over its own groups.
+        self.mamba = MambaLayout(kv_cache_config, self.kv, model.cfg.num_layers) if self.kv.state_views else None
+        if self.mamba is not None:
+            self.layers = self.mamba.attn_layers
+            attn_groups = [kv_cache_config.groups[g] for g in self.mamba.attn_groups]
+        else:
+            self.layers = [(-1, torch.empty(0))] * model.cfg.num_layers
+            for name, g in self.kv.layer_group.items():
+                self.layers[layer_index(name)] = (g, self.kv.layer_view[name])
+            attn_groups = list(kv_cache_config.groups)
         self.group_windows: list[int | None] = [
-            g.spec.sliding_window if isinstance(g.spec, SlidingWindowSpec) else None for g in kv_cache_config.groups
+            g.spec.sliding_window if isinstance(g.spec, SlidingWindowSpec) else None for g in attn_groups
         ]
         self.group_chunks: list[int | None] = [
             g.spec.attention_chunk_size if isinstance(g.spec, ChunkedLocalAttentionSpec) else None
-            for g in kv_cache_config.groups
+            for g in attn_groups
         ]
         self.tables = BlockTables(len(kv_cache_config.groups))
         self.states: dict[str, RequestState] = {}
@@ -130,9 +139,15 @@ class ModelRunner:
         ends = np.cumsum(counts)
         positions = np.repeat(starts - (ends - counts), counts) + np.arange(int(ends[-1]))
         cfg = self.model.cfg
-        attn = StepAttention(self.layers, self.group_windows, self.tables, self.kv.block_size, rows, starts,
-                             counts, cfg.attn_scale, cfg.attn_softcap, self.device, self.model.dtype,
-                             self.group_chunks)
+        attn: StepAttention | StepBackend | None = None
+        if self.group_windows:
+            tables = self.tables if self.mamba is None else GroupSubset(self.tables, self.mamba.attn_groups)
+            attn = StepAttention(self.layers, self.group_windows, tables, self.kv.block_size,  # type: ignore[arg-type]
+                                 rows, starts, counts, cfg.attn_scale, cfg.attn_softcap, self.device, self.model.dtype,
+                                 self.group_chunks)
+        if self.mamba is not None:
+            attn = StepBackend(attn, StepMambaStates.build(self.mamba, self.tables, rows, starts, counts_l,
+                                                           self.device))
         ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos_t = torch.from_numpy(positions).to(self.device)
         hidden = self.model(ids_t, pos_t, int(positions.max()), attn)
@@ -156,6 +171,8 @@ class ModelRunner:
                 if state is not None:  # resumed under the same id without a preemption notice
                     self._drop(sr.request_id, preempted=True)
                 state = self._add(sr.new, sr.num_computed_tokens)
+                if self.mamba is not None:
+                    self.mamba.check_start(sr.request_id, state.num_computed)
             elif state is None:
                 raise RequestError(f"request {sr.request_id} scheduled but unknown to the runner")
             self._update_tables(sr, state)

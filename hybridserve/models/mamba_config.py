@@ -1,0 +1,163 @@
+"""Configs of the state-space models: Mamba2 (every layer a Mamba2 mixer) and Bamba
+(Mamba2 mixers with a few attention layers, a SwiGLU MLP after every mixer).
+
+Pure Python (no torch): `kv_specs` derives each Mamba layer's state shapes from here
+before any weights are loaded. Fields that change the numbers and that we do not
+implement raise ConfigError naming the field, as in `models/config.py`.
+
+Per Mamba2 mixer, with H heads of P channels, G groups, N state size, kernel K::
+
+    in_proj -> [ z (H*P) | xBC (H*P + 2*G*N) | dt (H) ]
+    conv state   [conv_dim, K-1]   the last K-1 xBC inputs (conv_dim = H*P + 2*G*N)
+    SSM state    [H, P, N]
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from hybridserve.core.errors import ConfigError
+
+MAMBA = "mamba"  # layer type of a Mamba2 mixer layer (HF calls it "linear_attention")
+
+
+@dataclass(frozen=True)
+class MambaMixerConfig:
+    """One Mamba2 mixer's shape and numerics (identical across a model's Mamba layers)."""
+
+    num_heads: int  # H
+    head_dim: int  # P
+    state_size: int  # N
+    n_groups: int  # G: B and C are shared by H // G heads each
+    conv_kernel: int  # K
+    chunk_size: int  # SSD chunk length of the prefill scan
+    norm_eps: float  # gated RMSNorm epsilon
+    conv_bias: bool = True
+    proj_bias: bool = False  # in_proj / out_proj
+    dt_min: float = 0.0  # time_step_limit: dt is clamped to [dt_min, dt_max] after softplus
+    dt_max: float = math.inf
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.intermediate_size + 2 * self.n_groups * self.state_size
+
+    @property
+    def in_proj_size(self) -> int:
+        return self.intermediate_size + self.conv_dim + self.num_heads
+
+    @property
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(conv state, SSM state) of one request in one layer: what a MambaSpec stores."""
+        return (self.conv_dim, self.conv_kernel - 1), (self.num_heads, self.head_dim, self.state_size)
+
+
+def _int(raw: dict[str, Any], key: str, default: int | None = None) -> int:
+    value = raw.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"config.json: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _float(value: Any) -> float:
+    # transformers 5 writes non-finite floats as {"__float__": "Infinity"}; older
+    # versions as a bare Infinity (which json reads as inf).
+    if isinstance(value, dict) and "__float__" in value:
+        value = value["__float__"]
+    return float(value)
+
+
+def _time_step_limit(raw: dict[str, Any]) -> tuple[float, float]:
+    limit = raw.get("time_step_limit") or (0.0, math.inf)
+    try:
+        lo, hi = (_float(v) for v in limit)
+    except (TypeError, ValueError):
+        raise ConfigError(f"time_step_limit must be [min, max], got {limit!r}") from None
+    if not lo <= hi:
+        raise ConfigError(f"time_step_limit must be [min, max], got {limit!r}")
+    return lo, hi
+
+
+def _check_common(raw: dict[str, Any], mixer: MambaMixerConfig, hidden: int, expand: int) -> None:
+    act = raw.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ConfigError(f"unsupported hidden_act {act!r} for a Mamba2 mixer (silu only)")
+    if mixer.num_heads % mixer.n_groups:
+        raise ConfigError(f"mamba heads {mixer.num_heads} are not a multiple of n_groups {mixer.n_groups}")
+    if hidden * expand != mixer.intermediate_size:
+        raise ConfigError(f"hidden_size * expand = {hidden * expand} differs from heads * head_dim = "
+                          f"{mixer.intermediate_size}")
+    if mixer.conv_kernel < 2:
+        raise ConfigError(f"conv kernel must be >= 2, got {mixer.conv_kernel}")
+
+
+def parse_mamba_family(raw: dict[str, Any], arch: str, family: str) -> Any:
+    """ModelConfig of a Mamba2ForCausalLM or BambaForCausalLM config.json.
+
+    Attention fields of an attention-free model (Mamba2) are 0 and its rope table empty.
+    """
+    from hybridserve.models.config import FULL, ModelConfig, _one_rope
+
+    hidden = _int(raw, "hidden_size")
+    num_layers = _int(raw, "num_hidden_layers")
+    if family == "mamba2":
+        mixer = MambaMixerConfig(
+            num_heads=_int(raw, "num_heads"), head_dim=_int(raw, "head_dim"), state_size=_int(raw, "state_size"),
+            n_groups=_int(raw, "n_groups", 1), conv_kernel=_int(raw, "conv_kernel", 4),
+            chunk_size=_int(raw, "chunk_size", 256), norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)),
+            conv_bias=bool(raw.get("use_conv_bias", True)), proj_bias=bool(raw.get("use_bias", False)),
+            dt_min=_time_step_limit(raw)[0], dt_max=_time_step_limit(raw)[1],
+        )
+        _check_common(raw, mixer, hidden, _int(raw, "expand", 2))
+        return ModelConfig(
+            architecture=arch, family=family, vocab_size=_int(raw, "vocab_size"), hidden_size=hidden,
+            intermediate_size=0, num_layers=num_layers, num_heads=0, num_kv_heads=0, head_dim=0,
+            rms_norm_eps=mixer.norm_eps, activation="silu", layer_types=(MAMBA,) * num_layers,
+            sliding_window=None, rope={}, max_position_embeddings=int(raw.get("max_position_embeddings") or 1 << 20),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), eos_token_id=raw.get("eos_token_id"),
+            mamba=mixer,
+        )
+    # Bamba
+    eps = float(raw.get("rms_norm_eps", 1e-5))
+    n_heads = _int(raw, "mamba_n_heads", 128)
+    expand = _int(raw, "mamba_expand", 2)
+    d_head = raw.get("mamba_d_head", "auto")
+    mamba_head_dim = expand * hidden // n_heads if d_head in (None, "auto") else _int(raw, "mamba_d_head")
+    mixer = MambaMixerConfig(
+        num_heads=n_heads, head_dim=mamba_head_dim,
+        state_size=_int(raw, "mamba_d_state", 256), n_groups=_int(raw, "mamba_n_groups", 1),
+        conv_kernel=_int(raw, "mamba_d_conv", 4), chunk_size=_int(raw, "mamba_chunk_size", 256), norm_eps=eps,
+        conv_bias=bool(raw.get("mamba_conv_bias", True)), proj_bias=bool(raw.get("mamba_proj_bias", False)),
+        dt_min=_time_step_limit(raw)[0], dt_max=_time_step_limit(raw)[1],
+    )
+    _check_common(raw, mixer, hidden, expand)
+    for key in ("attention_bias", "mlp_bias"):
+        if raw.get(key):
+            raise ConfigError(f"{key}=true is not supported for Bamba")
+    attn_layers = set(raw.get("attn_layer_indices") or ())
+    if any(not isinstance(i, int) or not 0 <= i < num_layers for i in attn_layers):
+        raise ConfigError(f"attn_layer_indices {sorted(attn_layers)} out of range for {num_layers} layers")
+    num_heads = _int(raw, "num_attention_heads")
+    num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
+    if num_heads % num_kv_heads:
+        raise ConfigError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
+    head_dim = int(raw.get("head_dim") or hidden // num_heads)
+    rope_raw = dict(raw.get("rope_parameters") or {"rope_theta": raw.get("rope_theta", 10_000.0)})
+    # HF's Bamba rotates half of each head whatever the config says (hard-coded there).
+    rope_raw.pop("partial_rotary_factor", None)
+    rotary_dim = head_dim // 2
+    return ModelConfig(
+        architecture=arch, family=family, vocab_size=_int(raw, "vocab_size"), hidden_size=hidden,
+        intermediate_size=_int(raw, "intermediate_size"), num_layers=num_layers, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, rms_norm_eps=eps, activation="silu",
+        layer_types=tuple(FULL if i in attn_layers else MAMBA for i in range(num_layers)), sliding_window=None,
+        rope={FULL: _one_rope(rope_raw, "rope_parameters")},
+        max_position_embeddings=int(raw.get("max_position_embeddings") or 8192),
+        attn_scale=head_dim**-0.5, tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        eos_token_id=raw.get("eos_token_id"), mamba=mixer, rotary_dim=rotary_dim,
+    )

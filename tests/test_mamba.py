@@ -1,0 +1,305 @@
+"""Mamba2 and Bamba on the PyTorch runner, against HF transformers' plain-PyTorch path.
+
+Tiny random models (tests/hf_tiny_mamba.py: SSD chunks of 16, blocks of 16); prompts of
+40-100 tokens cross both. Greedy tokens must equal HF's in sync and async mode, with
+prefills chunked at every offset, with preemption (states recomputed from zeros), and
+with prefix caching on (a Mamba group admits no hits, so nothing is skipped). The
+states after a chunked prefill equal those after an unchunked one; logits match HF.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from hybridserve.core.errors import ConfigError, RequestError  # noqa: E402
+from hybridserve.core.kv.spec import FullAttentionSpec, MambaSpec  # noqa: E402
+from hybridserve.core.request import Request, SamplingParams  # noqa: E402
+from hybridserve.core.sched.config import SchedulerConfig  # noqa: E402
+from hybridserve.core.sched.output import NewRequestData, ScheduledRequest, SchedulerOutput  # noqa: E402
+from hybridserve.engine.loop import EngineCore, build_engine  # noqa: E402
+from hybridserve.executor.torch.executor import TorchExecutor, build_kv_cache_config  # noqa: E402
+from hybridserve.executor.torch.model_runner import ModelRunner  # noqa: E402
+from hybridserve.models.config import FULL, parse_model_config  # noqa: E402
+from hybridserve.models.kv_specs import model_kv_layer_specs  # noqa: E402
+from hybridserve.models.loader import load_model  # noqa: E402
+from hybridserve.models.mamba_config import MAMBA  # noqa: E402
+from hybridserve.models.mamba_lm import MambaLM  # noqa: E402
+from tests import hf_tiny, hf_tiny_mamba as tiny  # noqa: E402
+
+BS = 16
+NEW_TOKENS = 12
+PROMPTS = hf_tiny.random_prompts(4, 40, 100, vocab=512, seed=11)
+_MODELS: dict[str, MambaLM] = {}
+
+
+def model(kind: str) -> MambaLM:
+    if kind not in _MODELS:
+        m = load_model(tiny.tiny_model_dir(kind))
+        assert isinstance(m, MambaLM)
+        _MODELS[kind] = m
+    return _MODELS[kind]
+
+
+# -- configs and specs -------------------------------------------------------------------
+def test_configs_specs_and_groups() -> None:
+    m2, bamba = model("mamba2").cfg, model("bamba").cfg
+    assert m2.layer_types == (MAMBA,) * 3 and bamba.layer_types == (MAMBA, FULL, MAMBA, MAMBA)
+    assert bamba.rotary_dim == 8 and bamba.attn_scale == pytest.approx(16**-0.5)
+    mc = m2.mamba
+    assert mc is not None and (mc.conv_dim, mc.intermediate_size, mc.in_proj_size) == (192, 128, 328)
+    specs = model_kv_layer_specs(bamba, BS)
+    # conv state [conv_dim, K-1] + SSM state [H, P, N], float32.
+    assert specs["layers.0"] == MambaSpec(BS, ((192, 3), (8, 16, 16)), "float32")
+    assert specs["layers.0"].page_size_bytes == (192 * 3 + 8 * 16 * 16) * 4
+    assert specs["layers.1"] == FullAttentionSpec(BS, 2, 16, "float32")
+    kvc = build_kv_cache_config(bamba, BS, num_blocks=40)
+    # 3 Mamba layers + 1 attention layer -> groups of 1 layer: 3 Mamba groups + 1 attention.
+    assert sorted(type(g.spec).__name__ for g in kvc.groups) == ["FullAttentionSpec"] + ["MambaSpec"] * 3
+    assert kvc.bytes_per_block == (192 * 3 + 8 * 16 * 16) * 4
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"num_heads": 4}, "expand"),
+    ({"n_groups": 3}, "n_groups"),
+    ({"chunk_size": 0}, "chunk_size"),
+])
+def test_bad_mamba2_configs_raise(change: dict, needle: str) -> None:
+    import json
+
+    raw = json.loads((tiny.tiny_model_dir("mamba2") / "config.json").read_text())
+    raw.update(change)
+    with pytest.raises(ConfigError, match=needle):
+        parse_model_config(raw)
+
+
+# -- the runner by hand: logits and states -------------------------------------------------
+class HandRun:
+    """One request "r" on a ModelRunner, scheduled by hand: all blocks are handed out at
+    its first step (attention: enough for the prompt + 48 tokens; Mamba: one state block)."""
+
+    def __init__(self, kind: str, prompt: list[int]) -> None:
+        self.model = model(kind)
+        kvc = build_kv_cache_config(self.model.cfg, BS, num_blocks=64)
+        self.runner = ModelRunner(self.model, kvc, torch.device("cpu"))
+        self.prompt = prompt
+        nb = -(-(len(prompt) + 48) // BS)
+        ids, next_id = [], 1
+        for g in kvc.groups:
+            count = 1 if isinstance(g.spec, MambaSpec) else nb
+            ids.append(list(range(next_id, next_id + count)))
+            next_id += count
+        self.first_ids = tuple(ids)
+        self.done = self.steps = 0
+        self.tokens: list[int] = []
+        self.logits: list[torch.Tensor] = []  # of every sampling step
+
+    def step(self, n: int) -> None:
+        first = self.steps == 0
+        nulls = (0,) * len(self.first_ids)
+        new = NewRequestData("r", self.prompt, SamplingParams(max_tokens=64), list(self.prompt)) if first else None
+        sr = ScheduledRequest("r", self.done, n, 0, self.first_ids if first else tuple([] for _ in nulls), nulls,
+                              self.done + n >= len(self.prompt), new)
+        real = self.model.logits
+        self.model.logits = lambda h: self._record(real(h))  # type: ignore[method-assign]
+        try:
+            out = self.runner.execute(SchedulerOutput(self.steps, [sr], n))
+        finally:
+            del self.model.logits
+        self.tokens += out.sampled_token_ids[0]
+        self.done += n
+        self.steps += 1
+
+    def _record(self, out: torch.Tensor) -> torch.Tensor:
+        self.logits.append(out[0].clone())
+        return out
+
+
+def _hand_run(kind: str, prompt: list[int], chunks: list[int], decodes: int) -> HandRun:
+    """Prefill `prompt` in chunks of the given sizes, then `decodes` decode steps."""
+    run = HandRun(kind, prompt)
+    for n in chunks + [1] * decodes:
+        run.step(n)
+    return run
+
+
+def _states(runner: ModelRunner) -> list[torch.Tensor]:
+    """Every Mamba layer's conv and SSM state of the single request."""
+    assert runner.mamba is not None
+    out = []
+    for i, entry in enumerate(runner.mamba.states):
+        if entry is not None:
+            g, views = entry
+            block = int(runner.tables.table[g, runner.states["r"].row, 0])
+            out += [v[block].clone() for v in views]
+    return out
+
+
+@pytest.mark.parametrize("kind", tiny.KINDS)
+def test_chunked_prefill_states_equal_unchunked(kind: str) -> None:
+    prompt = PROMPTS[1]
+    whole = _hand_run(kind, prompt, [len(prompt)], 0).runner
+    # Chunks ending inside SSD chunks and blocks, shorter than the conv kernel, and of 1.
+    sizes = [7, 2, 1, 23, 16]
+    chunked = _hand_run(kind, prompt, sizes + [len(prompt) - sum(sizes)], 0).runner
+    for a, b in zip(_states(whole), _states(chunked), strict=True):
+        assert a.abs().max() > 0
+        assert (a - b).abs().max() <= 1e-4 * a.abs().max()
+
+
+@pytest.mark.parametrize("kind", tiny.KINDS)
+def test_logits_match_hf(kind: str) -> None:
+    prompt = PROMPTS[0]
+    hand = _hand_run(kind, prompt, [20, len(prompt) - 20], NEW_TOKENS - 1)
+    ours, tokens = hand.logits, hand.tokens
+    hf = tiny.load_hf(kind)
+    with torch.no_grad(), tiny.one_thread():
+        out = hf.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                          max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
+                          eos_token_id=None, return_dict_in_generate=True, output_logits=True)
+    assert tokens == out.sequences[0, len(prompt):].tolist()
+    for step, (a, b) in enumerate(zip(ours, out.logits, strict=True)):
+        assert (a - b[0]).abs().max() <= 1e-4 * b.abs().max(), step
+
+
+@pytest.mark.parametrize("kind", tiny.KINDS)
+def test_verify_step_commits_the_state_at_the_accepted_length(kind: str) -> None:
+    """Speculative decoding's Mamba side: a decode + 3 drafts in one step keeps the state
+    after every token; committing 2 accepted drafts leaves exactly the state of plain
+    decoding, and decoding on from there gives HF's tokens."""
+    import numpy as np
+
+    from hybridserve.executor.torch.attention import StepAttention
+    from hybridserve.executor.torch.mamba_states import GroupSubset, StepBackend, StepMambaStates
+
+    prompt = PROMPTS[2]
+    want, _ = tiny.oracle(kind, prompt, NEW_TOKENS)
+    hand = _hand_run(kind, prompt, [len(prompt)], 0)
+    assert hand.tokens == want[:1]
+    runner, m, state = hand.runner, hand.model, hand.runner.states["r"]
+    assert runner.mamba is not None
+    # The decode token want[0], drafts want[1], want[2] (right) and a wrong third one.
+    chunk = [want[0], want[1], want[2], (want[3] + 1) % 512]
+    s, n = len(prompt), len(chunk)
+    rows, starts, counts = np.array([state.row]), np.array([s]), np.array([n])
+    attn = None
+    if runner.group_windows:
+        attn = StepAttention(runner.layers, runner.group_windows, GroupSubset(runner.tables, runner.mamba.attn_groups),
+                             BS, rows, starts, counts, m.cfg.attn_scale, None, torch.device("cpu"), m.dtype)
+    io = StepMambaStates.build(runner.mamba, runner.tables, rows, starts, [n], torch.device("cpu"), verify=[0])
+    with torch.inference_mode():
+        hidden = m(torch.tensor(chunk), torch.arange(s, s + n), s + n - 1, StepBackend(attn, io))
+        predicted = m.logits(hidden).argmax(-1).tolist()
+    assert predicted[:3] == want[1:4]  # drafts 1, 2 accepted; the third (wrong) rejected
+    io.commit([3])  # the decode token + 2 accepted drafts
+    state.token_ids += [want[1], want[2], want[3]]
+    state.num_computed += 3
+    reference = _hand_run(kind, prompt, [len(prompt)], 3).runner
+    for a, b in zip(_states(reference), _states(runner), strict=True):
+        assert (a - b).abs().max() <= 1e-4 * a.abs().max()
+    hand.done = state.num_computed
+    for _ in range(NEW_TOKENS - 4):
+        hand.step(1)
+    assert hand.tokens[1:] == want[4:]
+
+
+def test_runner_refuses_a_mid_sequence_start() -> None:
+    m = model("mamba2")
+    kvc = build_kv_cache_config(m.cfg, BS, num_blocks=16)
+    runner = ModelRunner(m, kvc, torch.device("cpu"))
+    p = PROMPTS[0]
+    sr = ScheduledRequest("x", 16, 4, 0, tuple([1] for _ in kvc.groups), (0,) * len(kvc.groups), False,
+                          NewRequestData("x", p, SamplingParams(), list(p)))
+    with pytest.raises(RequestError, match="no saved state"):
+        runner.execute(SchedulerOutput(0, [sr], 4))
+
+
+# -- end to end through the engine ----------------------------------------------------------
+def make_engine(kind: str, *, async_scheduling: bool, num_blocks: int = 200, max_num_batched_tokens: int = 2048,
+                prefix_caching: bool = True) -> EngineCore:
+    ex = TorchExecutor(model(kind), use_worker_thread=async_scheduling)
+    sc = SchedulerConfig(max_model_len=160, async_scheduling=async_scheduling,
+                         max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=prefix_caching)
+    return build_engine(sc, ex.kv_cache_config(BS, num_blocks=num_blocks), ex)
+
+
+def run(engine: EngineCore, prompts: list[list[int]], tag: str = "r", shutdown: bool = True,
+        **sampling: object) -> dict[str, list]:
+    """{request id: [tokens, logprobs, num_cached]} once every prompt finished."""
+    for i, p in enumerate(prompts):
+        engine.add_request(Request(f"{tag}{i}", p, SamplingParams(max_tokens=NEW_TOKENS, **sampling)))  # type: ignore[arg-type]
+    got: dict[str, list] = {}
+    try:
+        while engine.has_unfinished_requests():
+            _, outs = engine.step()
+            for o in outs:
+                entry = got.setdefault(o.request_id, [[], [], 0])
+                entry[0].extend(o.new_token_ids)
+                if o.logprobs is not None:
+                    entry[1].extend(o.logprobs.token_logprobs)
+                entry[2] = max(entry[2], o.num_cached_tokens)
+    finally:
+        if shutdown:
+            engine.shutdown()
+    return got
+
+
+def check(kind: str, prompts: list[list[int]], got: dict[str, list], tag: str = "r") -> None:
+    for i, p in enumerate(prompts):
+        want, want_lp = tiny.oracle(kind, p, NEW_TOKENS)
+        assert got[f"{tag}{i}"][0] == want, f"{kind} prompt {i} (len {len(p)})"
+        if got[f"{tag}{i}"][1]:
+            assert max(abs(a - b) for a, b in zip(got[f"{tag}{i}"][1], want_lp)) < 1e-3
+
+
+@pytest.mark.parametrize("kind", tiny.KINDS)
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_greedy_matches_hf(kind: str, async_scheduling: bool) -> None:
+    got = run(make_engine(kind, async_scheduling=async_scheduling), PROMPTS, logprobs=0)
+    check(kind, PROMPTS, got)
+
+
+@pytest.mark.parametrize("kind", tiny.KINDS)
+def test_chunked_prefill_across_ssd_chunk_and_block_boundaries(kind: str) -> None:
+    # A budget of 23: chunk ends fall at every offset inside SSD chunks and blocks of 16,
+    # and decodes share steps with other requests' prefill chunks.
+    eng = make_engine(kind, async_scheduling=True, max_num_batched_tokens=23)
+    got = run(eng, PROMPTS)
+    assert eng.scheduler.stats.num_steps > sum(len(p) for p in PROMPTS) // 23
+    check(kind, PROMPTS, got)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_preemption_recomputes_from_zero_state(async_scheduling: bool) -> None:
+    # Bamba's attention group grows with the sequence; 14 blocks (3 of them each
+    # request's Mamba states) force preemptions, and a resumed request restarts at 0.
+    eng = make_engine("bamba", async_scheduling=async_scheduling, num_blocks=14, max_num_batched_tokens=32)
+    got = run(eng, PROMPTS)
+    assert eng.scheduler.stats.num_preemptions > 0
+    check("bamba", PROMPTS, got)
+
+
+def test_reused_state_blocks_start_from_zero() -> None:
+    # A pure Mamba model never grows, so it is never preempted: 3 state blocks run 4
+    # requests by queueing, and the 4th reuses a finished request's block, whose stale
+    # states must not leak into it.
+    eng = make_engine("mamba2", async_scheduling=True, num_blocks=4, max_num_batched_tokens=64)
+    got = run(eng, PROMPTS)
+    assert eng.scheduler.stats.num_preemptions == 0
+    check("mamba2", PROMPTS, got)
+
+
+def test_prefix_caching_serves_no_hit_to_a_mamba_model() -> None:
+    base = PROMPTS[3]
+    eng = make_engine("bamba", async_scheduling=True)
+    first = run(eng, [base], tag="a", shutdown=False)
+    second = [list(base), base + [5, 6, 7, 8, 9]]
+    got = run(eng, second, tag="b")
+    check("bamba", [base], first, tag="a")
+    check("bamba", second, got, tag="b")
+    # The attention group has the blocks cached, but the Mamba groups cannot serve a
+    # state mid-sequence, so the hybrid hit is empty and both recompute from token 0.
+    assert got["b0"][2] == 0 and got["b1"][2] == 0

@@ -47,6 +47,7 @@ def build_engine_parts(config: EngineConfig, progress: bool = True) -> EnginePar
     from hybridserve.engine.loop import build_engine
     from hybridserve.executor.torch.executor import TorchExecutor
     from hybridserve.executor.torch.kv_cache import TORCH_DTYPES
+    from hybridserve.executor.torch.spec_decode import NgramDrafter
     from hybridserve.models.config import load_model_config
     from hybridserve.models.default_model import resolve_model_path
     from hybridserve.models.kv_specs import model_kv_layer_specs
@@ -63,7 +64,8 @@ def build_engine_parts(config: EngineConfig, progress: bool = True) -> EnginePar
     eos, extra = _stop_token_ids(path, model_cfg, tokenizer)
     executor = TorchExecutor(path, device=config.device, dtype=TORCH_DTYPES[config.dtype],
                              use_worker_thread=config.async_scheduling, seed=config.seed,
-                             num_threads=config.num_threads)
+                             num_threads=config.num_threads,
+                             drafter=NgramDrafter(config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max))
     try:
         engine = build_engine(settings.scheduler_config, settings.kv_cache_config, executor)
     except BaseException:

@@ -20,6 +20,7 @@ from hybridserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from hybridserve.engine.executor import Executor
 from hybridserve.executor.torch.kv_cache import TORCH_DTYPES, num_blocks_for_memory
 from hybridserve.executor.torch.model_runner import ModelRunner
+from hybridserve.executor.torch.spec_decode import NgramDrafter
 from hybridserve.models.config import ModelConfig
 from hybridserve.models.decoder import DecoderLM
 from hybridserve.models.kv_specs import model_kv_layer_specs
@@ -61,12 +62,14 @@ class TorchExecutor(Executor):
 
     def __init__(self, model: DecoderLM | str | Path, *, device: str | torch.device | None = None,
                  dtype: torch.dtype = torch.float32, use_worker_thread: bool = True, seed: int = 0,
-                 num_threads: int | None = None) -> None:
+                 num_threads: int | None = None, drafter: NgramDrafter | None = None) -> None:
+        """drafter: fills the draft slots of speculative decoding (default: n-gram sizes 2..4)."""
         self.device = resolve_device(device)
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         self.model = model if isinstance(model, DecoderLM) else load_model(model, self.device, dtype)
         self.seed = seed
+        self.drafter = drafter
         self.runner: ModelRunner | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch-runner") if use_worker_thread else None
 
@@ -91,7 +94,7 @@ class TorchExecutor(Executor):
     def initialize(self, kv_cache_config: KVCacheConfig) -> None:
         if self.runner is not None:
             raise ConfigError("TorchExecutor.initialize called twice")
-        self.runner = ModelRunner(self.model, kv_cache_config, self.device, self.seed)
+        self.runner = ModelRunner(self.model, kv_cache_config, self.device, self.seed, self.drafter)
 
     def execute(self, scheduler_output: SchedulerOutput) -> Any:
         if self.runner is None:

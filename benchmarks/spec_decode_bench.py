@@ -5,11 +5,15 @@
     python benchmarks/spec_decode_bench.py --spec 0 2 4 --num-prompts 8 --output-len 96
 
 Workloads (greedy, ignore EOS, all requests submitted at once through `LLM.generate`):
-- tiny: a random Mistral (hidden 256, 4 layers, vocab 512, window 64) written to a temp
-  folder; prompts are a random head plus a 6-12 token pattern repeated 6 times, as token ids.
-  A random model continues such a prompt in loops of its own, so drafts get accepted too.
-- gemma: the default model with text prompts that ask it to copy a paragraph that is
-  already in the prompt (the case prompt lookup is for: edits, quoting, summaries).
+- tiny-copy: a random Mistral (hidden 256, 4 layers, vocab 512, sliding window 16, so 60
+  tokens of reach) written to a temp folder. Prompt i = S + G + S + G[:4], where G is the
+  model's own greedy continuation (output-len + 8 tokens) of a random S of 64 tokens: the
+  second copy continues like the first (a model quoting its context), which prompt lookup
+  finds. The best case for n-gram drafting.
+- tiny-random: the same model on random prompts of the same length: drafts rarely match,
+  so this shows what speculative decoding costs when it does not help.
+- gemma (--gemma): the default model with text prompts that ask it to copy a paragraph
+  that is in the prompt (the case prompt lookup is for: edits, quoting, summaries).
 For each num_speculative_tokens: output tok/s (median of --repeat runs), the speed-up
 against spec off, acceptance rate, mean accepted length, and whether every stream equals
 the spec-off stream token for token (greedy speculative decoding must not change output).
@@ -47,20 +51,25 @@ def build_tiny_model(out: Path) -> Path:
     torch.manual_seed(0)
     cfg = tf.MistralConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
                            num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
-                           sliding_window=64, initializer_range=0.3, eos_token_id=None, bos_token_id=1,
+                           sliding_window=16, initializer_range=0.3, eos_token_id=None, bos_token_id=1,
                            pad_token_id=0, tie_word_embeddings=False)
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     model.save_pretrained(out)
     return out
 
 
-def tiny_prompts(n: int, seed: int = 5) -> list[list[int]]:
+def random_prompts(n: int, length: int, seed: int = 5) -> list[list[int]]:
     rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        pattern = [rng.randint(3, 511) for _ in range(rng.randint(6, 12))]
-        out.append([rng.randint(3, 511) for _ in range(16)] + pattern * 6)
-    return out
+    return [[rng.randint(3, 511) for _ in range(length)] for _ in range(n)]
+
+
+def copy_prompts(model: str, n: int, output_len: int) -> list[list[int]]:
+    """S + G + S + G[:4] with G the model's greedy continuation of S (see the module doc)."""
+    heads = random_prompts(n, 64)
+    with LLM(config=EngineConfig(model=model, max_model_len=1024), progress=False) as llm:
+        outs = llm.generate(heads, SamplingParams(max_tokens=output_len + 8, temperature=0.0, ignore_eos=True),
+                            use_tqdm=False)
+    return [s + list(o.outputs[0].token_ids) + s + list(o.outputs[0].token_ids[:4]) for s, o in zip(heads, outs)]
 
 
 def gemma_prompts(n: int) -> list[str]:
@@ -123,9 +132,11 @@ def main() -> int:
     if not a.skip_tiny:
         with tempfile.TemporaryDirectory(prefix="spec_bench_") as tmp:
             model_dir = str(build_tiny_model(Path(tmp) / "tiny_mistral"))
-            prompts = tiny_prompts(a.num_prompts)
-            rows = [measure(model_dir, prompts, s, a.output_len, a.repeat, a.num_threads) for s in specs]
-        report(f"tiny Mistral (hidden 256, 4 layers), {a.num_prompts} prompts -> {a.output_len} tokens", rows)
+            copy = copy_prompts(model_dir, a.num_prompts, a.output_len)
+            for name, prompts in (("copy", copy), ("random", random_prompts(a.num_prompts, len(copy[0])))):
+                rows = [measure(model_dir, prompts, s, a.output_len, a.repeat, a.num_threads) for s in specs]
+                report(f"tiny Mistral (hidden 256, 4 layers), {name} workload, {a.num_prompts} prompts of "
+                       f"~{len(prompts[0])} tokens -> {a.output_len} tokens", rows)
     if a.gemma:
         prompts_g = gemma_prompts(a.num_prompts)
         rows = [measure(None, prompts_g, s, a.output_len, a.repeat, a.num_threads) for s in specs]

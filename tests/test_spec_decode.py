@@ -23,7 +23,8 @@ from hybridserve.core.request import Request, SamplingParams  # noqa: E402
 from hybridserve.core.sched.config import SchedulerConfig  # noqa: E402
 from hybridserve.engine.loop import EngineCore, build_engine  # noqa: E402
 from hybridserve.executor.torch.executor import TorchExecutor  # noqa: E402
-from hybridserve.executor.torch.spec_decode import NgramDrafter, num_accepted  # noqa: E402
+from hybridserve.executor.ngram import propose_ngram_drafts  # noqa: E402
+from hybridserve.executor.torch.spec_decode import NgramDrafter, lookup, num_accepted  # noqa: E402
 from hybridserve.models.decoder import DecoderLM  # noqa: E402
 from hybridserve.models.loader import load_model  # noqa: E402
 
@@ -196,3 +197,12 @@ def test_acceptance_rule_and_config() -> None:
         EngineConfig(num_speculative_tokens=3, ngram_prompt_lookup_max=1)
     with pytest.raises(ConfigError, match=r"n-gram sizes need 1 <= min <= max"):
         NgramDrafter(0, 2)
+
+
+def test_list_lookup_equals_the_numpy_drafter() -> None:
+    rng = random.Random(3)
+    for _ in range(400):
+        tokens = [rng.randint(0, rng.choice([2, 4, 9])) for _ in range(rng.randint(1, 40))]
+        k, lo = rng.randint(1, 5), rng.randint(1, 3)
+        hi = lo + rng.randint(0, 3)
+        assert lookup(tokens, k, lo, hi) == propose_ngram_drafts(tokens, k, lo, hi), (tokens, k, lo, hi)

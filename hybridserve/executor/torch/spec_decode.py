@@ -28,7 +28,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hybridserve.core.errors import ConfigError
-from hybridserve.executor.ngram import propose_ngram_drafts
 
 
 @dataclass(frozen=True)
@@ -55,11 +54,39 @@ class NgramDrafter:
         """
         if num_drafts <= 0 or len(token_ids) <= self.min_n:
             return []
-        drafts = propose_ngram_drafts(token_ids, num_drafts, self.min_n, self.max_n)
+        drafts = lookup(token_ids, num_drafts, self.min_n, self.max_n)
         if drafts and len(drafts) < num_drafts:  # cut short only by the end of token_ids
             period = len(drafts)
             drafts = [drafts[i % period] for i in range(num_drafts)]
         return drafts
+
+
+def lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """What executor.ngram.propose_ngram_drafts returns, found on a Python list without
+    copying it to numpy (it runs once per decode request per step).
+
+    Only earlier positions e <= len - 2 holding the last token can end a match; C-speed
+    list.index finds them, then n-grams are compared from the longest n down, most
+    recent e first.
+    """
+    length = len(tokens)
+    last = tokens[-1]
+    ends: list[int] = []
+    e = -1
+    try:
+        while True:
+            e = tokens.index(last, e + 1, length - 1)
+            ends.append(e)
+    except ValueError:
+        pass
+    if not ends:
+        return []
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = tokens[length - n :]
+        for e in reversed(ends):
+            if e >= n - 1 and tokens[e - n + 1 : e + 1] == suffix:
+                return tokens[e + 1 : e + 1 + k]
+    return []
 
 
 def num_accepted(drafts: list[int], targets: list[int]) -> int:

@@ -94,11 +94,11 @@ class CountingExecutor(TorchExecutor):
 
 
 def make_engine(kind: str, *, async_scheduling: bool, spec: int, budget: int = 2048,
-                drafter: NgramDrafter | None = None) -> EngineCore:
+                drafter: NgramDrafter | None = None, num_blocks: int = 400) -> EngineCore:
     ex = CountingExecutor(model(kind), use_worker_thread=async_scheduling, drafter=drafter)
     sc = SchedulerConfig(max_model_len=256, async_scheduling=async_scheduling, max_num_batched_tokens=budget,
                          num_speculative_tokens=spec)
-    return build_engine(sc, ex.kv_cache_config(16, num_blocks=400), ex)
+    return build_engine(sc, ex.kv_cache_config(16, num_blocks=num_blocks), ex)
 
 
 def run(engine: EngineCore, prompts: list[list[int]], **sampling: object) -> dict[str, tuple[list[int], list[float]]]:
@@ -160,6 +160,18 @@ def test_chunked_prefill_with_drafts(kind: str) -> None:
     assert eng.scheduler.stats.num_steps > sum(len(p) for p in prompts_for(kind)) // 19
     check_hf(kind, got)
     check_stats(eng)
+
+
+@pytest.mark.parametrize("kind,num_blocks", [("mistral", 7), ("gemma3", 30)])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_preemption_with_drafts_recomputes_exactly(kind: str, num_blocks: int, async_scheduling: bool) -> None:
+    # A pool too small for all three requests: some are preempted (drafts in flight under
+    # async) and recomputed; the runner rebuilds them from the scheduler's tokens.
+    eng = make_engine(kind, async_scheduling=async_scheduling, spec=3, budget=32, num_blocks=num_blocks)
+    got = run(eng, prompts_for(kind))
+    check_hf(kind, got)
+    assert eng.scheduler.stats.num_preemptions > 0
+    assert eng.scheduler.stats.num_accepted_tokens > 0
 
 
 def test_logprobs_through_the_sampler_path_match_hf() -> None:

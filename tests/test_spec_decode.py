@@ -8,6 +8,9 @@ exactly plain decoding and HF greedy, sync and async, with chunked prefills.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import io
 import random
 
 import pytest
@@ -17,11 +20,14 @@ pytest.importorskip("safetensors")
 
 from tests import hf_tiny  # noqa: E402
 
+from hybridserve import AsyncLLM  # noqa: E402
 from hybridserve.config import EngineConfig  # noqa: E402
 from hybridserve.core.errors import ConfigError  # noqa: E402
 from hybridserve.core.request import Request, SamplingParams  # noqa: E402
 from hybridserve.core.sched.config import SchedulerConfig  # noqa: E402
 from hybridserve.engine.loop import EngineCore, build_engine  # noqa: E402
+from hybridserve.engine.outputs import SamplingParams as UserParams  # noqa: E402
+from hybridserve.entrypoints import bench  # noqa: E402
 from hybridserve.executor.torch.executor import TorchExecutor  # noqa: E402
 from hybridserve.executor.ngram import propose_ngram_drafts  # noqa: E402
 from hybridserve.executor.torch.spec_decode import NgramDrafter, lookup, num_accepted  # noqa: E402
@@ -218,3 +224,44 @@ def test_list_lookup_equals_the_numpy_drafter() -> None:
         k, lo = rng.randint(1, 5), rng.randint(1, 3)
         hi = lo + rng.randint(0, 3)
         assert lookup(tokens, k, lo, hi) == propose_ngram_drafts(tokens, k, lo, hi), (tokens, k, lo, hi)
+
+
+def test_engine_config_to_stats_and_metrics() -> None:
+    """EngineConfig -> drafter sizes in the runner; acceptance in AsyncLLM stats, /metrics
+    and the bench summary line."""
+    pytest.importorskip("prometheus_client")
+    from hybridserve.entrypoints.metrics import ServerMetrics
+
+    prompts = prompts_for("mistral")
+    llm = AsyncLLM(config=EngineConfig(model=str(hf_tiny.tiny_model_dir("mistral")), max_model_len=256,
+                                       num_speculative_tokens=3, ngram_prompt_lookup_min=1,
+                                       ngram_prompt_lookup_max=3), progress=False)
+    try:
+        assert llm.parts.engine.executor.runner.drafter == NgramDrafter(1, 3)  # type: ignore[attr-defined]
+
+        async def main():  # type: ignore[no-untyped-def]
+            params = UserParams(max_tokens=NEW_TOKENS, temperature=0.0)
+            finals = []
+            for p in prompts:  # one at a time: the same tokens whatever the batch
+                finals.append([o async for o in llm.generate(p, params)][-1])
+            return finals, await llm.get_stats()
+
+        finals, stats = asyncio.run(asyncio.wait_for(main(), 120))
+    finally:
+        llm.shutdown()
+    for i, (p, out) in enumerate(zip(prompts, finals)):
+        assert list(out.outputs[0].token_ids) == hf_tiny.oracle("mistral", p, NEW_TOKENS)[0], i
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    assert stats.spec_acceptance_rate == stats.spec_num_accepted_tokens / stats.spec_num_draft_tokens
+    assert stats.spec_mean_accepted_length == 1 + stats.spec_num_accepted_tokens / stats.spec_num_steps
+    text = ServerMetrics().render(stats, True).decode()
+    assert f"hybridserve_spec_decode_num_accepted_tokens_total {float(stats.spec_num_accepted_tokens)}" in text
+    assert "hybridserve_spec_decode_acceptance_rate " in text
+    row = {"model": "m", "num_prompts": 1, "input_len": 8, "output_len": 8, "elapsed_s": 1.0,
+           "output_tokens_per_s": 8.0, "total_tokens_per_s": 16.0, "ttft_ms": {"mean": 1, "median": 1, "p99": 1},
+           "tpot_ms": {"mean": 1, "median": 1, "p99": 1}, "num_speculative_tokens": 3,
+           "spec_acceptance_rate": 0.625, "spec_mean_accepted_length": 2.5}
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        bench._print(row)
+    assert "3 n-gram drafts/step: acceptance 62.5%, mean accepted length 2.50" in buf.getvalue()

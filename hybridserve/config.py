@@ -76,7 +76,11 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     async_scheduling: bool = True
+    # Speculative decoding: draft tokens per decode step, proposed by n-gram prompt lookup
+    # (suffix n-grams of ngram_prompt_lookup_min..max tokens, longest first).
     num_speculative_tokens: int = 0
+    ngram_prompt_lookup_min: int = 2
+    ngram_prompt_lookup_max: int = 4
     enable_prefix_caching: bool = True
     kv_offload_memory: int | str = 0  # host memory for offloaded KV blocks (0: no offload)
     seed: int = 0  # seeds the sampler of requests without their own seed
@@ -113,12 +117,12 @@ class EngineConfig:
                 f"{self.max_num_batched_tokens}; the smallest value that works is {self.block_size}"
             )
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 0)
-        if self.num_speculative_tokens:
-            # The scheduler supports draft slots, but the PyTorch runner has no drafter yet:
-            # accepting the setting would only spend batch budget on empty drafts.
+        _check_int("ngram_prompt_lookup_min", self.ngram_prompt_lookup_min, 1)
+        _check_int("ngram_prompt_lookup_max", self.ngram_prompt_lookup_max, 1)
+        if self.ngram_prompt_lookup_max < self.ngram_prompt_lookup_min:
             raise ConfigError(
-                "num_speculative_tokens: speculative decoding is not available in the PyTorch runner yet "
-                "(the n-gram drafter comes in a later release); set it to 0"
+                f"ngram_prompt_lookup_max ({self.ngram_prompt_lookup_max}) must be >= ngram_prompt_lookup_min "
+                f"({self.ngram_prompt_lookup_min})"
             )
         if self.num_speculative_tokens + 1 > self.max_num_batched_tokens:
             raise ConfigError(

@@ -62,6 +62,12 @@ class EngineStats:
     offloaded_blocks: int = 0
     offload_loaded_blocks: int = 0
     offload_hit_tokens: int = 0
+    # Speculative decoding (zero without it): drafts proposed and accepted, verify steps.
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_steps: int = 0
+    spec_acceptance_rate: float = 0.0
+    spec_mean_accepted_length: float = 0.0
 
 
 @dataclass(eq=False)
@@ -332,7 +338,8 @@ class AsyncLLM:
         stats = EngineStats(st.num_running, st.num_waiting, st.num_preemptions, st.num_generated_tokens,
                             st.kv_usage, sched.kv.group_usage(), list(self._group_labels), pcs.hit_rate,
                             pcs.queries, pcs.hits, st.num_offloaded_blocks, st.num_offload_loaded_blocks,
-                            st.num_offload_hit_tokens)
+                            st.num_offload_hit_tokens, st.num_draft_tokens, st.num_accepted_tokens,
+                            st.num_spec_steps, st.acceptance_rate, st.mean_accepted_length)
         try:
             loop.call_soon_threadsafe(_set_result, fut, stats)
         except RuntimeError:

@@ -47,6 +47,7 @@ def build_engine_parts(config: EngineConfig, progress: bool = True) -> EnginePar
     from hybridserve.engine.loop import build_engine
     from hybridserve.executor.torch.executor import TorchExecutor, resolve_device
     from hybridserve.executor.torch.kv_cache import TORCH_DTYPES
+    from hybridserve.executor.torch.spec_decode import NgramDrafter
     from hybridserve.models.config import load_model_config
     from hybridserve.models.default_model import resolve_model_path
     from hybridserve.models.kv_specs import model_kv_layer_specs
@@ -68,7 +69,8 @@ def build_engine_parts(config: EngineConfig, progress: bool = True) -> EnginePar
     # 270M 17% slower), so the step runs inline and the overlap is the scheduler's alone.
     executor = TorchExecutor(path, device=device, dtype=TORCH_DTYPES[config.dtype],
                              use_worker_thread=config.async_scheduling and device.type != "cpu", seed=config.seed,
-                             num_threads=config.num_threads)
+                             num_threads=config.num_threads,
+                             drafter=NgramDrafter(config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max))
     try:
         connector = None
         offload_bytes = parse_size("kv_offload_memory", config.kv_offload_memory, allow_zero=True)

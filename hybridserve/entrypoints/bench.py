@@ -5,7 +5,8 @@
 N random token prompts (seeded, EOS excluded) all arrive at t=0 and run greedily with
 ignore_eos, so every request produces exactly --output-len tokens. A short warm-up
 batch runs first. Reports output tokens/s, total tokens/s, time to first token and
-time per output token (mean / median / p99 over requests), optionally as JSON.
+time per output token (mean / median / p99 over requests), optionally as JSON; with
+--num-speculative-tokens also the draft acceptance rate and mean accepted length.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ def _run(a: argparse.Namespace) -> int:
         start = time.monotonic()
         outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.monotonic() - start
+        stats = llm.parts.engine.scheduler.stats  # includes the warm-up's few drafts
     finally:
         llm.shutdown()
     metrics = [m for o in outs for m in (o.metrics or [])]
@@ -102,7 +104,11 @@ def _run(a: argparse.Namespace) -> int:
         "ttft_ms": {k: v * 1000 for k, v in _summary(ttft).items()},
         "tpot_ms": {k: v * 1000 for k, v in _summary(tpot).items()},
         "async_scheduling": config.async_scheduling, "dtype": config.dtype,
+        "num_speculative_tokens": config.num_speculative_tokens,
     }
+    if config.num_speculative_tokens:
+        result["spec_acceptance_rate"] = stats.acceptance_rate
+        result["spec_mean_accepted_length"] = stats.mean_accepted_length
     _print(result)
     if a.json:
         try:
@@ -124,6 +130,9 @@ def _print(r: dict[str, Any]) -> None:
     for name in ("ttft_ms", "tpot_ms"):
         s = r[name]
         lines.append(f"{name[:4].upper():<19} mean {s['mean']:.1f} ms  median {s['median']:.1f} ms  p99 {s['p99']:.1f} ms")
+    if "spec_acceptance_rate" in r:
+        lines.append(f"spec decoding       {r['num_speculative_tokens']} n-gram drafts/step: acceptance "
+                     f"{r['spec_acceptance_rate']:.1%}, mean accepted length {r['spec_mean_accepted_length']:.2f}")
     print("\n".join(lines), flush=True)
 
 

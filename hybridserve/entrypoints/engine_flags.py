@@ -65,7 +65,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens per step (default: 2048)")
     e.add_argument("--async-scheduling", action=BOA, default=True,
                    help="schedule the next step while the current one runs (default: on)")
-    e.add_argument("--num-speculative-tokens", type=int, default=0)
+    e.add_argument("--num-speculative-tokens", type=int, default=0,
+                   help="draft tokens per decode step, proposed by n-gram prompt lookup (default: 0, off)")
+    e.add_argument("--ngram-prompt-lookup-min", type=int, default=2,
+                   help="shortest suffix n-gram the drafter matches (default: 2)")
+    e.add_argument("--ngram-prompt-lookup-max", type=int, default=4,
+                   help="longest suffix n-gram the drafter matches, tried first (default: 4)")
     e.add_argument("--enable-prefix-caching", action=BOA, default=True, help="(default: on)")
     e.add_argument("--kv-offload-memory", default="0", metavar="SIZE",
                    help="host memory for offloaded KV blocks, bytes or e.g. 4GiB (default: 0, no offload)")
@@ -81,7 +86,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         model=a.model, tokenizer=a.tokenizer, block_size=a.block_size, kv_cache_memory=kv_memory,
         num_blocks=a.num_blocks, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens, async_scheduling=a.async_scheduling,
-        num_speculative_tokens=a.num_speculative_tokens, enable_prefix_caching=a.enable_prefix_caching,
+        num_speculative_tokens=a.num_speculative_tokens, ngram_prompt_lookup_min=a.ngram_prompt_lookup_min,
+        ngram_prompt_lookup_max=a.ngram_prompt_lookup_max, enable_prefix_caching=a.enable_prefix_caching,
         kv_offload_memory=offload, seed=a.seed if a.seed is not None else 0, device=a.device, dtype=a.dtype,
         num_threads=a.num_threads,
     )

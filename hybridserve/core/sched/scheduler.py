@@ -364,6 +364,9 @@ class Scheduler(KVTransferMixin):
         block_size = self.kv.block_size
         logprobs_of = runner_output.logprobs
         num_generated = 0
+        # Drafts the executor really proposed (fewer than the slots when its drafter found
+        # nothing): acceptance stats count those; rollback still uses the scheduled slots.
+        proposed_of = runner_output.num_draft_tokens
         for sr, (req, epoch), k in zip(scheduler_output.requests, entries, rows):
             req.num_in_flight_tokens -= sr.num_scheduled_tokens  # first, whatever happened since
             if req.status >= FINISHED:
@@ -374,7 +377,7 @@ class Scheduler(KVTransferMixin):
                 if drafts:
                     accepted = len(sampled) - 1 if sampled else 0
                     req.num_computed_tokens -= drafts - accepted if sampled else 0
-                    self.stats.record_spec(drafts, accepted)
+                    self.stats.record_spec(proposed_of.get(sr.request_id, drafts) if proposed_of else drafts, accepted)
                 req.num_output_placeholders -= 1 + drafts
             if not sampled:
                 continue

@@ -7,7 +7,12 @@ the runner has appended it (`RequestState.token_ids`).
 
 A request computes `tokens[num_computed : num_computed + n]` where num_computed is the
 runner's own count (authoritative; it trails the scheduler's after rejected drafts) and
-n = num_scheduled_tokens - num_draft_tokens + drafts actually proposed (none yet).
+n = num_scheduled_tokens - num_draft_tokens, followed by the drafts it proposes for the
+step's draft slots (n-gram lookup, verified in the same step: see spec_decode.py)::
+
+    scheduled   [ known tokens (n) | draft slots (num_draft_tokens) ]
+    computed    [ known tokens (n) | proposed drafts (<= slots)     ]
+    advance     num_computed += n + accepted drafts     (_advance: the one place)
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from hybridserve.executor.torch.kv_cache import PagedKVCache
 from hybridserve.executor.torch.mamba_states import GroupSubset, MambaLayout, StepBackend, StepMambaStates
 from hybridserve.executor.torch.requests import BlockTables, RequestState
 from hybridserve.executor.torch.sampler import SampleRow, is_greedy, logprob_info, sample
+from hybridserve.executor.torch.spec_decode import NgramDrafter, num_accepted
 from hybridserve.models.decoder import DecoderLM
 from hybridserve.models.kv_specs import layer_index
 from hybridserve.models.mamba_lm import MambaLM
@@ -43,8 +49,11 @@ class ModelRunner:
     """
 
     def __init__(self, model: DecoderLM | MambaLM, kv_cache_config: KVCacheConfig, device: torch.device,
-                 seed: int = 0) -> None:
+                 seed: int = 0, drafter: NgramDrafter | None = None) -> None:
         self.model = model
+        # Fills the draft slots the scheduler reserves (it reserves none unless
+        # num_speculative_tokens > 0).
+        self.drafter = drafter if drafter is not None else NgramDrafter()
         self.device = device
         self.kv = PagedKVCache(kv_cache_config, device)
         expected = set(range(model.cfg.num_layers))
@@ -115,10 +124,11 @@ class ModelRunner:
                     self.tables.set_null_prefix(g, state.row, num_null)
 
     @staticmethod
-    def _banned(state: RequestState) -> tuple[int, ...]:
-        """EOS and stop tokens are masked until the request has min_tokens outputs."""
+    def _banned(state: RequestState, ahead: int = 0) -> tuple[int, ...]:
+        """EOS and stop tokens are masked until the request has min_tokens outputs
+        (`ahead`: tokens before this position that are not appended yet, i.e. drafts)."""
         p = state.params
-        if not p.min_tokens or len(state.token_ids) - state.num_prompt_tokens >= p.min_tokens:
+        if not p.min_tokens or len(state.token_ids) + ahead - state.num_prompt_tokens >= p.min_tokens:
             return ()
         eos = () if state.eos_token_id is None or p.ignore_eos else (state.eos_token_id,)
         return tuple(p.stop_token_ids) + eos
@@ -132,7 +142,7 @@ class ModelRunner:
             self._drop(rid, preempted=True)
         if not so.requests:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        states, starts_l, counts_l, ids = self._prepare(so)
+        states, starts_l, counts_l, ids, drafts = self._prepare(so)
         starts = np.array(starts_l, dtype=np.int64)
         counts = np.array(counts_l, dtype=np.int64)
         rows = np.array([s.row for s in states], dtype=np.int64)
@@ -145,26 +155,46 @@ class ModelRunner:
             attn = StepAttention(self.layers, self.group_windows, tables, self.kv.block_size,  # type: ignore[arg-type]
                                  rows, starts, counts, cfg.attn_scale, cfg.attn_softcap, self.device, self.model.dtype,
                                  self.group_chunks)
+        mamba_states: StepMambaStates | None = None
         if self.mamba is not None:
-            attn = StepBackend(attn, StepMambaStates.build(self.mamba, self.tables, rows, starts, counts_l,
-                                                           self.device))
+            # Requests verifying drafts keep the state after every token, so a rejected
+            # draft can fall back to the state after the last accepted one (commit below).
+            verify = [i for i, d in enumerate(drafts) if d]
+            mamba_states = StepMambaStates.build(self.mamba, self.tables, rows, starts, counts_l, self.device,
+                                                 verify)
+            attn = StepBackend(attn, mamba_states)
         ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos_t = torch.from_numpy(positions).to(self.device)
         hidden = self.model(ids_t, pos_t, int(positions.max()), attn)
-        sampled, logprobs = self._sample(so, states, hidden, ends)
-        for state, count in zip(states, counts_l):
-            state.num_computed += count
-        # No drafter yet: draft slots the scheduler reserved stay unused (proposed 0).
-        drafts = {sr.request_id: 0 for sr in so.requests if sr.num_draft_tokens}
+        sampled, logprobs = self._sample(so, states, hidden, ends, drafts)
+        for state, count, d, out in zip(states, counts_l, drafts, sampled):
+            # out = accepted drafts + bonus when the step sampled; [] for a mid-prompt chunk.
+            self._advance(state, count - len(d), len(d), len(out) - 1 if out else 0)
+        if mamba_states is not None and mamba_states.verify:
+            mamba_states.commit([counts_l[i] - len(drafts[i]) + len(sampled[i]) - 1 for i in mamba_states.verify])
+        proposed = {sr.request_id: len(d) for sr, d in zip(so.requests, drafts) if sr.num_draft_tokens}
         return ModelRunnerOutput(req_ids=[s.req_id for s in states], sampled_token_ids=sampled, logprobs=logprobs,
-                                 num_draft_tokens=drafts)
+                                 num_draft_tokens=proposed)
 
-    def _prepare(self, so: SchedulerOutput) -> tuple[list[RequestState], list[int], list[int], list[int]]:
-        """Apply new requests and block-table deltas; the tokens each request computes."""
+    def _advance(self, state: RequestState, num_known: int, num_proposed: int, num_accepted: int) -> None:
+        """The step computed num_known known tokens then num_proposed drafts, of which the
+        first num_accepted were accepted: only those count as computed. The K/V written
+        for the rejected drafts stays in the blocks and is overwritten later.
+
+        Recurrent (Mamba) states are rolled back to the same point by
+        StepMambaStates.commit in execute().
+        """
+        state.num_computed += num_known + num_accepted
+
+    def _prepare(self, so: SchedulerOutput
+                 ) -> tuple[list[RequestState], list[int], list[int], list[int], list[list[int]]]:
+        """Apply new requests and block-table deltas; the tokens each request computes
+        (counts include the proposed drafts) and the drafts per request."""
         states: list[RequestState] = []
         starts: list[int] = []
         counts: list[int] = []
         ids: list[int] = []
+        drafts: list[list[int]] = []
         for sr in so.requests:
             state = self.states.get(sr.request_id)
             if sr.new is not None:
@@ -183,18 +213,25 @@ class ModelRunner:
                     f"request {sr.request_id}: {count} tokens scheduled from position {start}, "
                     f"but the runner knows only {len(state.token_ids)} tokens"
                 )
+            # Draft only after the last known token: a sampling step that ends there.
+            d = (self.drafter.propose(state.token_ids, sr.num_draft_tokens)
+                 if sr.num_draft_tokens and sr.samples and start + count == len(state.token_ids) else [])
             states.append(state)
             starts.append(start)
-            counts.append(count)
+            counts.append(count + len(d))
+            drafts.append(d)
             ids += state.token_ids[start : start + count]
-        return states, starts, counts, ids
+            ids += d
+        return states, starts, counts, ids, drafts
 
-    def _sample(self, so: SchedulerOutput, states: list[RequestState], hidden: torch.Tensor, ends: np.ndarray
-                ) -> tuple[list[list[int]], dict[str, LogprobInfo]]:
-        """Sample for the requests the scheduler marked; append the tokens to their state.
+    def _sample(self, so: SchedulerOutput, states: list[RequestState], hidden: torch.Tensor, ends: np.ndarray,
+                drafts: list[list[int]]) -> tuple[list[list[int]], dict[str, LogprobInfo]]:
+        """Sample for the requests the scheduler marked, verify their drafts; append the
+        output tokens (accepted drafts + bonus) to their state.
 
         Such a step must reach the end of the runner's known tokens: a token sampled
-        mid-sequence would be silently lost.
+        mid-sequence would be silently lost. A request with p drafts samples at its last
+        p + 1 rows (the known token's and each draft's).
         """
         samplers = [i for i, sr in enumerate(so.requests) if sr.samples]
         sampled: list[list[int]] = [[] for _ in states]
@@ -205,19 +242,28 @@ class ModelRunner:
             if states[i].num_computed + so.requests[i].num_scheduled_tokens - so.requests[i].num_draft_tokens \
                     != len(states[i].token_ids):
                 raise RequestError(f"request {states[i].req_id}: a sampling step ends before its last known token")
-        if len(samplers) == hidden.shape[0]:
-            logits = self.model.logits(hidden)  # a pure decode step: every row samples
+        widths = [1 + len(drafts[i]) for i in samplers]  # logits rows per sampler
+        num_rows = sum(widths)
+        if num_rows == hidden.shape[0]:
+            logits = self.model.logits(hidden)  # every row samples (decodes, with or without drafts)
         else:
-            logits = self.model.logits(hidden[torch.from_numpy(ends[samplers] - 1).to(self.device)])
+            rows = np.concatenate([np.arange(ends[i] - w, ends[i]) for i, w in zip(samplers, widths)])
+            logits = self.model.logits(hidden[torch.from_numpy(rows).to(self.device)])
         if all(states[i].plain_greedy for i in samplers):
             tokens = logits.argmax(dim=-1).tolist()
             lps: list = []
         else:
-            rows_info = [SampleRow(states[i].params, states[i].generator, self._banned(states[i])) for i in samplers]
+            rows_info = [SampleRow(states[i].params, states[i].generator, self._banned(states[i], j))
+                         for i, w in zip(samplers, widths) for j in range(w)]
             tokens, lps = sample(logits, rows_info, self.default_generator)
-        for j, i in enumerate(samplers):
-            sampled[i] = [tokens[j]]
-            states[i].token_ids.append(tokens[j])
-            if lps and lps[j] is not None:
-                logprobs[states[i].req_id] = logprob_info([lps[j]])
+        at = 0
+        for i, w in zip(samplers, widths):
+            targets = tokens[at : at + w]
+            a = num_accepted(drafts[i], targets) if w > 1 else 0
+            out = targets[: a + 1]
+            sampled[i] = out
+            states[i].token_ids += out
+            if lps and lps[at] is not None:
+                logprobs[states[i].req_id] = logprob_info(lps[at : at + a + 1])
+            at += w
         return sampled, logprobs

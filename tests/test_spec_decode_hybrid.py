@@ -1,0 +1,123 @@
+"""Speculative decoding on chunked-local (Llama 4) and Mamba (Mamba2, Bamba) models.
+
+A rejected draft must leave no trace: chunked-local layers overwrite its K/V later, and
+Mamba layers roll their conv and SSM states back to the last accepted token
+(StepMambaStates.commit). Greedy output must equal HF greedy, sync and async.
+
+Tiny random models never repeat themselves, so n-gram lookups would only ever be
+rejected. To get both outcomes at every draft position, the main test drafts with an
+oracle that knows HF's greedy continuation and corrupts one draft of most proposals
+(all accepted / first rejected / a later one rejected, in turn); a second test runs the
+real n-gram drafter on repetitive prompts.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from tests import hf_tiny, hf_tiny_mamba  # noqa: E402
+
+from hybridserve.core.request import Request, SamplingParams  # noqa: E402
+from hybridserve.core.sched.config import SchedulerConfig  # noqa: E402
+from hybridserve.engine.loop import EngineCore, build_engine  # noqa: E402
+from hybridserve.executor.torch.executor import TorchExecutor  # noqa: E402
+from hybridserve.models.loader import load_model  # noqa: E402
+
+NEW_TOKENS = 24
+_MODELS: dict[str, object] = {}
+
+
+def oracle(kind: str, prompt: list[int], n: int) -> list[int]:
+    if kind == "llama4":
+        return hf_tiny.oracle(kind, prompt, n)[0]
+    return hf_tiny_mamba.oracle(kind, prompt, n)[0]
+
+
+def model_dir(kind: str):  # type: ignore[no-untyped-def]
+    return hf_tiny.tiny_model_dir(kind) if kind == "llama4" else hf_tiny_mamba.tiny_model_dir(kind)
+
+
+def prompts_for(kind: str) -> list[list[int]]:
+    """A prompt that quotes the model's own continuation G of a random S (S + G + junk +
+    S + G[:4]: lookups into G tend to be accepted, the junk after it rejected), and
+    prompts repeating a short pattern."""
+    rng = random.Random(3)
+    s = [rng.randint(3, 255) for _ in range(40)]
+    g = oracle(kind, s, 12)
+    junk = [rng.randint(3, 255) for _ in range(5)]
+    out = [s + g + junk + s + g[:4]]
+    for _ in range(2):
+        pattern = [rng.randint(3, 255) for _ in range(rng.randint(5, 8))]
+        out.append([rng.randint(3, 255) for _ in range(7)] + pattern * 4 + pattern[:2])
+    return out
+
+
+class OracleDrafter:
+    """Proposes the true greedy continuation, with one draft corrupted on two proposals of three."""
+
+    def __init__(self, sequences: list[list[int]]) -> None:
+        self.sequences = sequences  # prompt + HF greedy output, per prompt
+        self.calls = 0
+
+    def propose(self, token_ids: list[int], num_drafts: int) -> list[int]:
+        n = len(token_ids)
+        full = next(f for f in self.sequences if f[:n] == token_ids)
+        drafts = list(full[n : n + num_drafts])
+        self.calls += 1
+        if drafts and self.calls % 3:
+            j = 0 if self.calls % 3 == 1 else (self.calls // 3) % len(drafts)
+            drafts[j] = (drafts[j] + 1) % 512
+        return drafts
+
+
+def make_engine(kind: str, async_scheduling: bool, spec: int, drafter: object = None) -> EngineCore:
+    if kind not in _MODELS:
+        _MODELS[kind] = load_model(model_dir(kind))
+    ex = TorchExecutor(_MODELS[kind], use_worker_thread=async_scheduling, drafter=drafter)  # type: ignore[arg-type]
+    sc = SchedulerConfig(max_model_len=256, async_scheduling=async_scheduling, max_num_batched_tokens=40,
+                         num_speculative_tokens=spec)
+    return build_engine(sc, ex.kv_cache_config(16, num_blocks=200), ex)
+
+
+def run(engine: EngineCore, prompts: list[list[int]]) -> dict[str, list[int]]:
+    for i, p in enumerate(prompts):
+        engine.add_request(Request(f"r{i}", p, SamplingParams(max_tokens=NEW_TOKENS)))
+    got: dict[str, list[int]] = {}
+    try:
+        while engine.has_unfinished_requests():
+            _, outs = engine.step()
+            for o in outs:
+                got.setdefault(o.request_id, []).extend(o.new_token_ids)
+    finally:
+        engine.shutdown()
+    return got
+
+
+@pytest.mark.parametrize("kind", ["llama4", "mamba2", "bamba"])
+@pytest.mark.parametrize("async_scheduling,spec", [(False, 3), (True, 4)], ids=["sync3", "async4"])
+def test_accepted_and_rejected_drafts_leave_hf_greedy_output(kind: str, async_scheduling: bool, spec: int) -> None:
+    prompts = prompts_for(kind)
+    sequences = [p + oracle(kind, p, NEW_TOKENS) for p in prompts]
+    eng = make_engine(kind, async_scheduling, spec, OracleDrafter(sequences))
+    got = run(eng, prompts)
+    for i, p in enumerate(prompts):
+        assert got[f"r{i}"] == oracle(kind, p, NEW_TOKENS), f"{kind} prompt {i}"
+    st = eng.scheduler.stats
+    # Both outcomes, and steps that accepted more than one draft.
+    assert 0 < st.num_accepted_tokens < st.num_draft_tokens, (st.num_accepted_tokens, st.num_draft_tokens)
+    assert st.mean_accepted_length > 1.5
+    assert eng.scheduler.kv.pool.num_free_blocks == eng.scheduler.kv.pool.num_blocks - 1
+
+
+@pytest.mark.parametrize("kind", ["llama4", "bamba"])
+def test_ngram_drafts_on_repetitive_prompts_keep_hf_output(kind: str) -> None:
+    prompts = prompts_for(kind)
+    eng = make_engine(kind, True, 3)
+    got = run(eng, prompts)
+    for i, p in enumerate(prompts):
+        assert got[f"r{i}"] == oracle(kind, p, NEW_TOKENS), f"{kind} prompt {i}"

@@ -14,6 +14,7 @@ the bottleneck. The clock never goes backwards.
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -231,6 +232,10 @@ def run_simulation(sim_config: SimConfig, items: list[WorkloadItem], progress: b
     bar = tqdm(total=n, unit="req", disable=not progress, leave=False, desc=cfg.label)
     clock.now = start_time = arrival[0]
     i = idle = 0
+    # The block pool (tens of thousands of linked blocks) lives as long as the run: freeze
+    # it out of the cyclic GC, which otherwise re-walks it at every full collection (up to 40%
+    # of the run's time with the detector off). unfreeze() hands it back at the end.
+    gc.freeze()
     try:
         while i < n or engine.has_unfinished_requests():
             while i < n and arrival[i] <= clock.now:
@@ -257,6 +262,7 @@ def run_simulation(sim_config: SimConfig, items: list[WorkloadItem], progress: b
             if done:
                 bar.update(done)
     finally:
+        gc.unfreeze()
         bar.close()
         timed.shutdown()
     rec.sample_kv(clock.now, scheduler)

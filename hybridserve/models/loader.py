@@ -78,15 +78,20 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
     else:
         model = DecoderLM(cfg, dtype)
         _fill(model, cfg, w)
+    place_weights(model, cfg, w, device)
+    model.setup_rope(torch.device(device), cfg.max_position_embeddings)
+    model.build_linears()
+    return model.eval()
+
+
+def place_weights(model: torch.nn.Module, cfg: ModelConfig, w: _Weights, device: str | torch.device) -> None:
+    """After filling: refuse checkpoint tensors nothing read, move to `device`, tie the head."""
     left = w.leftovers()
     if left:
         raise ConfigError(f"checkpoint has {len(left)} tensor(s) this implementation would ignore, e.g. {left[0]}")
     model.to(device)
     if cfg.tie_word_embeddings:
         model.lm_head = model.embed
-    model.setup_rope(torch.device(device), cfg.max_position_embeddings)
-    model.build_linears()
-    return model.eval()
 
 
 def _fill(model: DecoderLM, cfg: ModelConfig, w: _Weights) -> None:

@@ -17,9 +17,8 @@ from pathlib import Path
 
 import torch
 
-from hybridserve.core.errors import ConfigError
 from hybridserve.models.config import ModelConfig
-from hybridserve.models.loader import _open_tensors, _Weights
+from hybridserve.models.loader import _open_tensors, _Weights, place_weights
 from hybridserve.models.mamba2 import Mamba2MixerWeights
 from hybridserve.models.mamba_lm import AttentionWeights, MambaLM
 
@@ -28,12 +27,7 @@ def load_mamba_model(model_dir: Path, cfg: ModelConfig, device: str | torch.devi
     model = MambaLM(cfg, dtype)
     w = _Weights(_open_tensors(model_dir), dtype)
     _fill(model, cfg, w)
-    left = w.leftovers()
-    if left:
-        raise ConfigError(f"checkpoint has {len(left)} tensor(s) this implementation would ignore, e.g. {left[0]}")
-    model.to(device)
-    if cfg.tie_word_embeddings:
-        model.lm_head = model.embed
+    place_weights(model, cfg, w, device)
     model.setup(torch.device(device))
     return model.eval()
 

@@ -225,3 +225,18 @@ def test_llm_with_kv_offload_memory_matches_hf() -> None:
     for p, o in zip(prompts, outs):
         assert list(o.outputs[0].token_ids) == hf_tiny.oracle("llama", p, NEW_TOKENS)[0]
     assert stats.num_offload_loaded_blocks > 0 and stats.num_offloaded_blocks > 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_chunked_local_model_loads_from_host(async_scheduling: bool) -> None:
+    """Llama 4 (3 chunked-local groups + 1 full): the continuation's prefix comes back from
+    host memory (the full group's hit blocks and each chunked group's current chunk)."""
+    eng, conn = make_engine("llama4", async_scheduling=async_scheduling, num_blocks=48)
+    try:
+        run_waves("llama4", eng)
+        stats = eng.scheduler.make_stats()
+        assert_nothing_leaks(eng, conn)
+    finally:
+        eng.shutdown()
+    assert stats.num_offloaded_blocks > 0
+    assert stats.num_offload_hit_tokens > 0 and stats.num_offload_loaded_blocks > 0

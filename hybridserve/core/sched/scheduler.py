@@ -388,9 +388,11 @@ class Scheduler(KVTransferMixin):
                 outs.append(t)
                 new_tokens = sampled
                 sp = req.sampling_params
+                num_outputs = len(outs)
+                num_tokens = len(req.prompt_token_ids) + num_outputs
                 # No stop ids, not EOS, below both length limits: nothing can stop it.
                 if (sp.stop_token_ids or (t == req.eos_token_id and not sp.ignore_eos)
-                        or len(outs) >= sp.max_tokens or len(req.prompt_token_ids) + len(outs) >= max_model_len):
+                        or num_outputs >= sp.max_tokens or num_tokens >= max_model_len):
                     status = check_stop(req, t, max_model_len)
             else:
                 new_tokens = []
@@ -400,8 +402,8 @@ class Scheduler(KVTransferMixin):
                     status = check_stop(req, t, max_model_len)
                     if status is not None:
                         break
-            if (req._block_hasher is not None
-                    and len(req.prompt_token_ids) + len(req.output_token_ids) >= (len(req.block_hashes) + 1) * block_size):
+                num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)
+            if req._block_hasher is not None and num_tokens >= (len(req.block_hashes) + 1) * block_size:
                 req.update_block_hashes()  # a block just filled up
             num_generated += len(new_tokens)
             if status is not None:

@@ -31,6 +31,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hf_baseline import left_padded_generate  # noqa: E402  (this folder is on sys.path)
+
 PROMPTS_FILE = Path("/work/shared/peers/vllm_cpu/prompts16.json")
 WARMUP_SEED, WARMUP_LEN, WARMUP_COUNT, TOKEN_LOW = 1_000_003, 16, 2, 5
 _START_SNIPPET = (
@@ -96,16 +98,7 @@ def run_hf(model_dir: Path, prompts: list[list[int]], warmup: list[list[int]], n
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
 
     def run_batch(rows: list[list[int]], max_new: int) -> list[list[int]]:
-        width = max(len(p) for p in rows)
-        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for r, p in enumerate(rows):
-            ids[r, width - len(p):] = torch.tensor(p)
-            mask[r, width - len(p):] = 1
-        with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
-                                 pad_token_id=pad_id)
-        return out[:, width:].tolist()
+        return left_padded_generate(model, rows, max_new, pad_id)
 
     run_batch(warmup, 4)
     times, ids = [], []

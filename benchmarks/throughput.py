@@ -32,6 +32,8 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hf_baseline import left_padded_generate  # noqa: E402  (this folder is on sys.path)
+
 TINY = ("tiny-mistral", "tiny-gemma3", "tiny-llama4", "tiny-mamba2", "tiny-bamba")
 
 
@@ -161,16 +163,7 @@ def hf_runner(args: argparse.Namespace, mdir: Path, prompts: list[list[int]]) ->
     startup_s = time.perf_counter() - t0
 
     def batch_generate(batch: list[list[int]], max_new: int) -> list[list[int]]:
-        width = max(len(p) for p in batch)
-        ids = torch.full((len(batch), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, p in enumerate(batch):
-            ids[row, width - len(p):] = torch.tensor(p)
-            mask[row, width - len(p):] = 1
-        with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
-                                 pad_token_id=pad)
-        return out[:, width:].tolist()
+        return left_padded_generate(model, batch, max_new, pad)
 
     def generate() -> Run:
         start = time.perf_counter()

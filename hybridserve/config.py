@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from hybridserve.core.errors import ConfigError
-from hybridserve.core.kv.spec import KVCacheConfig, KVCacheGroup, bytes_per_block
+from hybridserve.core.kv.spec import KVCacheConfig, KVCacheGroup, bytes_per_block, with_mamba_checkpoints
 from hybridserve.core.sched.config import SchedulerConfig
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when neither kv_cache_memory nor num_blocks is given
@@ -196,6 +196,8 @@ def resolve_engine_settings(config: EngineConfig, groups: tuple[KVCacheGroup, ..
     """
     max_model_len = resolve_max_model_len(config, model_max_len)
     sched = config.scheduler_config(max_model_len)
+    if config.enable_prefix_caching:  # as KVCacheManager will see them
+        groups = with_mamba_checkpoints(groups)
     tail = sched.window_tail if window_tail else None
     per_block = bytes_per_block(groups)
 

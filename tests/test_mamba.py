@@ -3,11 +3,14 @@
 Tiny random models (tests/hf_tiny_mamba.py: SSD chunks of 16, blocks of 16); prompts of
 40-100 tokens cross both. Greedy tokens must equal HF's in sync and async mode, with
 prefills chunked at every offset, with preemption (states recomputed from zeros), and
-with prefix caching on (a Mamba group admits no hits, so nothing is skipped). The
-states after a chunked prefill equal those after an unchunked one; logits match HF.
+with prefix-cache hits (a request starts from the state checkpointed at the last shared
+block boundary). The states after a chunked prefill equal those after an unchunked one,
+and so does every checkpoint; logits match HF.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 
@@ -15,7 +18,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from hybridserve.core.errors import ConfigError, RequestError  # noqa: E402
-from hybridserve.core.kv.spec import FullAttentionSpec, MambaSpec  # noqa: E402
+from hybridserve.core.kv.spec import FullAttentionSpec, MambaSpec, with_mamba_checkpoints  # noqa: E402
 from hybridserve.core.request import Request, SamplingParams  # noqa: E402
 from hybridserve.core.sched.config import SchedulerConfig  # noqa: E402
 from hybridserve.core.sched.output import NewRequestData, ScheduledRequest, SchedulerOutput  # noqa: E402
@@ -81,15 +84,17 @@ class HandRun:
     """One request "r" on a ModelRunner, scheduled by hand: all blocks are handed out at
     its first step (attention: enough for the prompt + 48 tokens; Mamba: one state block)."""
 
-    def __init__(self, kind: str, prompt: list[int]) -> None:
+    def __init__(self, kind: str, prompt: list[int], checkpoints: bool = False) -> None:
         self.model = model(kind)
         kvc = build_kv_cache_config(self.model.cfg, BS, num_blocks=64)
+        if checkpoints:  # positional Mamba tables, as with prefix caching
+            kvc = replace(kvc, groups=with_mamba_checkpoints(kvc.groups))
         self.runner = ModelRunner(self.model, kvc, torch.device("cpu"))
         self.prompt = prompt
         nb = -(-(len(prompt) + 48) // BS)
         ids, next_id = [], 1
         for g in kvc.groups:
-            count = 1 if isinstance(g.spec, MambaSpec) else nb
+            count = 1 if isinstance(g.spec, MambaSpec) and not checkpoints else nb
             ids.append(list(range(next_id, next_id + count)))
             next_id += count
         self.first_ids = tuple(ids)
@@ -118,24 +123,45 @@ class HandRun:
         return out
 
 
-def _hand_run(kind: str, prompt: list[int], chunks: list[int], decodes: int) -> HandRun:
+def _hand_run(kind: str, prompt: list[int], chunks: list[int], decodes: int, checkpoints: bool = False) -> HandRun:
     """Prefill `prompt` in chunks of the given sizes, then `decodes` decode steps."""
-    run = HandRun(kind, prompt)
+    run = HandRun(kind, prompt, checkpoints)
     for n in chunks + [1] * decodes:
         run.step(n)
     return run
 
 
-def _states(runner: ModelRunner) -> list[torch.Tensor]:
-    """Every Mamba layer's conv and SSM state of the single request."""
+def _states(runner: ModelRunner, col: int = 0) -> list[torch.Tensor]:
+    """Every Mamba layer's conv and SSM state of the single request, in table column col."""
     assert runner.mamba is not None
     out = []
     for i, entry in enumerate(runner.mamba.states):
         if entry is not None:
             g, views = entry
-            block = int(runner.tables.table[g, runner.states["r"].row, 0])
+            block = int(runner.tables.table[g, runner.states["r"].row, col])
             out += [v[block].clone() for v in views]
     return out
+
+
+def _close(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
+    for x, y in zip(a, b, strict=True):
+        assert x.abs().max() > 0
+        assert (x - y).abs().max() <= 1e-4 * x.abs().max()
+
+
+@pytest.mark.parametrize("kind", tiny.KINDS)
+def test_block_checkpoints_hold_the_state_after_each_boundary(kind: str) -> None:
+    """With prefix caching, block i holds the state after 16(i+1) tokens: the chunks
+    (37, 11 ending at 48, the rest, then decodes) cross boundaries inside chunks, at a chunk's end and in a
+    decode; each checkpoint equals the state of an unchunked prefill of that prefix."""
+    prompt = PROMPTS[2]  # 40..100 tokens
+    run = _hand_run(kind, prompt, [37, 11, len(prompt) - 48], 20, checkpoints=True)
+    for i in range(run.done // BS):
+        ref = _hand_run(kind, (prompt + run.tokens)[: BS * (i + 1)], [BS * (i + 1)], 0).runner
+        _close(_states(ref), _states(run.runner, i))
+    # The running state: after `done` tokens, in block (done - 1) // 16.
+    seq = (prompt + run.tokens)[: run.done]
+    _close(_states(_hand_run(kind, seq, [len(seq)], 0).runner), _states(run.runner, (run.done - 1) // BS))
 
 
 @pytest.mark.parametrize("kind", tiny.KINDS)
@@ -145,9 +171,7 @@ def test_chunked_prefill_states_equal_unchunked(kind: str) -> None:
     # Chunks ending inside SSD chunks and blocks, shorter than the conv kernel, and of 1.
     sizes = [7, 2, 1, 23, 16]
     chunked = _hand_run(kind, prompt, sizes + [len(prompt) - sum(sizes)], 0).runner
-    for a, b in zip(_states(whole), _states(chunked), strict=True):
-        assert a.abs().max() > 0
-        assert (a - b).abs().max() <= 1e-4 * a.abs().max()
+    _close(_states(whole), _states(chunked))
 
 
 @pytest.mark.parametrize("kind", tiny.KINDS)
@@ -213,7 +237,7 @@ def test_runner_refuses_a_mid_sequence_start() -> None:
     p = PROMPTS[0]
     sr = ScheduledRequest("x", 16, 4, 0, tuple([1] for _ in kvc.groups), (0,) * len(kvc.groups), False,
                           NewRequestData("x", p, SamplingParams(), list(p)))
-    with pytest.raises(RequestError, match="no saved state"):
+    with pytest.raises(RequestError, match="keeps no state mid-sequence"):
         runner.execute(SchedulerOutput(0, [sr], 4))
 
 
@@ -273,33 +297,54 @@ def test_chunked_prefill_across_ssd_chunk_and_block_boundaries(kind: str) -> Non
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_preemption_recomputes_from_zero_state(async_scheduling: bool) -> None:
-    # Bamba's attention group grows with the sequence; 14 blocks (3 of them each
-    # request's Mamba states) force preemptions, and a resumed request restarts at 0.
-    eng = make_engine("bamba", async_scheduling=async_scheduling, num_blocks=14, max_num_batched_tokens=32)
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["recompute", "cached"])
+def test_preemption_resumes_from_zero_or_a_checkpoint(async_scheduling: bool, prefix_caching: bool) -> None:
+    # Bamba's attention group grows with the sequence; a small pool forces preemptions.
+    # Without prefix caching (3 of 14 blocks are each request's Mamba states) a resumed
+    # request restarts at 0; with it (a state checkpoint per block, so a bigger pool) it
+    # resumes from its own last cached checkpoint, if not evicted meanwhile.
+    eng = make_engine("bamba", async_scheduling=async_scheduling, num_blocks=28 if prefix_caching else 14,
+                      max_num_batched_tokens=32, prefix_caching=prefix_caching)
     got = run(eng, PROMPTS)
     assert eng.scheduler.stats.num_preemptions > 0
     check("bamba", PROMPTS, got)
 
 
 def test_reused_state_blocks_start_from_zero() -> None:
-    # A pure Mamba model never grows, so it is never preempted: 3 state blocks run 4
-    # requests by queueing, and the 4th reuses a finished request's block, whose stale
-    # states must not leak into it.
-    eng = make_engine("mamba2", async_scheduling=True, num_blocks=4, max_num_batched_tokens=64)
+    # Without prefix caching a pure Mamba model never grows, so it is never preempted:
+    # 3 state blocks run 4 requests by queueing, and the 4th reuses a finished request's
+    # block, whose stale states must not leak into it.
+    eng = make_engine("mamba2", async_scheduling=True, num_blocks=4, max_num_batched_tokens=64, prefix_caching=False)
     got = run(eng, PROMPTS)
     assert eng.scheduler.stats.num_preemptions == 0
     check("mamba2", PROMPTS, got)
 
 
-def test_prefix_caching_serves_no_hit_to_a_mamba_model() -> None:
+def test_without_prefix_caching_a_mamba_model_gets_no_hit() -> None:
     base = PROMPTS[3]
-    eng = make_engine("bamba", async_scheduling=True)
+    eng = make_engine("bamba", async_scheduling=True, prefix_caching=False)
     first = run(eng, [base], tag="a", shutdown=False)
     second = [list(base), base + [5, 6, 7, 8, 9]]
     got = run(eng, second, tag="b")
     check("bamba", [base], first, tag="a")
     check("bamba", second, got, tag="b")
-    # The attention group has the blocks cached, but the Mamba groups cannot serve a
-    # state mid-sequence, so the hybrid hit is empty and both recompute from token 0.
     assert got["b0"][2] == 0 and got["b1"][2] == 0
+
+
+@pytest.mark.parametrize("kind", tiny.KINDS)
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_prefix_cache_hits_start_from_the_checkpointed_state(kind: str, async_scheduling: bool) -> None:
+    """A second wave shares the first's prompts (and, multi-turn, its outputs): it starts
+    from the Mamba checkpoint at the last shared block boundary, attention blocks too.
+    Chunks of 24 tokens put most boundaries inside chunks."""
+    base = PROMPTS[3]
+    eng = make_engine(kind, async_scheduling=async_scheduling, max_num_batched_tokens=24)
+    first = run(eng, [base], tag="a", shutdown=False)
+    check(kind, [base], first, tag="a")
+    turn2 = base + first["a0"][0] + [5, 6, 7]
+    second = [list(base), base[:50] + [9] * 20, turn2]
+    got = run(eng, second, tag="b")
+    check(kind, second, got, tag="b")
+    # Hits end at the last whole block every request has seen (and before the last token).
+    assert [got[f"b{i}"][2] for i in range(3)] == [
+        (len(base) - 1) // BS * BS, 48, (len(base) + NEW_TOKENS - 1) // BS * BS]

@@ -145,9 +145,10 @@ def test_connector_finished_prunes_on_settled_basis():
     assert conn.tables[-1][0][:5] == [0] * 5
 
 
-def _spec_rollback(spec, group_kind):
+def _spec_rollback(spec, group_kind, enable_prefix_caching=True):
     """A decode step with 1 + 3 drafts, 2 rejected, under async scheduling."""
-    sched = make_scheduler(kv_specs=[spec], async_scheduling=True, num_blocks=1000, num_speculative_tokens=3)
+    sched = make_scheduler(kv_specs=[spec], async_scheduling=True, num_blocks=1000, num_speculative_tokens=3,
+                           enable_prefix_caching=enable_prefix_caching)
     (req,) = make_requests(1, 59, max_tokens=50)
     sched.add_request(req)
     out = sched.schedule()
@@ -181,8 +182,23 @@ def test_spec_rejection_never_nulls_needed_blocks_sliding_window():
 
 def test_spec_rejection_never_nulls_mamba_state():
     spec = MambaSpec(16, shapes=((4, 8),), num_speculative_blocks=3)
-    sched, table, req = _spec_rollback(spec, "mamba")
+    sched, table, req = _spec_rollback(spec, "mamba", enable_prefix_caching=False)
     assert len(table) == 4 and not any(b.is_null for b in table)
+
+
+def test_spec_rejection_never_nulls_mamba_checkpoint_blocks():
+    """With prefix caching a Mamba table is positional (one checkpoint per block): the
+    state after the true 61 tokens lives in block 60 // 16 = 3, which the rollback
+    must find real, and so on for every processed count afterwards."""
+    spec = MambaSpec(16, shapes=((4, 8),), num_speculative_blocks=3)
+    sched, table, req = _spec_rollback(spec, "mamba")
+    assert [b.is_null for b in table] == [True, True, True, False, False]  # 63 + lookahead 3 -> 5 blocks
+    for _ in range(4):
+        out = sched.schedule()  # prunes on the processed count
+        processed = req.num_computed_tokens - req.num_in_flight_tokens
+        assert all(not b.is_null for b in table[(processed - 1) // 16 :])
+        assert all(b.is_null for b in table[: (processed - 1) // 16])
+        sched.update_from_output(out, fake_runner_output(out))
 
 
 def _two_in_flight(sched_kwargs):

@@ -18,6 +18,7 @@ from hybridserve.core.kv.spec import (
     KVCacheGroup,
     MambaSpec,
     SlidingWindowSpec,
+    with_mamba_checkpoints,
 )
 from hybridserve.core.sched.config import SchedulerConfig
 from tests.sim_helpers import make_request, reference_output, run_sim
@@ -82,6 +83,8 @@ def workloads(draw):
     sc = SchedulerConfig(max_num_batched_tokens=budget, max_model_len=MML, async_scheduling=async_sched,
                          max_concurrent_batches=batches, num_speculative_tokens=spec_tokens)
     groups = tuple(KVCacheGroup(s, (f"l{i}",)) for i, s in enumerate(specs))
+    if cfg["enable_prefix_caching"]:  # Mamba groups then keep a state checkpoint per block
+        groups = with_mamba_checkpoints(groups)
     tail = sc.window_tail if cfg["window_tail_allocation"] else None
     min_blocks = KVCacheConfig(1, groups).min_num_blocks(sc.max_in_flight_tokens, MML, tail)
     num_blocks = min_blocks + draw(st.integers(0, 60))

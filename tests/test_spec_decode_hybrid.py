@@ -84,17 +84,22 @@ def make_engine(kind: str, async_scheduling: bool, spec: int, drafter: object = 
     return build_engine(sc, ex.kv_cache_config(16, num_blocks=200), ex)
 
 
-def run(engine: EngineCore, prompts: list[list[int]]) -> dict[str, list[int]]:
+def run(engine: EngineCore, prompts: list[list[int]], tag: str = "r", shutdown: bool = True,
+        cached: dict[str, int] | None = None) -> dict[str, list[int]]:
+    """Output tokens per request; `cached` collects each request's prefix-cache hit."""
     for i, p in enumerate(prompts):
-        engine.add_request(Request(f"r{i}", p, SamplingParams(max_tokens=NEW_TOKENS)))
+        engine.add_request(Request(f"{tag}{i}", p, SamplingParams(max_tokens=NEW_TOKENS)))
     got: dict[str, list[int]] = {}
     try:
         while engine.has_unfinished_requests():
             _, outs = engine.step()
             for o in outs:
                 got.setdefault(o.request_id, []).extend(o.new_token_ids)
+                if cached is not None:
+                    cached[o.request_id] = max(cached.get(o.request_id, 0), o.num_cached_tokens)
     finally:
-        engine.shutdown()
+        if shutdown:
+            engine.shutdown()
     return got
 
 
@@ -121,3 +126,24 @@ def test_ngram_drafts_on_repetitive_prompts_keep_hf_output(kind: str) -> None:
     got = run(eng, prompts)
     for i, p in enumerate(prompts):
         assert got[f"r{i}"] == oracle(kind, p, NEW_TOKENS), f"{kind} prompt {i}"
+
+
+@pytest.mark.parametrize("kind", ["mamba2", "bamba"])
+@pytest.mark.parametrize("async_scheduling,spec", [(False, 3), (True, 4)], ids=["sync3", "async4"])
+def test_next_turn_starts_from_states_checkpointed_during_verification(kind: str, async_scheduling: bool,
+                                                                       spec: int) -> None:
+    """The block boundaries a decode crosses are inside verify chunks, so their Mamba
+    checkpoints are the states StepMambaStates.commit keeps; the next turn (prompt +
+    output + more) starts from the last one and must still produce HF's tokens."""
+    prompts = prompts_for(kind)
+    turn2 = [p + oracle(kind, p, NEW_TOKENS) + [7, 8, 9] for p in prompts]
+    sequences = [p + oracle(kind, p, NEW_TOKENS) for p in prompts + turn2]
+    eng = make_engine(kind, async_scheduling, spec, OracleDrafter(sequences))
+    first = run(eng, prompts, tag="a", shutdown=False)
+    cached: dict[str, int] = {}
+    second = run(eng, turn2, tag="b", cached=cached)
+    for i, p in enumerate(prompts):
+        assert first[f"a{i}"] == oracle(kind, p, NEW_TOKENS)
+        assert second[f"b{i}"] == oracle(kind, turn2[i], NEW_TOKENS), f"{kind} turn 2 of prompt {i}"
+        # The first turn computed all but its last output token: whole blocks of that.
+        assert cached[f"b{i}"] == (len(p) + NEW_TOKENS - 1) // 16 * 16 > len(p) // 16 * 16

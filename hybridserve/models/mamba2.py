@@ -24,6 +24,7 @@ prefill is cut into chunks does not change the tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from math import gcd
 from typing import Protocol, Sequence
 
 import torch
@@ -41,14 +42,19 @@ class MambaStateIO(Protocol):
     # is kept (TokenStates), so the runner can commit the one at the accepted length.
     verify: list[int]
 
+    # Prefill chunks that cross block boundaries with prefix caching on: request index ->
+    # the token counts j (0 < j < its count) after which its state is kept (BoundaryStates).
+    checkpoints: dict[int, list[int]]
+
     def read(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(conv [R, conv_dim, K-1], ssm [R, H, P, N]) of every request: fresh copies,
         zeros for requests that start this step."""
         ...
 
     def write(self, layer_idx: int, conv: torch.Tensor, ssm: torch.Tensor,
-              token_states: TokenStates | None = None) -> None:
-        """Store the states after this step (and the verify requests' per-token states)."""
+              token_states: TokenStates | None = None, boundary_states: BoundaryStates | None = None) -> None:
+        """Store the states after this step (and the verify requests' per-token states,
+        and the prefill chunks' states at the requested boundaries)."""
         ...
 
 
@@ -65,6 +71,11 @@ class TokenStates:
     reqs: list[int]  # request indices (into the step's requests)
     conv: torch.Tensor  # [V, n, conv_dim, K-1], n = the longest verify chunk
     ssm: torch.Tensor  # [V, n, H, P, N]
+
+
+# Request index -> (conv [J, conv_dim, K-1], SSM [J, H, P, N]): its states after each of
+# the J token counts MambaStateIO.checkpoints asked for, in that order.
+BoundaryStates = dict[int, tuple[torch.Tensor, torch.Tensor]]
 
 
 class Mamba2MixerWeights(nn.Module):
@@ -91,16 +102,18 @@ class Mamba2MixerWeights(nn.Module):
 
 
 def mamba2_mixer(w: Mamba2MixerWeights, cfg: MambaMixerConfig, h: torch.Tensor, conv_state: torch.Tensor,
-                 ssm_state: torch.Tensor, counts: list[int], verify: Sequence[int] = ()
-                 ) -> tuple[torch.Tensor, TokenStates | None]:
-    """h [T, hidden] (normed) -> ([T, hidden], the verify requests' TokenStates or None);
-    conv_state [R, conv_dim, K-1] and ssm_state [R, H, P, N] are advanced past each
-    request's whole chunk, in place."""
+                 ssm_state: torch.Tensor, counts: list[int], verify: Sequence[int] = (),
+                 checkpoints: dict[int, list[int]] | None = None
+                 ) -> tuple[torch.Tensor, TokenStates | None, BoundaryStates]:
+    """h [T, hidden] (normed) -> ([T, hidden], the verify requests' TokenStates or None,
+    the states at `checkpoints` of longer chunks); conv_state [R, conv_dim, K-1] and
+    ssm_state [R, H, P, N] are advanced past each request's whole chunk, in place."""
     I, H, P = cfg.intermediate_size, cfg.num_heads, cfg.head_dim
     proj = F.linear(h, w.in_proj, w.in_proj_bias)
     z, xbc, dt = proj.split([I, cfg.conv_dim, H], dim=-1)
     T, R = h.shape[0], len(counts)
     token_states = None
+    boundary_states: BoundaryStates = {}
     if T == R:  # a pure decode step: one recurrence step for every request at once
         y = _decode(w, cfg, xbc, dt, conv_state, ssm_state)
     else:
@@ -116,8 +129,11 @@ def mamba2_mixer(w: Mamba2MixerWeights, cfg: MambaMixerConfig, h: torch.Tensor, 
             if r in verify_set:
                 verify_rows.append(start)
             elif c > 1:
-                y[start : start + c] = _prefill(w, cfg, xbc[start : start + c], dt[start : start + c],
-                                                conv_state[r], ssm_state[r])
+                save_at = checkpoints.get(r, ()) if checkpoints else ()
+                y[start : start + c], saved = _prefill(w, cfg, xbc[start : start + c], dt[start : start + c],
+                                                       conv_state[r], ssm_state[r], save_at)
+                if saved is not None:
+                    boundary_states[r] = saved
             else:
                 decodes.append(r)
                 decode_rows.append(start)
@@ -133,7 +149,7 @@ def mamba2_mixer(w: Mamba2MixerWeights, cfg: MambaMixerConfig, h: torch.Tensor, 
             token_states = _verify(w, cfg, xbc, dt, conv_state, ssm_state, y, list(verify), verify_rows,
                                    [counts[r] for r in verify])
     out = F.linear(_gated_norm(y.reshape(T, I), z, w.norm, cfg).to(h.dtype), w.out_proj, w.out_proj_bias)
-    return out, token_states
+    return out, token_states, boundary_states
 
 
 def _verify(w: Mamba2MixerWeights, cfg: MambaMixerConfig, xbc: torch.Tensor, dt: torch.Tensor,
@@ -205,19 +221,27 @@ def _decode(w: Mamba2MixerWeights, cfg: MambaMixerConfig, xbc: torch.Tensor, dt:
 
 
 def _prefill(w: Mamba2MixerWeights, cfg: MambaMixerConfig, xbc: torch.Tensor, dt: torch.Tensor,
-             conv_state: torch.Tensor, ssm_state: torch.Tensor) -> torch.Tensor:
-    """One request's chunk of L tokens: xbc [L, conv_dim], dt [L, H] -> y [L, H, P] (float32);
+             conv_state: torch.Tensor, ssm_state: torch.Tensor, save_at: Sequence[int] = ()
+             ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """One request's chunk of L tokens: xbc [L, conv_dim], dt [L, H] -> (y [L, H, P] float32,
+    its (conv, SSM) states after each token count in save_at, or None if none asked);
     conv_state [conv_dim, K-1] and ssm_state [H, P, N] advance past the chunk in place."""
     L = xbc.shape[0]
     H, P, N, G = cfg.num_heads, cfg.head_dim, cfg.state_size, cfg.n_groups
+    K1 = conv_state.shape[1]
     seq = torch.cat((conv_state, xbc.t().to(conv_state.dtype)), dim=1)  # [conv_dim, K-1+L]
     conv_state.copy_(seq[:, L:])  # the last K-1 inputs
     # Cross-correlation over K-1+L inputs with no padding: output t sees inputs t..t+K-1.
     out = F.conv1d(seq[None], w.conv_w[:, None, :], w.conv_b, groups=cfg.conv_dim)[0].t()  # [L, conv_dim]
     x, B, C = F.silu(out).float().split([cfg.intermediate_size, G * N, G * N], dim=-1)
-    y = ssd_scan(x.view(L, H, P), _dt(dt, w, cfg), w.A.float(), B.view(L, G, N), C.view(L, G, N), ssm_state,
-                 cfg.chunk_size)
-    return y + w.D.float()[:, None] * x.view(L, H, P)
+    y, ssm_saved = ssd_scan(x.view(L, H, P), _dt(dt, w, cfg), w.A.float(), B.view(L, G, N), C.view(L, G, N),
+                            ssm_state, cfg.chunk_size, save_at)
+    y = y + w.D.float()[:, None] * x.view(L, H, P)
+    if not save_at:
+        return y, None
+    # The conv state after j tokens is the K-1 inputs before input j: seq columns j .. j+K-2.
+    conv_saved = torch.stack([seq[:, j : j + K1] for j in save_at])
+    return y, (conv_saved, ssm_saved.to(ssm_state.dtype))
 
 
 def segment_sums(a: torch.Tensor) -> torch.Tensor:
@@ -233,23 +257,36 @@ def segment_sums(a: torch.Tensor) -> torch.Tensor:
 
 
 def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-             state: torch.Tensor, chunk_size: int) -> torch.Tensor:
+             state: torch.Tensor, chunk_size: int, save_at: Sequence[int] = ()
+             ) -> tuple[torch.Tensor, torch.Tensor]:
     """SSD chunked scan of one sequence, without the D skip term.
 
     x [L, H, P], dt [L, H], A [H], B/C [L, G, N], state [H, P, N] (the state before the
-    sequence; overwritten with the state after it) -> y [L, H, P]. Float32 throughout.
+    sequence; overwritten with the state after it) -> (y [L, H, P], the states after
+    each token count in save_at [J, H, P, N]). Float32 throughout.
 
     The sequence is padded with dt = 0 (no decay, no input) to whole chunks of Q::
 
         chunk c:   y_l = sum_{s<=l} (C_l . B_s) exp(a_{s+1..l}) dt_s x_s     (within the chunk)
                        + exp(a_{first..l}) C_l . S_c                         (state entering it)
                    S_{c+1} = exp(a_{whole chunk}) S_c + sum_s exp(a_{s+1..last}) dt_s x_s (outer) B_s
+
+    States are only known between chunks, so with save_at (evenly spaced counts, block
+    boundaries) Q shrinks to divide their spacing and pad tokens go in front too, until
+    every count is a chunk start::
+
+        save_at 5, 21 (spacing 16), Q 16:  pad 11 | 5 tokens | 16 tokens | rest
+        entering states:                   S_0      S_5        S_21
     """
     L, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
-    Q = chunk_size
-    nc = -(-L // Q)
-    pad = nc * Q - L
+    Q, front = chunk_size, 0
+    if save_at:
+        for a, b in zip(save_at, save_at[1:]):
+            Q = gcd(Q, b - a)
+        front = -save_at[0] % Q
+    nc = -(-(front + L) // Q)
+    pad = nc * Q - L - front
     rep = H // G
     Bh = B.repeat_interleave(rep, dim=1)  # [L, H, N]
     Ch = C.repeat_interleave(rep, dim=1)
@@ -257,8 +294,8 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
     a = dt * A  # [L, H], <= 0
 
     def chunks(t: torch.Tensor) -> torch.Tensor:
-        if pad:
-            t = torch.cat((t, t.new_zeros(pad, *t.shape[1:])))
+        if pad or front:
+            t = torch.cat((t.new_zeros(front, *t.shape[1:]), t, t.new_zeros(pad, *t.shape[1:])))
         return t.view(nc, Q, *t.shape[1:])
 
     xdt, a, Bh, Ch = chunks(xdt), chunks(a), chunks(Bh), chunks(Ch)
@@ -278,4 +315,5 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
         s = s * chunk_decay[c][:, None, None] + chunk_states[c]
     state.copy_(s)
     y = y + torch.einsum("clhn,chpn->clhp", Ch, entering) * torch.exp(a_cum).transpose(1, 2)[..., None]
-    return y.reshape(nc * Q, H, P)[:L]
+    saved = entering[[(front + j) // Q for j in save_at]] if save_at else entering[:0]
+    return y.reshape(nc * Q, H, P)[front : front + L], saved

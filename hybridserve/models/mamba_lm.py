@@ -98,9 +98,10 @@ class MambaLM(nn.Module):
             if w.mixer is not None:
                 io = backend.mamba
                 conv, ssm = io.read(i)
-                out, token_states = mamba2_mixer(w.mixer, mixer_cfg, x, conv, ssm, io.counts, io.verify)
+                out, token_states, boundary_states = mamba2_mixer(w.mixer, mixer_cfg, x, conv, ssm, io.counts,
+                                                                  io.verify, io.checkpoints)
                 h = h + out
-                io.write(i, conv, ssm, token_states)
+                io.write(i, conv, ssm, token_states, boundary_states)
             else:
                 assert w.attn is not None and rope is not None
                 h = h + self._attention(i, w.attn, x, rope, backend)

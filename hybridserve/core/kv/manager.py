@@ -9,13 +9,13 @@ a step of the request may still be in flight are fenced behind that step.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.kv.block_pool import BlockPool, KVCacheBlock
 from hybridserve.core.kv.coordinator import BlocksPerGroup, KVCacheCoordinator
 from hybridserve.core.kv.hashing import make_block_hasher
-from hybridserve.core.kv.spec import KVCacheConfig, WindowTail
+from hybridserve.core.kv.spec import KVCacheConfig, WindowTail, with_mamba_checkpoints
 from hybridserve.core.request import Request
 
 
@@ -39,6 +39,8 @@ class KVCacheManager:
         unsafe_optimistic_free: bool = False,
         window_tail: WindowTail | None = None,
     ) -> None:
+        if enable_caching:  # Mamba groups then keep a state per block, so prefixes can hit
+            kv_cache_config = replace(kv_cache_config, groups=with_mamba_checkpoints(kv_cache_config.groups))
         need = kv_cache_config.min_num_blocks(max_in_flight_tokens, max_model_len, window_tail)
         if kv_cache_config.num_blocks < need:
             raise ConfigError(
@@ -189,6 +191,11 @@ class KVCacheManager:
     ) -> BlocksPerGroup | None:
         rid = request.request_id
         managers = self.coordinator.managers
+        if self.enable_caching and not delay_cache_blocks and new_computed_blocks is None:
+            # Publish blocks filled since the last allocation before pruning nulls them: a
+            # spec-decode step fills a block past the known tokens, so it becomes cacheable
+            # only once the next token is known, when it may already be out of window.
+            self.coordinator.cache_blocks(request, min(total_computed, request.num_tokens))
         for m in managers:
             m.remove_skipped_blocks(rid, basis)
 

@@ -285,24 +285,55 @@ class ChunkedLocalAttentionManager(SingleTypeKVCacheManager):
 
 
 class MambaManager(SingleTypeKVCacheManager):
-    """A request holds 1 + num_speculative_blocks state blocks, whatever its length."""
+    """State blocks of a Mamba group; see MambaSpec for its two layouts.
+
+    With block checkpoints the table is positional and the state after n tokens lives
+    in block (n-1)//bs, so every block below that one is skipped::
+
+        bs 4, n = 10 processed: state S10 in block 2; blocks 0, 1 (S4, S8) are freed
+        tokens  0 1 2 3 | 4 5 6 7 | 8 9 _ _
+        blocks  [S4]      [S8]      [S10]          skipped = ((10-1)//4)*4 = 8
+
+    A prefix hit needs just one block: the checkpoint at the hit's end.
+    """
 
     spec: MambaSpec
 
+    def __init__(self, spec: KVCacheSpec, block_pool: BlockPool, group_id: int, enable_caching: bool) -> None:
+        super().__init__(spec, block_pool, group_id, enable_caching)
+        self.checkpoints = self.spec.block_checkpoints
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        if not self.checkpoints or num_computed_tokens < 1:
+            return 0
+        return (num_computed_tokens - 1) // self.block_size * self.block_size
+
     def num_required_blocks(self, num_tokens: int) -> int:
+        if self.checkpoints:
+            return -(-num_tokens // self.block_size)
         return self.spec.num_state_blocks if num_tokens > 0 else 0
 
     def find_longest_cache_hit(self, block_hashes: list[bytes], max_length: int) -> list[KVCacheBlock]:
-        return []  # states are not cached per prefix
+        """The rightmost cached checkpoint at or below max_length; nulls before it."""
+        if not self.checkpoints:
+            return []  # a state block is overwritten as the request runs: nothing to hit
+        for i in range(min(max_length // self.block_size, len(block_hashes)) - 1, -1, -1):
+            block = self._lookup(block_hashes[i])
+            if block is not None:
+                return [self.pool.null_block] * i + [block]
+        return []
 
     def num_covered_tokens(self, request_id: str) -> float:
+        if self.checkpoints:
+            return super().num_covered_tokens(request_id)
         return float("inf") if request_id in self.req_to_blocks else 0
 
     def next_cache_tokens(self, request_id: str) -> float:
-        return float("inf")
+        return super().next_cache_tokens(request_id) if self.checkpoints else float("inf")
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
-        return
+        if self.checkpoints:
+            super().cache_blocks(request, num_tokens)
 
 
 MANAGER_FOR_SPEC: dict[type, type[SingleTypeKVCacheManager]] = {

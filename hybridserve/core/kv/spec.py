@@ -6,7 +6,7 @@ the same KV cache group. All groups share one block pool and one block size.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from math import prod
 
 from hybridserve.core.errors import ConfigError
@@ -176,15 +176,30 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
 
 @dataclass(frozen=True)
 class MambaSpec(KVCacheSpec):
-    """A state-space layer: one state per request (conv state and SSM state), not per token.
+    """A state-space layer: a fixed-size state (conv state and SSM state), not per-token KV.
 
-    `num_speculative_blocks` extra state blocks hold the states after draft tokens, so a
-    rejected draft can fall back to the state after the last accepted token.
+    Two layouts of a request's table:
+
+    - `block_checkpoints=False`: 1 + num_speculative_blocks state blocks, whatever the
+      length; column 0 carries the state. No prefix hits are possible.
+    - `block_checkpoints=True` (prefix caching on, see `with_mamba_checkpoints`): the
+      table is positional like attention's, and block i holds the state after the
+      tokens up to the end of block i; the running state lives in the block of the last
+      computed token, so once a request passes a block boundary that block is a frozen
+      checkpoint, published under the prefix's block hash::
+
+          tokens  0..15 | 16..31 | 32..39
+          blocks  [S16]   [S32]    [S40 running]    (bs 16, 40 tokens computed)
+
+      A step over s..e-1 reads block (s-1)//bs, writes the state at every boundary it
+      crosses into that boundary's block and its final state into block (e-1)//bs.
+      Blocks below the one holding the processed state are freed (they stay cached).
     """
 
     shapes: tuple[tuple[int, ...], ...] = ()
     dtype: str = "float32"
     num_speculative_blocks: int = 0
+    block_checkpoints: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -203,7 +218,13 @@ class MambaSpec(KVCacheSpec):
     def max_admission_blocks_per_request(
         self, max_in_flight_tokens: int, max_model_len: int, window_tail: WindowTail | None = None
     ) -> int:
-        return self.num_state_blocks
+        """State blocks, or with checkpoints: the processed state's block plus a block per
+        boundary in flight. After pruning on the processed count P, a request holds
+        blocks (P-1)//bs .. (e-1)//bs with e - P <= max_in_flight_tokens, so at most
+        touch(max_in_flight_tokens + 1) blocks, and never more than max_model_len needs."""
+        if not self.block_checkpoints:
+            return self.num_state_blocks
+        return min(blocks_touched(max_in_flight_tokens + 1, self.block_size), cdiv(max_model_len, self.block_size))
 
 
 @dataclass(frozen=True)
@@ -246,6 +267,15 @@ class KVCacheConfig:
         """How many max_model_len requests the pool admits at once."""
         need = blocks_per_request(self.groups, max_in_flight_tokens, max_model_len, window_tail)
         return (self.num_blocks - 1) / need
+
+
+def with_mamba_checkpoints(groups: tuple[KVCacheGroup, ...]) -> tuple[KVCacheGroup, ...]:
+    """The groups with every Mamba group keeping a state checkpoint per block: what
+    prefix caching needs to serve a Mamba model a hit (see MambaSpec)."""
+    return tuple(
+        KVCacheGroup(replace(g.spec, block_checkpoints=True), g.layer_names) if isinstance(g.spec, MambaSpec) else g
+        for g in groups
+    )
 
 
 def bytes_per_block(groups: tuple[KVCacheGroup, ...] | list[KVCacheGroup]) -> int:

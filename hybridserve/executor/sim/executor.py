@@ -106,7 +106,7 @@ class SimExecutor(Executor):
             elif isinstance(s, ChunkedLocalAttentionSpec):
                 self.group_kinds.append(("chunked", s.attention_chunk_size))
             elif isinstance(s, MambaSpec):
-                self.group_kinds.append(("mamba", 0))
+                self.group_kinds.append(("mamba", int(s.block_checkpoints)))
             else:
                 self.group_kinds.append(("full", 0))
         codes = {"full": _FULL, "sliding": _SLIDING, "chunked": _CHUNKED, "mamba": _MAMBA}
@@ -274,7 +274,12 @@ class SimExecutor(Executor):
             table = st.tables[g]
             num_blocks = len(table)
             if kind == _MAMBA:
-                self._mamba(touches, table, g, row, s, fps[s - 1] if s else None, writes[k + len(accepted) - 1], rid)
+                if size:  # a state checkpoint per block
+                    self._mamba_checkpoints(touches, table, g, row, s, fps[s - 1] if s else None, writes,
+                                            k + len(accepted), rid)
+                else:
+                    self._mamba(touches, table, g, row, s, fps[s - 1] if s else None, writes[k + len(accepted) - 1],
+                                rid)
                 continue
             lo = 0 if kind == _FULL else (s - size + 1 if s >= size else 0) if kind == _SLIDING else s - s % size
             if s > lo:
@@ -332,3 +337,35 @@ class SimExecutor(Executor):
                     touches.mark(Violation(WRONG, touches.step, rid, g, bid, s - 1))
         shadow.write_state(bid, state_fp, rid)
         touches.add(g, row, 0, 1, s, -1, rid, _NO_FPS)
+
+    def _mamba_checkpoints(
+        self, touches: StepTouches, table: list[int], g: int, row: int, s: int, read_fp: int | None,
+        writes: list[int], num_valid: int, rid: str,
+    ) -> None:
+        """Positional states (MambaSpec.block_checkpoints): read the state after s tokens
+        from block (s-1)//bs; write the chunk's final state to block (end-1)//bs as the
+        mixer does, then, as the runner's commit does, the state at every boundary
+        crossed by the valid tokens and the state after the last valid one. A rejected
+        draft thus leaves a garbage state only in a block past the valid end."""
+        shadow = self.shadow
+        assert shadow is not None
+        bs = self.block_size
+        end = s + len(writes)
+        first, last = ((s - 1) // bs if s else 0), (end - 1) // bs
+        if last >= len(table):
+            touches.mark(Violation(UNALLOCATED, touches.step, rid, g, -1, max(s, len(table) * bs)))
+            return
+        if read_fp is not None:
+            bid = table[first]
+            if bid == NULL:
+                touches.mark(Violation(NULL_READ, touches.step, rid, g, bid, s - 1))
+            else:
+                slots = shadow.slots[bid]
+                if slots is None or slots[0] != read_fp:
+                    touches.mark(Violation(WRONG, touches.step, rid, g, bid, s - 1))
+        shadow.write_state(table[last], writes[-1], rid)
+        valid_end = s + num_valid
+        for b in range((s // bs + 1) * bs, valid_end, bs):  # boundaries strictly inside
+            shadow.write_state(table[b // bs - 1], writes[b - s - 1], rid)
+        shadow.write_state(table[(valid_end - 1) // bs], writes[num_valid - 1], rid)
+        touches.add(g, row, first, last - first + 1, s, -1, rid, _NO_FPS)

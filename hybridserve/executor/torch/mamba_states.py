@@ -1,22 +1,26 @@
-"""The runner's side of Mamba layers: each request's states in its Mamba group's state block.
+"""The runner's side of Mamba layers: each request's states in its Mamba group's blocks.
 
-A Mamba group's block table holds `num_state_blocks` ids per request, whatever its
-length; column 0 carries the state (MambaManager). A layer of the group reads and
-writes its views of that block (PagedKVCache.state_views)::
+A layer of a Mamba group reads and writes its views of a block (PagedKVCache.state_views);
+where a request's state lives depends on the group's layout (MambaSpec):
 
-    step: request r computes tokens s..s+c-1
-      read   state block -> conv [conv_dim, K-1], SSM [H, P, N]    (zeros if s == 0)
-      mixer  advances both past the chunk
-      write  back to the same block
+    one state block (no prefix caching): column 0, read and written in place
+    block checkpoints (prefix caching):  positional, the state after n tokens in block (n-1)//bs
+
+    step: request r computes tokens s..e-1 (bs 16, s 40, e 72)
+      read   block (s-1)//bs = 2            -> conv [conv_dim, K-1], SSM [H, P, N]  (zeros if s == 0)
+      mixer  advances both past the chunk, keeping the states at boundaries 48 and 64
+      write  S48 -> block 2, S64 -> block 3, S72 -> block (e-1)//bs = 4
 
 Why the states are always right:
 - steps run in dispatch order, one at a time, so a request's chunk s.. reads exactly
   what its chunk ending at s wrote, with async scheduling too;
 - a request that starts at s == 0 (new, or recomputing after a preemption) starts from
   zeros, never from what an earlier owner of the block left there;
-- the KV core never serves a prefix hit to a model with a Mamba group
-  (MambaManager.find_longest_cache_hit is empty, so the hybrid hit is 0 tokens); a
-  request that would start mid-sequence has no state to start from and is refused.
+- with checkpoints a block is published under its prefix hash only once the request's
+  known tokens fill it (KV core), and nothing writes it after the boundary is passed:
+  a later request that hits it starts from exactly the state after that prefix;
+- without checkpoints the KV core serves a Mamba model no prefix hit, and a request
+  that would start mid-sequence is refused.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from hybridserve.executor.torch.attention import StepAttention
 from hybridserve.executor.torch.kv_cache import PagedKVCache
 from hybridserve.executor.torch.requests import BlockTables
 from hybridserve.models.kv_specs import layer_index
-from hybridserve.models.mamba2 import TokenStates
+from hybridserve.models.mamba2 import BoundaryStates, TokenStates
 
 
 class GroupSubset:
@@ -56,6 +60,11 @@ class MambaLayout:
         self.mamba_groups = [g for g, s in enumerate(specs) if isinstance(s, MambaSpec)]
         self.attn_groups = np.array([g for g, s in enumerate(specs) if isinstance(s, AttentionSpec)], dtype=np.int64)
         local = {int(g): k for k, g in enumerate(self.attn_groups)}
+        layouts = {specs[g].block_checkpoints for g in self.mamba_groups}  # type: ignore[attr-defined]
+        if len(layouts) != 1:
+            raise ValueError("Mamba groups of one model must share one state layout")
+        self.checkpoints: bool = layouts.pop()
+        self.block_size = config.block_size
         # Per model layer: (group, views) for Mamba layers, None otherwise.
         self.states: list[tuple[int, tuple[torch.Tensor, ...]] | None] = [None] * num_layers
         # StepAttention's layer list over the attention-only group numbering.
@@ -68,44 +77,73 @@ class MambaLayout:
                 self.attn_layers[i] = (local[g], kv.layer_view[name])
 
     def check_start(self, req_id: str, num_computed: int) -> None:
-        if num_computed:
-            raise RequestError(f"request {req_id} starts at token {num_computed}, but a Mamba model has no "
-                               "saved state mid-sequence (prefix hits are impossible for Mamba groups)")
+        if num_computed and not self.checkpoints:
+            raise RequestError(f"request {req_id} starts at token {num_computed}, but a Mamba model without "
+                               "prefix caching keeps no state mid-sequence")
 
 
 @dataclass
 class StepMambaStates:
-    """One step's MambaStateIO: the state block of every request in every Mamba group."""
+    """One step's MambaStateIO: where every request's state is read from and written to."""
 
     layout: MambaLayout
     counts: list[int]
-    block_ids: dict[int, torch.Tensor]  # Mamba group -> [R] state block ids
+    read_ids: dict[int, torch.Tensor]  # Mamba group -> [R] block each request starts from
+    write_ids: dict[int, torch.Tensor]  # Mamba group -> [R] block its state after the chunk goes to
     fresh: torch.Tensor | None  # [R] bool, requests starting at token 0 (None: none do)
     # Speculative decoding: requests whose chunk is a decode plus drafts, and per layer
     # their states after every token (see commit).
     verify: list[int] = field(default_factory=list)
     token_states: dict[int, TokenStates] = field(default_factory=dict)
+    # Block checkpoints: the token counts after which each crossing chunk keeps its state,
+    # and per group the blocks those states go to, in (request, count) order.
+    checkpoints: dict[int, list[int]] = field(default_factory=dict)
+    checkpoint_ids: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Per group, the block the state after each token of a verify chunk belongs in.
+    verify_dest: dict[int, list[np.ndarray]] = field(default_factory=dict)
+    starts: list[int] = field(default_factory=list)
 
     @classmethod
     def build(cls, layout: MambaLayout, tables: BlockTables, rows: np.ndarray, starts: np.ndarray,
               counts: list[int], device: torch.device, verify: list[int] | None = None) -> StepMambaStates:
-        block_ids = {}
+        verify = list(verify or ())
+        ends = starts + np.asarray(counts, dtype=np.int64)
+        bs = layout.block_size
+        if layout.checkpoints:
+            read_col, write_col = np.maximum(starts - 1, 0) // bs, (ends - 1) // bs
+        else:
+            read_col = write_col = np.zeros_like(starts)
+        verify_set = set(verify)
+        checkpoints = {}
+        for r, (s, c) in enumerate(zip(starts.tolist(), counts)):
+            if layout.checkpoints and c > 1 and r not in verify_set:
+                js = list(range((s // bs + 1) * bs - s, c, bs))  # boundaries strictly inside the chunk
+                if js:
+                    checkpoints[r] = js
+        read_ids, write_ids, checkpoint_ids, verify_dest = {}, {}, {}, {}
         for g in layout.mamba_groups:
-            if np.any(tables.lengths[g, rows] < 1):
-                raise RuntimeError("a scheduled request has no Mamba state block (scheduler and runner out of sync)")
-            ids = tables.table[g, rows, 0]
-            if not ids.all():
+            if np.any(tables.lengths[g, rows] <= write_col):
+                raise RuntimeError("a scheduled request lacks a Mamba state block (scheduler and runner out of sync)")
+            table = tables.table[g]
+            read, write = table[rows, read_col], table[rows, write_col]
+            if not write.all() or not read[starts > 0].all():
                 raise RuntimeError("a Mamba state block is the null block")
-            block_ids[g] = torch.from_numpy(ids).to(device)
+            read_ids[g], write_ids[g] = torch.from_numpy(read).to(device), torch.from_numpy(write).to(device)
+            if checkpoints:
+                cols = [(rows[r], (starts[r] + j) // bs - 1) for r, js in checkpoints.items() for j in js]
+                checkpoint_ids[g] = torch.tensor([table[row, col] for row, col in cols], device=device)
+            if verify and layout.checkpoints:
+                verify_dest[g] = [table[rows[r], (starts[r] + np.arange(counts[r])) // bs] for r in verify]
         fresh = starts == 0
-        return cls(layout, counts, block_ids, torch.from_numpy(fresh).to(device) if fresh.any() else None,
-                   list(verify or ()))
+        return cls(layout, counts, read_ids, write_ids, torch.from_numpy(fresh).to(device) if fresh.any() else None,
+                   verify, checkpoints=checkpoints, checkpoint_ids=checkpoint_ids, verify_dest=verify_dest,
+                   starts=starts.tolist())
 
     def read(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         entry = self.layout.states[layer_idx]
         assert entry is not None, f"layer {layer_idx} is not a Mamba layer"
         g, (conv_view, ssm_view) = entry
-        ids = self.block_ids[g]
+        ids = self.read_ids[g]
         conv, ssm = conv_view.index_select(0, ids), ssm_view.index_select(0, ids)
         if self.fresh is not None:
             conv[self.fresh] = 0
@@ -113,36 +151,48 @@ class StepMambaStates:
         return conv, ssm
 
     def write(self, layer_idx: int, conv: torch.Tensor, ssm: torch.Tensor,
-              token_states: TokenStates | None = None) -> None:
+              token_states: TokenStates | None = None, boundary_states: BoundaryStates | None = None) -> None:
         entry = self.layout.states[layer_idx]
         assert entry is not None
         g, (conv_view, ssm_view) = entry
-        ids = self.block_ids[g]
+        ids = self.write_ids[g]
         conv_view.index_copy_(0, ids, conv)
         ssm_view.index_copy_(0, ids, ssm)
         if token_states is not None:
             self.token_states[layer_idx] = token_states
+        if self.checkpoints:
+            assert boundary_states is not None and boundary_states.keys() == self.checkpoints.keys()
+            conv_view.index_copy_(0, self.checkpoint_ids[g], torch.cat([boundary_states[r][0] for r in self.checkpoints]))
+            ssm_view.index_copy_(0, self.checkpoint_ids[g], torch.cat([boundary_states[r][1] for r in self.checkpoints]))
 
     def commit(self, num_valid: list[int]) -> None:
         """After verification: verify request `self.verify[v]` keeps its first
         num_valid[v] tokens (the decode token + accepted drafts), so its state becomes
         the one after token num_valid[v] - 1. Without a commit a verify request keeps the
-        state after its whole chunk (every draft accepted)."""
+        state after its whole chunk (every draft accepted). With block checkpoints the
+        states at the boundaries the valid tokens cross are stored too."""
         if len(num_valid) != len(self.verify):
             raise ValueError(f"{len(num_valid)} accepted lengths for {len(self.verify)} verify requests")
         for v, r in enumerate(self.verify):
             if not 1 <= num_valid[v] <= self.counts[r]:
                 raise ValueError(f"request {r}: {num_valid[v]} valid tokens of a chunk of {self.counts[r]}")
+        bs = self.layout.block_size
         for layer_idx, ts in self.token_states.items():
             entry = self.layout.states[layer_idx]
             assert entry is not None
             g, (conv_view, ssm_view) = entry
-            pick = [(v, num_valid[v] - 1) for v, r in enumerate(ts.reqs) if num_valid[v] < self.counts[r]]
-            if not pick:
+            picks: list[tuple[int, int, int]] = []  # (verify index, token index j, block id)
+            for v, r in enumerate(ts.reqs):
+                n = num_valid[v]
+                if self.layout.checkpoints:
+                    s, dest = self.starts[r], self.verify_dest[g][v]
+                    picks += [(v, j, int(dest[j])) for j in range(n) if (s + j + 1) % bs == 0 or j == n - 1]
+                elif n < self.counts[r]:
+                    picks.append((v, n - 1, int(self.write_ids[g][r])))
+            if not picks:
                 continue
-            v_idx = torch.tensor([v for v, _ in pick], device=ts.conv.device)
-            j_idx = torch.tensor([j for _, j in pick], device=ts.conv.device)
-            ids = self.block_ids[g][torch.tensor([ts.reqs[v] for v, _ in pick], device=ts.conv.device)]
+            dev = ts.conv.device
+            v_idx, j_idx, ids = (torch.tensor(col, device=dev) for col in zip(*picks))
             conv_view.index_copy_(0, ids, ts.conv[v_idx, j_idx])
             ssm_view.index_copy_(0, ids, ts.ssm[v_idx, j_idx])
 

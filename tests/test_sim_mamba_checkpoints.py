@@ -1,0 +1,78 @@
+"""Mamba prefix caching in the simulator: a state checkpoint per block (MambaSpec.block_checkpoints).
+
+The shadow KV checks every state a step starts from (the checkpoint a prefix hit serves
+included) holds the fingerprint of exactly the prefix before it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridserve.core.kv.spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+from hybridserve.executor.sim.shadow_kv import FREED, WRONG
+from tests.sim_helpers import make_request, reference_output, run_sim
+
+BS = 16
+FULL = FullAttentionSpec(BS, 1, 8)
+SW = SlidingWindowSpec(BS, 1, 8, sliding_window=32)
+MAMBA = MambaSpec(BS, shapes=((4, 4),))
+MML = 1024
+
+
+def shared_prefix_requests(prefix_len: int = 100, n: int = 3, gap: int = 60) -> list:
+    """n requests sharing a prefix_len-token prefix, arriving `gap` steps apart."""
+    prefix = [(j * 7) % 900 + 5 for j in range(prefix_len)]
+    return [(i * gap, make_request(f"r{i}", prefix + [1000 + i * 10 + j for j in range(30)], 12)) for i in range(n)]
+
+
+def check(run, reqs) -> None:
+    assert run.violations == []
+    for _, r in reqs:
+        assert run.outputs[r.request_id] == reference_output(r.prompt_token_ids, r.max_tokens, MML)
+    assert run.num_free_blocks == run.num_blocks - 1
+
+
+@pytest.mark.parametrize("specs", [[MAMBA], [FULL, MAMBA], [SW, MAMBA]], ids=["mamba", "full+mamba", "sw+mamba"])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_later_requests_start_from_the_shared_prefix_checkpoint(specs, async_scheduling):
+    reqs = shared_prefix_requests()
+    run = run_sim(specs, reqs, 200, max_model_len=MML, max_num_batched_tokens=40, async_scheduling=async_scheduling)
+    check(run, reqs)
+    stats = run.scheduler.kv.prefix_cache_stats
+    # The 100-token prefix ends mid-block: the last whole-block checkpoint is at 96 tokens.
+    assert stats.hits == 2 * 96
+
+
+def test_without_prefix_caching_mamba_keeps_one_state_block():
+    reqs = shared_prefix_requests()
+    run = run_sim([FULL, MAMBA], reqs, 200, max_model_len=MML, max_num_batched_tokens=40,
+                  enable_prefix_caching=False)
+    check(run, reqs)
+    assert run.scheduler.kv.prefix_cache_stats.hits == 0
+    assert not run.scheduler.kv.coordinator.managers[1].checkpoints
+
+
+@pytest.mark.parametrize("acceptance_rate", [0.3, 0.9])
+def test_spec_decode_rollback_keeps_checkpoints_right(acceptance_rate):
+    """Drafts cross block boundaries and get rejected; multi-turn follow-ups hit the
+    checkpoints written during decoding."""
+    first = [(0, make_request(f"a{i}", [(i * 31 + j) % 800 + 3 for j in range(40)], 60)) for i in range(2)]
+    base = run_sim([FULL, MAMBA], first, 300, max_model_len=MML, num_speculative_tokens=3,
+                   acceptance_rate=acceptance_rate)
+    check(base, first)
+    again = [(0, make_request(f"a{i}", [(i * 31 + j) % 800 + 3 for j in range(40)], 60)) for i in range(2)]
+    follow = [(120, make_request(f"b{i}", r.prompt_token_ids + base.outputs[r.request_id] + [9] * 5, 10))
+              for i, (_, r) in enumerate(again)]
+    run = run_sim([FULL, MAMBA], again + follow, 300, max_model_len=MML, num_speculative_tokens=3,
+                  acceptance_rate=acceptance_rate, concurrent_batches=3)
+    check(run, again + follow)
+    assert run.scheduler.kv.prefix_cache_stats.hits >= 2 * 96  # 100 known tokens -> 6 whole blocks each
+
+
+def test_unsafe_basis_frees_the_state_block_an_in_flight_step_writes():
+    reqs = [(0, make_request(f"r{i}", [(i * 131 + j) % 30_000 + 2 for j in range(300)], 21)) for i in range(4)]
+    run = run_sim([FULL, MAMBA], reqs, 400, max_model_len=MML, max_num_batched_tokens=256, unsafe=True,
+                  strict=False)
+    kinds = {v.kind for v in run.violations}
+    assert FREED in kinds
+    assert any(v.group == 1 for v in run.violations if v.kind in (FREED, WRONG))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hybridserve.core.kv.block_pool import BlockPool, KVCacheBlock
+from hybridserve.core.kv.coordinator import KVCacheCoordinator
 from hybridserve.core.kv.managers import (
     ChunkedLocalAttentionManager,
     FullAttentionManager,
@@ -16,6 +17,7 @@ from hybridserve.core.kv.managers import (
 from hybridserve.core.kv.spec import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
+    KVCacheGroup,
     KVCacheSpec,
     MambaSpec,
     SlidingWindowSpec,
@@ -120,6 +122,52 @@ def test_mamba_keeps_state_blocks_whatever_the_length(num_spec: int) -> None:
     assert len(m.req_to_blocks[RID]) == 1 + num_spec and null_positions(m) == []
     assert m.get_num_blocks_to_allocate(RID, 9000, []) == 0
     assert m.find_longest_cache_hit([1, 2, 3], 6) == []
+
+
+@pytest.mark.parametrize(
+    ("processed", "skipped", "freed"),
+    [(0, 0, []), (1, 0, []), (2, 0, []), (3, 2, [0]), (4, 2, [0]), (5, 4, [0, 1]), (12, 10, [0, 1, 2, 3, 4])],
+)
+def test_mamba_checkpoints_keep_the_block_of_the_processed_state(processed: int, skipped: int,
+                                                                 freed: list[int]) -> None:
+    """Block size 2: the state after n tokens lives in block (n-1)//2; all below it go."""
+    m = manager_for(MambaSpec(2, shapes=((3, 4),), block_checkpoints=True))
+    assert m.get_num_skipped_tokens(processed) == skipped
+    assert len(m.allocate_new_blocks(RID, 12)) == 6  # positional: one block per 2 tokens
+    m.remove_skipped_blocks(RID, processed)
+    assert null_positions(m) == freed
+
+
+def test_mamba_checkpoint_hit_is_the_rightmost_cached_block() -> None:
+    m = manager_for(MambaSpec(2, shapes=((3, 4),), block_checkpoints=True))
+    null = m.pool.null_block
+    cached = cache_positions(m, [1, 2, 5])
+    assert m.find_longest_cache_hit(HASHES, 16) == [null] * 5 + [cached[5]]
+    assert m.find_longest_cache_hit(HASHES, 11) == [null] * 2 + [cached[2]]  # 5 blocks max: 4, 3 missing
+    assert m.find_longest_cache_hit(HASHES, 3) == []  # block 0 only: not cached
+
+
+def test_mamba_checkpoint_admission_cap() -> None:
+    spec = MambaSpec(16, shapes=((3, 4),), block_checkpoints=True)
+    # Processed state's block + the blocks max_in_flight_tokens can reach: touch(65) = 1 + 4.
+    assert spec.max_admission_blocks_per_request(64, 4096) == 5
+    assert spec.max_admission_blocks_per_request(64, 40) == 3  # never more than max_model_len needs
+    assert MambaSpec(16, shapes=((3, 4),), num_speculative_blocks=2).max_admission_blocks_per_request(64, 4096) == 3
+
+
+def test_hybrid_hit_ends_at_a_mamba_checkpoint() -> None:
+    """Full attention has blocks 0..5 cached, Mamba checkpoints at 2 and 4: the hit is 5
+    blocks (the longest prefix both serve), Mamba giving only block 4."""
+    pool = BlockPool(32)
+    groups = (KVCacheGroup(FullAttentionSpec(2, 1, 8), ("a",)),
+              KVCacheGroup(MambaSpec(2, shapes=((3, 4),), block_checkpoints=True), ("m",)))
+    coord = KVCacheCoordinator(groups, pool, enable_caching=True)
+    full, mamba = coord.managers
+    cache_positions(full, [0, 1, 2, 3, 4, 5])
+    ckpt = cache_positions(mamba, [2, 4])
+    hits, length = coord.find_longest_cache_hit(HASHES, 15)
+    assert length == 10
+    assert len(hits[0]) == 5 and hits[1] == [pool.null_block] * 4 + [ckpt[4]]
 
 
 def test_pop_returns_real_blocks_tail_first() -> None:

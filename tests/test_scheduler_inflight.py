@@ -275,3 +275,25 @@ def test_stop_by_max_tokens_under_async_never_overgenerates():
 
 def test_kv_cache_block_is_slotted():
     assert not hasattr(KVCacheBlock(1), "__dict__")
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_blocks_filled_by_accepted_drafts_are_cached_by_the_finish(async_scheduling):
+    """A verify step fills blocks before its tokens are known, so its allocation cannot
+    publish them; they must be published later (before pruning, and at the finish),
+    or a follow-up turn misses them. Every whole block of processed tokens ends cached."""
+    spec = SlidingWindowSpec(16, 1, 8, sliding_window=16)
+    sched = make_scheduler(kv_specs=[spec], async_scheduling=async_scheduling, num_speculative_tokens=3)
+    (req,) = make_requests(1, 30, max_tokens=23)
+    sched.add_request(req)
+    queue = []
+    while sched.has_unfinished_requests() or queue:
+        if sched.has_unfinished_requests():
+            queue.append(sched.schedule())
+        if len(queue) == (2 if async_scheduling else 1) or not sched.has_unfinished_requests():
+            out = queue.pop(0)
+            sched.update_from_output(out, fake_runner_output(out, lambda rid: [5, 6, 7, 8]))  # all accepted
+    assert req.is_finished and len(req.output_token_ids) == 23
+    processed = 30 + 23 - 1
+    cached = [sched.kv.pool.get_cached_block(h, 0) is not None for h in req.block_hashes]
+    assert cached[: processed // 16] == [True] * (processed // 16)

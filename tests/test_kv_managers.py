@@ -126,11 +126,12 @@ def test_mamba_keeps_state_blocks_whatever_the_length(num_spec: int) -> None:
 
 @pytest.mark.parametrize(
     ("processed", "skipped", "freed"),
-    [(0, 0, []), (1, 0, []), (2, 0, []), (3, 2, [0]), (4, 2, [0]), (5, 4, [0, 1]), (12, 10, [0, 1, 2, 3, 4])],
+    [(0, 0, []), (2, 0, []), (3, 0, []), (4, 2, [0]), (5, 2, [0]), (6, 4, [0, 1]), (11, 8, [0, 1, 2, 3])],
 )
-def test_mamba_checkpoints_keep_the_block_of_the_processed_state(processed: int, skipped: int,
-                                                                 freed: list[int]) -> None:
-    """Block size 2: the state after n tokens lives in block (n-1)//2; all below it go."""
+def test_mamba_checkpoints_keep_the_processed_state_and_the_last_whole_block(processed: int, skipped: int,
+                                                                             freed: list[int]) -> None:
+    """Block size 2: the state after n tokens lives in block (n-1)//2, the last whole
+    block's checkpoint in block n//2 - 1; everything below that goes."""
     m = manager_for(MambaSpec(2, shapes=((3, 4),), block_checkpoints=True))
     assert m.get_num_skipped_tokens(processed) == skipped
     assert len(m.allocate_new_blocks(RID, 12)) == 6  # positional: one block per 2 tokens
@@ -149,8 +150,9 @@ def test_mamba_checkpoint_hit_is_the_rightmost_cached_block() -> None:
 
 def test_mamba_checkpoint_admission_cap() -> None:
     spec = MambaSpec(16, shapes=((3, 4),), block_checkpoints=True)
-    # Processed state's block + the blocks max_in_flight_tokens can reach: touch(65) = 1 + 4.
-    assert spec.max_admission_blocks_per_request(64, 4096) == 5
+    # The last whole-block checkpoint + the blocks 64 tokens in flight can reach:
+    # cdiv(63, 16) + 2 (P = 20: blocks 0 (S16), 1 (running, S20), 2, 3, 4, 5 for e = 84).
+    assert spec.max_admission_blocks_per_request(64, 4096) == 6
     assert spec.max_admission_blocks_per_request(64, 40) == 3  # never more than max_model_len needs
     assert MambaSpec(16, shapes=((3, 4),), num_speculative_blocks=2).max_admission_blocks_per_request(64, 4096) == 3
 

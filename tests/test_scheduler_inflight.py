@@ -189,15 +189,16 @@ def test_spec_rejection_never_nulls_mamba_state():
 def test_spec_rejection_never_nulls_mamba_checkpoint_blocks():
     """With prefix caching a Mamba table is positional (one checkpoint per block): the
     state after the true 61 tokens lives in block 60 // 16 = 3, which the rollback
-    must find real, and so on for every processed count afterwards."""
+    must find real, and so on for every processed count afterwards (the request also
+    keeps the last whole block's checkpoint, block processed // 16 - 1)."""
     spec = MambaSpec(16, shapes=((4, 8),), num_speculative_blocks=3)
     sched, table, req = _spec_rollback(spec, "mamba")
-    assert [b.is_null for b in table] == [True, True, True, False, False]  # 63 + lookahead 3 -> 5 blocks
+    assert [b.is_null for b in table] == [True, True, False, False, False]  # 63 + lookahead 3 -> 5 blocks
     for _ in range(4):
         out = sched.schedule()  # prunes on the processed count
         processed = req.num_computed_tokens - req.num_in_flight_tokens
-        assert all(not b.is_null for b in table[(processed - 1) // 16 :])
-        assert all(b.is_null for b in table[: (processed - 1) // 16])
+        assert all(not b.is_null for b in table[processed // 16 - 1 :])
+        assert all(b.is_null for b in table[: processed // 16 - 1])
         sched.update_from_output(out, fake_runner_output(out))
 
 

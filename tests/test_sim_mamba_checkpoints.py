@@ -25,10 +25,10 @@ def shared_prefix_requests(prefix_len: int = 100, n: int = 3, gap: int = 60) -> 
     return [(i * gap, make_request(f"r{i}", prefix + [1000 + i * 10 + j for j in range(30)], 12)) for i in range(n)]
 
 
-def check(run, reqs) -> None:
+def check(run, reqs, max_model_len: int = MML) -> None:
     assert run.violations == []
     for _, r in reqs:
-        assert run.outputs[r.request_id] == reference_output(r.prompt_token_ids, r.max_tokens, MML)
+        assert run.outputs[r.request_id] == reference_output(r.prompt_token_ids, r.max_tokens, max_model_len)
     assert run.num_free_blocks == run.num_blocks - 1
 
 
@@ -76,3 +76,35 @@ def test_unsafe_basis_frees_the_state_block_an_in_flight_step_writes():
     kinds = {v.kind for v in run.violations}
     assert FREED in kinds
     assert any(v.group == 1 for v in run.violations if v.kind in (FREED, WRONG))
+
+
+def _offload_workload(specs, unsafe: bool = False, failure_rate: float = 0.0):
+    """Turn 1, then unrelated requests that evict it from a small pool, then turn 2
+    (turn 1's prompt + output + more): its Mamba state comes back from host memory."""
+    def turn1():
+        return [(0, make_request(f"a{i}", [(i * 131 + j) % 30_000 + 2 for j in range(150)], 21)) for i in range(2)]
+
+    base = run_sim(specs, turn1(), 200, max_model_len=256, max_num_batched_tokens=64)
+    first = turn1()
+    evict = [(0, make_request(f"e{i}", [(i * 17 + j) % 999 + 3 for j in range(200)], 4)) for i in range(6)]
+    turn2 = [(200, make_request("t2-" + r.request_id, r.prompt_token_ids + base.outputs[r.request_id] + [7] * 30, 15))
+             for _, r in first]
+    reqs = first + [(30 + s, r) for s, r in evict] + turn2
+    run = run_sim(specs, reqs, 40, max_model_len=256, max_num_batched_tokens=64, connector=True,
+                  failure_rate=failure_rate, unsafe=unsafe, strict=not unsafe)
+    return run, reqs
+
+
+@pytest.mark.parametrize("specs", [[MAMBA], [FULL, MAMBA], [SW, MAMBA]], ids=["mamba", "full+mamba", "sw+mamba"])
+@pytest.mark.parametrize("failure_rate", [0.0, 0.5])
+def test_connector_loads_the_last_checkpoint_of_a_finished_turn(specs, failure_rate):
+    run, reqs = _offload_workload(specs, failure_rate=failure_rate)
+    check(run, reqs, 256)
+    assert run.connector.num_loaded_blocks + run.connector.num_failed_blocks > 0
+    if failure_rate:
+        assert run.scheduler.stats.num_failed_loads > 0
+
+
+def test_unsafe_basis_lets_a_load_overwrite_a_state_being_read():
+    run, _ = _offload_workload([SW, MAMBA], unsafe=True)
+    assert run.violations

@@ -19,10 +19,15 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
+from hybridserve.core.kv.spec import KVCacheConfig
 from hybridserve.core.request import Request
 
 
 class KVConnectorBase(ABC):
+    def bind_kv_cache_config(self, kv_cache_config: KVCacheConfig) -> None:
+        """The scheduler's KV layout, as its KVCacheManager runs it (with prefix caching,
+        Mamba groups keep a state checkpoint per block); called once, before any request."""
+
     @abstractmethod
     def get_num_new_matched_tokens(self, request: Request, num_local_computed_tokens: int) -> tuple[int, bool]:
         """(external tokens available beyond the local hit, whether the load is async)."""

@@ -74,8 +74,6 @@ class HostOffloadConnector(KVConnectorBase):
         if num_host_blocks < 1:
             raise ConfigError(f"the KV offload pool must hold at least one block, got {num_host_blocks}")
         self.specs = [g.spec for g in kv_cache_config.groups]
-        if any(isinstance(s, MambaSpec) for s in self.specs):
-            raise ConfigError("kv_offload_memory: KV offload does not support Mamba state groups yet; set it to 0")
         self.block_size = kv_cache_config.block_size
         self.num_host_blocks = num_host_blocks
         self.index: OrderedDict[HostKey, int] = OrderedDict()  # LRU order: oldest first
@@ -88,16 +86,25 @@ class HostOffloadConnector(KVConnectorBase):
         self._meta = OffloadMeta()
         self.stats = OffloadStats()
 
+    def bind_kv_cache_config(self, kv_cache_config: KVCacheConfig) -> None:
+        self.specs = [g.spec for g in kv_cache_config.groups]
+        if any(isinstance(s, MambaSpec) and not s.block_checkpoints for s in self.specs):
+            raise ConfigError("KV offload of a Mamba model needs prefix caching (only then are its states kept "
+                              "per block); enable prefix caching or set kv_offload_memory to 0")
+
     # -- hit search -----------------------------------------------------------------
     def _first_needed(self, g: int, end: int) -> int:
         """First block of group g that the token at position `end` (the first computed) reads:
         (b + 1) * bs > end - W + 1 for a sliding window W, > the chunk start for chunked
-        local attention, every block for full attention."""
+        local attention, the checkpoint at `end` (block end/bs - 1) for a Mamba group,
+        every block for full attention."""
         s, bs = self.specs[g], self.block_size
         if isinstance(s, SlidingWindowSpec):
             return max(0, (end - s.sliding_window + 1) // bs)
         if isinstance(s, ChunkedLocalAttentionSpec):
             return (end // s.attention_chunk_size) * s.attention_chunk_size // bs
+        if isinstance(s, MambaSpec):
+            return max(0, end // bs - 1)
         return 0
 
     def get_num_new_matched_tokens(self, request: Request, num_local_computed_tokens: int) -> tuple[int, bool]:
@@ -117,7 +124,7 @@ class HostOffloadConnector(KVConnectorBase):
         limit = min(len(hashes), (request.num_tokens - 1) // bs)
         windowed = []
         for g, spec in enumerate(self.specs):
-            if isinstance(spec, (SlidingWindowSpec, ChunkedLocalAttentionSpec)):
+            if isinstance(spec, (SlidingWindowSpec, ChunkedLocalAttentionSpec, MambaSpec)):
                 windowed.append(g)
                 continue
             b = first

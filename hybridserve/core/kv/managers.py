@@ -288,11 +288,13 @@ class MambaManager(SingleTypeKVCacheManager):
     """State blocks of a Mamba group; see MambaSpec for its two layouts.
 
     With block checkpoints the table is positional and the state after n tokens lives
-    in block (n-1)//bs, so every block below that one is skipped::
+    in block (n-1)//bs. The next step reads only that block, but the request also keeps
+    the checkpoint of the last whole block, so that at its finish a KV connector can
+    store the state a continuation of the sequence would start from::
 
-        bs 4, n = 10 processed: state S10 in block 2; blocks 0, 1 (S4, S8) are freed
+        bs 4, n = 10 processed: S10 in block 2, last whole-block checkpoint S8 in block 1
         tokens  0 1 2 3 | 4 5 6 7 | 8 9 _ _
-        blocks  [S4]      [S8]      [S10]          skipped = ((10-1)//4)*4 = 8
+        blocks  [S4]      [S8]      [S10]          skipped = (10//4 - 1)*4 = 4: block 0 freed
 
     A prefix hit needs just one block: the checkpoint at the hit's end.
     """
@@ -304,9 +306,9 @@ class MambaManager(SingleTypeKVCacheManager):
         self.checkpoints = self.spec.block_checkpoints
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
-        if not self.checkpoints or num_computed_tokens < 1:
+        if not self.checkpoints or num_computed_tokens < 2 * self.block_size:
             return 0
-        return (num_computed_tokens - 1) // self.block_size * self.block_size
+        return (num_computed_tokens // self.block_size - 1) * self.block_size
 
     def num_required_blocks(self, num_tokens: int) -> int:
         if self.checkpoints:

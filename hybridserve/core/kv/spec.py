@@ -186,14 +186,15 @@ class MambaSpec(KVCacheSpec):
       table is positional like attention's, and block i holds the state after the
       tokens up to the end of block i; the running state lives in the block of the last
       computed token, so once a request passes a block boundary that block is a frozen
-      checkpoint, published under the prefix's block hash::
+      checkpoint, published under the prefix's block hash (the request keeps the last
+      one, for a KV connector to store at its finish)::
 
           tokens  0..15 | 16..31 | 32..39
           blocks  [S16]   [S32]    [S40 running]    (bs 16, 40 tokens computed)
 
       A step over s..e-1 reads block (s-1)//bs, writes the state at every boundary it
       crosses into that boundary's block and its final state into block (e-1)//bs.
-      Blocks below the one holding the processed state are freed (they stay cached).
+      Older blocks are freed (they stay cached until evicted).
     """
 
     shapes: tuple[tuple[int, ...], ...] = ()
@@ -218,13 +219,13 @@ class MambaSpec(KVCacheSpec):
     def max_admission_blocks_per_request(
         self, max_in_flight_tokens: int, max_model_len: int, window_tail: WindowTail | None = None
     ) -> int:
-        """State blocks, or with checkpoints: the processed state's block plus a block per
-        boundary in flight. After pruning on the processed count P, a request holds
-        blocks (P-1)//bs .. (e-1)//bs with e - P <= max_in_flight_tokens, so at most
-        touch(max_in_flight_tokens + 1) blocks, and never more than max_model_len needs."""
+        """State blocks, or with checkpoints: the last whole-block checkpoint, then a
+        block per boundary in flight. After pruning on the processed count P a request
+        holds blocks P//bs - 1 .. (e-1)//bs with e - P <= B = max_in_flight_tokens:
+        at most cdiv(B - 1, bs) + 2 = touch(B) + 1, and never more than max_model_len needs."""
         if not self.block_checkpoints:
             return self.num_state_blocks
-        return min(blocks_touched(max_in_flight_tokens + 1, self.block_size), cdiv(max_model_len, self.block_size))
+        return min(blocks_touched(max_in_flight_tokens, self.block_size) + 1, cdiv(max_model_len, self.block_size))
 
 
 @dataclass(frozen=True)

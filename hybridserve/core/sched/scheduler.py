@@ -57,6 +57,8 @@ class Scheduler(KVTransferMixin):
             window_tail=config.window_tail if use_tail else None,
         )
         self.connector = connector
+        if connector is not None:
+            connector.bind_kv_cache_config(self.kv.config)
         self.requests: dict[str, Request] = {}
         self.waiting = make_queue(config.policy)
         self.running: list[Request] = []

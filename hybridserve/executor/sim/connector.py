@@ -49,9 +49,8 @@ class SimOffloadConnector(KVConnectorBase):
         failure_rate: float = 0.0,
         seed: int = 0,
     ) -> None:
-        self.specs = [g.spec for g in kv_cache_config.groups]
         self.block_size = kv_cache_config.block_size
-        self.supported = not any(isinstance(s, MambaSpec) for s in self.specs)
+        self.bind_kv_cache_config(kv_cache_config)
         self.capacity = capacity_blocks
         self.max_delay = max_delay_steps
         self.failure_rate = failure_rate
@@ -66,6 +65,11 @@ class SimOffloadConnector(KVConnectorBase):
         self.num_loaded_blocks = 0
         self.num_failed_blocks = 0
 
+    def bind_kv_cache_config(self, kv_cache_config: KVCacheConfig) -> None:
+        self.specs = [g.spec for g in kv_cache_config.groups]
+        # A Mamba group without block checkpoints (no prefix caching) has no state to store.
+        self.supported = not any(isinstance(s, MambaSpec) and not s.block_checkpoints for s in self.specs)
+
     # -- scheduler side -----------------------------------------------------------
     def _needed(self, g: int, b: int, end: int) -> bool:
         """Is block b of group g read by a token at position `end`?"""
@@ -74,6 +78,8 @@ class SimOffloadConnector(KVConnectorBase):
             return (b + 1) * bs > end - s.sliding_window + 1
         if isinstance(s, ChunkedLocalAttentionSpec):
             return (b + 1) * bs > (end // s.attention_chunk_size) * s.attention_chunk_size
+        if isinstance(s, MambaSpec):
+            return (b + 1) * bs == end  # the state after `end` tokens: its checkpoint
         return True
 
     def get_num_new_matched_tokens(self, request: Request, num_local_computed_tokens: int) -> tuple[int, bool]:

@@ -303,7 +303,7 @@ def test_preemption_resumes_from_zero_or_a_checkpoint(async_scheduling: bool, pr
     # Without prefix caching (3 of 14 blocks are each request's Mamba states) a resumed
     # request restarts at 0; with it (a state checkpoint per block, so a bigger pool) it
     # resumes from its own last cached checkpoint, if not evicted meanwhile.
-    eng = make_engine("bamba", async_scheduling=async_scheduling, num_blocks=28 if prefix_caching else 14,
+    eng = make_engine("bamba", async_scheduling=async_scheduling, num_blocks=32 if prefix_caching else 14,
                       max_num_batched_tokens=32, prefix_caching=prefix_caching)
     got = run(eng, PROMPTS)
     assert eng.scheduler.stats.num_preemptions > 0

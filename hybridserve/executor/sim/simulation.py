@@ -152,8 +152,9 @@ class TimedExecutor(Executor):
             # An empty step launches no GPU work: it only takes the CPU's time, so idle
             # polling (e.g. for connector loads) lets simulated time pass.
             return (handle, t + self.cost.overheads.fixed_step_overhead_s)
-        batch = [(r.num_computed_tokens, r.num_scheduled_tokens) for r in scheduler_output.requests]
-        stage_time = self.cost.step_time(batch) / self.pp + self.stage_overhead_s
+        reqs = scheduler_output.requests
+        ctxs, news = [r.num_computed_tokens for r in reqs], [r.num_scheduled_tokens for r in reqs]
+        stage_time = self.cost.columns_time(ctxs, news) / self.pp + self.stage_overhead_s
         free = self.stage_free
         for s in range(self.pp):
             t = (t if t > free[s] else free[s]) + stage_time

@@ -96,6 +96,9 @@ class BlockPool:
         self.cached: dict[CacheKey, dict[int, KVCacheBlock]] = {}
         # Debug hook (the simulator's race detector): called with each block id freed.
         self.on_free: Callable[[int], None] | None = None
+        # Blocks with ref_cnt >= 2 (shared by several tables, or a table and a fenced free).
+        # While it is 0 no two tables share a block, so usage can be counted per table.
+        self.num_shared_blocks = 0
 
     # -- counts ---------------------------------------------------------------
     @property
@@ -128,6 +131,8 @@ class BlockPool:
                 continue
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
+            elif block.ref_cnt == 1:
+                self.num_shared_blocks += 1
             block.ref_cnt += 1
 
     def free_blocks(self, blocks_tail_first: Iterable[KVCacheBlock]) -> None:
@@ -149,6 +154,8 @@ class BlockPool:
                     self.free_queue.appendleft(block)  # nothing to find: reuse first
                 else:
                     self.free_queue.append(block)  # findable until evicted (LRU)
+            elif block.ref_cnt == 1:
+                self.num_shared_blocks -= 1
 
     # -- prefix cache -----------------------------------------------------------
     def get_cached_block(self, block_hash: bytes, group_id: int) -> KVCacheBlock | None:

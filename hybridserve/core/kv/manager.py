@@ -67,10 +67,11 @@ class KVCacheManager:
         self._fence_seq = 0
         self.last_processed_step = -1
         self.no_new_blocks: BlocksPerGroup = [[] for _ in kv_cache_config.groups]
-        # Per request: (tokens with slots, at most max_model_len; processed count that frees
-        # a block; token count that caches a block; null-block counts per group). Below all
-        # three limits, allocate_slots has nothing to do. One dict: a decode looks it up once.
-        self._steady: dict[str, tuple[int, int, int, tuple[int, ...]]] = {}
+        # Per request: (decode end; tokens with slots, at most max_model_len; processed count
+        # that frees a block; token count that caches a block; null-block counts per group).
+        # Below the three limits allocate_slots has nothing to do. Decode end, the least of
+        # them (cache limit - 1), bounds them all for any decode: see append_decode_slot.
+        self._steady: dict[str, tuple[int, int, int, int, tuple[int, ...]]] = {}
 
     @property
     def num_groups(self) -> int:
@@ -140,12 +141,12 @@ class KVCacheManager:
                 basis = 0
 
         steady = self._steady.get(rid)
-        if steady is not None and new_computed_blocks is None and num_tokens_need_slot <= steady[0] and basis < steady[1]:
+        if steady is not None and new_computed_blocks is None and num_tokens_need_slot <= steady[1] and basis < steady[2]:
             # Nothing to free or allocate; caching is due only when a block filled up.
             cacheable = len(request.prompt_token_ids) + len(request.output_token_ids)
             if total_computed + num_new_tokens < cacheable:
                 cacheable = total_computed + num_new_tokens
-            if delay_cache_blocks or cacheable < steady[2]:
+            if delay_cache_blocks or cacheable < steady[3]:
                 return self.no_new_blocks
         self._forget(rid)
         result = self._allocate_slots(
@@ -156,19 +157,27 @@ class KVCacheManager:
             slots, frees, caches = [x if x < NEVER else NEVER for x in self.coordinator.slack(rid)]
             nulls = tuple([m.num_null_blocks.get(rid, 0) for m in self.coordinator.managers])
             # Slots at or past max_model_len are never asked for (num_tokens_need_slot is capped).
-            self._steady[rid] = (min(slots, mml), frees, caches, nulls)
+            slots = min(slots, mml)
+            self._steady[rid] = (min(slots, frees, caches - 1), slots, frees, caches, nulls)
         return result
 
     def append_decode_slot(self, request: Request) -> tuple[int, ...] | None:
         """`allocate_slots(request, 1)` for a decode that needs no new block, frees nothing
         and fills no block (most steps of a long decode): returns the request's null-block
         counts; None means "call allocate_slots" (the same checks as its fast path).
+
+        Below the decode end one comparison decides: the processed basis never exceeds
+        computed and min(cacheable, computed + 1) never exceeds computed + 1, so computed <
+        min(slot limit, free limit, cache limit - 1) implies the exact checks below, which
+        run only near a limit.
         """
         steady = self._steady.get(request.request_id)
         if steady is None:
             return None
-        slot_end, free_basis, cache_end, nulls = steady
+        decode_end, slot_end, free_basis, cache_end, nulls = steady
         computed = request.num_computed_tokens
+        if computed < decode_end:
+            return nulls
         basis = computed if self.unsafe_optimistic_free else computed - request.num_in_flight_tokens
         cacheable = len(request.prompt_token_ids) + len(request.output_token_ids)
         # computed + 1 <= slot_end; nothing frees; min(cacheable, computed + 1) fills no block
@@ -279,7 +288,7 @@ class KVCacheManager:
     def get_num_null_blocks(self, request_id: str) -> tuple[int, ...]:
         steady = self._steady.get(request_id)
         if steady is not None:
-            return steady[3]
+            return steady[4]
         return tuple([m.num_null_blocks.get(request_id, 0) for m in self.coordinator.managers])
 
     def reset_prefix_cache(self) -> bool:

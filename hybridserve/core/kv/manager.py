@@ -174,10 +174,10 @@ class KVCacheManager:
         steady = self._steady.get(request.request_id)
         if steady is None:
             return None
-        decode_end, slot_end, free_basis, cache_end, nulls = steady
         computed = request.num_computed_tokens
-        if computed < decode_end:
-            return nulls
+        if computed < steady[0]:
+            return steady[4]
+        _, slot_end, free_basis, cache_end, nulls = steady
         basis = computed if self.unsafe_optimistic_free else computed - request.num_in_flight_tokens
         cacheable = len(request.prompt_token_ids) + len(request.output_token_ids)
         # computed + 1 <= slot_end; nothing frees; min(cacheable, computed + 1) fills no block

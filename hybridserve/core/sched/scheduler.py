@@ -385,6 +385,7 @@ class Scheduler(KVTransferMixin):
                 outs = req.output_token_ids
                 outs.append(t)
                 new_tokens = sampled
+                num_generated += 1
                 sp = req.sampling_params
                 num_outputs = len(outs)
                 num_tokens = len(req.prompt_token_ids) + num_outputs
@@ -400,10 +401,10 @@ class Scheduler(KVTransferMixin):
                     status = check_stop(req, t, max_model_len)
                     if status is not None:
                         break
+                num_generated += len(new_tokens)
                 num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)
             if req._block_hasher is not None and num_tokens >= (len(req.block_hashes) + 1) * block_size:
                 req.update_block_hashes()  # a block just filled up
-            num_generated += len(new_tokens)
             if status is not None:
                 any_finished = True
                 if req.status != RequestStatus.RUNNING:
@@ -413,7 +414,7 @@ class Scheduler(KVTransferMixin):
             cached = req.num_cached_tokens
             outputs.append(
                 RequestOutput(
-                    sr.request_id, new_tokens, status is not None, req.status.finish_reason if status else None,
+                    sr.request_id, new_tokens, status is not None, status.finish_reason if status else None,
                     req.stop_reason, logprobs_of.get(sr.request_id) if logprobs_of else None,
                     cached if cached > 0 else 0,
                 )

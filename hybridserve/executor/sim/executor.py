@@ -288,6 +288,20 @@ class SimExecutor(Executor):
                     touches.mark(Violation(UNALLOCATED, touches.step, rid, g, -1, max(lo, max(first, num_blocks) * bs)))
             if end <= s:
                 continue
+            if w_first == w_last < num_blocks:  # the loop below for one held block (decodes)
+                nums += (g, row, w_first, 1, s, -1)
+                ctx.append(seg_ctx)
+                bid = table[w_first]
+                if bid != NULL:
+                    slots = slots_of[bid]
+                    if slots is None:
+                        slots = slots_of[bid] = [0] * bs
+                    base = w_first * bs
+                    slots[s - base : end - base] = writes
+                    if writer[bid] != rid:
+                        writer[bid] = rid
+                        shadow.version[bid] += 1
+                continue
             stop = w_last + 1 if w_last < num_blocks else num_blocks
             nums += (g, row, w_first, stop - w_first if stop > w_first else 0, s, -1)
             ctx.append(seg_ctx)

@@ -13,7 +13,6 @@ counts optimistically; `update_from_output()` settles them. Counters per request
 
 from __future__ import annotations
 
-
 from hybridserve.core.connector.base import KVConnectorBase
 from hybridserve.core.errors import RequestError
 from hybridserve.core.kv.manager import KVCacheManager
@@ -131,7 +130,6 @@ class Scheduler(KVTransferMixin):
         scheduled: list[ScheduledRequest] = []
         scheduled_reqs: list[Request] = []
         preempted_now = False
-
         i = 0
         running, kv, no_block_ids = self.running, self.kv, self.no_block_ids
         # Steady decodes (one token, no drafts, no block to allocate, free or cache) take a
@@ -385,7 +383,6 @@ class Scheduler(KVTransferMixin):
                 outs = req.output_token_ids
                 outs.append(t)
                 new_tokens = sampled
-                num_generated += 1
                 sp = req.sampling_params
                 num_outputs = len(outs)
                 num_tokens = len(req.prompt_token_ids) + num_outputs
@@ -401,10 +398,10 @@ class Scheduler(KVTransferMixin):
                     status = check_stop(req, t, max_model_len)
                     if status is not None:
                         break
-                num_generated += len(new_tokens)
                 num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)
             if req._block_hasher is not None and num_tokens >= (len(req.block_hashes) + 1) * block_size:
                 req.update_block_hashes()  # a block just filled up
+            num_generated += len(new_tokens)
             if status is not None:
                 any_finished = True
                 if req.status != RequestStatus.RUNNING:

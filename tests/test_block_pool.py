@@ -266,3 +266,19 @@ def test_queue_remove_from_middle_relinks_neighbours() -> None:
     assert queue.popleft() is blocks[1] and queue.popleft() is blocks[3]
     with pytest.raises(OutOfBlocksError):
         queue.popleft()
+
+
+@pytest.mark.parametrize("size", [0, 1, 7])
+def test_queue_built_in_one_pass_links_like_appends(size: int) -> None:
+    built = FreeBlockQueue([KVCacheBlock(i) for i in range(size)])
+    appended = FreeBlockQueue([])
+    for i in range(size):
+        appended.append(KVCacheBlock(i))
+    for q in (built, appended):
+        forward = [b.block_id for b in q]
+        backward, b = [], q.tail.prev_free
+        while b is not q.head:
+            backward.append(b.block_id)
+            b = b.prev_free
+        assert forward == backward[::-1] == list(range(size)) and q.num_free_blocks == size
+        assert q.head.prev_free is None and q.tail.next_free is None

@@ -192,6 +192,7 @@ class KVCacheMachine(RuleBasedStateMachine):
                 nulls = sum(1 for b in table if b.is_null)
                 assert all(b.is_null for b in table[:nulls]), f"{rid}: nulls are not a prefix"
                 assert m.num_null_blocks.get(rid, 0) == nulls, f"{rid}: null-prefix count drifted"
+                assert m.num_real_blocks.get(rid, 0) == len(table) - nulls, f"{rid}: real-block count drifted"
                 holders.update(b.block_id for b in table if not b.is_null)
         for entry in kv.fenced:  # (fence step, ..., blocks): the blocks come last
             holders.update(b.block_id for b in entry[-1])
@@ -209,6 +210,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             if b.cache_key is not None:
                 assert pool.cached[b.cache_key][b.block_id] is b
         assert pool.num_free_blocks + used == pool.num_blocks - 1
+        assert pool.num_shared_blocks == sum(1 for b in pool.blocks if b.ref_cnt > 1)
         for key, entry in pool.cached.items():
             assert entry, f"empty cache entry for {key}"
             assert all(b.cache_key == key and b.block_id == bid for bid, b in entry.items())

@@ -204,3 +204,34 @@ def test_full_sequence_must_fit_reserves_growth_so_nothing_is_preempted(async_sc
         return sched.stats.num_preemptions
     assert run(False) > 0
     assert run(True) == 0
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_priority_victim_scheduled_earlier_in_the_step_gives_its_tokens_back(async_scheduling: bool) -> None:
+    # "0" runs first (one block, never needs another) but has the lowest priority. When
+    # "1" needs a block and none is free, "0" is preempted after this step already
+    # scheduled it, and must leave the step with its tokens.
+    sched = make_scheduler(num_blocks=5, max_model_len=64, policy="priority", async_scheduling=async_scheduling)
+    reqs = [
+        Request("0", [7], SamplingParams(max_tokens=15), priority=5, arrival_time=0.0),
+        Request("1", list(range(2, 42)), SamplingParams(max_tokens=20), priority=0, arrival_time=1.0),
+    ]
+    sched.add_request(reqs[0])  # admitted alone first, so it runs ahead of "1"
+    in_flight: list = []  # (scheduler output, {request id: tokens}), not yet processed
+    victim_left_its_step = False
+    while sched.has_unfinished_requests() or in_flight:
+        if sched.next_step_id == 1:
+            sched.add_request(reqs[1])
+        if sched.has_unfinished_requests():
+            out = sched.schedule()
+            counts = {r.request_id: r.num_scheduled_tokens for r in out.requests}
+            in_flight.append((out, counts))
+            victim_left_its_step |= "0" in out.preempted_req_ids and "0" not in counts
+            for r in reqs:  # each request's in-flight count is exactly its steps still out
+                assert r.num_in_flight_tokens == sum(c.get(r.request_id, 0) for _, c in in_flight)
+        if len(in_flight) > int(async_scheduling) or not sched.has_unfinished_requests():
+            out, _ = in_flight.pop(0)
+            sched.update_from_output(out, fake_runner_output(out))
+    assert victim_left_its_step
+    assert [len(r.output_token_ids) for r in reqs] == [15, 20]
+    assert sched.kv.pool.num_free_blocks == 4

@@ -37,11 +37,16 @@ class FreeBlockQueue:
     def __init__(self, blocks: Iterable[KVCacheBlock]) -> None:
         self.head = KVCacheBlock(-1)
         self.tail = KVCacheBlock(-1)
-        self.head.next_free = self.tail
-        self.tail.prev_free = self.head
-        self.num_free_blocks = 0
+        # Linked in one pass (a pool has tens of thousands of blocks): the same as
+        # append()ing each block in order.
+        prev = self.head
+        count = 0
         for b in blocks:
-            self.append(b)
+            prev.next_free, b.prev_free = b, prev
+            prev = b
+            count += 1
+        prev.next_free, self.tail.prev_free = self.tail, prev
+        self.num_free_blocks = count
 
     def popleft(self) -> KVCacheBlock:
         block = self.head.next_free
@@ -96,6 +101,9 @@ class BlockPool:
         self.cached: dict[CacheKey, dict[int, KVCacheBlock]] = {}
         # Debug hook (the simulator's race detector): called with each block id freed.
         self.on_free: Callable[[int], None] | None = None
+        # Blocks with ref_cnt >= 2 (shared by several tables, or a table and a fenced free).
+        # While it is 0 no two tables share a block, so usage can be counted per table.
+        self.num_shared_blocks = 0
 
     # -- counts ---------------------------------------------------------------
     @property
@@ -128,6 +136,8 @@ class BlockPool:
                 continue
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
+            elif block.ref_cnt == 1:
+                self.num_shared_blocks += 1
             block.ref_cnt += 1
 
     def free_blocks(self, blocks_tail_first: Iterable[KVCacheBlock]) -> None:
@@ -149,6 +159,8 @@ class BlockPool:
                     self.free_queue.appendleft(block)  # nothing to find: reuse first
                 else:
                     self.free_queue.append(block)  # findable until evicted (LRU)
+            elif block.ref_cnt == 1:
+                self.num_shared_blocks -= 1
 
     # -- prefix cache -----------------------------------------------------------
     def get_cached_block(self, block_hash: bytes, group_id: int) -> KVCacheBlock | None:

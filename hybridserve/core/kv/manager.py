@@ -18,6 +18,10 @@ from hybridserve.core.kv.hashing import make_block_hasher
 from hybridserve.core.kv.spec import KVCacheConfig, WindowTail, with_mamba_checkpoints
 from hybridserve.core.request import Request
 
+# A limit no token count reaches: the steady-decode limits are ints (not float("inf")),
+# so the per-step comparisons stay int-to-int.
+NEVER = 1 << 62
+
 
 @dataclass
 class PrefixCacheStats:
@@ -65,10 +69,11 @@ class KVCacheManager:
         self._fence_seq = 0
         self.last_processed_step = -1
         self.no_new_blocks: BlocksPerGroup = [[] for _ in kv_cache_config.groups]
-        # Per request: (tokens with slots, processed count that frees a block, token count
-        # that caches a block). Below all three, allocate_slots has nothing to do.
-        self._slack: dict[str, tuple[float, float, float]] = {}
-        self._nulls: dict[str, tuple[int, ...]] = {}
+        # Per request: (decode end; tokens with slots, at most max_model_len; processed count
+        # that frees a block; token count that caches a block; null-block counts per group).
+        # Below the three limits allocate_slots has nothing to do. Decode end, the least of
+        # them (cache limit - 1), bounds them all for any decode: see append_decode_slot.
+        self._steady: dict[str, tuple[int, int, int, int, tuple[int, ...]]] = {}
 
     @property
     def num_groups(self) -> int:
@@ -137,13 +142,13 @@ class KVCacheManager:
             if basis < 0:
                 basis = 0
 
-        slack = self._slack.get(rid)
-        if slack is not None and new_computed_blocks is None and num_tokens_need_slot <= slack[0] and basis < slack[1]:
+        steady = self._steady.get(rid)
+        if steady is not None and new_computed_blocks is None and num_tokens_need_slot <= steady[1] and basis < steady[2]:
             # Nothing to free or allocate; caching is due only when a block filled up.
             cacheable = len(request.prompt_token_ids) + len(request.output_token_ids)
             if total_computed + num_new_tokens < cacheable:
                 cacheable = total_computed + num_new_tokens
-            if delay_cache_blocks or cacheable < slack[2]:
+            if delay_cache_blocks or cacheable < steady[3]:
                 return self.no_new_blocks
         self._forget(rid)
         result = self._allocate_slots(
@@ -151,31 +156,37 @@ class KVCacheManager:
             delay_cache_blocks, full_sequence_must_fit, num_reserved_blocks,
         )
         if result is not None:
-            self._slack[rid] = self.coordinator.slack(rid)
-            self._nulls[rid] = tuple([m.num_null_blocks.get(rid, 0) for m in self.coordinator.managers])
+            slots, frees, caches = [x if x < NEVER else NEVER for x in self.coordinator.slack(rid)]
+            nulls = tuple([m.num_null_blocks.get(rid, 0) for m in self.coordinator.managers])
+            # Slots at or past max_model_len are never asked for (num_tokens_need_slot is capped).
+            slots = min(slots, mml)
+            self._steady[rid] = (min(slots, frees, caches - 1), slots, frees, caches, nulls)
         return result
 
     def append_decode_slot(self, request: Request) -> tuple[int, ...] | None:
         """`allocate_slots(request, 1)` for a decode that needs no new block, frees nothing
         and fills no block (most steps of a long decode): returns the request's null-block
         counts; None means "call allocate_slots" (the same checks as its fast path).
+
+        Below the decode end one comparison decides: the processed basis never exceeds
+        computed and min(cacheable, computed + 1) never exceeds computed + 1, so computed <
+        min(slot limit, free limit, cache limit - 1) implies the exact checks below, which
+        run only near a limit.
         """
-        rid = request.request_id
-        slack = self._slack.get(rid)
-        if slack is None:
+        steady = self._steady.get(request.request_id)
+        if steady is None:
             return None
         computed = request.num_computed_tokens
-        if computed >= self.max_model_len:
-            return None
+        if computed < steady[0]:
+            return steady[4]
+        _, slot_end, free_basis, cache_end, nulls = steady
         basis = computed if self.unsafe_optimistic_free else computed - request.num_in_flight_tokens
-        if computed + 1 > slack[0] or (basis if basis > 0 else 0) >= slack[1]:
-            return None
         cacheable = len(request.prompt_token_ids) + len(request.output_token_ids)
-        if computed + 1 < cacheable:
-            cacheable = computed + 1
-        if cacheable >= slack[2]:
-            return None
-        return self._nulls[rid]
+        # computed + 1 <= slot_end; nothing frees; min(cacheable, computed + 1) fills no block
+        if (computed < slot_end and (basis if basis > 0 else 0) < free_basis
+                and (cacheable if cacheable <= computed else computed + 1) < cache_end):
+            return nulls
+        return None
 
     def _allocate_slots(
         self,
@@ -249,8 +260,7 @@ class KVCacheManager:
             self.coordinator.cache_blocks(request, num_computed_tokens)
 
     def _forget(self, request_id: str) -> None:
-        self._slack.pop(request_id, None)
-        self._nulls.pop(request_id, None)
+        self._steady.pop(request_id, None)
 
     def init_request(self, request: Request) -> None:
         """Give a new request its block hasher (hashes cover known tokens only)."""
@@ -283,10 +293,10 @@ class KVCacheManager:
         return self.coordinator.get_block_ids(request_id)
 
     def get_num_null_blocks(self, request_id: str) -> tuple[int, ...]:
-        nulls = self._nulls.get(request_id)
-        if nulls is None:
-            nulls = tuple([m.num_null_blocks.get(request_id, 0) for m in self.coordinator.managers])
-        return nulls
+        steady = self._steady.get(request_id)
+        if steady is not None:
+            return steady[4]
+        return tuple([m.num_null_blocks.get(request_id, 0) for m in self.coordinator.managers])
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()

@@ -13,7 +13,6 @@ counts optimistically; `update_from_output()` settles them. Counters per request
 
 from __future__ import annotations
 
-
 from hybridserve.core.connector.base import KVConnectorBase
 from hybridserve.core.errors import RequestError
 from hybridserve.core.kv.manager import KVCacheManager
@@ -63,8 +62,8 @@ class Scheduler(KVTransferMixin):
         self.waiting = make_queue(config.policy)
         self.running: list[Request] = []
         self.next_step_id = 0
-        # step id -> [(request, its num_preemptions when scheduled)]
-        self.in_flight: dict[int, list[tuple[Request, int]]] = {}
+        # step id -> (its requests, each one's num_preemptions when scheduled)
+        self.in_flight: dict[int, tuple[list[Request], list[int]]] = {}
         self.finished_req_ids: set[str] = set()
         self.preempted_req_ids: set[str] = set()
         self.finished_recving: set[str] = set()
@@ -133,7 +132,6 @@ class Scheduler(KVTransferMixin):
         scheduled: list[ScheduledRequest] = []
         scheduled_reqs: list[Request] = []
         preempted_now = False
-
         i = 0
         running, kv, no_block_ids = self.running, self.kv, self.no_block_ids
         # Steady decodes (one token, no drafts, no block to allocate, free or cache) take a
@@ -321,7 +319,7 @@ class Scheduler(KVTransferMixin):
             if sr.samples:
                 req.num_output_placeholders += 1 + sr.num_draft_tokens
             req.last_scheduled_step = step
-        self.in_flight[step] = [(r, r.num_preemptions) for r in reqs]
+        self.in_flight[step] = (reqs, [r.num_preemptions for r in reqs])
         self.next_step_id += 1
         self.stats.num_steps += 1
 
@@ -349,16 +347,15 @@ class Scheduler(KVTransferMixin):
         entries = self.in_flight.get(step)
         if entries is None:
             raise RequestError(f"output for step {step}, which is not in flight")
-        scheduled_ids = [req.request_id for req, _ in entries]
-        sampled_of = runner_output.sampled_token_ids
-        if runner_output.req_ids == scheduled_ids:
-            rows: list[int | None] | range = range(len(scheduled_ids))  # the usual case: same order
-        else:
+        reqs, epochs = entries
+        scheduled_ids = [req.request_id for req in reqs]
+        sampled_rows = runner_output.sampled_token_ids  # the usual case: in scheduled order
+        if runner_output.req_ids != scheduled_ids:
             index = {rid: k for k, rid in enumerate(runner_output.req_ids)}
             unknown = index.keys() - set(scheduled_ids)
             if unknown:
                 raise RequestError(f"output of step {step} names requests it did not schedule: {sorted(unknown)[:5]}")
-            rows = [index.get(rid) for rid in scheduled_ids]
+            sampled_rows = [sampled_rows[index[rid]] if rid in index else EMPTY for rid in scheduled_ids]
         del self.in_flight[step]
         outputs: list[RequestOutput] = []
         any_finished = False
@@ -369,11 +366,10 @@ class Scheduler(KVTransferMixin):
         # Drafts the executor really proposed (fewer than the slots when its drafter found
         # nothing): acceptance stats count those; rollback still uses the scheduled slots.
         proposed_of = runner_output.num_draft_tokens
-        for sr, (req, epoch), k in zip(scheduler_output.requests, entries, rows):
+        for sr, req, epoch, sampled in zip(scheduler_output.requests, reqs, epochs, sampled_rows):
             req.num_in_flight_tokens -= sr.num_scheduled_tokens  # first, whatever happened since
             if req.status >= FINISHED:
                 continue
-            sampled = sampled_of[k] if k is not None else EMPTY
             if sr.samples and epoch == req.num_preemptions:
                 drafts = sr.num_draft_tokens
                 if drafts:
@@ -421,7 +417,7 @@ class Scheduler(KVTransferMixin):
             cached = req.num_cached_tokens
             outputs.append(
                 RequestOutput(
-                    sr.request_id, new_tokens, status is not None, req.status.finish_reason if status else None,
+                    sr.request_id, new_tokens, status is not None, status.finish_reason if status else None,
                     req.stop_reason, logprobs_of.get(sr.request_id) if logprobs_of else None,
                     cached if cached > 0 else 0,
                 )

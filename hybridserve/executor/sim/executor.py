@@ -130,7 +130,7 @@ class SimExecutor(Executor):
         if self.connector is not None:
             kco = self.connector.run_step(so.step_id, so.kv_connector_metadata)
         touches = StepTouches(so.step_id) if shadow is not None else None
-        ids: list[str] = []
+        ids = [sr.request_id for sr in so.requests]  # one row per scheduled request, in order
         sampled: list[list[int]] = []
         vocab = self.vocab_size
         for sr in so.requests:
@@ -156,19 +156,20 @@ class SimExecutor(Executor):
                 if touches is not None:
                     self._shadow_step(touches, st, rid, s, n - s, d, _NO_DRAFTS)
                 st.num_computed = n
-                ids.append(rid)
                 sampled.append([])
                 continue
             fp = fps[n - 1]
-            accepted: Sequence[int]
-            if d:
-                accepted, out = self._verify_drafts(fp, d)  # fingerprints after each accepted draft
-                fp = accepted[-1] if accepted else fp
-                t = out[-1]
-            else:
-                accepted = _NO_DRAFTS
+            if not d:  # the usual case, kept short: one token after fp, no drafts
                 t = fp % vocab
-                out = [t]
+                if touches is not None:
+                    self._shadow_step(touches, st, rid, s, n - s, d, _NO_DRAFTS)
+                st.num_computed = n
+                fps.append(hash((fps[-1], t)))  # fps[-1] is fp unless more tokens were known
+                sampled.append([t])
+                continue
+            accepted, out = self._verify_drafts(fp, d)  # fingerprints after each accepted draft
+            fp = accepted[-1] if accepted else fp
+            t = out[-1]
             if touches is not None:
                 self._shadow_step(touches, st, rid, s, n - s, d, accepted)
             st.num_computed = n + len(accepted)
@@ -181,7 +182,6 @@ class SimExecutor(Executor):
                 for tok in out:
                     last = hash((last, tok))
                     fps.append(last)
-            ids.append(rid)
             sampled.append(out)
         rec = shadow.begin(touches) if shadow is not None and touches is not None else None
         return ModelRunnerOutput(ids, sampled, kv_connector_output=kco), rec
@@ -292,6 +292,20 @@ class SimExecutor(Executor):
                     ctx.append(seg_ctx)
                     touches.mark(Violation(UNALLOCATED, touches.step, rid, g, -1, max(lo, max(first, num_blocks) * bs)))
             if end <= s:
+                continue
+            if w_first == w_last < num_blocks:  # the loop below for one held block (decodes)
+                nums += (g, row, w_first, 1, s, -1)
+                ctx.append(seg_ctx)
+                bid = table[w_first]
+                if bid != NULL:
+                    slots = slots_of[bid]
+                    if slots is None:
+                        slots = slots_of[bid] = [0] * bs
+                    base = w_first * bs
+                    slots[s - base : end - base] = writes
+                    if writer[bid] != rid:
+                        writer[bid] = rid
+                        shadow.version[bid] += 1
                 continue
             stop = w_last + 1 if w_last < num_blocks else num_blocks
             nums += (g, row, w_first, stop - w_first if stop > w_first else 0, s, -1)

@@ -2,7 +2,9 @@
 
 Invariants: a request's first-token time is the clock when its first token was processed,
 its finish time the clock when its finishing output was processed; every processed step
-appends exactly one sample to each per-step series. KV usage per group is sampled with a
+appends exactly one sample to each per-step series. Token counts come from the scheduler
+(its generated-token count per step, each request's outputs at the end): every output it
+reports carries at least one token, and its tokens are exactly what it appended. KV usage per group is sampled with a
 stride that doubles whenever MAX_KV_SAMPLES is reached and grows with the blocks held,
 so long runs and big pools stay cheap; the stride depends only on simulated state, so
 identical runs record identical samples.
@@ -43,11 +45,15 @@ def group_usage(scheduler: Scheduler) -> list[float]:
     """Per group, the fraction of allocatable blocks its block tables hold.
 
     Blocks shared by several requests (prefix-cache hits) count once, so a group never
-    exceeds 100%; the null block does not count. The set is built by C-level
-    `set.update` per table, which keeps sampling cheap on pools of many blocks.
+    exceeds 100%; the null block does not count. While no block is shared at all, the
+    managers' per-table real-block counts add up to that (no set of every held block,
+    which cost ~10% of a run without prefix hits); otherwise the set is built by
+    C-level `set.update` per table.
     """
     kv = scheduler.kv_cache_manager
     total = kv.pool.num_blocks - 1
+    if not kv.pool.num_shared_blocks:
+        return [sum(m.num_real_blocks.values()) / total for m in kv.coordinator.managers]
     usage = []
     for m in kv.coordinator.managers:
         held: set[Any] = set()
@@ -73,11 +79,12 @@ class RunRecorder:
         self.requests = requests
         n = len(requests)
         self.slot = {r.request_id: k for k, r in enumerate(requests)}
+        self.awaiting_first = dict(self.slot)  # requests with no token processed yet
         self.arrival = [r.arrival_time for r in requests]
         self.first_token = [-1.0] * n
         self.finish = [-1.0] * n
-        self.num_out = [0] * n
         self.num_rejected = 0
+        self._num_generated = 0  # the scheduler's generated-token count at the last step
         self.series = TimeSeries(kv_usage=[[] for _ in range(num_groups)])
         self._kv_stride = 1
         self._next_kv_sample = 0
@@ -88,19 +95,17 @@ class RunRecorder:
 
     def step(self, now: float, outputs: list[RequestOutput], scheduler: Scheduler) -> int:
         """Record one processed step; returns how many requests it finished."""
-        produced = done = 0
-        slot, first, num_out, finish = self.slot, self.first_token, self.num_out, self.finish
-        for o in outputs:
-            k = slot[o.request_id]
-            new = len(o.new_token_ids)
-            if new:
-                produced += new
-                if not num_out[k]:  # first tokens (num_out and first_token move together)
-                    first[k] = now
-                num_out[k] += new
+        done = 0
+        slot, awaiting, first, finish = self.slot, self.awaiting_first, self.first_token, self.finish
+        for o in outputs:  # each carries new tokens
+            k = awaiting.pop(o.request_id, -1)
+            if k >= 0:
+                first[k] = now  # its first tokens
             if o.finished:
-                finish[k] = now
+                finish[slot[o.request_id]] = now
                 done += 1
+        generated = scheduler.stats.num_generated_tokens
+        produced, self._num_generated = generated - self._num_generated, generated
         s = self.series
         s.time.append(now)
         s.running.append(len(scheduler.running))
@@ -130,16 +135,17 @@ class RunRecorder:
     ) -> SimReport:
         ttft, tpot, e2e = [], [], []
         finished = prompt_tokens = 0
+        num_out = [len(req.output_token_ids) for req in self.requests]
         for k, req in enumerate(self.requests):
-            if self.finish[k] < 0 or self.num_out[k] == 0:
+            if self.finish[k] < 0 or num_out[k] == 0:
                 continue
             finished += 1
             prompt_tokens += req.num_prompt_tokens
             ttft.append(self.first_token[k] - self.arrival[k])
             e2e.append(self.finish[k] - self.arrival[k])
-            if self.num_out[k] > 1:
-                tpot.append((self.finish[k] - self.first_token[k]) / (self.num_out[k] - 1))
-        out_tokens = sum(self.num_out)
+            if num_out[k] > 1:
+                tpot.append((self.finish[k] - self.first_token[k]) / (num_out[k] - 1))
+        out_tokens = sum(num_out)
         span = sim_time if sim_time > 0 else float("nan")
         s, stats = self.series, scheduler.stats
         return SimReport(

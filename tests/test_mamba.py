@@ -348,3 +348,16 @@ def test_prefix_cache_hits_start_from_the_checkpointed_state(kind: str, async_sc
     # Hits end at the last whole block every request has seen (and before the last token).
     assert [got[f"b{i}"][2] for i in range(3)] == [
         (len(base) - 1) // BS * BS, 48, (len(base) + NEW_TOKENS - 1) // BS * BS]
+
+
+@pytest.mark.parametrize("kind", tiny.KINDS)
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_requests_sharing_a_prefix_arriving_together(kind: str, async_scheduling: bool) -> None:
+    """A Mamba layer reads every request's state before it writes any, so a request must
+    not hit a checkpoint that a step in flight (or its own step) is still writing; the
+    KV core publishes Mamba checkpoints of processed steps only."""
+    base = PROMPTS[3]
+    prompts = [base[:70] + [11 + i] * (5 + i) for i in range(3)]
+    eng = make_engine(kind, async_scheduling=async_scheduling, max_num_batched_tokens=200)
+    got = run(eng, prompts)
+    check(kind, prompts, got)

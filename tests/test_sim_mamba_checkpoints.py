@@ -108,3 +108,28 @@ def test_connector_loads_the_last_checkpoint_of_a_finished_turn(specs, failure_r
 def test_unsafe_basis_lets_a_load_overwrite_a_state_being_read():
     run, _ = _offload_workload([SW, MAMBA], unsafe=True)
     assert run.violations
+
+
+@pytest.mark.parametrize("specs", [[MAMBA], [FULL, MAMBA]], ids=["mamba", "full+mamba"])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_checkpoint_is_hit_only_once_the_step_writing_it_is_processed(specs, async_scheduling):
+    """Requests sharing a prefix arrive together: a later one must not start from a
+    checkpoint the same (or an in-flight) step is still writing, since a Mamba layer
+    reads every state before writing any (the detector models exactly that)."""
+    reqs = shared_prefix_requests(gap=0, n=4)
+    run = run_sim(specs, reqs, 300, max_model_len=MML, max_num_batched_tokens=256, async_scheduling=async_scheduling)
+    check(run, reqs)
+
+
+def test_mamba_publishes_checkpoints_of_processed_tokens_only():
+    from hybridserve.core.kv.block_pool import BlockPool
+    from hybridserve.core.kv.managers import make_manager
+
+    m = make_manager(MambaSpec(4, shapes=((2,),), block_checkpoints=True), BlockPool(16), 0, enable_caching=True)
+    req = make_request("r", list(range(20)), 4)
+    req.set_block_hasher(__import__("hybridserve.core.kv.hashing", fromlist=["x"]).make_block_hasher(4))
+    m.allocate_new_blocks("r", 20)
+    m.cache_blocks(req, 20, 9)  # 20 tokens scheduled, 9 processed: checkpoints S4, S8 only
+    assert m.num_cached_blocks["r"] == 2
+    m.cache_blocks(req, 20, 20)
+    assert m.num_cached_blocks["r"] == 5

@@ -63,9 +63,9 @@ class KVCacheCoordinator:
     def allocate_new_blocks(self, request_id: str, num_tokens: int, chunk_start: int = 0) -> BlocksPerGroup:
         return [m.allocate_new_blocks(request_id, num_tokens, chunk_start) for m in self.managers]
 
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+    def cache_blocks(self, request: Request, num_tokens: int, num_processed_tokens: int) -> None:
         for m in self.managers:
-            m.cache_blocks(request, num_tokens)
+            m.cache_blocks(request, num_tokens, num_processed_tokens)
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int) -> None:
         for m in self.managers:

@@ -202,11 +202,14 @@ class KVCacheManager:
     ) -> BlocksPerGroup | None:
         rid = request.request_id
         managers = self.coordinator.managers
+        processed = total_computed - request.num_in_flight_tokens  # basis, unless unsafe
+        if processed < 0:
+            processed = 0
         if self.enable_caching and not delay_cache_blocks and new_computed_blocks is None:
             # Publish blocks filled since the last allocation before pruning nulls them: a
             # spec-decode step fills a block past the known tokens, so it becomes cacheable
             # only once the next token is known, when it may already be out of window.
-            self.coordinator.cache_blocks(request, min(total_computed, request.num_tokens))
+            self.coordinator.cache_blocks(request, min(total_computed, request.num_tokens), processed)
         for m in managers:
             m.remove_skipped_blocks(rid, basis)
 
@@ -233,7 +236,7 @@ class KVCacheManager:
             self.coordinator.save_new_computed_blocks(rid, hits)
         new_blocks = self.coordinator.allocate_new_blocks(rid, num_tokens_need_slot, total_computed)
         if self.enable_caching and not delay_cache_blocks:
-            self.coordinator.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
+            self.coordinator.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens), processed)
         return new_blocks
 
     def peak_blocks(self, request: Request) -> int:
@@ -254,10 +257,11 @@ class KVCacheManager:
         self._forget(request_id)
         self.coordinator.remove_skipped_blocks(request_id, processed_computed_tokens)
 
-    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
+    def cache_blocks(self, request: Request, num_processed_tokens: int) -> None:
+        """Publish the full blocks below a count whose steps are all processed."""
         if self.enable_caching:
             self._forget(request.request_id)
-            self.coordinator.cache_blocks(request, num_computed_tokens)
+            self.coordinator.cache_blocks(request, num_processed_tokens, num_processed_tokens)
 
     def _forget(self, request_id: str) -> None:
         self._steady.pop(request_id, None)

@@ -112,8 +112,12 @@ class SingleTypeKVCacheManager:
         Only with window-tail allocation; see SlidingWindowManager."""
         return True
 
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
-        """Publish the request's full blocks below num_tokens as prefix-cache entries."""
+    def cache_blocks(self, request: Request, num_tokens: int, num_processed_tokens: int) -> None:
+        """Publish the request's full blocks below num_tokens as prefix-cache entries.
+
+        Attention blocks may be published while the step writing them is in flight: a
+        step that hits them runs later, and within a step K/V land before attention.
+        (num_processed_tokens matters only to Mamba checkpoints, see MambaManager.)"""
         rid = request.request_id
         num_full = min(num_tokens // self.block_size, len(request.block_hashes))
         start = self.num_cached_blocks.get(rid, 0)
@@ -333,9 +337,12 @@ class MambaManager(SingleTypeKVCacheManager):
     def next_cache_tokens(self, request_id: str) -> float:
         return super().next_cache_tokens(request_id) if self.checkpoints else float("inf")
 
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+    def cache_blocks(self, request: Request, num_tokens: int, num_processed_tokens: int) -> None:
+        """Checkpoints only of processed steps: a Mamba layer reads every request's state
+        before it writes any, so a checkpoint an in-flight step writes is not there yet
+        for a request that would hit it in the same step."""
         if self.checkpoints:
-            super().cache_blocks(request, num_tokens)
+            super().cache_blocks(request, min(num_tokens, num_processed_tokens), num_processed_tokens)
 
 
 MANAGER_FOR_SPEC: dict[type, type[SingleTypeKVCacheManager]] = {

@@ -183,6 +183,11 @@ class SimExecutor(Executor):
                     last = hash((last, tok))
                     fps.append(last)
             sampled.append(out)
+        if touches is not None and touches.state_writes:
+            # A Mamba layer reads every request's state before it writes any (the runner's
+            # StepMambaStates): a state written this step is not there for another's read.
+            for bid, fp, writer in touches.state_writes:
+                shadow.write_state(bid, fp, writer)  # type: ignore[union-attr]
         rec = shadow.begin(touches) if shadow is not None and touches is not None else None
         return ModelRunnerOutput(ids, sampled, kv_connector_output=kco), rec
 
@@ -349,7 +354,7 @@ class SimExecutor(Executor):
                 slots = shadow.slots[bid]
                 if slots is None or slots[0] != read_fp:
                     touches.mark(Violation(WRONG, touches.step, rid, g, bid, s - 1))
-        shadow.write_state(bid, state_fp, rid)
+        touches.state_writes.append((bid, state_fp, rid))
         touches.add(g, row, 0, 1, s, -1, rid, _NO_FPS)
 
     def _mamba_checkpoints(
@@ -377,9 +382,10 @@ class SimExecutor(Executor):
                 slots = shadow.slots[bid]
                 if slots is None or slots[0] != read_fp:
                     touches.mark(Violation(WRONG, touches.step, rid, g, bid, s - 1))
-        shadow.write_state(table[last], writes[-1], rid)
+        state_writes = touches.state_writes
+        state_writes.append((table[last], writes[-1], rid))
         valid_end = s + num_valid
         for b in range((s // bs + 1) * bs, valid_end, bs):  # boundaries strictly inside
-            shadow.write_state(table[b // bs - 1], writes[b - s - 1], rid)
-        shadow.write_state(table[(valid_end - 1) // bs], writes[num_valid - 1], rid)
+            state_writes.append((table[b // bs - 1], writes[b - s - 1], rid))
+        state_writes.append((table[(valid_end - 1) // bs], writes[num_valid - 1], rid))
         touches.add(g, row, first, last - first + 1, s, -1, rid, _NO_FPS)

@@ -7,8 +7,9 @@ different writer (another request, a connector load) writes it. A step:
     dispatch:   write its slots, then check every slot it reads from the cache holds the
                 expected fingerprint (attention reads are checked once the whole batch
                 has written, as on a GPU where a batch's KV writes land before its
-                attention; a Mamba state is checked in request order, before the step
-                replaces it); record (block, version) for each block touched
+                attention; Mamba states are checked before any state of the step is
+                written, as a Mamba layer reads every request's state before it writes
+                any); record (block, version) for each block touched
     in flight:  a free of a touched block            -> freed-while-in-flight
     completion: a touched block's version has moved  -> overwritten-while-read
 
@@ -86,13 +87,15 @@ class StepTouches:
     never freed and never written, so they can never report.
     """
 
-    __slots__ = ("step", "nums", "ctx", "markers", "bids", "vers", "seg", "index", "lo", "group")
+    __slots__ = ("step", "nums", "ctx", "markers", "bids", "vers", "seg", "index", "lo", "group", "state_writes")
 
     def __init__(self, step: int) -> None:
         self.step = step
         self.nums: list[int] = []
         self.ctx: list[tuple[str, list[int]]] = []
         self.markers: list[tuple[int, Violation]] = []
+        # Mamba state writes (block, fingerprint, writer), applied after every read of the step.
+        self.state_writes: list[tuple[int, int, str]] = []
         # Filled by ShadowKV.begin: every touched block id, its version after dispatch, its
         # segment and block index; lo and group per segment (for reports).
         self.bids: Any = _EMPTY

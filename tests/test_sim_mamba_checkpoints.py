@@ -133,3 +133,27 @@ def test_mamba_publishes_checkpoints_of_processed_tokens_only():
     assert m.num_cached_blocks["r"] == 2
     m.cache_blocks(req, 20, 20)
     assert m.num_cached_blocks["r"] == 5
+
+
+@pytest.mark.parametrize("failure_rate", [0.0, 0.5])
+def test_a_request_waiting_for_its_load_holds_no_more_than_the_caps(failure_rate):
+    """A small token budget makes the windowed caps small; a 200-token host hit must not
+    keep real sliding-window (or Mamba) blocks for its whole span while it loads
+    (run_sim checks every request against the caps after every step). Failed loads
+    start the request over."""
+    # W = 33: at finish (207 processed) the window keeps block 10, which the hit at 192 reads.
+    specs = [SlidingWindowSpec(BS, 1, 8, sliding_window=33), MAMBA]
+
+    def turn1():
+        return [(0, make_request(f"a{i}", [(i * 131 + j) % 30_000 + 2 for j in range(200)], 8)) for i in range(2)]
+
+    base = run_sim(specs, turn1(), 60, max_model_len=256, max_num_batched_tokens=16)
+    first = turn1()
+    evict = [(0, make_request(f"e{i}", [(i * 17 + j) % 999 + 3 for j in range(200)], 2)) for i in range(3)]
+    turn2 = [(400, make_request("t2-" + r.request_id, r.prompt_token_ids + base.outputs[r.request_id] + [7] * 9, 5))
+             for _, r in first]
+    reqs = first + [(60 + s, r) for s, r in evict] + turn2
+    run = run_sim(specs, reqs, 24, max_model_len=256, max_num_batched_tokens=16, connector=True,
+                  failure_rate=failure_rate)
+    check(run, reqs, 256)
+    assert run.connector.num_loaded_blocks + run.connector.num_failed_blocks > 0

@@ -65,7 +65,7 @@ class SingleTypeKVCacheManager:
         num_new = self.num_required_blocks(num_tokens) - (len(blocks) if blocks else 0) - len(new_computed_blocks)
         if num_new < 0:
             num_new = 0
-        elif num_new and self.window_tail is not None:
+        elif num_new and (self.window_tail is not None or not blocks):
             first = (len(blocks) if blocks else 0) + len(new_computed_blocks)
             num_new = sum(1 for i in range(first, first + num_new) if self.is_real(i, chunk_start, num_tokens))
         if new_computed_blocks:
@@ -90,15 +90,20 @@ class SingleTypeKVCacheManager:
         n = self.num_required_blocks(num_tokens) - len(blocks)
         if n <= 0:
             return []
-        if self.window_tail is None:
+        first = len(blocks)
+        if self.window_tail is None and first > self.first_real_block(chunk_start):
             new = self.pool.get_new_blocks(n)
             num_real = n
         else:
-            first = len(blocks)
             real = [self.is_real(i, chunk_start, num_tokens) for i in range(first, first + n)]
             num_real = sum(real)
             fresh = iter(self.pool.get_new_blocks(num_real))
             new = [next(fresh) if r else self.pool.null_block for r in real]
+            nulls = self.num_null_blocks.get(request_id, 0)
+            if nulls == first:  # a null prefix grows (blocks below the skip boundary)
+                while nulls < first + n and new[nulls - first].is_null:
+                    nulls += 1
+                self.num_null_blocks[request_id] = nulls
         blocks.extend(new)
         self.num_real_blocks[request_id] = self.num_real_blocks.get(request_id, 0) + num_real
         return new
@@ -106,11 +111,17 @@ class SingleTypeKVCacheManager:
     # Window-tail allocation: set by the KV cache manager for sliding-window groups.
     window_tail: WindowTail | None = None
 
+    def first_real_block(self, chunk_start: int) -> int:
+        """Blocks below this one are skipped when a chunk starts at chunk_start: a request's
+        first chunk after a prefix hit or a connector load (tokens it never computes)
+        gets the null block there, as pruning would give it right after."""
+        return self.get_num_skipped_tokens(chunk_start) // self.block_size
+
     def is_real(self, index: int, chunk_start: int, chunk_end: int) -> bool:
         """Does block `index` need a real block for a chunk chunk_start .. chunk_end-1?
 
-        Only with window-tail allocation; see SlidingWindowManager."""
-        return True
+        Not below the skip boundary; with window-tail allocation see SlidingWindowManager."""
+        return index >= self.first_real_block(chunk_start)
 
     def cache_blocks(self, request: Request, num_tokens: int, num_processed_tokens: int) -> None:
         """Publish the request's full blocks below num_tokens as prefix-cache entries.
@@ -258,7 +269,8 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             [ s .. e-W-d ]    null: read only by the chunk's own queries, from the batch
             [ e-W-d+1 .. e-1] tail: read from the cache by the steps that follow
         """
-        assert self.window_tail is not None
+        if self.window_tail is None or index < self.first_real_block(chunk_start):
+            return index >= self.first_real_block(chunk_start)
         bs, w = self.block_size, self.spec.sliding_window - 1
         lo, hi = index * bs, index * bs + bs
         if hi > chunk_start - w and lo < chunk_start:

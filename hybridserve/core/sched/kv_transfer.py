@@ -46,9 +46,10 @@ class KVTransferMixin:
     def _handle_failed_loads(self: Scheduler, invalid: set[int]) -> None:
         """Rewind requests whose loaded blocks failed to the last prefix every group can serve.
 
-        Full attention can resume at the first failed block. A windowed group only had the
-        blocks before the load's end loaded, so a shorter prefix would read unloaded
-        blocks: with such a group, the request resumes at its local prefix-cache hit.
+        Full attention can resume at the first failed block. A windowed group holds real
+        blocks only where the load's end reads (the rest of the span went back at
+        allocation), so with such a group the request starts over: it frees its blocks
+        and is admitted again, prefix lookups included.
         """
         bs = self.kv.block_size
         windowed = any(not isinstance(m, FullAttentionManager) for m in self.kv.coordinator.managers)
@@ -66,7 +67,11 @@ class KVTransferMixin:
                 continue
             self.stats.num_failed_loads += 1
             if windowed:
-                valid = req.num_computed_tokens
+                self.kv.free(req)  # nothing in flight: the load is reported done
+                self.finished_recving.discard(req.request_id)
+                req.num_computed_tokens = req.num_external_computed_tokens = 0
+                req.status = RequestStatus.WAITING
+                continue
             req.num_external_computed_tokens = max(0, valid - req.num_computed_tokens)
             req.num_computed_tokens = min(req.num_computed_tokens, valid)
 

@@ -17,6 +17,7 @@ pytest.importorskip("safetensors")
 
 from tests import hf_tiny, hf_tiny_mamba as tiny  # noqa: E402
 from tests.test_mamba import BS, NEW_TOKENS, check, model, run  # noqa: E402
+from tests.test_offload import assert_nothing_leaks  # noqa: E402
 
 from hybridserve.core.connector.offload import HostOffloadConnector  # noqa: E402
 from hybridserve.core.errors import ConfigError  # noqa: E402
@@ -51,14 +52,6 @@ def run_waves(kind: str, eng: EngineCore) -> list[int]:
     check(kind, WAVE1, first, tag="a")
     check(kind, wave2(kind), second, tag="b")
     return [second[f"b{i}"][2] for i in range(2)]  # device prefix-cache hits of wave 2
-
-
-def assert_nothing_leaks(eng: EngineCore, conn: HostOffloadConnector) -> None:
-    sched = eng.scheduler
-    assert not sched.has_unfinished_requests()
-    assert sched.kv.pool.num_free_blocks == sched.kv.config.num_blocks - 1
-    assert not conn.pins and not conn.pending_loads and not conn.pending_stores and not conn.pending_keys
-    assert eng.executor.offload is not None and not eng.executor.offload._running
 
 
 # Pools near the admission minimum (async holds more blocks in flight), small enough that

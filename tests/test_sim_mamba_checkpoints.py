@@ -78,19 +78,22 @@ def test_unsafe_basis_frees_the_state_block_an_in_flight_step_writes():
     assert any(v.group == 1 for v in run.violations if v.kind in (FREED, WRONG))
 
 
-def _offload_workload(specs, unsafe: bool = False, failure_rate: float = 0.0):
+def _offload_workload(specs, unsafe: bool = False, failure_rate: float = 0.0, *, prompt_len: int = 150,
+                      max_tokens: int = 21, num_evict: int = 6, evict_max_tokens: int = 4, evict_at: int = 30,
+                      turn2_at: int = 200, turn2_extra: int = 30, turn2_max_tokens: int = 15, num_blocks: int = 40,
+                      budget: int = 64):
     """Turn 1, then unrelated requests that evict it from a small pool, then turn 2
     (turn 1's prompt + output + more): its Mamba state comes back from host memory."""
-    def turn1():
-        return [(0, make_request(f"a{i}", [(i * 131 + j) % 30_000 + 2 for j in range(150)], 21)) for i in range(2)]
-
-    base = run_sim(specs, turn1(), 200, max_model_len=256, max_num_batched_tokens=64)
-    first = turn1()
-    evict = [(0, make_request(f"e{i}", [(i * 17 + j) % 999 + 3 for j in range(200)], 4)) for i in range(6)]
-    turn2 = [(200, make_request("t2-" + r.request_id, r.prompt_token_ids + base.outputs[r.request_id] + [7] * 30, 15))
+    first = [(0, make_request(f"a{i}", [(i * 131 + j) % 30_000 + 2 for j in range(prompt_len)], max_tokens))
+             for i in range(2)]
+    evict = [(evict_at, make_request(f"e{i}", [(i * 17 + j) % 999 + 3 for j in range(200)], evict_max_tokens))
+             for i in range(num_evict)]
+    turn2 = [(turn2_at, make_request("t2-" + r.request_id, r.prompt_token_ids
+                                     + reference_output(r.prompt_token_ids, max_tokens, 256) + [7] * turn2_extra,
+                                     turn2_max_tokens))
              for _, r in first]
-    reqs = first + [(30 + s, r) for s, r in evict] + turn2
-    run = run_sim(specs, reqs, 40, max_model_len=256, max_num_batched_tokens=64, connector=True,
+    reqs = first + evict + turn2
+    run = run_sim(specs, reqs, num_blocks, max_model_len=256, max_num_batched_tokens=budget, connector=True,
                   failure_rate=failure_rate, unsafe=unsafe, strict=not unsafe)
     return run, reqs
 
@@ -143,17 +146,8 @@ def test_a_request_waiting_for_its_load_holds_no_more_than_the_caps(failure_rate
     start the request over."""
     # W = 33: at finish (207 processed) the window keeps block 10, which the hit at 192 reads.
     specs = [SlidingWindowSpec(BS, 1, 8, sliding_window=33), MAMBA]
-
-    def turn1():
-        return [(0, make_request(f"a{i}", [(i * 131 + j) % 30_000 + 2 for j in range(200)], 8)) for i in range(2)]
-
-    base = run_sim(specs, turn1(), 60, max_model_len=256, max_num_batched_tokens=16)
-    first = turn1()
-    evict = [(0, make_request(f"e{i}", [(i * 17 + j) % 999 + 3 for j in range(200)], 2)) for i in range(3)]
-    turn2 = [(400, make_request("t2-" + r.request_id, r.prompt_token_ids + base.outputs[r.request_id] + [7] * 9, 5))
-             for _, r in first]
-    reqs = first + [(60 + s, r) for s, r in evict] + turn2
-    run = run_sim(specs, reqs, 24, max_model_len=256, max_num_batched_tokens=16, connector=True,
-                  failure_rate=failure_rate)
+    run, reqs = _offload_workload(specs, failure_rate=failure_rate, prompt_len=200, max_tokens=8, num_evict=3,
+                                  evict_max_tokens=2, evict_at=60, turn2_at=400, turn2_extra=9, turn2_max_tokens=5,
+                                  num_blocks=24, budget=16)
     check(run, reqs, 256)
     assert run.connector.num_loaded_blocks + run.connector.num_failed_blocks > 0

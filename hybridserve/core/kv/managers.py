@@ -269,8 +269,10 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             [ s .. e-W-d ]    null: read only by the chunk's own queries, from the batch
             [ e-W-d+1 .. e-1] tail: read from the cache by the steps that follow
         """
-        if self.window_tail is None or index < self.first_real_block(chunk_start):
-            return index >= self.first_real_block(chunk_start)
+        if index < self.first_real_block(chunk_start):
+            return False  # below the skip boundary (see the base class)
+        if self.window_tail is None:
+            return True
         bs, w = self.block_size, self.spec.sliding_window - 1
         lo, hi = index * bs, index * bs + bs
         if hi > chunk_start - w and lo < chunk_start:

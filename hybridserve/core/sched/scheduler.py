@@ -411,7 +411,7 @@ class Scheduler(KVTransferMixin):
                 elif self.config.enable_prefix_caching:
                     # Publish what the last steps filled: with drafts a step fills a block
                     # before its tokens are known, and no allocation follows a finish.
-                    self.kv.cache_blocks(req, min(req.num_computed_tokens - req.num_in_flight_tokens, req.num_tokens))
+                    self.kv.cache_blocks(req, min(req.num_processed_tokens, req.num_tokens))
                 req.status = status
                 self._free_request(req)
             cached = req.num_cached_tokens

@@ -339,21 +339,14 @@ class SimExecutor(Executor):
         """Read the state after position s-1, write the state after the last valid position.
 
         The read is checked now, before the write replaces it; its outcome joins the
-        step's reports in touch order.
+        step's reports in touch order; the write is applied after every read of the step.
         """
-        shadow = self.shadow
-        assert shadow is not None
         if not table:
             touches.mark(Violation(UNALLOCATED, touches.step, rid, g, -1, s))
             return
         bid = table[0]
         if read_fp is not None:
-            if bid == NULL:
-                touches.mark(Violation(NULL_READ, touches.step, rid, g, bid, s - 1))
-            else:
-                slots = shadow.slots[bid]
-                if slots is None or slots[0] != read_fp:
-                    touches.mark(Violation(WRONG, touches.step, rid, g, bid, s - 1))
+            self._check_state_read(touches, g, bid, s, read_fp, rid)
         touches.state_writes.append((bid, state_fp, rid))
         touches.add(g, row, 0, 1, s, -1, rid, _NO_FPS)
 
@@ -366,8 +359,6 @@ class SimExecutor(Executor):
         mixer does, then, as the runner's commit does, the state at every boundary
         crossed by the valid tokens and the state after the last valid one. A rejected
         draft thus leaves a garbage state only in a block past the valid end."""
-        shadow = self.shadow
-        assert shadow is not None
         bs = self.block_size
         end = s + len(writes)
         first, last = ((s - 1) // bs if s else 0), (end - 1) // bs
@@ -375,13 +366,7 @@ class SimExecutor(Executor):
             touches.mark(Violation(UNALLOCATED, touches.step, rid, g, -1, max(s, len(table) * bs)))
             return
         if read_fp is not None:
-            bid = table[first]
-            if bid == NULL:
-                touches.mark(Violation(NULL_READ, touches.step, rid, g, bid, s - 1))
-            else:
-                slots = shadow.slots[bid]
-                if slots is None or slots[0] != read_fp:
-                    touches.mark(Violation(WRONG, touches.step, rid, g, bid, s - 1))
+            self._check_state_read(touches, g, table[first], s, read_fp, rid)
         state_writes = touches.state_writes
         state_writes.append((table[last], writes[-1], rid))
         valid_end = s + num_valid
@@ -389,3 +374,15 @@ class SimExecutor(Executor):
             state_writes.append((table[b // bs - 1], writes[b - s - 1], rid))
         state_writes.append((table[(valid_end - 1) // bs], writes[num_valid - 1], rid))
         touches.add(g, row, first, last - first + 1, s, -1, rid, _NO_FPS)
+
+    def _check_state_read(self, touches: StepTouches, g: int, bid: int, s: int, read_fp: int, rid: str) -> None:
+        """A step starting at s reads the state after s tokens from block bid: it must
+        hold read_fp (checked before any state write of the step; see execute)."""
+        if bid == NULL:
+            touches.mark(Violation(NULL_READ, touches.step, rid, g, bid, s - 1))
+            return
+        shadow = self.shadow
+        assert shadow is not None
+        slots = shadow.slots[bid]
+        if slots is None or slots[0] != read_fp:
+            touches.mark(Violation(WRONG, touches.step, rid, g, bid, s - 1))

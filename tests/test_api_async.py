@@ -13,6 +13,7 @@ from tests.serving_models import PROMPTS, tiny_serving_dir  # noqa: E402
 
 from hybridserve import LLM, AsyncLLM, EngineDeadError, SamplingParams  # noqa: E402
 from hybridserve.core.errors import RequestError  # noqa: E402
+from hybridserve.engine.async_llm import RequestFailedError  # noqa: E402
 
 MAX_LEN = 256
 TIMEOUT = 60.0
@@ -118,32 +119,121 @@ def test_duplicate_ids_and_bad_prompts_are_request_errors(engine: AsyncLLM) -> N
     run(main())
 
 
-def test_an_engine_failure_fails_requests_instead_of_hanging() -> None:
-    llm = AsyncLLM(str(tiny_serving_dir()), max_model_len=MAX_LEN, progress=False)
+def _fail_execute_after(llm: AsyncLLM, num_ok: int) -> None:
+    """From the (num_ok + 1)-th step on, this engine's executor raises (a lost device)."""
     executor = llm.parts.engine.executor
     real_execute = executor.execute
     calls = {"n": 0}
 
     def flaky(scheduler_output):
         calls["n"] += 1
-        if calls["n"] > 3:
-            raise RuntimeError("device lost")
+        if calls["n"] > num_ok:
+            raise RuntimeError("device lost at /secret/path")
         return real_execute(scheduler_output)
 
     executor.execute = flaky  # type: ignore[method-assign]
+
+
+def test_an_engine_failure_fails_open_requests_then_the_engine_restarts() -> None:
+    llm = AsyncLLM(str(tiny_serving_dir()), max_model_len=MAX_LEN, progress=False)
+    ref = LLM(str(tiny_serving_dir()), max_model_len=MAX_LEN, progress=False)
+    want = ref.generate(PROMPTS[1], SamplingParams(max_tokens=12), use_tqdm=False)[0].text
+    ref.shutdown()
+    _fail_execute_after(llm, 3)
 
     async def main() -> None:
         results = await asyncio.gather(
             *(collect(llm, p, SamplingParams(max_tokens=50, ignore_eos=True)) for p in PROMPTS[:4]),
             return_exceptions=True)
         assert all(isinstance(r, EngineDeadError) for r in results), results
-        assert "device lost" in str(results[0])
-        with pytest.raises(EngineDeadError, match="device lost"):
+        # Clients learn that the engine failed, never its internal error text.
+        assert "restarting" in str(results[0]) and "secret" not in str(results[0])
+        for _ in range(400):  # the rebuilt engine (fresh executor, no fault) takes over
+            if not llm.restarting:
+                break
+            await asyncio.sleep(0.05)
+        assert not llm.restarting and llm.dead_error is None
+        _, text = await collect(llm, PROMPTS[1], SamplingParams(max_tokens=12))
+        assert text == want
+        await wait_idle(llm)
+
+    try:
+        run(main())
+        assert llm.restart_reasons == ["RuntimeError: device lost at /secret/path"]
+    finally:
+        llm.shutdown()
+
+
+def test_an_engine_out_of_restarts_is_dead_and_says_so() -> None:
+    llm = AsyncLLM(str(tiny_serving_dir()), max_model_len=MAX_LEN, progress=False, max_restarts=0)
+    reasons: list[str] = []
+    llm.on_dead = reasons.append
+    _fail_execute_after(llm, 0)
+
+    async def main() -> None:
+        with pytest.raises(EngineDeadError):
+            await collect(llm, PROMPTS[0], SamplingParams(max_tokens=5))
+        with pytest.raises(EngineDeadError, match="out of restarts"):
             await collect(llm, PROMPTS[0], SamplingParams(max_tokens=2))
         assert await llm.get_stats() is None
 
     try:
         run(main())
-        assert llm.dead_error is not None
     finally:
-        llm.shutdown()
+        llm.shutdown()  # joins the engine thread, which calls on_dead as it dies
+    assert llm.dead_error is not None and len(reasons) == 1 and "device lost" in reasons[0]
+
+
+def test_a_request_whose_sampling_fails_fails_alone(engine: AsyncLLM, monkeypatch) -> None:
+    """A sampler fault confined to one request's rows (seed 666 here) fails that request;
+    the others in the same steps finish with the tokens they would have had."""
+    from hybridserve.executor.torch import sampler
+
+    real = sampler.sample
+
+    def picky(logits, rows, gen):
+        if any(r.params.seed == 666 for r in rows):
+            raise IndexError("boom")
+        return real(logits, rows, gen)
+
+    monkeypatch.setattr(sampler, "sample", picky)
+    params = SamplingParams(max_tokens=12, temperature=0.8, seed=5)
+    ref = LLM(str(tiny_serving_dir()), max_model_len=MAX_LEN, progress=False)
+    want = [o.text for o in ref.generate(PROMPTS[:3], params, use_tqdm=False)]
+    ref.shutdown()
+
+    async def main() -> None:
+        bad = SamplingParams(max_tokens=12, temperature=0.8, seed=666, ignore_eos=True)
+        results = await asyncio.gather(collect(engine, PROMPTS[0], params), collect(engine, PROMPTS[5], bad),
+                                       collect(engine, PROMPTS[1], params), collect(engine, PROMPTS[2], params),
+                                       return_exceptions=True)
+        assert isinstance(results[1], RequestFailedError), results[1]
+        assert [r[1] for r in results[:1] + results[2:]] == want
+        assert engine.dead_error is None and not engine.restarting
+        await wait_idle(engine)
+
+    run(main())
+
+
+def test_a_request_whose_detokenizing_fails_fails_alone(engine: AsyncLLM, monkeypatch) -> None:
+    from hybridserve.engine import outputs
+
+    real = outputs.SequenceState.update
+
+    def fragile(self, out, now):
+        if out.request_id == "doomed":
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad byte")
+        return real(self, out, now)
+
+    monkeypatch.setattr(outputs.SequenceState, "update", fragile)
+
+    async def main() -> None:
+        results = await asyncio.gather(collect(engine, PROMPTS[0], SamplingParams(max_tokens=30, ignore_eos=True),
+                                               "doomed"),
+                                       collect(engine, PROMPTS[1], SamplingParams(max_tokens=8)),
+                                       return_exceptions=True)
+        assert isinstance(results[0], RequestFailedError) and "UnicodeDecodeError" in str(results[0])
+        assert len(results[1][0][-1].outputs[0].token_ids) == 8
+        await wait_idle(engine)
+
+    run(main())

@@ -105,6 +105,44 @@ def test_unusable_prompts_are_request_errors(llm: LLM, prompt: list[int], patter
         llm.generate([prompt], use_tqdm=False)
 
 
+@pytest.mark.parametrize("params, param, pattern", [
+    # The fatal request of old: an id past the 256-token vocabulary reached the sampler's
+    # min_tokens mask and killed the engine.
+    (dict(stop_token_ids=[99999], min_tokens=2), "stop_token_ids", r"token id 99999 is outside the vocabulary \(0..255\)"),
+    (dict(stop_token_ids=[256]), "stop_token_ids", r"token id 256 is outside"),
+    (dict(stop_token_ids=[2**64]), "stop_token_ids", r"token id 18446744073709551616 is outside"),
+    (dict(stop_token_ids=[-1], min_tokens=1), "stop_token_ids", r"must be >= 0"),
+    (dict(stop_token_ids=[True]), "stop_token_ids", r"must be an integer"),
+    (dict(stop_token_ids="7"), "stop_token_ids", r"must be a list of token ids"),
+    (dict(temperature=float("nan")), "temperature", r"temperature must be a finite number, got nan"),
+    (dict(temperature=float("inf")), "temperature", r"finite number"),
+    (dict(top_p=float("nan")), "top_p", r"finite number"),
+    (dict(top_p=0.0), "top_p", r"top_p must be in \(0, 1\], got 0.0"),
+    (dict(min_p=1.5), "min_p", r"min_p must be in \[0, 1\]"),
+    (dict(max_tokens=2.5), "max_tokens", r"max_tokens must be an integer"),
+    (dict(seed="7"), "seed", r"seed must be an integer"),
+])
+def test_unusable_sampling_params_are_request_errors_naming_the_field(llm: LLM, params: dict, param: str,
+                                                                       pattern: str) -> None:
+    with pytest.raises(RequestError, match=pattern) as info:
+        llm.generate([[10, 11]], SamplingParams(**params), use_tqdm=False)
+    assert info.value.param == param
+    # Nothing was left behind, and the engine still serves.
+    assert not llm.parts.engine.has_unfinished_requests()
+    assert len(llm.generate([[10, 11]], SamplingParams(max_tokens=3, min_tokens=2, stop_token_ids=[255]),
+                            use_tqdm=False)[0].token_ids) == 3
+
+
+def test_any_64_bit_seed_is_usable(llm: LLM) -> None:
+    """Seeds wrap to 64 bits as torch's generator does: 2**64 + 5 samples like 5, and -1 like 2**64 - 1."""
+    def run(seed: int) -> list[int]:
+        return llm.generate([[10, 11]], SamplingParams(max_tokens=6, temperature=1.0, seed=seed),
+                            use_tqdm=False)[0].token_ids
+
+    assert run(2**64 + 5) == run(5)
+    assert run(-1) == run(2**64 - 1)
+
+
 def test_params_list_must_match_prompts(llm: LLM) -> None:
     with pytest.raises(RequestError, match="got 1 sampling params for 2 prompts"):
         llm.generate(PROMPTS[:2], [SamplingParams()], use_tqdm=False)

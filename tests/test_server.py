@@ -8,13 +8,10 @@ must leave nothing running and the KV pool empty (checked through /metrics).
 from __future__ import annotations
 
 import asyncio
-import os
+import json
 import random
-import selectors
 import signal
-import subprocess
-import sys
-import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -27,58 +24,18 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 
+from tests.server_proc import running_server  # noqa: E402
 from tests.serving_models import PROMPTS, WORDS, tiny_serving_dir  # noqa: E402
 
 from hybridserve import LLM, SamplingParams  # noqa: E402
 
 MAX_LEN = 256
-REPO = Path(__file__).resolve().parents[1]
-START_TIMEOUT = 240.0
 
 
 @pytest.fixture(scope="module")
 def server():
-    model = tiny_serving_dir()
-    log = tempfile.NamedTemporaryFile("w+", prefix="hybridserve_server_", suffix=".log", delete=False)
-    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "hybridserve.entrypoints.cli", "serve", "--model", str(model), "--port", "0",
-         "--served-model-name", "tiny", "--max-model-len", str(MAX_LEN)],
-        stdout=subprocess.PIPE, stderr=log, text=True, cwd=REPO, env=env)
-    try:
-        url = _wait_ready(proc, log.name)
-        yield {"url": url, "proc": proc, "log": log.name}
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-        log.close()
-        os.unlink(log.name)
-
-
-def _wait_ready(proc: subprocess.Popen, log_path: str) -> str:
-    deadline = time.monotonic() + START_TIMEOUT
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited with {proc.returncode}: {Path(log_path).read_text()[-2000:]}")
-        if sel.select(timeout=0.5):
-            line = proc.stdout.readline()
-            if "serving tiny on " in line:
-                url = line.rsplit(" ", 1)[1].strip()
-                for _ in range(100):
-                    try:
-                        if httpx.get(url + "/health", timeout=2).status_code == 200:
-                            return url
-                    except httpx.TransportError:
-                        pass
-                    time.sleep(0.1)
-    raise AssertionError(f"server not ready in {START_TIMEOUT}s: {Path(log_path).read_text()[-2000:]}")
+    with running_server(tiny_serving_dir(), "--max-model-len", str(MAX_LEN)) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -224,29 +181,62 @@ def test_a_disconnect_aborts_the_request_and_frees_its_blocks(server, client) ->
 
 
 BAD = [
-    ({"model": "gpt-4", "prompt": "hi"}, "model", "model_not_found"),
-    ({"prompt": "hello " * 300}, "prompt", "context_length_exceeded"),
-    ({"prompt": "hi", "max_tokens": -1}, "max_tokens", None),
-    ({"prompt": "hi", "max_tokens": 300}, "max_tokens", "context_length_exceeded"),
-    ({"prompt": "hi", "max_tokens": "abc"}, "max_tokens", None),
-    ({"prompt": "hi", "temperature": "hot"}, "temperature", None),
-    ({"prompt": "hi", "n": 0}, "n", None),
-    ({"prompt": "hi", "logprobs": 50}, "logprobs", None),
-    ({"prompt": "hi", "stop": [""]}, "stop", None),
-    ({"prompt": [99999]}, None, None),
-    ({"prompt": []}, "prompt", None),
-    ({"prompt": "hi", "presence_penalty": 1.0}, "presence_penalty", None),
-    ({"max_tokens": 3}, "prompt", None),
+    ({"model": "gpt-4", "prompt": "hi"}, 404, "model", "model_not_found"),
+    ({"prompt": "hello " * 300}, 400, "prompt", "context_length_exceeded"),
+    ({"prompt": "hi", "max_tokens": -1}, 400, "max_tokens", None),
+    ({"prompt": "hi", "max_tokens": 300}, 400, "max_tokens", "context_length_exceeded"),
+    ({"prompt": "hi", "max_tokens": "abc"}, 400, "max_tokens", None),
+    ({"prompt": "hi", "temperature": "hot"}, 400, "temperature", None),
+    ({"prompt": "hi", "n": 0}, 400, "n", None),
+    ({"prompt": "hi", "logprobs": 50}, 400, "logprobs", None),
+    ({"prompt": "hi", "stop": [""]}, 400, "stop", None),
+    ({"prompt": [99999]}, 400, "prompt", None),
+    ({"prompt": []}, 400, "prompt", None),
+    ({"prompt": "hi", "presence_penalty": 1.0}, 400, "presence_penalty", None),
+    ({"prompt": "hi", "frequency_penalty": 0.5}, 400, "frequency_penalty", None),
+    ({"max_tokens": 3}, 400, "prompt", None),
+    # The request that used to kill the engine for good (an id past the 256-token vocabulary
+    # reached the sampler's min_tokens mask), and its relatives.
+    ({"prompt": [1, 2, 3, 4], "max_tokens": 3, "stop_token_ids": [99999], "min_tokens": 2}, 400, "stop_token_ids", None),
+    ({"prompt": "hi", "stop_token_ids": [256]}, 400, "stop_token_ids", None),
+    ({"prompt": "hi", "stop_token_ids": [-1], "min_tokens": 1}, 400, "stop_token_ids", None),
+    ({"prompt": "hi", "stop_token_ids": [-300]}, 400, "stop_token_ids", None),
+    ({"prompt": "hi", "stop_token_ids": [2**64]}, 400, "stop_token_ids", None),
+    ({"prompt": "hi", "temperature": float("nan")}, 400, "temperature", None),
+    ({"prompt": "hi", "temperature": float("inf")}, 400, "temperature", None),
+    ({"prompt": "hi", "top_p": float("nan")}, 400, "top_p", None),
+    ({"prompt": "hi", "top_p": 0}, 400, "top_p", None),
+    ({"prompt": "hi", "min_p": -0.5}, 400, "min_p", None),
+    ({"prompt": "hi", "stop": [f"s{i}" for i in range(17)]}, 400, "stop", None),
+    ({"prompt": "hi", "stop": ["x" * 257]}, 400, "stop", None),
+    ({"prompt": ["hi", "yo"], "n": 65}, 400, "n", None),
 ]
 
 
-@pytest.mark.parametrize("body, param, code", BAD, ids=[str(i) for i in range(len(BAD))])
-def test_bad_completion_requests_are_400_with_an_openai_error(server, body: dict, param, code) -> None:
-    r = httpx.post(server["url"] + "/v1/completions", json=body, timeout=30)
-    assert r.status_code == 400, r.text
+@pytest.mark.parametrize("body, status, param, code", BAD, ids=[str(i) for i in range(len(BAD))])
+def test_bad_completion_requests_are_4xx_with_an_openai_error(server, body: dict, status: int, param, code) -> None:
+    # json.dumps writes NaN and Infinity as the bare words a careless client sends.
+    r = httpx.post(server["url"] + "/v1/completions", content=json.dumps(body), timeout=30,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["message"]
     assert err["param"] == param and err["code"] == code
+
+
+def test_the_fatal_request_leaves_the_engine_serving(server, client) -> None:
+    url = server["url"]
+    for body in ({"prompt": [1, 2, 3, 4], "max_tokens": 3, "stop_token_ids": [99999], "min_tokens": 2},
+                 {"messages": [{"role": "user", "content": "hi"}], "stop_token_ids": [2**63 + 5], "min_tokens": 2}):
+        path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+        r = httpx.post(url + path, json=body)
+        assert r.status_code == 400 and "outside the vocabulary (0..255)" in r.json()["error"]["message"], r.text
+    assert httpx.get(url + "/health").json() == {"status": "ok"}
+    # min_tokens with valid stop ids still works: 3 tokens although 1 (<eos>) is banned only for 2.
+    got = client.completions.create(model="tiny", prompt=[10, 11], max_tokens=3,
+                                    extra_body={"min_tokens": 2, "stop_token_ids": [255]})
+    assert got.usage.completion_tokens >= 2
+    wait_idle(url)
 
 
 def test_other_bad_requests(server, client) -> None:
@@ -258,12 +248,69 @@ def test_other_bad_requests(server, client) -> None:
                  {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}):
         r = httpx.post(url + "/v1/chat/completions", json=body)
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", (body, r.text)
-    with pytest.raises(openai.BadRequestError) as info:
+    with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="nope", prompt="hi")
-    assert info.value.status_code == 400 and info.value.body["code"] == "model_not_found"
-    assert httpx.get(url + "/v1/completions").status_code == 405
+    assert info.value.status_code == 404 and info.value.body["code"] == "model_not_found"
+    r = httpx.get(url + "/v1/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["code"] == "405"
     assert httpx.get(url + "/v2/nothing").json()["error"]["code"] == "404"
+    r = httpx.post(url + "/v1/completions", content=b'{"prompt": "hi"}', headers={"content-type": "text/plain"})
+    assert r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
     wait_idle(url)
+
+
+def test_bodies_over_the_limit_are_refused_before_they_are_read(server) -> None:
+    url = server["url"]
+    big = b'{"prompt": "' + b"a" * (33 << 20) + b'"}'
+    r = httpx.post(url + "/v1/completions", content=big, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+    def chunks():  # no Content-Length: the guard counts the streamed bytes
+        yield b'{"prompt": "'
+        for _ in range(33):
+            yield b"a" * (1 << 20)
+        yield b'"}'
+
+    r = httpx.post(url + "/v1/completions", content=chunks(), headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert httpx.get(url + "/health").status_code == 200
+
+
+def test_health_answers_while_a_10mb_prompt_is_tokenized(server) -> None:
+    url = server["url"]
+    prompt = "hello world the cat " * 500_000  # 10 MB, far over max_model_len once tokenized
+    result: dict = {}
+
+    def post() -> None:
+        result["r"] = httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=120)
+
+    poster = threading.Thread(target=post)
+    with httpx.Client(timeout=10) as probe:
+        probe.get(url + "/health")  # connection warm
+        poster.start()
+        time.sleep(0.5)  # the body is uploaded and parsed; tokenizing takes seconds
+        latencies = []
+        while poster.is_alive() and len(latencies) < 40:
+            t0 = time.perf_counter()
+            assert probe.get(url + "/health").status_code == 200
+            latencies.append(time.perf_counter() - t0)
+            time.sleep(0.05)
+        poster.join(120)
+    assert len(latencies) >= 5, "the prompt was tokenized too fast to probe"
+    assert sorted(latencies)[len(latencies) // 2] < 0.1 and max(latencies) < 0.5, latencies
+    r = result["r"]
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_models_and_openapi_show_no_paths_and_describe_the_bodies(server) -> None:
+    url = server["url"]
+    data = httpx.get(url + "/v1/models").json()["data"][0]
+    assert data["root"] == "tiny" and "/" not in json.dumps(data)
+    spec = httpx.get(url + "/openapi.json").json()
+    for path, model in (("/v1/completions", "CompletionRequest"), ("/v1/chat/completions", "ChatRequest")):
+        ref = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        assert ref.endswith("/" + model)
+    assert "prompt" in spec["components"]["schemas"]["CompletionRequest"]["properties"]
 
 
 def _load_prompts(n: int) -> list[str]:

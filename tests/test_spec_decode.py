@@ -254,7 +254,7 @@ def test_engine_config_to_stats_and_metrics() -> None:
     assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
     assert stats.spec_acceptance_rate == stats.spec_num_accepted_tokens / stats.spec_num_draft_tokens
     assert stats.spec_mean_accepted_length == 1 + stats.spec_num_accepted_tokens / stats.spec_num_steps
-    text = ServerMetrics().render(stats, True).decode()
+    text = ServerMetrics().render(stats, True, []).decode()
     assert f"hybridserve_spec_decode_num_accepted_tokens_total {float(stats.spec_num_accepted_tokens)}" in text
     assert "hybridserve_spec_decode_acceptance_rate " in text
     row = {"model": "m", "num_prompts": 1, "input_len": 8, "output_len": 8, "elapsed_s": 1.0,

@@ -18,4 +18,10 @@ class OutOfBlocksError(BlockPoolError):
 
 
 class RequestError(HybridServeError, ValueError):
-    """A request is malformed (duplicate id, empty prompt, unknown id in an output)."""
+    """A request is malformed (duplicate id, empty prompt, unknown id in an output).
+
+    `param` names the request field at fault, when there is one (servers report it)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param

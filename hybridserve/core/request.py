@@ -14,6 +14,7 @@ count, `num_computed_tokens - num_in_flight_tokens`, is what freeing may trust.
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -66,19 +67,44 @@ class SamplingParams:
     min_tokens: int = 0
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise RequestError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise RequestError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise RequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            raise RequestError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise RequestError(f"logprobs must be >= 0, got {self.logprobs}")
+        # Every field is checked for type and range here, at the library's boundary: a value
+        # that reaches the sampler unchecked (a NaN temperature, a token id outside int64)
+        # would fail a whole batch, not just this request.
+        _check_int("max_tokens", self.max_tokens, 1)
+        _check_float("temperature", self.temperature, 0.0, None)
+        _check_float("top_p", self.top_p, 0.0, 1.0, low_open=True)
+        _check_int("top_k", self.top_k, 0, "0 disables it")
+        _check_float("min_p", self.min_p, 0.0, 1.0)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0)
+        _check_int("min_tokens", self.min_tokens, 0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, None)
+            # A generator seed is 64 bits; torch wraps negatives the same way, so every seed
+            # it accepted before keeps its stream and none can overflow it.
+            self.seed %= 1 << 64
+        if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
+            raise RequestError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}",
+                               "stop_token_ids")
         self.stop_token_ids = tuple(self.stop_token_ids)
+        for t in self.stop_token_ids:
+            # The vocabulary's upper bound is the engine's to check (frontend.check_params).
+            _check_int("stop_token_ids", t, 0, "token ids are never negative")
+
+
+def _check_int(name: str, value: object, minimum: int | None, why: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RequestError(f"{name} must be an integer, got {value!r}", name)
+    if minimum is not None and value < minimum:
+        raise RequestError(f"{name} must be >= {minimum}{f' ({why})' if why else ''}, got {value}", name)
+
+
+def _check_float(name: str, value: object, low: float, high: float | None, low_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RequestError(f"{name} must be a finite number, got {value!r}", name)
+    if (value <= low if low_open else value < low) or (high is not None and value > high):
+        interval = f"{'(' if low_open else '['}{low:g}, {'inf)' if high is None else f'{high:g}]'}"
+        raise RequestError(f"{name} must be in {interval}, got {value}", name)
 
 
 BlockHasher = Callable[["Request"], list[bytes]]

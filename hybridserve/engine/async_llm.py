@@ -10,10 +10,17 @@ Threads: the caller's event loop tokenizes and submits commands (add, abort, sta
 a queue; the engine thread drains it between steps, steps the EngineCore, detokenizes
 and hands each stream its outputs with one `call_soon_threadsafe` per loop and step.
 
-Failure contract: an error inside the engine thread kills the engine (its state is no
-longer trustworthy): every open stream raises EngineDeadError, later calls raise it at
-once, nothing hangs. A consumer that stops iterating (client gone, task cancelled)
-aborts its request, so its blocks return to the pool.
+Failure contract, narrowest scope first:
+- A request whose own sampling, detokenizing or stop matching fails raises
+  RequestFailedError on its stream alone; its engine requests are aborted (blocks freed)
+  and every other request goes on.
+- A failure of the engine step itself (scheduler or executor state no longer
+  trustworthy) fails every open stream with EngineDeadError, then the engine is rebuilt
+  from its config (at most `max_restarts` times; new requests meanwhile raise
+  EngineRestartingError). Past that the engine stays dead: later calls raise
+  EngineDeadError at once and `on_dead` is told, so a server can exit for its supervisor.
+Nothing hangs. A consumer that stops iterating (client gone, task cancelled) aborts its
+request, so its blocks return to the pool.
 """
 
 from __future__ import annotations
@@ -40,8 +47,20 @@ from hybridserve.engine.outputs import GenerationOutput, GenerationTracker, Requ
 logger = logging.getLogger("hybridserve")
 
 
+DEFAULT_MAX_RESTARTS = 3
+
+
 class EngineDeadError(HybridServeError, RuntimeError):
-    """The engine thread failed or was shut down; no request can run any more."""
+    """The engine failed under this request, or was shut down; see the message."""
+
+
+class EngineRestartingError(EngineDeadError):
+    """The engine is being rebuilt after a failure; the request may be retried shortly."""
+
+
+class RequestFailedError(HybridServeError, RuntimeError):
+    """This request failed inside the engine (sampling, detokenizing, stop matching);
+    the engine and every other request are unaffected."""
 
 
 @dataclass
@@ -88,13 +107,21 @@ def group_label(spec: KVCacheSpec) -> str:
 
 class AsyncLLM:
     def __init__(self, model: str | None = None, *, config: EngineConfig | None = None, progress: bool = True,
-                 on_request_finished: Callable[[RequestMetrics], None] | None = None, **engine_args: Any) -> None:
+                 on_request_finished: Callable[[RequestMetrics], None] | None = None,
+                 max_restarts: int = DEFAULT_MAX_RESTARTS, **engine_args: Any) -> None:
         self.config = config or EngineConfig.from_kwargs(model=model, **engine_args)
         self.parts: EngineParts = build_engine_parts(self.config, progress=progress)
         self.on_request_finished = on_request_finished
+        # Called once, on the engine thread, when the engine is dead for good.
+        self.on_dead: Callable[[str], None] | None = None
+        self.max_restarts = max_restarts
+        # Why each restart happened (one line each), for logs and /metrics.
+        self.restart_reasons: list[str] = []
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
-        self._lock = threading.Lock()  # guards _active and _dead against the engine thread's death
+        # Guards _active, _restarting and _dead against the engine thread.
+        self._lock = threading.Lock()
         self._active: set[str] = set()
+        self._restarting = False
         self._dead: EngineDeadError | None = None
         self._streams: dict[str, _Stream] = {}  # engine thread only
         self._by_core: dict[str, _Stream] = {}  # engine thread only
@@ -113,7 +140,12 @@ class AsyncLLM:
 
     @property
     def dead_error(self) -> EngineDeadError | None:
+        """Set once the engine is dead for good (shut down, or out of restarts)."""
         return self._dead
+
+    @property
+    def restarting(self) -> bool:
+        return self._restarting
 
     async def generate(self, prompt: Prompt, params: CoreSamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[GenerationOutput]:
@@ -144,11 +176,14 @@ class AsyncLLM:
         rid = request_id or new_request_id()
         if not isinstance(rid, str) or not rid:
             raise RequestError("request_id must be a non-empty string")
+        check_params(self.parts, params)  # cheap, and the sampler must never see an unchecked id
         tracker = GenerationTracker(rid, text, ids, params, self.parts.tokenizer)
         stream = _Stream(tracker, asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if self._dead is not None:
                 raise EngineDeadError(str(self._dead))
+            if self._restarting:
+                raise EngineRestartingError("the engine is restarting after a failure; retry shortly")
             if rid in self._active:
                 raise RequestError(f"duplicate request id {rid!r}")
             self._active.add(rid)
@@ -200,19 +235,58 @@ class AsyncLLM:
 
     # -- engine thread ------------------------------------------------------------------
     def _run(self) -> None:
+        while True:
+            failure = self._serve()
+            if failure is None:
+                self._die("the engine was shut down")
+                return
+            if len(self.restart_reasons) >= self.max_restarts:
+                self._die(f"the engine failed and is out of restarts ({self.max_restarts}); last failure: {failure}")
+                return
+            if not self._restart(failure):
+                return
+
+    def _serve(self) -> str | None:
+        """Step the engine until a stop command (None) or a failure (its one-line reason)."""
         engine = self.parts.engine
-        reason = "the engine was shut down"
         try:
             while True:
                 if not self._drain(block=not engine.has_unfinished_requests()):
-                    break
+                    return None
                 if engine.has_unfinished_requests():
                     _, outs = engine.step()
                     self._handle_outputs(outs)
-        except BaseException as exc:  # noqa: BLE001 - reported to every waiting stream
-            logger.exception("engine thread failed")
-            reason = f"engine failed: {type(exc).__name__}: {exc}"
-        self._die(reason)
+        except BaseException as exc:  # noqa: BLE001 - the engine is rebuilt or declared dead
+            logger.exception("engine step failed")
+            return f"{type(exc).__name__}: {exc}"
+
+    def _restart(self, failure: str) -> bool:
+        """Fail what was open, rebuild the engine; False if it is dead instead."""
+        n = len(self.restart_reasons) + 1
+        logger.error("engine failed (%s); restarting it (%d of at most %d)", failure, n, self.max_restarts)
+        with self._lock:
+            self._restarting = True
+        # Clients see no internal error text, only that the engine failed under them.
+        stop = self._fail_open(EngineDeadError("the engine failed while running this request and is restarting; "
+                                               "retry it"))
+        self.restart_reasons.append(failure)
+        try:
+            self.parts.engine.shutdown()
+        except Exception:  # noqa: BLE001 - its state is already untrusted; free what we can
+            logger.debug("shutdown of the failed engine raised", exc_info=True)
+        if stop:
+            self._die("the engine was shut down")
+            return False
+        try:
+            self.parts = build_engine_parts(self.config, progress=False)
+        except BaseException as exc:  # noqa: BLE001 - the model loaded before, so this is fatal
+            logger.exception("engine restart failed")
+            self._die(f"the engine failed and could not be restarted: {type(exc).__name__}")
+            return False
+        with self._lock:
+            self._restarting = False
+        logger.warning("engine restarted after: %s", failure)
+        return True
 
     def _drain(self, block: bool) -> bool:
         """Run queued commands; False on stop."""
@@ -267,27 +341,53 @@ class AsyncLLM:
             stream = self._streams.get(rid)
             if stream is None:
                 continue
-            live = [cid for cid, seq in stream.tracker.by_core_id.items() if not seq.finished]
-            self.parts.engine.abort_requests(live)
-            for cid in live:
-                stream.tracker.by_core_id[cid].abort(now)
+            self._abort_choices(stream, now)
             touched.append(stream)
         self._publish(touched)
+
+    def _abort_choices(self, stream: _Stream, now: float) -> None:
+        """Abort a stream's unfinished engine requests (their blocks return to the pool)."""
+        live = [cid for cid, seq in stream.tracker.by_core_id.items() if not seq.finished]
+        self.parts.engine.abort_requests(live)
+        for cid in live:
+            stream.tracker.by_core_id[cid].abort(now)
 
     def _handle_outputs(self, outs: list[CoreOutput]) -> None:
         now = time.monotonic()
         touched: dict[int, _Stream] = {}
+        failed: dict[int, tuple[_Stream, RequestFailedError]] = {}
         stops = []
         for o in outs:
             stream = self._by_core.get(o.request_id)
-            if stream is None:
+            if stream is None or id(stream) in failed:
                 continue
-            if stream.tracker.process(o, now):
-                stops.append(o.request_id)
+            if o.finish_reason == "error":  # the engine failed this request alone (its sampling)
+                failed[id(stream)] = (stream, RequestFailedError(
+                    "this request failed while its tokens were sampled; other requests are unaffected"))
+                continue
+            try:
+                if stream.tracker.process(o, now):
+                    stops.append(o.request_id)
+            except Exception as exc:  # noqa: BLE001 - detokenizing or stop matching: this request only
+                logger.exception("processing the output of request %s failed", stream.tracker.request_id)
+                failed[id(stream)] = (stream, RequestFailedError(
+                    f"this request failed while its output was processed ({type(exc).__name__}); "
+                    "other requests are unaffected"))
+                continue
             touched[id(stream)] = stream
         if stops:
             self.parts.engine.abort_requests(stops)
+        for key, (stream, exc) in failed.items():
+            touched.pop(key, None)
+            self._fail_stream(stream, exc)
         self._publish(list(touched.values()))
+
+    def _fail_stream(self, stream: _Stream, exc: RequestFailedError) -> None:
+        """End one stream with an error; abort its unfinished engine requests (blocks freed)."""
+        self._abort_choices(stream, time.monotonic())
+        self._report_finished(stream)
+        self._retire(stream)
+        self._deliver({stream.loop: [(stream, exc)]})
 
     def _publish(self, streams: list[_Stream]) -> None:
         """Hand changed streams their outputs; retire finished ones."""
@@ -345,12 +445,12 @@ class AsyncLLM:
         except RuntimeError:
             pass
 
-    def _die(self, reason: str) -> None:
-        """Fail every open stream and every queued command; no command enters afterwards."""
+    def _fail_open(self, error: EngineDeadError) -> bool:
+        """Fail every open stream and queued command with `error`; True if a stop was queued."""
         with self._lock:
-            self._dead = EngineDeadError(reason)
             self._active.clear()
         pending: list[_Stream] = list(self._streams.values())
+        stop = False
         while True:
             try:
                 cmd = self._commands.get_nowait()
@@ -358,6 +458,8 @@ class AsyncLLM:
                 break
             if cmd[0] == "add":
                 pending.append(cmd[1])
+            elif cmd[0] == "stop":
+                stop = True
             elif cmd[0] == "stats":
                 try:
                     cmd[1].call_soon_threadsafe(_set_result, cmd[2], None)
@@ -365,7 +467,7 @@ class AsyncLLM:
                     pass
         batches: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, Any]]] = {}
         for stream in pending:
-            batches.setdefault(stream.loop, []).append((stream, EngineDeadError(reason)))
+            batches.setdefault(stream.loop, []).append((stream, error))
         self._streams.clear()
         self._by_core.clear()
         for loop, items in batches.items():
@@ -373,10 +475,23 @@ class AsyncLLM:
                 loop.call_soon_threadsafe(_put_all, items)
             except RuntimeError:
                 pass
+        return stop
+
+    def _die(self, reason: str) -> None:
+        """Dead for good: fail everything open; no command enters afterwards."""
+        with self._lock:
+            self._dead = EngineDeadError(reason)
+            self._restarting = False
+        self._fail_open(self._dead)
         try:
             self.parts.engine.shutdown()
         except Exception:  # noqa: BLE001 - already dead; the first error was logged
             logger.debug("engine shutdown after failure raised", exc_info=True)
+        if self.on_dead is not None and reason != "the engine was shut down":
+            try:
+                self.on_dead(reason)
+            except Exception:  # noqa: BLE001 - a hook must not hide the death
+                logger.exception("on_dead hook failed")
 
 
 def _put_all(items: list[tuple[_Stream, Any]]) -> None:

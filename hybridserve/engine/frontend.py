@@ -120,16 +120,16 @@ def prepare_prompt(parts: EngineParts, prompt: Prompt) -> tuple[str | None, list
     """(text or None, token ids) for a text or token-id prompt; RequestError if unusable."""
     if isinstance(prompt, str):
         if parts.tokenizer is None:
-            raise RequestError("text prompts need a tokenizer; this model has none (pass token ids)")
+            raise RequestError("text prompts need a tokenizer; this model has none (pass token ids)", "prompt")
         ids = parts.tokenizer.encode(prompt)
         text: str | None = prompt
     else:
         try:
             ids = [int(t) for t in prompt]
         except (TypeError, ValueError):
-            raise RequestError("a prompt is a string or a list of token ids") from None
+            raise RequestError("a prompt is a string or a list of token ids", "prompt") from None
         if any(isinstance(t, bool) or not isinstance(t, int) for t in prompt):
-            raise RequestError("token ids must be integers")
+            raise RequestError("token ids must be integers", "prompt")
         text = None
     check_prompt_ids(ids, parts.max_model_len, parts.vocab_size)
     return text, ids
@@ -141,7 +141,7 @@ class ContextLengthError(RequestError):
 
 def check_prompt_ids(ids: Sequence[int], max_model_len: int, vocab_size: int) -> None:
     if not ids:
-        raise RequestError("the prompt is empty")
+        raise RequestError("the prompt is empty", "prompt")
     if len(ids) >= max_model_len:
         raise ContextLengthError(
             f"the prompt has {len(ids)} tokens, but max_model_len={max_model_len} allows at most "
@@ -149,12 +149,18 @@ def check_prompt_ids(ids: Sequence[int], max_model_len: int, vocab_size: int) ->
         )
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise RequestError(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})")
+        raise RequestError(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})", "prompt")
 
 
 def check_params(parts: EngineParts, params: Any) -> None:
+    """What SamplingParams cannot check alone: token ids against this model's vocabulary
+    (an id past it would index the logits out of bounds), and stop strings need a tokenizer."""
+    bad = next((t for t in params.stop_token_ids if t >= parts.vocab_size), None)
+    if bad is not None:
+        raise RequestError(f"stop_token_ids: token id {bad} is outside the vocabulary (0..{parts.vocab_size - 1})",
+                           "stop_token_ids")
     if params.stop and parts.tokenizer is None:
-        raise RequestError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        raise RequestError("stop strings need a tokenizer; this model has none (use stop_token_ids)", "stop")
 
 
 def prepare_chat(parts: EngineParts, messages: Sequence[dict[str, str]], params: Any) -> tuple[str, list[int], Any]:
@@ -165,7 +171,7 @@ def prepare_chat(parts: EngineParts, messages: Sequence[dict[str, str]], params:
     from hybridserve.engine.tokenizer import PLAIN_CHAT_STOP
 
     if parts.tokenizer is None:
-        raise RequestError("chat needs a tokenizer; this model has none")
+        raise RequestError("chat needs a tokenizer; this model has none", "messages")
     text, ids = parts.tokenizer.chat_prompt(messages)
     check_prompt_ids(ids, parts.max_model_len, parts.vocab_size)
     if not parts.tokenizer.has_chat_template and PLAIN_CHAT_STOP not in params.stop:

@@ -7,6 +7,7 @@ Sync scheduling is the same loop with one step in flight.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from typing import Any
 
@@ -18,6 +19,9 @@ from hybridserve.core.request import Request
 from hybridserve.core.sched.output import RequestOutput, SchedulerOutput
 from hybridserve.core.sched.scheduler import Scheduler
 from hybridserve.engine.executor import Executor
+
+
+logger = logging.getLogger("hybridserve")
 
 
 class EngineStuckError(HybridServeError, RuntimeError):
@@ -77,7 +81,19 @@ class EngineCore:
             return None, []
         out, handle = self.queue.popleft()
         runner_output = self.executor.wait(handle)
-        return out, self.scheduler.update_from_output(out, runner_output)
+        outputs = self.scheduler.update_from_output(out, runner_output)
+        if runner_output.failed_req_ids:
+            outputs = self._fail_requests(outputs, runner_output.failed_req_ids)
+        return out, outputs
+
+    def _fail_requests(self, outputs: list[RequestOutput], failed: dict[str, str]) -> list[RequestOutput]:
+        """Finish requests whose own sampling failed with reason "error", as an abort frees
+        them (fenced behind their in-flight steps); their stand-in tokens are not reported."""
+        for rid, reason in failed.items():
+            logger.error("request %s failed in the executor: %s", rid, reason)
+        self.scheduler.abort_requests(list(failed))
+        kept = [o for o in outputs if o.request_id not in failed]
+        return kept + [RequestOutput(rid, [], True, "error") for rid in failed]
 
     def run(self) -> dict[str, list[int]]:
         """Run every queued request to completion; return output token ids per request."""

@@ -37,10 +37,10 @@ class SamplingParams(CoreSamplingParams):
     def __post_init__(self) -> None:
         super().__post_init__()
         if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
-            raise RequestError(f"n must be an integer >= 1, got {self.n!r}")
+            raise RequestError(f"n must be an integer >= 1, got {self.n!r}", "n")
         stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         if any(not isinstance(s, str) or not s for s in stops):
-            raise RequestError("stop strings must be non-empty strings")
+            raise RequestError("stop strings must be non-empty strings", "stop")
         self.stop = stops
 
     def for_choice(self, index: int) -> SamplingParams:

@@ -18,6 +18,7 @@ delta back while it ends in U+FFFD (a multi-byte character split across tokens).
 
 from __future__ import annotations
 
+import copy
 import threading
 from pathlib import Path
 from typing import Any, Sequence
@@ -41,9 +42,13 @@ class Tokenizer:
         self.bos_token_id: int | None = hf_tokenizer.bos_token_id
         self.chat_template: str | None = getattr(hf_tokenizer, "chat_template", None) or None
         self._token_text: dict[int, str] = {}
-        # The engine thread decodes while the server's event loop encodes; HF fast
-        # tokenizers are not documented as thread-safe, so calls are serialised.
-        self._lock = threading.Lock()
+        # HF fast tokenizers are not documented as thread-safe, so each direction has its
+        # own copy and lock: the engine thread decodes every step while a server worker
+        # thread may spend seconds encoding a huge prompt, and the two must not wait on
+        # each other.
+        self._encode_lock = threading.Lock()
+        self._decoder = copy.deepcopy(hf_tokenizer)
+        self._decode_lock = threading.Lock()
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer | None:
@@ -68,12 +73,12 @@ class Tokenizer:
         return len(self.hf)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        with self._lock:
+        with self._encode_lock:
             return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        with self._lock:
-            return self.hf.decode(list(token_ids), skip_special_tokens=skip_special_tokens,
+        with self._decode_lock:
+            return self._decoder.decode(list(token_ids), skip_special_tokens=skip_special_tokens,
                                   clean_up_tokenization_spaces=False)
 
     def token_text(self, token_id: int) -> str:
@@ -89,7 +94,7 @@ class Tokenizer:
             raise RequestError("messages must not be empty")
         if self.chat_template is not None:
             try:
-                with self._lock:
+                with self._encode_lock:
                     text = self.hf.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
             except Exception as exc:  # jinja raises its own errors (TemplateError, raise_exception)
                 raise RequestError(f"the model's chat template rejected the messages: {exc}") from None

@@ -56,9 +56,21 @@ class _EngineCollector:
     def __init__(self) -> None:
         self.stats: EngineStats | None = None
         self.alive = True
+        self.restart_reasons: list[str] = []
 
     def collect(self) -> Iterator[Metric]:
-        yield GaugeMetricFamily("hybridserve_engine_healthy", "1 while the engine thread runs", value=int(self.alive))
+        yield GaugeMetricFamily("hybridserve_engine_healthy", "1 while the engine runs (0 dead or restarting)",
+                                value=int(self.alive))
+        restarts = CounterMetricFamily("hybridserve_engine_restarts", "Engine rebuilds after a failure, by the "
+                                       "failure's exception type", labels=["reason"])
+        by_type: dict[str, int] = {}
+        for reason in self.restart_reasons:
+            # The type alone: the message may hold internal detail and would grow the label set.
+            kind = reason.split(":", 1)[0]
+            by_type[kind] = by_type.get(kind, 0) + 1
+        for kind, count in sorted(by_type.items()):
+            restarts.add_metric([kind], count)
+        yield restarts
         s = self.stats
         if s is None:
             return
@@ -97,7 +109,8 @@ class ServerMetrics:
         self.prompt_tokens.inc(m.num_prompt_tokens)
         self.finished.labels(m.finish_reason).inc()
 
-    def render(self, stats: EngineStats | None, alive: bool) -> bytes:
+    def render(self, stats: EngineStats | None, alive: bool, restart_reasons: list[str]) -> bytes:
         """The exposition text with this engine snapshot (call from one thread at a time)."""
         self.collector.stats, self.collector.alive = stats, alive
+        self.collector.restart_reasons = list(restart_reasons)
         return generate_latest(self.registry)

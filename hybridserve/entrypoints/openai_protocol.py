@@ -1,14 +1,14 @@
 """OpenAI request bodies (pydantic, strict types) and the JSON the server sends back.
 
-Bodies are validated from raw JSON bytes in strict mode: "16" is not an integer and
-true is not a number, as with OpenAI. Unknown fields are ignored, except features this
-server does not implement (tools, logit_bias, penalties, suffix, ...), which are a 400
-rather than a silently different result.
+Bodies are validated in strict mode: "16" is not an integer, true is not a number, and
+NaN or Infinity is no number at all, as with OpenAI. Unknown fields are ignored, except
+features this server does not implement (tools, logit_bias, penalties, suffix, ...),
+which are a 400 rather than a silently different result.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, TypeVar
+from typing import Any, Callable, Literal, Sequence, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -23,16 +23,17 @@ class ApiError(Exception):
     """An error answered as OpenAI-style JSON: {"error": {message, type, param, code}}."""
 
     def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
-                 type_: str = "invalid_request_error") -> None:
+                 type_: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message, self.status, self.param, self.code, self.type = message, status, param, code, type_
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
@@ -59,6 +60,9 @@ class _Sampling(_Body):
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
+    # Each choice also carries its generated token ids (always so for a model without a
+    # tokenizer, whose text is empty).
+    return_token_ids: bool = False
 
 
 class CompletionRequest(_Sampling):
@@ -97,19 +101,30 @@ def parse_body(cls: type[Body], raw: bytes) -> Body:
     try:
         return cls.model_validate_json(raw or b"")
     except ValidationError as exc:
-        err = exc.errors(include_url=False)[0]
-        if err["type"] == "json_invalid":
-            raise ApiError(f"malformed JSON body: {err['msg']}") from None
-        loc = [str(x) for x in err["loc"] if isinstance(x, (str, int))]
-        param = loc[0] if loc else None
-        where = ".".join(loc[:1] + [x for x in loc[1:] if x.isdigit()]) if loc else "body"
-        raise ApiError(f"{where}: {err['msg']}", param=param) from None
+        raise validation_error(exc.errors(include_url=False)) from None
+
+
+def validation_error(errors: Sequence[Any]) -> ApiError:
+    """The first validation error as a 400 naming the parameter (the route's `body` prefix dropped)."""
+    err = errors[0]
+    if err["type"] in ("json_invalid", "json_type"):
+        detail = (err.get("ctx") or {}).get("error", err["msg"])
+        return ApiError(f"malformed JSON body: {detail}")
+    loc = [str(x) for x in err["loc"] if isinstance(x, (str, int))]
+    if loc and loc[0] == "body":
+        loc = loc[1:]
+    if err["type"] == "missing" and not loc:
+        return ApiError("the request needs a JSON body")
+    param = loc[0] if loc else None
+    where = ".".join(loc[:1] + [x for x in loc[1:] if x.isdigit()]) if loc else "body"
+    return ApiError(f"{where}: {err['msg']}", param=param)
 
 
 def check_unsupported(req: _Sampling) -> None:
     """400 for options that would change results if silently ignored."""
-    if req.presence_penalty or req.frequency_penalty:
-        raise ApiError("presence_penalty and frequency_penalty are not supported", param="presence_penalty")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name):
+            raise ApiError(f"{name} is not supported", param=name)
     if req.logit_bias:
         raise ApiError("logit_bias is not supported", param="logit_bias")
     if isinstance(req, CompletionRequest):
@@ -142,18 +157,25 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_logprobs(tok: Tokenizer, entries: list[TokenLogprob], offset: int) -> dict[str, Any]:
+def token_text_of(tok: Tokenizer | None) -> Callable[[int], str]:
+    """How a token is shown in logprobs: its text, or "token_id:N" for a model without a tokenizer."""
+    if tok is not None:
+        return tok.token_text
+    return lambda token_id: f"token_id:{token_id}"
+
+
+def completion_logprobs(token_text: Callable[[int], str], entries: list[TokenLogprob], offset: int) -> dict[str, Any]:
     """The legacy completions format; offsets count characters from `offset`."""
     tokens, offsets = [], []
     for e in entries:
-        text = tok.token_text(e.token_id)
+        text = token_text(e.token_id)
         tokens.append(text)
         offsets.append(offset)
         offset += len(text)
     tops = []
     for e in entries:
-        top = {tok.token_text(t): lp for t, lp in (e.top or [])}
-        top.setdefault(tok.token_text(e.token_id), e.logprob)
+        top = {token_text(t): lp for t, lp in (e.top or [])}
+        top.setdefault(token_text(e.token_id), e.logprob)
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": tops,
             "text_offset": offsets}
@@ -170,8 +192,12 @@ def chat_logprobs(tok: Tokenizer, entries: list[TokenLogprob], top_n: int) -> di
     ]}
 
 
-def completion_choice(index: int, text: str, out: CompletionOutput, logprobs: dict[str, Any] | None) -> dict:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(out.finish_reason)}
+def completion_choice(index: int, text: str, out: CompletionOutput, logprobs: dict[str, Any] | None,
+                      token_ids: list[int] | None = None) -> dict:
+    choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason(out.finish_reason)}
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return choice
 
 
 def chat_choice(out: CompletionOutput, index: int, logprobs: dict[str, Any] | None) -> dict:

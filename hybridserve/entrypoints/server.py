@@ -6,7 +6,19 @@ GET /health, GET /metrics.
 Contracts:
 - A bad request is HTTP 400 with {"error": {message, type, param, code}}; it never
   reaches the engine, so it cannot leave a request behind. Unknown routes get the
-  same body shape (404/405). A dead engine answers 503.
+  same body shape (404/405 with Allow); an unknown model is 404 model_not_found.
+- Before any route, `HttpGuard` checks the API key (401), the content type (415) and
+  the body size (413). A full queue is 429 with Retry-After; n x prompts and the stop
+  strings are capped (400). See server_limits.ServerLimits.
+- Tokenizing a large prompt runs on a worker thread, so /health and every other
+  stream keep being served while it runs.
+- A request that fails inside the engine fails alone (500 / an error event). A failed
+  engine step fails the open requests (503) and the engine restarts; /health is 503
+  while it does, and /metrics counts restarts. Responses never carry internal
+  exception text or file paths.
+- Draining (SIGTERM): new requests get 503; open ones may finish until the shutdown
+  timeout, then their engine requests are aborted and each open stream ends with an
+  error event and [DONE] (a whole response becomes a 503).
 - A client that disconnects aborts its requests: streaming responses close their body
   iterator (which aborts in AsyncLLM's generator), non-streaming handlers race the
   generation against the ASGI disconnect message.
@@ -22,19 +34,22 @@ import json
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Awaitable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from hybridserve.core.errors import RequestError
-from hybridserve.engine.async_llm import AsyncLLM, EngineDeadError
-from hybridserve.engine.frontend import ContextLengthError, prepare_chat, prepare_prompt
+from hybridserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineRestartingError, RequestFailedError
+from hybridserve.engine.frontend import ContextLengthError, check_params, prepare_chat, prepare_prompt
 from hybridserve.engine.outputs import GenerationOutput, SamplingParams
 from hybridserve.entrypoints import openai_protocol as P
+from hybridserve.entrypoints.http_guard import HttpGuard
 from hybridserve.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
+from hybridserve.entrypoints.server_limits import ServerLimits
 
 logger = logging.getLogger("hybridserve.server")
 _DONE = object()
@@ -42,15 +57,23 @@ _DONE = object()
 
 class _SSEResponse(StreamingResponse):
     """StreamingResponse that always closes its body iterator, so an abandoned stream
-    runs its cleanup (the engine abort) now rather than at garbage collection."""
+    runs its cleanup (the engine abort) now rather than at garbage collection, and then
+    runs `on_close` (even when the body never started)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self.on_close = on_close
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            try:
+                aclose = getattr(self.body_iterator, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+            finally:
+                self.on_close()
 
 
 def _sse(data: dict[str, Any]) -> str:
@@ -113,20 +136,75 @@ async def _until_disconnect(request: Request, work: Awaitable[Response]) -> Resp
     return Response(status_code=499)  # client closed the request; nobody reads this
 
 
+# Prompts longer than this are tokenized on a worker thread (shorter ones take less
+# time than the hop to the thread would).
+INLINE_TOKENIZE_CHARS = 8192
+RETRY_AFTER_S = 1
+
+
 class OpenAIServer:
-    def __init__(self, engine: AsyncLLM, model_name: str, metrics: ServerMetrics) -> None:
+    def __init__(self, engine: AsyncLLM, model_name: str, metrics: ServerMetrics,
+                 limits: ServerLimits | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.metrics = metrics
+        self.limits = limits or ServerLimits()
         self.created = int(time.time())
+        # Engine requests (choices) admitted by this server and not yet answered. Counted
+        # here, synchronously at admission, so concurrent arrivals cannot overshoot the queue.
+        self.num_admitted = 0
+        self.live_request_ids: set[str] = set()
+        self.draining = False  # SIGTERM: no new requests
+        self.stopping = False  # past the shutdown timeout: open requests were aborted
 
     # -- shared checks ------------------------------------------------------------
     def check_ready(self, model: str | None) -> None:
+        if self.draining:
+            raise P.ApiError("the server is shutting down", status=503, type_="service_unavailable",
+                             code="shutting_down")
         if self.engine.dead_error is not None:
-            raise P.ApiError(str(self.engine.dead_error), status=503, type_="engine_dead")
+            raise P.ApiError("the engine has stopped after repeated failures", status=503, type_="engine_dead")
+        if self.engine.restarting:
+            raise P.ApiError("the engine is restarting after a failure; retry shortly", status=503,
+                             type_="engine_restarting", headers={"Retry-After": str(RETRY_AFTER_S)})
         if model is not None and model != self.model_name:
             raise P.ApiError(f"the model `{model}` does not exist; this server serves `{self.model_name}`",
-                             param="model", code="model_not_found")
+                             status=404, param="model", code="model_not_found")
+
+    def admit(self, num_choices: int) -> Callable[[], None]:
+        """Reserve queue room for a request's engine requests; returns the release."""
+        cap = self.limits.max_choices_per_request
+        if num_choices > cap:
+            raise P.ApiError(f"n x the number of prompts is {num_choices}; this server allows at most {cap} "
+                             "per request", param="n")
+        slots = self.engine.config.max_num_seqs
+        limit = self.limits.waiting_limit(slots)
+        waiting_after = self.num_admitted + num_choices - slots
+        # An idle server always takes one request, so no request is refused for its size alone.
+        if self.num_admitted and waiting_after > limit:
+            raise P.ApiError(f"the server is at capacity ({self.num_admitted} requests in progress, at most {limit} "
+                             "waiting); retry later", status=429, type_="rate_limit_error", code="queue_full",
+                             headers={"Retry-After": str(RETRY_AFTER_S)})
+        self.num_admitted += num_choices
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.num_admitted -= num_choices
+
+        return release
+
+    def stop_strings(self, stop: str | list[str] | None) -> tuple[str, ...]:
+        items = P.stop_strings(stop)
+        if len(items) > self.limits.max_stop_strings:
+            raise P.ApiError(f"at most {self.limits.max_stop_strings} stop strings, got {len(items)}", param="stop")
+        longest = max((len(x) for x in items), default=0)
+        if longest > self.limits.max_stop_string_chars:
+            raise P.ApiError(f"stop strings may have at most {self.limits.max_stop_string_chars} characters, "
+                             f"got one of {longest}", param="stop")
+        return items
 
     def params(self, req: P._Sampling, prompt_len: int, max_tokens: int | None, default_max: int | None,
                logprobs: int | None, stop: tuple[str, ...]) -> SamplingParams:
@@ -144,18 +222,54 @@ class OpenAIServer:
         seed = None if req.seed is None else req.seed % (1 << 63)
         temperature = 1.0 if req.temperature is None else req.temperature
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 max_tokens=max_tokens, temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p,
                 top_k=req.top_k or 0, min_p=req.min_p or 0.0, seed=seed, logprobs=logprobs, n=req.n, stop=stop,
                 stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
                 min_tokens=req.min_tokens,
             )
+            check_params(self.engine.parts, params)
         except RequestError as exc:
-            raise P.ApiError(str(exc)) from None
+            raise P.ApiError(str(exc), param=exc.param) from None
+        return params
+
+    async def tokenize(self, fn: Callable[[], Any], num_chars: int) -> Any:
+        """Run a prompt-preparing call, on a worker thread when the text is large."""
+        if num_chars <= INLINE_TOKENIZE_CHARS:
+            return _checked(fn)
+        return await asyncio.to_thread(_checked, fn)
+
+    def token_ids_shown(self, req: P._Sampling) -> bool:
+        return req.return_token_ids or self.engine.tokenizer is None
+
+    def track(self, request_ids: list[str], release: Callable[[], None]) -> Callable[[], None]:
+        """Register engine request ids as live (aborted at the shutdown deadline); returns the cleanup."""
+        self.live_request_ids.update(request_ids)
+
+        def done() -> None:
+            self.live_request_ids.difference_update(request_ids)
+            release()
+
+        return done
+
+    async def begin_drain(self, timeout: float) -> None:
+        """Refuse new requests; after `timeout` s abort what is still open (its streams then
+        end with an error event, see _shutdown_error)."""
+        self.draining = True
+        deadline = time.monotonic() + timeout
+        while self.live_request_ids and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.live_request_ids:
+            self.stopping = True
+            logger.warning("shutdown timeout: ending %d open requests", len(self.live_request_ids))
+            await self.engine.abort(list(self.live_request_ids))
+
+    def _shutdown_error(self) -> P.ApiError:
+        return P.ApiError("the server shut down before this request finished", status=503,
+                          type_="service_unavailable", code="shutting_down")
 
     # -- /v1/completions ------------------------------------------------------------
-    async def completions(self, request: Request) -> Response:
-        req = P.parse_body(P.CompletionRequest, await request.body())
+    async def completions(self, request: Request, req: P.CompletionRequest) -> Response:
         P.check_unsupported(req)
         self.check_ready(req.model)
         if req.logprobs is not None and not 0 <= req.logprobs <= P.MAX_LOGPROBS:
@@ -167,68 +281,84 @@ class OpenAIServer:
             prompts = list(req.prompt)
         if not prompts:
             raise P.ApiError("prompt must not be empty", param="prompt")
-        stop = P.stop_strings(req.stop)
-        prepared = []
-        for p in prompts:
-            text, ids = _checked(lambda: prepare_prompt(self.engine.parts, p))
-            prepared.append((text, ids, self.params(req, len(ids), req.max_tokens, 16, req.logprobs, stop)))
+        stop = self.stop_strings(req.stop)
+        release = self.admit(len(prompts) * req.n)  # refuse before the costly part: tokenizing
+        try:
+            prepared = []
+            for p in prompts:
+                text, ids = await self.tokenize(lambda p=p: prepare_prompt(self.engine.parts, p),
+                                                len(p) if isinstance(p, str) else 0)
+                prepared.append((text, ids, self.params(req, len(ids), req.max_tokens, 16, req.logprobs, stop)))
+            self.check_ready(req.model)  # the engine may have failed while we tokenized
+        except BaseException:
+            release()
+            raise
         rid = f"cmpl-{uuid.uuid4().hex}"
-        gens = [self.engine.generate_tokens(ids, sp, f"{rid}-{i}", text) for i, (text, ids, sp) in enumerate(prepared)]
+        rids = [f"{rid}-{i}" for i in range(len(prepared))]
+        done = self.track(rids, release)
+        gens = [self.engine.generate_tokens(ids, sp, r, text) for r, (text, ids, sp) in zip(rids, prepared)]
         echo = [(text if text is not None else self._decode(ids)) if req.echo else "" for text, ids, _ in prepared]
         head = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": self.model_name}
         prompt_tokens = sum(len(ids) for _, ids, _ in prepared)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _SSEResponse(self._stream_completion(gens, head, req, echo, prompt_tokens, include_usage),
-                                media_type="text/event-stream")
-        return await _until_disconnect(request, self._full_completion(gens, head, req, echo, prompt_tokens))
+            return _SSEResponse(self._stream_completion(gens, head, req, echo, prompt_tokens, include_usage), done)
+        try:
+            return await _until_disconnect(request, self._full_completion(gens, head, req, echo, prompt_tokens))
+        finally:
+            done()
 
     def _decode(self, ids: list[int]) -> str:
         tok = self.engine.tokenizer
         return tok.decode(ids) if tok is not None else ""
 
     def _cmpl_logprobs(self, entries: Any, offset: int) -> dict[str, Any] | None:
-        if entries is None or self.engine.tokenizer is None:
+        if entries is None:
             return None
-        return P.completion_logprobs(self.engine.tokenizer, entries, offset)
+        return P.completion_logprobs(P.token_text_of(self.engine.tokenizer), entries, offset)
 
     async def _full_completion(self, gens: list, head: dict, req: P.CompletionRequest, echo: list[str],
                                prompt_tokens: int) -> Response:
-        finals = await _collect(gens)
+        finals = await self._collect(gens)
         choices, completion_tokens = [], 0
+        show_ids = self.token_ids_shown(req)
         for (pi, ci), out in sorted(finals.items()):
             completion_tokens += len(out.token_ids)
             lp = self._cmpl_logprobs(out.logprobs, len(echo[pi]))
-            choices.append(P.completion_choice(pi * req.n + ci, echo[pi] + out.text, out, lp))
+            choices.append(P.completion_choice(pi * req.n + ci, echo[pi] + out.text, out, lp,
+                                               out.token_ids if show_ids else None))
         return JSONResponse({**head, "choices": choices, "usage": P.usage(prompt_tokens, completion_tokens)})
 
     async def _stream_completion(self, gens: list, head: dict, req: P.CompletionRequest, echo: list[str],
                                  prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
         offsets: dict[tuple[int, int], int] = {}
         completion_tokens = 0
+        show_ids = self.token_ids_shown(req)
         try:
             async with contextlib.aclosing(_merge(gens)) as merged:
                 async for pi, out in merged:
                     for c in out.outputs:
+                        if self.stopping and c.finish_reason == "abort":
+                            raise self._shutdown_error()
                         key = (pi, c.index)
                         first = key not in offsets
                         text = (echo[pi] if first else "") + c.delta_text
                         offset = offsets.get(key, 0)
                         offsets[key] = offset + len(text)
                         completion_tokens += len(c.delta_token_ids)
-                        if not text and not c.finished:
+                        if not text and not c.finished and not (show_ids and c.delta_token_ids):
                             continue
                         lp = self._cmpl_logprobs(c.delta_logprobs, offset + (len(echo[pi]) if first else 0))
-                        yield _sse({**head, "choices": [P.completion_choice(pi * req.n + c.index, text, c, lp)]})
+                        ids = c.delta_token_ids if show_ids else None
+                        yield _sse({**head, "choices": [P.completion_choice(pi * req.n + c.index, text, c, lp, ids)]})
             if include_usage:
                 yield _sse({**head, "choices": [], "usage": P.usage(prompt_tokens, completion_tokens)})
-        except (RequestError, EngineDeadError) as exc:
-            yield _sse(_error_body(exc))
+        except Exception as exc:  # noqa: BLE001 - every failure ends the stream with an error event
+            yield _sse(_error_for(exc).body())
         yield "data: [DONE]\n\n"
 
     # -- /v1/chat/completions -------------------------------------------------------------
-    async def chat(self, request: Request) -> Response:
-        req = P.parse_body(P.ChatRequest, await request.body())
+    async def chat(self, request: Request, req: P.ChatRequest) -> Response:
         P.check_unsupported(req)
         self.check_ready(req.model)
         if req.top_logprobs is not None and not 0 <= req.top_logprobs <= P.MAX_LOGPROBS:
@@ -237,20 +367,30 @@ class OpenAIServer:
             raise P.ApiError("top_logprobs needs logprobs=true", param="top_logprobs")
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": _content_text(m)}
                     for m in req.messages]
-        stop = P.stop_strings(req.stop)
-        base = SamplingParams(stop=stop)  # the chat helper may add the plain template's stop
-        text, ids, base = _checked(lambda: prepare_chat(self.engine.parts, messages, base))
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        top_n = req.top_logprobs or 0
-        sp = self.params(req, len(ids), max_tokens, None, top_n if req.logprobs else None, tuple(base.stop))
+        stop = self.stop_strings(req.stop)
+        release = self.admit(req.n)
+        try:
+            base = SamplingParams(stop=stop)  # the chat helper may add the plain template's stop
+            text, ids, base = await self.tokenize(lambda: prepare_chat(self.engine.parts, messages, base),
+                                                  sum(len(m["content"]) for m in messages))
+            max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+            top_n = req.top_logprobs or 0
+            sp = self.params(req, len(ids), max_tokens, None, top_n if req.logprobs else None, tuple(base.stop))
+            self.check_ready(req.model)
+        except BaseException:
+            release()
+            raise
         rid = f"chatcmpl-{uuid.uuid4().hex}"
+        done = self.track([rid], release)
         gen = self.engine.generate_tokens(ids, sp, rid, text)
         head = {"id": rid, "created": int(time.time()), "model": self.model_name}
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _SSEResponse(self._stream_chat(gen, head, req, len(ids), top_n, include_usage),
-                                media_type="text/event-stream")
-        return await _until_disconnect(request, self._full_chat(gen, head, req, len(ids), top_n))
+            return _SSEResponse(self._stream_chat(gen, head, req, len(ids), top_n, include_usage), done)
+        try:
+            return await _until_disconnect(request, self._full_chat(gen, head, req, len(ids), top_n))
+        finally:
+            done()
 
     def _chat_logprobs(self, entries: Any, top_n: int) -> dict[str, Any] | None:
         if entries is None or self.engine.tokenizer is None:
@@ -258,7 +398,7 @@ class OpenAIServer:
         return P.chat_logprobs(self.engine.tokenizer, entries, top_n)
 
     async def _full_chat(self, gen: Any, head: dict, req: P.ChatRequest, prompt_tokens: int, top_n: int) -> Response:
-        finals = await _collect([gen])
+        finals = await self._collect([gen])
         choices = [P.chat_choice(out, ci, self._chat_logprobs(out.logprobs, top_n)) for (_, ci), out in sorted(finals.items())]
         completion_tokens = sum(len(out.token_ids) for out in finals.values())
         return JSONResponse({**head, "object": "chat.completion", "choices": choices,
@@ -275,6 +415,8 @@ class OpenAIServer:
             async with contextlib.aclosing(_merge([gen])) as merged:
                 async for _, out in merged:
                     for c in out.outputs:
+                        if self.stopping and c.finish_reason == "abort":
+                            raise self._shutdown_error()
                         completion_tokens += len(c.delta_token_ids)
                         if not c.delta_text and not c.finished:
                             continue
@@ -284,21 +426,42 @@ class OpenAIServer:
                         yield _sse({**head, "choices": [choice]})
             if include_usage:
                 yield _sse({**head, "choices": [], "usage": P.usage(prompt_tokens, completion_tokens)})
-        except (RequestError, EngineDeadError) as exc:
-            yield _sse(_error_body(exc))
+        except Exception as exc:  # noqa: BLE001 - every failure ends the stream with an error event
+            yield _sse(_error_for(exc).body())
         yield "data: [DONE]\n\n"
+
+    async def _collect(self, gens: list) -> dict[tuple[int, int], Any]:
+        finals: dict[tuple[int, int], Any] = {}
+        try:
+            async with contextlib.aclosing(_merge(gens)) as merged:
+                async for pi, out in merged:
+                    for c in out.outputs:
+                        finals[(pi, c.index)] = c
+        except Exception as exc:  # noqa: BLE001 - mapped to an OpenAI-style error
+            raise _error_for(exc) from None
+        if self.stopping and any(c.finish_reason == "abort" for c in finals.values()):
+            raise self._shutdown_error()
+        return finals
 
     # -- the rest ------------------------------------------------------------------------
     def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": self.created, "owned_by": "hybridserve",
-            "root": str(self.engine.parts.model_path), "max_model_len": self.engine.max_model_len,
+            "root": self.model_name, "max_model_len": self.engine.max_model_len,
         }]}
 
     async def render_metrics(self) -> Response:
-        stats = await self.engine.get_stats()
-        body = self.metrics.render(stats, self.engine.dead_error is None)
+        engine = self.engine
+        stats = await engine.get_stats()
+        body = self.metrics.render(stats, engine.dead_error is None and not engine.restarting, engine.restart_reasons)
         return Response(body, media_type=CONTENT_TYPE)
+
+    def health(self) -> Response:
+        try:
+            self.check_ready(None)
+        except P.ApiError as err:
+            return _error_response(err)
+        return JSONResponse({"status": "ok"})
 
 
 def _content_text(m: P.ChatMessage) -> str:
@@ -318,36 +481,39 @@ def _checked(fn: Any) -> Any:
     except ContextLengthError as exc:
         raise P.ApiError(str(exc), param="prompt", code="context_length_exceeded") from None
     except RequestError as exc:
-        raise P.ApiError(str(exc)) from None
+        raise P.ApiError(str(exc), param=exc.param) from None
 
 
-async def _collect(gens: list) -> dict[tuple[int, int], Any]:
-    finals: dict[tuple[int, int], Any] = {}
-    try:
-        async with contextlib.aclosing(_merge(gens)) as merged:
-            async for pi, out in merged:
-                for c in out.outputs:
-                    finals[(pi, c.index)] = c
-    except EngineDeadError as exc:
-        raise P.ApiError(str(exc), status=503, type_="engine_dead") from None
-    except RequestError as exc:
-        raise P.ApiError(str(exc)) from None
-    return finals
-
-
-def _error_body(exc: Exception) -> dict[str, Any]:
+def _error_for(exc: BaseException) -> P.ApiError:
+    """What a client is told about a failure: never internal exception text."""
+    if isinstance(exc, P.ApiError):
+        return exc
+    if isinstance(exc, EngineRestartingError):
+        return P.ApiError(str(exc), status=503, type_="engine_restarting", headers={"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(exc, EngineDeadError):
-        return P.ApiError(str(exc), status=503, type_="engine_dead").body()
-    return P.ApiError(str(exc)).body()
+        return P.ApiError("the engine failed while running this request; retry it", status=503,
+                          type_="engine_dead", headers={"Retry-After": str(RETRY_AFTER_S)})
+    if isinstance(exc, RequestFailedError):  # its message is written for clients
+        return P.ApiError(str(exc), status=500, type_="internal_error")
+    if isinstance(exc, RequestError):
+        return P.ApiError(str(exc), param=exc.param)
+    logger.error("request failed", exc_info=exc)
+    return P.ApiError(f"internal error ({type(exc).__name__})", status=500, type_="internal_error")
+
+
+def _error_response(err: P.ApiError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
 def build_app(engine: AsyncLLM, model_name: str, metrics: ServerMetrics | None = None,
-              owns_engine: bool = False) -> FastAPI:
-    """The FastAPI app. With owns_engine the app's shutdown (lifespan end) stops the engine;
-    otherwise the caller does."""
+              owns_engine: bool = False, limits: ServerLimits | None = None) -> FastAPI:
+    """The app: the HTTP guard around the FastAPI routes. With owns_engine the app's
+    shutdown (lifespan end) stops the engine; otherwise the caller does. The OpenAIServer
+    is at `app.state.server` (draining is started through it)."""
+    limits = limits or ServerLimits()
     metrics = metrics or ServerMetrics()
     engine.on_request_finished = metrics.on_request_finished
-    server = OpenAIServer(engine, model_name, metrics)
+    server = OpenAIServer(engine, model_name, metrics, limits)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -355,35 +521,41 @@ def build_app(engine: AsyncLLM, model_name: str, metrics: ServerMetrics | None =
         if owns_engine:
             await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
 
-    app = FastAPI(title="hybridserve", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app = FastAPI(title="hybridserve", summary="OpenAI-compatible serving of hybrid-attention models",
+                  docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.server = server
+    # The last added middleware is the outermost: CORS answers preflights (which carry
+    # no API key) before the guard asks for one.
+    app.add_middleware(HttpGuard, limits=limits)
+    if limits.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(limits.allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
 
     @app.exception_handler(P.ApiError)
     async def api_error(_: Request, exc: P.ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return _error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        err = P.ApiError(str(exc.detail), status=exc.status_code, code=str(exc.status_code))
-        return JSONResponse(err.body(), status_code=exc.status_code)
+        err = P.ApiError(str(exc.detail), status=exc.status_code, code=str(exc.status_code),
+                         headers=dict(exc.headers) if exc.headers else None)  # 405 keeps its Allow
+        return _error_response(err)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse(P.ApiError(str(exc)).body(), status_code=400)
+        return _error_response(P.validation_error(exc.errors()))
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("internal error")
-        err = P.ApiError(f"internal error: {type(exc).__name__}", status=500, type_="internal_error")
-        return JSONResponse(err.body(), status_code=500)
+        return _error_response(_error_for(exc))
 
     @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await server.completions(request)
+    async def completions(request: Request, body: P.CompletionRequest) -> Response:
+        return await server.completions(request, body)
 
     @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await server.chat(request)
+    async def chat(request: Request, body: P.ChatRequest) -> Response:
+        return await server.chat(request, body)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -391,12 +563,9 @@ def build_app(engine: AsyncLLM, model_name: str, metrics: ServerMetrics | None =
 
     @app.get("/health")
     async def health() -> Response:
-        if engine.dead_error is not None:
-            return JSONResponse(P.ApiError(str(engine.dead_error), 503, type_="engine_dead").body(), status_code=503)
-        return JSONResponse({"status": "ok"})
+        return server.health()
 
     @app.get("/metrics")
     async def prometheus() -> Response:
         return await server.render_metrics()
-
     return app

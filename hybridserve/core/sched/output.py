@@ -96,6 +96,9 @@ class ModelRunnerOutput:
     kv_connector_output: KVConnectorOutput | None = None
     # Drafts the executor actually proposed per request (may be fewer than scheduled).
     num_draft_tokens: dict[str, int] = field(default_factory=dict)
+    # Requests whose own sampling failed (id -> one-line reason). Their sampled tokens are
+    # stand-ins that keep the step's counts consistent; the engine fails them right after.
+    failed_req_ids: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

@@ -33,7 +33,7 @@ from hybridserve.executor.torch.attention import StepAttention
 from hybridserve.executor.torch.kv_cache import PagedKVCache
 from hybridserve.executor.torch.mamba_states import GroupSubset, MambaLayout, StepBackend, StepMambaStates
 from hybridserve.executor.torch.requests import BlockTables, RequestState
-from hybridserve.executor.torch.sampler import SampleRow, is_greedy, logprob_info, sample
+from hybridserve.executor.torch.sampler import SampleRow, is_greedy, logprob_info, sample_isolated
 from hybridserve.executor.torch.spec_decode import NgramDrafter, num_accepted
 from hybridserve.models.decoder import DecoderLM
 from hybridserve.models.kv_specs import layer_index
@@ -166,7 +166,8 @@ class ModelRunner:
         ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
         pos_t = torch.from_numpy(positions).to(self.device)
         hidden = self.model(ids_t, pos_t, int(positions.max()), attn)
-        sampled, logprobs = self._sample(so, states, hidden, ends, drafts)
+        failed: dict[str, str] = {}
+        sampled, logprobs = self._sample(so, states, hidden, ends, drafts, failed)
         for state, count, d, out in zip(states, counts_l, drafts, sampled):
             # out = accepted drafts + bonus when the step sampled; [] for a mid-prompt chunk.
             self._advance(state, count - len(d), len(d), len(out) - 1 if out else 0)
@@ -174,7 +175,7 @@ class ModelRunner:
             mamba_states.commit([counts_l[i] - len(drafts[i]) + len(sampled[i]) - 1 for i in mamba_states.verify])
         proposed = {sr.request_id: len(d) for sr, d in zip(so.requests, drafts) if sr.num_draft_tokens}
         return ModelRunnerOutput(req_ids=[s.req_id for s in states], sampled_token_ids=sampled, logprobs=logprobs,
-                                 num_draft_tokens=proposed)
+                                 num_draft_tokens=proposed, failed_req_ids=failed)
 
     def _advance(self, state: RequestState, num_known: int, num_proposed: int, num_accepted: int) -> None:
         """The step computed num_known known tokens then num_proposed drafts, of which the
@@ -225,9 +226,10 @@ class ModelRunner:
         return states, starts, counts, ids, drafts
 
     def _sample(self, so: SchedulerOutput, states: list[RequestState], hidden: torch.Tensor, ends: np.ndarray,
-                drafts: list[list[int]]) -> tuple[list[list[int]], dict[str, LogprobInfo]]:
+                drafts: list[list[int]], failed: dict[str, str]) -> tuple[list[list[int]], dict[str, LogprobInfo]]:
         """Sample for the requests the scheduler marked, verify their drafts; append the
-        output tokens (accepted drafts + bonus) to their state.
+        output tokens (accepted drafts + bonus) to their state. Requests whose sampling
+        failed are added to `failed` (id -> reason), with stand-in tokens.
 
         Such a step must reach the end of the runner's known tokens: a token sampled
         mid-sequence would be silently lost. A request with p drafts samples at its last
@@ -255,7 +257,11 @@ class ModelRunner:
         else:
             rows_info = [SampleRow(states[i].params, states[i].generator, self._banned(states[i], j))
                          for i, w in zip(samplers, widths) for j in range(w)]
-            tokens, lps = sample(logits, rows_info, self.default_generator)
+            tokens, lps, failed_rows = sample_isolated(logits, rows_info, self.default_generator)
+            if failed_rows:
+                row_owner = [i for i, w in zip(samplers, widths) for _ in range(w)]
+                for r, reason in failed_rows.items():
+                    failed.setdefault(states[row_owner[r]].req_id, reason)
         at = 0
         for i, w in zip(samplers, widths):
             targets = tokens[at : at + w]

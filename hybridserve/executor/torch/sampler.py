@@ -70,6 +70,30 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], default_generator: torch
     return token_list, out
 
 
+def sample_isolated(logits: torch.Tensor, rows: list[SampleRow], default_generator: torch.Generator
+                    ) -> tuple[list[int], list[tuple[float, list[tuple[int, float]] | None] | None], dict[int, str]]:
+    """`sample`, but a failure is confined to the rows that cause it: on an exception the
+    rows are sampled one at a time, and a row that still fails gets the raw argmax as a
+    stand-in token, its index in the returned {row: reason} (the engine then fails that
+    request alone). The fast path is `sample` itself; a failure is exceptional."""
+    try:
+        tokens, lps = sample(logits, rows, default_generator)
+        return tokens, lps, {}
+    except Exception:  # noqa: BLE001 - narrowed to the failing rows below
+        pass
+    tokens, lps, failed = [], [], {}
+    for i, row in enumerate(rows):
+        try:
+            t, lp = sample(logits[i : i + 1], [row], default_generator)
+            tokens.append(t[0])
+            lps.append(lp[0])
+        except Exception as exc:  # noqa: BLE001 - reported per request
+            tokens.append(int(logits[i].argmax()))
+            lps.append(None)
+            failed[i] = f"{type(exc).__name__}: {exc}"
+    return tokens, lps, failed
+
+
 def _sample_random(logits: torch.Tensor, rows: list[SampleRow], default_generator: torch.Generator) -> torch.Tensor:
     dev = logits.device
     temp = torch.tensor([r.params.temperature for r in rows], device=dev, dtype=logits.dtype)

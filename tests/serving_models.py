@@ -79,15 +79,21 @@ _DIRS: dict[bool, Path] = {}
 _ROOT: list[Path] = []
 
 
+def tiny_model_dir_without_tokenizer() -> Path:
+    """The tiny model alone: no tokenizer files (built once per test process)."""
+    if not _ROOT:
+        _ROOT.append(Path(tempfile.mkdtemp(prefix="hybridserve_serving_")))
+        atexit.register(shutil.rmtree, _ROOT[0], True)
+    base = _ROOT[0] / "model"
+    if not base.exists():
+        build_model(base)
+    return base
+
+
 def tiny_serving_dir(chat_template: bool = True) -> Path:
     """The tiny model directory plus a tokenizer (built once per test process)."""
     if chat_template not in _DIRS:
-        if not _ROOT:
-            _ROOT.append(Path(tempfile.mkdtemp(prefix="hybridserve_serving_")))
-            atexit.register(shutil.rmtree, _ROOT[0], True)
-        base = _ROOT[0] / "model"
-        if not base.exists():
-            build_model(base)
+        base = tiny_model_dir_without_tokenizer()
         out = _ROOT[0] / ("chat" if chat_template else "plain")
         shutil.copytree(base, out)
         save_tokenizer(out, chat_template)

@@ -342,11 +342,58 @@ def test_64_concurrent_streams_equal_a_sequential_greedy_run(server, ref: LLM) -
     assert m["hybridserve_prefix_cache_hit_rate"] >= 0.0
 
 
-def test_sigterm_shuts_the_server_down_cleanly(server) -> None:
-    """uvicorn re-raises SIGTERM after its graceful shutdown (exit by the signal, as
-    supervisors expect); the engine stops inside the app's lifespan, without a traceback."""
-    proc = server["proc"]
-    proc.terminate()
+def test_fuzzed_requests_never_get_a_5xx_and_leave_the_server_healthy(server) -> None:
+    """Bounded fuzzing from the server's own /openapi.json (schemathesis, via hypothesis):
+    request bodies of every shape the schema allows and many it does not."""
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    url = server["url"]
+    schema = schemathesis.openapi.from_url(url + "/openapi.json")
+    modes = (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE)
+    with httpx.Client(timeout=60) as http:
+        for op in schema.get_all_operations():
+            operation = op.ok()
+
+            @settings(max_examples=30, deadline=None, derandomize=True, database=None,
+                      suppress_health_check=list(HealthCheck))
+            @given(case=st.one_of(*(operation.as_strategy(m) for m in modes)))
+            def fuzz(case) -> None:
+                kwargs = case.as_transport_kwargs(base_url=url)
+                r = http.request(kwargs["method"], kwargs["url"], params=kwargs.get("params"),
+                                 headers={"content-type": "application/json", **(kwargs.get("headers") or {})},
+                                 content=None if case.body is None or "json" not in kwargs
+                                 else json.dumps(kwargs["json"]))
+                assert r.status_code < 500, (case.body, r.text)
+                if r.status_code >= 400:
+                    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+                assert http.get(url + "/health").status_code == 200
+
+            fuzz()
+    wait_idle(url)
+
+
+def test_sigterm_lets_open_streams_finish_then_exits_cleanly(server) -> None:
+    """SIGTERM drains: a stream already running finishes normally (the default shutdown
+    timeout, 10 s, is far longer than it needs), the listener closes, and the engine
+    stops inside the app's lifespan without a traceback. uvicorn re-raises SIGTERM after
+    its graceful shutdown (exit by the signal, as supervisors expect)."""
+    proc, url = server["proc"], server["url"]
+    events: list[str] = []
+    with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                      json={"prompt": PROMPTS[1], "max_tokens": 200, "ignore_eos": True, "stream": True}) as r:
+        for line in r.iter_lines():
+            if not line:
+                continue
+            events.append(line)
+            if len(events) == 2:
+                proc.terminate()
+    assert events[-1] == "data: [DONE]"
+    last = json.loads(events[-2][len("data: "):])
+    assert last["choices"][0]["finish_reason"] == "length", last
     assert proc.wait(30) in (0, -signal.SIGTERM)
+    with pytest.raises(httpx.TransportError):
+        httpx.get(url + "/health", timeout=2)
     log = Path(server["log"]).read_text()
     assert "Traceback" not in log, log[-2000:]

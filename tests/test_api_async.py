@@ -9,6 +9,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
+from tests.faults import fail_execute_after  # noqa: E402
 from tests.serving_models import PROMPTS, tiny_serving_dir  # noqa: E402
 
 from hybridserve import LLM, AsyncLLM, EngineDeadError, SamplingParams  # noqa: E402
@@ -119,27 +120,12 @@ def test_duplicate_ids_and_bad_prompts_are_request_errors(engine: AsyncLLM) -> N
     run(main())
 
 
-def _fail_execute_after(llm: AsyncLLM, num_ok: int) -> None:
-    """From the (num_ok + 1)-th step on, this engine's executor raises (a lost device)."""
-    executor = llm.parts.engine.executor
-    real_execute = executor.execute
-    calls = {"n": 0}
-
-    def flaky(scheduler_output):
-        calls["n"] += 1
-        if calls["n"] > num_ok:
-            raise RuntimeError("device lost at /secret/path")
-        return real_execute(scheduler_output)
-
-    executor.execute = flaky  # type: ignore[method-assign]
-
-
 def test_an_engine_failure_fails_open_requests_then_the_engine_restarts() -> None:
     llm = AsyncLLM(str(tiny_serving_dir()), max_model_len=MAX_LEN, progress=False)
     ref = LLM(str(tiny_serving_dir()), max_model_len=MAX_LEN, progress=False)
     want = ref.generate(PROMPTS[1], SamplingParams(max_tokens=12), use_tqdm=False)[0].text
     ref.shutdown()
-    _fail_execute_after(llm, 3)
+    fail_execute_after(llm, 3)
 
     async def main() -> None:
         results = await asyncio.gather(
@@ -168,7 +154,7 @@ def test_an_engine_out_of_restarts_is_dead_and_says_so() -> None:
     llm = AsyncLLM(str(tiny_serving_dir()), max_model_len=MAX_LEN, progress=False, max_restarts=0)
     reasons: list[str] = []
     llm.on_dead = reasons.append
-    _fail_execute_after(llm, 0)
+    fail_execute_after(llm, 0)
 
     async def main() -> None:
         with pytest.raises(EngineDeadError):

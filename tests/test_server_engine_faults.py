@@ -13,6 +13,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("prometheus_client")
 
+from tests.faults import fail_execute_after  # noqa: E402
 from tests.serving_models import PROMPTS, tiny_model_dir_without_tokenizer, tiny_serving_dir  # noqa: E402
 
 from hybridserve import LLM, AsyncLLM, SamplingParams  # noqa: E402
@@ -37,20 +38,6 @@ def metric(text: str, name: str) -> float | None:
     return None
 
 
-def break_executor(engine: AsyncLLM, num_ok: int) -> None:
-    executor = engine.parts.engine.executor
-    real = executor.execute
-    calls = {"n": 0}
-
-    def failing(so):
-        calls["n"] += 1
-        if calls["n"] > num_ok:
-            raise RuntimeError("CUDA error at /opt/secret/kernel.cu:42")
-        return real(so)
-
-    executor.execute = failing  # type: ignore[method-assign]
-
-
 def test_an_injected_executor_fault_fails_open_requests_then_service_resumes() -> None:
     engine = AsyncLLM(str(tiny_serving_dir()), max_model_len=MAX_LEN, progress=False)
     ref = LLM(str(tiny_serving_dir()), max_model_len=MAX_LEN, progress=False)
@@ -60,7 +47,7 @@ def test_an_injected_executor_fault_fails_open_requests_then_service_resumes() -
     async def main() -> None:
         async with client_for(engine) as client:
             assert (await client.get("/health")).status_code == 200
-            break_executor(engine, 2)
+            fail_execute_after(engine, 2, "CUDA error at /opt/secret/kernel.cu:42")
             body = {"prompt": PROMPTS[0], "max_tokens": 100, "ignore_eos": True}
             r = await client.post("/v1/completions", json=body)
             assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
@@ -90,7 +77,7 @@ def test_an_injected_executor_fault_fails_open_requests_then_service_resumes() -
 
 def test_an_engine_out_of_restarts_reports_unhealthy() -> None:
     engine = AsyncLLM(str(tiny_serving_dir()), max_model_len=MAX_LEN, progress=False, max_restarts=0)
-    break_executor(engine, 0)
+    fail_execute_after(engine, 0, "CUDA error at /opt/secret/kernel.cu:42")
 
     async def main() -> None:
         async with client_for(engine) as client:

@@ -101,6 +101,10 @@ def test_other_one_line_errors(model_dir: str, capsys, monkeypatch, tmp_path: Pa
     cases = [
         (["generate", "--model", str(tmp_path / "missing"), "hi"], "model path does not exist"),
         (["serve", "--model", model_dir, "--port", "70000"], "--port: must be in 0..65535"),
+        (["serve", "--model", model_dir, "--max-body-bytes", "0"], "max_body_bytes must be >= 1, got 0"),
+        (["serve", "--model", model_dir, "--shutdown-timeout", "nan"], "shutdown_timeout must be >= 0 seconds"),
+        (["serve", "--model", model_dir, "--max-waiting-requests", "-1"], "max_waiting_requests must be >= 0"),
+        (["serve", "--model", model_dir, "--api-key", "k", "--max-stop-strings", "0"], "max_stop_strings must be >= 1"),
         (["bench", "--model", model_dir, "--num-prompts", "0"], "--num-prompts: must be >= 1"),
         (["nonsense"], "invalid choice: 'nonsense'"),
     ]

@@ -192,8 +192,14 @@ BAD = [
     ({"prompt": "hi", "stop": [""]}, 400, "stop", None),
     ({"prompt": [99999]}, 400, "prompt", None),
     ({"prompt": []}, 400, "prompt", None),
-    ({"prompt": "hi", "presence_penalty": 1.0}, 400, "presence_penalty", None),
-    ({"prompt": "hi", "frequency_penalty": 0.5}, 400, "frequency_penalty", None),
+    ({"prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty", None),
+    ({"prompt": "hi", "frequency_penalty": -3}, 400, "frequency_penalty", None),
+    ({"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty", None),
+    ({"prompt": "hi", "logit_bias": {"abc": 1}}, 400, "logit_bias", None),
+    ({"prompt": "hi", "logit_bias": {"300": 1}}, 400, "logit_bias", None),
+    ({"prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias", None),
+    ({"prompt": "hi", "allowed_token_ids": []}, 400, "allowed_token_ids", None),
+    ({"prompt": "hi", "bad_words": [" "]}, 400, "bad_words", None),
     ({"max_tokens": 3}, 400, "prompt", None),
     # The request that used to kill the engine for good (an id past the 256-token vocabulary
     # reached the sampler's min_tokens mask), and its relatives.
@@ -222,6 +228,20 @@ def test_bad_completion_requests_are_4xx_with_an_openai_error(server, body: dict
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["message"]
     assert err["param"] == param and err["code"] == code
+
+
+def test_sampling_controls_equal_the_python_api(client, ref: LLM) -> None:
+    controls = dict(presence_penalty=1.0, frequency_penalty=0.5, logit_bias={"30": 5.0, "12": -100})
+    extra = dict(repetition_penalty=1.2, bad_words=["cat"])
+    want = ref.generate(PROMPTS[1], SamplingParams(max_tokens=12, presence_penalty=1.0, frequency_penalty=0.5,
+                                                   logit_bias={30: 5.0, 12: -100.0}, repetition_penalty=1.2,
+                                                   bad_words=("cat",)), use_tqdm=False)[0]
+    got = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=12, temperature=0, **controls,
+                                    extra_body=extra)
+    assert got.choices[0].text == want.text and "cat" not in got.choices[0].text.split()
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                          temperature=0, extra_body={"allowed_token_ids": [20, 21, 22]})
+    assert set(chat.choices[0].message.content.split()) <= {ref.tokenizer.token_text(t).strip() for t in (20, 21, 22)}
 
 
 def test_the_fatal_request_leaves_the_engine_serving(server, client) -> None:

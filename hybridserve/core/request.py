@@ -65,6 +65,18 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None
     min_tokens: int = 0
+    # Logits controls, applied in this order before temperature and the sampling filters
+    # (the mainstream server's semantics): only allowed_token_ids may be produced; the last
+    # token of a bad word whose other tokens end the sequence is banned; logit_bias is
+    # added; repetition_penalty divides positive (multiplies negative) logits of tokens in
+    # the prompt or output; frequency_penalty x count and presence_penalty x (count > 0)
+    # over the output tokens are subtracted.
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    logit_bias: dict[int, float] | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         # Every field is checked for type and range here, at the library's boundary: a value
@@ -90,6 +102,45 @@ class SamplingParams:
         for t in self.stop_token_ids:
             # The vocabulary's upper bound is the engine's to check (frontend.check_params).
             _check_int("stop_token_ids", t, 0, "token ids are never negative")
+        _check_float("repetition_penalty", self.repetition_penalty, 0.0, None, low_open=True)
+        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _token_ids("allowed_token_ids", self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise RequestError("allowed_token_ids must not be empty (no token could be produced)",
+                                   "allowed_token_ids")
+        self.bad_words_token_ids = tuple(_token_ids("bad_words", w) for w in self.bad_words_token_ids)
+        if any(not w for w in self.bad_words_token_ids):
+            raise RequestError("a bad word must have at least one token", "bad_words")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise RequestError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}", "logit_bias")
+            for t, bias in self.logit_bias.items():
+                _check_int("logit_bias", t, 0, "token ids are never negative")
+                _check_float("logit_bias", bias, -100.0, 100.0)
+
+    @property
+    def has_logits_controls(self) -> bool:
+        return bool(self.allowed_token_ids is not None or self.bad_words_token_ids or self.logit_bias
+                    or self.repetition_penalty != 1.0 or self.frequency_penalty or self.presence_penalty)
+
+    def token_ids_to_check(self) -> list[tuple[str, int]]:
+        """(parameter, id) of every token id this request carries, for the vocabulary check."""
+        ids = [("stop_token_ids", t) for t in self.stop_token_ids]
+        ids += [("allowed_token_ids", t) for t in self.allowed_token_ids or ()]
+        ids += [("bad_words", t) for w in self.bad_words_token_ids for t in w]
+        ids += [("logit_bias", t) for t in self.logit_bias or {}]
+        return ids
+
+
+def _token_ids(name: str, value: object) -> tuple[int, ...]:
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise RequestError(f"{name} must be a list of token ids, got {value!r}", name)
+    ids = tuple(value)  # type: ignore[arg-type]
+    for t in ids:
+        _check_int(name, t, 0, "token ids are never negative")
+    return ids
 
 
 def _check_int(name: str, value: object, minimum: int | None, why: str = "") -> None:

@@ -41,7 +41,7 @@ from hybridserve.core.kv.spec import KVCacheSpec, SlidingWindowSpec
 from hybridserve.core.request import SamplingParams as CoreSamplingParams
 from hybridserve.core.sched.output import RequestOutput as CoreOutput
 from hybridserve.engine.frontend import EngineParts, Prompt, build_engine_parts, check_params, new_request_id
-from hybridserve.engine.frontend import prepare_chat, prepare_prompt
+from hybridserve.engine.frontend import prepare_chat, prepare_params, prepare_prompt
 from hybridserve.engine.outputs import GenerationOutput, GenerationTracker, RequestMetrics, as_sampling_params
 
 logger = logging.getLogger("hybridserve")
@@ -150,8 +150,7 @@ class AsyncLLM:
     async def generate(self, prompt: Prompt, params: CoreSamplingParams | None = None,
                        request_id: str | None = None) -> AsyncIterator[GenerationOutput]:
         """Incremental outputs of one prompt (its n choices); the last has finished=True."""
-        p = as_sampling_params(params)
-        check_params(self.parts, p)
+        p = prepare_params(self.parts, as_sampling_params(params))
         text, ids = prepare_prompt(self.parts, prompt)
         # aclosing: closing this generator must close (and so abort) the inner one now, not at GC.
         async with aclosing(self.generate_tokens(ids, p, request_id, text)) as outs:
@@ -161,8 +160,7 @@ class AsyncLLM:
     async def chat(self, messages: Sequence[dict[str, str]], params: CoreSamplingParams | None = None,
                    request_id: str | None = None) -> AsyncIterator[GenerationOutput]:
         """Like generate, for a conversation (chat template, else the plain template)."""
-        p = as_sampling_params(params)
-        check_params(self.parts, p)
+        p = prepare_params(self.parts, as_sampling_params(params))
         text, ids, p = prepare_chat(self.parts, messages, p)
         async with aclosing(self.generate_tokens(ids, p, request_id, text)) as outs:
             async for out in outs:

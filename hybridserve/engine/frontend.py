@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -152,13 +152,31 @@ def check_prompt_ids(ids: Sequence[int], max_model_len: int, vocab_size: int) ->
         raise RequestError(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})", "prompt")
 
 
+def prepare_params(parts: EngineParts, params: Any) -> Any:
+    """Front-end params ready for the engine: bad words tokenized, then checked."""
+    if getattr(params, "bad_words", ()):
+        if parts.tokenizer is None:
+            raise RequestError("bad_words need a tokenizer; this model has none", "bad_words")
+        seqs = dict.fromkeys(params.bad_words_token_ids)
+        for word in params.bad_words:
+            # A word inside a text usually follows a space, which most tokenizers fold
+            # into the word's first token: ban both spellings.
+            for variant in (word, " " + word.lstrip()):
+                ids = tuple(parts.tokenizer.encode(variant, add_special_tokens=False))
+                if ids:
+                    seqs[ids] = None
+        params = replace(params, bad_words=(), bad_words_token_ids=tuple(seqs))
+    check_params(parts, params)
+    return params
+
+
 def check_params(parts: EngineParts, params: Any) -> None:
     """What SamplingParams cannot check alone: token ids against this model's vocabulary
     (an id past it would index the logits out of bounds), and stop strings need a tokenizer."""
-    bad = next((t for t in params.stop_token_ids if t >= parts.vocab_size), None)
+    bad = next(((name, t) for name, t in params.token_ids_to_check() if t >= parts.vocab_size), None)
     if bad is not None:
-        raise RequestError(f"stop_token_ids: token id {bad} is outside the vocabulary (0..{parts.vocab_size - 1})",
-                           "stop_token_ids")
+        raise RequestError(f"{bad[0]}: token id {bad[1]} is outside the vocabulary (0..{parts.vocab_size - 1})",
+                           bad[0])
     if params.stop and parts.tokenizer is None:
         raise RequestError("stop strings need a tokenizer; this model has none (use stop_token_ids)", "stop")
 
@@ -166,8 +184,6 @@ def check_params(parts: EngineParts, params: Any) -> None:
 def prepare_chat(parts: EngineParts, messages: Sequence[dict[str, str]], params: Any) -> tuple[str, list[int], Any]:
     """(prompt text, ids, params) for a conversation. Without a chat template the plain
     template applies and PLAIN_CHAT_STOP joins the stop strings."""
-    from dataclasses import replace
-
     from hybridserve.engine.tokenizer import PLAIN_CHAT_STOP
 
     if parts.tokenizer is None:

@@ -23,9 +23,9 @@ from hybridserve.engine.frontend import (
     EngineParts,
     Prompt,
     build_engine_parts,
-    check_params,
     new_request_id,
     prepare_chat,
+    prepare_params,
     prepare_prompt,
 )
 from hybridserve.engine.loop import EngineStuckError
@@ -113,9 +113,7 @@ class LLM:
             params = [as_sampling_params(p) for p in sampling_params]
         else:
             params = [as_sampling_params(sampling_params)] * n  # type: ignore[arg-type]
-        for p in params:
-            check_params(self.parts, p)
-        return params
+        return [prepare_params(self.parts, p) for p in params]
 
     def _trackers(self, prompts: list[Prompt], sampling_params: ParamsArg) -> list[GenerationTracker]:
         params = self._params_list(sampling_params, len(prompts))

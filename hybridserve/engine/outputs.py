@@ -33,6 +33,9 @@ class SamplingParams(CoreSamplingParams):
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Words never to produce; tokenized (with and without a leading space) into
+    # bad_words_token_ids when the request is prepared (frontend.prepare_params).
+    bad_words: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -42,6 +45,10 @@ class SamplingParams(CoreSamplingParams):
         if any(not isinstance(s, str) or not s for s in stops):
             raise RequestError("stop strings must be non-empty strings", "stop")
         self.stop = stops
+        words = (self.bad_words,) if isinstance(self.bad_words, str) else tuple(self.bad_words or ())
+        if any(not isinstance(w, str) or not w.strip() for w in words):
+            raise RequestError("bad words must be non-empty strings", "bad_words")
+        self.bad_words = words
 
     def for_choice(self, index: int) -> SamplingParams:
         """Parameters of choice `index` (an engine request of its own)."""

@@ -2,7 +2,7 @@
 
 Bodies are validated in strict mode: "16" is not an integer, true is not a number, and
 NaN or Infinity is no number at all, as with OpenAI. Unknown fields are ignored, except
-features this server does not implement (tools, logit_bias, penalties, suffix, ...),
+features this server does not implement (tools, suffix, ...),
 which are a 400 rather than a silently different result.
 """
 
@@ -60,6 +60,9 @@ class _Sampling(_Body):
     ignore_eos: bool = False
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
+    repetition_penalty: float | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     # Each choice also carries its generated token ids (always so for a model without a
     # tokenizer, whose text is empty).
     return_token_ids: bool = False
@@ -122,11 +125,6 @@ def validation_error(errors: Sequence[Any]) -> ApiError:
 
 def check_unsupported(req: _Sampling) -> None:
     """400 for options that would change results if silently ignored."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise ApiError(f"{name} is not supported", param=name)
-    if req.logit_bias:
-        raise ApiError("logit_bias is not supported", param="logit_bias")
     if isinstance(req, CompletionRequest):
         if req.suffix:
             raise ApiError("suffix is not supported", param="suffix")
@@ -139,6 +137,18 @@ def check_unsupported(req: _Sampling) -> None:
             raise ApiError("response_format other than text is not supported", param="response_format")
     if not 1 <= req.n <= MAX_N:
         raise ApiError(f"n must be between 1 and {MAX_N}, got {req.n}", param="n")
+
+
+def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias has token ids as JSON object keys (strings)."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not key.strip().lstrip("-").isdigit():
+            raise ApiError(f"logit_bias keys must be token ids, got {key!r}", param="logit_bias")
+        out[int(key)] = value
+    return out
 
 
 def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:

@@ -44,7 +44,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from hybridserve.core.errors import RequestError
 from hybridserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineRestartingError, RequestFailedError
-from hybridserve.engine.frontend import ContextLengthError, check_params, prepare_chat, prepare_prompt
+from hybridserve.engine.frontend import ContextLengthError, prepare_chat, prepare_params, prepare_prompt
 from hybridserve.engine.outputs import GenerationOutput, SamplingParams
 from hybridserve.entrypoints import openai_protocol as P
 from hybridserve.entrypoints.http_guard import HttpGuard
@@ -226,12 +226,16 @@ class OpenAIServer:
                 max_tokens=max_tokens, temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p,
                 top_k=req.top_k or 0, min_p=req.min_p or 0.0, seed=seed, logprobs=logprobs, n=req.n, stop=stop,
                 stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
-                min_tokens=req.min_tokens,
+                min_tokens=req.min_tokens, presence_penalty=req.presence_penalty or 0.0,
+                frequency_penalty=req.frequency_penalty or 0.0,
+                repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+                logit_bias=P.logit_bias(req.logit_bias),
+                allowed_token_ids=None if req.allowed_token_ids is None else tuple(req.allowed_token_ids),
+                bad_words=tuple(req.bad_words or ()),
             )
-            check_params(self.engine.parts, params)
+            return prepare_params(self.engine.parts, params)
         except RequestError as exc:
             raise P.ApiError(str(exc), param=exc.param) from None
-        return params
 
     async def tokenize(self, fn: Callable[[], Any], num_chars: int) -> Any:
         """Run a prompt-preparing call, on a worker thread when the text is large."""

@@ -31,6 +31,7 @@ from hybridserve.core.sched.output import (
 )
 from hybridserve.executor.torch.attention import StepAttention
 from hybridserve.executor.torch.kv_cache import PagedKVCache
+from hybridserve.executor.torch.logits_controls import TokenHistory
 from hybridserve.executor.torch.mamba_states import GroupSubset, MambaLayout, StepBackend, StepMambaStates
 from hybridserve.executor.torch.requests import BlockTables, RequestState
 from hybridserve.executor.torch.sampler import SampleRow, is_greedy, logprob_info, sample_isolated
@@ -109,7 +110,8 @@ class ModelRunner:
             req_id=new.request_id, token_ids=list(new.token_ids), num_computed=num_computed,
             params=new.sampling_params, row=self.tables.alloc_row(), generator=gen,
             num_prompt_tokens=len(new.prompt_token_ids), eos_token_id=new.eos_token_id,
-            plain_greedy=is_greedy(p) and p.logprobs is None and not p.min_tokens,
+            plain_greedy=(is_greedy(p) and p.logprobs is None and not p.min_tokens
+                          and not p.has_logits_controls),
         )
         self.states[new.request_id] = state
         return state
@@ -132,6 +134,14 @@ class ModelRunner:
             return ()
         eos = () if state.eos_token_id is None or p.ignore_eos else (state.eos_token_id,)
         return tuple(p.stop_token_ids) + eos
+
+    @staticmethod
+    def _history(state: RequestState, drafts: list[int], ahead: int) -> TokenHistory | None:
+        """What the logits controls of the row `ahead` drafts past the known tokens see."""
+        if not state.params.has_logits_controls:
+            return None
+        tokens = state.token_ids + drafts[:ahead] if ahead else state.token_ids
+        return TokenHistory(tokens, state.num_prompt_tokens)
 
     # -- one step -----------------------------------------------------------------
     @torch.inference_mode()
@@ -255,7 +265,8 @@ class ModelRunner:
             tokens = logits.argmax(dim=-1).tolist()
             lps: list = []
         else:
-            rows_info = [SampleRow(states[i].params, states[i].generator, self._banned(states[i], j))
+            rows_info = [SampleRow(states[i].params, states[i].generator, self._banned(states[i], j),
+                                   self._history(states[i], drafts[i], j))
                          for i, w in zip(samplers, widths) for j in range(w)]
             tokens, lps, failed_rows = sample_isolated(logits, rows_info, self.default_generator)
             if failed_rows:

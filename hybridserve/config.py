@@ -69,6 +69,8 @@ class EngineConfig:
 
     model: str | None = None
     tokenizer: str | None = None  # default: the model directory
+    # A Jinja chat template file (or the template itself) used instead of the tokenizer's.
+    chat_template: str | None = None
     block_size: int = 16
     kv_cache_memory: int | str | None = None  # bytes or "2GiB"; exclusive with num_blocks
     num_blocks: int | None = None  # pool size, null block included
@@ -96,6 +98,8 @@ class EngineConfig:
             self.model = str(self.model)  # a Path is fine
         if self.tokenizer is not None and not isinstance(self.tokenizer, str):
             self.tokenizer = str(self.tokenizer)
+        if self.chat_template is not None and not isinstance(self.chat_template, str):
+            self.chat_template = str(self.chat_template)  # a Path is fine
         _check_int("block_size", self.block_size, 1)
         if self.block_size & (self.block_size - 1):
             lower = 1 << (self.block_size.bit_length() - 1)

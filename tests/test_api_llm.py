@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 pytest.importorskip("transformers")
@@ -183,6 +185,31 @@ def test_chat_uses_the_template_or_the_plain_one(llm: LLM) -> None:
         plain_llm.shutdown()
     assert plain.prompt == "User: hello cat\nAssistant:"
     assert plain.prompt_token_ids == plain_llm.tokenizer.encode(plain.prompt)
+
+
+def test_a_chat_template_file_replaces_the_plain_template(tmp_path: Path) -> None:
+    from hybridserve.engine.frontend import prepare_chat
+
+    path = str(tiny_serving_dir(chat_template=False))
+    plain = LLM(path, max_model_len=MAX_LEN, progress=False)
+    try:
+        # Without a template a reply also stops where the model would start another turn.
+        _, _, p = prepare_chat(plain.parts, [{"role": "user", "content": "hi"}], SamplingParams())
+        assert p.stop == ("\nUser:", "\nAssistant:")
+    finally:
+        plain.shutdown()
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }} {% endfor %}<assistant>")
+    templated = LLM(path, max_model_len=MAX_LEN, progress=False, chat_template=template)
+    try:
+        out = templated.chat([{"role": "user", "content": "hello cat"}], SamplingParams(max_tokens=3))[0]
+        assert out.prompt == "[user] hello cat <assistant>"
+        _, _, p = prepare_chat(templated.parts, [{"role": "user", "content": "hi"}], SamplingParams())
+        assert p.stop == ()
+    finally:
+        templated.shutdown()
+    with pytest.raises(ConfigError, match="chat_template: no such file 'nope.jinja'"):
+        LLM(path, max_model_len=MAX_LEN, progress=False, chat_template="nope.jinja")
 
 
 def test_a_too_small_pool_fails_before_loading_weights() -> None:

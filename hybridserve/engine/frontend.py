@@ -61,6 +61,10 @@ def build_engine_parts(config: EngineConfig, progress: bool = True) -> EnginePar
     tokenizer = Tokenizer.from_dir(config.tokenizer or path)
     if tokenizer is None and config.tokenizer is not None:
         raise ConfigError(f"tokenizer: no tokenizer files in {config.tokenizer}")
+    if config.chat_template is not None:
+        if tokenizer is None:
+            raise ConfigError("chat_template needs a tokenizer; this model has none")
+        tokenizer.use_chat_template(config.chat_template)
     eos, extra = _stop_token_ids(path, model_cfg, tokenizer)
     device = resolve_device(config.device)
     # Async scheduling overlaps the next step's scheduling with this one's execution. On a
@@ -183,13 +187,15 @@ def check_params(parts: EngineParts, params: Any) -> None:
 
 def prepare_chat(parts: EngineParts, messages: Sequence[dict[str, str]], params: Any) -> tuple[str, list[int], Any]:
     """(prompt text, ids, params) for a conversation. Without a chat template the plain
-    template applies and PLAIN_CHAT_STOP joins the stop strings."""
-    from hybridserve.engine.tokenizer import PLAIN_CHAT_STOP
+    template applies and PLAIN_CHAT_STOPS join the stop strings."""
+    from hybridserve.engine.tokenizer import PLAIN_CHAT_STOPS
 
     if parts.tokenizer is None:
         raise RequestError("chat needs a tokenizer; this model has none", "messages")
     text, ids = parts.tokenizer.chat_prompt(messages)
     check_prompt_ids(ids, parts.max_model_len, parts.vocab_size)
-    if not parts.tokenizer.has_chat_template and PLAIN_CHAT_STOP not in params.stop:
-        params = replace(params, stop=tuple(params.stop) + (PLAIN_CHAT_STOP,))
+    if not parts.tokenizer.has_chat_template:
+        extra = tuple(s for s in PLAIN_CHAT_STOPS if s not in params.stop)
+        if extra:
+            params = replace(params, stop=tuple(params.stop) + extra)
     return text, ids, params

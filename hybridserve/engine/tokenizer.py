@@ -2,7 +2,8 @@
 
 Chat prompts use the tokenizer's chat template when it has one. Otherwise the plain
 template below applies (documented in the README), and chat requests also stop at
-PLAIN_CHAT_STOP so a base model does not write the user's next turn itself::
+PLAIN_CHAT_STOPS so a base model writes neither the user's next turn nor a second
+reply of its own::
 
     System: {content}
     User: {content}
@@ -26,7 +27,7 @@ from typing import Any, Sequence
 from hybridserve.core.errors import ConfigError, RequestError
 
 PLAIN_CHAT_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
-PLAIN_CHAT_STOP = "\nUser:"
+PLAIN_CHAT_STOPS = ("\nUser:", "\nAssistant:")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 _CONTEXT_TOKENS = 5  # prompt tokens the detokenizer starts from
 _REPLACEMENT = "\ufffd"
@@ -65,6 +66,19 @@ class Tokenizer:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ConfigError(f"cannot load the tokenizer in {path}: {exc}") from None
 
+    def use_chat_template(self, source: str) -> None:
+        """Use a chat template from a file (or given inline: text holding Jinja tags)."""
+        path = Path(source)
+        if path.is_file():
+            try:
+                self.chat_template = path.read_text()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ConfigError(f"chat_template: cannot read {source}: {exc}") from None
+        elif "{{" in source or "{%" in source:
+            self.chat_template = source
+        else:
+            raise ConfigError(f"chat_template: no such file {source!r} (give a Jinja template file)")
+
     @property
     def has_chat_template(self) -> bool:
         return self.chat_template is not None
@@ -95,7 +109,8 @@ class Tokenizer:
         if self.chat_template is not None:
             try:
                 with self._encode_lock:
-                    text = self.hf.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+                    text = self.hf.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True,
+                                                       chat_template=self.chat_template)
             except Exception as exc:  # jinja raises its own errors (TemplateError, raise_exception)
                 raise RequestError(f"the model's chat template rejected the messages: {exc}") from None
             return text, self.encode(text, add_special_tokens=False)

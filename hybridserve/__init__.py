@@ -19,6 +19,9 @@ _EXPORTS = {
     "AsyncLLM": "hybridserve.engine.async_llm",
     "EngineDeadError": "hybridserve.engine.async_llm",
     "SamplingParams": "hybridserve.engine.outputs",
+    "StructuredOutput": "hybridserve.core.request",
+    "RequestFailedError": "hybridserve.engine.async_llm",
+    "EngineRestartingError": "hybridserve.engine.async_llm",
     "GenerationOutput": "hybridserve.engine.outputs",
     "CompletionOutput": "hybridserve.engine.outputs",
     "EngineConfig": "hybridserve.config",
@@ -28,7 +31,8 @@ __all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:
     from hybridserve.config import EngineArgs, EngineConfig
-    from hybridserve.engine.async_llm import AsyncLLM, EngineDeadError
+    from hybridserve.core.request import StructuredOutput
+    from hybridserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineRestartingError, RequestFailedError
     from hybridserve.engine.llm import LLM
     from hybridserve.engine.outputs import CompletionOutput, GenerationOutput, SamplingParams
 

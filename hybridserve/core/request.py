@@ -50,6 +50,29 @@ _FINISH_REASONS = {
 }
 
 
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint every output must satisfy.
+
+    kind "json": `spec` is a JSON schema as JSON text ({"type": "object"} for any object);
+    "regex": a regular expression; "choice": a JSON list of strings, one of which is
+    the whole output; "grammar": a Lark grammar (llguidance's dialect).
+    """
+
+    kind: str
+    spec: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise RequestError(f"structured output kind must be one of {STRUCTURED_KINDS}, got {self.kind!r}",
+                               "structured_output")
+        if not isinstance(self.spec, str) or not self.spec:
+            raise RequestError("a structured output needs a non-empty spec", "structured_output")
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens. The scheduler reads max_tokens, stops and ignore_eos; the
@@ -77,6 +100,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    # Every output token keeps the output a prefix of this constraint's language (a
+    # grammar engine masks the logits); None: unconstrained.
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Every field is checked for type and range here, at the library's boundary: a value
@@ -113,6 +139,8 @@ class SamplingParams:
         self.bad_words_token_ids = tuple(_token_ids("bad_words", w) for w in self.bad_words_token_ids)
         if any(not w for w in self.bad_words_token_ids):
             raise RequestError("a bad word must have at least one token", "bad_words")
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            raise RequestError("structured_output must be a StructuredOutput", "structured_output")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise RequestError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}", "logit_bias")

@@ -17,6 +17,7 @@ from hybridserve.config import EngineConfig, parse_size, resolve_engine_settings
 from hybridserve.core.errors import ConfigError, RequestError
 from hybridserve.core.kv.spec import group_layers
 from hybridserve.engine.loop import EngineCore
+from hybridserve.engine.structured_output import GrammarBackend
 from hybridserve.engine.tokenizer import Tokenizer
 from hybridserve.models.config import ModelConfig
 
@@ -36,6 +37,8 @@ class EngineParts:
     eos_token_id: int | None
     # Further ids that end generation like EOS (generation_config.json lists), unless ignore_eos.
     model_stop_ids: tuple[int, ...]
+    # Checks structured-output constraints against this tokenizer (None without one).
+    grammar: GrammarBackend | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -71,10 +74,12 @@ def build_engine_parts(config: EngineConfig, progress: bool = True) -> EnginePar
     # GPU a worker thread lets the host run ahead of the kernels; on CPU the model's own
     # threads use every core and a second Python thread only steals them (measured: Gemma 3
     # 270M 17% slower), so the step runs inline and the overlap is the scheduler's alone.
+    grammar = GrammarBackend(tokenizer.hf, model_cfg.vocab_size) if tokenizer is not None else None
     executor = TorchExecutor(path, device=device, dtype=TORCH_DTYPES[config.dtype],
                              use_worker_thread=config.async_scheduling and device.type != "cpu", seed=config.seed,
                              num_threads=config.num_threads,
-                             drafter=NgramDrafter(config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max))
+                             drafter=NgramDrafter(config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max),
+                             grammar=grammar)
     try:
         connector = None
         offload_bytes = parse_size("kv_offload_memory", config.kv_offload_memory, allow_zero=True)
@@ -87,7 +92,7 @@ def build_engine_parts(config: EngineConfig, progress: bool = True) -> EnginePar
     except BaseException:
         executor.shutdown()
         raise
-    return EngineParts(config, engine, tokenizer, path, model_cfg, settings.max_model_len, eos, extra)
+    return EngineParts(config, engine, tokenizer, path, model_cfg, settings.max_model_len, eos, extra, grammar)
 
 
 def _ids(value: Any) -> list[int]:
@@ -183,6 +188,10 @@ def check_params(parts: EngineParts, params: Any) -> None:
                            bad[0])
     if params.stop and parts.tokenizer is None:
         raise RequestError("stop strings need a tokenizer; this model has none (use stop_token_ids)", "stop")
+    if params.structured_output is not None:
+        if parts.grammar is None:
+            raise RequestError("structured outputs need a tokenizer; this model has none", "structured_output")
+        parts.grammar.check(params.structured_output)
 
 
 def prepare_chat(parts: EngineParts, messages: Sequence[dict[str, str]], params: Any) -> tuple[str, list[int], Any]:

@@ -8,10 +8,12 @@ which are a 400 rather than a silently different result.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Callable, Literal, Sequence, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from hybridserve.core.request import StructuredOutput
 from hybridserve.engine.outputs import CompletionOutput, TokenLogprob
 from hybridserve.engine.tokenizer import Tokenizer
 
@@ -63,6 +65,14 @@ class _Sampling(_Body):
     repetition_penalty: float | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # Structured outputs: OpenAI's response_format, or one of the mainstream server's
+    # guided_* extras (or their newer form, structured_outputs={"json"|"regex"|...: ...}).
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
     # Each choice also carries its generated token ids (always so for a model without a
     # tokenizer, whose text is empty).
     return_token_ids: bool = False
@@ -94,7 +104,6 @@ class ChatRequest(_Sampling):
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
 
 Body = TypeVar("Body", bound=_Body)
@@ -133,10 +142,46 @@ def check_unsupported(req: _Sampling) -> None:
     if isinstance(req, ChatRequest):
         if req.tools or req.functions or req.tool_choice not in (None, "none"):
             raise ApiError("tool calling is not supported", param="tools")
-        if req.response_format and req.response_format.get("type") not in (None, "text"):
-            raise ApiError("response_format other than text is not supported", param="response_format")
     if not 1 <= req.n <= MAX_N:
         raise ApiError(f"n must be between 1 and {MAX_N}, got {req.n}", param="n")
+
+
+def structured_output(req: _Sampling) -> StructuredOutput | None:
+    """The request's one output constraint, from whichever field carries it."""
+    found: list[tuple[str, StructuredOutput]] = []
+    fmt = req.response_format
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind == "json_object":
+            found.append(("response_format", StructuredOutput("json", '{"type": "object"}')))
+        elif kind == "json_schema":
+            schema = (fmt.get("json_schema") or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise ApiError("response_format.json_schema.schema must be a JSON schema object",
+                               param="response_format")
+            found.append(("response_format", StructuredOutput("json", json.dumps(schema))))
+        elif kind not in (None, "text"):
+            raise ApiError(f"response_format type must be text, json_object or json_schema, got {kind!r}",
+                           param="response_format")
+    extras = dict(req.structured_outputs or {})
+    for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                      ("guided_grammar", "grammar")):
+        if getattr(req, name) is not None:
+            extras[key] = getattr(req, name)
+    for key, value in extras.items():
+        if key not in ("json", "regex", "choice", "grammar"):
+            raise ApiError(f"unknown structured output kind {key!r}", param="structured_outputs")
+        spec = value if isinstance(value, str) and key in ("regex", "grammar") else None
+        if key == "json":
+            spec = value if isinstance(value, str) else json.dumps(value)
+        elif key == "choice":
+            spec = json.dumps(value)
+        if not isinstance(spec, str) or not spec:
+            raise ApiError(f"structured output {key!r} needs a non-empty value", param="structured_outputs")
+        found.append(("structured_outputs", StructuredOutput(key, spec)))
+    if len(found) > 1:
+        raise ApiError("give one output constraint (response_format or one guided_* field)", param=found[1][0])
+    return found[0][1] if found else None
 
 
 def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

@@ -231,7 +231,7 @@ class OpenAIServer:
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                 logit_bias=P.logit_bias(req.logit_bias),
                 allowed_token_ids=None if req.allowed_token_ids is None else tuple(req.allowed_token_ids),
-                bad_words=tuple(req.bad_words or ()),
+                bad_words=tuple(req.bad_words or ()), structured_output=P.structured_output(req),
             )
             return prepare_params(self.engine.parts, params)
         except RequestError as exc:

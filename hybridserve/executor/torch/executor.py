@@ -18,6 +18,7 @@ from hybridserve.core.errors import ConfigError
 from hybridserve.core.kv.spec import KVCacheConfig, KVCacheSpec, group_layers
 from hybridserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from hybridserve.engine.executor import Executor
+from hybridserve.engine.structured_output import GrammarBackend
 from hybridserve.executor.torch.kv_cache import TORCH_DTYPES, num_blocks_for_memory
 from hybridserve.executor.torch.model_runner import ModelRunner
 from hybridserve.executor.torch.offload import OffloadWorker
@@ -64,14 +65,17 @@ class TorchExecutor(Executor):
 
     def __init__(self, model: DecoderLM | MambaLM | str | Path, *, device: str | torch.device | None = None,
                  dtype: torch.dtype = torch.float32, use_worker_thread: bool = True, seed: int = 0,
-                 num_threads: int | None = None, drafter: NgramDrafter | None = None) -> None:
-        """drafter: fills the draft slots of speculative decoding (default: n-gram sizes 2..4)."""
+                 num_threads: int | None = None, drafter: NgramDrafter | None = None,
+                 grammar: GrammarBackend | None = None) -> None:
+        """drafter: fills the draft slots of speculative decoding (default: n-gram sizes 2..4);
+        grammar: compiles structured outputs (None: requests with one are refused)."""
         self.device = resolve_device(device)
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         self.model = model if isinstance(model, (DecoderLM, MambaLM)) else load_model(model, self.device, dtype)
         self.seed = seed
         self.drafter = drafter
+        self.grammar = grammar
         self.runner: ModelRunner | None = None
         # KV offload to host memory (enable_kv_offload): (host blocks, injected load failures).
         self._offload_args: tuple[int, int] | None = None
@@ -99,7 +103,7 @@ class TorchExecutor(Executor):
     def initialize(self, kv_cache_config: KVCacheConfig) -> None:
         if self.runner is not None:
             raise ConfigError("TorchExecutor.initialize called twice")
-        self.runner = ModelRunner(self.model, kv_cache_config, self.device, self.seed, self.drafter)
+        self.runner = ModelRunner(self.model, kv_cache_config, self.device, self.seed, self.drafter, self.grammar)
         if self._offload_args is not None:
             num_host_blocks, fail_loads = self._offload_args
             self.offload = OffloadWorker(self.runner.kv, num_host_blocks, self.device, fail_loads)

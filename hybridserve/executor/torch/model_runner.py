@@ -30,12 +30,14 @@ from hybridserve.core.sched.output import (
     SchedulerOutput,
 )
 from hybridserve.executor.torch.attention import StepAttention
+from hybridserve.executor.torch.grammar import RequestGrammar
 from hybridserve.executor.torch.kv_cache import PagedKVCache
 from hybridserve.executor.torch.logits_controls import TokenHistory
 from hybridserve.executor.torch.mamba_states import GroupSubset, MambaLayout, StepBackend, StepMambaStates
 from hybridserve.executor.torch.requests import BlockTables, RequestState
 from hybridserve.executor.torch.sampler import SampleRow, is_greedy, logprob_info, sample_isolated
 from hybridserve.executor.torch.spec_decode import NgramDrafter, num_accepted
+from hybridserve.engine.structured_output import GrammarBackend
 from hybridserve.models.decoder import DecoderLM
 from hybridserve.models.kv_specs import layer_index
 from hybridserve.models.mamba_lm import MambaLM
@@ -50,8 +52,10 @@ class ModelRunner:
     """
 
     def __init__(self, model: DecoderLM | MambaLM, kv_cache_config: KVCacheConfig, device: torch.device,
-                 seed: int = 0, drafter: NgramDrafter | None = None) -> None:
+                 seed: int = 0, drafter: NgramDrafter | None = None, grammar: GrammarBackend | None = None) -> None:
         self.model = model
+        # Compiles structured-output constraints into matchers (None: the engine has no tokenizer).
+        self.grammar = grammar
         # Fills the draft slots the scheduler reserves (it reserves none unless
         # num_speculative_tokens > 0).
         self.drafter = drafter if drafter is not None else NgramDrafter()
@@ -111,8 +115,17 @@ class ModelRunner:
             params=new.sampling_params, row=self.tables.alloc_row(), generator=gen,
             num_prompt_tokens=len(new.prompt_token_ids), eos_token_id=new.eos_token_id,
             plain_greedy=(is_greedy(p) and p.logprobs is None and not p.min_tokens
-                          and not p.has_logits_controls),
+                          and not p.has_logits_controls and p.structured_output is None),
         )
+        if p.structured_output is not None:
+            if self.grammar is None:
+                raise RequestError(f"request {new.request_id}: structured outputs need a tokenizer")
+            grammar = RequestGrammar(self.grammar.matcher(p.structured_output), self.model.cfg.vocab_size)
+            # A resumed (preempted) request continues from the outputs it already has.
+            reason = grammar.advance(state.token_ids[state.num_prompt_tokens:])
+            if reason is not None:
+                raise RequestError(f"request {new.request_id}: {reason}")
+            state.extra["grammar"] = grammar
         self.states[new.request_id] = state
         return state
 
@@ -265,8 +278,10 @@ class ModelRunner:
             tokens = logits.argmax(dim=-1).tolist()
             lps: list = []
         else:
+            masks = {i: g.masks(drafts[i], w) for i, w in zip(samplers, widths)
+                     if (g := states[i].extra.get("grammar")) is not None}
             rows_info = [SampleRow(states[i].params, states[i].generator, self._banned(states[i], j),
-                                   self._history(states[i], drafts[i], j))
+                                   self._history(states[i], drafts[i], j), masks[i][j] if i in masks else None)
                          for i, w in zip(samplers, widths) for j in range(w)]
             tokens, lps, failed_rows = sample_isolated(logits, rows_info, self.default_generator)
             if failed_rows:
@@ -280,6 +295,9 @@ class ModelRunner:
             out = targets[: a + 1]
             sampled[i] = out
             states[i].token_ids += out
+            grammar = states[i].extra.get("grammar")
+            if grammar is not None and (reason := grammar.advance(out)) is not None:
+                failed.setdefault(states[i].req_id, reason)
             if lps and lps[at] is not None:
                 logprobs[states[i].req_id] = logprob_info(lps[at : at + a + 1])
             at += w

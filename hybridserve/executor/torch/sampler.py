@@ -1,6 +1,7 @@
 """Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
 
-Per-request logits controls (logits_controls.py) and the min_tokens ban come first; then
+A structured output's grammar mask (grammar.py), the per-request logits controls
+(logits_controls.py) and the min_tokens ban come first; then
 filters apply in the order temperature -> top-k -> top-p -> min-p, each to the result
 of the previous one. Random rows draw with the Gumbel-free "exponential race"
 (argmax p_i / E_i with E_i ~ Exp(1)), which samples exactly from p and lets every
@@ -17,6 +18,7 @@ import torch
 
 from hybridserve.core.request import SamplingParams
 from hybridserve.core.sched.output import LogprobInfo
+from hybridserve.executor.torch.grammar import apply_bitmask
 from hybridserve.executor.torch.logits_controls import TokenHistory, apply_logits_controls
 
 
@@ -30,6 +32,8 @@ class SampleRow:
     banned: tuple[int, ...] = ()
     # The tokens before this row, when its request has logits controls (penalties, bias...).
     history: TokenHistory | None = None
+    # Tokens a structured output allows here: an llguidance bitmask (int32 words), or None.
+    bitmask: torch.Tensor | None = None
 
 
 def is_greedy(params: SamplingParams) -> bool:
@@ -41,9 +45,11 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], default_generator: torch
     """logits [S, V] -> (token per row, (logprob, top-n or None) per row or None)."""
     greedy = [is_greedy(r.params) for r in rows]
     raw = logits
-    if any(r.banned or r.history is not None for r in rows):
+    if any(r.banned or r.history is not None or r.bitmask is not None for r in rows):
         logits = logits.clone()  # the raw logits stay for logprobs
         for i, r in enumerate(rows):
+            if r.bitmask is not None:
+                apply_bitmask(logits[i], r.bitmask)
             if r.history is not None:
                 apply_logits_controls(logits[i], r.params, r.history)
             if r.banned:

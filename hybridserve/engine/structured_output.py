@@ -1,0 +1,85 @@
+"""Structured outputs: StructuredOutput constraints compiled by llguidance.
+
+One `GrammarBackend` per engine holds llguidance's view of the tokenizer (built on the
+first constrained request: for a 262k vocabulary it takes a moment) and turns a
+StructuredOutput into a grammar: checked when the request arrives (a bad schema is a
+RequestError naming `structured_output`), matched token by token in the runner
+(executor/torch/grammar.py), which owns each request's matcher.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from typing import Any
+
+from hybridserve.core.errors import ConfigError, RequestError
+from hybridserve.core.request import StructuredOutput
+
+
+def grammar_text(so: StructuredOutput) -> str:
+    """llguidance's grammar for a constraint (raises RequestError on a malformed spec)."""
+    from llguidance import LLMatcher
+
+    try:
+        if so.kind == "json":
+            # Compact JSON: with flexible whitespace a weak model can pad an object for ever.
+            return LLMatcher.grammar_from_json_schema(json.loads(so.spec), defaults={"whitespace_flexible": False})
+        if so.kind == "regex":
+            return LLMatcher.grammar_from_regex(so.spec)
+        if so.kind == "choice":
+            choices = json.loads(so.spec)
+            if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+                raise RequestError("a choice constraint is a non-empty list of non-empty strings", "structured_output")
+            return LLMatcher.grammar_from_regex("|".join(f"(?:{re.escape(c)})" for c in choices))
+        return LLMatcher.grammar_from_lark(so.spec)
+    except (ValueError, TypeError) as exc:
+        raise RequestError(f"structured output: cannot compile the {so.kind} constraint: {exc}",
+                           "structured_output") from None
+
+
+class GrammarBackend:
+    """llguidance bound to one model's tokenizer and vocabulary size."""
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int) -> None:
+        self.hf_tokenizer = hf_tokenizer
+        self.vocab_size = vocab_size
+        self._lock = threading.Lock()
+        self._ll_tokenizer: Any = None
+
+    @property
+    def ll_tokenizer(self) -> Any:
+        with self._lock:
+            if self._ll_tokenizer is None:
+                try:
+                    import llguidance.hf
+                except ImportError:
+                    raise ConfigError("structured outputs need llguidance: pip install 'hybridserve[serve]'") from None
+                try:
+                    self._ll_tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size)
+                except (ValueError, TypeError, AttributeError) as exc:
+                    raise RequestError(f"structured outputs: the grammar engine cannot read this model's tokenizer "
+                                       f"({exc})", "structured_output") from None
+            return self._ll_tokenizer
+
+    def check(self, so: StructuredOutput) -> str:
+        """The grammar text, after llguidance has accepted it for this tokenizer."""
+        from llguidance import LLMatcher
+
+        text = grammar_text(so)
+        ok, message = _validate(LLMatcher, text, self.ll_tokenizer)
+        if not ok:
+            raise RequestError(f"structured output: invalid {so.kind} constraint: {message}", "structured_output")
+        return text
+
+    def matcher(self, so: StructuredOutput) -> Any:
+        """A fresh matcher at the start of the output."""
+        from llguidance import LLMatcher
+
+        return LLMatcher(self.ll_tokenizer, grammar_text(so))
+
+
+def _validate(matcher_cls: Any, text: str, tokenizer: Any) -> tuple[bool, str]:
+    is_error, messages = matcher_cls.validate_grammar_with_warnings(text, tokenizer)
+    return not is_error, "; ".join(m for m in messages if m)

@@ -1,0 +1,58 @@
+"""Grammar masks in the runner: one llguidance matcher per constrained request.
+
+Invariant: between steps a request's matcher has consumed exactly the request's output
+tokens the runner has accepted. The runner executes steps in dispatch order, so under
+async scheduling a step's masks are built from the state after the previous step's
+sampled token, which is the state the step really continues from (never a placeholder).
+
+A verify step samples at the known token's row and at each draft's row. The mask of row
+j is the state after drafts[:j]: the drafts are consumed tentatively while the masks are
+built (stopping at the first draft the grammar refuses: no row past it can be
+accepted), then rolled back, and only the accepted tokens are consumed for good.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+
+class RequestGrammar:
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+        self.num_tentative = 0
+
+    def masks(self, drafts: Sequence[int], width: int) -> torch.Tensor:
+        """[width, words] int32 bitmasks of the rows of one request's step."""
+        from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+
+        out = allocate_token_bitmask(width, self.vocab_size)
+        for j in range(width):
+            fill_next_token_bitmask(self.matcher, out, j)
+            if j < width - 1 and self.num_tentative == j:
+                self.num_tentative += self.matcher.try_consume_tokens([drafts[j]])
+        return out
+
+    def advance(self, accepted: Sequence[int]) -> str | None:
+        """Undo the tentative drafts, consume the accepted tokens; a one-line reason if
+        the grammar refuses them (the engine then fails this request alone)."""
+        if self.num_tentative:
+            self.matcher.rollback(self.num_tentative)
+            self.num_tentative = 0
+        for token in accepted:
+            if self.matcher.is_stopped():
+                # The output is complete; its mask allowed only EOS, which ends the request.
+                break
+            if not self.matcher.consume_token(token):
+                detail = (self.matcher.get_error() or "no detail").splitlines()[0]
+                return f"the grammar refused sampled token {token}: {detail}"
+        return None
+
+
+def apply_bitmask(logits_row: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set the logits of tokens the mask forbids to -inf, in place ([V] and [words])."""
+    from llguidance.torch import apply_token_bitmask_inplace
+
+    apply_token_bitmask_inplace(logits_row[None], bitmask[None])

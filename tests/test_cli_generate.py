@@ -154,3 +154,23 @@ def test_bench_reports_throughput(model_dir: str, capsys, tmp_path: Path) -> Non
     result = json.loads(out_json.read_text())
     assert result["output_tokens"] == 15 and result["output_tokens_per_s"] > 0
     assert result["ttft_ms"]["mean"] > 0 and result["tpot_ms"]["mean"] > 0
+
+
+def test_every_flag_has_help_that_names_its_default() -> None:
+    """`--help` of each command explains every flag; a flag with a default says it."""
+    import argparse
+
+    from hybridserve.entrypoints.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    missing = []
+    for name, parser in sub.choices.items():
+        for action in parser._actions:
+            if not action.option_strings or action.dest == "help":
+                continue
+            text = action.help or ""
+            if isinstance(action, argparse._StoreTrueAction) and action.default is False and text:
+                continue  # an on-switch: off unless given
+            if not text or (action.default not in (None, argparse.SUPPRESS, [], ()) and "default" not in text):
+                missing.append(f"{name} {action.option_strings[0]}")
+    assert not missing, missing

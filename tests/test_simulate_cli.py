@@ -46,7 +46,7 @@ def assert_one_line_error(rc: int, err: str, needle: str) -> None:
         (["--acceptance-rate", "2"], "argument --acceptance-rate: must be in [0, 1]"),
         (["--arrival-rate", "0"], "argument --arrival-rate: must be > 0"),
         (["--num-requests", "-3"], "argument --num-requests: must be >= 1"),
-        (["--kv-cache-dtype", "int3"], "unknown KV cache dtype 'int3'"),
+        (["--kv-cache-dtype", "int3"], "argument --kv-cache-dtype: invalid choice: 'int3' (choose from"),
         (["--model-layout", "jamba-like"], "jamba-like weights need 104.0 GB per GPU but H100"),
         (["--num-blocks", "10", *SMALL], "num_blocks=10"),
         (["--max-model-len", "100", *SMALL], "--max-model-len 100 is shorter than request 0"),

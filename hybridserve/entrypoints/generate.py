@@ -37,10 +37,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("sampling")
     s.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt (default: 64)")
     s.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
-    s.add_argument("--top-p", type=float, default=1.0)
-    s.add_argument("--top-k", type=int, default=0, help="0 disables it")
-    s.add_argument("--min-p", type=float, default=0.0)
-    s.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the most likely tokens whose "
+                   "probabilities add up to P, in (0, 1] (default: 1, off)")
+    s.add_argument("--top-k", type=int, default=0, help="keep only the K most likely tokens; 0 disables it (default: 0)")
+    s.add_argument("--min-p", type=float, default=0.0, help="drop tokens less likely than P x the most likely one, "
+                   "in [0, 1] (default: 0, off)")
+    s.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable; default: none)")
     s.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     o = p.add_argument_group("output")
     o.add_argument("--chat", action="store_true", help="send each prompt as a user message (chat template)")

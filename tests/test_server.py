@@ -362,6 +362,24 @@ def test_64_concurrent_streams_equal_a_sequential_greedy_run(server, ref: LLM) -
     assert m["hybridserve_prefix_cache_hit_rate"] >= 0.0
 
 
+def test_bench_serving_mode_measures_a_running_server(server, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    out = tmp_path / "serving.json"
+    proc = subprocess.run([sys.executable, "-m", "hybridserve.entrypoints.cli", "bench", "--url", server["url"],
+                           "--num-prompts", "8", "--input-len", "12", "--output-len", "6", "--request-rate", "40",
+                           "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(out.read_text())
+    assert r["completed"] == 8 and r["failed"] == 0 and r["model"] == "tiny"
+    assert r["output_tok_s"] * r["duration_s"] == pytest.approx(48)  # 8 requests x 6 tokens, counted by id
+    assert 0 < r["ttft_ms"]["median"] <= r["ttft_ms"]["p99"] and r["tpot_ms"]["mean"] > 0
+    assert 0 <= r["goodput_req_s"] <= r["request_throughput"]
+    assert "TTFT" in proc.stdout and "goodput" in proc.stdout
+    wait_idle(server["url"])
+
+
 def test_fuzzed_requests_never_get_a_5xx_and_leave_the_server_healthy(server) -> None:
     """Bounded fuzzing from the server's own /openapi.json (schemathesis, via hypothesis):
     request bodies of every shape the schema allows and many it does not."""

@@ -1,4 +1,5 @@
-"""`hybridserve bench`: offline throughput of a model on this machine.
+"""`hybridserve bench`: offline throughput of a model on this machine (or, with --url, a
+serving benchmark against a running server: see bench_serving.py).
 
     hybridserve bench --model ./my-model --num-prompts 16 --input-len 128 --output-len 64
 
@@ -40,6 +41,16 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="run two short requests first, untimed (default: on)")
     w.add_argument("--json", default=None, metavar="OUT.json", help="also write the results as JSON")
+    sv = p.add_argument_group("serving mode (against a running server; the engine flags are then unused)")
+    sv.add_argument("--url", default=None, help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000 "
+                    "(default: none, benchmark the engine offline)")
+    sv.add_argument("--request-rate", type=float, default=float("inf"),
+                    help="Poisson arrivals per second; inf sends all at once (default: inf)")
+    sv.add_argument("--goodput-ttft-ms", type=float, default=1000.0,
+                    help="goodput counts requests with TTFT at most this (default: 1000)")
+    sv.add_argument("--goodput-tpot-ms", type=float, default=100.0,
+                    help="... and TPOT at most this (default: 100)")
+    sv.add_argument("--api-key", default=None, help="bearer key for the server (default: $HYBRIDSERVE_API_KEY)")
     add_engine_arguments(p)
 
 
@@ -73,6 +84,8 @@ def _run(a: argparse.Namespace) -> int:
                         ("--output-len", a.output_len)):
         if value < 1:
             raise FlagError(f"argument {flag}: must be >= 1, got {value}")
+    if a.url is not None:
+        return _run_serving(a)
     from hybridserve.engine.llm import LLM
     from hybridserve.engine.outputs import SamplingParams
 
@@ -111,13 +124,54 @@ def _run(a: argparse.Namespace) -> int:
         result["spec_acceptance_rate"] = stats.acceptance_rate
         result["spec_mean_accepted_length"] = stats.mean_accepted_length
     _print(result)
-    if a.json:
+    _write_json(a.json, result)
+    return 0
+
+
+def _write_json(path: str | None, result: dict[str, Any]) -> None:
+    if path:
         try:
-            with open(a.json, "w", encoding="utf-8") as f:
+            with open(path, "w", encoding="utf-8") as f:
                 json.dump(result, f, indent=2)
         except OSError as exc:
-            raise FlagError(f"argument --json: cannot write {a.json} ({exc.strerror or exc})") from None
-    return 0
+            raise FlagError(f"argument --json: cannot write {path} ({exc.strerror or exc})") from None
+
+
+def _run_serving(a: argparse.Namespace) -> int:
+    import asyncio
+
+    import httpx
+
+    from hybridserve.entrypoints.bench_serving import run_serving_benchmark, summarize
+    from hybridserve.entrypoints.server_limits import api_key_from_env
+
+    if not a.request_rate > 0:
+        raise FlagError(f"argument --request-rate: must be > 0 (inf for all at once), got {a.request_rate}")
+    try:
+        run = asyncio.run(run_serving_benchmark(a.url, a.num_prompts, a.input_len, a.output_len, a.request_rate,
+                                                a.seed or 0, api_key_from_env(a.api_key)))
+    except (httpx.TransportError, httpx.InvalidURL, ValueError, KeyError) as exc:
+        raise FlagError(f"argument --url: cannot benchmark {a.url} ({type(exc).__name__}: {exc})") from None
+    result = {"url": a.url, "model": run["model"], "num_prompts": a.num_prompts, "input_len": a.input_len,
+              "output_len": a.output_len, "request_rate": a.request_rate,
+              **summarize(run["results"], run["duration_s"], a.goodput_ttft_ms, a.goodput_tpot_ms)}
+    lines = [
+        f"server              {a.url} ({result['model']})",
+        f"workload            {a.num_prompts} requests x {a.input_len} tokens -> {a.output_len} new tokens, "
+        f"{a.request_rate:g} requests/s",
+        f"completed           {result['completed']} ({result['failed']} failed{': ' if result['errors'] else ''}"
+        f"{', '.join(result['errors'])}) in {result['duration_s']:.2f} s",
+        f"throughput          {result['request_throughput']:.2f} requests/s, {result['output_tok_s']:.1f} output tok/s",
+        f"goodput             {result['goodput_req_s']:.2f} requests/s (TTFT <= {a.goodput_ttft_ms:g} ms, "
+        f"TPOT <= {a.goodput_tpot_ms:g} ms)",
+    ]
+    for name in ("ttft_ms", "tpot_ms", "itl_ms"):
+        s = result[name]
+        lines.append(f"{name[:-3].upper():<19} mean {s['mean']:.1f} ms  median {s['median']:.1f} ms  "
+                     f"p90 {s['p90']:.1f} ms  p99 {s['p99']:.1f} ms")
+    print("\n".join(lines), flush=True)
+    _write_json(a.json, result)
+    return 0 if result["completed"] else 1
 
 
 def _print(r: dict[str, Any]) -> None:

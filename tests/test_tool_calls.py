@@ -60,7 +60,7 @@ def test_a_named_tool_choice_through_the_server_gives_a_valid_call() -> None:
     from hybridserve import AsyncLLM
     from hybridserve.entrypoints.server import build_app
 
-    engine = AsyncLLM(str(byte_model_dir()), max_model_len=512, progress=False)
+    engine = AsyncLLM(str(byte_model_dir()), max_model_len=1024, progress=False)
 
     async def main() -> list:
         transport = httpx.ASGITransport(app=build_app(engine, "byte"))
@@ -78,6 +78,7 @@ def test_a_named_tool_choice_through_the_server_gives_a_valid_call() -> None:
         named, required, bad, streamed = asyncio.run(main())
     finally:
         engine.shutdown()
+    assert named.status_code == 200, named.text
     choice = named.json()["choices"][0]
     assert named.status_code == 200 and choice["finish_reason"] == "tool_calls", named.text
     call = choice["message"]["tool_calls"][0]

@@ -194,14 +194,16 @@ def check_params(parts: EngineParts, params: Any) -> None:
         parts.grammar.check(params.structured_output)
 
 
-def prepare_chat(parts: EngineParts, messages: Sequence[dict[str, str]], params: Any) -> tuple[str, list[int], Any]:
-    """(prompt text, ids, params) for a conversation. Without a chat template the plain
-    template applies and PLAIN_CHAT_STOPS join the stop strings."""
+def prepare_chat(parts: EngineParts, messages: Sequence[dict[str, Any]], params: Any,
+                 tools: list[Any] | None = None) -> tuple[str, list[int], Any]:
+    """(prompt text, ids, params) for a conversation (with the tools it offers, rendered by
+    the chat template). Without a chat template the plain template applies and
+    PLAIN_CHAT_STOPS join the stop strings."""
     from hybridserve.engine.tokenizer import PLAIN_CHAT_STOPS
 
     if parts.tokenizer is None:
         raise RequestError("chat needs a tokenizer; this model has none", "messages")
-    text, ids = parts.tokenizer.chat_prompt(messages)
+    text, ids = parts.tokenizer.chat_prompt(messages, tools)
     check_prompt_ids(ids, parts.max_model_len, parts.vocab_size)
     if not parts.tokenizer.has_chat_template:
         extra = tuple(s for s in PLAIN_CHAT_STOPS if s not in params.stop)

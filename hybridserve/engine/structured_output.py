@@ -39,29 +39,40 @@ def grammar_text(so: StructuredOutput) -> str:
                            "structured_output") from None
 
 
+# llguidance's tokenizers by (tokenizer source, size, model vocabulary): building one for a
+# 262k vocabulary takes seconds, and an engine rebuilt after a failure (or a second engine
+# in the process) needs the same one.
+_LL_TOKENIZERS: dict[tuple[str, int, int], Any] = {}
+_LL_LOCK = threading.Lock()
+
+
 class GrammarBackend:
     """llguidance bound to one model's tokenizer and vocabulary size."""
 
     def __init__(self, hf_tokenizer: Any, vocab_size: int) -> None:
         self.hf_tokenizer = hf_tokenizer
         self.vocab_size = vocab_size
-        self._lock = threading.Lock()
-        self._ll_tokenizer: Any = None
+        self._key = (str(getattr(hf_tokenizer, "name_or_path", id(hf_tokenizer))), len(hf_tokenizer), vocab_size)
+
+    @property
+    def ready(self) -> bool:
+        """True once llguidance's tokenizer exists (the first constrained request builds it)."""
+        return self._key in _LL_TOKENIZERS
 
     @property
     def ll_tokenizer(self) -> Any:
-        with self._lock:
-            if self._ll_tokenizer is None:
+        with _LL_LOCK:
+            if self._key not in _LL_TOKENIZERS:
                 try:
                     import llguidance.hf
                 except ImportError:
                     raise ConfigError("structured outputs need llguidance: pip install 'hybridserve[serve]'") from None
                 try:
-                    self._ll_tokenizer = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size)
+                    _LL_TOKENIZERS[self._key] = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size)
                 except (ValueError, TypeError, AttributeError) as exc:
                     raise RequestError(f"structured outputs: the grammar engine cannot read this model's tokenizer "
                                        f"({exc})", "structured_output") from None
-            return self._ll_tokenizer
+            return _LL_TOKENIZERS[self._key]
 
     def check(self, so: StructuredOutput) -> str:
         """The grammar text, after llguidance has accepted it for this tokenizer."""

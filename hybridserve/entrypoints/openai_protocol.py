@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from hybridserve.core.request import StructuredOutput
 from hybridserve.engine.outputs import CompletionOutput, TokenLogprob
 from hybridserve.engine.tokenizer import Tokenizer
+from hybridserve.entrypoints.tool_calls import ToolCall
 
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -92,8 +93,12 @@ class ContentPart(_Body):
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
+    # An assistant turn that called tools, and a tool turn answering one call.
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
 
 class ChatRequest(_Sampling):
@@ -140,8 +145,8 @@ def check_unsupported(req: _Sampling) -> None:
         if req.best_of is not None and req.best_of != req.n:
             raise ApiError("best_of must equal n (no server-side ranking)", param="best_of")
     if isinstance(req, ChatRequest):
-        if req.tools or req.functions or req.tool_choice not in (None, "none"):
-            raise ApiError("tool calling is not supported", param="tools")
+        if req.functions:
+            raise ApiError("functions is deprecated and not supported; use tools", param="functions")
     if not 1 <= req.n <= MAX_N:
         raise ApiError(f"n must be between 1 and {MAX_N}, got {req.n}", param="n")
 
@@ -255,6 +260,28 @@ def completion_choice(index: int, text: str, out: CompletionOutput, logprobs: di
     return choice
 
 
-def chat_choice(out: CompletionOutput, index: int, logprobs: dict[str, Any] | None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": out.text}, "logprobs": logprobs,
-            "finish_reason": finish_reason(out.finish_reason)}
+def chat_choice(out: CompletionOutput, index: int, logprobs: dict[str, Any] | None,
+                parsed: tuple[str, list[ToolCall]] | None = None) -> dict:
+    """A whole chat choice; `parsed`: (content, tool calls) when the request offered tools."""
+    message: dict[str, Any] = {"role": "assistant", "content": out.text}
+    reason = finish_reason(out.finish_reason)
+    if parsed is not None and parsed[1]:
+        content, calls = parsed
+        message = {"role": "assistant", "content": content or None, "tool_calls": [c.as_openai() for c in calls]}
+        reason = "tool_calls"
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
+
+
+def chat_tool_delta(out: CompletionOutput, parsed: tuple[str, list[ToolCall]]) -> dict:
+    """The one streamed delta of a finished choice whose request offered tools."""
+    content, calls = parsed
+    delta: dict[str, Any] = {"role": "assistant"}
+    if calls:
+        if content:
+            delta["content"] = content
+        delta["tool_calls"] = [{"index": k, **c.as_openai()} for k, c in enumerate(calls)]
+        reason = "tool_calls"
+    else:
+        delta["content"] = out.text
+        reason = finish_reason(out.finish_reason)
+    return {"index": out.index, "delta": delta, "logprobs": None, "finish_reason": reason}

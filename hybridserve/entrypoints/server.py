@@ -34,6 +34,7 @@ import json
 import logging
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
@@ -43,6 +44,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from hybridserve.core.errors import RequestError
+from hybridserve.core.request import StructuredOutput
 from hybridserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineRestartingError, RequestFailedError
 from hybridserve.engine.frontend import ContextLengthError, prepare_chat, prepare_params, prepare_prompt
 from hybridserve.engine.outputs import GenerationOutput, SamplingParams
@@ -50,6 +52,7 @@ from hybridserve.entrypoints import openai_protocol as P
 from hybridserve.entrypoints.http_guard import HttpGuard
 from hybridserve.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from hybridserve.entrypoints.server_limits import ServerLimits
+from hybridserve.entrypoints.tool_calls import ToolCall, ToolError, forced_call_schema, functions, parse_tool_calls
 
 logger = logging.getLogger("hybridserve.server")
 _DONE = object()
@@ -207,8 +210,16 @@ class OpenAIServer:
         return items
 
     def params(self, req: P._Sampling, prompt_len: int, max_tokens: int | None, default_max: int | None,
-               logprobs: int | None, stop: tuple[str, ...]) -> SamplingParams:
+               logprobs: int | None, stop: tuple[str, ...], forced: StructuredOutput | None = None) -> SamplingParams:
+        """The request's SamplingParams; `forced`: a constraint of the server's own (a forced
+        tool call), which the request may not combine with one of its own."""
         limit = self.engine.max_model_len
+        structured = P.structured_output(req)
+        if forced is not None:
+            if structured is not None:
+                raise P.ApiError("a forced tool call cannot be combined with response_format or guided_*",
+                                 param="tool_choice")
+            structured = forced
         if max_tokens is not None:
             if max_tokens < 1:
                 raise P.ApiError(f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
@@ -231,11 +242,18 @@ class OpenAIServer:
                 repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
                 logit_bias=P.logit_bias(req.logit_bias),
                 allowed_token_ids=None if req.allowed_token_ids is None else tuple(req.allowed_token_ids),
-                bad_words=tuple(req.bad_words or ()), structured_output=P.structured_output(req),
+                bad_words=tuple(req.bad_words or ()), structured_output=structured,
             )
             return prepare_params(self.engine.parts, params)
         except RequestError as exc:
             raise P.ApiError(str(exc), param=exc.param) from None
+
+    async def warm_grammar(self, req: P._Sampling, forced: StructuredOutput | None = None) -> None:
+        """Build the grammar engine's tokenizer (seconds for a large vocabulary) on a
+        worker thread the first time a request needs it, not on the event loop."""
+        grammar = self.engine.parts.grammar
+        if grammar is not None and not grammar.ready and (forced is not None or P.structured_output(req)):
+            await asyncio.to_thread(_checked, lambda: grammar.ll_tokenizer)
 
     async def tokenize(self, fn: Callable[[], Any], num_chars: int) -> Any:
         """Run a prompt-preparing call, on a worker thread when the text is large."""
@@ -369,17 +387,21 @@ class OpenAIServer:
             raise P.ApiError(f"top_logprobs must be between 0 and {P.MAX_LOGPROBS}", param="top_logprobs")
         if req.top_logprobs and not req.logprobs:
             raise P.ApiError("top_logprobs needs logprobs=true", param="top_logprobs")
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": _content_text(m)}
-                    for m in req.messages]
+        messages = [_message(m) for m in req.messages]
         stop = self.stop_strings(req.stop)
+        tools = self.tool_plan(req)
         release = self.admit(req.n)
         try:
             base = SamplingParams(stop=stop)  # the chat helper may add the plain template's stop
-            text, ids, base = await self.tokenize(lambda: prepare_chat(self.engine.parts, messages, base),
-                                                  sum(len(m["content"]) for m in messages))
+            offered = req.tools if tools is not None else None
+            text, ids, base = await self.tokenize(lambda: prepare_chat(self.engine.parts, messages, base, offered),
+                                                  sum(len(m["content"] or "") for m in messages))
             max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
             top_n = req.top_logprobs or 0
-            sp = self.params(req, len(ids), max_tokens, None, top_n if req.logprobs else None, tuple(base.stop))
+            forced = tools.forced if tools is not None else None
+            await self.warm_grammar(req, forced)
+            sp = self.params(req, len(ids), max_tokens, None, top_n if req.logprobs else None, tuple(base.stop),
+                             forced)
             self.check_ready(req.model)
         except BaseException:
             release()
@@ -390,26 +412,50 @@ class OpenAIServer:
         head = {"id": rid, "created": int(time.time()), "model": self.model_name}
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _SSEResponse(self._stream_chat(gen, head, req, len(ids), top_n, include_usage), done)
+            return _SSEResponse(self._stream_chat(gen, head, req, len(ids), top_n, include_usage, tools), done)
         try:
-            return await _until_disconnect(request, self._full_chat(gen, head, req, len(ids), top_n))
+            return await _until_disconnect(request, self._full_chat(gen, head, req, len(ids), top_n, tools))
         finally:
             done()
+
+    def tool_plan(self, req: P.ChatRequest) -> ToolPlan | None:
+        """The tools a chat request offers and, for "required" or a named function, the
+        constraint that forces a call; None without tools (or with tool_choice "none")."""
+        if not req.tools or req.tool_choice == "none":
+            if req.tool_choice not in (None, "none", "auto"):
+                raise P.ApiError("tool_choice needs tools", param="tool_choice")
+            return None
+        tok = self.engine.tokenizer
+        if tok is None or not tok.supports_tools:
+            raise P.ApiError("this model's chat template has no tool format, so it cannot call tools", param="tools")
+        try:
+            funcs = functions(req.tools)
+        except ToolError as exc:
+            raise P.ApiError(str(exc), param="tools") from None
+        try:
+            schema = forced_call_schema(funcs, req.tool_choice)
+        except ToolError as exc:
+            raise P.ApiError(str(exc), param="tool_choice") from None
+        return ToolPlan(set(funcs), None if schema is None else StructuredOutput("json", json.dumps(schema)))
 
     def _chat_logprobs(self, entries: Any, top_n: int) -> dict[str, Any] | None:
         if entries is None or self.engine.tokenizer is None:
             return None
         return P.chat_logprobs(self.engine.tokenizer, entries, top_n)
 
-    async def _full_chat(self, gen: Any, head: dict, req: P.ChatRequest, prompt_tokens: int, top_n: int) -> Response:
+    async def _full_chat(self, gen: Any, head: dict, req: P.ChatRequest, prompt_tokens: int, top_n: int,
+                         tools: ToolPlan | None) -> Response:
         finals = await self._collect([gen])
-        choices = [P.chat_choice(out, ci, self._chat_logprobs(out.logprobs, top_n)) for (_, ci), out in sorted(finals.items())]
+        choices = []
+        for (_, ci), out in sorted(finals.items()):
+            calls = parse_tool_calls(out.text, tools.names) if tools is not None else None
+            choices.append(P.chat_choice(out, ci, self._chat_logprobs(out.logprobs, top_n), calls))
         completion_tokens = sum(len(out.token_ids) for out in finals.values())
         return JSONResponse({**head, "object": "chat.completion", "choices": choices,
                              "usage": P.usage(prompt_tokens, completion_tokens)})
 
     async def _stream_chat(self, gen: Any, head: dict, req: P.ChatRequest, prompt_tokens: int, top_n: int,
-                           include_usage: bool) -> AsyncIterator[str]:
+                           include_usage: bool, tools: ToolPlan | None) -> AsyncIterator[str]:
         head = {**head, "object": "chat.completion.chunk"}
         completion_tokens = 0
         try:
@@ -422,6 +468,13 @@ class OpenAIServer:
                         if self.stopping and c.finish_reason == "abort":
                             raise self._shutdown_error()
                         completion_tokens += len(c.delta_token_ids)
+                        if tools is not None:
+                            # A call is only known whole: the reply is held back and sent
+                            # parsed, as content and tool_calls, when the choice finishes.
+                            if c.finished:
+                                yield _sse({**head, "choices": [P.chat_tool_delta(c, parse_tool_calls(c.text,
+                                                                                                      tools.names))]})
+                            continue
                         if not c.delta_text and not c.finished:
                             continue
                         choice = {"index": c.index, "delta": {"content": c.delta_text} if c.delta_text else {},
@@ -466,6 +519,22 @@ class OpenAIServer:
         except P.ApiError as err:
             return _error_response(err)
         return JSONResponse({"status": "ok"})
+
+
+@dataclass
+class ToolPlan:
+    names: set[str]  # the functions offered: only calls of these are parsed
+    forced: StructuredOutput | None  # tool_choice "required" or named: the reply's constraint
+
+
+def _message(m: P.ChatMessage) -> dict[str, Any]:
+    """A chat message as the chat template sees it (tool calls and tool results kept)."""
+    out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": _content_text(m)}
+    for key in ("tool_calls", "tool_call_id", "name"):
+        value = getattr(m, key)
+        if value is not None:
+            out[key] = value
+    return out
 
 
 def _content_text(m: P.ChatMessage) -> str:

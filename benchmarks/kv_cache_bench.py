@@ -30,7 +30,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from hybridserve.core.kv.manager import KVCacheManager
+from hybridserve.core.kv.cache_manager import KVCacheManager
 from hybridserve.core.kv.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, cdiv
 from hybridserve.core.request import Request, SamplingParams
 from hybridserve.testing import make_kv_cache_config

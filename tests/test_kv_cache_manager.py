@@ -12,7 +12,7 @@ from typing import Callable
 import pytest
 
 from hybridserve.core.errors import ConfigError
-from hybridserve.core.kv.manager import KVCacheManager
+from hybridserve.core.kv.cache_manager import KVCacheManager
 from hybridserve.core.kv.spec import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,

@@ -1,4 +1,5 @@
-"""In-flight accounting and settled-basis freeing: the scenarios of the scheduler issue.
+"""In-flight accounting and settled-basis freeing: steps in flight while the next one is
+scheduled (async, pipeline parallel), drafts rolled back, aborts and preemptions fenced.
 
 Prompt 100 tokens, block 16. Window 16: tokens 0..84 are out of window once 100 are
 processed -> 5 blocks. Chunk 32: 96 settled tokens -> 6 blocks.
@@ -136,11 +137,11 @@ def test_connector_finished_prunes_on_settled_basis():
     sched, req = one(SW16, connector=conn)
     prefill = sched.schedule()
     sched.schedule()  # an over-scheduled decode, also in flight
-    sched._connector_finished(req)
+    sched.transfer.request_finished(req)
     assert nulls(sched) == 0
     assert 0 not in conn.tables[-1][0]
     sched.update_from_output(prefill, fake_runner_output(prefill))
-    sched._connector_finished(req)
+    sched.transfer.request_finished(req)
     assert nulls(sched) == 5
     assert conn.tables[-1][0][:5] == [0] * 5
 

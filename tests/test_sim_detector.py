@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridserve.core.kv.managers import SlidingWindowManager
+from hybridserve.core.kv.single_type_managers import SlidingWindowManager
 from hybridserve.core.kv.spec import FullAttentionSpec, SlidingWindowSpec
 from hybridserve.executor.sim.shadow_kv import FREED, NULL_READ, OVERWRITTEN, UNOWNED, RaceViolation
 from tests.sim_helpers import make_request, reference_output, run_sim

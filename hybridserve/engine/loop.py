@@ -17,7 +17,7 @@ from hybridserve.core.sched.config import SchedulerConfig
 from hybridserve.core.request import Request
 from hybridserve.core.sched.output import RequestOutput, SchedulerOutput
 from hybridserve.core.sched.scheduler import Scheduler
-from hybridserve.engine.executor import Executor
+from hybridserve.executor.base import Executor
 
 
 class EngineStuckError(HybridServeError, RuntimeError):

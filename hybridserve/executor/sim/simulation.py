@@ -25,7 +25,7 @@ from hybridserve.core.errors import ConfigError, HybridServeError
 from hybridserve.core.kv.spec import KVCacheConfig
 from hybridserve.core.sched.config import SchedulerConfig
 from hybridserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
-from hybridserve.engine.executor import Executor
+from hybridserve.executor.base import Executor
 from hybridserve.engine.loop import build_engine
 from hybridserve.executor.sim.cost_model import CostModel
 from hybridserve.executor.sim.executor import SimExecutor

@@ -64,17 +64,13 @@ def make_scheduler(
 def make_requests(
     num_requests: int,
     num_tokens: int,
-    block_size: int = 16,
     max_tokens: int = 16,
     prefix: Sequence[int] = (),
     start_id: int = 0,
     eos_token_id: int | None = None,
     **sampling: object,
 ) -> list[Request]:
-    """Requests with distinct prompts of num_tokens tokens (after an optional shared prefix).
-
-    block_size is accepted for symmetry with make_scheduler; prompts do not depend on it.
-    """
+    """Requests with distinct prompts of num_tokens tokens (after an optional shared prefix)."""
     out = []
     for i in range(start_id, start_id + num_requests):
         body = [(i * 7919 + j) % 50_000 + 2 for j in range(num_tokens - len(prefix))]

@@ -18,7 +18,7 @@ from hybridserve.core.errors import HybridServeError
 from hybridserve.core.kv.block_pool import BlockPool
 from hybridserve.core.kv.spec import ChunkedLocalAttentionSpec, KVCacheConfig, MambaSpec, SlidingWindowSpec
 from hybridserve.core.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from hybridserve.engine.executor import Executor
+from hybridserve.executor.base import Executor
 from hybridserve.executor.sim.shadow_kv import (
     NULL, NULL_READ, UNALLOCATED, UNOWNED, WRONG, ShadowKV, StepTouches, Violation,
 )
@@ -92,10 +92,6 @@ class SimExecutor(Executor):
     @property
     def violations(self) -> list[Violation]:
         return self.shadow.violations if self.shadow else []
-
-    def token_after(self, fp: int) -> int:
-        """The token sampled after a prefix with fingerprint fp (inlined in `execute`)."""
-        return fp % self.vocab_size
 
     # -- Executor interface -------------------------------------------------------
     def initialize(self, kv_cache_config: KVCacheConfig) -> None:

@@ -47,10 +47,11 @@ class Scheduler:
         unsafe_optimistic_free: bool = False,
         window_tail: bool | None = None,
     ) -> None:
-        """window_tail: override config.window_tail_allocation (None: use the config;
-        builders resolve the config's None from the executor, see engine.build_engine)."""
+        """window_tail: whether window-tail allocation is on, as the builder resolved it
+        for its executor (engine.build_engine). None: resolve the config for an executor
+        that declares nothing (off unless forced, and forcing it on then fails)."""
         self.config = config
-        use_tail = config.window_tail_allocation if window_tail is None else window_tail
+        use_tail = config.resolve_window_tail(False) if window_tail is None else window_tail
         self.kv = KVCacheManager(
             kv_cache_config,
             max_model_len=config.max_model_len,

@@ -155,21 +155,29 @@ class Scheduler:
         fast = self.steady_decode_fast_path and not cfg.num_speculative_tokens
         unblocked = cfg.async_scheduling
         last_position = cfg.max_model_len - 1
+        # The fast path appends to the batch directly (StepBatch.add, inlined, with the
+        # budget in a local that the general path hands back and forth).
+        add_scheduled, add_req = batch.scheduled.append, batch.reqs.append
+        budget = batch.budget
         preempted = False
         i = 0
-        while i < len(running) and batch.budget > 0:
+        while i < len(running) and budget > 0:
             req = running[i]
             if fast and (unblocked or not req.num_in_flight_tokens):
                 sr = plan_steady_decode(kv, req, last_position, no_block_ids)
                 if sr is not None:
-                    batch.add(sr, req)
+                    add_scheduled(sr)
+                    add_req(req)
+                    budget -= 1
                     i += 1
                     continue
-            sr = plan_running(cfg, req, batch.budget)
+            sr = plan_running(cfg, req, budget)
             if sr is None:
                 i += 1
                 continue
+            batch.budget = budget
             new_blocks, num_preempted, num_before = self._allocate_preempting(req, sr.num_scheduled_tokens, batch, i)
+            budget = batch.budget  # victims dropped from the batch gave theirs back
             if num_preempted:
                 preempted = True
                 i -= num_before  # req's place in the shrunk running list
@@ -178,8 +186,11 @@ class Scheduler:
             sr.new_block_ids = no_block_ids if new_blocks is kv.no_new_blocks else tuple(
                 [b.block_id for b in g] for g in new_blocks)
             sr.num_null_blocks = kv.get_num_null_blocks(req.request_id)
-            batch.add(sr, req)
+            add_scheduled(sr)
+            add_req(req)
+            budget -= sr.num_scheduled_tokens
             i += 1
+        batch.budget = budget
         return preempted
 
     def _allocate_preempting(
@@ -253,22 +264,23 @@ class Scheduler:
         max_model_len = self.config.max_model_len
         block_size = self.kv.block_size
         logprobs_of = runner_output.logprobs
+        proposed_of = runner_output.num_draft_tokens
         num_generated = 0
         for sr, req, epoch, sampled in zip(scheduler_output.requests, reqs, epochs, sampled_rows):
             req.num_in_flight_tokens -= sr.num_scheduled_tokens  # first, whatever happened since
             if req.status >= FINISHED:
                 continue
             if sr.samples and epoch == req.num_preemptions:  # not from before a preemption
-                self._settle_placeholders(sr, req, sampled, runner_output.num_draft_tokens)
+                drafts = sr.num_draft_tokens
+                if drafts:
+                    self._roll_back_rejected_drafts(sr, req, sampled, proposed_of)
+                req.num_output_placeholders -= 1 + drafts
             if not sampled:
                 continue
             if len(sampled) == 1:
-                new_tokens, status = append_one_token(req, sampled, max_model_len)
+                new_tokens, status = sampled, append_one_token(req, sampled[0], max_model_len, block_size)
             else:
-                new_tokens, status = append_tokens(req, sampled, max_model_len)
-            num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)
-            if req._block_hasher is not None and num_tokens >= (len(req.block_hashes) + 1) * block_size:
-                req.update_block_hashes()  # a block just filled up
+                new_tokens, status = append_tokens(req, sampled, max_model_len, block_size)
             num_generated += len(new_tokens)
             if status is not None:
                 any_finished = True
@@ -302,18 +314,16 @@ class Scheduler:
             raise RequestError(f"output of step {step} names requests it did not schedule: {sorted(unknown)[:5]}")
         return [rows[index[rid]] if rid in index else EMPTY for rid in scheduled_ids]
 
-    def _settle_placeholders(
+    def _roll_back_rejected_drafts(
         self, sr: ScheduledRequest, req: Request, sampled: list[int], proposed_of: dict[str, int] | None
     ) -> None:
-        """Drop the step's output placeholders and roll back its rejected draft slots."""
+        """Give back the computed slots of the step's rejected drafts; count acceptance."""
         drafts = sr.num_draft_tokens
-        if drafts:
-            accepted = len(sampled) - 1 if sampled else 0
-            req.num_computed_tokens -= drafts - accepted if sampled else 0
-            # Drafts the executor really proposed (fewer than the slots when its drafter
-            # found nothing): acceptance stats count those; rollback uses the slots.
-            self.stats.record_spec(proposed_of.get(sr.request_id, drafts) if proposed_of else drafts, accepted)
-        req.num_output_placeholders -= 1 + drafts
+        accepted = len(sampled) - 1 if sampled else 0
+        req.num_computed_tokens -= drafts - accepted if sampled else 0
+        # Drafts the executor really proposed (fewer than the slots when its drafter found
+        # nothing): acceptance stats count those; rollback uses the scheduled slots.
+        self.stats.record_spec(proposed_of.get(sr.request_id, drafts) if proposed_of else drafts, accepted)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if req.status != RequestStatus.RUNNING:

@@ -2,9 +2,10 @@
 
 `StepBatch` is what a step is being built into: the scheduled requests in order and the
 token budget left. `plan_running` is the general rule for a running request (chunked
-prefill, decode with drafts); `plan_steady_decode` is its fast path for a decode of one
-token that needs no block allocated, freed or cached (most requests of most steps).
-The two agree wherever the fast path answers (tests/test_scheduler_short_path.py).
+prefill, decode with drafts). `plan_steady_decodes` is its fast path for decodes of one
+token that need no block allocated, freed or cached (most requests of most steps); it
+takes a run of such requests in one call. The two agree wherever the fast path answers
+(tests/test_scheduler_short_path.py).
 """
 
 from __future__ import annotations
@@ -70,19 +71,44 @@ def plan_running(cfg: SchedulerConfig, req: Request, budget: int) -> ScheduledRe
     return ScheduledRequest(req.request_id, computed, n + drafts, drafts, (), (), samples)
 
 
-def plan_steady_decode(
-    kv: KVCacheManager, req: Request, last_position: int, no_block_ids: tuple[list[int], ...]
-) -> ScheduledRequest | None:
-    """`plan_running` + `allocate_slots` for a steady decode: exactly one known token past
-    the computed ones, below max_model_len and max_tokens, and a KV cache with nothing to
-    do (`KVCacheManager.append_decode_slot`). None: take the general path. Only for
-    configs without drafts, and only for a request that may be scheduled now."""
-    computed = req.num_computed_tokens
-    num_outputs = len(req.output_token_ids) + req.num_output_placeholders
-    if (len(req.prompt_token_ids) + num_outputs != computed + 1 or computed >= last_position
-            or req.sampling_params.max_tokens <= num_outputs):
-        return None
-    nulls = kv.append_decode_slot(req)
-    if nulls is None:
-        return None
-    return ScheduledRequest(req.request_id, computed, 1, 0, no_block_ids, nulls, True)
+def plan_steady_decodes(
+    kv: KVCacheManager,
+    running: list[Request],
+    start: int,
+    batch: StepBatch,
+    last_position: int,
+    no_block_ids: tuple[list[int], ...],
+    may_have_step_in_flight: bool,
+) -> int:
+    """The fast path of `plan_running` + `allocate_slots`: add running[start],
+    running[start+1], ... to the batch for as long as each is a steady decode, one token
+    each within the budget; returns the index of the first request not added (the
+    general path takes it).
+
+    A steady decode has exactly one known token past the computed ones, is below
+    max_model_len and max_tokens, and its KV cache has nothing to allocate, free or
+    cache (`KVCacheManager.append_decode_slot`). Only for configs without drafts; a
+    request with a step in flight only when may_have_step_in_flight (async scheduling).
+    One call covers a run of requests: most requests of most steps are steady decodes.
+    """
+    add_scheduled, add_req = batch.scheduled.append, batch.reqs.append
+    append_decode_slot = kv.append_decode_slot
+    stop = min(len(running), start + batch.budget)
+    i = start
+    while i < stop:
+        req = running[i]
+        if req.num_in_flight_tokens and not may_have_step_in_flight:
+            break
+        computed = req.num_computed_tokens
+        num_outputs = len(req.output_token_ids) + req.num_output_placeholders
+        if (len(req.prompt_token_ids) + num_outputs != computed + 1 or computed >= last_position
+                or req.sampling_params.max_tokens <= num_outputs):
+            break
+        nulls = append_decode_slot(req)
+        if nulls is None:
+            break
+        add_scheduled(ScheduledRequest(req.request_id, computed, 1, 0, no_block_ids, nulls, True))
+        add_req(req)
+        i += 1
+    batch.budget -= i - start
+    return i

@@ -26,7 +26,7 @@ from hybridserve.core.sched.config import SchedulerConfig
 from hybridserve.core.sched.kv_transfer import KVTransferState
 from hybridserve.core.sched.output import ModelRunnerOutput, RequestOutput, ScheduledRequest, SchedulerOutput
 from hybridserve.core.sched.output_processing import append_one_token, append_tokens
-from hybridserve.core.sched.planner import StepBatch, plan_running, plan_steady_decode
+from hybridserve.core.sched.planner import StepBatch, plan_running, plan_steady_decodes
 from hybridserve.core.sched.queues import make_queue
 from hybridserve.core.sched.stats import SchedulerStats
 
@@ -35,7 +35,7 @@ EMPTY: list[int] = []
 
 
 class Scheduler:
-    # The steady-decode fast path (`plan_steady_decode`); tests turn it off to compare
+    # The steady-decode fast path (`plan_steady_decodes`); tests turn it off to compare
     # with the general path.
     steady_decode_fast_path = True
 
@@ -155,29 +155,19 @@ class Scheduler:
         fast = self.steady_decode_fast_path and not cfg.num_speculative_tokens
         unblocked = cfg.async_scheduling
         last_position = cfg.max_model_len - 1
-        # The fast path appends to the batch directly (StepBatch.add, inlined, with the
-        # budget in a local that the general path hands back and forth).
-        add_scheduled, add_req = batch.scheduled.append, batch.reqs.append
-        budget = batch.budget
         preempted = False
         i = 0
-        while i < len(running) and budget > 0:
+        while i < len(running) and batch.budget > 0:
+            if fast:
+                i = plan_steady_decodes(kv, running, i, batch, last_position, no_block_ids, unblocked)
+                if i == len(running) or batch.budget <= 0:
+                    break
             req = running[i]
-            if fast and (unblocked or not req.num_in_flight_tokens):
-                sr = plan_steady_decode(kv, req, last_position, no_block_ids)
-                if sr is not None:
-                    add_scheduled(sr)
-                    add_req(req)
-                    budget -= 1
-                    i += 1
-                    continue
-            sr = plan_running(cfg, req, budget)
+            sr = plan_running(cfg, req, batch.budget)
             if sr is None:
                 i += 1
                 continue
-            batch.budget = budget
             new_blocks, num_preempted, num_before = self._allocate_preempting(req, sr.num_scheduled_tokens, batch, i)
-            budget = batch.budget  # victims dropped from the batch gave theirs back
             if num_preempted:
                 preempted = True
                 i -= num_before  # req's place in the shrunk running list
@@ -186,11 +176,8 @@ class Scheduler:
             sr.new_block_ids = no_block_ids if new_blocks is kv.no_new_blocks else tuple(
                 [b.block_id for b in g] for g in new_blocks)
             sr.num_null_blocks = kv.get_num_null_blocks(req.request_id)
-            add_scheduled(sr)
-            add_req(req)
-            budget -= sr.num_scheduled_tokens
+            batch.add(sr, req)
             i += 1
-        batch.budget = budget
         return preempted
 
     def _allocate_preempting(

@@ -271,7 +271,7 @@ class SimExecutor(Executor):
         end = s + len(writes)  # exclusive
         nums, ctx = touches.nums, touches.ctx
         seg_ctx = (rid, fps)
-        slots_of, writer, stamp = shadow.slots, shadow.writer, shadow.stamp
+        slots_of, writer, filled = shadow.slots, shadow.writer, shadow.filled
         w_first, w_last = s // bs, (end - 1) // bs
         for g, kind, size in self._groups:
             table = st.tables[g]
@@ -306,7 +306,11 @@ class SimExecutor(Executor):
                         slots = slots_of[bid] = [0] * bs
                     base = w_first * bs
                     slots[s - base : end - base] = writes
-                    stamp[bid] += 1
+                    f = filled[bid]  # ShadowKV.wrote, inlined: a decode appends (no stamp move)
+                    if s - base < f:
+                        shadow.stamp[bid] += 1
+                    if end - base > f:
+                        filled[bid] = end - base
                     if writer[bid] != rid:
                         writer[bid] = rid
                         shadow.version[bid] += 1
@@ -325,7 +329,7 @@ class SimExecutor(Executor):
                 if slots is None:
                     slots = slots_of[bid] = [0] * bs
                 slots[a - base : z - base] = writes[a - s : z - s]
-                stamp[bid] += 1
+                shadow.wrote(bid, a - base, z - base)
                 if writer[bid] != rid:
                     writer[bid] = rid
                     shadow.version[bid] += 1

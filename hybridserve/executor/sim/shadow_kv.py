@@ -1,8 +1,8 @@
 """Shadow KV: a race detector that mirrors what every KV slot holds.
 
 Each physical block keeps a list of slot fingerprints (the fingerprint of the prefix that
-produced the slot), the id of its last writer, a write stamp bumped by every write, a
-writer version bumped whenever a different writer (another request, a connector load)
+produced the slot), the id of its last writer, a write stamp bumped by every rewrite
+(a write reaching a slot written before), a writer version bumped whenever a different writer (another request, a connector load)
 writes it, and a free generation bumped whenever its reference count drops to 0. Each
 table entry remembers the block's free generation when the request got it. A step:
 
@@ -27,14 +27,19 @@ a step's touches are a list of segments (a contiguous range of one request's blo
 in one group), expanded once per step into flat arrays. Each (group, table row, block
 index) remembers the block id, write stamp and highest position it was last verified
 at; a read whose block id and stamp still match and whose extent is covered skips the
-content compare (one vectorized test per step). The stamp moves on every write, the
-request's own included, so a verified slot rewritten by anyone is compared again. The rest, typically each request's
+content compare (one vectorized test per step). The stamp moves on every rewrite, the
+request's own included, so a verified slot rewritten by anyone is compared again; a
+write only past every slot written so far (the usual append) cannot touch a verified
+slot and leaves it (a Python-list compare, not a numpy update, per write). The rest, typically each request's
 newest block, whose extent grew, is compared in full (one C-level list compare per
 block, so any slot changed since, even by the request itself, is caught). In-flight
 references are counted per block with np.add.at / np.subtract.at; a free checks one
 counter.
 
-Invariants: stamp[b] changes on every write of b; version[b] changes exactly when a
+Invariants: stamp[b] changes on every write of b that starts below filled[b] (one past
+the highest slot of b ever written), so a verified slot (always below filled[b]) is
+never rewritten with the stamp unchanged, and whenever b is freed, so a read cleared as
+verified is of a block its request still owns; version[b] changes exactly when a
 writer other than writer[b] writes b (so a version moved by one with writer[b] == r
 means only r wrote since); free_gen[b] changes exactly when b's reference count drops
 to 0; in_flight_refs[b] is the number of (dispatched, not completed) step touches of b;
@@ -140,6 +145,7 @@ class ShadowKV:
         self.strict = strict
         self.slots: list[list[int] | None] = [None] * num_blocks
         self.stamp = np.zeros(num_blocks, dtype=np.int64)
+        self.filled: list[int] = [0] * num_blocks  # one past the highest slot ever written
         self.version = np.zeros(num_blocks, dtype=np.int64)
         self.writer: list[str | None] = [None] * num_blocks
         self.free_gen = np.zeros(num_blocks, dtype=np.int64)
@@ -223,10 +229,19 @@ class ShadowKV:
         if slots is None:
             slots = self.slots[bid] = [0] * self.block_size
         slots[offset : offset + len(fps)] = fps
-        self.stamp[bid] += 1
+        self.wrote(bid, offset, offset + len(fps))
         if self.writer[bid] != writer:
             self.writer[bid] = writer
             self.version[bid] += 1
+
+    def wrote(self, bid: int, a: int, z: int) -> None:
+        """Slots a..z-1 of block bid were written: a rewrite moves the stamp."""
+        filled = self.filled
+        f = filled[bid]
+        if a < f:
+            self.stamp[bid] += 1
+        if z > f:
+            filled[bid] = z
 
     def write_state(self, bid: int, fp: int, writer: str) -> None:
         self.write(bid, 0, [fp], writer)
@@ -249,8 +264,9 @@ class ShadowKV:
         return self._begin_vectorized(st)
 
     def _begin_vectorized(self, st: StepTouches) -> StepTouches:
-        """The general check: one vectorized test clears every touch that is owned and,
-        for reads, verified; the rest go to `_check_reads`."""
+        """The general check: one vectorized test clears every write to an owned block
+        and every read verified since the last write or free of its block; the rest go
+        to `_check_reads`."""
         bs = self.block_size
         total = sum(st.nums[3::6])
         # numpy methods and operators only: on steps of a few requests the Python-level
@@ -265,11 +281,15 @@ class ShadowKV:
         bids = self._table_flat[flat]
         seg_hi = hi.repeat(count)
         z = np.minimum(seg_hi, index * bs + (bs - 1))
-        # vbid never holds the null block (a null read is never verified).
+        # vbid never holds the null block (a null read is never verified). A read still
+        # verified is owned: verification checks ownership, and a free moves the stamp.
         ok = (self._vbid_flat[flat] == bids) & (self._vstamp_flat[flat] == self.stamp[bids])
         ok &= self._vpos_flat[flat] >= z
-        ok |= seg_hi < 0
-        ok &= self._tgen_flat[flat] == self.free_gen[bids]
+        is_write = seg_hi < 0
+        ok |= is_write
+        w = is_write.nonzero()[0]  # writes: only ownership to check
+        if len(w):
+            ok[w] = self._tgen_flat[flat[w]] == self.free_gen[bids[w]]
         todo = (~ok).nonzero()[0]
         st.lo, st.group = lo.tolist(), group.tolist()
         if len(todo) or st.markers:
@@ -411,8 +431,12 @@ class ShadowKV:
                 self.report(Violation(OVERWRITTEN, st.step, rid, group, bid, pos))
 
     def on_free(self, bid: int) -> None:
-        """Block-pool hook: block bid's reference count dropped to 0 (back to the free queue)."""
+        """Block-pool hook: block bid's reference count dropped to 0 (back to the free queue).
+
+        The stamp moves too, so no read of the block is cleared as verified any more:
+        each is checked for ownership again."""
         self.free_gen[bid] += 1
+        self.stamp[bid] += 1
         if self.in_flight_refs[bid]:
             # Report the last touch of the newest in-flight step that touched the block.
             for st in reversed(self.in_flight):

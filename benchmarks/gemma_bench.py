@@ -3,8 +3,8 @@
     python benchmarks/gemma_bench.py                 # everything, markdown table at the end
     python benchmarks/gemma_bench.py --skip-first-start --skip-hf --repeat 1
 
-Workload (as the peer kit's shared/peers/vllm_cpu/workload.py with --prompts-file
-prompts16.json): the 16 text prompts tokenized with the model's tokenizer (HF
+Workload (as the peer kit's vllm_cpu/workload.py with --prompts-file prompts16.json,
+copied here as benchmarks/prompts16.json): the 16 text prompts tokenized with the model's tokenizer (HF
 `tok(text)["input_ids"]`, BOS included), 64 new tokens each, greedy, ignore EOS, float32;
 2 warmup prompts of 16 random ids (seed 1_000_003, ids 5..vocab-1) first. Reported:
 - first start: a fresh $HYBRIDSERVE_CACHE_DIR in a temp folder, `LLM()` in a new process
@@ -33,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_baseline import left_padded_generate  # noqa: E402  (this folder is on sys.path)
 
-PROMPTS_FILE = Path("/work/shared/peers/vllm_cpu/prompts16.json")
+# The peer kit's 16 prompts, copied next to this script so a fresh clone runs it.
+PROMPTS_FILE = Path(__file__).resolve().parent / "prompts16.json"
 WARMUP_SEED, WARMUP_LEN, WARMUP_COUNT, TOKEN_LOW = 1_000_003, 16, 2, 5
 _START_SNIPPET = (
     "import time; t0 = time.perf_counter(); from hybridserve import LLM; "

@@ -13,8 +13,9 @@ Two modes per variant: "scheduler path" (allocate_slots alone: it prunes on the 
 basis itself, which is all the Scheduler does per step) and "+ explicit prune" (a
 remove_skipped_blocks call per request after each processed step as well).
 
-Every hot path should be O(blocks touched): the per-request cost must stay flat when
-the pool is 4x larger, when requests are 4x longer, and with 4x fewer requests. Times
+Every hot path should be O(blocks touched), so the per-request cost should not grow
+with the pool size (4x larger), the request length (4x longer) or the number of
+requests (4x fewer); the variants show how far it does (see the README). Times
 are process CPU time (time.process_time_ns), so other load on a shared machine inflates
 them less than wall time would.
 
@@ -30,7 +31,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from hybridserve.core.kv.manager import KVCacheManager
+from hybridserve.core.kv.cache_manager import KVCacheManager
 from hybridserve.core.kv.spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec, cdiv
 from hybridserve.core.request import Request, SamplingParams
 from hybridserve.testing import make_kv_cache_config

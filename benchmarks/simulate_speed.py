@@ -1,6 +1,6 @@
 """How fast `hybridserve simulate` runs: simulated requests per minute of wall time.
 
-Workload (from the issue): llama3-8b-like on H100, prompt 512, output 256 tokens, up to
+Workload: llama3-8b-like on H100, prompt 512, output 256 tokens, up to
 256 requests running at once, all arriving at t=0. Goal: >= 20,000 requests/min with the
 race detector off; the detector may cost at most 3x.
 

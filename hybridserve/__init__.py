@@ -25,12 +25,11 @@ _EXPORTS = {
     "GenerationOutput": "hybridserve.engine.outputs",
     "CompletionOutput": "hybridserve.engine.outputs",
     "EngineConfig": "hybridserve.config",
-    "EngineArgs": "hybridserve.config",
 }
 __all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:
-    from hybridserve.config import EngineArgs, EngineConfig
+    from hybridserve.config import EngineConfig
     from hybridserve.core.request import StructuredOutput
     from hybridserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineRestartingError, RequestFailedError
     from hybridserve.engine.llm import LLM

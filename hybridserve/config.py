@@ -1,4 +1,4 @@
-"""EngineConfig: every engine argument in one validated object (also exported as EngineArgs).
+"""EngineConfig: every engine argument in one validated object.
 
 Checks happen in two stages, both at start:
 - `EngineConfig(...)` checks each value and the combinations that need no model
@@ -240,6 +240,3 @@ def _pool_too_small(config: EngineConfig, num_blocks: int, needed: int, per_bloc
     alt = f", or lower max_model_len to {lo}" if lo >= 2 and need(lo) <= num_blocks else ""
     return (f"{setting}: one max_model_len={max_model_len} request needs {needed} blocks by the admission "
             f"formula; {fix}{alt}")
-
-
-EngineArgs = EngineConfig

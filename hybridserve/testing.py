@@ -37,8 +37,8 @@ def make_scheduler(
     num_blocks: int = 10_000,
     kv_specs: Sequence[KVCacheSpec] | None = None,
     async_scheduling: bool = False,
-    max_num_batched_tokens: int = 8192,
-    max_num_seqs: int = 256,
+    max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
+    max_num_seqs: int = SchedulerConfig.max_num_seqs,
     max_model_len: int = 4096,
     enable_prefix_caching: bool = True,
     connector: KVConnectorBase | None = None,
@@ -58,23 +58,21 @@ def make_scheduler(
         **config_overrides,  # type: ignore[arg-type]
     )
     kv_config = make_kv_cache_config(num_blocks, kv_specs, block_size)
-    return Scheduler(config, kv_config, connector=connector, unsafe_optimistic_free=unsafe_optimistic_free)
+    # No executor here: the config's window_tail_allocation is taken as the decision.
+    return Scheduler(config, kv_config, connector=connector, unsafe_optimistic_free=unsafe_optimistic_free,
+                     window_tail=bool(config.window_tail_allocation))
 
 
 def make_requests(
     num_requests: int,
     num_tokens: int,
-    block_size: int = 16,
     max_tokens: int = 16,
     prefix: Sequence[int] = (),
     start_id: int = 0,
     eos_token_id: int | None = None,
     **sampling: object,
 ) -> list[Request]:
-    """Requests with distinct prompts of num_tokens tokens (after an optional shared prefix).
-
-    block_size is accepted for symmetry with make_scheduler; prompts do not depend on it.
-    """
+    """Requests with distinct prompts of num_tokens tokens (after an optional shared prefix)."""
     out = []
     for i in range(start_id, start_id + num_requests):
         body = [(i * 7919 + j) % 50_000 + 2 for j in range(num_tokens - len(prefix))]

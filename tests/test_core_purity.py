@@ -24,6 +24,6 @@ def test_core_never_imports_torch() -> None:
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     # The walk really covered the core (guards against an empty package list passing trivially).
-    for name in ("hybridserve.core.kv.manager", "hybridserve.core.kv.block_pool", "hybridserve.core.request"):
+    for name in ("hybridserve.core.kv.cache_manager", "hybridserve.core.kv.block_pool", "hybridserve.core.request"):
         assert name in result["modules"]
     assert result["torch"] == [], f"torch imported by hybridserve.core: {result['torch'][:5]}"

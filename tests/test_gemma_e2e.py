@@ -118,14 +118,18 @@ def hf_greedy(hf_model, prompts: list[list[int]]) -> list[list[int]]:
     return outs
 
 
-def test_greedy_streams_equal_hf(model_dir: Path, prompts: list[list[int]], hf_greedy: list[list[int]]) -> None:
-    """Async scheduling, chunked prefill across window and block boundaries, window-tail allocation."""
+@pytest.mark.parametrize("window_tail_allocation", [None, False], ids=["window-tail-default-on", "window-tail-off"])
+def test_greedy_streams_equal_hf(model_dir: Path, prompts: list[list[int]], hf_greedy: list[list[int]],
+                                 window_tail_allocation: bool | None) -> None:
+    """Async scheduling, chunked prefill across window and block boundaries, with window-tail
+    allocation as this runner defaults it (on) and forced off."""
     from hybridserve import LLM, SamplingParams
 
     llm = LLM(model=str(model_dir), max_num_batched_tokens=CHUNK_TOKENS, block_size=BLOCK_SIZE,
-              max_model_len=2048)
+              max_model_len=2048, window_tail_allocation=window_tail_allocation)
     assert llm.config.async_scheduling
-    assert llm.parts.engine.scheduler.kv.window_tail is not None  # on by default for this runner
+    tail = llm.parts.engine.scheduler.kv.window_tail
+    assert (tail is not None) if window_tail_allocation is None else (tail is None)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     outs = llm.generate([list(p) for p in prompts], params, use_tqdm=False)
     got = [list(o.outputs[0].token_ids) for o in outs]

@@ -12,7 +12,7 @@ from typing import Callable
 import pytest
 
 from hybridserve.core.errors import ConfigError
-from hybridserve.core.kv.manager import KVCacheManager
+from hybridserve.core.kv.cache_manager import KVCacheManager
 from hybridserve.core.kv.spec import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -112,24 +112,18 @@ def test_smallest_pool_serves_one_max_len_request(specs: list[KVCacheSpec], chun
     drive_to_max_len(kv, prompt_len=30, chunk=chunk, steps_in_flight=2, check=check)
 
 
-def test_misaligned_chunk_is_rejected_or_capped_correctly() -> None:
-    """A chunk that is not a multiple of the block size: refuse it, or cap it truly."""
-    try:
-        spec = cl(6, bs=4)
-    except ConfigError:
-        return
-    kv = make_kv([spec], num_blocks=200, max_in_flight=2)
-    cap = spec.max_admission_blocks_per_request(2, 64)  # cdiv(6 + 2, 4) = 2
-    peak = 0
-
-    def check(r: Request) -> None:
-        nonlocal peak
-        peak = max(peak, real_blocks(kv, r.request_id)[0])
-
-    # Processed 11, tokens 11-12 in flight: chunk [6, 12) starts inside block 1, so blocks
-    # 1-2 stay live and block 3 holds token 12: 3 blocks > cap 2.
-    drive_to_max_len(kv, prompt_len=30, chunk=1, steps_in_flight=2, check=check)
-    assert peak <= cap, f"held {peak} blocks, cap {cap}"
+def test_misaligned_chunk_is_rejected() -> None:
+    """A chunk that is not a multiple of the block size is refused: a chunk boundary
+    inside a block would leave that block live for two chunks, past the admission cap
+    (chunk 6, block 4: processed 11, tokens 11-12 in flight, chunk [6, 12) starts inside
+    block 1, so blocks 1-2 stay live and block 3 holds token 12: 3 blocks > cdiv(6+2, 4) = 2)."""
+    with pytest.raises(ConfigError, match="6"):
+        cl(6, bs=4)
+    with pytest.raises(ConfigError):
+        cl(2, bs=4)  # smaller than a block
+    with pytest.raises(ConfigError):
+        cl(0, bs=4)
+    assert cl(8, bs=4).attention_chunk_size == 8  # a multiple is accepted
 
 
 # -- the processed basis ------------------------------------------------------------

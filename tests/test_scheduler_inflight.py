@@ -1,4 +1,5 @@
-"""In-flight accounting and settled-basis freeing: the scenarios of the scheduler issue.
+"""In-flight accounting and settled-basis freeing: steps in flight while the next one is
+scheduled (async, pipeline parallel), drafts rolled back, aborts and preemptions fenced.
 
 Prompt 100 tokens, block 16. Window 16: tokens 0..84 are out of window once 100 are
 processed -> 5 blocks. Chunk 32: 96 settled tokens -> 6 blocks.
@@ -136,16 +137,16 @@ def test_connector_finished_prunes_on_settled_basis():
     sched, req = one(SW16, connector=conn)
     prefill = sched.schedule()
     sched.schedule()  # an over-scheduled decode, also in flight
-    sched._connector_finished(req)
+    sched.transfer.request_finished(req)
     assert nulls(sched) == 0
     assert 0 not in conn.tables[-1][0]
     sched.update_from_output(prefill, fake_runner_output(prefill))
-    sched._connector_finished(req)
+    sched.transfer.request_finished(req)
     assert nulls(sched) == 5
     assert conn.tables[-1][0][:5] == [0] * 5
 
 
-def _spec_rollback(spec, group_kind, enable_prefix_caching=True):
+def _spec_rollback(spec, enable_prefix_caching=True):
     """A decode step with 1 + 3 drafts, 2 rejected, under async scheduling."""
     sched = make_scheduler(kv_specs=[spec], async_scheduling=True, num_blocks=1000, num_speculative_tokens=3,
                            enable_prefix_caching=enable_prefix_caching)
@@ -169,7 +170,7 @@ def _spec_rollback(spec, group_kind, enable_prefix_caching=True):
 
 
 def test_spec_rejection_never_nulls_needed_blocks_sliding_window():
-    sched, table, req = _spec_rollback(SlidingWindowSpec(16, 1, 8, sliding_window=32), "sliding")
+    sched, table, req = _spec_rollback(SlidingWindowSpec(16, 1, 8, sliding_window=32))
     true_next = 61
     first_needed_block = (true_next - 32 + 1) // 16
     assert all(not b.is_null for b in table[first_needed_block:])
@@ -182,7 +183,7 @@ def test_spec_rejection_never_nulls_needed_blocks_sliding_window():
 
 def test_spec_rejection_never_nulls_mamba_state():
     spec = MambaSpec(16, shapes=((4, 8),), num_speculative_blocks=3)
-    sched, table, req = _spec_rollback(spec, "mamba", enable_prefix_caching=False)
+    sched, table, req = _spec_rollback(spec, enable_prefix_caching=False)
     assert len(table) == 4 and not any(b.is_null for b in table)
 
 
@@ -192,7 +193,7 @@ def test_spec_rejection_never_nulls_mamba_checkpoint_blocks():
     must find real, and so on for every processed count afterwards (the request also
     keeps the last whole block's checkpoint, block processed // 16 - 1)."""
     spec = MambaSpec(16, shapes=((4, 8),), num_speculative_blocks=3)
-    sched, table, req = _spec_rollback(spec, "mamba")
+    sched, table, req = _spec_rollback(spec)
     assert [b.is_null for b in table] == [True, True, False, False, False]  # 63 + lookahead 3 -> 5 blocks
     for _ in range(4):
         out = sched.schedule()  # prunes on the processed count
@@ -251,6 +252,8 @@ def test_preempt_with_two_steps_in_flight_fences_blocks_and_counts_outputs():
         for o in sched.update_from_output(out, fake_runner_output(out)):
             tokens[o.request_id] += o.new_token_ids
     assert all(len(r.output_token_ids) == 10 for r in reqs)
+    # Every output delivered once: the resumed victim's recomputation emits nothing twice.
+    assert tokens == {"0": [1000] * 10, "1": [1000] * 10}
     assert pool.num_free_blocks == 999
 
 
@@ -275,7 +278,12 @@ def test_stop_by_max_tokens_under_async_never_overgenerates():
 
 
 def test_kv_cache_block_is_slotted():
-    assert not hasattr(KVCacheBlock(1), "__dict__")
+    """Blocks are slotted (tens of thousands per pool): a misspelt field raises instead
+    of silently adding one."""
+    block = KVCacheBlock(1)
+    with pytest.raises(AttributeError):
+        block.refcnt = 2  # type: ignore[attr-defined]
+    assert block.ref_cnt == 0
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

@@ -1,4 +1,5 @@
-"""The scheduler's steady-decode short path agrees with allocate_slots at every use."""
+"""The scheduler's steady-decode fast path agrees with the general path (plan_running +
+allocate_slots) at every use, checked against hand-derived limits and step by step."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ import random
 
 import pytest
 
-from hybridserve.core.kv.manager import KVCacheManager
+from hybridserve.core.kv.cache_manager import KVCacheManager
 from hybridserve.core.kv.spec import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
+from hybridserve.core.sched.scheduler import Scheduler
 from tests.sim_helpers import make_request, reference_output, run_sim
 
 SPECS = {
@@ -17,16 +19,34 @@ SPECS = {
 }
 
 
-def exact_decode_slot(kv: KVCacheManager, request) -> tuple[int, ...] | None:  # type: ignore[no-untyped-def]
-    """append_decode_slot without its decode-end shortcut: the three limits, checked exactly."""
-    steady = kv._steady.get(request.request_id)
-    if steady is None:
-        return None
-    _, slot_end, free_basis, cache_end, nulls = steady
-    computed = request.num_computed_tokens
-    basis = max(0, computed - request.num_in_flight_tokens)
-    cacheable = min(request.num_tokens, computed + 1)
-    return nulls if computed + 1 <= slot_end and basis < free_basis and cacheable < cache_end else None
+def decode_needs_nothing(kv: KVCacheManager, request) -> bool:  # type: ignore[no-untyped-def]
+    """By hand, from the tables: a decode writing position c = num_computed_tokens needs no
+    new block (slot c is covered in every group), frees none (the processed count's skip
+    boundary stays within the null prefix) and fills none (min(known, c + 1) tokens stay
+    below the next uncached block's end)."""
+    rid, c = request.request_id, request.num_computed_tokens
+    basis = max(0, c - request.num_in_flight_tokens)
+    for m in kv.coordinator.managers:
+        bs = m.block_size
+        if c >= len(m.req_to_blocks[rid]) * bs:
+            return False
+        if isinstance(m.spec, SlidingWindowSpec):
+            skipped = max(0, basis - m.spec.sliding_window + 1)
+        elif isinstance(m.spec, ChunkedLocalAttentionSpec):
+            skipped = basis // m.spec.attention_chunk_size * m.spec.attention_chunk_size
+        else:
+            skipped = 0
+        if skipped // bs > m.num_null_blocks.get(rid, 0):
+            return False
+        if min(request.num_tokens, c + 1) >= (m.num_cached_blocks.get(rid, 0) + 1) * bs:
+            return False
+    return True
+
+
+def workload() -> list:
+    rng = random.Random(7)
+    return [(rng.randrange(0, 30), make_request(f"r{i}", [rng.randrange(1, 500) for _ in range(rng.randrange(1, 90))],
+                                                 rng.randrange(1, 70))) for i in range(24)]
 
 
 @pytest.mark.parametrize("layout", sorted(SPECS))
@@ -35,28 +55,23 @@ def exact_decode_slot(kv: KVCacheManager, request) -> tuple[int, ...] | None:  #
 def test_short_path_equals_allocate_slots(
     monkeypatch: pytest.MonkeyPatch, layout: str, window_tail: bool, async_scheduling: bool
 ) -> None:
-    taken = {"short": 0, "slow": 0, "near_limit": 0}
+    taken = {"short": 0, "slow": 0}
     short = KVCacheManager.append_decode_slot
 
     def checked(self: KVCacheManager, request):  # type: ignore[no-untyped-def]
         nulls = short(self, request)
-        assert nulls == exact_decode_slot(self, request)  # the decode-end shortcut changes nothing
-        steady = self._steady.get(request.request_id)
-        if steady is not None and request.num_computed_tokens >= steady[0]:
-            taken["near_limit"] += 1
         if nulls is None:
             taken["slow"] += 1
             return None
         taken["short"] += 1
+        assert decode_needs_nothing(self, request)
         # The fast path of allocate_slots changes nothing when it allocates nothing.
         assert self.allocate_slots(request, 1) is self.no_new_blocks
         assert nulls == self.get_num_null_blocks(request.request_id)
         return nulls
 
     monkeypatch.setattr(KVCacheManager, "append_decode_slot", checked)
-    rng = random.Random(7)
-    reqs = [(rng.randrange(0, 30), make_request(f"r{i}", [rng.randrange(1, 500) for _ in range(rng.randrange(1, 90))],
-                                                 rng.randrange(1, 70))) for i in range(24)]
+    reqs = workload()
     run = run_sim(SPECS[layout], reqs, num_blocks=120, max_num_batched_tokens=64, max_model_len=256,
                   window_tail_allocation=window_tail, async_scheduling=async_scheduling)
     assert run.violations == []
@@ -64,4 +79,32 @@ def test_short_path_equals_allocate_slots(
         assert run.outputs[r.request_id] == reference_output(r.prompt_token_ids, r.sampling_params.max_tokens, 256)
     assert run.num_free_blocks == run.num_blocks - 1  # nothing leaked
     assert taken["short"] > 5 * taken["slow"] > 0  # both paths ran, the short one mostly
-    assert taken["near_limit"] > 0  # the exact checks ran too
+
+
+@pytest.mark.parametrize("layout", sorted(SPECS))
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_steady_decode_fast_path_schedules_what_the_general_path_schedules(
+    monkeypatch: pytest.MonkeyPatch, layout: str, async_scheduling: bool
+) -> None:
+    """Every step, with and without the fast path: the same requests, token counts, new
+    block ids and null-block counts, and so the same outputs."""
+    schedule = Scheduler.schedule
+
+    def steps_of(fast: bool) -> list:
+        steps: list = []
+
+        def recorded(self: Scheduler):  # type: ignore[no-untyped-def]
+            out = schedule(self)
+            steps.append([(sr.request_id, sr.num_computed_tokens, sr.num_scheduled_tokens, sr.samples,
+                           tuple(map(tuple, sr.new_block_ids)), tuple(sr.num_null_blocks)) for sr in out.requests])
+            return out
+
+        monkeypatch.setattr(Scheduler, "schedule", recorded)
+        monkeypatch.setattr(Scheduler, "steady_decode_fast_path", fast)
+        run = run_sim(SPECS[layout], workload(), num_blocks=120, max_num_batched_tokens=64, max_model_len=256,
+                      async_scheduling=async_scheduling)
+        assert run.violations == []
+        return steps
+
+    fast, general = steps_of(True), steps_of(False)
+    assert len(fast) > 50 and fast == general

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from hybridserve.core.kv.single_type_managers import SlidingWindowManager
 from hybridserve.core.kv.spec import FullAttentionSpec, SlidingWindowSpec
-from hybridserve.executor.sim.shadow_kv import FREED, NULL_READ, OVERWRITTEN, RaceViolation
+from hybridserve.executor.sim.shadow_kv import FREED, NULL_READ, OVERWRITTEN, UNOWNED, RaceViolation
 from tests.sim_helpers import make_request, reference_output, run_sim
 
 FULL = FullAttentionSpec(16, 1, 8)
@@ -110,3 +111,42 @@ def test_same_tokens_in_every_mode_and_no_violation(mode):
     assert run.violations == []
     check_reference(run, reqs)
     assert run.num_free_blocks == run.num_blocks - 1
+
+
+def _free_one_block_early(monkeypatch):
+    """Inject a fault: each time pruning runs, it also frees the first block still in the
+    window (the one the rule frees a block's worth of tokens later) and keeps its table
+    entry as the executor sees it: the null mark does not move, so no delta tells the
+    executor, which goes on reading the block. The manager's own entry becomes a hole so
+    that the block is not freed twice."""
+    prune = SlidingWindowManager.remove_skipped_blocks
+    freed_early = []
+
+    def prune_one_block_early(self, request_id, processed_computed_tokens):
+        prune(self, request_id, processed_computed_tokens)
+        blocks = self.req_to_blocks.get(request_id)
+        i = self.num_null_blocks.get(request_id, 0)
+        next_boundary = self.get_num_skipped_tokens(processed_computed_tokens + self.block_size) // self.block_size
+        if blocks and i < len(blocks) and i < next_boundary and not blocks[i].is_null:
+            freed_early.append(blocks[i].block_id)
+            self.pool.free_blocks([blocks[i]])
+            blocks[i] = self.pool.null_block
+            self.num_real_blocks[request_id] -= 1
+
+    monkeypatch.setattr(SlidingWindowManager, "remove_skipped_blocks", prune_one_block_early)
+    return freed_early
+
+
+def test_read_of_a_block_freed_one_block_early_is_reported(monkeypatch):
+    """Sync mode, prefix caching on, a roomy pool: the early-freed block is never handed
+    out again, so its slots keep the right content and every output is still right; only
+    the ownership check sees that requests read blocks they no longer hold."""
+    freed_early = _free_one_block_early(monkeypatch)
+    reqs = long_prompts(n=2, length=300, max_tokens=40)
+    run = run_sim([FULL, SW], reqs, 4000, max_model_len=MML, max_num_batched_tokens=256,
+                  async_scheduling=False, enable_prefix_caching=True, strict=False)
+    assert freed_early
+    check_reference(run, reqs)  # the content alone looks right
+    kinds = {v.kind for v in run.violations}
+    assert kinds == {UNOWNED}
+    assert all(v.group == 1 and v.block in freed_early for v in run.violations)

@@ -11,7 +11,7 @@ from hybridserve.executor.sim.workload import WorkloadSpec, generate
 
 def held_by_set(scheduler) -> list[float]:  # type: ignore[no-untyped-def]
     """Distinct non-null blocks in each group's tables, by brute force."""
-    kv = scheduler.kv_cache_manager
+    kv = scheduler.kv
     usage = []
     for m in kv.coordinator.managers:
         held = {b for blocks in m.req_to_blocks.values() for b in blocks if not b.is_null}
@@ -33,7 +33,7 @@ def test_group_usage_equals_the_deduplicated_count(
     def checked(scheduler):  # type: ignore[no-untyped-def]
         usage = fast(scheduler)
         assert usage == held_by_set(scheduler)
-        shared[scheduler.kv_cache_manager.pool.num_shared_blocks > 0] += 1
+        shared[scheduler.kv.pool.num_shared_blocks > 0] += 1
         return usage
 
     monkeypatch.setattr(recorder, "group_usage", checked)

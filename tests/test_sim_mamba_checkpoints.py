@@ -126,7 +126,7 @@ def test_a_checkpoint_is_hit_only_once_the_step_writing_it_is_processed(specs, a
 
 def test_mamba_publishes_checkpoints_of_processed_tokens_only():
     from hybridserve.core.kv.block_pool import BlockPool
-    from hybridserve.core.kv.managers import make_manager
+    from hybridserve.core.kv.single_type_managers import make_manager
 
     m = make_manager(MambaSpec(4, shapes=((2,),), block_checkpoints=True), BlockPool(16), 0, enable_caching=True)
     req = make_request("r", list(range(20)), 4)

@@ -29,7 +29,7 @@ from hybridserve.engine.loop import EngineCore, build_engine  # noqa: E402
 from hybridserve.engine.outputs import SamplingParams as UserParams  # noqa: E402
 from hybridserve.entrypoints import bench  # noqa: E402
 from hybridserve.executor.torch.executor import TorchExecutor  # noqa: E402
-from hybridserve.executor.ngram import propose_ngram_drafts  # noqa: E402
+from tests.ngram_reference import propose_ngram_drafts  # noqa: E402
 from hybridserve.executor.torch.spec_decode import NgramDrafter, lookup, num_accepted  # noqa: E402
 from hybridserve.models.decoder import DecoderLM  # noqa: E402
 from hybridserve.models.loader import load_model  # noqa: E402

@@ -18,7 +18,7 @@ from hybridserve.core.sched.config import SchedulerConfig
 from hybridserve.core.request import Request
 from hybridserve.core.sched.output import RequestOutput, SchedulerOutput
 from hybridserve.core.sched.scheduler import Scheduler
-from hybridserve.engine.executor import Executor
+from hybridserve.executor.base import Executor
 
 
 logger = logging.getLogger("hybridserve")
@@ -36,14 +36,10 @@ def build_engine(
     unsafe_optimistic_free: bool = False,
 ) -> EngineCore:
     """Scheduler + executor, with window-tail allocation resolved from the executor."""
-    tail = config.window_tail_allocation
-    if tail is None:
-        tail = executor.computes_in_chunk_attention_from_batch
-    elif tail and not executor.computes_in_chunk_attention_from_batch:
-        raise ConfigError(
-            f"window_tail_allocation needs an executor that computes in-chunk attention from the batch; "
-            f"{type(executor).__name__} does not"
-        )
+    try:
+        tail = config.resolve_window_tail(executor.computes_in_chunk_attention_from_batch)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc}; {type(executor).__name__} does not") from None
     scheduler = Scheduler(config, kv_cache_config, connector, unsafe_optimistic_free, window_tail=tail)
     return EngineCore(scheduler, executor)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hybridserve.core.kv.block_pool import BlockPool, KVCacheBlock
-from hybridserve.core.kv.managers import FullAttentionManager, SingleTypeKVCacheManager, make_manager
+from hybridserve.core.kv.single_type_managers import FullAttentionManager, SingleTypeKVCacheManager, make_manager
 from hybridserve.core.kv.spec import KVCacheGroup, WindowTail
 from hybridserve.core.request import Request
 
@@ -47,14 +47,6 @@ class KVCacheCoordinator:
                     shrunk = True
             if not shrunk:
                 return hits, candidate
-
-    def get_num_blocks_to_allocate(
-        self, request_id: str, num_tokens: int, new_computed_blocks: BlocksPerGroup
-    ) -> int:
-        return sum(
-            m.get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks[i])
-            for i, m in enumerate(self.managers)
-        )
 
     def save_new_computed_blocks(self, request_id: str, new_computed_blocks: BlocksPerGroup) -> None:
         for i, m in enumerate(self.managers):

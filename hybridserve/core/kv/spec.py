@@ -290,8 +290,6 @@ def blocks_per_request(
     max_model_len: int,
     window_tail: WindowTail | None = None,
 ) -> int:
-    if window_tail is None:
-        return sum(g.spec.max_admission_blocks_per_request(max_in_flight_tokens, max_model_len) for g in groups)
     return sum(
         g.spec.max_admission_blocks_per_request(max_in_flight_tokens, max_model_len, window_tail) for g in groups
     )

@@ -26,8 +26,8 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     # Admit a waiting request only if its whole sequence (prompt + max_tokens) fits now.
     full_sequence_must_fit: bool = False
-    # Sliding-window groups hold only the window and each chunk's tail. None: on when
-    # the executor computes in-chunk attention from the batch (resolved by the builder).
+    # Sliding-window groups hold only the window and each chunk's tail. None: the
+    # executor decides (see resolve_window_tail); True/False force it.
     window_tail_allocation: bool | None = None
 
     def __post_init__(self) -> None:
@@ -55,6 +55,19 @@ class SchedulerConfig:
         if self.pipeline_parallel_size > 1:
             return self.pipeline_parallel_size
         return 2 if self.async_scheduling else 1
+
+    def resolve_window_tail(self, executor_computes_in_chunk_attention_from_batch: bool) -> bool:
+        """Whether window-tail allocation is on for an executor: None follows what the
+        executor declares; forcing it on needs an executor that computes in-chunk
+        attention from the batch (the null blocks it hands out are never read)."""
+        tail = self.window_tail_allocation
+        if tail is None:
+            return executor_computes_in_chunk_attention_from_batch
+        if tail and not executor_computes_in_chunk_attention_from_batch:
+            raise ConfigError(
+                "window_tail_allocation needs an executor that computes in-chunk attention from the batch"
+            )
+        return tail
 
     @property
     def window_tail(self) -> WindowTail:

@@ -1,23 +1,41 @@
 """The scheduler's side of KV transfer: async loads, failed loads, stores at finish.
 
-A mixin of Scheduler (kept apart to keep the scheduling loop readable). It reads and
-writes the scheduler's state: `kv`, `waiting`, `connector`, `stats`, `finished_recving`,
-`awaiting_store`, `aborted_loading`.
+`KVTransferState` owns what the scheduler must remember about a connector's jobs:
+which loads have reported done, which finished requests keep their blocks until a
+store reports, and which aborted requests keep theirs until their load reports. It
+works on the KV cache manager, the connector and the stats it is given, and on the
+waiting queue passed to `update`; it never reads the scheduler.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Iterable
 
-from hybridserve.core.kv.managers import FullAttentionManager
+from hybridserve.core.connector.base import KVConnectorBase
+from hybridserve.core.kv.cache_manager import KVCacheManager
+from hybridserve.core.kv.single_type_managers import FullAttentionManager
 from hybridserve.core.request import Request, RequestStatus
-
-if TYPE_CHECKING:
-    from hybridserve.core.sched.scheduler import Scheduler
+from hybridserve.core.sched.stats import SchedulerStats
 
 
-class KVTransferMixin:
-    def _finish_remote_load(self: Scheduler, req: Request) -> None:
+class KVTransferState:
+    def __init__(self, kv: KVCacheManager, connector: KVConnectorBase, stats: SchedulerStats) -> None:
+        self.kv = kv
+        self.connector = connector
+        self.stats = stats
+        self.finished_recving: set[str] = set()  # loads reported done, request not yet resumed
+        self.awaiting_store: dict[str, Request] = {}  # finished; blocks freed once the store reports
+        self.aborted_loading: dict[str, Request] = {}  # aborted; blocks freed once the load reports
+
+    def has_pending(self) -> bool:
+        """Finished requests whose blocks still wait on a store or a load."""
+        return bool(self.awaiting_store or self.aborted_loading)
+
+    def load_done(self, request_id: str) -> bool:
+        return request_id in self.finished_recving
+
+    def finish_remote_load(self, req: Request) -> None:
+        """A request whose load reported done becomes WAITING with the loaded tokens computed."""
         self.finished_recving.discard(req.request_id)
         req.num_computed_tokens += req.num_external_computed_tokens
         req.num_external_computed_tokens = 0
@@ -29,8 +47,28 @@ class KVTransferMixin:
         self.kv.remove_skipped_blocks(req.request_id, req.num_processed_tokens)
         self.kv.cache_blocks(req, req.num_computed_tokens)
 
-    def _update_connector(self: Scheduler, kco: Any) -> None:
-        assert self.connector is not None
+    def abort(self, req: Request) -> bool:
+        """Note an abort. True: a load still writes into its blocks, which are then freed
+        when the load reports (the caller must not free them now)."""
+        rid = req.request_id
+        if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and rid not in self.finished_recving:
+            self.aborted_loading[rid] = req
+            return True
+        self.finished_recving.discard(rid)
+        return False
+
+    def request_finished(self, req: Request) -> bool:
+        """Hand the connector the request's table pruned on the processed basis (never the
+        optimistic one). True: a store reads the blocks; they are freed when it reports."""
+        basis = req.num_computed_tokens if self.kv.unsafe_optimistic_free else req.num_processed_tokens
+        self.kv.remove_skipped_blocks(req.request_id, basis)
+        delay, _ = self.connector.request_finished(req, self.kv.get_block_ids(req.request_id))
+        if delay:
+            self.awaiting_store[req.request_id] = req
+        return delay
+
+    def update(self, kco: Any, waiting: Iterable[Request]) -> None:
+        """A step's connector report: done loads and stores, and failed load blocks."""
         self.connector.update_connector_output(kco)
         self.finished_recving |= kco.finished_recving
         for rid in kco.finished_recving & self.aborted_loading.keys():
@@ -41,9 +79,9 @@ class KVTransferMixin:
             if req is not None:
                 self.kv.free(req, fence_step=req.last_scheduled_step)
         if kco.invalid_block_ids:
-            self._handle_failed_loads(kco.invalid_block_ids)
+            self._handle_failed_loads(kco.invalid_block_ids, waiting)
 
-    def _handle_failed_loads(self: Scheduler, invalid: set[int]) -> None:
+    def _handle_failed_loads(self, invalid: set[int], waiting: Iterable[Request]) -> None:
         """Rewind requests whose loaded blocks failed to the last prefix every group can serve.
 
         Full attention can resume at the first failed block. A windowed group holds real
@@ -53,7 +91,7 @@ class KVTransferMixin:
         """
         bs = self.kv.block_size
         windowed = any(not isinstance(m, FullAttentionManager) for m in self.kv.coordinator.managers)
-        for req in list(self.waiting):
+        for req in list(waiting):
             if req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
                 continue
             loaded_end = req.num_computed_tokens + req.num_external_computed_tokens
@@ -74,10 +112,3 @@ class KVTransferMixin:
                 continue
             req.num_external_computed_tokens = max(0, valid - req.num_computed_tokens)
             req.num_computed_tokens = min(req.num_computed_tokens, valid)
-
-    def _connector_finished(self: Scheduler, req: Request) -> tuple[bool, Any]:
-        """Hand the connector the table pruned on the processed basis, never the optimistic one."""
-        basis = req.num_computed_tokens if self.kv.unsafe_optimistic_free else req.num_processed_tokens
-        self.kv.remove_skipped_blocks(req.request_id, basis)
-        assert self.connector is not None
-        return self.connector.request_finished(req, self.kv.get_block_ids(req.request_id))

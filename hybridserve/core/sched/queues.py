@@ -74,5 +74,8 @@ class PriorityQueue:
         return iter(self._reqs)
 
 
-def make_queue(policy: str) -> FCFSQueue | PriorityQueue:
+WaitingQueue = FCFSQueue | PriorityQueue
+
+
+def make_queue(policy: str) -> WaitingQueue:
     return PriorityQueue() if policy == "priority" else FCFSQueue()

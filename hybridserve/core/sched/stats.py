@@ -1,10 +1,8 @@
-"""Scheduler statistics and the stop check."""
+"""Scheduler statistics."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-from hybridserve.core.request import Request, RequestStatus
 
 
 @dataclass
@@ -42,18 +40,3 @@ class SchedulerStats:
     def mean_accepted_length(self) -> float:
         """Tokens produced per verification step (accepted drafts + the bonus token)."""
         return 1 + self.num_accepted_tokens / self.num_spec_steps if self.num_spec_steps else 0.0
-
-
-def check_stop(req: Request, token: int, max_model_len: int) -> RequestStatus | None:
-    """Status the request finishes with after appending `token`, or None to go on."""
-    sp = req.sampling_params
-    num_outputs = len(req.output_token_ids)
-    if num_outputs >= sp.min_tokens:
-        if sp.stop_token_ids and token in sp.stop_token_ids:
-            req.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
-        if token == req.eos_token_id and not sp.ignore_eos:
-            return RequestStatus.FINISHED_STOPPED
-    if num_outputs >= sp.max_tokens or len(req.prompt_token_ids) + num_outputs >= max_model_len:
-        return RequestStatus.FINISHED_LENGTH_CAPPED
-    return None

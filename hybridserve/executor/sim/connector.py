@@ -31,7 +31,7 @@ class _Job:
     # loads: the host content to write, taken when the load was planned (LRU may evict later)
     contents: list[list[int] | None] = field(default_factory=list)
     done_step: int = 0
-    versions: list[int] = field(default_factory=list)
+    stamps: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -145,7 +145,7 @@ class SimOffloadConnector(KVConnectorBase):
             for job in meta.loads + meta.stores:
                 job.done_step = step + self.rng.randint(0, self.max_delay)
                 if shadow is not None:
-                    job.versions = [shadow.version[bid] for _, _, bid, _ in job.blocks]
+                    job.stamps = [shadow.stamp[bid] for _, _, bid, _ in job.blocks]
             self._running += [("load", j) for j in meta.loads] + [("store", j) for j in meta.stores]
         out = KVConnectorOutput()
         still = []
@@ -174,10 +174,10 @@ class SimOffloadConnector(KVConnectorBase):
 
     def _finish_store(self, job: _Job, shadow: Any, step: int, out: KVConnectorOutput) -> None:
         out.finished_sending.add(job.request_id)
-        for (h, g, bid, b), ver in zip(job.blocks, job.versions or [None] * len(job.blocks)):
+        for (h, g, bid, b), stamp in zip(job.blocks, job.stamps or [None] * len(job.blocks)):
             content = None
             if shadow is not None:
-                if ver is not None and shadow.version[bid] != ver:
+                if stamp is not None and shadow.stamp[bid] != stamp:  # any write since the store began
                     shadow.report(Violation("overwritten-while-read", step, job.request_id, g, bid, b * self.block_size))
                     continue
                 content = list(shadow.slots[bid] or [])

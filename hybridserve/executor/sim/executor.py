@@ -18,8 +18,10 @@ from hybridserve.core.errors import HybridServeError
 from hybridserve.core.kv.block_pool import BlockPool
 from hybridserve.core.kv.spec import ChunkedLocalAttentionSpec, KVCacheConfig, MambaSpec, SlidingWindowSpec
 from hybridserve.core.sched.output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from hybridserve.engine.executor import Executor
-from hybridserve.executor.sim.shadow_kv import NULL, NULL_READ, UNALLOCATED, WRONG, ShadowKV, StepTouches, Violation
+from hybridserve.executor.base import Executor
+from hybridserve.executor.sim.shadow_kv import (
+    NULL, NULL_READ, UNALLOCATED, UNOWNED, WRONG, ShadowKV, StepTouches, Violation,
+)
 
 ROOT_FP = 0x51A1
 _NO_FPS: list[int] = []  # segments that only write never compare content
@@ -90,10 +92,6 @@ class SimExecutor(Executor):
     @property
     def violations(self) -> list[Violation]:
         return self.shadow.violations if self.shadow else []
-
-    def token_after(self, fp: int) -> int:
-        """The token sampled after a prefix with fingerprint fp (inlined in `execute`)."""
-        return fp % self.vocab_size
 
     # -- Executor interface -------------------------------------------------------
     def initialize(self, kv_cache_config: KVCacheConfig) -> None:
@@ -273,7 +271,7 @@ class SimExecutor(Executor):
         end = s + len(writes)  # exclusive
         nums, ctx = touches.nums, touches.ctx
         seg_ctx = (rid, fps)
-        slots_of, writer = shadow.slots, shadow.writer
+        slots_of, writer, filled = shadow.slots, shadow.writer, shadow.filled
         w_first, w_last = s // bs, (end - 1) // bs
         for g, kind, size in self._groups:
             table = st.tables[g]
@@ -308,6 +306,11 @@ class SimExecutor(Executor):
                         slots = slots_of[bid] = [0] * bs
                     base = w_first * bs
                     slots[s - base : end - base] = writes
+                    f = filled[bid]  # ShadowKV.wrote, inlined: a decode appends (no stamp move)
+                    if s - base < f:
+                        shadow.stamp[bid] += 1
+                    if end - base > f:
+                        filled[bid] = end - base
                     if writer[bid] != rid:
                         writer[bid] = rid
                         shadow.version[bid] += 1
@@ -326,6 +329,7 @@ class SimExecutor(Executor):
                 if slots is None:
                     slots = slots_of[bid] = [0] * bs
                 slots[a - base : z - base] = writes[a - s : z - s]
+                shadow.wrote(bid, a - base, z - base)
                 if writer[bid] != rid:
                     writer[bid] = rid
                     shadow.version[bid] += 1
@@ -346,7 +350,7 @@ class SimExecutor(Executor):
             return
         bid = table[0]
         if read_fp is not None:
-            self._check_state_read(touches, g, bid, s, read_fp, rid)
+            self._check_state_read(touches, g, row, 0, bid, s, read_fp, rid)
         touches.state_writes.append((bid, state_fp, rid))
         touches.add(g, row, 0, 1, s, -1, rid, _NO_FPS)
 
@@ -366,7 +370,7 @@ class SimExecutor(Executor):
             touches.mark(Violation(UNALLOCATED, touches.step, rid, g, -1, max(s, len(table) * bs)))
             return
         if read_fp is not None:
-            self._check_state_read(touches, g, table[first], s, read_fp, rid)
+            self._check_state_read(touches, g, row, first, table[first], s, read_fp, rid)
         state_writes = touches.state_writes
         state_writes.append((table[last], writes[-1], rid))
         valid_end = s + num_valid
@@ -375,14 +379,20 @@ class SimExecutor(Executor):
         state_writes.append((table[(valid_end - 1) // bs], writes[num_valid - 1], rid))
         touches.add(g, row, first, last - first + 1, s, -1, rid, _NO_FPS)
 
-    def _check_state_read(self, touches: StepTouches, g: int, bid: int, s: int, read_fp: int, rid: str) -> None:
-        """A step starting at s reads the state after s tokens from block bid: it must
-        hold read_fp (checked before any state write of the step; see execute)."""
+    def _check_state_read(
+        self, touches: StepTouches, g: int, row: int, index: int, bid: int, s: int, read_fp: int, rid: str
+    ) -> None:
+        """A step starting at s reads the state after s tokens from block bid (entry
+        index of the row's table): the request must still own it and it must hold
+        read_fp (checked before any state write of the step; see execute)."""
         if bid == NULL:
             touches.mark(Violation(NULL_READ, touches.step, rid, g, bid, s - 1))
             return
         shadow = self.shadow
         assert shadow is not None
+        if not shadow.owns(g, row, index, bid):
+            touches.mark(Violation(UNOWNED, touches.step, rid, g, bid, s - 1))
+            return
         slots = shadow.slots[bid]
         if slots is None or slots[0] != read_fp:
             touches.mark(Violation(WRONG, touches.step, rid, g, bid, s - 1))

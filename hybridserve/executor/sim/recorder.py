@@ -50,7 +50,7 @@ def group_usage(scheduler: Scheduler) -> list[float]:
     which cost ~10% of a run without prefix hits); otherwise the set is built by
     C-level `set.update` per table.
     """
-    kv = scheduler.kv_cache_manager
+    kv = scheduler.kv
     total = kv.pool.num_blocks - 1
     if not kv.pool.num_shared_blocks:
         return [sum(m.num_real_blocks.values()) / total for m in kv.coordinator.managers]
@@ -127,7 +127,7 @@ class RunRecorder:
         usage = group_usage(scheduler)
         for g, u in enumerate(usage):
             self.series.kv_usage[g].append(u)
-        return round(sum(usage) * (scheduler.kv_cache_manager.pool.num_blocks - 1))
+        return round(sum(usage) * (scheduler.kv.pool.num_blocks - 1))
 
     def report(
         self, config: dict[str, Any], label: str, kv_config: KVCacheConfig, scheduler: Scheduler,
@@ -172,7 +172,7 @@ class RunRecorder:
             kv_peak_usage=[max(u, default=0.0) for u in s.kv_usage],
             kv_mean_usage=[time_weighted_mean(s.kv_time, u) for u in s.kv_usage],
             pool_peak_usage=max((sum(col) for col in zip(*s.kv_usage)), default=0.0),
-            prefix_cache_hit_rate=scheduler.kv_cache_manager.prefix_cache_stats.hit_rate,
+            prefix_cache_hit_rate=scheduler.kv.prefix_cache_stats.hit_rate,
             spec_acceptance_rate=stats.acceptance_rate,
             violations=len(violations),
             violation_examples=[str(v) for v in violations[:20]],

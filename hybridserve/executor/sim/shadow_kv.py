@@ -1,8 +1,10 @@
 """Shadow KV: a race detector that mirrors what every KV slot holds.
 
 Each physical block keeps a list of slot fingerprints (the fingerprint of the prefix that
-produced the slot), the id of its last writer, and a write version bumped whenever a
-different writer (another request, a connector load) writes it. A step:
+produced the slot), the id of its last writer, a write stamp bumped by every rewrite
+(a write reaching a slot written before), a writer version bumped whenever a different writer (another request, a connector load)
+writes it, and a free generation bumped whenever its reference count drops to 0. Each
+table entry remembers the block's free generation when the request got it. A step:
 
     dispatch:   write its slots, then check every slot it reads from the cache holds the
                 expected fingerprint (attention reads are checked once the whole batch
@@ -11,24 +13,36 @@ different writer (another request, a connector load) writes it. A step:
                 written, as a Mamba layer reads every request's state before it writes
                 any); record (block, version) for each block touched
     in flight:  a free of a touched block            -> freed-while-in-flight
-    completion: a touched block's version has moved  -> overwritten-while-read
+    completion: a writer other than the step's request wrote a touched block since
+                dispatch                             -> overwritten-while-read
 
-Reads of block id 0 (the null block) are read-of-null-slot; wrong fingerprints are
-wrong-content.
+A touch of a block freed since the request's table got it (its free generation moved:
+the reference count reached 0, whether or not the block was handed out again) is
+unowned-block, checked before content: a freed block keeps its slots until reused, so
+its content alone would look right. Reads of block id 0 (the null block) are
+read-of-null-slot; wrong fingerprints are wrong-content.
 
 Cost grows with blocks touched, never with tokens, and the per-block work is numpy:
 a step's touches are a list of segments (a contiguous range of one request's block table
 in one group), expanded once per step into flat arrays. Each (group, table row, block
-index) remembers the block id, block version and highest position it was last verified
-at; a read whose block id and version still match and whose extent is covered skips the
-content compare (one vectorized test per step). The rest, typically each request's
+index) remembers the block id, write stamp and highest position it was last verified
+at; a read whose block id and stamp still match and whose extent is covered skips the
+content compare (one vectorized test per step). The stamp moves on every rewrite, the
+request's own included, so a verified slot rewritten by anyone is compared again; a
+write only past every slot written so far (the usual append) cannot touch a verified
+slot and leaves it (a Python-list compare, not a numpy update, per write). The rest, typically each request's
 newest block, whose extent grew, is compared in full (one C-level list compare per
 block, so any slot changed since, even by the request itself, is caught). In-flight
 references are counted per block with np.add.at / np.subtract.at; a free checks one
 counter.
 
-Invariants: version[b] changes exactly when a writer other than writer[b] writes b;
-in_flight_refs[b] is the number of (dispatched, not completed) step touches of b;
+Invariants: stamp[b] changes on every write of b that starts below filled[b] (one past
+the highest slot of b ever written), so a verified slot (always below filled[b]) is
+never rewritten with the stamp unchanged, and whenever b is freed, so a read cleared as
+verified is of a block its request still owns; version[b] changes exactly when a
+writer other than writer[b] writes b (so a version moved by one with writer[b] == r
+means only r wrote since); free_gen[b] changes exactly when b's reference count drops
+to 0; in_flight_refs[b] is the number of (dispatched, not completed) step touches of b;
 verified state of a table row is reset whenever the row is handed to a new request.
 """
 
@@ -48,6 +62,7 @@ OVERWRITTEN = "overwritten-while-read"
 NULL_READ = "read-of-null-slot"
 WRONG = "wrong-content"
 UNALLOCATED = "unallocated-slot"
+UNOWNED = "unowned-block"
 
 
 @dataclass(frozen=True)
@@ -122,28 +137,34 @@ _EMPTY = np.zeros(0, dtype=np.int64)
 
 
 class ShadowKV:
-    """Slot contents, writers and versions of every block, block tables of live requests
-    (one row each), what each row last verified, and the steps in flight."""
+    """Slot contents, writers, stamps and versions of every block, block tables of live
+    requests (one row each), what each row last verified, and the steps in flight."""
 
     def __init__(self, num_blocks: int, block_size: int, num_groups: int = 1, strict: bool = True) -> None:
         self.block_size = block_size
         self.strict = strict
         self.slots: list[list[int] | None] = [None] * num_blocks
+        self.stamp = np.zeros(num_blocks, dtype=np.int64)
+        self.filled: list[int] = [0] * num_blocks  # one past the highest slot ever written
         self.version = np.zeros(num_blocks, dtype=np.int64)
         self.writer: list[str | None] = [None] * num_blocks
+        self.free_gen = np.zeros(num_blocks, dtype=np.int64)
         self.in_flight_refs = np.zeros(num_blocks, dtype=np.int64)
         self.in_flight: deque[StepTouches] = deque()
         self.violations: list[Violation] = []
-        # Steps with at most this many touches are checked entry by entry: cheaper than
-        # numpy's fixed cost per call (tests and small workloads are made of such steps).
+        # Steps with at most this many touches are checked entry by entry
+        # (`_begin_entrywise`): cheaper than numpy's fixed cost per call (tests and small
+        # workloads are made of such steps). Both paths report the same violations.
         self.small_step_entries = 48
-        # Per (group, row, block index): block id, version and highest position verified.
+        # Per (group, row, block index): block id, the block's free generation when the
+        # row got it, and the block id, stamp and highest position last verified.
         self.num_groups = num_groups
         self._free_rows: list[int] = []
         self._num_rows = 0
         self.table = np.zeros((num_groups, 0, 0), dtype=np.int64)
+        self.tgen = np.zeros_like(self.table)
         self.vbid = np.zeros_like(self.table)
-        self.vver = np.zeros_like(self.table)
+        self.vstamp = np.zeros_like(self.table)
         self.vpos = np.zeros_like(self.table)
         self._iota = np.arange(1024, dtype=np.int64)
         self._resize(16, 32)
@@ -156,14 +177,15 @@ class ShadowKV:
     # -- block tables, one row per live request ----------------------------------------
     def _resize(self, rows: int, cols: int) -> None:
         g, r, c = self.table.shape
-        new = [np.zeros((g, rows, cols), dtype=np.int64) for _ in range(4)]
-        new[1].fill(-1)  # verified block id -1: never verified
-        for arr, old in zip(new, (self.table, self.vbid, self.vver, self.vpos)):
+        new = [np.zeros((g, rows, cols), dtype=np.int64) for _ in range(5)]
+        new[2].fill(-1)  # verified block id -1: never verified
+        for arr, old in zip(new, (self.table, self.tgen, self.vbid, self.vstamp, self.vpos)):
             arr[:, :r, :c] = old
-        self.table, self.vbid, self.vver, self.vpos = new
+        self.table, self.tgen, self.vbid, self.vstamp, self.vpos = new
         # Flat views (the arrays are C-contiguous), for gathers by flat index.
-        self._table_flat, self._vbid_flat = self.table.reshape(-1), self.vbid.reshape(-1)
-        self._vver_flat, self._vpos_flat = self.vver.reshape(-1), self.vpos.reshape(-1)
+        self._table_flat, self._tgen_flat = self.table.reshape(-1), self.tgen.reshape(-1)
+        self._vbid_flat, self._vstamp_flat = self.vbid.reshape(-1), self.vstamp.reshape(-1)
+        self._vpos_flat = self.vpos.reshape(-1)
 
     def alloc_row(self) -> int:
         if not self._free_rows:
@@ -180,6 +202,7 @@ class ShadowKV:
         self._free_rows.append(row)
 
     def set_blocks(self, group: int, row: int, start: int, block_ids: list[int]) -> None:
+        """The row's table gets block_ids at start..: the request owns them from now on."""
         end = start + len(block_ids)
         cols = self.table.shape[2]
         if end > cols:
@@ -187,9 +210,15 @@ class ShadowKV:
                 cols *= 2
             self._resize(self.table.shape[1], cols)
         self.table[group, row, start:end] = block_ids
+        self.tgen[group, row, start:end] = self.free_gen[block_ids]
 
     def set_null(self, group: int, row: int, start: int, end: int) -> None:
         self.table[group, row, start:end] = NULL
+        self.tgen[group, row, start:end] = 0  # the null block is never freed
+
+    def owns(self, group: int, row: int, index: int, bid: int) -> bool:
+        """Was block bid, at this table entry, not freed since the row got it?"""
+        return bool(self.tgen[group, row, index] == self.free_gen[bid])
 
     # -- writes ----------------------------------------------------------------
     def write(self, bid: int, offset: int, fps: list[int], writer: str) -> None:
@@ -200,30 +229,46 @@ class ShadowKV:
         if slots is None:
             slots = self.slots[bid] = [0] * self.block_size
         slots[offset : offset + len(fps)] = fps
+        self.wrote(bid, offset, offset + len(fps))
         if self.writer[bid] != writer:
             self.writer[bid] = writer
             self.version[bid] += 1
+
+    def wrote(self, bid: int, a: int, z: int) -> None:
+        """Slots a..z-1 of block bid were written: a rewrite moves the stamp."""
+        filled = self.filled
+        f = filled[bid]
+        if a < f:
+            self.stamp[bid] += 1
+        if z > f:
+            filled[bid] = z
 
     def write_state(self, bid: int, fp: int, writer: str) -> None:
         self.write(bid, 0, [fp], writer)
 
     # -- a dispatched step ------------------------------------------------------------
     def begin(self, st: StepTouches) -> StepTouches:
-        """Check the step's cache reads, then record its touches as in flight.
+        """Check the step's touches and cache reads, then record its touches as in flight.
 
-        Called once the whole step has written its slots. One vectorized test clears
-        every read whose (block id, version) matches what this table row last verified
-        and whose extent is covered; the rest are content-checked in `_check_reads`.
+        Called once the whole step has written its slots. Every touch must be of a block
+        the request still owns; a read whose (block id, stamp) matches what this table
+        row last verified and whose extent is covered skips the content compare.
         """
-        bs = self.block_size
         if not st.nums:
             for _, v in st.markers:
                 self.report(v)
             self.in_flight.append(st)
             return st
+        if sum(st.nums[3::6]) <= self.small_step_entries:
+            return self._begin_entrywise(st)
+        return self._begin_vectorized(st)
+
+    def _begin_vectorized(self, st: StepTouches) -> StepTouches:
+        """The general check: one vectorized test clears every write to an owned block
+        and every read verified since the last write or free of its block; the rest go
+        to `_check_reads`."""
+        bs = self.block_size
         total = sum(st.nums[3::6])
-        if total <= self.small_step_entries:
-            return self._begin_small(st)
         # numpy methods and operators only: on steps of a few requests the Python-level
         # wrappers (np.repeat, np.flatnonzero, ...) would cost more than the work.
         nums = np.array(st.nums, dtype=np.int64).reshape(-1, 6)
@@ -236,10 +281,15 @@ class ShadowKV:
         bids = self._table_flat[flat]
         seg_hi = hi.repeat(count)
         z = np.minimum(seg_hi, index * bs + (bs - 1))
-        # vbid never holds the null block (a null read is never verified).
-        ok = (self._vbid_flat[flat] == bids) & (self._vver_flat[flat] == self.version[bids])
+        # vbid never holds the null block (a null read is never verified). A read still
+        # verified is owned: verification checks ownership, and a free moves the stamp.
+        ok = (self._vbid_flat[flat] == bids) & (self._vstamp_flat[flat] == self.stamp[bids])
         ok &= self._vpos_flat[flat] >= z
-        ok |= seg_hi < 0
+        is_write = seg_hi < 0
+        ok |= is_write
+        w = is_write.nonzero()[0]  # writes: only ownership to check
+        if len(w):
+            ok[w] = self._tgen_flat[flat[w]] == self.free_gen[bids[w]]
         todo = (~ok).nonzero()[0]
         st.lo, st.group = lo.tolist(), group.tolist()
         if len(todo) or st.markers:
@@ -250,14 +300,15 @@ class ShadowKV:
         self.in_flight.append(st)
         return st
 
-    def _begin_small(self, st: StepTouches) -> StepTouches:
-        """`begin` for a step of few touches, entry by entry: same checks, same order.
+    def _begin_entrywise(self, st: StepTouches) -> StepTouches:
+        """The fast path for a step of few touches, entry by entry: the same checks as
+        `_begin_vectorized`, reported in the same order.
 
         Only one entry per (group, row, block index) per step, so updating the verified
         state as we go cannot change a later entry's outcome.
         """
-        bs, nums, ctx, version, slots_of = self.block_size, st.nums, st.ctx, self.version, self.slots
-        table, vbid, vver, vpos = self.table, self.vbid, self.vver, self.vpos
+        bs, nums, ctx, stamp, free_gen, slots_of = self.block_size, st.nums, st.ctx, self.stamp, self.free_gen, self.slots
+        table, tgen, vbid, vstamp, vpos = self.table, self.tgen, self.vbid, self.vstamp, self.vpos
         markers, mi = st.markers, 0
         bids: list[int] = []
         seg: list[int] = []
@@ -271,20 +322,28 @@ class ShadowKV:
                 continue
             stop = first + count
             ids = table[g, row, first:stop].tolist()
+            owned = (tgen[g, row, first:stop] == free_gen[ids]).tolist()
             if hi >= 0:
-                known = zip(vbid[g, row, first:stop].tolist(), vver[g, row, first:stop].tolist(),
+                known = zip(vbid[g, row, first:stop].tolist(), vstamp[g, row, first:stop].tolist(),
                             vpos[g, row, first:stop].tolist())
-                for b, bid, (kb, kv, kp) in zip(range(first, stop), ids, known):
+                for b, bid, own, (kb, ks, kp) in zip(range(first, stop), ids, owned, known):
                     base = b * bs
-                    z = hi if hi < base + bs - 1 else base + bs - 1
-                    if kb == bid and kv == version[bid] and kp >= z:
-                        continue
                     a = lo if lo > base else base
+                    if not own:
+                        self.report(Violation(UNOWNED, st.step, ctx[i][0], g, bid, a))
+                        continue
+                    z = hi if hi < base + bs - 1 else base + bs - 1
+                    if kb == bid and ks == stamp[bid] and kp >= z:
+                        continue
                     slots = slots_of[bid]  # the null block is never written: None
                     if slots is not None and slots[a - base : z + 1 - base] == ctx[i][1][a : z + 1]:
-                        vbid[g, row, b], vver[g, row, b], vpos[g, row, b] = bid, version[bid], z
+                        vbid[g, row, b], vstamp[g, row, b], vpos[g, row, b] = bid, stamp[bid], z
                     else:
                         self.report(Violation(NULL_READ if bid == NULL else WRONG, st.step, ctx[i][0], g, bid, a))
+            elif not all(owned):
+                for b, bid, own in zip(range(first, stop), ids, owned):
+                    if not own:
+                        self.report(Violation(UNOWNED, st.step, ctx[i][0], g, bid, max(lo, b * bs)))
             bids += ids
             seg += [i] * count
             index += range(first, stop)
@@ -292,7 +351,7 @@ class ShadowKV:
             self.report(v)
         st.lo, st.group = nums[4::6], nums[0::6]
         st.bids = np.array(bids, dtype=np.int64)
-        st.vers, st.seg, st.index = version[st.bids], seg, index
+        st.vers, st.seg, st.index = self.version[st.bids], seg, index
         np.add.at(self.in_flight_refs, st.bids, 1)
         self.in_flight.append(st)
         return st
@@ -305,37 +364,39 @@ class ShadowKV:
 
     def _check_reads(self, st: StepTouches, markers: list[tuple[int, Violation]], todo: Any, seg: Any, index: Any,
                      bids: Any, z: Any, flat: Any, seg_lo: Any) -> None:
-        """Content-check the reads the version test could not clear; report in touch order.
+        """Check the touches the vectorized test could not clear; report in touch order.
 
-        A read of slots a..z of block bid must find the fingerprints of positions a..z,
-        all of them (one C-level list compare), as a fresh read would. Passing reads
-        record (block id, version, z) as verified.
+        A touch of a block freed since the row got it is unowned (a write lands here only
+        for that reason). A read of slots a..z of an owned block bid must find the
+        fingerprints of positions a..z, all of them (one C-level list compare), as a
+        fresh read would. Passing reads record (block id, stamp, z) as verified.
         """
         bs, ctx, slots_of = self.block_size, st.ctx, self.slots
         base = index * bs
         first = np.maximum(seg_lo[seg], base)  # a = max(lo, b * bs)
+        owned = (self._tgen_flat[flat] == self.free_gen[bids]).tolist()
         # One comprehension over the reads (cheaper per read than a loop with appends).
         passed = np.array([
-            slots is not None and slots[off_a:off_z] == ctx[s][1][a:zz]  # the null block's slots are None
-            for slots, s, a, zz, off_a, off_z in zip(
-                [slots_of[bid] for bid in bids.tolist()], seg.tolist(), first.tolist(), (z + 1).tolist(),
+            own and slots is not None and slots[off_a:off_z] == ctx[s][1][a:zz]  # the null block's slots are None
+            for own, slots, s, a, zz, off_a, off_z in zip(
+                owned, [slots_of[bid] for bid in bids.tolist()], seg.tolist(), first.tolist(), (z + 1).tolist(),
                 (first - base).tolist(), (z + 1 - base).tolist())
         ], dtype=bool)
         done = passed.nonzero()[0]
         failed = (~passed).nonzero()[0].tolist()
         if failed or markers:
-            self._report_reads(st, markers, failed, todo, seg, bids, first)
+            self._report_reads(st, markers, failed, todo, seg, bids, first, owned)
         if len(done):
             f = flat[done]
             done_bids = bids[done]
             self._vbid_flat[f] = done_bids
-            self._vver_flat[f] = self.version[done_bids]
+            self._vstamp_flat[f] = self.stamp[done_bids]
             self._vpos_flat[f] = z[done]
 
     def _report_reads(self, st: StepTouches, markers: list[tuple[int, Violation]], failed: list[int], todo: Any,
-                      seg: Any, bids: Any, first: Any) -> None:
-        """Report failed reads (null block or wrong content) and build-time markers, merged
-        by entry index so they come out in touch order."""
+                      seg: Any, bids: Any, first: Any, owned: list[bool]) -> None:
+        """Report failed touches (unowned block, null block or wrong content) and
+        build-time markers, merged by entry index so they come out in touch order."""
         events = [(int(todo[i]), 1, i) for i in failed] + [(e, 0, k) for k, (e, _) in enumerate(markers)]
         events.sort()
         for _, is_read, i in events:
@@ -343,11 +404,17 @@ class ShadowKV:
                 self.report(markers[i][1])
                 continue
             s, bid = int(seg[i]), int(bids[i])
-            kind = NULL_READ if bid == NULL else WRONG
+            kind = UNOWNED if not owned[i] else NULL_READ if bid == NULL else WRONG
             self.report(Violation(kind, st.step, st.ctx[s][0], st.group[s], bid, int(first[i])))
 
     def end(self, st: StepTouches) -> None:
-        """The step completed: every touched block must be unchanged by others since dispatch."""
+        """The step completed: no writer other than its request may have written a block
+        it touched since dispatch.
+
+        The writer version moves once per change of writer, so a version moved by one
+        with the request as the last writer means only the request wrote since; moved by
+        two or more, some other writer came between (even if the request wrote last).
+        """
         if self.in_flight and self.in_flight[0] is st:
             self.in_flight.popleft()
         else:
@@ -356,15 +423,20 @@ class ShadowKV:
         if not len(bids):
             return
         np.subtract.at(self.in_flight_refs, bids, 1)
-        moved = (self.version[bids] != st.vers).nonzero()[0]
-        for e in moved.tolist():
+        moved_by = self.version[bids] - st.vers
+        for e in moved_by.nonzero()[0].tolist():
             bid = int(bids[e])
             rid, group, pos = st.context(e, self.block_size)
-            if self.writer[bid] != rid:
+            if moved_by[e] > 1 or self.writer[bid] != rid:
                 self.report(Violation(OVERWRITTEN, st.step, rid, group, bid, pos))
 
     def on_free(self, bid: int) -> None:
-        """Block-pool hook: a block went back to the free queue."""
+        """Block-pool hook: block bid's reference count dropped to 0 (back to the free queue).
+
+        The stamp moves too, so no read of the block is cleared as verified any more:
+        each is checked for ownership again."""
+        self.free_gen[bid] += 1
+        self.stamp[bid] += 1
         if self.in_flight_refs[bid]:
             # Report the last touch of the newest in-flight step that touched the block.
             for st in reversed(self.in_flight):

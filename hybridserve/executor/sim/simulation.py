@@ -25,7 +25,7 @@ from hybridserve.core.errors import ConfigError, HybridServeError
 from hybridserve.core.kv.spec import KVCacheConfig
 from hybridserve.core.sched.config import SchedulerConfig
 from hybridserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
-from hybridserve.engine.executor import Executor
+from hybridserve.executor.base import Executor
 from hybridserve.engine.loop import build_engine
 from hybridserve.executor.sim.cost_model import CostModel
 from hybridserve.executor.sim.executor import SimExecutor
@@ -55,16 +55,17 @@ class SimConfig:
     num_blocks: int | None = None
     gpu_memory_utilization: float = 0.9
     kv_dtype: str = "bfloat16"
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 256
+    # Scheduler settings default to SchedulerConfig's (the one definition).
+    max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
     max_model_len: int | None = None
-    async_scheduling: bool = True
-    pipeline_parallel_size: int = 1
-    num_speculative_tokens: int = 0
+    async_scheduling: bool = SchedulerConfig.async_scheduling
+    pipeline_parallel_size: int = SchedulerConfig.pipeline_parallel_size
+    num_speculative_tokens: int = SchedulerConfig.num_speculative_tokens
     acceptance_rate: float = 0.7
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = SchedulerConfig.enable_prefix_caching
     # Admit a request only if its whole sequence fits by the admission caps now.
-    full_sequence_must_fit: bool = False
+    full_sequence_must_fit: bool = SchedulerConfig.full_sequence_must_fit
     # None: derived by SchedulerConfig (concurrent batches * max_num_batched_tokens).
     max_in_flight_tokens: int | None = None
     # None: on (the simulated executor computes in-chunk attention from the batch).

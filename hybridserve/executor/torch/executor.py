@@ -17,8 +17,8 @@ import torch
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.kv.spec import KVCacheConfig, KVCacheSpec, group_layers
 from hybridserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
-from hybridserve.engine.executor import Executor
 from hybridserve.engine.structured_output import GrammarBackend
+from hybridserve.executor.base import Executor
 from hybridserve.executor.torch.kv_cache import TORCH_DTYPES, num_blocks_for_memory
 from hybridserve.executor.torch.model_runner import ModelRunner
 from hybridserve.executor.torch.offload import OffloadWorker

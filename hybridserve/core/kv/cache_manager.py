@@ -23,6 +23,31 @@ from hybridserve.core.request import Request
 NEVER = 1 << 62
 
 
+class SteadyDecode:
+    """A request's limits below which `allocate_slots` has nothing to do (set after each
+    allocation, dropped whenever its tables change by another way).
+
+    slot_end: tokens its tables have slots for (at most max_model_len); free_basis: the
+    processed count at which pruning frees a block; cache_end: the token count at which a
+    block fills and is published; decode_end = min(slot_end, free_basis, cache_end - 1),
+    below which any decode is steady (see `append_decode_slot`); num_null_blocks: each
+    group's null-prefix length, what a steady step reports to the executor.
+    """
+
+    __slots__ = ("decode_end", "slot_end", "free_basis", "cache_end", "num_null_blocks")
+
+    def __init__(self, slot_end: int, free_basis: int, cache_end: int, num_null_blocks: tuple[int, ...]) -> None:
+        self.slot_end = slot_end
+        self.free_basis = free_basis
+        self.cache_end = cache_end
+        self.decode_end = min(slot_end, free_basis, cache_end - 1)
+        self.num_null_blocks = num_null_blocks
+
+    def covers(self, num_tokens_need_slot: int, basis: int, num_cacheable: int) -> bool:
+        """Slots suffice, pruning on this basis frees nothing, and no block fills."""
+        return num_tokens_need_slot <= self.slot_end and basis < self.free_basis and num_cacheable < self.cache_end
+
+
 @dataclass
 class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up
@@ -69,11 +94,8 @@ class KVCacheManager:
         self._fence_seq = 0
         self.last_processed_step = -1
         self.no_new_blocks: BlocksPerGroup = [[] for _ in kv_cache_config.groups]
-        # Per request: (decode end; tokens with slots, at most max_model_len; processed count
-        # that frees a block; token count that caches a block; null-block counts per group).
-        # Below the three limits allocate_slots has nothing to do. Decode end, the least of
-        # them (cache limit - 1), bounds them all for any decode: see append_decode_slot.
-        self._steady: dict[str, tuple[int, int, int, int, tuple[int, ...]]] = {}
+        # Per request: the limits below which allocate_slots has nothing to do.
+        self._steady: dict[str, SteadyDecode] = {}
 
     @property
     def num_groups(self) -> int:
@@ -143,12 +165,12 @@ class KVCacheManager:
                 basis = 0
 
         steady = self._steady.get(rid)
-        if steady is not None and new_computed_blocks is None and num_tokens_need_slot <= steady[1] and basis < steady[2]:
-            # Nothing to free or allocate; caching is due only when a block filled up.
+        if steady is not None and new_computed_blocks is None:
+            # Caching is due only when a block fills up with known tokens.
             cacheable = len(request.prompt_token_ids) + len(request.output_token_ids)
             if total_computed + num_new_tokens < cacheable:
                 cacheable = total_computed + num_new_tokens
-            if delay_cache_blocks or cacheable < steady[3]:
+            if steady.covers(num_tokens_need_slot, basis, -1 if delay_cache_blocks else cacheable):
                 return self.no_new_blocks
         self._forget(rid)
         result = self._allocate_slots(
@@ -160,7 +182,7 @@ class KVCacheManager:
             nulls = tuple([m.num_null_blocks.get(rid, 0) for m in self.coordinator.managers])
             # Slots at or past max_model_len are never asked for (num_tokens_need_slot is capped).
             slots = min(slots, mml)
-            self._steady[rid] = (min(slots, frees, caches - 1), slots, frees, caches, nulls)
+            self._steady[rid] = SteadyDecode(slots, frees, caches, nulls)
         return result
 
     def append_decode_slot(self, request: Request) -> tuple[int, ...] | None:
@@ -177,15 +199,12 @@ class KVCacheManager:
         if steady is None:
             return None
         computed = request.num_computed_tokens
-        if computed < steady[0]:
-            return steady[4]
-        _, slot_end, free_basis, cache_end, nulls = steady
+        if computed < steady.decode_end:
+            return steady.num_null_blocks
         basis = computed if self.unsafe_optimistic_free else computed - request.num_in_flight_tokens
         cacheable = len(request.prompt_token_ids) + len(request.output_token_ids)
-        # computed + 1 <= slot_end; nothing frees; min(cacheable, computed + 1) fills no block
-        if (computed < slot_end and (basis if basis > 0 else 0) < free_basis
-                and (cacheable if cacheable <= computed else computed + 1) < cache_end):
-            return nulls
+        if steady.covers(computed + 1, basis if basis > 0 else 0, cacheable if cacheable <= computed else computed + 1):
+            return steady.num_null_blocks
         return None
 
     def _allocate_slots(
@@ -299,7 +318,7 @@ class KVCacheManager:
     def get_num_null_blocks(self, request_id: str) -> tuple[int, ...]:
         steady = self._steady.get(request_id)
         if steady is not None:
-            return steady[4]
+            return steady.num_null_blocks
         return tuple([m.num_null_blocks.get(request_id, 0) for m in self.coordinator.managers])
 
     def reset_prefix_cache(self) -> bool:

@@ -7,7 +7,8 @@ occurrence::
     tokens   ... a b c d e ... x a b c   (suffix "a b c" seen before)
     drafts                d e ...        (what followed it last time)
 
-Pure Python/numpy, no model: any executor can use it (the PyTorch runner and tests).
+The numpy reference the PyTorch runner's list-based `spec_decode.lookup` is tested
+against (tests/test_spec_decode.py); no engine code imports it.
 """
 
 from __future__ import annotations

@@ -359,7 +359,25 @@ def test_64_concurrent_streams_equal_a_sequential_greedy_run(server, ref: LLM) -
     m = wait_idle(server["url"])
     assert m["hybridserve_generation_tokens_total"] >= sum(len(ref.tokenizer.encode(t, False)) for t in want)
     assert m["hybridserve_time_to_first_token_seconds_count"] >= 64
-    assert m["hybridserve_prefix_cache_hit_rate"] >= 0.0
+
+
+def test_a_repeated_prompt_is_served_from_the_prefix_cache(server, client) -> None:
+    """49 prompt tokens: 3 full blocks of 16 and one more token. The second time the hit is
+    48 tokens: the full-attention group holds blocks 0-2, and the sliding-window group
+    (window 16) kept the block the window before position 48 needs (tokens 33-47, block
+    2); blocks 0-1 it never held (window-tail allocation). With 48 tokens the hit would
+    be 0: the last token is always recomputed, and a hit at 32 needs block 1 of the
+    window group, which it never held."""
+    url = server["url"]
+    prompt = [10 + (i * 7) % 200 for i in range(49)]
+    before = wait_idle(url)
+    client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+    client.completions.create(model="tiny", prompt=prompt, max_tokens=2)
+    after = wait_idle(url)
+    hits = after["hybridserve_prefix_cache_hits_total"] - before["hybridserve_prefix_cache_hits_total"]
+    queries = after["hybridserve_prefix_cache_queries_total"] - before["hybridserve_prefix_cache_queries_total"]
+    assert hits == 48 and queries == 98, (hits, queries)
+    assert after["hybridserve_prefix_cache_hit_rate"] > 0
 
 
 def test_bench_serving_mode_measures_a_running_server(server, tmp_path: Path) -> None:

@@ -251,11 +251,11 @@ def test_engine_config_to_stats_and_metrics() -> None:
         llm.shutdown()
     for i, (p, out) in enumerate(zip(prompts, finals)):
         assert list(out.outputs[0].token_ids) == hf_tiny.oracle("mistral", p, NEW_TOKENS)[0], i
-    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
-    assert stats.spec_acceptance_rate == stats.spec_num_accepted_tokens / stats.spec_num_draft_tokens
-    assert stats.spec_mean_accepted_length == 1 + stats.spec_num_accepted_tokens / stats.spec_num_steps
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert stats.acceptance_rate == stats.num_accepted_tokens / stats.num_draft_tokens
+    assert stats.mean_accepted_length == 1 + stats.num_accepted_tokens / stats.num_spec_steps
     text = ServerMetrics().render(stats, True, []).decode()
-    assert f"hybridserve_spec_decode_num_accepted_tokens_total {float(stats.spec_num_accepted_tokens)}" in text
+    assert f"hybridserve_spec_decode_num_accepted_tokens_total {float(stats.num_accepted_tokens)}" in text
     assert "hybridserve_spec_decode_acceptance_rate " in text
     row = {"model": "m", "num_prompts": 1, "input_len": 8, "output_len": 8, "elapsed_s": 1.0,
            "output_tokens_per_s": 8.0, "total_tokens_per_s": 16.0, "ttft_ms": {"mean": 1, "median": 1, "p99": 1},

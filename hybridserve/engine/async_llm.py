@@ -32,7 +32,7 @@ import re
 import threading
 import time
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, AsyncIterator, Callable, Sequence
 
 from hybridserve.config import EngineConfig
@@ -40,6 +40,7 @@ from hybridserve.core.errors import HybridServeError, RequestError
 from hybridserve.core.kv.spec import KVCacheSpec, SlidingWindowSpec
 from hybridserve.core.request import SamplingParams as CoreSamplingParams
 from hybridserve.core.sched.output import RequestOutput as CoreOutput
+from hybridserve.core.sched.stats import SchedulerStats
 from hybridserve.engine.frontend import EngineParts, Prompt, build_engine_parts, check_params, new_request_id
 from hybridserve.engine.frontend import prepare_chat, prepare_params, prepare_prompt
 from hybridserve.engine.outputs import GenerationOutput, GenerationTracker, RequestMetrics, as_sampling_params
@@ -64,29 +65,13 @@ class RequestFailedError(HybridServeError, RuntimeError):
 
 
 @dataclass
-class EngineStats:
-    """A consistent snapshot taken on the engine thread between steps."""
+class EngineStats(SchedulerStats):
+    """A consistent snapshot taken on the engine thread between steps: the scheduler's
+    counters (same names) plus what only the engine side knows."""
 
-    num_running: int
-    num_waiting: int
-    num_preemptions: int
-    num_generated_tokens: int
-    kv_usage: float
-    group_kv_usage: list[float]
-    group_labels: list[str]
-    prefix_cache_hit_rate: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    # KV offload to host memory (0 without --kv-offload-memory).
-    offloaded_blocks: int = 0
-    offload_loaded_blocks: int = 0
-    offload_hit_tokens: int = 0
-    # Speculative decoding (zero without it): drafts proposed and accepted, verify steps.
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
-    spec_num_steps: int = 0
-    spec_acceptance_rate: float = 0.0
-    spec_mean_accepted_length: float = 0.0
+    group_labels: list[str] = field(default_factory=list)  # one per KV cache group, for metrics labels
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 @dataclass(eq=False)
@@ -431,13 +416,11 @@ class AsyncLLM:
 
     def _send_stats(self, loop: asyncio.AbstractEventLoop, fut: asyncio.Future) -> None:
         sched = self.parts.engine.scheduler
-        st = sched.make_stats()
+        counters = {f.name: getattr(sched.make_stats(), f.name) for f in fields(SchedulerStats)}
         pcs = sched.kv.prefix_cache_stats
-        stats = EngineStats(st.num_running, st.num_waiting, st.num_preemptions, st.num_generated_tokens,
-                            st.kv_usage, sched.kv.group_usage(), list(self._group_labels), pcs.hit_rate,
-                            pcs.queries, pcs.hits, st.num_offloaded_blocks, st.num_offload_loaded_blocks,
-                            st.num_offload_hit_tokens, st.num_draft_tokens, st.num_accepted_tokens,
-                            st.num_spec_steps, st.acceptance_rate, st.mean_accepted_length)
+        stats = EngineStats(**{**counters, "group_kv_usage": sched.kv.group_usage()},
+                            group_labels=list(self._group_labels), prefix_cache_queries=pcs.queries,
+                            prefix_cache_hits=pcs.hits)
         try:
             loop.call_soon_threadsafe(_set_result, fut, stats)
         except RuntimeError:

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 from hybridserve.config import EngineConfig, parse_size, resolve_engine_settings
 from hybridserve.core.errors import ConfigError, RequestError
 from hybridserve.core.kv.spec import group_layers
+from hybridserve.core.sched.config import SchedulerConfig
 from hybridserve.engine.loop import EngineCore
 from hybridserve.engine.structured_output import GrammarBackend
 from hybridserve.engine.tokenizer import Tokenizer
@@ -59,8 +60,8 @@ def build_engine_parts(config: EngineConfig, progress: bool = True) -> EnginePar
     model_cfg = load_model_config(path)
     groups = group_layers(model_kv_layer_specs(model_cfg, config.block_size, config.dtype))
     settings = resolve_engine_settings(config, groups, model_cfg.max_position_embeddings,
-                                       window_tail=TorchExecutor.computes_in_chunk_attention_from_batch
-                                       if config.window_tail_allocation is None else config.window_tail_allocation)
+                                       window_tail=SchedulerConfig(window_tail_allocation=config.window_tail_allocation)
+                                       .resolve_window_tail(TorchExecutor.computes_in_chunk_attention_from_batch))
     tokenizer = Tokenizer.from_dir(config.tokenizer or path)
     if tokenizer is None and config.tokenizer is not None:
         raise ConfigError(f"tokenizer: no tokenizer files in {config.tokenizer}")

@@ -173,3 +173,24 @@ def test_pipeline_stages_and_late_arrival(tmp_path: Path) -> None:
     assert r.e2e_s["p50"] == pytest.approx(expected, rel=1e-9)
     assert r.sim_time_s == pytest.approx(expected, rel=1e-9)  # measured from the first arrival
     assert r.config["max_in_flight_tokens"] == 2 * 8192
+
+
+def test_the_pool_row_comes_first_and_group_shares_add_up(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The pool's own usage is the sum of its groups' (every block belongs to one group);
+    each group row is its share of the used blocks, so the shares add up to 100%."""
+    from hybridserve.executor.sim.report import summary_rows
+
+    out = tmp_path / "r.json"
+    rc, _, err = run_cli(["--num-requests", "40", "--json", str(out)], capsys)
+    assert rc == 0, err
+    r = json.loads(out.read_text())
+    assert r["pool_mean_usage"] == pytest.approx(sum(r["kv_mean_usage"]), rel=1e-9)
+    assert r["pool_peak_usage"] >= max(r["kv_peak_usage"]) and r["pool_peak_usage"] > 0.5
+    from hybridserve.executor.sim.report import SimReport
+
+    report = SimReport(**{k: v for k, v in r.items() if k != "series"})
+    rows = summary_rows(report)
+    names = [name for name, _, _ in rows]
+    pool = names.index("KV pool used peak / mean")
+    shares = [raw for name, _, raw in rows[pool + 1:] if name.endswith("share of used")]
+    assert len(shares) == len(r["kv_groups"]) and sum(shares) == pytest.approx(1.0)

@@ -172,6 +172,7 @@ class RunRecorder:
             kv_peak_usage=[max(u, default=0.0) for u in s.kv_usage],
             kv_mean_usage=[time_weighted_mean(s.kv_time, u) for u in s.kv_usage],
             pool_peak_usage=max((sum(col) for col in zip(*s.kv_usage)), default=0.0),
+            pool_mean_usage=time_weighted_mean(s.kv_time, [sum(col) for col in zip(*s.kv_usage)]),
             prefix_cache_hit_rate=scheduler.kv.prefix_cache_stats.hit_rate,
             spec_acceptance_rate=stats.acceptance_rate,
             violations=len(violations),

@@ -68,6 +68,7 @@ class SimReport:
     kv_peak_usage: list[float]
     kv_mean_usage: list[float]
     pool_peak_usage: float
+    pool_mean_usage: float
     prefix_cache_hit_rate: float
     spec_acceptance_rate: float
     violations: int
@@ -96,7 +97,7 @@ def _finite(obj: Any) -> Any:
 
 
 def _ms(v: float | None) -> str:
-    return "-" if v is None else f"{v * 1000:.1f}"
+    return "-" if v is None else f"{v * 1000:,.1f}"
 
 
 def summary_rows(r: SimReport) -> list[tuple[str, str, float | None]]:
@@ -112,11 +113,15 @@ def summary_rows(r: SimReport) -> list[tuple[str, str, float | None]]:
         rows.append((f"{name} p50/p90/p99 (ms)", text, d["p50"]))
     rows += [
         ("running mean / max", f"{r.mean_running:.1f} / {r.max_running}", r.mean_running),
-        ("preemptions", str(r.num_preemptions), float(r.num_preemptions)),
+        ("preemptions", f"{r.num_preemptions:,}", float(r.num_preemptions)),
         ("KV pool blocks", f"{r.num_blocks:,}", float(r.num_blocks)),
+        ("KV pool used peak / mean", f"{r.pool_peak_usage:.1%} / {r.pool_mean_usage:.1%}", r.pool_peak_usage),
     ]
-    for name, peak, mean in zip(r.kv_groups, r.kv_peak_usage, r.kv_mean_usage):
-        rows.append((f"KV {name} peak / mean", f"{peak:.1%} / {mean:.1%}", peak))
+    # Each group's part of the used blocks (time-weighted means), so the groups add up to
+    # 100% of what the pool row shows.
+    for name, mean in zip(r.kv_groups, r.kv_mean_usage):
+        share = mean / r.pool_mean_usage if r.pool_mean_usage else 0.0
+        rows.append((f"  {name}: share of used", f"{share:.1%}", share))
     rows += [
         ("prefix cache hit rate", f"{r.prefix_cache_hit_rate:.1%}", r.prefix_cache_hit_rate),
         ("violations found", str(r.violations), float(r.violations)),

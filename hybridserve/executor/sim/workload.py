@@ -82,7 +82,7 @@ class WorkloadSpec:
     """A generated workload. arrival_rate None (or inf) means every request arrives at t=0."""
 
     num_requests: int = 200
-    prompt_len: LengthDistribution = LengthDistribution("uniform", 128, 1024)
+    prompt_len: LengthDistribution = LengthDistribution("uniform", 512, 4096)
     output_len: LengthDistribution = LengthDistribution("uniform", 32, 256)
     arrival_rate: float | None = None
     num_prefix_groups: int = 0

@@ -202,3 +202,11 @@ def test_invalid_chunk_size_raises(chunk: int) -> None:
 def test_invalid_geometry_raises_config_error(make) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ConfigError):
         make()
+
+
+@pytest.mark.parametrize("chunk, fits", [(100, 4), (24, 8), (8191, 1), (48, 16)])
+def test_a_chunk_that_blocks_do_not_divide_names_the_block_size_that_does(chunk: int, fits: int) -> None:
+    """100 = 4 x 25, 24 = 8 x 3, 8191 is odd, 48 = 16 x 3: the largest power of two dividing each."""
+    with pytest.raises(ConfigError, match=rf"use --block-size {fits} \(block_size={fits}\)"):
+        ChunkedLocalAttentionSpec(32, 1, 8, attention_chunk_size=chunk)
+    assert ChunkedLocalAttentionSpec(fits, 1, 8, attention_chunk_size=chunk).attention_chunk_size == chunk

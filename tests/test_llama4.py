@@ -55,8 +55,10 @@ def test_config_layers_and_kv_specs() -> None:
     kvc = build_kv_cache_config(cfg, BS, num_blocks=10)
     # Groups share a size (here 1 layer): three chunked-local groups and one full group.
     assert sorted(type(g.spec).__name__ for g in kvc.groups) == ["ChunkedLocalAttentionSpec"] * 3 + ["FullAttentionSpec"]
-    with pytest.raises(ConfigError, match="multiple of block_size"):
-        model_kv_layer_specs(cfg, 64)  # chunks of 32 cannot be split into blocks of 64
+    # Chunks of 32 cannot be split into blocks of 64; the error names the block size that works.
+    with pytest.raises(ConfigError, match=r"attention_chunk_size=32 is not a multiple of block_size=64; use "
+                                          r"--block-size 32 \(block_size=32\)"):
+        model_kv_layer_specs(cfg, 64)
 
 
 @pytest.mark.parametrize("change,needle", [

@@ -161,10 +161,14 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.attention_chunk_size < 1 or self.attention_chunk_size % self.block_size:
+        if self.attention_chunk_size < 1:
+            raise ConfigError(f"attention_chunk_size must be positive, got {self.attention_chunk_size}")
+        if self.attention_chunk_size % self.block_size:
+            # Block sizes are powers of two: the largest that divides the chunk is its lowest set bit.
+            fits = self.attention_chunk_size & -self.attention_chunk_size
             raise ConfigError(
-                f"attention_chunk_size must be a positive multiple of block_size={self.block_size}, "
-                f"got {self.attention_chunk_size}"
+                f"attention_chunk_size={self.attention_chunk_size} is not a multiple of block_size="
+                f"{self.block_size}; use --block-size {fits} (block_size={fits}), the largest that divides it"
             )
 
     def max_admission_blocks_per_request(

@@ -123,7 +123,7 @@ def test_greedy_streams_equal_hf(model_dir: Path, prompts: list[list[int]], hf_g
     from hybridserve import LLM, SamplingParams
 
     llm = LLM(model=str(model_dir), max_num_batched_tokens=CHUNK_TOKENS, block_size=BLOCK_SIZE,
-              max_model_len=2048)
+              max_model_len=2048, dtype="float32")
     assert llm.config.async_scheduling
     assert llm.parts.engine.scheduler.kv.window_tail is not None  # on by default for this runner
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)

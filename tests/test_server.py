@@ -43,7 +43,7 @@ def server():
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen(
         [sys.executable, "-m", "hybridserve.entrypoints.cli", "serve", "--model", str(model), "--port", "0",
-         "--served-model-name", "tiny", "--max-model-len", str(MAX_LEN)],
+         "--served-model-name", "tiny", "--max-model-len", str(MAX_LEN), "--dtype", "float32"],
         stdout=subprocess.PIPE, stderr=log, text=True, cwd=REPO, env=env)
     try:
         url = _wait_ready(proc, log.name)
@@ -83,7 +83,7 @@ def _wait_ready(proc: subprocess.Popen, log_path: str) -> str:
 
 @pytest.fixture(scope="module")
 def ref() -> LLM:
-    llm = LLM(str(tiny_serving_dir()), max_model_len=MAX_LEN, progress=False)
+    llm = LLM(str(tiny_serving_dir()), max_model_len=MAX_LEN, dtype="float32", progress=False)
     yield llm
     llm.shutdown()
 

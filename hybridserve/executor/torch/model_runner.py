@@ -243,16 +243,14 @@ class ModelRunner:
                     != len(states[i].token_ids):
                 raise RequestError(f"request {states[i].req_id}: a sampling step ends before its last known token")
         widths = [1 + len(drafts[i]) for i in samplers]  # logits rows per sampler
-        num_rows = sum(widths)
-        if num_rows == hidden.shape[0]:
-            logits = self.model.logits(hidden)  # every row samples (decodes, with or without drafts)
-        else:
+        if sum(widths) != hidden.shape[0]:  # else every row samples (decodes, with or without drafts)
             rows = np.concatenate([np.arange(ends[i] - w, ends[i]) for i, w in zip(samplers, widths)])
-            logits = self.model.logits(hidden[torch.from_numpy(rows).to(self.device)])
+            hidden = hidden[torch.from_numpy(rows).to(self.device)]
+        lps: list = []
         if all(states[i].plain_greedy for i in samplers):
-            tokens = logits.argmax(dim=-1).tolist()
-            lps: list = []
+            tokens = self.model.greedy_tokens(hidden)  # no full logits tensor
         else:
+            logits = self.model.logits(hidden)
             rows_info = [SampleRow(states[i].params, states[i].generator, self._banned(states[i], j))
                          for i, w in zip(samplers, widths) for j in range(w)]
             tokens, lps = sample(logits, rows_info, self.default_generator)

@@ -35,12 +35,7 @@ class Drift:
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def drift(reference: Sequence[Stream], candidate: Sequence[Stream]) -> Drift:

@@ -27,7 +27,10 @@ import torch
 from hybridserve.core.errors import ConfigError
 from hybridserve.models.linear import pack
 
-HEAD_CHUNK_ROWS = 32768  # vocabulary rows per packed / quantized chunk
+# Vocabulary rows per packed / quantized chunk: small enough that quantizing one (float32
+# temporaries) adds little to the load's peak memory, large enough that per-call overhead
+# stays small (16 calls per step for a 262k vocabulary).
+HEAD_CHUNK_ROWS = 16384
 INT4_GROUP_SIZE = 32  # hidden-dim weights sharing one int4 scale and offset (as GGUF's Q4_K sub-blocks)
 _INT4_LEVELS = 15  # largest 4-bit value
 _INT4_MIDPOINT = 8  # the kernel subtracts this from each 4-bit value before scaling

@@ -48,11 +48,13 @@ class _Weights:
         self.checkpoint = checkpoint
         self.dtype = dtype
         self._unread = set(checkpoint.names())
+        self._taken: list[str] = []
 
     def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         if name not in self._unread:
             raise ConfigError(f"checkpoint is missing tensor {name}")
         self._unread.discard(name)
+        self._taken.append(name)
         t = self.checkpoint.tensor(name)
         if tuple(t.shape) != shape:
             raise ConfigError(f"tensor {name} has shape {tuple(t.shape)}, expected {shape}")
@@ -65,11 +67,13 @@ class _Weights:
     def leftovers(self) -> list[str]:
         return sorted(k for k in self._unread if not k.endswith(_IGNORED_SUFFIXES))
 
-    def release_all(self) -> None:
-        """Give back the file pages the load touched; what the model still reads as a view
-        (the embedding) is read again, page by page, as it is used."""
-        for name in self.checkpoint.names():
+    def release_taken(self) -> None:
+        """Give back the file pages of the tensors taken so far (called per layer, so the load
+        holds one layer's source pages at a time); what the model still reads as a view (the
+        embedding, unfused weights) is read again, page by page, as it is used."""
+        for name in self._taken:
             self.checkpoint.release(name)
+        self._taken.clear()
 
 
 def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
@@ -97,7 +101,7 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
     head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
     model.build_linears(quantization=quantization,
                         release_head_rows=lambda start, stop: w.checkpoint.release(head_name, (start, stop)))
-    w.release_all()
+    w.release_taken()
     return model.eval()
 
 
@@ -158,3 +162,4 @@ def _fill(model: DecoderLM, cfg: ModelConfig, w: _Weights) -> None:
                                                     w.take(m + "up_proj.bias", (I,))]))
                 layer.down_bias.copy_(w.take(m + "down_proj.bias", (H,)))
             layer.down.data = w.take(m + "down_proj.weight", (H, I))
+            w.release_taken()

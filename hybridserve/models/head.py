@@ -99,7 +99,7 @@ class OutputHead:
             return (lambda x: torch._weight_int4pack_mm_for_cpu(x, packed_values, group_size, scale_offset)), False
         if self.quantization != "none":
             raise ConfigError(f"unknown head quantization {self.quantization!r}; use none, int8 or int4")
-        packed = pack(w, bf16=True)
+        packed = pack(w)
         if packed is None:  # small or not packable here: the plain weight is the kernel's input
             return (lambda x: torch.nn.functional.linear(x, w)), True
         linear = torch.ops.mkldnn._linear_pointwise

@@ -27,18 +27,17 @@ PACK_MIN_NUMEL = 256 * 1024
 _PACK_ROWS_HINT = 16
 
 
-def _packable(weight: torch.Tensor, bf16: bool) -> bool:
-    dtypes = (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
-    return (weight.device.type == "cpu" and weight.dtype in dtypes and weight.dim() == 2
+def _packable(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and weight.dim() == 2
             and weight.numel() >= PACK_MIN_NUMEL and torch.backends.mkldnn.is_available())
 
 
-def pack(weight: torch.Tensor, bf16: bool = False) -> torch.Tensor | None:
+def pack(weight: torch.Tensor) -> torch.Tensor | None:
     """The oneDNN-packed copy of `weight` [out, in], or None where packing does not pay
-    (not CPU float32 -- or bfloat16 with `bf16` --, too small) or the CPU lacks the
-    instructions oneDNN needs. bfloat16 packing pays for the wide output head (measured
-    ~1.3x at 16 rows); for the decoder's small matmuls it was not faster."""
-    if not _packable(weight, bf16):
+    (not CPU float32 or bfloat16, too small) or the CPU lacks the
+    instructions oneDNN needs. Packed bfloat16 against plain bfloat16 F.linear, Gemma 3 270M
+    shapes on 2 Sapphire Rapids cores without AMX: about 2x at 1 row, 1.15-1.35x at 16 rows."""
+    if not _packable(weight):
         return None
     try:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _PACK_ROWS_HINT)

@@ -75,6 +75,11 @@ class _Weights:
             self.checkpoint.release(name)
         self._taken.clear()
 
+    def release_all(self) -> None:
+        """Give back every file page (after packing, which reads the unfused weights again)."""
+        for name in self.checkpoint.names():
+            self.checkpoint.release(name)
+
 
 def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32, quantization: str = "none") -> DecoderLM | MambaLM:
@@ -101,7 +106,7 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
     head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
     model.build_linears(quantization=quantization,
                         release_head_rows=lambda start, stop: w.checkpoint.release(head_name, (start, stop)))
-    w.release_taken()
+    w.release_all()
     return model.eval()
 
 

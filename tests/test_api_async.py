@@ -20,7 +20,7 @@ TIMEOUT = 60.0
 
 @pytest.fixture(scope="module")
 def engine() -> AsyncLLM:
-    llm = AsyncLLM(str(tiny_serving_dir()), max_model_len=MAX_LEN, progress=False)
+    llm = AsyncLLM(str(tiny_serving_dir()), max_model_len=MAX_LEN, dtype="float32", progress=False)
     yield llm
     llm.shutdown()
 
@@ -45,7 +45,7 @@ async def wait_idle(engine: AsyncLLM) -> None:
 
 def test_streams_match_the_blocking_api(engine: AsyncLLM) -> None:
     params = [SamplingParams(max_tokens=10), SamplingParams(max_tokens=10, temperature=0.9, seed=3, n=2)]
-    ref = LLM(str(tiny_serving_dir()), max_model_len=MAX_LEN, progress=False)
+    ref = LLM(str(tiny_serving_dir()), max_model_len=MAX_LEN, dtype="float32", progress=False)
     try:
         want = [ref.generate(PROMPTS, p, use_tqdm=False) for p in params]
     finally:

@@ -12,7 +12,11 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
+from hybridserve.models.cpu_features import prefer_passive_omp_wait
+
 __version__ = "0.1.0"
+
+prefer_passive_omp_wait()  # before anything imports torch (see the function)
 
 _EXPORTS = {
     "LLM": "hybridserve.engine.llm",

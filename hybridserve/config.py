@@ -24,7 +24,8 @@ from hybridserve.core.sched.config import SchedulerConfig
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when neither kv_cache_memory nor num_blocks is given
 DEFAULT_MAX_MODEL_LEN_CAP = 8192  # default max_model_len: min(model context, this)
-MODEL_DTYPES = ("float32", "bfloat16", "float16")
+MODEL_DTYPES = ("float32", "bfloat16", "float16", "auto")  # auto: bfloat16 on CPUs with native bf16
+QUANTIZATIONS = ("auto", "none", "int8", "int4")  # weight-only quantization of the output head
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40,
           "tib": 1 << 40}
@@ -87,7 +88,10 @@ class EngineConfig:
     kv_offload_memory: int | str = 0  # host memory for offloaded KV blocks (0: no offload)
     seed: int = 0  # seeds the sampler of requests without their own seed
     device: str | None = None  # "cpu" (default), "cuda", "cuda:N" or "auto"
-    dtype: str = "float32"  # weights, compute and KV cache (the runner stores K/V as computed)
+    # Weights, compute and KV cache (the runner stores K/V as computed); "auto" is resolved
+    # at start from the CPU's flags (models/cpu_features.py).
+    dtype: str = "auto"
+    quantization: str = "auto"
     num_threads: int | None = None  # torch CPU threads (default: torch's choice)
     # Sliding-window groups hold only the window and each chunk's tail (None: on when the
     # executor computes in-chunk attention from the batch, as the PyTorch runner does).
@@ -148,6 +152,8 @@ class EngineConfig:
             raise ConfigError(f"device must be 'cpu', 'cuda', 'cuda:N' or 'auto', got {self.device!r}")
         if self.dtype not in MODEL_DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         _check_int("num_threads", self.num_threads, 1, optional=True)
 
     @classmethod

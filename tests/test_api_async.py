@@ -22,7 +22,7 @@ TIMEOUT = 60.0
 
 @pytest.fixture(scope="module")
 def engine() -> AsyncLLM:
-    llm = AsyncLLM(str(tiny_serving_dir()), max_model_len=MAX_LEN, progress=False)
+    llm = AsyncLLM(str(tiny_serving_dir()), max_model_len=MAX_LEN, dtype="float32", progress=False)
     yield llm
     llm.shutdown()
 
@@ -47,7 +47,7 @@ async def wait_idle(engine: AsyncLLM) -> None:
 
 def test_streams_match_the_blocking_api(engine: AsyncLLM) -> None:
     params = [SamplingParams(max_tokens=10), SamplingParams(max_tokens=10, temperature=0.9, seed=3, n=2)]
-    ref = LLM(str(tiny_serving_dir()), max_model_len=MAX_LEN, progress=False)
+    ref = LLM(str(tiny_serving_dir()), max_model_len=MAX_LEN, dtype="float32", progress=False)
     try:
         want = [ref.generate(PROMPTS, p, use_tqdm=False) for p in params]
     finally:
@@ -121,8 +121,8 @@ def test_duplicate_ids_and_bad_prompts_are_request_errors(engine: AsyncLLM) -> N
 
 
 def test_an_engine_failure_fails_open_requests_then_the_engine_restarts() -> None:
-    llm = AsyncLLM(str(tiny_serving_dir()), max_model_len=MAX_LEN, progress=False)
-    ref = LLM(str(tiny_serving_dir()), max_model_len=MAX_LEN, progress=False)
+    llm = AsyncLLM(str(tiny_serving_dir()), max_model_len=MAX_LEN, progress=False, dtype="float32")
+    ref = LLM(str(tiny_serving_dir()), max_model_len=MAX_LEN, progress=False, dtype="float32")
     want = ref.generate(PROMPTS[1], SamplingParams(max_tokens=12), use_tqdm=False)[0].text
     ref.shutdown()
     fail_execute_after(llm, 3)
@@ -184,7 +184,7 @@ def test_a_request_whose_sampling_fails_fails_alone(engine: AsyncLLM, monkeypatc
 
     monkeypatch.setattr(sampler, "sample", picky)
     params = SamplingParams(max_tokens=12, temperature=0.8, seed=5)
-    ref = LLM(str(tiny_serving_dir()), max_model_len=MAX_LEN, progress=False)
+    ref = LLM(str(tiny_serving_dir()), max_model_len=MAX_LEN, progress=False, dtype="float32")
     want = [o.text for o in ref.generate(PROMPTS[:3], params, use_tqdm=False)]
     ref.shutdown()
 

@@ -21,7 +21,7 @@ MAX_LEN = 256
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    engine = LLM(str(tiny_serving_dir()), max_model_len=MAX_LEN, progress=False)
+    engine = LLM(str(tiny_serving_dir()), max_model_len=MAX_LEN, dtype="float32", progress=False)
     yield engine
     engine.shutdown()
 

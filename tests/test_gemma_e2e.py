@@ -126,7 +126,7 @@ def test_greedy_streams_equal_hf(model_dir: Path, prompts: list[list[int]], hf_g
     from hybridserve import LLM, SamplingParams
 
     llm = LLM(model=str(model_dir), max_num_batched_tokens=CHUNK_TOKENS, block_size=BLOCK_SIZE,
-              max_model_len=2048, window_tail_allocation=window_tail_allocation)
+              max_model_len=2048, window_tail_allocation=window_tail_allocation, dtype="float32")
     assert llm.config.async_scheduling
     tail = llm.parts.engine.scheduler.kv.window_tail
     assert (tail is not None) if window_tail_allocation is None else (tail is None)

@@ -84,7 +84,7 @@ CASES = {
 
 @pytest.fixture(scope="module", params=["sync", "async", "async_spec"])
 def llm(request):
-    kwargs = dict(async_scheduling=request.param != "sync")
+    kwargs = dict(async_scheduling=request.param != "sync", dtype="float32")  # HF's oracle is float32
     if request.param == "async_spec":
         kwargs.update(num_speculative_tokens=3)
     engine = LLM(str(tiny_serving_dir()), max_model_len=MAX_LEN, progress=False, **kwargs)

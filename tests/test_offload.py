@@ -215,7 +215,7 @@ def test_llm_with_kv_offload_memory_matches_hf() -> None:
     from hybridserve import SamplingParams as UserParams
 
     llm = LLM(config=EngineConfig(model=str(hf_tiny.tiny_model_dir("llama")), num_blocks=12, max_model_len=160,
-                                  max_num_seqs=1, kv_offload_memory="1MiB"), progress=False)
+                                  max_num_seqs=1, kv_offload_memory="1MiB", dtype="float32"), progress=False)
     try:
         prompts = [WAVE1[0], WAVE1[1], wave2("llama")[0]]  # one at a time: WAVE1[1] evicts WAVE1[0]
         outs = [llm.generate([p], UserParams(max_tokens=NEW_TOKENS), use_tqdm=False)[0] for p in prompts]

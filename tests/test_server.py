@@ -34,13 +34,13 @@ MAX_LEN = 256
 
 @pytest.fixture(scope="module")
 def server():
-    with running_server(tiny_serving_dir(), "--max-model-len", str(MAX_LEN)) as srv:
+    with running_server(tiny_serving_dir(), "--max-model-len", str(MAX_LEN), "--dtype", "float32") as srv:
         yield srv
 
 
 @pytest.fixture(scope="module")
 def ref() -> LLM:
-    llm = LLM(str(tiny_serving_dir()), max_model_len=MAX_LEN, progress=False)
+    llm = LLM(str(tiny_serving_dir()), max_model_len=MAX_LEN, dtype="float32", progress=False)
     yield llm
     llm.shutdown()
 

@@ -39,8 +39,8 @@ def metric(text: str, name: str) -> float | None:
 
 
 def test_an_injected_executor_fault_fails_open_requests_then_service_resumes() -> None:
-    engine = AsyncLLM(str(tiny_serving_dir()), max_model_len=MAX_LEN, progress=False)
-    ref = LLM(str(tiny_serving_dir()), max_model_len=MAX_LEN, progress=False)
+    engine = AsyncLLM(str(tiny_serving_dir()), max_model_len=MAX_LEN, progress=False, dtype="float32")
+    ref = LLM(str(tiny_serving_dir()), max_model_len=MAX_LEN, progress=False, dtype="float32")
     want = ref.generate(PROMPTS[2], SamplingParams(max_tokens=8), use_tqdm=False)[0].text
     ref.shutdown()
 
@@ -101,10 +101,10 @@ def test_an_engine_out_of_restarts_reports_unhealthy() -> None:
 
 def test_a_model_without_a_tokenizer_returns_token_ids_and_refuses_stop_strings() -> None:
     path = str(tiny_model_dir_without_tokenizer())
-    ref = LLM(path, max_model_len=MAX_LEN, progress=False)
+    ref = LLM(path, max_model_len=MAX_LEN, progress=False, dtype="float32")
     want = ref.generate([[10, 11, 12]], SamplingParams(max_tokens=6, logprobs=1), use_tqdm=False)[0]
     ref.shutdown()
-    engine = AsyncLLM(path, max_model_len=MAX_LEN, progress=False)
+    engine = AsyncLLM(path, max_model_len=MAX_LEN, progress=False, dtype="float32")
 
     async def main() -> None:
         async with client_for(engine) as client:

@@ -235,7 +235,7 @@ def test_engine_config_to_stats_and_metrics() -> None:
     prompts = prompts_for("mistral")
     llm = AsyncLLM(config=EngineConfig(model=str(hf_tiny.tiny_model_dir("mistral")), max_model_len=256,
                                        num_speculative_tokens=3, ngram_prompt_lookup_min=1,
-                                       ngram_prompt_lookup_max=3), progress=False)
+                                       ngram_prompt_lookup_max=3, dtype="float32"), progress=False)
     try:
         assert llm.parts.engine.executor.runner.drafter == NgramDrafter(1, 3)  # type: ignore[attr-defined]
 

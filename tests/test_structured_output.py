@@ -38,14 +38,16 @@ PROMPTS = ['{"a":true,"b":12,"c":"x"} {"a":false,"b":3,"c":"yy"} {"a":',
 @pytest.fixture(scope="module", params=["sync", "async_spec"])
 def llm(request):
     kwargs = dict(async_scheduling=False) if request.param == "sync" else dict(num_speculative_tokens=3)
-    engine = LLM(str(byte_model_dir()), max_model_len=MAX_LEN, progress=False, **kwargs)
+    # float32: token equality across batch compositions (bf16 rounding depends on the batch).
+    engine = LLM(str(byte_model_dir()), max_model_len=MAX_LEN, progress=False, dtype="float32", **kwargs)
     yield engine
     engine.shutdown()
 
 
 @pytest.fixture(scope="module")
 def reference():
-    engine = LLM(str(byte_model_dir()), max_model_len=MAX_LEN, progress=False, async_scheduling=False)
+    engine = LLM(str(byte_model_dir()), max_model_len=MAX_LEN, progress=False, async_scheduling=False,
+                 dtype="float32")
     yield engine
     engine.shutdown()
 
@@ -126,8 +128,9 @@ def test_preempted_requests_resume_their_grammar() -> None:
               "n": {"type": "integer", "minimum": 0, "maximum": 9999}}, "required": ["name", "n"],
               "additionalProperties": False}
     prompts = [p + str(i) for i in range(6) for p in PROMPTS[:2]]
-    tight = LLM(str(byte_model_dir()), max_model_len=128, progress=False, num_blocks=22, block_size=16)
-    roomy = LLM(str(byte_model_dir()), max_model_len=128, progress=False)
+    tight = LLM(str(byte_model_dir()), max_model_len=128, progress=False, num_blocks=22, block_size=16,
+                dtype="float32")
+    roomy = LLM(str(byte_model_dir()), max_model_len=128, progress=False, dtype="float32")
     try:
         params = SamplingParams(max_tokens=50, structured_output=StructuredOutput("json", json.dumps(schema)))
         got = tight.generate(prompts, params, use_tqdm=False)

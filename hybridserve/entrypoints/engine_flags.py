@@ -11,7 +11,7 @@ import os
 import sys
 from typing import Any, Callable, NoReturn
 
-from hybridserve.config import MODEL_DTYPES, EngineConfig
+from hybridserve.config import MODEL_DTYPES, QUANTIZATIONS, EngineConfig
 from hybridserve.core.errors import HybridServeError
 
 
@@ -53,7 +53,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     m.add_argument("--chat-template", default=None, metavar="FILE",
                    help="Jinja chat template file used instead of the tokenizer's (default: the tokenizer's, else the "
                         "plain System:/User:/Assistant: template)")
-    m.add_argument("--dtype", default="float32", choices=MODEL_DTYPES, help="weights and compute (default: float32)")
+    m.add_argument("--dtype", default="auto", choices=MODEL_DTYPES,
+                   help="weights, compute and KV cache (default: auto, bfloat16 where the CPU multiplies bf16 "
+                        "natively, else float32)")
+    m.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
+                   help="weight-only quantization of the output head: int8 per channel, int4 group-wise "
+                        "(default: auto, none on the CPUs measured)")
     m.add_argument("--device", default=None, help="cpu (default), cuda, cuda:N or auto")
     m.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     e = p.add_argument_group("engine")
@@ -92,7 +97,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         num_speculative_tokens=a.num_speculative_tokens, ngram_prompt_lookup_min=a.ngram_prompt_lookup_min,
         ngram_prompt_lookup_max=a.ngram_prompt_lookup_max, enable_prefix_caching=a.enable_prefix_caching,
         kv_offload_memory=offload, seed=a.seed if a.seed is not None else 0, device=a.device, dtype=a.dtype,
-        num_threads=a.num_threads,
+        quantization=a.quantization, num_threads=a.num_threads,
     )
 
 

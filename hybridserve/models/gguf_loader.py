@@ -16,7 +16,10 @@ Invariants:
   spaced 64 KiB windows (head and tail included), about 1 MiB read. Hashing the whole file would
   cost a second or two per start for the default model; callers that already know a strong
   content hash (the packaged default model) pass it as `cache_key`.
-- Bumping `CONVERTER_VERSION` orphans every old conversion (they are not reused).
+- Bumping `CONVERTER_VERSION` orphans every old conversion (they are not reused). Version 2:
+  a GGUF is converted to the serving dtype (bfloat16 on CPUs with native bf16), which the
+  runner maps from the file as stored (models/safetensors_map.py); version 1 caches were
+  always float32 and loaded by copying.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import numpy as np
 
 from hybridserve.core.errors import ConfigError
 
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 CACHE_DIR_ENV_VAR = "HYBRIDSERVE_CACHE_DIR"
 CONVERSION_MARKER = "hybridserve-conversion.json"
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")

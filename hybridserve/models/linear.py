@@ -28,13 +28,15 @@ _PACK_ROWS_HINT = 16
 
 
 def _packable(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
+    return (weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and weight.dim() == 2
             and weight.numel() >= PACK_MIN_NUMEL and torch.backends.mkldnn.is_available())
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor | None:
     """The oneDNN-packed copy of `weight` [out, in], or None where packing does not pay
-    (not CPU float32, too small) or the CPU lacks the instructions oneDNN needs."""
+    (not CPU float32 or bfloat16, too small) or the CPU lacks the
+    instructions oneDNN needs. Packed bfloat16 against plain bfloat16 F.linear, Gemma 3 270M
+    shapes on 2 Sapphire Rapids cores without AMX: about 2x at 1 row, 1.15-1.35x at 16 rows."""
     if not _packable(weight):
         return None
     try:

@@ -171,7 +171,7 @@ def fill_llama4(model: Llama4LM, cfg: ModelConfig, w: WeightSource) -> None:
         if not cfg.tie_word_embeddings:
             model.lm_head = nn.Parameter(w.take("lm_head.weight", (cfg.vocab_size, H)), requires_grad=False)
         else:
-            w.tensors.pop("lm_head.weight", None)
+            w.discard("lm_head.weight")
         for i, layer in enumerate(model.layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."

@@ -18,6 +18,7 @@ from hybridserve.core.errors import ConfigError
 from hybridserve.models.config import ModelConfig, load_model_config
 from hybridserve.models.decoder import DecoderLM
 from hybridserve.models.llama4 import Llama4LM, fill_llama4
+from hybridserve.models.safetensors_map import MappedCheckpoint
 
 if TYPE_CHECKING:
     from hybridserve.models.mamba_lm import MambaLM
@@ -26,9 +27,8 @@ if TYPE_CHECKING:
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def _open_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
+def open_checkpoint(model_dir: Path) -> MappedCheckpoint:
+    """The directory's safetensors files (sharded or not), mapped, not read."""
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
         files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -36,41 +36,62 @@ def _open_tensors(model_dir: Path) -> dict[str, torch.Tensor]:
         files = sorted(p.name for p in model_dir.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"no .safetensors weights in {model_dir}")
-    tensors: dict[str, torch.Tensor] = {}
-    for name in files:
-        tensors.update(load_file(str(model_dir / name)))
-    return tensors
+    return MappedCheckpoint([model_dir / name for name in files])
 
 
 class _Weights:
-    """Pops tensors by HF name, checking shape and converting dtype; tracks leftovers."""
+    """Takes tensors by HF name, checking shape and converting dtype; tracks leftovers.
 
-    def __init__(self, tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
-        self.tensors = tensors
+    A tensor already in the model dtype is returned as a view of the mapped file (no copy)."""
+
+    def __init__(self, checkpoint: MappedCheckpoint, dtype: torch.dtype) -> None:
+        self.checkpoint = checkpoint
         self.dtype = dtype
+        self._unread = set(checkpoint.names())
+        self._taken: list[str] = []
 
     def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        t = self.tensors.pop(name, None)
-        if t is None:
+        if name not in self._unread:
             raise ConfigError(f"checkpoint is missing tensor {name}")
+        self._unread.discard(name)
+        self._taken.append(name)
+        t = self.checkpoint.tensor(name)
         if tuple(t.shape) != shape:
             raise ConfigError(f"tensor {name} has shape {tuple(t.shape)}, expected {shape}")
         return t.to(self.dtype)
 
+    def discard(self, name: str) -> None:
+        """A tensor the model does not need (e.g. a tied head stored anyway)."""
+        self._unread.discard(name)
+
     def leftovers(self) -> list[str]:
-        return sorted(k for k in self.tensors if not k.endswith(_IGNORED_SUFFIXES))
+        return sorted(k for k in self._unread if not k.endswith(_IGNORED_SUFFIXES))
+
+    def release_taken(self) -> None:
+        """Give back the file pages of the tensors taken so far (called per layer, so the load
+        holds one layer's source pages at a time); what the model still reads as a view (the
+        embedding, unfused weights) is read again, page by page, as it is used."""
+        for name in self._taken:
+            self.checkpoint.release(name)
+        self._taken.clear()
+
+    def release_all(self) -> None:
+        """Give back every file page (after packing, which reads the unfused weights again)."""
+        for name in self.checkpoint.names():
+            self.checkpoint.release(name)
 
 
 def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32) -> DecoderLM | MambaLM:
-    """Build a DecoderLM (a MambaLM for Mamba2 / Bamba) from an HF directory, weights on `device` in `dtype`."""
+               dtype: torch.dtype = torch.float32, quantization: str = "none") -> DecoderLM | MambaLM:
+    """Build a DecoderLM (a MambaLM for Mamba2 / Bamba) from an HF directory, weights on `device` in `dtype`,
+    the output head quantized as `quantization` says (none, int8, int4: see models/head.py)."""
     model_dir = Path(model_dir)
     cfg = load_model_config(model_dir)
     if cfg.mamba is not None:
         from hybridserve.models.mamba_loader import load_mamba_model
 
         return load_mamba_model(model_dir, cfg, device, dtype)
-    w = _Weights(_open_tensors(model_dir), dtype)
+    w = _Weights(open_checkpoint(model_dir), dtype)
     if cfg.family == "llama4":  # its own layer layout (MoE, per-layer MLP sizes, RoPE order)
         llama4 = Llama4LM(cfg, dtype)
         fill_llama4(llama4, cfg, w)
@@ -80,7 +101,12 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
         _fill(model, cfg, w)
     place_weights(model, cfg, w, device)
     model.setup_rope(torch.device(device), cfg.max_position_embeddings)
-    model.build_linears()
+    # The head is built chunk by chunk, each chunk's file pages given back once it has its
+    # own packed or quantized copy (harmless where the head was converted or moved anyway).
+    head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    model.build_linears(quantization=quantization,
+                        release_head_rows=lambda start, stop: w.checkpoint.release(head_name, (start, stop)))
+    w.release_all()
     return model.eval()
 
 
@@ -104,24 +130,25 @@ def _fill(model: DecoderLM, cfg: ModelConfig, w: _Weights) -> None:
         return 1.0 + t if gemma else t  # Gemma's RMSNorm scales by (1 + w)
 
     with torch.no_grad():
-        model.embed.copy_(w.take("model.embed_tokens.weight", (cfg.vocab_size, H)))
+        # Assigned, not copied: a tensor in the model dtype stays a view of the mapped file.
+        model.embed.data = w.take("model.embed_tokens.weight", (cfg.vocab_size, H))
         model.final_norm.copy_(norm("model.norm.weight", H))
         if not cfg.tie_word_embeddings:
             model.lm_head = torch.nn.Parameter(w.take("lm_head.weight", (cfg.vocab_size, H)), requires_grad=False)
         else:
-            w.tensors.pop("lm_head.weight", None)  # some tied checkpoints still store it
+            w.discard("lm_head.weight")  # some tied checkpoints still store it
         for i, layer in enumerate(model.layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
             layer.input_norm.copy_(norm(p + "input_layernorm.weight", H))
-            layer.qkv.copy_(torch.cat([w.take(a + "q_proj.weight", (nq * hd, H)),
-                                       w.take(a + "k_proj.weight", (nkv * hd, H)),
-                                       w.take(a + "v_proj.weight", (nkv * hd, H))]))
+            layer.qkv.data = torch.cat([w.take(a + "q_proj.weight", (nq * hd, H)),
+                                        w.take(a + "k_proj.weight", (nkv * hd, H)),
+                                        w.take(a + "v_proj.weight", (nkv * hd, H))])
             if layer.qkv_bias is not None:
                 layer.qkv_bias.copy_(torch.cat([w.take(a + "q_proj.bias", (nq * hd,)),
                                                 w.take(a + "k_proj.bias", (nkv * hd,)),
                                                 w.take(a + "v_proj.bias", (nkv * hd,))]))
-            layer.o.copy_(w.take(a + "o_proj.weight", (H, nq * hd)))
+            layer.o.data = w.take(a + "o_proj.weight", (H, nq * hd))
             if layer.o_bias is not None:
                 layer.o_bias.copy_(w.take(a + "o_proj.bias", (H,)))
             if layer.qk_norm is not None:
@@ -133,10 +160,11 @@ def _fill(model: DecoderLM, cfg: ModelConfig, w: _Weights) -> None:
                 layer.pre_ffn_norm.copy_(norm(p + "pre_feedforward_layernorm.weight", H))
                 layer.post_ffn_norm.copy_(norm(p + "post_feedforward_layernorm.weight", H))
             m = p + "mlp."
-            layer.gate_up.copy_(torch.cat([w.take(m + "gate_proj.weight", (I, H)),
-                                           w.take(m + "up_proj.weight", (I, H))]))
+            layer.gate_up.data = torch.cat([w.take(m + "gate_proj.weight", (I, H)),
+                                            w.take(m + "up_proj.weight", (I, H))])
             if layer.gate_up_bias is not None and layer.down_bias is not None:
                 layer.gate_up_bias.copy_(torch.cat([w.take(m + "gate_proj.bias", (I,)),
                                                     w.take(m + "up_proj.bias", (I,))]))
                 layer.down_bias.copy_(w.take(m + "down_proj.bias", (H,)))
-            layer.down.copy_(w.take(m + "down_proj.weight", (H, I)))
+            layer.down.data = w.take(m + "down_proj.weight", (H, I))
+            w.release_taken()

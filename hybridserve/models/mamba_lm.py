@@ -126,3 +126,6 @@ class MambaLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         assert self.lm_head is not None, "weights not loaded"
         return F.linear(hidden, self.lm_head)
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> list[int]:
+        return self.logits(hidden).argmax(dim=-1).tolist()

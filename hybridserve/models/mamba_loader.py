@@ -18,14 +18,14 @@ from pathlib import Path
 import torch
 
 from hybridserve.models.config import ModelConfig
-from hybridserve.models.loader import _open_tensors, _Weights, place_weights
+from hybridserve.models.loader import _Weights, open_checkpoint, place_weights
 from hybridserve.models.mamba2 import Mamba2MixerWeights
 from hybridserve.models.mamba_lm import AttentionWeights, MambaLM
 
 
 def load_mamba_model(model_dir: Path, cfg: ModelConfig, device: str | torch.device, dtype: torch.dtype) -> MambaLM:
     model = MambaLM(cfg, dtype)
-    w = _Weights(_open_tensors(model_dir), dtype)
+    w = _Weights(open_checkpoint(model_dir), dtype)
     _fill(model, cfg, w)
     place_weights(model, cfg, w, device)
     model.setup(torch.device(device))
@@ -69,7 +69,7 @@ def _fill(model: MambaLM, cfg: ModelConfig, w: _Weights) -> None:
         if not cfg.tie_word_embeddings:
             model.lm_head = torch.nn.Parameter(w.take("lm_head.weight", (cfg.vocab_size, H)), requires_grad=False)
         else:
-            w.tensors.pop("lm_head.weight", None)
+            w.discard("lm_head.weight")
         for i, layer in enumerate(model.layers):
             p = f"{root}layers.{i}."
             layer.norm.copy_(w.take(p + ("norm.weight" if mamba2 else "input_layernorm.weight"), (H,)))

@@ -66,13 +66,14 @@ class TorchExecutor(Executor):
     def __init__(self, model: DecoderLM | MambaLM | str | Path, *, device: str | torch.device | None = None,
                  dtype: torch.dtype = torch.float32, use_worker_thread: bool = True, seed: int = 0,
                  num_threads: int | None = None, drafter: NgramDrafter | None = None,
-                 grammar: GrammarBackend | None = None) -> None:
+                 grammar: GrammarBackend | None = None, quantization: str = "none") -> None:
         """drafter: fills the draft slots of speculative decoding (default: n-gram sizes 2..4);
-        grammar: compiles structured outputs (None: requests with one are refused)."""
+        grammar: compiles structured outputs (None: requests with one are refused);
+        quantization: of the output head of a model loaded from a directory (models/head.py)."""
         self.device = resolve_device(device)
         if num_threads is not None:
             torch.set_num_threads(num_threads)
-        self.model = model if isinstance(model, (DecoderLM, MambaLM)) else load_model(model, self.device, dtype)
+        self.model = model if isinstance(model, (DecoderLM, MambaLM)) else load_model(model, self.device, dtype, quantization)
         self.seed = seed
         self.drafter = drafter
         self.grammar = grammar

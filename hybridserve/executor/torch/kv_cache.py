@@ -20,6 +20,7 @@ from __future__ import annotations
 import re
 from math import prod
 
+import numpy as np
 import torch
 
 from hybridserve.core.errors import ConfigError
@@ -79,6 +80,17 @@ def _check_specs(config: KVCacheConfig) -> str:
     return next(iter(dtypes))
 
 
+def _zeros(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled [rows, cols] buffer. On CPU through calloc (numpy), which hands out
+    fresh zero pages without writing them: a pool sized for the default budget (1 GiB)
+    then costs memory only for the blocks requests actually fill."""
+    if device.type != "cpu":
+        return torch.zeros(rows, cols, dtype=dtype, device=device)
+    elem = torch.tensor([], dtype=dtype).element_size()
+    raw = torch.from_numpy(np.zeros(rows * cols * elem, dtype=np.uint8))
+    return raw.view(dtype).view(rows, cols)
+
+
 class PagedKVCache:
     """Slot buffers plus, per layer name, its group index and its view: attention layers
     [nb, bs, 2, kvh, d] in `layer_view`; Mamba layers one view per state shape, each
@@ -92,8 +104,7 @@ class PagedKVCache:
         elem = torch.tensor([], dtype=dtype).element_size()
         page_elems = max(g.spec.page_size_bytes for g in config.groups) // elem
         num_slots = max(len(g.layer_names) for g in config.groups)
-        self.buffers = [torch.zeros(config.num_blocks, page_elems, dtype=dtype, device=device)
-                        for _ in range(num_slots)]
+        self.buffers = [_zeros(config.num_blocks, page_elems, dtype, device) for _ in range(num_slots)]
         self.layer_group: dict[str, int] = {}
         self.layer_view: dict[str, torch.Tensor] = {}
         self.state_views: dict[str, tuple[torch.Tensor, ...]] = {}

@@ -268,16 +268,14 @@ class ModelRunner:
                     != len(states[i].token_ids):
                 raise RequestError(f"request {states[i].req_id}: a sampling step ends before its last known token")
         widths = [1 + len(drafts[i]) for i in samplers]  # logits rows per sampler
-        num_rows = sum(widths)
-        if num_rows == hidden.shape[0]:
-            logits = self.model.logits(hidden)  # every row samples (decodes, with or without drafts)
-        else:
+        if sum(widths) != hidden.shape[0]:  # else every row samples (decodes, with or without drafts)
             rows = np.concatenate([np.arange(ends[i] - w, ends[i]) for i, w in zip(samplers, widths)])
-            logits = self.model.logits(hidden[torch.from_numpy(rows).to(self.device)])
+            hidden = hidden[torch.from_numpy(rows).to(self.device)]
+        lps: list = []
         if all(states[i].plain_greedy for i in samplers):
-            tokens = logits.argmax(dim=-1).tolist()
-            lps: list = []
+            tokens = self.model.greedy_tokens(hidden)  # no full logits tensor
         else:
+            logits = self.model.logits(hidden)
             masks = {i: g.masks(drafts[i], w) for i, w in zip(samplers, widths)
                      if (g := states[i].extra.get("grammar")) is not None}
             rows_info = [SampleRow(states[i].params, states[i].generator, self._banned(states[i], j),

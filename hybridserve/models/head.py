@@ -1,0 +1,135 @@
+"""The output head (hidden -> vocab logits): dense, int8 per channel or int4 group-wise.
+
+With a large vocabulary the head is most of the model (Gemma 3 270M: 168M of 270M
+parameters) and its bytes set the decode speed, so it gets its own representations:
+
+- "none": the weight in the model dtype, oneDNN-packed (see linear.py) in chunks of
+  HEAD_CHUNK_ROWS vocabulary rows. Packing chunk by chunk, and handing each chunk's source
+  rows back to `release_rows` once packed, keeps the peak at one packed copy plus one
+  chunk: the tied embedding stays a mapped view of the checkpoint whose rows are read only
+  for the tokens looked up.
+- "int8": one int8 per weight and one scale per vocabulary row (symmetric, round to
+  nearest), multiplied by PyTorch's weight-only int8 CPU kernel (`_weight_int8pack_mm`).
+- "int4": unsigned 4-bit values in groups of INT4_GROUP_SIZE along the hidden dimension,
+  each group with its own scale and offset (asymmetric min/max), packed for PyTorch's CPU
+  int4 kernel (`_weight_int4pack_mm_for_cpu`).
+
+The quantized kernels take bfloat16 activations; a float32 model's hidden states are
+rounded to bfloat16 for them and the logits come back in the model dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from hybridserve.core.errors import ConfigError
+from hybridserve.models.linear import pack
+
+# Vocabulary rows per packed / quantized chunk: small enough that quantizing one (float32
+# temporaries) adds little to the load's peak memory, large enough that per-call overhead
+# stays small (16 calls per step for a 262k vocabulary).
+HEAD_CHUNK_ROWS = 16384
+INT4_GROUP_SIZE = 32  # hidden-dim weights sharing one int4 scale and offset (as GGUF's Q4_K sub-blocks)
+_INT4_LEVELS = 15  # largest 4-bit value
+_INT4_MIDPOINT = 8  # the kernel subtracts this from each 4-bit value before scaling
+_INT8_LEVELS = 127
+
+ReleaseRows = Callable[[int, int], None]
+
+
+def quantize_int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 values [N, K], float32 scale per row [N]) with weight ~= values * scale[:, None]."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / _INT8_LEVELS
+    values = torch.round(w / scale[:, None]).clamp(-_INT8_LEVELS, _INT8_LEVELS).to(torch.int8)
+    return values, scale
+
+
+def quantize_int4_groups(weight: torch.Tensor, group_size: int = INT4_GROUP_SIZE
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(values 0..15 as int32 [N, K], scale [N, K/g], offset [N, K/g]) with
+    weight ~= (values - 8) * scale + offset, per group of `group_size` columns."""
+    n, k = weight.shape
+    if k % group_size:
+        raise ConfigError(f"int4 quantization needs the hidden size ({k}) to be a multiple of {group_size}")
+    w = weight.float().view(n, k // group_size, group_size)
+    low = w.amin(dim=-1, keepdim=True)
+    scale = ((w.amax(dim=-1, keepdim=True) - low) / _INT4_LEVELS).clamp(min=torch.finfo(torch.float32).tiny)
+    values = torch.round((w - low) / scale).clamp(0, _INT4_LEVELS).to(torch.int32).view(n, k)
+    offset = low + _INT4_MIDPOINT * scale  # so that (values - 8) * scale + offset == values * scale + low
+    return values, scale.view(n, -1), offset.view(n, -1)
+
+
+def dequantize_int4_groups(values: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    """The float32 weight that int4 (values, scale, offset) stands for."""
+    n, k = values.shape
+    groups = scale.shape[1]
+    grouped = (values.float().view(n, groups, -1) - _INT4_MIDPOINT) * scale[..., None] + offset[..., None]
+    return grouped.view(n, k)
+
+
+class OutputHead:
+    """hidden [S, K] -> logits [S, N] in the model dtype, from per-chunk kernels."""
+
+    def __init__(self, weight: torch.Tensor, quantization: str, release_rows: ReleaseRows | None = None) -> None:
+        self.out_dtype = weight.dtype
+        self.quantization = quantization
+        self.vocab_size = weight.shape[0]
+        self._chunks: list[Callable[[torch.Tensor], torch.Tensor]] = []
+        for start in range(0, self.vocab_size, HEAD_CHUNK_ROWS):
+            stop = min(start + HEAD_CHUNK_ROWS, self.vocab_size)
+            kernel, reads_source = self._chunk_kernel(weight[start:stop])
+            self._chunks.append(kernel)
+            if release_rows is not None and not reads_source:
+                release_rows(start, stop)
+
+    def _chunk_kernel(self, w: torch.Tensor) -> tuple[Callable[[torch.Tensor], torch.Tensor], bool]:
+        """(the matmul of one chunk of rows, whether it still reads `w` itself)."""
+        if self.quantization == "int8":
+            values, scale = quantize_int8_rows(w)
+            scale_bf16 = scale.to(torch.bfloat16)
+            return (lambda x: torch._weight_int8pack_mm(x, values, scale_bf16)), False
+        if self.quantization == "int4":
+            values, scale, offset = quantize_int4_groups(w)
+            group_size = w.shape[1] // scale.shape[1]
+            packed_values = torch._convert_weight_to_int4pack_for_cpu(values, 1)
+            scale_offset = torch.stack([scale.t(), offset.t()], dim=-1).contiguous().to(torch.bfloat16)
+            return (lambda x: torch._weight_int4pack_mm_for_cpu(x, packed_values, group_size, scale_offset)), False
+        if self.quantization != "none":
+            raise ConfigError(f"unknown head quantization {self.quantization!r}; use none, int8 or int4")
+        packed = pack(w)
+        if packed is None:  # small or not packable here: the plain weight is the kernel's input
+            return (lambda x: torch.nn.functional.linear(x, w)), True
+        linear = torch.ops.mkldnn._linear_pointwise
+        return (lambda x: linear(x, packed, None, "none", [], "")), False
+
+    def _input(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = hidden.contiguous()
+        return x.to(torch.bfloat16) if self.quantization != "none" else x
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = self._input(hidden)
+        if len(self._chunks) == 1:
+            return self._chunks[0](x).to(self.out_dtype)
+        return torch.cat([chunk(x) for chunk in self._chunks], dim=1).to(self.out_dtype)
+
+    def greedy(self, hidden: torch.Tensor, softcap: float | None) -> list[int]:
+        """argmax of each row's logits (the first index among equal maxima, as argmax), without
+        building the full logits: each chunk reduces to its (max, index) while it is in cache.
+        `max(dim)` rather than `argmax`: one pass that returns both, 2-3x faster on bfloat16
+        rows of 262k; it picks the first maximal index too (tests/test_head.py checks)."""
+        x = self._input(hidden)
+        values, indices = [], []
+        for start, chunk in zip(range(0, self.vocab_size, HEAD_CHUNK_ROWS), self._chunks):
+            out = chunk(x)
+            if softcap:  # as logits(): tanh can make distinct logits equal, so argmax must see it
+                out = torch.tanh(out.to(self.out_dtype) / softcap) * softcap
+            best = out.max(dim=-1)
+            values.append(best.values.float())
+            indices.append(best.indices + start)
+        if len(values) == 1:
+            return indices[0].tolist()
+        winner = torch.stack(values, dim=1).max(dim=1).indices  # first chunk holding the maximum
+        return torch.stack(indices, dim=1).gather(1, winner[:, None]).squeeze(1).tolist()

@@ -1,0 +1,92 @@
+"""models/cpu_features.py: the dtype / quantization choice from given CPU flag sets, and the flags' parsing."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybridserve.config import EngineConfig
+from hybridserve.core.errors import ConfigError
+from hybridserve.models.cpu_features import (
+    choose_dtype,
+    choose_quantization,
+    describe,
+    has_native_bf16,
+    read_cpu_flags,
+)
+
+SAPPHIRE_RAPIDS_NO_AMX = {"avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16"}
+SAPPHIRE_RAPIDS_AMX = {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile"}
+AMX_ONLY = {"avx2", "avx512f", "amx_bf16"}
+EPYC_AVX2 = {"avx", "avx2", "fma", "f16c"}
+ICELAKE_AVX512_NO_BF16 = {"avx2", "avx512f", "avx512_vnni"}
+
+
+@pytest.mark.parametrize("flags, want", [
+    (SAPPHIRE_RAPIDS_NO_AMX, "bfloat16"),
+    (SAPPHIRE_RAPIDS_AMX, "bfloat16"),
+    (AMX_ONLY, "bfloat16"),
+    (EPYC_AVX2, "float32"),
+    (ICELAKE_AVX512_NO_BF16, "float32"),  # AVX-512 alone converts bf16 in software
+    (set(), "float32"),
+])
+def test_auto_dtype_on_cpu_follows_native_bf16(flags: set[str], want: str) -> None:
+    assert choose_dtype("auto", "cpu", frozenset(flags)) == want
+
+
+def test_explicit_dtype_and_other_devices() -> None:
+    assert choose_dtype("float32", "cpu", frozenset(SAPPHIRE_RAPIDS_AMX)) == "float32"
+    assert choose_dtype("bfloat16", "cpu", frozenset(EPYC_AVX2)) == "bfloat16"
+    assert choose_dtype("auto", "cuda", frozenset(SAPPHIRE_RAPIDS_AMX)) == "float32"
+
+
+def test_quantization_choice() -> None:
+    assert choose_quantization("auto") == "none"
+    assert [choose_quantization(q) for q in ("none", "int8", "int4")] == ["none", "int8", "int4"]
+
+
+def test_describe_names_the_reason() -> None:
+    assert describe("bfloat16", "none", frozenset(SAPPHIRE_RAPIDS_AMX)) == \
+        "dtype bfloat16, quantization none (native bf16: amx_bf16, avx512_bf16)"
+    assert describe("float32", "int8", frozenset(EPYC_AVX2)) == \
+        "dtype float32, quantization int8 (no native bf16 (avx512_bf16 / amx_bf16))"
+
+
+def test_read_cpu_flags(tmp_path: Path) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: Test CPU\nflags\t\t: fpu avx2 avx512_bf16\n\n"
+                       "processor\t: 1\nflags\t\t: fpu avx2 avx512_bf16\n")
+    assert read_cpu_flags(cpuinfo) == frozenset({"fpu", "avx2", "avx512_bf16"})
+    assert has_native_bf16(read_cpu_flags(cpuinfo))
+    arm = tmp_path / "arm"
+    arm.write_text("processor\t: 0\nFeatures\t: fp asimd bf16\n")
+    assert not has_native_bf16(read_cpu_flags(arm))  # ARM's bf16 is not the x86 flag
+    assert read_cpu_flags(tmp_path / "missing") == frozenset()
+
+
+def test_config_defaults_and_bad_values() -> None:
+    config = EngineConfig()
+    assert (config.dtype, config.quantization) == ("auto", "auto")
+    with pytest.raises(ConfigError, match=r"quantization must be one of auto, none, int8, int4, got 'int3'"):
+        EngineConfig(quantization="int3")
+
+
+def test_cli_rejects_unknown_quantization_in_one_line() -> None:
+    out = subprocess.run([sys.executable, "-m", "hybridserve.entrypoints.cli", "generate", "--quantization", "fp8",
+                          "hi"], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 2
+    assert out.stderr.count("\n") == 1 and "argument --quantization: invalid choice: 'fp8'" in out.stderr
+
+
+def test_import_sets_a_passive_openmp_wait_policy_unless_set() -> None:
+    code = "import os, hybridserve; print(os.environ['OMP_WAIT_POLICY'])"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    repo = Path(__file__).resolve().parents[1]
+    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          cwd=repo).stdout.strip() == "PASSIVE"
+    assert subprocess.run([sys.executable, "-c", code], env={**env, "OMP_WAIT_POLICY": "ACTIVE"},
+                          capture_output=True, text=True, cwd=repo).stdout.strip() == "ACTIVE"

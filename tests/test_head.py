@@ -1,0 +1,140 @@
+"""models/head.py and models/safetensors_map.py: quantizers on hand-derived numbers, the chunked
+head against plain matmuls, greedy == argmax (ties included), mapped tensors and page release."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("safetensors")
+
+import torch.nn.functional as F  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+from hybridserve.models.head import (  # noqa: E402
+    HEAD_CHUNK_ROWS,
+    OutputHead,
+    dequantize_int4_groups,
+    quantize_int4_groups,
+    quantize_int8_rows,
+)
+from hybridserve.models.safetensors_map import MappedCheckpoint  # noqa: E402
+
+VOCAB = HEAD_CHUNK_ROWS + 7232  # two chunks, the second partial
+HIDDEN = 64
+
+
+def test_int8_rows_by_hand() -> None:
+    w = torch.tensor([[1.27, -0.64, 0.0], [2.54, 1.0, -0.02]])
+    values, scale = quantize_int8_rows(w)
+    assert values.dtype == torch.int8
+    assert values.tolist() == [[127, -64, 0], [127, 50, -1]]
+    assert scale.tolist() == pytest.approx([0.01, 0.02], rel=1e-6)
+
+
+def test_int4_groups_by_hand() -> None:
+    ramp = torch.arange(16, dtype=torch.float32)  # low 0, high 15: scale 1, values == weights
+    shifted = 2 * ramp - 3  # low -3, high 27: scale 2
+    w = torch.stack([torch.cat([ramp, ramp]), torch.cat([shifted, shifted])])
+    values, scale, offset = quantize_int4_groups(w, group_size=32)
+    assert values[0].tolist() == list(range(16)) * 2
+    assert values[1].tolist() == list(range(16)) * 2
+    assert scale.tolist() == [[1.0], [2.0]]
+    assert offset.tolist() == [[8.0], [13.0]]  # low + 8 * scale
+    assert torch.equal(dequantize_int4_groups(values, scale, offset), w)
+
+
+def test_int4_rejects_a_hidden_size_off_the_group() -> None:
+    from hybridserve.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="multiple of 32"):
+        quantize_int4_groups(torch.zeros(4, 48))
+
+
+@pytest.fixture(scope="module")
+def weight() -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(VOCAB, HIDDEN, generator=g) * 0.05
+
+
+def _hidden(rows: int) -> torch.Tensor:
+    return torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_dense_head_equals_f_linear(weight: torch.Tensor, rows: int) -> None:
+    x = _hidden(rows)
+    got = OutputHead(weight, "none")(x)
+    assert got.shape == (rows, VOCAB)
+    torch.testing.assert_close(got, F.linear(x, weight), rtol=1e-5, atol=1e-5)
+
+
+def test_int8_head_equals_matmul_of_its_dequantized_weight(weight: torch.Tensor) -> None:
+    x = _hidden(3)
+    values, scale = quantize_int8_rows(weight)
+    expected = F.linear(x.bfloat16().float(), values.float() * scale.bfloat16().float()[:, None])
+    got = OutputHead(weight, "int8")(x)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-3)  # bf16 output rounding
+
+
+def test_int4_head_equals_matmul_of_its_dequantized_weight(weight: torch.Tensor) -> None:
+    x = _hidden(3)
+    values, scale, offset = quantize_int4_groups(weight)
+    deq = dequantize_int4_groups(values, scale.bfloat16().float(), offset.bfloat16().float())
+    expected = F.linear(x.bfloat16().float(), deq)
+    got = OutputHead(weight, "int4")(x)
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=3e-3)
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+def test_greedy_is_argmax_of_the_logits(weight: torch.Tensor, quantization: str) -> None:
+    head = OutputHead(weight, quantization)
+    x = _hidden(16)
+    assert head.greedy(x, None) == head(x).argmax(dim=-1).tolist()
+    assert head.greedy(x, 0.5) == (torch.tanh(head(x) / 0.5) * 0.5).argmax(dim=-1).tolist()
+
+
+def test_greedy_ties_pick_the_first_index_across_and_within_chunks() -> None:
+    w = torch.zeros(VOCAB, HIDDEN)
+    w[3, 0] = w[HEAD_CHUNK_ROWS + 5, 0] = 1.0  # equal maxima in two chunks: row 0 picks 3
+    w[HEAD_CHUNK_ROWS + 9, 1] = w[HEAD_CHUNK_ROWS + 2, 1] = 1.0  # both in chunk 2: row 1 picks +2
+    x = torch.zeros(2, HIDDEN)
+    x[0, 0] = x[1, 1] = 1.0
+    for head in (OutputHead(w, "none"), OutputHead(w.bfloat16(), "none")):
+        assert head.greedy(x.to(head.out_dtype), None) == [3, HEAD_CHUNK_ROWS + 2]
+
+
+def test_release_rows_per_chunk_only_when_the_source_is_no_longer_read(weight: torch.Tensor) -> None:
+    released: list[tuple[int, int]] = []
+    OutputHead(weight, "int8", lambda a, b: released.append((a, b)))
+    assert released == [(0, HEAD_CHUNK_ROWS), (HEAD_CHUNK_ROWS, VOCAB)]
+    released.clear()
+    OutputHead(weight[:100], "none", lambda a, b: released.append((a, b)))  # too small to pack: read as is
+    assert released == []
+
+
+def test_mapped_checkpoint_views_the_file(tmp_path: Path) -> None:
+    tensors = {"a": torch.arange(6, dtype=torch.float32).view(2, 3), "b": torch.tensor([1.5, -2.0]).bfloat16(),
+               "c": torch.tensor([[1, 2], [3, 4]], dtype=torch.int8), "big": torch.arange(4096 * 3).float()}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    ckpt = MappedCheckpoint([tmp_path / "model.safetensors"])
+    assert sorted(ckpt.names()) == ["a", "b", "big", "c"]
+    for name, t in tensors.items():
+        got = ckpt.tensor(name)
+        assert got.dtype == t.dtype and torch.equal(got, t)
+    assert ckpt.tensor("big").data_ptr() == ckpt.tensor("big").data_ptr()  # a view, not a copy
+    ckpt.release("big")
+    ckpt.release("big", (0, 2048))
+    assert torch.equal(ckpt.tensor("big"), tensors["big"])  # re-read from the file after release
+
+
+def test_mapped_checkpoint_rejects_a_non_safetensors_file(tmp_path: Path) -> None:
+    from hybridserve.core.errors import ConfigError
+
+    bad = tmp_path / "model.safetensors"
+    bad.write_bytes(b"\xff" * 16)
+    with pytest.raises(ConfigError, match="not a readable safetensors file"):
+        MappedCheckpoint([bad])

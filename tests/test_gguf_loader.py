@@ -145,6 +145,15 @@ def test_llama_logits_and_tokenizer_match_transformers_gguf_loader(tiny_llama: t
     assert our_tokenizer.encode("hello world") == [1, 268, 273, 270, 262, 271]  # <s> ▁hello ▁wo r l d
 
 
+@pytest.mark.parametrize("text, markup", [("<start_of_image>", True), ("[multimodal]", True), ("<b>", True),
+                                           ("\n\n", False), ("\t\t", False), ("< b>", False), ("<a><b>", False),
+                                           ("plain", False)])
+def test_markup_tokens_are_single_tags_without_whitespace(text: str, markup: bool) -> None:
+    from hybridserve.models.gguf_loader import is_markup_token
+
+    assert is_markup_token(text) is markup
+
+
 def test_llama3_rope_freqs_become_hf_rope_scaling(tmp_path: Path) -> None:
     factors = llama3_factors(10000.0, LLAMA_HEAD_DIM, LLAMA3_SCALING).astype(np.float32)
     assert factors[0] == 1.0 and factors[-1] == 8.0 and 1.0 < factors[-2] < 8.0  # all three regions
@@ -302,3 +311,10 @@ def test_default_model_logits_and_tokenizer_match_transformers(gemma_start: dict
         assert our_tokenizer.encode(text) == their_tokenizer.encode(text)
     assert our_tokenizer.encode("The capital of France is") == [2, 818, 5279, 529, 7001, 563]
     assert our_tokenizer.eos_token_id == 1 and our_tokenizer.decode([9259, 1902]) == "Hello world"
+    # The GGUF lists Gemma 3's image markers and [multimodal] as user-defined, like the runs of
+    # newlines and tabs; the model's own tokenizer has the markers special, so must ours:
+    # they never reach text, while "\n\n" (108) does.
+    specials = {i for i, t in our_tokenizer.added_tokens_decoder.items() if t.special}
+    assert {5, 255999, 256000} <= specials and 108 not in specials
+    assert our_tokenizer.decode([9259, 255999, 1902, 256000, 108], skip_special_tokens=True) == "Hello world\n\n"
+    assert their_tokenizer.added_tokens_decoder[255999].special is False  # what transformers alone builds

@@ -19,7 +19,9 @@ Invariants:
 - Bumping `CONVERTER_VERSION` orphans every old conversion (they are not reused). Version 2:
   a GGUF is converted to the serving dtype (bfloat16 on CPUs with native bf16), which the
   runner maps from the file as stored (models/safetensors_map.py); version 1 caches were
-  always float32 and loaded by copying.
+  always float32 and loaded by copying. Version 3: markup tokens the GGUF lists as
+  user-defined (`<start_of_image>`, `[multimodal]`) are special in the tokenizer, as in
+  the model's own; version 2 tokenizers let them into text.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import numpy as np
 
 from hybridserve.core.errors import ConfigError
 
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3
 CACHE_DIR_ENV_VAR = "HYBRIDSERVE_CACHE_DIR"
 CONVERSION_MARKER = "hybridserve-conversion.json"
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
@@ -136,7 +138,7 @@ def convert_gguf(
         del tensors
         (staging / "config.json").write_text(json.dumps({**config, "torch_dtype": dtype}, indent=2) + "\n")
         say(progress, "building the tokenizer from the GGUF's embedded vocabulary")
-        _save_tokenizer(path, header.architecture, staging)
+        _save_tokenizer(path, header, staging)
         marker = {
             "converter_version": CONVERTER_VERSION,
             "source": str(path.resolve()),
@@ -201,14 +203,31 @@ def _write_safetensors(tensors: dict[str, np.ndarray], path: Path, dtype: str) -
     save_numpy({k: v.astype(dtype, copy=False) for k, v in tensors.items()}, str(path), metadata)
 
 
-def _save_tokenizer(gguf_path: Path, architecture: str, out_dir: Path) -> None:
-    """Build the tokenizer from the GGUF vocabulary with transformers and save it to `out_dir`.
+# GGUF token types (llama.cpp's llama_token_type).
+_USER_DEFINED = 4
+_MARKUP = re.compile(r"<[^<>\s]+>|\[[^\[\]\s]+\]")
+
+
+def is_markup_token(text: str) -> bool:
+    """`<start_of_image>` or `[multimodal]`: one tag, no whitespace (unlike "\n\n", also user-defined)."""
+    return _MARKUP.fullmatch(text) is not None
+
+
+def _save_tokenizer(gguf_path: Path, header: Any, out_dir: Path) -> None:
+    """Build the tokenizer from the GGUF vocabulary (`header`: its GGUFHeader) with transformers and
+    save it to `out_dir`.
 
     transformers is pointed at a folder holding only a link to the GGUF: a tokenizer.json that
     happens to sit next to the GGUF would otherwise take precedence over the embedded vocabulary.
     `tokenizer_type` is passed so transformers does not parse the whole GGUF a second time to find
     the model type (about 24 s on a 262k vocabulary).
+
+    transformers marks only the GGUF's control tokens special. GGUFs list some of a model's
+    special tokens as user-defined (Gemma 3's image markers), and the model's own tokenizer
+    has them special: those that are markup are made special here, so they never reach
+    text (`skip_special_tokens`).
     """
+    architecture = header.architecture
     try:
         from transformers import AutoTokenizer, PreTrainedTokenizerFast
     except ImportError:
@@ -231,4 +250,12 @@ def _save_tokenizer(gguf_path: Path, architecture: str, out_dir: Path) -> None:
     finally:
         if source_dir != gguf_path.parent:
             shutil.rmtree(source_dir)
+    types = header.metadata.get("tokenizer.ggml.token_type")
+    if types is not None:
+        from tokenizers import AddedToken
+
+        markup = [t.content for i, t in tokenizer.added_tokens_decoder.items()
+                  if not t.special and i < len(types) and types[i] == _USER_DEFINED and is_markup_token(t.content)]
+        if markup:
+            tokenizer.add_tokens([AddedToken(c, special=True, normalized=False) for c in markup], special_tokens=True)
     tokenizer.save_pretrained(str(out_dir))

@@ -43,13 +43,24 @@ class Tokenizer:
         self.bos_token_id: int | None = hf_tokenizer.bos_token_id
         self.chat_template: str | None = getattr(hf_tokenizer, "chat_template", None) or None
         self._token_text: dict[int, str] = {}
-        # HF fast tokenizers are not documented as thread-safe, so each direction has its
-        # own copy and lock: the engine thread decodes every step while a server worker
-        # thread may spend seconds encoding a huge prompt, and the two must not wait on
-        # each other.
+        # The engine thread decodes every step while a server worker thread may spend
+        # seconds encoding a huge prompt: the two must not wait on each other. Each
+        # direction has its own lock. A fast tokenizer's Rust backend decodes through a
+        # shared (read-only) borrow, safe beside an encode, once truncation and padding are
+        # settled here so that encode never reconfigures the backend; a slow tokenizer gets
+        # a copy for decoding (a second 262k vocabulary would cost hundreds of MB, so the
+        # fast path matters).
         self._encode_lock = threading.Lock()
-        self._decoder = copy.deepcopy(hf_tokenizer)
         self._decode_lock = threading.Lock()
+        backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            backend.no_truncation()
+            backend.no_padding()
+            self._decode_ids = lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)
+        else:
+            decoder = copy.deepcopy(hf_tokenizer)
+            self._decode_ids = lambda ids, skip: decoder.decode(ids, skip_special_tokens=skip,
+                                                                clean_up_tokenization_spaces=False)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer | None:
@@ -91,9 +102,9 @@ class Tokenizer:
             return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """The text of token ids, as transformers decodes them without its space clean-up."""
         with self._decode_lock:
-            return self._decoder.decode(list(token_ids), skip_special_tokens=skip_special_tokens,
-                                  clean_up_tokenization_spaces=False)
+            return self._decode_ids(list(token_ids), skip_special_tokens)
 
     def token_text(self, token_id: int) -> str:
         """The text of one token on its own (logprob listings), special tokens included."""

@@ -192,8 +192,8 @@ def main() -> int:
     url = line.rsplit(" ", 1)[1].strip()
     rng = random.Random(0)
     rows, failures = [], []
-    print(f"| round | well-formed done | clean errors | refused | disconnects | malformed 4xx | 5xx | "
-          f"KV usage after | server RSS MiB | wall s |")
+    print("| round | well-formed done | clean errors | refused | disconnects | malformed 4xx | 5xx | "
+          "KV usage after | server RSS MiB | wall s |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for i in range(1, args.rounds + 1):
         c = asyncio.run(one_round(url, rng, WORDS, args.max_tokens))

@@ -52,7 +52,7 @@ from hybridserve.entrypoints import openai_protocol as P
 from hybridserve.entrypoints.http_guard import HttpGuard
 from hybridserve.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
 from hybridserve.entrypoints.server_limits import ServerLimits
-from hybridserve.entrypoints.tool_calls import ToolCall, ToolError, forced_call_schema, functions, parse_tool_calls
+from hybridserve.entrypoints.tool_calls import ToolError, forced_call_schema, functions, parse_tool_calls
 
 logger = logging.getLogger("hybridserve.server")
 _DONE = object()

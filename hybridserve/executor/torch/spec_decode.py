@@ -62,8 +62,9 @@ class NgramDrafter:
 
 
 def lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
-    """What the numpy reference (tests/ngram_reference.py, propose_ngram_drafts) returns, found on a Python list without
-    copying it to numpy (it runs once per decode request per step).
+    """What the numpy reference (tests/ngram_reference.py, propose_ngram_drafts) returns,
+    found on a Python list without copying it to numpy (it runs once per decode request
+    per step).
 
     Only earlier positions e <= len - 2 holding the last token can end a match; C-speed
     list.index finds them, then n-grams are compared from the longest n down, most

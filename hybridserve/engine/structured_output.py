@@ -9,6 +9,7 @@ RequestError naming `structured_output`), matched token by token in the runner
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import threading
@@ -18,8 +19,11 @@ from hybridserve.core.errors import ConfigError, RequestError
 from hybridserve.core.request import StructuredOutput
 
 
+@functools.lru_cache(maxsize=256)
 def grammar_text(so: StructuredOutput) -> str:
-    """llguidance's grammar for a constraint (raises RequestError on a malformed spec)."""
+    """llguidance's grammar for a constraint (raises RequestError on a malformed spec).
+    Cached: the front end checks a constraint and the runner builds its matcher from the
+    same text, and clients tend to send the same few schemas again and again."""
     from llguidance import LLMatcher
 
     try:

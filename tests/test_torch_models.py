@@ -19,7 +19,6 @@ from hybridserve.core.kv.spec import FullAttentionSpec, SlidingWindowSpec  # noq
 from hybridserve.core.request import SamplingParams  # noqa: E402
 from hybridserve.core.sched.output import NewRequestData, ScheduledRequest, SchedulerOutput  # noqa: E402
 from hybridserve.executor.torch.executor import build_kv_cache_config  # noqa: E402
-from hybridserve.executor.torch.kv_cache import parse_memory  # noqa: E402
 from hybridserve.executor.torch.model_runner import ModelRunner  # noqa: E402
 from hybridserve.models.config import FULL, SLIDING, load_model_config, parse_model_config  # noqa: E402
 from hybridserve.models.kv_specs import model_kv_layer_specs  # noqa: E402
@@ -114,9 +113,8 @@ def test_kv_specs_and_groups() -> None:
     # 4 sliding + 2 full layers -> groups of 2 layers; a block costs 2 pages of 2*16*2*16*4 = 4096 bytes.
     assert [len(g.layer_names) for g in kvc.groups] == [2, 2, 2]
     assert kvc.bytes_per_block == 2 * 4096 and kvc.num_blocks == (1 << 20) // 8192
-    assert parse_memory("1.5GiB") == 3 << 29 and parse_memory(4096) == 4096
-    with pytest.raises(ConfigError):
-        parse_memory("lots")
+    with pytest.raises(ConfigError, match="kv_cache_memory: cannot parse size 'lots'"):
+        build_kv_cache_config(cfg, BS, kv_cache_memory="lots")
 
 
 # -- the runner by hand ----------------------------------------------------------------

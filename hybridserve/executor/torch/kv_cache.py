@@ -17,12 +17,12 @@ a masked read of it is always finite.
 
 from __future__ import annotations
 
-import re
 from math import prod
 
 import numpy as np
 import torch
 
+from hybridserve.config import parse_size
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.kv.spec import AttentionSpec, KVCacheConfig, KVCacheGroup, MambaSpec, bytes_per_block
 
@@ -31,28 +31,9 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
-          "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
-
-
-def parse_memory(value: int | str) -> int:
-    """Bytes from an int or a string like "2GiB", "512MiB", "1.5G" (binary units)."""
-    if isinstance(value, int):
-        if value < 1:
-            raise ConfigError(f"kv_cache_memory must be positive, got {value}")
-        return value
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
-    if m is None or m.group(2).lower() not in _UNITS:
-        raise ConfigError(f"cannot parse memory size {value!r}; use bytes or e.g. '2GiB'")
-    size = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if size < 1:
-        raise ConfigError(f"kv_cache_memory must be positive, got {value!r}")
-    return size
-
-
 def num_blocks_for_memory(groups: tuple[KVCacheGroup, ...], kv_cache_memory: int | str) -> int:
     """How many blocks (null block included) fit in the budget."""
-    budget = parse_memory(kv_cache_memory)
+    budget = parse_size("kv_cache_memory", kv_cache_memory)
     n = budget // bytes_per_block(groups)
     if n < 2:
         raise ConfigError(f"kv_cache_memory {kv_cache_memory!r} holds fewer than 2 blocks "

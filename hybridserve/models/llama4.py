@@ -146,7 +146,7 @@ class Llama4LM(DecoderLM):
 
 
 class WeightSource(Protocol):
-    """The loader's tensor store (models/loader.py `_Weights`)."""
+    """The loader's tensor store (models/checkpoint.py `Weights`)."""
 
     tensors: dict[str, torch.Tensor]
 

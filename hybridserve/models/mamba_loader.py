@@ -18,21 +18,21 @@ from pathlib import Path
 import torch
 
 from hybridserve.models.config import ModelConfig
-from hybridserve.models.loader import _Weights, open_checkpoint, place_weights
+from hybridserve.models.checkpoint import Weights, open_checkpoint, place_weights
 from hybridserve.models.mamba2 import Mamba2MixerWeights
 from hybridserve.models.mamba_lm import AttentionWeights, MambaLM
 
 
 def load_mamba_model(model_dir: Path, cfg: ModelConfig, device: str | torch.device, dtype: torch.dtype) -> MambaLM:
     model = MambaLM(cfg, dtype)
-    w = _Weights(open_checkpoint(model_dir), dtype)
+    w = Weights(open_checkpoint(model_dir), dtype)
     _fill(model, cfg, w)
     place_weights(model, cfg, w, device)
     model.setup(torch.device(device))
     return model.eval()
 
 
-def _fill_mixer(m: Mamba2MixerWeights, cfg: ModelConfig, w: _Weights, prefix: str) -> None:
+def _fill_mixer(m: Mamba2MixerWeights, cfg: ModelConfig, w: Weights, prefix: str) -> None:
     mc = cfg.mamba
     assert mc is not None
     H, hidden = mc.num_heads, cfg.hidden_size
@@ -50,7 +50,7 @@ def _fill_mixer(m: Mamba2MixerWeights, cfg: ModelConfig, w: _Weights, prefix: st
         m.out_proj_bias.copy_(w.take(prefix + "out_proj.bias", (hidden,)))
 
 
-def _fill_attention(a: AttentionWeights, cfg: ModelConfig, w: _Weights, prefix: str) -> None:
+def _fill_attention(a: AttentionWeights, cfg: ModelConfig, w: Weights, prefix: str) -> None:
     H, hd, nq, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     a.qkv.copy_(torch.cat([w.take(prefix + "q_proj.weight", (nq * hd, H)),
                            w.take(prefix + "k_proj.weight", (nkv * hd, H)),
@@ -58,7 +58,7 @@ def _fill_attention(a: AttentionWeights, cfg: ModelConfig, w: _Weights, prefix: 
     a.o.copy_(w.take(prefix + "o_proj.weight", (H, nq * hd)))
 
 
-def _fill(model: MambaLM, cfg: ModelConfig, w: _Weights) -> None:
+def _fill(model: MambaLM, cfg: ModelConfig, w: Weights) -> None:
     H, I = cfg.hidden_size, cfg.intermediate_size
     mamba2 = cfg.family == "mamba2"
     root = "backbone." if mamba2 else "model."

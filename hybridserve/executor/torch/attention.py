@@ -16,7 +16,12 @@ two places, chosen per group:
   K/V, then gathers positions lo(s)..s+c-1 from the blocks;
 - from the batch: when some slot of the step is the null block (window-tail
   allocation), positions lo(s)..s-1 come from the blocks and the chunk's own keys
-  from the batch, so a null slot is never read.
+  from the batch, so no value of a null slot is used.
+
+Gathers take whole blocks, so a null block (a window's skipped blocks, padding rows) can
+be gathered beside real ones; its positions are masked out. A mask only works on finite
+scores, so this relies on block 0 staying finite: kv_cache.py zero-fills it and the
+runner never writes it (a test checks that it is still all zeros after serving).
 
 Requests are computed in padded batches: all decode-sized requests together (one
 gather per layer, no per-request loop), long prefill chunks one by one.

@@ -17,6 +17,8 @@ step's draft slots (n-gram lookup, verified in the same step: see spec_decode.py
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -43,6 +45,17 @@ from hybridserve.models.kv_specs import layer_index
 from hybridserve.models.mamba_lm import MambaLM
 
 
+@dataclass
+class StepBatch:
+    """A step's flat batch, built by the runner for the model."""
+
+    ends: np.ndarray  # [R] end of each request's tokens in the flat batch
+    positions_t: torch.Tensor  # [T]
+    max_position: int
+    backend: StepAttention | StepBackend | None  # attention (and Mamba states) for the layers
+    mamba_states: StepMambaStates | None
+
+
 class ModelRunner:
     """Owns the KV cache, the per-request state and the block tables; runs one step at a time.
 
@@ -52,7 +65,10 @@ class ModelRunner:
     """
 
     def __init__(self, model: DecoderLM | MambaLM, kv_cache_config: KVCacheConfig, device: torch.device,
-                 seed: int = 0, drafter: NgramDrafter | None = None, grammar: GrammarBackend | None = None) -> None:
+                 seed: int = 0, drafter: NgramDrafter | None = None, grammar: GrammarBackend | None = None,
+                 layers: range | None = None) -> None:
+        """layers: the model layers this runner computes and holds K/V for (all by
+        default; a pipeline stage's own range, see executor/distributed)."""
         self.model = model
         # Compiles structured-output constraints into matchers (None: the engine has no tokenizer).
         self.grammar = grammar
@@ -61,7 +77,7 @@ class ModelRunner:
         self.drafter = drafter if drafter is not None else NgramDrafter()
         self.device = device
         self.kv = PagedKVCache(kv_cache_config, device)
-        expected = set(range(model.cfg.num_layers))
+        expected = set(range(model.cfg.num_layers) if layers is None else layers)
         got = {layer_index(n) for n in self.kv.layer_group}
         if got != expected:
             raise ConfigError(f"KV cache config covers layers {sorted(got)}, the model has {sorted(expected)}")
@@ -117,17 +133,25 @@ class ModelRunner:
             plain_greedy=(is_greedy(p) and p.logprobs is None and not p.min_tokens
                           and not p.has_logits_controls and p.structured_output is None),
         )
-        if p.structured_output is not None:
-            if self.grammar is None:
-                raise RequestError(f"request {new.request_id}: structured outputs need a tokenizer")
-            grammar = RequestGrammar(self.grammar.matcher(p.structured_output), self.model.cfg.vocab_size)
-            # A resumed (preempted) request continues from the outputs it already has.
-            reason = grammar.advance(state.token_ids[state.num_prompt_tokens:])
-            if reason is not None:
-                raise RequestError(f"request {new.request_id}: {reason}")
-            state.extra["grammar"] = grammar
+        if p.structured_output is not None and self.samples:
+            self._attach_grammar(state)
         self.states[new.request_id] = state
         return state
+
+    #: Whether this runner samples (a pipeline stage before the last does not: it has no
+    #: use for grammars, penalties or generators beyond keeping their state in step).
+    samples = True
+
+    def _attach_grammar(self, state: RequestState) -> None:
+        if self.grammar is None:
+            raise RequestError(f"request {state.req_id}: structured outputs need a tokenizer")
+        assert state.params.structured_output is not None
+        grammar = RequestGrammar(self.grammar.matcher(state.params.structured_output), self.model.cfg.vocab_size)
+        # A resumed (preempted) request continues from the outputs it already has.
+        reason = grammar.advance(state.token_ids[state.num_prompt_tokens:])
+        if reason is not None:
+            raise RequestError(f"request {state.req_id}: {reason}")
+        state.extra["grammar"] = grammar
 
     def _update_tables(self, sr: ScheduledRequest, state: RequestState) -> None:
         for g, ids in enumerate(sr.new_block_ids):
@@ -159,13 +183,24 @@ class ModelRunner:
     # -- one step -----------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._drop_ended(so)
+        if not so.requests:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        states, starts, counts, ids, drafts = self._prepare(so)
+        batch = self._batch(states, starts, counts, drafts)
+        ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
+        hidden = self.model(ids_t, batch.positions_t, batch.max_position, batch.backend)
+        return self._sample_and_advance(so, states, counts, drafts, hidden, batch)
+
+    def _drop_ended(self, so: SchedulerOutput) -> None:
         for rid in so.finished_req_ids:
             self._drop(rid, preempted=False)
         for rid in so.preempted_req_ids:
             self._drop(rid, preempted=True)
-        if not so.requests:
-            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        states, starts_l, counts_l, ids, drafts = self._prepare(so)
+
+    def _batch(self, states: list[RequestState], starts_l: list[int], counts_l: list[int],
+               drafts: list[list[int]]) -> StepBatch:
+        """Positions and the attention / Mamba state backend of a step's flat batch."""
         starts = np.array(starts_l, dtype=np.int64)
         counts = np.array(counts_l, dtype=np.int64)
         rows = np.array([s.row for s in states], dtype=np.int64)
@@ -186,19 +221,27 @@ class ModelRunner:
             mamba_states = StepMambaStates.build(self.mamba, self.tables, rows, starts, counts_l, self.device,
                                                  verify)
             attn = StepBackend(attn, mamba_states)
-        ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
-        pos_t = torch.from_numpy(positions).to(self.device)
-        hidden = self.model(ids_t, pos_t, int(positions.max()), attn)
+        return StepBatch(ends, torch.from_numpy(positions).to(self.device), int(positions.max()), attn,
+                         mamba_states)
+
+    def _sample_and_advance(self, so: SchedulerOutput, states: list[RequestState], counts: list[int],
+                            drafts: list[list[int]], hidden: torch.Tensor, batch: StepBatch) -> ModelRunnerOutput:
         failed: dict[str, str] = {}
-        sampled, logprobs = self._sample(so, states, hidden, ends, drafts, failed)
-        for state, count, d, out in zip(states, counts_l, drafts, sampled):
-            # out = accepted drafts + bonus when the step sampled; [] for a mid-prompt chunk.
-            self._advance(state, count - len(d), len(d), len(out) - 1 if out else 0)
-        if mamba_states is not None and mamba_states.verify:
-            mamba_states.commit([counts_l[i] - len(drafts[i]) + len(sampled[i]) - 1 for i in mamba_states.verify])
+        sampled, logprobs = self._sample(so, states, hidden, batch.ends, drafts, failed)
+        self._advance_all(states, counts, drafts, sampled, batch.mamba_states)
         proposed = {sr.request_id: len(d) for sr, d in zip(so.requests, drafts) if sr.num_draft_tokens}
         return ModelRunnerOutput(req_ids=[s.req_id for s in states], sampled_token_ids=sampled, logprobs=logprobs,
                                  num_draft_tokens=proposed, failed_req_ids=failed)
+
+    def _advance_all(self, states: list[RequestState], counts: list[int], drafts: list[list[int]],
+                     sampled: list[list[int]], mamba_states: StepMambaStates | None) -> None:
+        """After a step's tokens are known: computed counts, and Mamba states rolled back
+        to the last accepted draft."""
+        for state, count, d, out in zip(states, counts, drafts, sampled):
+            # out = accepted drafts + bonus when the step sampled; [] for a mid-prompt chunk.
+            self._advance(state, count - len(d), len(d), len(out) - 1 if out else 0)
+        if mamba_states is not None and mamba_states.verify:
+            mamba_states.commit([counts[i] - len(drafts[i]) + len(sampled[i]) - 1 for i in mamba_states.verify])
 
     def _advance(self, state: RequestState, num_known: int, num_proposed: int, num_accepted: int) -> None:
         """The step computed num_known known tokens then num_proposed drafts, of which the

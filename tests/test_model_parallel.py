@@ -1,6 +1,6 @@
 """Pipeline stages and tensor-parallel shards of the tiny models equal the whole model.
 
-Pipeline: P processes each load one stage (models/parallel.py), chain the residual stream
+Pipeline: P processes (2 and 4) each load one stage (models/parallel.py), chain the residual stream
 with dist.send / recv, and the last stage's logits must equal the unsplit model's on the
 same flat batch (two prompts, across sliding windows and Llama 4 attention chunks), each
 stage having seen only its own global layer indices. Tensor parallel: 2 ranks load their
@@ -22,7 +22,8 @@ from hybridserve.core.kv.spec import AttentionSpec, MambaSpec
 from hybridserve.models.config import load_model_config
 from hybridserve.models.kv_specs import model_kv_layer_specs
 from hybridserve.models.loader import load_model
-from hybridserve.models.parallel import PipelineStage, TPGroup, check_tp, stage_layer_ranges, tp_sizes_that_work
+from hybridserve.models.parallel import (PipelineStage, TPGroup, check_tp, init_model_parallel, stage_layer_ranges,
+                                         tp_sizes_that_work)
 from tests import hf_tiny, hf_tiny_mamba
 from tests.dist_ranks import run_ranks
 from tests.flat_backend import FlatBackend
@@ -108,17 +109,17 @@ def test_flat_reference_matches_hf(kind: str) -> None:
 
 # ---------------------------------------------------------------- pipeline stages
 
-def pp_rank(rank: int, world: int, kinds: list[str], dirs: list[str]) -> dict[str, dict]:
+def pp_rank(rank: int, world: int, kinds: list[str], dirs: list[str], tp_size: int = 1) -> dict[str, dict]:
     import torch.distributed as dist
 
+    stage, tp = init_model_parallel(rank, world // tp_size, tp_size)
     out: dict[str, dict] = {}
     for kind, path in zip(kinds, dirs):
-        stage = PipelineStage(rank, world)
-        model = load_model(path, stage=stage)
+        model = load_model(path, stage=stage, tp=tp)
         hidden_in = None
         if not stage.is_first:
             hidden_in = torch.empty(sum(COUNTS), model.cfg.hidden_size)
-            dist.recv(hidden_in, src=rank - 1)
+            dist.recv(hidden_in, src=rank - tp_size)
         h, backend = _flat_forward(model, _ids() if stage.is_first else None, hidden_in)
         res = {"layer_ids": list(model.layer_ids), "attention_calls": backend.layers_called,
                "mamba_writes": backend.mamba.layers_written if backend.mamba else [],
@@ -129,7 +130,7 @@ def pp_rank(rank: int, world: int, kinds: list[str], dirs: list[str]) -> dict[st
                 res["logits"] = model.logits(h)
                 res["greedy"] = model.greedy_tokens(h)
         else:
-            dist.send(h.contiguous(), dst=rank + 1)
+            dist.send(h.contiguous(), dst=rank + tp_size)
         out[kind] = res
     return out
 
@@ -139,6 +140,7 @@ def _check_pipeline(kinds: list[str], world: int, results: list[dict[str, dict]]
         cfg = load_model_config(model_dir(kind))
         stages = [r[kind] for r in results]
         ranges = stage_layer_ranges(cfg.num_layers, world)
+        assert len(stages) == world
         for s, (res, layers) in enumerate(zip(stages, ranges)):
             assert res["layer_ids"] == list(layers)
             # Global layer indices reach the backend: attention and Mamba layers of this stage only.
@@ -162,9 +164,41 @@ def test_pipeline_two_stages_equal_whole_model() -> None:
     _check_pipeline(PP2_KINDS, 2, [r["pp"] for r in two_rank_results()])
 
 
-def test_pipeline_three_stages_equal_whole_model() -> None:
-    kinds = ["llama", "gemma2", "bamba"]  # 4, 4, 4 layers: stages of 2, 1, 1
-    _check_pipeline(kinds, 3, run_ranks(pp_rank, 3, kinds, [str(model_dir(k)) for k in kinds]))
+PP4_KINDS = ["llama", "gemma3", "bamba"]  # 4, 6, 4 layers: stages of 1, 1, 1, 1 and 2, 2, 1, 1
+PP2_TP2_KINDS = ["llama4", "bamba_1group"]
+
+
+def four_rank(rank: int, world: int, pp4: list[list[str]], pp2_tp2: list[list[str]]) -> dict[str, dict]:
+    """Both 4-process checks in one launch: 4 stages, and 2 stages of 2 TP ranks each."""
+    return {"pp4": pp_rank(rank, world, *pp4), "pp2_tp2": pp_rank(rank, world, *pp2_tp2, 2)}
+
+
+_FOUR_RANKS: list[list[dict]] = []
+
+
+def four_rank_results() -> list[dict]:
+    if not _FOUR_RANKS:
+        _FOUR_RANKS.append(run_ranks(four_rank, 4, [PP4_KINDS, [str(model_dir(k)) for k in PP4_KINDS]],
+                                     [PP2_TP2_KINDS, [str(model_dir(k)) for k in PP2_TP2_KINDS]]))
+    return _FOUR_RANKS[0]
+
+
+def test_pipeline_four_stages_equal_whole_model() -> None:
+    """Middle stages (neither embedding nor head) and uneven splits."""
+    _check_pipeline(PP4_KINDS, 4, [r["pp4"] for r in four_rank_results()])
+
+
+def test_pipeline_stages_of_tensor_parallel_ranks() -> None:
+    """2 stages x 2 ranks: each stage's TP group its own, the boundary between equal TP ranks."""
+    results = [r["pp2_tp2"] for r in four_rank_results()]
+    for kind in PP2_TP2_KINDS:
+        ranges = stage_layer_ranges(load_model_config(model_dir(kind)).num_layers, 2)
+        assert [r[kind]["layer_ids"] for r in results] == [list(ranges[0])] * 2 + [list(ranges[1])] * 2
+        last = [r[kind] for r in results[2:]]
+        assert torch.equal(last[0]["logits"], last[1]["logits"]) and last[0]["greedy"] == last[1]["greedy"]
+        ref = reference_logits(kind)
+        torch.testing.assert_close(last[0]["logits"], ref, atol=TP_LOGITS_ATOL, rtol=0)
+        assert last[0]["greedy"] == ref.argmax(-1).tolist()
 
 
 def test_stage_without_hidden_in_is_refused() -> None:
@@ -199,9 +233,12 @@ TP_KINDS = ["llama_bias", "mistral", "qwen2", "gemma2", "gemma3", "llama4", "bam
 
 
 def tp_rank(rank: int, world: int, kinds: list[str], dirs: list[str]) -> dict[str, dict]:
+    import torch.distributed as dist
+
+    group = dist.new_group(list(range(world)))  # a group of its own, as beside pipeline stages
     out: dict[str, dict] = {}
     for kind, path in zip(kinds, dirs):
-        model = load_model(path, tp=TPGroup(rank, world))
+        model = load_model(path, tp=TPGroup(rank, world, group))
         h, _ = _flat_forward(model, _ids())
         specs = model_kv_layer_specs(model.cfg, 16).values()
         with torch.inference_mode():

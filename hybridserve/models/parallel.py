@@ -121,6 +121,21 @@ class TPGroup:
         return self.rank == 0
 
 
+def init_model_parallel(rank: int, pp_size: int, tp_size: int) -> tuple[PipelineStage, TPGroup]:
+    """The pipeline stage and tensor-parallel group of global `rank` in a world of
+    pp_size * tp_size processes (after torch.distributed.init_process_group). Ranks
+    s*T .. s*T+T-1 are stage s's T tensor-parallel ranks; the stage boundary runs between
+    the same TP rank of neighbouring stages (global rank r sends to r + T), each sending
+    its copy of the (replicated) residual stream. Every rank creates every TP group, in the
+    same order, as torch.distributed requires."""
+    import torch.distributed as dist
+
+    groups = [dist.new_group(list(range(s * tp_size, (s + 1) * tp_size))) for s in range(pp_size)] \
+        if tp_size > 1 else [None] * pp_size
+    stage, tp_rank = divmod(rank, tp_size)
+    return PipelineStage(stage, pp_size), TPGroup(tp_rank, tp_size, groups[stage])
+
+
 def _divisors_of_all(values: Sequence[int], limit: int) -> list[int]:
     return [t for t in range(1, limit + 1) if all(v % t == 0 for v in values)]
 

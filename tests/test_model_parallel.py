@@ -11,6 +11,7 @@ unsplit reference itself is checked against HF transformers' logits first.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -81,6 +82,16 @@ def _flat_forward(model: torch.nn.Module, ids: torch.Tensor | None, hidden_in: t
 
 
 _REFERENCE: dict[str, torch.Tensor] = {}
+_LAUNCHES: dict[str, list[dict]] = {}
+
+
+def _launch(target: Callable[..., dict], world: int, *kind_lists: list[str]) -> list[dict]:
+    """run_ranks(target, world, [kinds, dirs] per list) once per test session: several
+    tests read one launch (starting processes that import torch is most of their time)."""
+    if target.__name__ not in _LAUNCHES:
+        _LAUNCHES[target.__name__] = run_ranks(target, world, *[[kinds, [str(model_dir(k)) for k in kinds]]
+                                                                for kinds in kind_lists])
+    return _LAUNCHES[target.__name__]
 
 
 def reference_logits(kind: str) -> torch.Tensor:
@@ -173,14 +184,8 @@ def four_rank(rank: int, world: int, pp4: list[list[str]], pp2_tp2: list[list[st
     return {"pp4": pp_rank(rank, world, *pp4), "pp2_tp2": pp_rank(rank, world, *pp2_tp2, 2)}
 
 
-_FOUR_RANKS: list[list[dict]] = []
-
-
 def four_rank_results() -> list[dict]:
-    if not _FOUR_RANKS:
-        _FOUR_RANKS.append(run_ranks(four_rank, 4, [PP4_KINDS, [str(model_dir(k)) for k in PP4_KINDS]],
-                                     [PP2_TP2_KINDS, [str(model_dir(k)) for k in PP2_TP2_KINDS]]))
-    return _FOUR_RANKS[0]
+    return _launch(four_rank, 4, PP4_KINDS, PP2_TP2_KINDS)
 
 
 def test_pipeline_four_stages_equal_whole_model() -> None:
@@ -251,19 +256,12 @@ def tp_rank(rank: int, world: int, kinds: list[str], dirs: list[str]) -> dict[st
 
 
 def two_rank(rank: int, world: int, pp: list[list[str]], tp: list[list[str]]) -> dict[str, dict]:
-    """Both 2-process checks in one launch (starting a process that imports torch is most
-    of these tests' time on a busy 2-core machine)."""
+    """Both 2-process checks in one launch."""
     return {"pp": pp_rank(rank, world, *pp), "tp": tp_rank(rank, world, *tp)}
 
 
-_TWO_RANKS: list[list[dict]] = []
-
-
 def two_rank_results() -> list[dict]:
-    if not _TWO_RANKS:
-        _TWO_RANKS.append(run_ranks(two_rank, 2, [PP2_KINDS, [str(model_dir(k)) for k in PP2_KINDS]],
-                                    [TP_KINDS, [str(model_dir(k)) for k in TP_KINDS]]))
-    return _TWO_RANKS[0]
+    return _launch(two_rank, 2, PP2_KINDS, TP_KINDS)
 
 
 def test_tensor_parallel_two_ranks_equal_whole_model() -> None:

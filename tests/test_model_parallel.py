@@ -29,7 +29,7 @@ from tests import hf_tiny, hf_tiny_mamba
 from tests.dist_ranks import run_ranks
 from tests.flat_backend import FlatBackend
 
-COUNTS = [23, 41]  # two requests: past the 16-token windows, and across one 32-token Llama 4 chunk
+COUNTS = [23, 41]  # two requests' tokens: past the 16-token windows, across a 32-token Llama 4 chunk
 # Tensor parallel shards change the summation order of row-parallel products (float32); the
 # tiny models' logits reach about 10, so this is 1e-5 of their range, and what float32
 # rounding alone gives (the unsplit Bamba's logits differ from HF's by 6e-5; float64 weights
@@ -73,15 +73,46 @@ def model_dir(kind: str) -> Path:
     return hf_tiny.tiny_model_dir(kind)
 
 
-def _flat_forward(model: torch.nn.Module, ids: torch.Tensor | None, hidden_in: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, FlatBackend]:
-    backend = FlatBackend(model.cfg, COUNTS)
-    pos = backend.positions
-    with torch.inference_mode():
-        return model(ids, pos, int(pos.max()), backend, hidden_in=hidden_in), backend
+def run_steps(model: torch.nn.Module, steps: list[list[int]], receive: Callable[[int], torch.Tensor] | None = None,
+              send: Callable[[torch.Tensor], None] | None = None) -> dict:
+    """Feed the requests' tokens (_ids, request after request) through `model` in `steps`
+    (tokens per request per step), with a FlatBackend keeping K/V and Mamba states between
+    steps. A stage other than the first gets its hidden_in from `receive(T)`, one other
+    than the last passes its output to `send`. The last stage's logits and greedy tokens
+    are returned in token order (request after request), as one forward of all would give."""
+    backend = FlatBackend(model.cfg, len(COUNTS))
+    per_request = _ids().split(COUNTS)
+    done = [0] * len(COUNTS)
+    logits: list[list[torch.Tensor]] = [[] for _ in COUNTS]
+    greedy: list[list[int]] = [[] for _ in COUNTS]
+    for counts in steps:
+        pos = backend.step(counts)
+        ids = torch.cat([per_request[r][done[r] : done[r] + c] for r, c in enumerate(counts)])
+        hidden_in = None
+        if not model.stage.is_first:
+            assert receive is not None
+            hidden_in = receive(len(ids))
+        with torch.inference_mode():
+            h = model(ids if model.stage.is_first else None, pos, int(pos.max()), backend, hidden_in=hidden_in)
+            if model.stage.is_last:
+                tokens = model.greedy_tokens(h)
+                for r, rows in enumerate(model.logits(h).split(counts)):
+                    logits[r].append(rows)
+                    greedy[r] += tokens[sum(counts[:r]) : sum(counts[: r + 1])]
+            else:
+                assert send is not None
+                send(h.contiguous())
+        done = [d + c for d, c in zip(done, counts)]
+    out = {"attention_calls": backend.layers_called,
+           "mamba_writes": backend.mamba.layers_written if backend.mamba else []}
+    if model.stage.is_last:
+        out.update(logits=torch.cat([torch.cat(rows) for rows in logits]), greedy=sum(greedy, []))
+    return out
 
 
-_REFERENCE: dict[str, torch.Tensor] = {}
+# Each request: a prefill chunk, then two decodes (Mamba layers take their one-token path).
+STEPS = [[c - 2 for c in COUNTS], [1] * len(COUNTS), [1] * len(COUNTS)]
+_REFERENCE: dict[tuple[str, int], dict] = {}
 _LAUNCHES: dict[str, list[dict]] = {}
 
 
@@ -94,20 +125,19 @@ def _launch(target: Callable[..., dict], world: int, *kind_lists: list[str]) -> 
     return _LAUNCHES[target.__name__]
 
 
-def reference_logits(kind: str) -> torch.Tensor:
-    """The unsplit model's logits of every row of the flat batch (one thread, as the ranks)."""
-    if kind not in _REFERENCE:
+def reference(kind: str, stepped: bool = True) -> dict:
+    """The unsplit model's run_steps result (one thread, as the ranks), in STEPS or in one step."""
+    key = (kind, stepped)
+    if key not in _REFERENCE:
         with hf_tiny_mamba.one_thread():
-            model = load_model(model_dir(kind))
-            hidden, _ = _flat_forward(model, _ids())
-            with torch.inference_mode():
-                _REFERENCE[kind] = model.logits(hidden)
-    return _REFERENCE[kind]
+            _REFERENCE[key] = run_steps(load_model(model_dir(kind)), STEPS if stepped else [COUNTS])
+    return _REFERENCE[key]
 
 
 @pytest.mark.parametrize("kind", ["mistral", "gemma3", "llama4", "bamba"])
 def test_flat_reference_matches_hf(kind: str) -> None:
-    """The test backend is right: the unsplit model's flat-batch logits are HF's, per prompt."""
+    """The test backend is right: the unsplit model's logits are HF's, per prompt, in one
+    step and over a prefill and decodes."""
     from transformers import AutoModelForCausalLM
 
     with hf_tiny_mamba.one_thread():
@@ -115,7 +145,8 @@ def test_flat_reference_matches_hf(kind: str) -> None:
                                                   attn_implementation="eager").eval()
         with torch.no_grad():
             expected = torch.cat([hf(input_ids=part[None]).logits[0] for part in _ids().split(COUNTS)])
-    torch.testing.assert_close(reference_logits(kind), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(reference(kind, stepped=False)["logits"], expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(reference(kind)["logits"], expected, atol=1e-4, rtol=1e-4)
 
 
 # ---------------------------------------------------------------- pipeline stages
@@ -127,21 +158,15 @@ def pp_rank(rank: int, world: int, kinds: list[str], dirs: list[str], tp_size: i
     out: dict[str, dict] = {}
     for kind, path in zip(kinds, dirs):
         model = load_model(path, stage=stage, tp=tp)
-        hidden_in = None
-        if not stage.is_first:
-            hidden_in = torch.empty(sum(COUNTS), model.cfg.hidden_size)
-            dist.recv(hidden_in, src=rank - tp_size)
-        h, backend = _flat_forward(model, _ids() if stage.is_first else None, hidden_in)
-        res = {"layer_ids": list(model.layer_ids), "attention_calls": backend.layers_called,
-               "mamba_writes": backend.mamba.layers_written if backend.mamba else [],
-               "numel": sum(p.numel() for p in model.parameters()),
-               "has_embed": model.embed is not None, "has_head": model.lm_head is not None}
-        if stage.is_last:
-            with torch.inference_mode():
-                res["logits"] = model.logits(h)
-                res["greedy"] = model.greedy_tokens(h)
-        else:
-            dist.send(h.contiguous(), dst=rank + tp_size)
+
+        def receive(num_tokens: int, hidden: int = model.cfg.hidden_size) -> torch.Tensor:
+            t = torch.empty(num_tokens, hidden)
+            dist.recv(t, src=rank - tp_size)
+            return t
+
+        res = run_steps(model, STEPS, receive, lambda h: dist.send(h, dst=rank + tp_size))
+        res.update(layer_ids=list(model.layer_ids), numel=sum(p.numel() for p in model.parameters()),
+                   has_embed=model.embed is not None, has_head=model.lm_head is not None)
         out[kind] = res
     return out
 
@@ -155,12 +180,12 @@ def _check_pipeline(kinds: list[str], world: int, results: list[dict[str, dict]]
         for s, (res, layers) in enumerate(zip(stages, ranges)):
             assert res["layer_ids"] == list(layers)
             # Global layer indices reach the backend: attention and Mamba layers of this stage only.
-            assert res["attention_calls"] == [i for i in layers if cfg.layer_types[i] != "mamba"]
-            assert res["mamba_writes"] == [i for i in layers if cfg.layer_types[i] == "mamba"]
+            assert res["attention_calls"] == [i for i in layers if cfg.layer_types[i] != "mamba"] * len(STEPS)
+            assert res["mamba_writes"] == [i for i in layers if cfg.layer_types[i] == "mamba"] * len(STEPS)
             assert res["has_embed"] == (s == 0) and res["has_head"] == (s == world - 1)
-        ref = reference_logits(kind)
-        assert torch.equal(stages[-1]["logits"], ref), kind
-        assert stages[-1]["greedy"] == ref.argmax(-1).tolist()
+        ref = reference(kind)
+        assert torch.equal(stages[-1]["logits"], ref["logits"]), kind
+        assert stages[-1]["greedy"] == ref["greedy"]
         # The weights are split, not copied: only a tied head is held twice (first stage's
         # embedding, last stage's head).
         whole = sum(p.numel() for p in load_model(model_dir(kind)).parameters())
@@ -201,15 +226,17 @@ def test_pipeline_stages_of_tensor_parallel_ranks() -> None:
         assert [r[kind]["layer_ids"] for r in results] == [list(ranges[0])] * 2 + [list(ranges[1])] * 2
         last = [r[kind] for r in results[2:]]
         assert torch.equal(last[0]["logits"], last[1]["logits"]) and last[0]["greedy"] == last[1]["greedy"]
-        ref = reference_logits(kind)
-        torch.testing.assert_close(last[0]["logits"], ref, atol=TP_LOGITS_ATOL, rtol=0)
-        assert last[0]["greedy"] == ref.argmax(-1).tolist()
+        ref = reference(kind)
+        torch.testing.assert_close(last[0]["logits"], ref["logits"], atol=TP_LOGITS_ATOL, rtol=0)
+        assert last[0]["greedy"] == ref["greedy"]
 
 
 def test_stage_without_hidden_in_is_refused() -> None:
     model = load_model(model_dir("llama"), stage=PipelineStage(1, 2))
-    with pytest.raises(ValueError, match="stage 1 needs hidden_in"):
-        _flat_forward(model, _ids())
+    backend = FlatBackend(model.cfg, 1)
+    pos = backend.step([3])
+    with pytest.raises(ValueError, match="pipeline stage 1 needs hidden_in from the previous stage"):
+        model(pos, pos, 2, backend)  # token ids are not what a later stage starts from
 
 
 @given(st.integers(1, 200), st.integers(1, 16))
@@ -244,14 +271,10 @@ def tp_rank(rank: int, world: int, kinds: list[str], dirs: list[str]) -> dict[st
     out: dict[str, dict] = {}
     for kind, path in zip(kinds, dirs):
         model = load_model(path, tp=TPGroup(rank, world, group))
-        h, _ = _flat_forward(model, _ids())
         specs = model_kv_layer_specs(model.cfg, 16).values()
-        with torch.inference_mode():
-            out[kind] = {
-                "logits": model.logits(h), "greedy": model.greedy_tokens(h),
-                "kv_heads": sorted({s.num_kv_heads for s in specs if isinstance(s, AttentionSpec)}),
-                "mamba_shapes": sorted({s.shapes for s in specs if isinstance(s, MambaSpec)}),
-            }
+        out[kind] = dict(run_steps(model, STEPS),
+                         kv_heads=sorted({s.num_kv_heads for s in specs if isinstance(s, AttentionSpec)}),
+                         mamba_shapes=sorted({s.shapes for s in specs if isinstance(s, MambaSpec)}))
     return out
 
 
@@ -269,9 +292,9 @@ def test_tensor_parallel_two_ranks_equal_whole_model() -> None:
     for kind in TP_KINDS:
         a, b = results[0][kind], results[1][kind]
         assert torch.equal(a["logits"], b["logits"]) and a["greedy"] == b["greedy"]  # ranks sample alike
-        ref = reference_logits(kind)
-        torch.testing.assert_close(a["logits"], ref, atol=TP_LOGITS_ATOL, rtol=0)
-        assert a["greedy"] == ref.argmax(-1).tolist()
+        ref = reference(kind)
+        torch.testing.assert_close(a["logits"], ref["logits"], atol=TP_LOGITS_ATOL, rtol=0)
+        assert a["greedy"] == ref["greedy"]
         cfg = load_model_config(model_dir(kind))
         # Each rank's KV cache holds its half of the KV heads / Mamba heads.
         assert a["kv_heads"] == ([cfg.num_kv_heads // 2] if cfg.num_kv_heads else [])

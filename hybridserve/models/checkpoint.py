@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
 from hybridserve.core.errors import ConfigError
 from hybridserve.models.config import ModelConfig
+from hybridserve.models.parallel import TPGroup
 from hybridserve.models.safetensors_map import MappedCheckpoint
 
 # Buffers some checkpoints carry that hold nothing we need (recomputed from the config).
@@ -55,6 +57,15 @@ class Weights:
         """A tensor the model does not need (e.g. a tied head stored anyway)."""
         self._unread.discard(name)
 
+    def keep_layers(self, prefix: str, keep: range) -> None:
+        """Discard the tensors of layers `{prefix}{i}.` with i outside `keep` (another
+        pipeline stage's layers)."""
+        for name in list(self._unread):
+            if name.startswith(prefix):
+                index = name[len(prefix):].split(".", 1)[0]
+                if index.isdigit() and int(index) not in keep:
+                    self._unread.discard(name)
+
     def leftovers(self) -> list[str]:
         return sorted(k for k in self._unread if not k.endswith(_IGNORED_SUFFIXES))
 
@@ -72,11 +83,65 @@ class Weights:
             self.checkpoint.release(name)
 
 
+def fill_ends(model: Any, cfg: ModelConfig, w: Weights, embed_name: str, norm_name: str,
+              norm: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> None:
+    """The parts outside the layers a stage holds: the embedding (first stage), the final
+    norm (`norm` applied to the stored weight) and the head (last stage; a tied head on a
+    last stage that is not also the first is the embedding matrix, taken again). What a
+    stage does not hold is discarded. Assigned, not copied: a tensor in the model dtype
+    stays a view of the mapped file."""
+    V, H = cfg.vocab_size, cfg.hidden_size
+    first, last = model.stage.is_first, model.stage.is_last
+    tied = cfg.tie_word_embeddings
+    with torch.no_grad():
+        if first:
+            model.embed.data = w.take(embed_name, (V, H))
+        if last:
+            model.final_norm.copy_(norm(w.take(norm_name, (H,))))
+            if not tied or not first:  # a single stage ties its head in place_weights
+                head = "lm_head.weight" if not tied else embed_name
+                model.lm_head = torch.nn.Parameter(w.take(head, (V, H)), requires_grad=False)
+        else:
+            w.discard(norm_name)
+        if not first and not (last and tied):
+            w.discard(embed_name)
+        if tied or not last:
+            w.discard("lm_head.weight")  # some tied checkpoints still store it
+
+
+def take_qkv(w: Weights, cfg: ModelConfig, tp: TPGroup, prefix: str, suffix: str = "weight",
+             qk: Callable[[torch.Tensor, int], torch.Tensor] = lambda t, heads: t) -> torch.Tensor:
+    """The fused q | k | v weight (suffix "weight") or bias ("bias") of this rank's heads;
+    `qk(t, heads)` reorders q and k rows per head first (Llama 4's RoPE layout)."""
+    H, hd, nq, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+    tail = (H,) if suffix == "weight" else ()
+    return torch.cat([tp.shard(qk(w.take(prefix + "q_proj." + suffix, (nq * hd, *tail)), nq)),
+                      tp.shard(qk(w.take(prefix + "k_proj." + suffix, (nkv * hd, *tail)), nkv)),
+                      tp.shard(w.take(prefix + "v_proj." + suffix, (nkv * hd, *tail)))])
+
+
+def take_gate_up(w: Weights, tp: TPGroup, prefix: str, shape: tuple[int, ...], suffix: str = "weight"
+                 ) -> torch.Tensor:
+    """The fused gate | up rows of this rank's intermediate columns (`shape`: one of them, global)."""
+    return torch.cat([tp.shard(w.take(prefix + "gate_proj." + suffix, shape)),
+                      tp.shard(w.take(prefix + "up_proj." + suffix, shape))])
+
+
+def take_row_bias(w: Weights, param: torch.Tensor | None, name: str, size: int) -> None:
+    """A row-parallel layer's bias: copied into `param` where this rank holds it (None: a
+    tensor-parallel rank other than 0, which reads and drops it; rank 0 adds it once)."""
+    t = w.take(name, (size,))
+    if param is not None:
+        with torch.no_grad():
+            param.copy_(t)
+
+
 def place_weights(model: torch.nn.Module, cfg: ModelConfig, w: Weights, device: str | torch.device) -> None:
-    """After filling: refuse checkpoint tensors nothing read, move to `device`, tie the head."""
+    """After filling: refuse checkpoint tensors nothing read, move to `device`, tie the head
+    (a model holding both the embedding and the head; see fill_ends)."""
     left = w.leftovers()
     if left:
         raise ConfigError(f"checkpoint has {len(left)} tensor(s) this implementation would ignore, e.g. {left[0]}")
     model.to(device)
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings and model.stage.is_first and model.stage.is_last:
         model.lm_head = model.embed

@@ -8,6 +8,9 @@ Weights are stored fused for speed at small sizes (per-op overhead dominates the
 q/k/v as one matrix, gate/up as one matrix, Gemma's (1 + w) norm weights precomputed.
 Numerics follow HF's float32 path op for op where it matters (RMSNorm in float32,
 RoPE angles in float32, soft-capping as tanh(x / cap) * cap).
+
+A model may be one pipeline stage and one tensor-parallel rank (models/parallel.py): it
+then holds its stage's layers only (still numbered globally), and its heads / MLP columns.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from torch import nn
 from hybridserve.models.config import ModelConfig
 from hybridserve.models.head import OutputHead, ReleaseRows
 from hybridserve.models.linear import Linear, ResidualLinear, make_linear
+from hybridserve.models.parallel import PipelineStage, TPGroup, local_config
 from hybridserve.models.rope import RopeTable, apply_rope_
 
 
@@ -49,9 +53,11 @@ class AttentionBackend(Protocol):
 
 
 class DecoderLayerWeights(nn.Module):
-    """One layer's parameters, fused. Names are ours; the loader maps HF names onto them."""
+    """One layer's parameters, fused. Names are ours; the loader maps HF names onto them.
+    `cfg` is the rank's local config; row_bias=False (tensor-parallel ranks but the first)
+    leaves out the biases of the row-parallel o and down, which rank 0 adds for all."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, row_bias: bool = True) -> None:
         super().__init__()
         hd = cfg.head_dim
         qkv_out = (cfg.num_heads + 2 * cfg.num_kv_heads) * hd
@@ -64,7 +70,7 @@ class DecoderLayerWeights(nn.Module):
         self.qkv = p(qkv_out, cfg.hidden_size)
         self.qkv_bias = p(qkv_out) if cfg.qkv_bias else None
         self.o = p(cfg.hidden_size, cfg.num_heads * hd)
-        self.o_bias = p(cfg.hidden_size) if cfg.o_bias else None
+        self.o_bias = p(cfg.hidden_size) if cfg.o_bias and row_bias else None
         # q_norm weight repeated per query head, then k_norm per kv head: [H + KVH, D].
         self.qk_norm = p(cfg.num_heads + cfg.num_kv_heads, hd) if cfg.qk_norm else None
         self.post_attn_norm = p(cfg.hidden_size)
@@ -73,7 +79,7 @@ class DecoderLayerWeights(nn.Module):
         self.gate_up = p(2 * cfg.intermediate_size, cfg.hidden_size)
         self.gate_up_bias = p(2 * cfg.intermediate_size) if cfg.mlp_bias else None
         self.down = p(cfg.hidden_size, cfg.intermediate_size)
-        self.down_bias = p(cfg.hidden_size) if cfg.mlp_bias else None
+        self.down_bias = p(cfg.hidden_size) if cfg.mlp_bias and row_bias else None
 
 
 class LayerLinears(NamedTuple):
@@ -98,17 +104,78 @@ def _layer_linears(w: DecoderLayerWeights, release: bool) -> LayerLinears:
     return LayerLinears(**{f: made[f] for f in LayerLinears._fields})
 
 
-class DecoderLM(nn.Module):
-    """forward(ids, positions, backend) -> final hidden states; logits(h) -> vocab logits."""
+class StagedModel(nn.Module):
+    """What every model shares as one pipeline stage and tensor-parallel rank: its local
+    config, which layers it holds, the stage's ends (embedding / final norm and head) and
+    the sum of row-parallel outputs over ranks (see models/parallel.py)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
-        super().__init__()
-        self.cfg = cfg
+    cfg: ModelConfig
+    _eps: torch.Tensor
+    _embed_scale: torch.Tensor
+
+    def init_stage(self, cfg: ModelConfig, dtype: torch.dtype, stage: PipelineStage | None,
+                   tp: TPGroup | None) -> ModelConfig:
+        """Set the stage's attributes from the global `cfg`; returns the local config."""
+        self.stage = stage or PipelineStage()
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        self.cfg = cfg = local_config(cfg, self.tp)
         self.dtype = dtype
-        self.embed = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
-        self.layers = nn.ModuleList(self._layer_weights(i, dtype) for i in range(cfg.num_layers))
-        self.final_norm = nn.Parameter(torch.zeros(cfg.hidden_size, dtype=dtype), requires_grad=False)
-        self.lm_head: torch.Tensor | None = None  # set by the loader (tied: the embedding)
+        self.layer_ids = self.stage.layers(cfg.num_layers)
+        # Parts of other stages are not built at all (their memory is the point of the split).
+        self.embed = (nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
+                      if self.stage.is_first else None)
+        self.final_norm = (nn.Parameter(torch.zeros(cfg.hidden_size, dtype=dtype), requires_grad=False)
+                           if self.stage.is_last else None)
+        self.lm_head: torch.Tensor | None = None  # set by the loader on the last stage (tied: the embedding)
+        return cfg
+
+    @property
+    def row_bias(self) -> bool:
+        """Whether this rank holds the biases of row-parallel layers (see DecoderLayerWeights)."""
+        return self.tp is None or self.tp.keeps_row_bias
+
+    def stage_input(self, input_ids: torch.Tensor | None, hidden_in: torch.Tensor | None) -> torch.Tensor:
+        """The residual stream entering this stage: the (scaled) embedding on the first
+        stage, the previous stage's output `hidden_in` [T, hidden] on the others."""
+        if self.embed is None:
+            if hidden_in is None:
+                raise ValueError(f"pipeline stage {self.stage.rank} needs hidden_in from the previous stage")
+            return hidden_in
+        assert input_ids is not None
+        h = F.embedding(input_ids, self.embed)
+        return h * self._embed_scale if self.cfg.embed_scale != 1.0 else h
+
+    def stage_output(self, h: torch.Tensor) -> torch.Tensor:
+        """What leaves this stage: the final-normed hidden on the last stage (for logits /
+        greedy_tokens), the residual stream to send to the next stage on the others."""
+        if self.final_norm is None:
+            return h
+        return rms_norm(h, self.final_norm, self._eps, 1.0 / self.cfg.hidden_size)
+
+    def add_row_parallel(self, h: torch.Tensor, x: torch.Tensor, linear: Linear, residual: ResidualLinear
+                         ) -> torch.Tensor:
+        """h + x W^T (+ b) for a row-parallel W: fused on one rank; with tensor parallelism each
+        rank's partial product is summed over ranks first (the bias is on rank 0 only)."""
+        if self.tp is None:
+            return residual(h, x)
+        return h + self.tp.all_reduce(linear(x))
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel output summed over the tensor-parallel ranks (itself on one rank)."""
+        return partial if self.tp is None else self.tp.all_reduce(partial)
+
+
+class DecoderLM(StagedModel):
+    """forward(ids, positions, backend) -> final hidden states; logits(h) -> vocab logits.
+
+    Built from the model's global config: `self.cfg` is this rank's local view of it
+    (parallel.local_config); `layer_ids` the global indices of `layers` (this stage's)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, stage: PipelineStage | None = None,
+                 tp: TPGroup | None = None) -> None:
+        super().__init__()
+        cfg = self.init_stage(cfg, dtype, stage, tp)
+        self.layers = nn.ModuleList(self._layer_weights(i, dtype) for i in self.layer_ids)
         self._rope: dict[str, RopeTable] = {}
         self._linears: list[LayerLinears] = []
         self._head: OutputHead | None = None
@@ -117,7 +184,7 @@ class DecoderLM(nn.Module):
 
     def _layer_weights(self, layer_idx: int, dtype: torch.dtype) -> DecoderLayerWeights:
         """Layer `layer_idx`'s parameters (a hook: Llama 4 sizes its dense MLPs per layer)."""
-        return DecoderLayerWeights(self.cfg, dtype)
+        return DecoderLayerWeights(self.cfg, dtype, self.row_bias)
 
     def setup_rope(self, device: torch.device, max_positions: int) -> None:
         """Build cos/sin tables per layer type (call after moving the weights)."""
@@ -135,24 +202,24 @@ class DecoderLM(nn.Module):
         is packed or quantized as `quantization` says (see models/head.py); a tied head's
         plain weight stays, as the embedding lookup reads it."""
         self._linears = [_layer_linears(w, release_weights) for w in self.layers]
-        assert self.lm_head is not None, "weights not loaded"
-        self._head = OutputHead(self.lm_head, quantization, release_head_rows)
+        if self.stage.is_last:
+            assert self.lm_head is not None, "weights not loaded"
+            self._head = OutputHead(self.lm_head, quantization, release_head_rows)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, max_position: int,
-                backend: AttentionBackend) -> torch.Tensor:
-        """input_ids, positions: [T] long on the model's device. Returns hidden [T, hidden]."""
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, max_position: int,
+                backend: AttentionBackend, hidden_in: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids (first stage; None elsewhere), positions: [T] long on the model's device;
+        hidden_in [T, hidden]: the previous stage's output (other stages). Returns
+        stage_output: the final hidden [T, hidden] on the last stage, else the residual stream."""
         cfg = self.cfg
-        h = F.embedding(input_ids, self.embed)
-        if cfg.embed_scale != 1.0:
-            h = h * self._embed_scale
+        h = self.stage_input(input_ids, hidden_in)
         rope = {t: table.lookup(positions, max_position) for t, table in self._rope.items()}
         nq, nkv, hd, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self._eps
         inv_h, inv_hd = 1.0 / cfg.hidden_size, 1.0 / hd
-        T = input_ids.shape[0]
+        T = positions.shape[0]
         if not self._linears:
             self.build_linears(release_weights=False)
-        for i, w in enumerate(self.layers):
-            lin = self._linears[i]
+        for i, w, lin in zip(self.layer_ids, self.layers, self._linears):
             x = rms_norm(h, w.input_norm, eps, inv_h)
             qkv = lin.qkv(x)
             # q | k | v per token: after RoPE in place, k and v are adjacent, which is
@@ -164,18 +231,18 @@ class DecoderLM(nn.Module):
             apply_rope_(qk, cos, sin)  # q and k share positions: one rotation covers both
             attn = backend.attention(i, qk[:, :nq], qkv[:, nq * hd :].view(T, 2, nkv, hd))
             if cfg.sandwich_norm:
-                h = h + rms_norm(lin.o(attn), w.post_attn_norm, eps, inv_h)
+                h = h + rms_norm(self.reduce(lin.o(attn)), w.post_attn_norm, eps, inv_h)
                 x = rms_norm(h, w.pre_ffn_norm, eps, inv_h)
             else:
-                h = lin.o_residual(h, attn)
+                h = self.add_row_parallel(h, attn, lin.o, lin.o_residual)
                 x = rms_norm(h, w.post_attn_norm, eps, inv_h)
             gate, up = lin.gate_up(x).chunk(2, dim=-1)
             y = self._act(gate) * up
             if cfg.sandwich_norm:
-                h = h + rms_norm(lin.down(y), w.post_ffn_norm, eps, inv_h)
+                h = h + rms_norm(self.reduce(lin.down(y)), w.post_ffn_norm, eps, inv_h)
             else:
-                h = lin.down_residual(h, y)
-        return rms_norm(h, self.final_norm, eps, inv_h)
+                h = self.add_row_parallel(h, y, lin.down, lin.down_residual)
+        return self.stage_output(h)
 
     def greedy_tokens(self, hidden: torch.Tensor) -> list[int]:
         """The argmax token of each row's logits, without materialising the logits."""

@@ -16,20 +16,25 @@ A `DecoderLM` whose layers differ in three ways (which layers do what: llama4_co
   token:  out = shared(x) + sum_{e in topk(x)} expert_e(sigmoid(logit_e) * x).
   Only experts that received tokens are computed (tokens sorted by expert, one
   index_select / index_add_ per expert). Dense layers use intermediate_size_mlp.
+  Under tensor parallelism every expert and the shared expert are cut along their
+  intermediate dimension (the router is replicated, so every rank routes alike): a
+  rank's shared + routed output is a partial sum, completed by one all-reduce per layer.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable, Protocol
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridserve.models.checkpoint import Weights, fill_ends, take_gate_up, take_qkv, take_row_bias
 from hybridserve.models.config import FULL, ModelConfig
 from hybridserve.models.decoder import AttentionBackend, DecoderLayerWeights, DecoderLM, rms_norm
 from hybridserve.models.llama4_config import Llama4Options
+from hybridserve.models.parallel import PipelineStage, TPGroup
 from hybridserve.models.rope import RopeTable, apply_rope_
 
 
@@ -83,20 +88,27 @@ class Llama4LM(DecoderLM):
     """Llama 4 text on the shared decoder weights. `layers[i]` holds attention, norms and
     the dense MLP, or on MoE layers the shared expert; `experts[str(i)]` the routed part."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, stage: PipelineStage | None = None,
+                 tp: TPGroup | None = None) -> None:
         if cfg.llama4 is None:
             raise ValueError("Llama4LM needs a ModelConfig parsed from a Llama 4 config")
-        self.opts: Llama4Options = cfg.llama4
-        super().__init__(cfg, dtype)
+        super().__init__(cfg, dtype, stage, tp)  # _layer_weights below reads self.opts
         self.experts = nn.ModuleDict({
-            str(i): Llama4Experts(cfg, self.opts.num_experts, dtype)
-            for i, moe in enumerate(self.opts.moe_layers) if moe
+            str(i): Llama4Experts(self.cfg, self.opts.num_experts, dtype)
+            for i in self.layer_ids if self.opts.moe_layers[i]
         })
+
+    @property
+    def opts(self) -> Llama4Options:
+        """The Llama 4 options of this rank (its dense MLP size local under tensor parallelism)."""
+        assert self.cfg.llama4 is not None
+        return self.cfg.llama4
 
     def _layer_weights(self, layer_idx: int, dtype: torch.dtype) -> DecoderLayerWeights:
         if self.opts.moe_layers[layer_idx]:
-            return DecoderLayerWeights(self.cfg, dtype)  # gate_up/down: the shared expert
-        return DecoderLayerWeights(replace(self.cfg, intermediate_size=self.opts.intermediate_size_mlp), dtype)
+            return DecoderLayerWeights(self.cfg, dtype, self.row_bias)  # gate_up/down: the shared expert
+        return DecoderLayerWeights(replace(self.cfg, intermediate_size=self.opts.intermediate_size_mlp), dtype,
+                                   self.row_bias)
 
     def setup_rope(self, device: torch.device, max_positions: int) -> None:
         super().setup_rope(device, max_positions)
@@ -104,24 +116,23 @@ class Llama4LM(DecoderLM):
         self._rope = {FULL: RopeTable(self.cfg.rope[FULL], self.cfg.head_dim, min(max_positions, 4096), device,
                                       self.dtype)}
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, max_position: int,
-                backend: AttentionBackend) -> torch.Tensor:
-        """input_ids, positions: [T] long on the model's device. Returns hidden [T, hidden]."""
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, max_position: int,
+                backend: AttentionBackend, hidden_in: torch.Tensor | None = None) -> torch.Tensor:
+        """As DecoderLM.forward: [T] ids (first stage) or hidden_in (others) -> stage_output."""
         cfg, opts = self.cfg, self.opts
         nq, nkv, hd, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self._eps
         inv_h, inv_hd = 1.0 / cfg.hidden_size, 1.0 / hd
-        T = input_ids.shape[0]
+        T = positions.shape[0]
         if not self._linears:
             self.build_linears(release_weights=False)
-        h = F.embedding(input_ids, self.embed)
+        h = self.stage_input(input_ids, hidden_in)
         cos, sin = self._rope[FULL].lookup(positions, max_position)
         temperature = None
         if opts.attn_temperature_tuning and not all(opts.rope_layers):
             # float32 as HF computes it; q * temperature promotes, copy_ casts back.
             steps = torch.floor((positions.float() + 1.0) / opts.floor_scale)
             temperature = (torch.log1p(steps) * opts.temperature_scale + 1.0)[:, None, None]
-        for i, w in enumerate(self.layers):
-            lin = self._linears[i]
+        for i, w, lin in zip(self.layer_ids, self.layers, self._linears):
             x = rms_norm(h, w.input_norm, eps, inv_h)
             qkv = lin.qkv(x)
             qk = qkv[:, : (nq + nkv) * hd].view(T, nq + nkv, hd)
@@ -133,24 +144,16 @@ class Llama4LM(DecoderLM):
                 q = qk[:, :nq]
                 q.copy_(q * temperature)
             attn = backend.attention(i, qk[:, :nq], qkv[:, nq * hd :].view(T, 2, nkv, hd))
-            h = lin.o_residual(h, attn)
+            h = self.add_row_parallel(h, attn, lin.o, lin.o_residual)
             x = rms_norm(h, w.post_attn_norm, eps, inv_h)
             gate, up = lin.gate_up(x).chunk(2, dim=-1)
             y = self._act(gate) * up
             experts = self.experts[str(i)] if opts.moe_layers[i] else None
             if experts is None:
-                h = lin.down_residual(h, y)
+                h = self.add_row_parallel(h, y, lin.down, lin.down_residual)
             else:  # HF: out = shared(x); out += routed; h = h + out
-                h = h + (lin.down(y) + routed_experts(x, experts, opts.num_experts_per_tok, self._act))
-        return rms_norm(h, self.final_norm, eps, inv_h)
-
-
-class WeightSource(Protocol):
-    """The loader's tensor store (models/checkpoint.py `Weights`)."""
-
-    tensors: dict[str, torch.Tensor]
-
-    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor: ...
+                h = h + self.reduce(lin.down(y) + routed_experts(x, experts, opts.num_experts_per_tok, self._act))
+        return self.stage_output(h)
 
 
 def interleaved_to_half_split(w: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
@@ -160,19 +163,18 @@ def interleaved_to_half_split(w: torch.Tensor, num_heads: int, head_dim: int) ->
     return w.reshape(num_heads, head_dim, *w.shape[1:])[:, perm].reshape(w.shape)
 
 
-def fill_llama4(model: Llama4LM, cfg: ModelConfig, w: WeightSource) -> None:
-    """Copy HF Llama4ForCausalLM tensors into `model` (shapes checked by `w.take`)."""
-    opts = model.opts
+def fill_llama4(model: Llama4LM, cfg: ModelConfig, w: Weights) -> None:
+    """Copy HF Llama4ForCausalLM tensors into `model` (its stage's layers, its rank's share;
+    `cfg` the global config, shapes checked by `w.take`)."""
+    opts = cfg.llama4
+    assert opts is not None
     H, hd, I, E = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, opts.num_experts
-    nq, nkv = cfg.num_heads, cfg.num_kv_heads
+    nq = cfg.num_heads
+    tp = model.tp or TPGroup()
+    fill_ends(model, cfg, w, "model.embed_tokens.weight", "model.norm.weight")
+    w.keep_layers("model.layers.", model.layer_ids)
     with torch.no_grad():
-        model.embed.copy_(w.take("model.embed_tokens.weight", (cfg.vocab_size, H)))
-        model.final_norm.copy_(w.take("model.norm.weight", (H,)))
-        if not cfg.tie_word_embeddings:
-            model.lm_head = nn.Parameter(w.take("lm_head.weight", (cfg.vocab_size, H)), requires_grad=False)
-        else:
-            w.discard("lm_head.weight")
-        for i, layer in enumerate(model.layers):
+        for i, layer in zip(model.layer_ids, model.layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
             rope = opts.rope_layers[i]
@@ -181,28 +183,25 @@ def fill_llama4(model: Llama4LM, cfg: ModelConfig, w: WeightSource) -> None:
                 return interleaved_to_half_split(t, heads, hd) if rope else t
 
             layer.input_norm.copy_(w.take(p + "input_layernorm.weight", (H,)))
-            layer.qkv.copy_(torch.cat([qk(w.take(a + "q_proj.weight", (nq * hd, H)), nq),
-                                       qk(w.take(a + "k_proj.weight", (nkv * hd, H)), nkv),
-                                       w.take(a + "v_proj.weight", (nkv * hd, H))]))
+            layer.qkv.copy_(take_qkv(w, cfg, tp, a, qk=qk))
             if layer.qkv_bias is not None:
-                layer.qkv_bias.copy_(torch.cat([qk(w.take(a + "q_proj.bias", (nq * hd,)), nq),
-                                                qk(w.take(a + "k_proj.bias", (nkv * hd,)), nkv),
-                                                w.take(a + "v_proj.bias", (nkv * hd,))]))
-            layer.o.copy_(w.take(a + "o_proj.weight", (H, nq * hd)))
-            if layer.o_bias is not None:
-                layer.o_bias.copy_(w.take(a + "o_proj.bias", (H,)))
+                layer.qkv_bias.copy_(take_qkv(w, cfg, tp, a, "bias", qk=qk))
+            layer.o.copy_(tp.shard(w.take(a + "o_proj.weight", (H, nq * hd)), 1))
+            if cfg.o_bias:
+                take_row_bias(w, layer.o_bias, a + "o_proj.bias", H)
             layer.post_attn_norm.copy_(w.take(p + "post_attention_layernorm.weight", (H,)))
             f = p + "feed_forward."
             if opts.moe_layers[i]:
                 ex = model.experts[str(i)]
                 assert isinstance(ex, Llama4Experts)
                 ex.router.copy_(w.take(f + "router.weight", (E, H)))
-                ex.gate_up.copy_(w.take(f + "experts.gate_up_proj", (E, H, 2 * I)))
-                ex.down.copy_(w.take(f + "experts.down_proj", (E, I, H)))
+                # [E, H, gate | up]: this rank's columns of each half.
+                gate, up = w.take(f + "experts.gate_up_proj", (E, H, 2 * I)).chunk(2, dim=2)
+                ex.gate_up.copy_(torch.cat([tp.shard(gate, 2), tp.shard(up, 2)], dim=2))
+                ex.down.copy_(tp.shard(w.take(f + "experts.down_proj", (E, I, H)), 1))
                 f += "shared_expert."
                 size = I
             else:
                 size = opts.intermediate_size_mlp
-            layer.gate_up.copy_(torch.cat([w.take(f + "gate_proj.weight", (size, H)),
-                                           w.take(f + "up_proj.weight", (size, H))]))
-            layer.down.copy_(w.take(f + "down_proj.weight", (H, size)))
+            layer.gate_up.copy_(take_gate_up(w, tp, f, (size, H)))
+            layer.down.copy_(tp.shard(w.take(f + "down_proj.weight", (H, size)), 1))

@@ -13,31 +13,38 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hybridserve.models.checkpoint import Weights, open_checkpoint, place_weights
+from hybridserve.models.checkpoint import (Weights, fill_ends, open_checkpoint, place_weights, take_gate_up, take_qkv,
+                                          take_row_bias)
 from hybridserve.models.config import ModelConfig, load_model_config
 from hybridserve.models.decoder import DecoderLM
 from hybridserve.models.llama4 import Llama4LM, fill_llama4
+from hybridserve.models.parallel import PipelineStage, TPGroup
 
 if TYPE_CHECKING:
     from hybridserve.models.mamba_lm import MambaLM
 
 def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32, quantization: str = "none") -> DecoderLM | MambaLM:
+               dtype: torch.dtype = torch.float32, quantization: str = "none", stage: PipelineStage | None = None,
+               tp: TPGroup | None = None) -> DecoderLM | MambaLM:
     """Build a DecoderLM (a MambaLM for Mamba2 / Bamba) from an HF directory, weights on `device` in `dtype`,
-    the output head quantized as `quantization` says (none, int8, int4: see models/head.py)."""
+    the output head quantized as `quantization` says (none, int8, int4: see models/head.py).
+    With `stage` and `tp` (models/parallel.py) only that pipeline stage's layers are read, cut
+    to that tensor-parallel rank's heads and columns (ConfigError where the sizes do not divide)."""
     model_dir = Path(model_dir)
     cfg = load_model_config(model_dir)
+    if stage is not None:
+        stage.layers(cfg.num_layers)  # ConfigError now, before any weight is read
     if cfg.mamba is not None:
         from hybridserve.models.mamba_loader import load_mamba_model
 
-        return load_mamba_model(model_dir, cfg, device, dtype)
+        return load_mamba_model(model_dir, cfg, device, dtype, stage, tp)
     w = Weights(open_checkpoint(model_dir), dtype)
     if cfg.family == "llama4":  # its own layer layout (MoE, per-layer MLP sizes, RoPE order)
-        llama4 = Llama4LM(cfg, dtype)
+        llama4 = Llama4LM(cfg, dtype, stage, tp)
         fill_llama4(llama4, cfg, w)
         model: DecoderLM = llama4
     else:
-        model = DecoderLM(cfg, dtype)
+        model = DecoderLM(cfg, dtype, stage, tp)
         _fill(model, cfg, w)
     place_weights(model, cfg, w, device)
     model.setup_rope(torch.device(device), cfg.max_position_embeddings)
@@ -51,50 +58,43 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
 
 
 def _fill(model: DecoderLM, cfg: ModelConfig, w: Weights) -> None:
+    """HF tensors into `model` (its stage's layers, its rank's share); `cfg` the global config."""
     H, hd, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     nq, nkv = cfg.num_heads, cfg.num_kv_heads
     gemma = cfg.gemma_norm
+    tp = model.tp or TPGroup()
+    local = model.cfg
 
     def norm(name: str, size: int) -> torch.Tensor:
         t = w.take(name, (size,))
         return 1.0 + t if gemma else t  # Gemma's RMSNorm scales by (1 + w)
 
+    fill_ends(model, cfg, w, "model.embed_tokens.weight", "model.norm.weight", lambda t: 1.0 + t if gemma else t)
+    w.keep_layers("model.layers.", model.layer_ids)
     with torch.no_grad():
-        # Assigned, not copied: a tensor in the model dtype stays a view of the mapped file.
-        model.embed.data = w.take("model.embed_tokens.weight", (cfg.vocab_size, H))
-        model.final_norm.copy_(norm("model.norm.weight", H))
-        if not cfg.tie_word_embeddings:
-            model.lm_head = torch.nn.Parameter(w.take("lm_head.weight", (cfg.vocab_size, H)), requires_grad=False)
-        else:
-            w.discard("lm_head.weight")  # some tied checkpoints still store it
-        for i, layer in enumerate(model.layers):
+        for i, layer in zip(model.layer_ids, model.layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
             layer.input_norm.copy_(norm(p + "input_layernorm.weight", H))
-            layer.qkv.data = torch.cat([w.take(a + "q_proj.weight", (nq * hd, H)),
-                                        w.take(a + "k_proj.weight", (nkv * hd, H)),
-                                        w.take(a + "v_proj.weight", (nkv * hd, H))])
+            # Assigned, not copied: a tensor in the model dtype stays a view of the mapped file.
+            layer.qkv.data = take_qkv(w, cfg, tp, a)
             if layer.qkv_bias is not None:
-                layer.qkv_bias.copy_(torch.cat([w.take(a + "q_proj.bias", (nq * hd,)),
-                                                w.take(a + "k_proj.bias", (nkv * hd,)),
-                                                w.take(a + "v_proj.bias", (nkv * hd,))]))
-            layer.o.data = w.take(a + "o_proj.weight", (H, nq * hd))
-            if layer.o_bias is not None:
-                layer.o_bias.copy_(w.take(a + "o_proj.bias", (H,)))
+                layer.qkv_bias.copy_(take_qkv(w, cfg, tp, a, "bias"))
+            layer.o.data = tp.shard(w.take(a + "o_proj.weight", (H, nq * hd)), 1)
+            if cfg.o_bias:
+                take_row_bias(w, layer.o_bias, a + "o_proj.bias", H)
             if layer.qk_norm is not None:
                 qn = norm(a + "q_norm.weight", hd)
                 kn = norm(a + "k_norm.weight", hd)
-                layer.qk_norm.copy_(torch.cat([qn.expand(nq, hd), kn.expand(nkv, hd)]))
+                layer.qk_norm.copy_(torch.cat([qn.expand(local.num_heads, hd), kn.expand(local.num_kv_heads, hd)]))
             layer.post_attn_norm.copy_(norm(p + "post_attention_layernorm.weight", H))
             if layer.pre_ffn_norm is not None and layer.post_ffn_norm is not None:
                 layer.pre_ffn_norm.copy_(norm(p + "pre_feedforward_layernorm.weight", H))
                 layer.post_ffn_norm.copy_(norm(p + "post_feedforward_layernorm.weight", H))
             m = p + "mlp."
-            layer.gate_up.data = torch.cat([w.take(m + "gate_proj.weight", (I, H)),
-                                            w.take(m + "up_proj.weight", (I, H))])
-            if layer.gate_up_bias is not None and layer.down_bias is not None:
-                layer.gate_up_bias.copy_(torch.cat([w.take(m + "gate_proj.bias", (I,)),
-                                                    w.take(m + "up_proj.bias", (I,))]))
-                layer.down_bias.copy_(w.take(m + "down_proj.bias", (H,)))
-            layer.down.data = w.take(m + "down_proj.weight", (H, I))
+            layer.gate_up.data = take_gate_up(w, tp, m, (I, H))
+            if layer.gate_up_bias is not None:
+                layer.gate_up_bias.copy_(take_gate_up(w, tp, m, (I,), "bias"))
+                take_row_bias(w, layer.down_bias, m + "down_proj.bias", H)
+            layer.down.data = tp.shard(w.take(m + "down_proj.weight", (H, I)), 1)
             w.release_taken()

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridserve.models.mamba_config import MambaMixerConfig
+from hybridserve.models.parallel import SharedNormGroups
 
 
 class MambaStateIO(Protocol):
@@ -79,10 +80,16 @@ BoundaryStates = dict[int, tuple[torch.Tensor, torch.Tensor]]
 
 
 class Mamba2MixerWeights(nn.Module):
-    """One mixer's parameters (our names; models/mamba_loader.py maps HF names onto them)."""
+    """One mixer's parameters (our names; models/mamba_loader.py maps HF names onto them).
 
-    def __init__(self, cfg: MambaMixerConfig, hidden_size: int, dtype: torch.dtype) -> None:
+    Under tensor parallelism `cfg` is the rank's local mixer (its heads, its groups);
+    row_bias=False leaves out out_proj's bias (rank 0 adds it for all), and `norm_share`
+    completes the gated norm of groups that span ranks (models/parallel.py)."""
+
+    def __init__(self, cfg: MambaMixerConfig, hidden_size: int, dtype: torch.dtype, row_bias: bool = True,
+                 norm_share: SharedNormGroups | None = None) -> None:
         super().__init__()
+        self.norm_share = norm_share
 
         def p(*shape: int) -> nn.Parameter:
             return nn.Parameter(torch.zeros(*shape, dtype=dtype), requires_grad=False)
@@ -98,14 +105,15 @@ class Mamba2MixerWeights(nn.Module):
         self.D = p(cfg.num_heads)
         self.norm = p(cfg.intermediate_size)
         self.out_proj = p(hidden_size, cfg.intermediate_size)
-        self.out_proj_bias = p(hidden_size) if cfg.proj_bias else None
+        self.out_proj_bias = p(hidden_size) if cfg.proj_bias and row_bias else None
 
 
 def mamba2_mixer(w: Mamba2MixerWeights, cfg: MambaMixerConfig, h: torch.Tensor, conv_state: torch.Tensor,
                  ssm_state: torch.Tensor, counts: list[int], verify: Sequence[int] = (),
                  checkpoints: dict[int, list[int]] | None = None
                  ) -> tuple[torch.Tensor, TokenStates | None, BoundaryStates]:
-    """h [T, hidden] (normed) -> ([T, hidden], the verify requests' TokenStates or None,
+    """h [T, hidden] (normed) -> ([T, hidden] (a partial sum under tensor parallelism, summed
+    over ranks by the caller), the verify requests' TokenStates or None,
     the states at `checkpoints` of longer chunks); conv_state [R, conv_dim, K-1] and
     ssm_state [R, H, P, N] are advanced past each request's whole chunk, in place."""
     I, H, P = cfg.intermediate_size, cfg.num_heads, cfg.head_dim
@@ -148,7 +156,8 @@ def mamba2_mixer(w: Mamba2MixerWeights, cfg: MambaMixerConfig, h: torch.Tensor, 
         if verify:
             token_states = _verify(w, cfg, xbc, dt, conv_state, ssm_state, y, list(verify), verify_rows,
                                    [counts[r] for r in verify])
-    out = F.linear(_gated_norm(y.reshape(T, I), z, w.norm, cfg).to(h.dtype), w.out_proj, w.out_proj_bias)
+    out = F.linear(_gated_norm(y.reshape(T, I), z, w.norm, cfg, w.norm_share).to(h.dtype), w.out_proj,
+                   w.out_proj_bias)
     return out, token_states, boundary_states
 
 
@@ -179,11 +188,15 @@ def _verify(w: Mamba2MixerWeights, cfg: MambaMixerConfig, xbc: torch.Tensor, dt:
     return TokenStates(reqs, conv_steps, ssm_steps)
 
 
-def _gated_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, cfg: MambaMixerConfig) -> torch.Tensor:
+def _gated_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, cfg: MambaMixerConfig,
+                share: SharedNormGroups | None = None) -> torch.Tensor:
     """RMSNorm of y * silu(z) within each of the n_groups channel groups, times weight
-    (the gate applies before the norm, as HF's Mamba2 does: norm_before_gate=False)."""
+    (the gate applies before the norm, as HF's Mamba2 does: norm_before_gate=False).
+    With `share`, this rank holds part of one group and the mean square is the group's."""
     g = (y * F.silu(z.float())).view(y.shape[0], cfg.n_groups, -1)
-    g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + cfg.norm_eps)
+    square = g.pow(2)
+    mean_square = square.mean(-1, keepdim=True) if share is None else share.mean_square(square.sum(-1, keepdim=True))
+    g = g * torch.rsqrt(mean_square + cfg.norm_eps)
     return weight * g.view(y.shape).to(weight.dtype)
 
 

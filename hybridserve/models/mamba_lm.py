@@ -6,6 +6,8 @@ Bamba layer:   h += mixer(norm(h)) or attention(norm(h));  h += mlp(pre_ff_norm(
 The step backend gives attention (the runner's paged attention, for Bamba's attention
 layers) and `mamba` (a MambaStateIO: each request's conv and SSM state of each Mamba
 layer). The model knows nothing about blocks or requests beyond the chunk lengths.
+As DecoderLM, a model may be one pipeline stage and one tensor-parallel rank
+(models/parallel.py: mixers are cut by heads).
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridserve.models.config import FULL, ModelConfig
-from hybridserve.models.decoder import rms_norm
+from hybridserve.models.decoder import StagedModel, rms_norm
 from hybridserve.models.mamba2 import Mamba2MixerWeights, MambaStateIO, mamba2_mixer
 from hybridserve.models.mamba_config import MAMBA
+from hybridserve.models.parallel import PipelineStage, SharedNormGroups, TPGroup
 from hybridserve.models.rope import RopeTable, apply_rope_
 
 
@@ -44,9 +47,11 @@ class AttentionWeights(nn.Module):
 
 
 class MambaLayerWeights(nn.Module):
-    """One layer: its norm, a mixer or attention, and (Bamba) the MLP after it."""
+    """One layer: its norm, a mixer or attention, and (Bamba) the MLP after it. `cfg` is the
+    rank's local config; row_bias and norm_share as for Mamba2MixerWeights."""
 
-    def __init__(self, cfg: ModelConfig, kind: str, dtype: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, kind: str, dtype: torch.dtype, row_bias: bool = True,
+                 norm_share: SharedNormGroups | None = None) -> None:
         super().__init__()
         assert cfg.mamba is not None
 
@@ -54,7 +59,8 @@ class MambaLayerWeights(nn.Module):
             return nn.Parameter(torch.zeros(*shape, dtype=dtype), requires_grad=False)
 
         self.norm = p(cfg.hidden_size)
-        self.mixer = Mamba2MixerWeights(cfg.mamba, cfg.hidden_size, dtype) if kind == MAMBA else None
+        self.mixer = (Mamba2MixerWeights(cfg.mamba, cfg.hidden_size, dtype, row_bias, norm_share)
+                      if kind == MAMBA else None)
         self.attn = AttentionWeights(cfg, dtype) if kind == FULL else None
         has_mlp = cfg.intermediate_size > 0
         self.pre_ff_norm = p(cfg.hidden_size) if has_mlp else None
@@ -62,18 +68,21 @@ class MambaLayerWeights(nn.Module):
         self.down = p(cfg.hidden_size, cfg.intermediate_size) if has_mlp else None
 
 
-class MambaLM(nn.Module):
-    """forward(ids, positions, max_position, backend) -> final hidden; logits(h) -> vocab logits."""
+class MambaLM(StagedModel):
+    """forward(ids, positions, max_position, backend) -> final hidden; logits(h) -> vocab logits.
+    Built from the global config; `cfg` is the rank's local view (see DecoderLM)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, stage: PipelineStage | None = None,
+                 tp: TPGroup | None = None) -> None:
         super().__init__()
-        assert cfg.mamba is not None, "MambaLM needs a Mamba2 / Bamba config"
-        self.cfg = cfg
-        self.dtype = dtype
-        self.embed = nn.Parameter(torch.zeros(cfg.vocab_size, cfg.hidden_size, dtype=dtype), requires_grad=False)
-        self.layers = nn.ModuleList(MambaLayerWeights(cfg, kind, dtype) for kind in cfg.layer_types)
-        self.final_norm = nn.Parameter(torch.zeros(cfg.hidden_size, dtype=dtype), requires_grad=False)
-        self.lm_head: torch.Tensor | None = None  # set by the loader (tied: the embedding)
+        mixer = cfg.mamba
+        assert mixer is not None, "MambaLM needs a Mamba2 / Bamba config"
+        local = self.init_stage(cfg, dtype, stage, tp)
+        share = None
+        if self.tp is not None and self.tp.size > mixer.n_groups:  # groups span ranks
+            share = SharedNormGroups(self.tp, mixer.n_groups, mixer.intermediate_size // mixer.n_groups)
+        self.layers = nn.ModuleList(MambaLayerWeights(local, local.layer_types[i], dtype, self.row_bias, share)
+                                    for i in self.layer_ids)
         self._rope: RopeTable | None = None
 
     def setup(self, device: torch.device) -> None:
@@ -84,32 +93,34 @@ class MambaLM(nn.Module):
             self._rope = RopeTable(self.cfg.rope[FULL], dim, min(self.cfg.max_position_embeddings, 4096), device,
                                    self.dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, max_position: int,
-                backend: HybridBackend) -> torch.Tensor:
-        """input_ids, positions: [T] long. Returns hidden [T, hidden]."""
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, max_position: int,
+                backend: HybridBackend, hidden_in: torch.Tensor | None = None) -> torch.Tensor:
+        """As DecoderLM.forward: [T] ids (first stage) or hidden_in (others) -> stage_output."""
         cfg = self.cfg
         mixer_cfg = cfg.mamba
         assert mixer_cfg is not None
-        h = F.embedding(input_ids, self.embed)
+        h = self.stage_input(input_ids, hidden_in)
         eps, inv_h = self._eps, 1.0 / cfg.hidden_size
         rope = self._rope.lookup(positions, max_position) if self._rope is not None else None
-        for i, w in enumerate(self.layers):
+        for i, w in zip(self.layer_ids, self.layers):
             x = rms_norm(h, w.norm, eps, inv_h)
             if w.mixer is not None:
                 io = backend.mamba
                 conv, ssm = io.read(i)
                 out, token_states, boundary_states = mamba2_mixer(w.mixer, mixer_cfg, x, conv, ssm, io.counts,
                                                                   io.verify, io.checkpoints)
-                h = h + out
+                h = h + self.reduce(out)
                 io.write(i, conv, ssm, token_states, boundary_states)
             else:
                 assert w.attn is not None and rope is not None
-                h = h + self._attention(i, w.attn, x, rope, backend)
+                h = h + self.reduce(self._attention(i, w.attn, x, rope, backend))
             if w.gate_up is not None:
                 x = rms_norm(h, w.pre_ff_norm, eps, inv_h)
                 gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
-                h = torch.addmm(h, F.silu(gate) * up, w.down.t())
-        return rms_norm(h, self.final_norm, eps, inv_h)
+                down = w.down
+                h = self.add_row_parallel(h, F.silu(gate) * up, lambda y: F.linear(y, down),
+                                          lambda r, y: torch.addmm(r, y, down.t()))
+        return self.stage_output(h)
 
     def _attention(self, i: int, w: AttentionWeights, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                    backend: HybridBackend) -> torch.Tensor:

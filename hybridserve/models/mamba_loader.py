@@ -8,7 +8,8 @@ HF names per architecture (layer i)::
             model.final_layernorm
     mixer:  in_proj, conv1d (weight [conv_dim, 1, K]), dt_bias, A_log, D, norm, out_proj
 
-As in loader.py, every tensor must be present with its shape, and none may be left over.
+As in loader.py, every tensor must be present with its shape, and none may be left over;
+a pipeline stage reads its layers only, a tensor-parallel rank cuts each to its share.
 """
 
 from __future__ import annotations
@@ -17,14 +18,18 @@ from pathlib import Path
 
 import torch
 
+from hybridserve.models.checkpoint import (Weights, fill_ends, open_checkpoint, place_weights, take_gate_up, take_qkv,
+                                          take_row_bias)
 from hybridserve.models.config import ModelConfig
-from hybridserve.models.checkpoint import Weights, open_checkpoint, place_weights
 from hybridserve.models.mamba2 import Mamba2MixerWeights
-from hybridserve.models.mamba_lm import AttentionWeights, MambaLM
+from hybridserve.models.mamba_config import MambaMixerConfig
+from hybridserve.models.mamba_lm import MambaLM
+from hybridserve.models.parallel import PipelineStage, TPGroup, mamba_group_rows
 
 
-def load_mamba_model(model_dir: Path, cfg: ModelConfig, device: str | torch.device, dtype: torch.dtype) -> MambaLM:
-    model = MambaLM(cfg, dtype)
+def load_mamba_model(model_dir: Path, cfg: ModelConfig, device: str | torch.device, dtype: torch.dtype,
+                     stage: PipelineStage | None = None, tp: TPGroup | None = None) -> MambaLM:
+    model = MambaLM(cfg, dtype, stage, tp)
     w = Weights(open_checkpoint(model_dir), dtype)
     _fill(model, cfg, w)
     place_weights(model, cfg, w, device)
@@ -32,54 +37,59 @@ def load_mamba_model(model_dir: Path, cfg: ModelConfig, device: str | torch.devi
     return model.eval()
 
 
-def _fill_mixer(m: Mamba2MixerWeights, cfg: ModelConfig, w: Weights, prefix: str) -> None:
+def _shard_xbc(t: torch.Tensor, mc: MambaMixerConfig, tp: TPGroup) -> torch.Tensor:
+    """Rows (or channels) [x | B | C] of a mixer -> this rank's: its heads' x, its groups' B and C."""
+    n = mc.n_groups * mc.state_size
+    x, B, C = t.split([mc.intermediate_size, n, n])
+    return torch.cat([tp.shard(x), mamba_group_rows(tp, mc.n_groups, B), mamba_group_rows(tp, mc.n_groups, C)])
+
+
+def _shard_in_proj(t: torch.Tensor, mc: MambaMixerConfig, tp: TPGroup) -> torch.Tensor:
+    """in_proj rows [z | x | B | C | dt] (weight or bias) -> this rank's."""
+    z, xbc, dt = t.split([mc.intermediate_size, mc.conv_dim, mc.num_heads])
+    return torch.cat([tp.shard(z), _shard_xbc(xbc, mc, tp), tp.shard(dt)])
+
+
+def _fill_mixer(m: Mamba2MixerWeights, cfg: ModelConfig, w: Weights, prefix: str, tp: TPGroup) -> None:
+    """`cfg` global: each tensor is checked at its full shape, then cut to this rank's heads."""
     mc = cfg.mamba
     assert mc is not None
     H, hidden = mc.num_heads, cfg.hidden_size
-    m.in_proj.copy_(w.take(prefix + "in_proj.weight", (mc.in_proj_size, hidden)))
-    m.conv_w.copy_(w.take(prefix + "conv1d.weight", (mc.conv_dim, 1, mc.conv_kernel))[:, 0])
+    m.in_proj.copy_(_shard_in_proj(w.take(prefix + "in_proj.weight", (mc.in_proj_size, hidden)), mc, tp))
+    m.conv_w.copy_(_shard_xbc(w.take(prefix + "conv1d.weight", (mc.conv_dim, 1, mc.conv_kernel))[:, 0], mc, tp))
     if m.conv_b is not None:
-        m.conv_b.copy_(w.take(prefix + "conv1d.bias", (mc.conv_dim,)))
-    m.dt_bias.copy_(w.take(prefix + "dt_bias", (H,)))
-    m.A.copy_(-torch.exp(w.take(prefix + "A_log", (H,)).float()))
-    m.D.copy_(w.take(prefix + "D", (H,)))
-    m.norm.copy_(w.take(prefix + "norm.weight", (mc.intermediate_size,)))
-    m.out_proj.copy_(w.take(prefix + "out_proj.weight", (hidden, mc.intermediate_size)))
-    if m.in_proj_bias is not None and m.out_proj_bias is not None:
-        m.in_proj_bias.copy_(w.take(prefix + "in_proj.bias", (mc.in_proj_size,)))
-        m.out_proj_bias.copy_(w.take(prefix + "out_proj.bias", (hidden,)))
-
-
-def _fill_attention(a: AttentionWeights, cfg: ModelConfig, w: Weights, prefix: str) -> None:
-    H, hd, nq, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
-    a.qkv.copy_(torch.cat([w.take(prefix + "q_proj.weight", (nq * hd, H)),
-                           w.take(prefix + "k_proj.weight", (nkv * hd, H)),
-                           w.take(prefix + "v_proj.weight", (nkv * hd, H))]))
-    a.o.copy_(w.take(prefix + "o_proj.weight", (H, nq * hd)))
+        m.conv_b.copy_(_shard_xbc(w.take(prefix + "conv1d.bias", (mc.conv_dim,)), mc, tp))
+    m.dt_bias.copy_(tp.shard(w.take(prefix + "dt_bias", (H,))))
+    m.A.copy_(-torch.exp(tp.shard(w.take(prefix + "A_log", (H,))).float()))
+    m.D.copy_(tp.shard(w.take(prefix + "D", (H,))))
+    m.norm.copy_(tp.shard(w.take(prefix + "norm.weight", (mc.intermediate_size,))))
+    m.out_proj.copy_(tp.shard(w.take(prefix + "out_proj.weight", (hidden, mc.intermediate_size)), 1))
+    if m.in_proj_bias is not None:
+        m.in_proj_bias.copy_(_shard_in_proj(w.take(prefix + "in_proj.bias", (mc.in_proj_size,)), mc, tp))
+        take_row_bias(w, m.out_proj_bias, prefix + "out_proj.bias", hidden)
 
 
 def _fill(model: MambaLM, cfg: ModelConfig, w: Weights) -> None:
+    """HF tensors into `model` (its stage's layers, its rank's share); `cfg` the global config."""
     H, I = cfg.hidden_size, cfg.intermediate_size
     mamba2 = cfg.family == "mamba2"
     root = "backbone." if mamba2 else "model."
+    tp = model.tp or TPGroup()
+    fill_ends(model, cfg, w, root + ("embeddings.weight" if mamba2 else "embed_tokens.weight"),
+              root + ("norm_f.weight" if mamba2 else "final_layernorm.weight"))
+    w.keep_layers(root + "layers.", model.layer_ids)
     with torch.no_grad():
-        embed = root + ("embeddings.weight" if mamba2 else "embed_tokens.weight")
-        model.embed.copy_(w.take(embed, (cfg.vocab_size, H)))
-        model.final_norm.copy_(w.take(root + ("norm_f.weight" if mamba2 else "final_layernorm.weight"), (H,)))
-        if not cfg.tie_word_embeddings:
-            model.lm_head = torch.nn.Parameter(w.take("lm_head.weight", (cfg.vocab_size, H)), requires_grad=False)
-        else:
-            w.discard("lm_head.weight")
-        for i, layer in enumerate(model.layers):
+        for i, layer in zip(model.layer_ids, model.layers):
             p = f"{root}layers.{i}."
             layer.norm.copy_(w.take(p + ("norm.weight" if mamba2 else "input_layernorm.weight"), (H,)))
             if layer.mixer is not None:
-                _fill_mixer(layer.mixer, cfg, w, p + ("mixer." if mamba2 else "mamba."))
+                _fill_mixer(layer.mixer, cfg, w, p + ("mixer." if mamba2 else "mamba."), tp)
             if layer.attn is not None:
-                _fill_attention(layer.attn, cfg, w, p + "self_attn.")
+                a = p + "self_attn."
+                layer.attn.qkv.copy_(take_qkv(w, cfg, tp, a))
+                layer.attn.o.copy_(tp.shard(w.take(a + "o_proj.weight", (H, cfg.num_heads * cfg.head_dim)), 1))
             if layer.gate_up is not None and layer.down is not None and layer.pre_ff_norm is not None:
                 f = p + "feed_forward."
                 layer.pre_ff_norm.copy_(w.take(p + "pre_ff_layernorm.weight", (H,)))
-                layer.gate_up.copy_(torch.cat([w.take(f + "gate_proj.weight", (I, H)),
-                                               w.take(f + "up_proj.weight", (I, H))]))
-                layer.down.copy_(w.take(f + "down_proj.weight", (H, I)))
+                layer.gate_up.copy_(take_gate_up(w, tp, f, (I, H)))
+                layer.down.copy_(tp.shard(w.take(f + "down_proj.weight", (H, I)), 1))

@@ -26,6 +26,7 @@ DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when neither kv_cache_memory nor num_
 DEFAULT_MAX_MODEL_LEN_CAP = 8192  # default max_model_len: min(model context, this)
 MODEL_DTYPES = ("float32", "bfloat16", "float16", "auto")  # auto: bfloat16 on CPUs with native bf16
 QUANTIZATIONS = ("auto", "none", "int8", "int4")  # weight-only quantization of the output head
+DISTRIBUTED_BACKENDS = ("mp", "ray")  # how pipeline / tensor parallel workers are started
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40,
           "tib": 1 << 40}
@@ -96,6 +97,12 @@ class EngineConfig:
     # Sliding-window groups hold only the window and each chunk's tail (None: on when the
     # executor computes in-chunk attention from the batch, as the PyTorch runner does).
     window_tail_allocation: bool | None = None
+    # Model parallelism (executor/distributed/): the layers split over P pipeline stages,
+    # each stage's heads and MLP columns over T ranks; P x T worker processes, started on
+    # this machine ("mp") or placed by Ray ("ray", the optional extra; spans machines).
+    pipeline_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -155,6 +162,19 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         _check_int("num_threads", self.num_threads, 1, optional=True)
+        _check_int("pipeline_parallel_size", self.pipeline_parallel_size, 1)
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
+        if self.distributed_executor_backend not in DISTRIBUTED_BACKENDS:
+            raise ConfigError(f"distributed_executor_backend must be one of {', '.join(DISTRIBUTED_BACKENDS)}, "
+                              f"got {self.distributed_executor_backend!r}")
+        if self.is_multiprocess and parse_size("kv_offload_memory", self.kv_offload_memory, allow_zero=True) > 0:
+            raise ConfigError("kv_offload_memory is not supported with pipeline or tensor parallelism yet; "
+                              "set kv_offload_memory to 0 or both parallel sizes to 1")
+
+    @property
+    def is_multiprocess(self) -> bool:
+        """Whether the model runs in worker processes (pipeline or tensor parallel)."""
+        return self.pipeline_parallel_size * self.tensor_parallel_size > 1
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -171,6 +191,7 @@ class EngineConfig:
             max_num_seqs=self.max_num_seqs,
             max_model_len=max_model_len,
             async_scheduling=self.async_scheduling,
+            pipeline_parallel_size=self.pipeline_parallel_size,
             num_speculative_tokens=self.num_speculative_tokens,
             enable_prefix_caching=self.enable_prefix_caching,
             window_tail_allocation=self.window_tail_allocation,

@@ -11,7 +11,7 @@ import os
 import sys
 from typing import Any, Callable, NoReturn
 
-from hybridserve.config import MODEL_DTYPES, QUANTIZATIONS, EngineConfig
+from hybridserve.config import DISTRIBUTED_BACKENDS, MODEL_DTYPES, QUANTIZATIONS, EngineConfig
 from hybridserve.core.errors import HybridServeError
 
 
@@ -83,6 +83,15 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--kv-offload-memory", default="0", metavar="SIZE",
                    help="host memory for offloaded KV blocks, bytes or e.g. 4GiB (default: 0, no offload)")
     e.add_argument("--seed", type=int, default=None, help="random seed (default: 0 for the engine, none per request)")
+    par = p.add_argument_group("parallelism")
+    par.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                     help="split the model's layers over this many stage processes; up to this many steps "
+                          "in flight (default: 1)")
+    par.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                     help="split each layer's heads and MLP columns over this many processes (default: 1)")
+    par.add_argument("--distributed-executor-backend", default="mp", choices=DISTRIBUTED_BACKENDS,
+                     help="how parallel workers start: mp, processes on this machine; ray, Ray actors, "
+                          "which may span machines (pip install 'hybridserve[ray]') (default: mp)")
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
@@ -97,7 +106,8 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         num_speculative_tokens=a.num_speculative_tokens, ngram_prompt_lookup_min=a.ngram_prompt_lookup_min,
         ngram_prompt_lookup_max=a.ngram_prompt_lookup_max, enable_prefix_caching=a.enable_prefix_caching,
         kv_offload_memory=offload, seed=a.seed if a.seed is not None else 0, device=a.device, dtype=a.dtype,
-        quantization=a.quantization, num_threads=a.num_threads,
+        quantization=a.quantization, num_threads=a.num_threads, pipeline_parallel_size=a.pipeline_parallel_size,
+        tensor_parallel_size=a.tensor_parallel_size, distributed_executor_backend=a.distributed_executor_backend,
     )
 
 

@@ -1,0 +1,74 @@
+"""What every multi-process executor shares on the driver side, whatever starts its workers.
+
+The driver never loads weights: it reads the model's config to size the KV cache for
+the scheduler (the pool's block ids are global; each worker holds its own layers' and
+heads' share of every block) and checks that the model divides over the layout before
+any process starts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hybridserve.core.errors import ConfigError, HybridServeError
+from hybridserve.core.kv.spec import KVCacheConfig, KVCacheSpec
+from hybridserve.executor.base import Executor
+from hybridserve.config import DISTRIBUTED_BACKENDS as BACKENDS
+from hybridserve.executor.distributed.layout import ParallelLayout
+from hybridserve.models.config import ModelConfig, load_model_config
+
+
+class ExecutorFailedError(HybridServeError, RuntimeError):
+    """A worker of a multi-process executor failed or died; the executor is unusable."""
+
+
+class DistributedDriver(Executor):
+    # Every stage runs the PyTorch runner, which computes in-chunk attention from the batch.
+    computes_in_chunk_attention_from_batch = True
+
+    def __init__(self, spec_args: dict[str, Any]) -> None:
+        from hybridserve.executor.distributed.shards import check_layout
+
+        layout: ParallelLayout = spec_args["layout"]
+        self.layout = layout
+        self._model_cfg = load_model_config(spec_args["model_path"])
+        check_layout(self._model_cfg, layout)
+        self._kv_dtype: str = spec_args.get("dtype", "float32")
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self._model_cfg
+
+    @property
+    def kv_dtype(self) -> str:
+        return self._kv_dtype
+
+    def kv_layer_specs(self, block_size: int) -> dict[str, KVCacheSpec]:
+        from hybridserve.models.kv_specs import model_kv_layer_specs
+
+        return model_kv_layer_specs(self._model_cfg, block_size, self._kv_dtype)
+
+    def kv_cache_config(self, block_size: int = 16, *, num_blocks: int | None = None,
+                        kv_cache_memory: int | str | None = None) -> KVCacheConfig:
+        from hybridserve.executor.torch.executor import build_kv_cache_config
+
+        return build_kv_cache_config(self._model_cfg, block_size, num_blocks=num_blocks,
+                                     kv_cache_memory=kv_cache_memory, kv_dtype=self._kv_dtype)
+
+    def enable_kv_offload(self, num_host_blocks: int, fail_loads: int = 0) -> None:
+        raise ConfigError("kv_offload_memory is not supported with pipeline or tensor parallelism yet "
+                          "(use pipeline_parallel_size=1 and tensor_parallel_size=1)")
+
+
+def make_distributed_executor(backend: str, **spec_args: Any) -> DistributedDriver:
+    """A multi-process executor: `mp` (processes on this machine) or `ray` (Ray actors,
+    which may span machines). spec_args are WorkerSpec fields (see worker.py)."""
+    if backend not in BACKENDS:
+        raise ConfigError(f"distributed_executor_backend must be one of {list(BACKENDS)}, got {backend!r}")
+    if backend == "ray":
+        from hybridserve.executor.distributed.ray_executor import RayExecutor
+
+        return RayExecutor(spec_args)
+    from hybridserve.executor.distributed.mp_executor import MultiprocExecutor
+
+    return MultiprocExecutor(spec_args)

@@ -1,0 +1,242 @@
+"""Pipeline and tensor parallelism on real worker processes (torch.distributed, gloo).
+
+Every test starts P x T worker processes with the multiprocessing backend and checks:
+- greedy output equals Hugging Face greedy token for token (sliding window: Mistral,
+  Gemma 3; chunked local: Llama 4; Mamba: Bamba), with chunked prefill, prefix hits,
+  preemption, sync and async scheduling, and speculative decoding;
+- steps really overlap across stages, and the scheduler's in-flight counts equal the
+  tokens of the steps the workers still hold, after every step;
+- the unsafe optimistic free corrupts real output under PP=2 with rejected drafts,
+  while the processed-token rule (the default) keeps it equal to HF;
+- a killed worker ends the executor with a named error and no process left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from tests import hf_tiny, hf_tiny_mamba  # noqa: E402
+from tests.test_spec_decode_hybrid import OracleDrafter  # noqa: E402
+
+from hybridserve.core.errors import ConfigError  # noqa: E402
+from hybridserve.core.request import Request, SamplingParams  # noqa: E402
+from hybridserve.core.sched.config import SchedulerConfig  # noqa: E402
+from hybridserve.engine.loop import EngineCore, build_engine  # noqa: E402
+from hybridserve.executor.distributed.driver import ExecutorFailedError, make_distributed_executor  # noqa: E402
+from hybridserve.executor.distributed.layout import ParallelLayout  # noqa: E402
+
+NEW_TOKENS = 20
+
+
+class TolerantOracleDrafter(OracleDrafter):
+    """The oracle drafter, proposing nothing once a request has left HF's continuation
+    (which only a corrupted run does)."""
+
+    def propose(self, token_ids: list[int], num_drafts: int) -> list[int]:
+        n = len(token_ids)
+        if not any(f[:n] == token_ids for f in self.sequences):
+            return []
+        return super().propose(token_ids, num_drafts)
+
+
+def model_dir(kind: str):  # type: ignore[no-untyped-def]
+    return hf_tiny_mamba.tiny_model_dir(kind) if kind == "bamba" else hf_tiny.tiny_model_dir(kind)
+
+
+def oracle(kind: str, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:
+    if kind == "bamba":
+        return hf_tiny_mamba.oracle(kind, prompt, n)[0]
+    return hf_tiny.oracle(kind, prompt, n)[0]
+
+
+def make_engine(kind: str, pp: int, tp: int = 1, *, async_scheduling: bool = False, spec: int = 0,
+                num_blocks: int = 200, drafter: object = None, trace: bool = False, unsafe: bool = False,
+                backend: str = "mp", max_num_batched_tokens: int = 40, max_model_len: int = 256) -> EngineCore:
+    ex = make_distributed_executor(backend, layout=ParallelLayout(pp, tp), model_path=str(model_dir(kind)),
+                                   num_threads=1, drafter=drafter, trace=trace)
+    try:
+        sc = SchedulerConfig(max_model_len=max_model_len, async_scheduling=async_scheduling, pipeline_parallel_size=pp,
+                             max_num_batched_tokens=max_num_batched_tokens, num_speculative_tokens=spec)
+        return build_engine(sc, ex.kv_cache_config(16, num_blocks=num_blocks), ex, unsafe_optimistic_free=unsafe)
+    except BaseException:
+        ex.shutdown()
+        raise
+
+
+def prompts_with_shared_prefix(seed: int = 0) -> list[list[int]]:
+    """Five prompts; the last two share a 40-token prefix with the first (prefix hits)."""
+    rng = random.Random(seed)
+    shared = [rng.randint(3, 255) for _ in range(40)]
+    out = [shared + [rng.randint(3, 255) for _ in range(9)]]
+    out += [[rng.randint(3, 255) for _ in range(rng.randint(20, 70))] for _ in range(2)]
+    out += [shared + [rng.randint(3, 255) for _ in range(k)] for k in (3, 17)]
+    return out
+
+
+def run(engine: EngineCore, prompts: list[list[int]], check_in_flight: bool = False) -> dict[str, list[int]]:
+    """Output tokens per request. The last two prompts are added after the first finishes
+    (so their prefix is cached). check_in_flight: after every step, each request's
+    in-flight count equals its tokens in the steps the executor still holds."""
+    got: dict[str, list[int]] = {}
+    first, later = prompts[:-2], prompts[-2:]
+    for i, p in enumerate(first):
+        engine.add_request(Request(f"r{i}", p, SamplingParams(max_tokens=NEW_TOKENS)))
+    added = False
+    try:
+        while engine.has_unfinished_requests() or not added:
+            if not added and "r0" in got and len(got["r0"]) == NEW_TOKENS:
+                for j, p in enumerate(later):
+                    engine.add_request(Request(f"r{len(first) + j}", p, SamplingParams(max_tokens=NEW_TOKENS)))
+                added = True
+            _, outs = engine.step()
+            for o in outs:
+                got.setdefault(o.request_id, []).extend(o.new_token_ids)
+            if check_in_flight:
+                assert_in_flight_matches_workers(engine)
+    finally:
+        pool = engine.scheduler.kv.pool
+        engine.shutdown()
+    assert pool.num_free_blocks == pool.num_blocks - 1  # nothing leaked
+    return got
+
+
+def assert_in_flight_matches_workers(engine: EngineCore) -> None:
+    """Each request's in-flight count equals its tokens in the steps the workers hold."""
+    held: dict[str, int] = {}
+    for so in engine.executor.in_flight_steps():  # type: ignore[attr-defined]
+        for sr in so.requests:
+            held[sr.request_id] = held.get(sr.request_id, 0) + sr.num_scheduled_tokens
+    for rid, req in engine.scheduler.requests.items():
+        assert req.num_in_flight_tokens == held.get(rid, 0), (rid, req.num_in_flight_tokens, held)
+
+
+def assert_matches_hf(kind: str, prompts: list[list[int]], got: dict[str, list[int]]) -> None:
+    for i, p in enumerate(prompts):
+        assert got[f"r{i}"] == oracle(kind, p), f"{kind} prompt {i}"
+
+
+@pytest.mark.parametrize("kind,async_scheduling", [("mistral", True), ("gemma3", False), ("llama4", True),
+                                                    ("bamba", False)])
+def test_pipeline_parallel_2_matches_hf(kind: str, async_scheduling: bool) -> None:
+    prompts = prompts_with_shared_prefix()
+    eng = make_engine(kind, 2, async_scheduling=async_scheduling)
+    hits = eng.scheduler.kv.prefix_cache_stats
+    got = run(eng, prompts, check_in_flight=True)
+    assert_matches_hf(kind, prompts, got)
+    assert hits.hits > 0  # the late prompts hit the cached shared prefix
+
+
+@pytest.mark.parametrize("kind", ["mistral", "bamba"])
+def test_tensor_parallel_2_matches_hf(kind: str) -> None:
+    prompts = prompts_with_shared_prefix(1)
+    got = run(make_engine(kind, 1, 2, async_scheduling=True), prompts)
+    assert_matches_hf(kind, prompts, got)
+
+
+def test_pipeline_2_by_tensor_2_with_preemption_matches_hf() -> None:
+    prompts = prompts_with_shared_prefix(2)
+    eng = make_engine("gemma3", 2, 2, num_blocks=20, max_model_len=96)  # too few blocks for all: preemption
+    got = run(eng, prompts)
+    assert_matches_hf("gemma3", prompts, got)
+    assert eng.scheduler.stats.num_preemptions > 0
+
+
+def _spec_prompts(kind: str) -> list[list[int]]:
+    rng = random.Random(3)
+    s = [rng.randint(3, 255) for _ in range(40)]
+    g = oracle(kind, s, 12)
+    return [s + g + [rng.randint(3, 255) for _ in range(5)] + s + g[:4],
+            [rng.randint(3, 255) for _ in range(30)], [rng.randint(3, 255) for _ in range(25)]]
+
+
+@pytest.mark.parametrize("unsafe", [False, True], ids=["processed-basis", "unsafe-optimistic"])
+def test_optimistic_free_corrupts_real_pipeline_output_and_the_rule_does_not(unsafe: bool) -> None:
+    """PP=2, async, 4 drafts per step with rejections (an oracle drafter corrupting two
+    proposals of three), a sliding window of 16 tokens. Freeing on the optimistic count
+    frees blocks a rolled-back request still needs inside its window: its next steps read
+    the null block and the output leaves HF's. The default frees on the processed count."""
+    kind = "mistral"
+    prompts = _spec_prompts(kind)
+    sequences = [p + oracle(kind, p, 40) for p in prompts]
+    eng = make_engine(kind, 2, async_scheduling=True, spec=4, drafter=TolerantOracleDrafter(sequences),
+                      unsafe=unsafe)
+    for i, p in enumerate(prompts):
+        eng.add_request(Request(f"r{i}", p, SamplingParams(max_tokens=40)))
+    got = eng.run()
+    stats = eng.scheduler.stats
+    eng.shutdown()
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens  # drafts were rejected
+    same = [got[f"r{i}"] == oracle(kind, p, 40) for i, p in enumerate(prompts)]
+    if unsafe:
+        assert not all(same), "the unsafe free left every output intact"
+    else:
+        assert all(same)
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_steps_overlap_across_stages_and_in_flight_counts_match(pp: int) -> None:
+    rng = random.Random(4)
+    prompts = [[rng.randint(3, 255) for _ in range(rng.randint(10, 60))] for _ in range(6)]
+    eng = make_engine("gemma3", pp, trace=True)
+    got: dict[str, list[int]] = {}
+    ex = eng.executor
+    try:
+        for i, p in enumerate(prompts):
+            eng.add_request(Request(f"r{i}", p, SamplingParams(max_tokens=NEW_TOKENS)))
+        most_in_flight = 0
+        while eng.has_unfinished_requests():
+            _, outs = eng.step()
+            most_in_flight = max(most_in_flight, len(ex.in_flight_steps()))  # type: ignore[attr-defined]
+            for o in outs:
+                got.setdefault(o.request_id, []).extend(o.new_token_ids)
+            assert_in_flight_matches_workers(eng)
+        traces = ex.traces()  # type: ignore[attr-defined]
+    finally:
+        eng.shutdown()
+    assert_matches_hf("gemma3", prompts, got)
+    assert most_in_flight == pp - 1  # after each wait, P - 1 steps stay in the pipeline
+    first, last = 0, (pp - 1)  # ranks of the first and last stage (tp = 1)
+    spans = {(t.rank, t.step_id): (t.start, t.end) for t in traces}
+    steps = sorted({s for r, s in spans if r == last})
+    overlapped = [s for s in steps if (first, s + 1) in spans and spans[(first, s + 1)][0] < spans[(last, s)][1]]
+    # The first stage starts step N+1 while the last still computes step N, for most steps.
+    assert len(overlapped) >= len(steps) // 2, (len(overlapped), len(steps))
+
+
+def test_killed_worker_fails_the_executor_and_leaves_no_process() -> None:
+    eng = make_engine("mistral", 2)
+    ex = eng.executor
+    procs = list(ex.procs)  # type: ignore[attr-defined]
+    eng.add_request(Request("r0", list(range(3, 40)), SamplingParams(max_tokens=200)))
+    eng.step()
+    os.kill(procs[1].pid, signal.SIGKILL)
+    with pytest.raises(ExecutorFailedError, match="worker rank 1 was killed by signal 9"):
+        for _ in range(400):
+            eng.step()
+    ex.shutdown()
+    deadline = time.monotonic() + 10
+    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(p.is_alive() for p in procs)
+
+
+@pytest.mark.parametrize("pp,tp,needle", [(5, 1, "sizes that work: 1..4"), (1, 3, "sizes that work: 1, 2")])
+def test_layouts_the_model_does_not_divide_are_refused_before_any_process_starts(pp: int, tp: int,
+                                                                                  needle: str) -> None:
+    with pytest.raises(ConfigError, match=needle):
+        make_distributed_executor("mp", layout=ParallelLayout(pp, tp), model_path=str(model_dir("mistral")))
+
+
+def test_ray_backend_matches_hf() -> None:
+    pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'hybridserve[ray]')")
+    prompts = prompts_with_shared_prefix(5)
+    got = run(make_engine("mistral", 2, backend="ray"), prompts)
+    assert_matches_hf("mistral", prompts, got)

@@ -240,3 +240,46 @@ def test_ray_backend_matches_hf() -> None:
     prompts = prompts_with_shared_prefix(5)
     got = run(make_engine("mistral", 2, backend="ray"), prompts)
     assert_matches_hf("mistral", prompts, got)
+
+
+def test_llm_api_with_pipeline_and_tensor_parallel_matches_hf_and_keeps_grammars() -> None:
+    """The Python API builds the worker executor from its config: text prompts through
+    PP=2 x TP=2 give HF's greedy tokens, and a constrained request (its grammar lives on
+    the last stage) stays inside its choices."""
+    import json
+
+    from tests.serving_models import PROMPTS
+    from tests.structured_models import byte_model_dir
+
+    from hybridserve import LLM, SamplingParams as UserParams, StructuredOutput
+
+    path = byte_model_dir()
+    llm = LLM(str(path), max_model_len=256, dtype="float32", progress=False, pipeline_parallel_size=2,
+              tensor_parallel_size=2)
+    try:
+        outs = llm.generate(PROMPTS, UserParams(max_tokens=12), use_tqdm=False)
+        choice = llm.generate(PROMPTS[0], UserParams(max_tokens=20, structured_output=StructuredOutput(
+            "choice", json.dumps(["apple", "banana", "cherry"]))), use_tqdm=False)
+    finally:
+        llm.shutdown()
+    hf = hf_tiny.load_hf(path)
+    for o in outs:
+        want, _ = hf_tiny.hf_greedy(hf, o.prompt_token_ids, 12)
+        # A stop at EOS ends early; HF (no eos set) goes on past it.
+        assert o.token_ids == (want[: len(o.token_ids)] if o.finish_reason == "stop" else want)
+    assert choice[0].finish_reason == "stop" and choice[0].text in ("apple", "banana", "cherry"), choice[0].text
+
+
+def test_parallel_flags_reach_the_engine_config() -> None:
+    import argparse
+
+    from hybridserve.entrypoints.engine_flags import add_engine_arguments, engine_config_from_args
+
+    p = argparse.ArgumentParser()
+    add_engine_arguments(p)
+    cfg = engine_config_from_args(p.parse_args(["-pp", "3", "--tensor-parallel-size", "2",
+                                                "--distributed-executor-backend", "ray"]))
+    assert (cfg.pipeline_parallel_size, cfg.tensor_parallel_size, cfg.distributed_executor_backend) == (3, 2, "ray")
+    assert cfg.scheduler_config(64).num_concurrent_batches == 3  # P steps in flight
+    with pytest.raises(ConfigError, match="kv_offload_memory is not supported with pipeline"):
+        type(cfg)(pipeline_parallel_size=2, kv_offload_memory="1GiB")

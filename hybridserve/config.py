@@ -167,9 +167,6 @@ class EngineConfig:
         if self.distributed_executor_backend not in DISTRIBUTED_BACKENDS:
             raise ConfigError(f"distributed_executor_backend must be one of {', '.join(DISTRIBUTED_BACKENDS)}, "
                               f"got {self.distributed_executor_backend!r}")
-        if self.is_multiprocess and parse_size("kv_offload_memory", self.kv_offload_memory, allow_zero=True) > 0:
-            raise ConfigError("kv_offload_memory is not supported with pipeline or tensor parallelism yet; "
-                              "set kv_offload_memory to 0 or both parallel sizes to 1")
 
     @property
     def is_multiprocess(self) -> bool:

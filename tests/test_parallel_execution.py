@@ -281,5 +281,38 @@ def test_parallel_flags_reach_the_engine_config() -> None:
                                                 "--distributed-executor-backend", "ray"]))
     assert (cfg.pipeline_parallel_size, cfg.tensor_parallel_size, cfg.distributed_executor_backend) == (3, 2, "ray")
     assert cfg.scheduler_config(64).num_concurrent_batches == 3  # P steps in flight
-    with pytest.raises(ConfigError, match="kv_offload_memory is not supported with pipeline"):
-        type(cfg)(pipeline_parallel_size=2, kv_offload_memory="1GiB")
+
+
+@pytest.mark.parametrize("kind,pp,tp,fail_loads", [("llama", 2, 1, 0), ("gemma3", 1, 2, 1)])
+def test_kv_offload_across_workers_loads_from_host_and_matches_hf(kind: str, pp: int, tp: int,
+                                                                   fail_loads: int) -> None:
+    """Each worker keeps its share of every offloaded block (its layers, its heads); a
+    load counts as done once every worker has loaded its share, and a block any worker
+    failed to load is recomputed. Waves as in test_offload.py: wave 2 comes back from host."""
+    from tests.test_offload import NEW_TOKENS as OFFLOAD_TOKENS, PREFIX, WAVE1, run_waves
+
+    from hybridserve.executor.torch.offload import attach_host_offload
+
+    ex = make_distributed_executor("mp", layout=ParallelLayout(pp, tp), model_path=str(hf_tiny.tiny_model_dir(kind)),
+                                   num_threads=1)
+    kvc = ex.kv_cache_config(16, num_blocks=24)
+    conn = attach_host_offload(ex, kvc, 400, fail_loads=fail_loads)
+    sc = SchedulerConfig(max_model_len=160, async_scheduling=True, pipeline_parallel_size=pp,
+                         max_num_batched_tokens=64, max_num_seqs=2)
+    eng = build_engine(sc, kvc, ex, conn)
+    try:
+        device_hits = run_waves(kind, eng)  # checks every token against HF
+        stats = eng.scheduler.make_stats()
+        assert not conn.pins and not conn.pending_loads and not conn.pending_stores
+        assert eng.scheduler.kv.pool.num_free_blocks == kvc.num_blocks - 1
+    finally:
+        eng.shutdown()
+    assert stats.num_offloaded_blocks > 0
+    if fail_loads:
+        assert stats.num_failed_loads >= 1
+        return
+    # As in the single-process test: the continuation's prefix up to wave 1's last processed
+    # full block, and (full attention) the shared 96-token prefix, came from host memory.
+    processed_end = (len(WAVE1[0]) + OFFLOAD_TOKENS - 1) // 16 * 16
+    assert stats.num_offload_hit_tokens == processed_end - device_hits[0] + (PREFIX - device_hits[1])
+    assert stats.num_failed_loads == 0

@@ -12,6 +12,7 @@ from typing import Any
 
 from hybridserve.core.errors import ConfigError, HybridServeError
 from hybridserve.core.kv.spec import KVCacheConfig, KVCacheSpec
+from hybridserve.core.sched.output import KVConnectorOutput
 from hybridserve.executor.base import Executor
 from hybridserve.config import DISTRIBUTED_BACKENDS as BACKENDS
 from hybridserve.executor.distributed.layout import ParallelLayout
@@ -55,9 +56,40 @@ class DistributedDriver(Executor):
         return build_kv_cache_config(self._model_cfg, block_size, num_blocks=num_blocks,
                                      kv_cache_memory=kv_cache_memory, kv_dtype=self._kv_dtype)
 
+    #: (host blocks, injected load failures) when KV offload is on (enable_kv_offload).
+    offload_args: tuple[int, int] | None = None
+
     def enable_kv_offload(self, num_host_blocks: int, fail_loads: int = 0) -> None:
-        raise ConfigError("kv_offload_memory is not supported with pipeline or tensor parallelism yet "
-                          "(use pipeline_parallel_size=1 and tensor_parallel_size=1)")
+        """Every worker keeps a host pool of `num_host_blocks` slots for its share of each
+        block (its layers, its heads); call before initialize (see attach_host_offload)."""
+        self.offload_args = (num_host_blocks, fail_loads)
+        self.connector_reports = ConnectorReports(self.layout.world_size)
+
+
+class ConnectorReports:
+    """One KV connector report per step from the workers' reports: a transfer of a request
+    is finished once every worker has finished its share; a block any worker failed to
+    load is invalid."""
+
+    def __init__(self, num_workers: int) -> None:
+        self.num_workers = num_workers
+        self.recving: dict[str, int] = {}
+        self.sending: dict[str, int] = {}
+
+    def merge(self, reports: list[KVConnectorOutput | None]) -> KVConnectorOutput:
+        merged = KVConnectorOutput()
+        for report in reports:
+            if report is None:
+                continue
+            merged.invalid_block_ids |= report.invalid_block_ids
+            for counts, done in ((self.recving, report.finished_recving), (self.sending, report.finished_sending)):
+                for rid in done:
+                    counts[rid] = counts.get(rid, 0) + 1
+        for counts, out in ((self.recving, merged.finished_recving), (self.sending, merged.finished_sending)):
+            for rid in [r for r, n in counts.items() if n == self.num_workers]:
+                del counts[rid]
+                out.add(rid)
+        return merged
 
 
 def make_distributed_executor(backend: str, **spec_args: Any) -> DistributedDriver:

@@ -56,11 +56,13 @@ def _worker_main(spec: WorkerSpec, rank: int, inbox: Any, outbox: Any) -> None:
             if kind == "stop":
                 break
             if kind == "init":
-                outbox.put(("initialized", rank, worker.init_cache(payload)))
+                outbox.put(("initialized", rank, worker.init_cache(*payload)))
             elif kind == "step":
                 out = worker.step(payload)
-                if out is not None:
+                if rank == spec.layout.output_rank:
                     outbox.put(("output", rank, out))
+                elif worker.offload is not None:
+                    outbox.put(("kv", rank, out))
             elif kind == "traces":
                 outbox.put(("traces", rank, worker.take_traces()))
     except KeyboardInterrupt:
@@ -90,6 +92,10 @@ class MultiprocExecutor(DistributedDriver):
         ]
         self.failure: str | None = None
         self.dispatched: deque[SchedulerOutput] = deque()
+        # With KV offload: per rank, the outputs (output rank) or transfer reports (the
+        # others) not yet claimed by a step, oldest first.
+        self._report_ranks = [r for r in range(spec.layout.world_size) if r != spec.layout.output_rank]
+        self._reports: dict[int, deque[Any]] = {r: deque() for r in range(spec.layout.world_size)}
         for p in self.procs:
             p.start()
         try:
@@ -101,7 +107,7 @@ class MultiprocExecutor(DistributedDriver):
     # -- Executor -----------------------------------------------------------------
     def initialize(self, kv_cache_config: KVCacheConfig) -> None:
         for box in self.inboxes:
-            box.put(("init", kv_cache_config))
+            box.put(("init", (kv_cache_config, self.offload_args)))
         self.kv_bytes_per_worker = self._gather("initialized", 600.0)
 
     def execute(self, scheduler_output: SchedulerOutput) -> Any:
@@ -114,7 +120,19 @@ class MultiprocExecutor(DistributedDriver):
     def wait(self, handle: Any) -> ModelRunnerOutput:
         so = self.dispatched.popleft()
         assert so.step_id == handle, "steps are waited for in dispatch order"
-        _, _, out = self._next("output", None)
+        if self.offload_args is None:
+            return self._next("output", None)[2]
+        # With offload every worker reports its share's transfers for the step as well.
+        # Each rank's messages arrive in step order, so the oldest unclaimed output and
+        # report of each rank belong to this step (later steps' may already be queued).
+        while not self._reports[self.layout.output_rank] or any(not self._reports[r] for r in self._report_ranks):
+            kind, rank, payload = self._receive(None)
+            if kind not in ("output", "kv"):
+                self._fail(f"expected a step's output from the workers, got {kind!r} from rank {rank}")
+            self._reports[rank].append(payload)
+        out = self._reports[self.layout.output_rank].popleft()
+        reports = [out.kv_connector_output] + [self._reports[r].popleft() for r in self._report_ranks]
+        out.kv_connector_output = self.connector_reports.merge(reports)
         return out
 
     def in_flight_steps(self) -> list[SchedulerOutput]:
@@ -154,7 +172,18 @@ class MultiprocExecutor(DistributedDriver):
             raise ExecutorFailedError(self.failure)
 
     def _next(self, kind: str, timeout: float | None) -> tuple[str, int, Any]:
-        """The next message of `kind` from the outbox; an error or a dead worker raises."""
+        """The next message, which must be of `kind`."""
+        msg = self._receive(timeout, kind)
+        if msg[0] != kind:
+            self._fail(f"expected {kind!r} from the workers, got {msg[0]!r} from rank {msg[1]}")
+        return msg
+
+    def _fail(self, failure: str) -> None:
+        self.failure = failure
+        raise ExecutorFailedError(failure)
+
+    def _receive(self, timeout: float | None, kind: str = "output") -> tuple[str, int, Any]:
+        """The next message from the outbox; an error or a dead worker raises."""
         self._check()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -176,9 +205,6 @@ class MultiprocExecutor(DistributedDriver):
                 crashed = next((describe_exit(r, p.exitcode) for r, p in enumerate(self.procs)
                                 if p.exitcode not in (None, 0)), None)
                 self.failure = crashed or f"worker rank {msg[1]} failed: {msg[2]}"
-                raise ExecutorFailedError(self.failure)
-            if msg[0] != kind:
-                self.failure = f"expected {kind!r} from the workers, got {msg[0]!r} from rank {msg[1]}"
                 raise ExecutorFailedError(self.failure)
             return msg
 

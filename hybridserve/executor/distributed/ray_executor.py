@@ -20,7 +20,7 @@ from typing import Any
 
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.kv.spec import KVCacheConfig
-from hybridserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from hybridserve.core.sched.output import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
 from hybridserve.executor.distributed.driver import DistributedDriver, ExecutorFailedError
 from hybridserve.executor.distributed.worker import StepTrace, Worker, WorkerSpec
 
@@ -46,11 +46,11 @@ class RayWorker:
     def start(self, spec: WorkerSpec, rank: int) -> None:
         self.worker = Worker(spec, rank)
 
-    def init_cache(self, kv_cache_config: KVCacheConfig) -> int:
+    def init_cache(self, kv_cache_config: KVCacheConfig, offload: tuple[int, int] | None) -> int:
         assert self.worker is not None
-        return self.worker.init_cache(kv_cache_config)
+        return self.worker.init_cache(kv_cache_config, offload)
 
-    def step(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+    def step(self, so: SchedulerOutput) -> ModelRunnerOutput | KVConnectorOutput | None:
         assert self.worker is not None
         return self.worker.step(so)
 
@@ -110,7 +110,8 @@ class RayExecutor(DistributedDriver):
             raise ExecutorFailedError(self.failure) from None
 
     def initialize(self, kv_cache_config: KVCacheConfig) -> None:
-        self.kv_bytes_per_worker = self._get([a.init_cache.remote(kv_cache_config) for a in self.actors])
+        self.kv_bytes_per_worker = self._get([a.init_cache.remote(kv_cache_config, self.offload_args)
+                                              for a in self.actors])
 
     def execute(self, scheduler_output: SchedulerOutput) -> Any:
         if self.failure is not None:
@@ -119,7 +120,12 @@ class RayExecutor(DistributedDriver):
         return [a.step.remote(ref) for a in self.actors]
 
     def wait(self, handle: Any) -> ModelRunnerOutput:
-        return self._get(handle)[self.layout.output_rank]
+        results = self._get(handle)
+        out = results[self.layout.output_rank]
+        if self.offload_args is not None:  # every worker's share of the step's transfers
+            reports = [out.kv_connector_output] + [r for i, r in enumerate(results) if i != self.layout.output_rank]
+            out.kv_connector_output = self.connector_reports.merge(reports)
+        return out
 
     def traces(self) -> list[StepTrace]:
         return [t for per_rank in self._get([a.take_traces.remote() for a in self.actors]) for t in per_rank]

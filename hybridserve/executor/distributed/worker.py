@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from hybridserve.core.kv.spec import KVCacheConfig
-from hybridserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from hybridserve.core.sched.output import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
 from hybridserve.executor.distributed.layout import ParallelLayout, WorkerPlace
 from hybridserve.executor.distributed.peer_link import PeerLink
 from hybridserve.executor.distributed.stage_runner import StageRunner
@@ -74,10 +74,12 @@ class Worker:
         )
         self.link = PeerLink(self.device if backend == "nccl" else torch.device("cpu"))
         self.runner: StageRunner | None = None
+        self.offload: Any = None  # OffloadWorker of this worker's share, with KV offload
         self.traces: list[StepTrace] = []
 
-    def init_cache(self, kv_cache_config: KVCacheConfig) -> int:
-        """Build the runner over this worker's share of the pool; returns its KV bytes."""
+    def init_cache(self, kv_cache_config: KVCacheConfig, offload: tuple[int, int] | None = None) -> int:
+        """Build the runner over this worker's share of the pool, with a host pool for it
+        when offload = (host blocks, injected load failures); returns its KV bytes."""
         from hybridserve.executor.torch.spec_decode import NgramDrafter
 
         grammar = None
@@ -91,22 +93,36 @@ class Worker:
         drafter = self.spec.drafter or NgramDrafter(*self.spec.ngram_sizes)
         self.runner = StageRunner(self.model, kv_cache_config, self.device, self.place, self.link, self.layers,
                                   seed=self.spec.seed, drafter=drafter, grammar=grammar)
+        if offload is not None:
+            from hybridserve.executor.torch.offload import OffloadWorker
+
+            self.offload = OffloadWorker(self.runner.kv, offload[0], self.device, offload[1])
         return self.runner.kv.num_bytes
 
-    def step(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
-        """Run one step; the output rank returns its output, the others None."""
+    def step(self, so: SchedulerOutput) -> ModelRunnerOutput | KVConnectorOutput | None:
+        """Run one step. The output rank returns the step's output; the others their
+        share's KV transfer report (with offload) or None."""
         assert self.runner is not None, "init_cache comes first"
         start = time.monotonic()
+        offload = self.offload
+        if offload is not None:  # this step's copies start first and overlap the model
+            offload.submit(so.kv_connector_metadata)
         out = self.runner.execute(so)
+        report = offload.collect(wait_for_one=so.is_empty()) if offload is not None else None
         if self.spec.trace:
             self.traces.append(StepTrace(so.step_id, self.place.rank, start, time.monotonic()))
-        return out if self.place.rank == self.spec.layout.output_rank else None
+        if self.place.rank == self.spec.layout.output_rank:
+            out.kv_connector_output = report
+            return out
+        return report
 
     def take_traces(self) -> list[StepTrace]:
         traces, self.traces = self.traces, []
         return traces
 
     def close(self) -> None:
+        if self.offload is not None:
+            self.offload.shutdown()
         try:
             self.link.flush()
         finally:

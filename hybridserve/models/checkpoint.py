@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -15,6 +15,9 @@ from hybridserve.core.errors import ConfigError
 from hybridserve.models.config import ModelConfig
 from hybridserve.models.parallel import TPGroup
 from hybridserve.models.safetensors_map import MappedCheckpoint
+
+if TYPE_CHECKING:
+    from hybridserve.models.decoder import StagedModel
 
 # Buffers some checkpoints carry that hold nothing we need (recomputed from the config).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -83,7 +86,7 @@ class Weights:
             self.checkpoint.release(name)
 
 
-def fill_ends(model: Any, cfg: ModelConfig, w: Weights, embed_name: str, norm_name: str,
+def fill_ends(model: StagedModel, cfg: ModelConfig, w: Weights, embed_name: str, norm_name: str,
               norm: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> None:
     """The parts outside the layers a stage holds: the embedding (first stage), the final
     norm (`norm` applied to the stored weight) and the head (last stage; a tied head on a

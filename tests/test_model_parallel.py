@@ -68,6 +68,8 @@ def model_dir(kind: str) -> Path:
         return _variant(kind, hf_tiny.hf_config("llama"), attention_bias=True, mlp_bias=True)
     if kind == "bamba_1group":  # one Mamba group over 2 ranks: the gated norm sums across ranks
         return _variant(kind, hf_tiny_mamba.hf_config("bamba"), mamba_n_groups=1)
+    if kind == "gemma3_1kv":  # one KV head over 2 ranks: both keep (and cache) it
+        return _variant(kind, hf_tiny.hf_config("gemma3"), num_key_value_heads=1)
     if kind == "mamba2_1group_bias":
         return _variant(kind, hf_tiny_mamba.hf_config("mamba2"), n_groups=1, use_bias=True)
     return hf_tiny.tiny_model_dir(kind)
@@ -260,7 +262,7 @@ def test_too_many_stages_is_a_config_error_before_loading() -> None:
 
 # ---------------------------------------------------------------- tensor parallelism
 
-TP_KINDS = ["llama_bias", "mistral", "qwen2", "gemma2", "gemma3", "llama4", "bamba", "bamba_1group",
+TP_KINDS = ["llama_bias", "mistral", "qwen2", "gemma2", "gemma3", "gemma3_1kv", "llama4", "bamba", "bamba_1group",
             "mamba2", "mamba2_1group_bias"]
 
 
@@ -296,8 +298,8 @@ def test_tensor_parallel_two_ranks_equal_whole_model() -> None:
         torch.testing.assert_close(a["logits"], ref["logits"], atol=TP_LOGITS_ATOL, rtol=0)
         assert a["greedy"] == ref["greedy"]
         cfg = load_model_config(model_dir(kind))
-        # Each rank's KV cache holds its half of the KV heads / Mamba heads.
-        assert a["kv_heads"] == ([cfg.num_kv_heads // 2] if cfg.num_kv_heads else [])
+        # Each rank's KV cache holds its half of the KV heads (one KV head: all of it) / Mamba heads.
+        assert a["kv_heads"] == ([max(cfg.num_kv_heads // 2, 1)] if cfg.num_kv_heads else [])
         if cfg.mamba is not None:
             m = cfg.mamba
             groups = max(m.n_groups // 2, 1)  # one group is kept whole by both ranks
@@ -318,16 +320,18 @@ def test_local_config_halves_heads_and_columns() -> None:
 
 
 def test_tp_sizes_that_do_not_divide_are_config_errors() -> None:
-    # tiny Llama: 4 heads, 2 KV heads, intermediate 128 -> 1 and 2 work.
+    # tiny Llama: 4 heads, 2 KV heads (4 ranks: two share each), intermediate 128 -> 1, 2, 4.
     llama = load_model_config(model_dir("llama"))
-    assert tp_sizes_that_work(llama) == [1, 2]
-    for size in (3, 4):
-        with pytest.raises(ConfigError, match=f"tensor_parallel_size {size} does not divide .* KV heads 2.*"
-                                              "sizes that work: 1, 2$"):
+    assert tp_sizes_that_work(llama) == [1, 2, 4]
+    for size in (3, 8):
+        with pytest.raises(ConfigError, match=f"tensor_parallel_size {size} does not divide the model's attention "
+                                              r"heads 4, KV heads 2 \(split or shared\).*sizes that work: 1, 2, 4$"):
             check_tp(llama, size)
-    with pytest.raises(ConfigError, match="sizes that work: 1, 2$"):
-        load_model(model_dir("llama"), tp=TPGroup(0, 4))
+    with pytest.raises(ConfigError, match="sizes that work: 1, 2, 4$"):
+        load_model(model_dir("llama"), tp=TPGroup(0, 3))
+    # tiny Gemma 3 with one KV head: shared by any number of ranks dividing the 4 query heads.
+    assert tp_sizes_that_work(load_model_config(model_dir("gemma3_1kv"))) == [1, 2, 4]
     # tiny Mamba2: 8 heads in 2 groups, no attention, no MLP -> 1, 2, 4 (4: each group over 2
-    # ranks), 8; Bamba adds 4 heads / 2 KV heads -> 1, 2.
+    # ranks), 8; Bamba adds 4 heads / 2 KV heads -> 1, 2, 4.
     assert tp_sizes_that_work(load_model_config(model_dir("mamba2"))) == [1, 2, 4, 8]
-    assert tp_sizes_that_work(load_model_config(model_dir("bamba"))) == [1, 2]
+    assert tp_sizes_that_work(load_model_config(model_dir("bamba"))) == [1, 2, 4]

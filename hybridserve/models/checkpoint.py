@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from hybridserve.core.errors import ConfigError
 from hybridserve.models.config import ModelConfig
-from hybridserve.models.parallel import TPGroup
+from hybridserve.models.parallel import TPGroup, group_rows
 from hybridserve.models.safetensors_map import MappedCheckpoint
+
+if TYPE_CHECKING:
+    from hybridserve.models.decoder import StagedModel
 
 # Buffers some checkpoints carry that hold nothing we need (recomputed from the config).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -83,7 +86,7 @@ class Weights:
             self.checkpoint.release(name)
 
 
-def fill_ends(model: Any, cfg: ModelConfig, w: Weights, embed_name: str, norm_name: str,
+def fill_ends(model: StagedModel, cfg: ModelConfig, w: Weights, embed_name: str, norm_name: str,
               norm: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> None:
     """The parts outside the layers a stage holds: the embedding (first stage), the final
     norm (`norm` applied to the stored weight) and the head (last stage; a tied head on a
@@ -111,13 +114,14 @@ def fill_ends(model: Any, cfg: ModelConfig, w: Weights, embed_name: str, norm_na
 
 def take_qkv(w: Weights, cfg: ModelConfig, tp: TPGroup, prefix: str, suffix: str = "weight",
              qk: Callable[[torch.Tensor, int], torch.Tensor] = lambda t, heads: t) -> torch.Tensor:
-    """The fused q | k | v weight (suffix "weight") or bias ("bias") of this rank's heads;
+    """The fused q | k | v weight (suffix "weight") or bias ("bias") of this rank's query
+    heads and the KV heads they read (parallel.group_rows);
     `qk(t, heads)` reorders q and k rows per head first (Llama 4's RoPE layout)."""
     H, hd, nq, nkv = cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     tail = (H,) if suffix == "weight" else ()
     return torch.cat([tp.shard(qk(w.take(prefix + "q_proj." + suffix, (nq * hd, *tail)), nq)),
-                      tp.shard(qk(w.take(prefix + "k_proj." + suffix, (nkv * hd, *tail)), nkv)),
-                      tp.shard(w.take(prefix + "v_proj." + suffix, (nkv * hd, *tail)))])
+                      group_rows(tp, nkv, qk(w.take(prefix + "k_proj." + suffix, (nkv * hd, *tail)), nkv)),
+                      group_rows(tp, nkv, w.take(prefix + "v_proj." + suffix, (nkv * hd, *tail)))])
 
 
 def take_gate_up(w: Weights, tp: TPGroup, prefix: str, shape: tuple[int, ...], suffix: str = "weight"

@@ -24,7 +24,7 @@ from hybridserve.models.config import ModelConfig
 from hybridserve.models.mamba2 import Mamba2MixerWeights
 from hybridserve.models.mamba_config import MambaMixerConfig
 from hybridserve.models.mamba_lm import MambaLM
-from hybridserve.models.parallel import PipelineStage, TPGroup, mamba_group_rows
+from hybridserve.models.parallel import PipelineStage, TPGroup, group_rows
 
 
 def load_mamba_model(model_dir: Path, cfg: ModelConfig, device: str | torch.device, dtype: torch.dtype,
@@ -41,7 +41,7 @@ def _shard_xbc(t: torch.Tensor, mc: MambaMixerConfig, tp: TPGroup) -> torch.Tens
     """Rows (or channels) [x | B | C] of a mixer -> this rank's: its heads' x, its groups' B and C."""
     n = mc.n_groups * mc.state_size
     x, B, C = t.split([mc.intermediate_size, n, n])
-    return torch.cat([tp.shard(x), mamba_group_rows(tp, mc.n_groups, B), mamba_group_rows(tp, mc.n_groups, C)])
+    return torch.cat([tp.shard(x), group_rows(tp, mc.n_groups, B), group_rows(tp, mc.n_groups, C)])
 
 
 def _shard_in_proj(t: torch.Tensor, mc: MambaMixerConfig, tp: TPGroup) -> torch.Tensor:

@@ -19,6 +19,10 @@ Tensor parallelism (T ranks), Megatron style, each rank holding 1/T of::
     Mamba2      heads: in_proj rows of z, x, dt (and B, C by group), conv channels, dt_bias/A/D,
                 the gated norm's weight, out_proj columns
 
+KV heads are split like query heads where T divides them; with fewer KV heads than ranks
+(T a multiple of their count: Gemma 3 270M's one KV head) each rank keeps the KV head its
+query heads read, so T / num_kv_heads ranks hold (and cache) the same one.
+
 Every row-parallel output (o_proj, down, a Llama 4 MoE layer's shared + routed sum, a
 Mamba mixer's out_proj) is summed over ranks with one all-reduce; its bias is loaded on
 rank 0 only, so it is added once. Embedding and output head are replicated: every rank
@@ -140,18 +144,21 @@ def _divisors_of_all(values: Sequence[int], limit: int) -> list[int]:
     return [t for t in range(1, limit + 1) if all(v % t == 0 for v in values)]
 
 
-def _group_split_ok(n_groups: int, t: int) -> bool:
-    return n_groups % t == 0 or t % n_groups == 0
+def _split_or_shared(count: int, t: int) -> bool:
+    """Whether T ranks can hold `count` groups (KV heads, Mamba groups): count / T each, or
+    (T a multiple of count) one each, shared by T / count ranks."""
+    return count == 0 or count % t == 0 or t % count == 0
 
 
 def tp_sizes_that_work(cfg: ModelConfig, limit: int = 64) -> list[int]:
-    """Tensor parallel sizes up to `limit` that divide every sharded dimension of `cfg`."""
+    """Tensor parallel sizes up to `limit` that divide every sharded dimension of `cfg`
+    and split or share its KV heads and Mamba groups."""
     return [t for t in _divisors_of_all(_sharded_sizes(cfg), limit)
-            if cfg.mamba is None or _group_split_ok(cfg.mamba.n_groups, t)]
+            if _split_or_shared(cfg.num_kv_heads, t) and (cfg.mamba is None or _split_or_shared(cfg.mamba.n_groups, t))]
 
 
 def _sharded_sizes(cfg: ModelConfig) -> list[int]:
-    sizes = [s for s in (cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size) if s > 0]
+    sizes = [s for s in (cfg.num_heads, cfg.intermediate_size) if s > 0]
     if cfg.llama4 is not None:
         sizes.append(cfg.llama4.intermediate_size_mlp)
     if cfg.mamba is not None:
@@ -160,18 +167,19 @@ def _sharded_sizes(cfg: ModelConfig) -> list[int]:
 
 
 def check_tp(cfg: ModelConfig, size: int) -> None:
-    """ConfigError naming the sizes that work unless `size` divides the model's heads, KV
-    heads, MLP (and expert) intermediate sizes and Mamba heads, and splits its Mamba groups."""
+    """ConfigError naming the sizes that work unless `size` divides the model's heads, MLP
+    (and expert) intermediate sizes and Mamba heads, and splits or shares its KV heads and
+    Mamba groups."""
     if size < 1:
         raise ConfigError(f"tensor_parallel_size must be >= 1, got {size}")
     if size in tp_sizes_that_work(cfg, size):
         return
-    what = [f"attention heads {cfg.num_heads}", f"KV heads {cfg.num_kv_heads}",
+    what = [f"attention heads {cfg.num_heads}", f"KV heads {cfg.num_kv_heads} (split or shared)",
             f"MLP intermediate size {cfg.intermediate_size}"]
     if cfg.llama4 is not None:
         what.append(f"dense MLP intermediate size {cfg.llama4.intermediate_size_mlp}")
     if cfg.mamba is not None:
-        what.append(f"Mamba heads {cfg.mamba.num_heads} and groups {cfg.mamba.n_groups}")
+        what.append(f"Mamba heads {cfg.mamba.num_heads} and groups {cfg.mamba.n_groups} (split or shared)")
     works = ", ".join(map(str, tp_sizes_that_work(cfg)))
     raise ConfigError(f"tensor_parallel_size {size} does not divide the model's {', '.join(what)}; "
                       f"sizes that work: {works}")
@@ -183,24 +191,29 @@ def local_config(cfg: ModelConfig, tp: TPGroup | None) -> ModelConfig:
         return cfg
     check_tp(cfg, tp.size)
     t = tp.size
-    changes: dict[str, Any] = dict(num_heads=cfg.num_heads // t, num_kv_heads=cfg.num_kv_heads // t,
+    changes: dict[str, Any] = dict(num_heads=cfg.num_heads // t, num_kv_heads=_local_groups(cfg.num_kv_heads, t),
                                    intermediate_size=cfg.intermediate_size // t)
     if cfg.llama4 is not None:
         changes["llama4"] = replace(cfg.llama4, intermediate_size_mlp=cfg.llama4.intermediate_size_mlp // t)
     if cfg.mamba is not None:
         m = cfg.mamba
-        changes["mamba"] = replace(m, num_heads=m.num_heads // t, n_groups=max(m.n_groups // t, 1))
+        changes["mamba"] = replace(m, num_heads=m.num_heads // t, n_groups=_local_groups(m.n_groups, t))
     return replace(cfg, **changes)
 
 
-def mamba_group_rows(tp: TPGroup, n_groups: int, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
-    """This rank's groups of a B or C part laid out [n_groups * N, ...] along `dim`: its
-    n_groups / T groups, or (T a multiple of n_groups) the one group its heads use."""
+def _local_groups(count: int, t: int) -> int:
+    return count // t if count % t == 0 else 1
+
+
+def group_rows(tp: TPGroup, n_groups: int, t: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """This rank's groups of `t` laid out [n_groups * size, ...] along `dim` (KV heads of a
+    k or v projection, Mamba groups of B or C): its n_groups / T groups, or (T a multiple
+    of n_groups) the one group its query / Mamba heads use, which T / n_groups ranks share."""
     if tp.size == 1:
         return t
     per_group = t.shape[dim] // n_groups
     first = tp.rank * n_groups // tp.size
-    return t.narrow(dim, first * per_group, max(n_groups // tp.size, 1) * per_group)
+    return t.narrow(dim, first * per_group, _local_groups(n_groups, tp.size) * per_group).contiguous()
 
 
 class SharedNormGroups:

@@ -256,10 +256,6 @@ class Request:
         return len(self.prompt_token_ids)
 
     @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
-
-    @property
     def num_tokens(self) -> int:
         """Known tokens: prompt plus sampled outputs (placeholders excluded)."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)

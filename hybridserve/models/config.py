@@ -104,10 +104,6 @@ class ModelConfig:
     # Dims of each head RoPE rotates (the first ones); None: all of head_dim (Bamba: half).
     rotary_dim: int | None = None
 
-    def layer_window(self, layer_idx: int) -> int | None:
-        """The sliding window of one layer, or None for full attention."""
-        return self.sliding_window if self.layer_types[layer_idx] == SLIDING else None
-
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
     """Read `<model_dir>/config.json` and normalise it; ConfigError on anything unsupported."""

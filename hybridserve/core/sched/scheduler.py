@@ -121,10 +121,6 @@ class Scheduler:
         """Requests to run, or finished ones whose blocks wait on a connector store/load."""
         return bool(self.requests) or (self.transfer is not None and self.transfer.has_pending())
 
-    @property
-    def num_in_flight_steps(self) -> int:
-        return len(self.in_flight)
-
     # -- schedule ------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Plan the next step: running requests, then (if none was preempted) admissions."""

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hybridserve.config import EngineConfig  # noqa: E402
 from hybridserve.engine.llm import LLM  # noqa: E402
-from hybridserve.engine.outputs import SamplingParams  # noqa: E402
+from hybridserve.core.request import SamplingParams  # noqa: E402
 
 COPY_TEXT = (
     "The quick brown fox jumps over the lazy dog near the river bank. Every morning the fox "

@@ -22,7 +22,7 @@ _EXPORTS = {
     "LLM": "hybridserve.engine.llm",
     "AsyncLLM": "hybridserve.engine.async_llm",
     "EngineDeadError": "hybridserve.engine.async_llm",
-    "SamplingParams": "hybridserve.engine.outputs",
+    "SamplingParams": "hybridserve.core.request",
     "StructuredOutput": "hybridserve.core.request",
     "RequestFailedError": "hybridserve.engine.async_llm",
     "EngineRestartingError": "hybridserve.engine.async_llm",
@@ -34,10 +34,10 @@ __all__ = ["__version__", *_EXPORTS]
 
 if TYPE_CHECKING:
     from hybridserve.config import EngineConfig
-    from hybridserve.core.request import StructuredOutput
+    from hybridserve.core.request import SamplingParams, StructuredOutput
     from hybridserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineRestartingError, RequestFailedError
     from hybridserve.engine.llm import LLM
-    from hybridserve.engine.outputs import CompletionOutput, GenerationOutput, SamplingParams
+    from hybridserve.engine.outputs import CompletionOutput, GenerationOutput
 
 
 def __getattr__(name: str) -> Any:

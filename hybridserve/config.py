@@ -23,7 +23,7 @@ from hybridserve.core.kv.spec import KVCacheConfig, KVCacheGroup, bytes_per_bloc
 from hybridserve.core.sched.config import SchedulerConfig
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when neither kv_cache_memory nor num_blocks is given
-DEFAULT_MAX_MODEL_LEN_CAP = 8192  # default max_model_len: min(model context, this)
+DEFAULT_MAX_MODEL_LEN_CAP = SchedulerConfig.max_model_len  # default max_model_len: min(model context, this)
 MODEL_DTYPES = ("float32", "bfloat16", "float16", "auto")  # auto: bfloat16 on CPUs with native bf16
 QUANTIZATIONS = ("auto", "none", "int8", "int4")  # weight-only quantization of the output head
 DISTRIBUTED_BACKENDS = ("mp", "ray")  # how pipeline / tensor parallel workers are started
@@ -77,15 +77,18 @@ class EngineConfig:
     kv_cache_memory: int | str | None = None  # bytes or "2GiB"; exclusive with num_blocks
     num_blocks: int | None = None  # pool size, null block included
     max_model_len: int | None = None  # default: min(model context, 8192)
-    max_num_seqs: int = 256
+    # Scheduler settings default to SchedulerConfig's, but for the step budget: a CPU's
+    # step time grows with its tokens, so a budget below SchedulerConfig's GPU-sized one
+    # keeps running decodes from waiting long behind a prefill chunk.
+    max_num_seqs: int = SchedulerConfig.max_num_seqs
     max_num_batched_tokens: int = 2048
-    async_scheduling: bool = True
+    async_scheduling: bool = SchedulerConfig.async_scheduling
     # Speculative decoding: draft tokens per decode step, proposed by n-gram prompt lookup
     # (suffix n-grams of ngram_prompt_lookup_min..max tokens, longest first).
-    num_speculative_tokens: int = 0
+    num_speculative_tokens: int = SchedulerConfig.num_speculative_tokens
     ngram_prompt_lookup_min: int = 2
     ngram_prompt_lookup_max: int = 4
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = SchedulerConfig.enable_prefix_caching
     kv_offload_memory: int | str = 0  # host memory for offloaded KV blocks (0: no offload)
     seed: int = 0  # seeds the sampler of requests without their own seed
     device: str | None = None  # "cpu" (default), "cuda", "cuda:N" or "auto"
@@ -96,11 +99,11 @@ class EngineConfig:
     num_threads: int | None = None  # torch CPU threads (default: torch's choice)
     # Sliding-window groups hold only the window and each chunk's tail (None: on when the
     # executor computes in-chunk attention from the batch, as the PyTorch runner does).
-    window_tail_allocation: bool | None = None
+    window_tail_allocation: bool | None = SchedulerConfig.window_tail_allocation
     # Model parallelism (executor/distributed/): the layers split over P pipeline stages,
     # each stage's heads and MLP columns over T ranks; P x T worker processes, started on
     # this machine ("mp") or placed by Ray ("ray", the optional extra; spans machines).
-    pipeline_parallel_size: int = 1
+    pipeline_parallel_size: int = SchedulerConfig.pipeline_parallel_size
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
 
@@ -183,16 +186,7 @@ class EngineConfig:
         return cls(**kwargs)
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
-        return SchedulerConfig(
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_num_seqs=self.max_num_seqs,
-            max_model_len=max_model_len,
-            async_scheduling=self.async_scheduling,
-            pipeline_parallel_size=self.pipeline_parallel_size,
-            num_speculative_tokens=self.num_speculative_tokens,
-            enable_prefix_caching=self.enable_prefix_caching,
-            window_tail_allocation=self.window_tail_allocation,
-        )
+        return SchedulerConfig.from_settings(self, max_model_len=max_model_len)
 
 
 @dataclass(frozen=True)

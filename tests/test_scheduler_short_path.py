@@ -1,5 +1,7 @@
-"""The scheduler's steady-decode fast path agrees with the general path (plan_running +
-allocate_slots) at every use, checked against hand-derived limits and step by step."""
+"""The scheduler's fast paths agree with its general paths: the steady-decode one
+(plan_running + allocate_slots) at every use, checked against hand-derived limits and
+step by step; the plain-decode one of output processing step by step, on requests that
+stop by stop ids, EOS, max_tokens and max_model_len."""
 
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import pytest
 
 from hybridserve.core.kv.cache_manager import KVCacheManager
 from hybridserve.core.kv.spec import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
+from hybridserve.core.request import Request, SamplingParams
+from hybridserve.core.sched import scheduler as scheduler_module
 from hybridserve.core.sched.scheduler import Scheduler
 from tests.sim_helpers import make_request, reference_output, run_sim
 
@@ -108,3 +112,69 @@ def test_steady_decode_fast_path_schedules_what_the_general_path_schedules(
 
     fast, general = steps_of(True), steps_of(False)
     assert len(fast) > 50 and fast == general
+
+
+def stopping_workload() -> list:
+    """Requests that end by a stop id, by EOS (some only after min_tokens), by max_tokens
+    (EOS ignored) and by max_model_len; stop ids and EOS are tokens each request really
+    produces (the simulated executor's tokens are the reference's)."""
+    rng = random.Random(11)
+    work = []
+    for i in range(24):
+        prompt = [rng.randrange(1, 500) for _ in range(rng.randrange(1, 90))]
+        ref = reference_output(prompt, 60, 256)
+        hit = ref[rng.randrange(len(ref))]
+        params, eos = [
+            (SamplingParams(max_tokens=60, stop_token_ids=(hit,)), None),
+            (SamplingParams(max_tokens=60, min_tokens=rng.randrange(0, 20)), hit),
+            (SamplingParams(max_tokens=rng.randrange(1, 70), ignore_eos=True), hit),
+            (SamplingParams(max_tokens=400, ignore_eos=True), None),  # up to max_model_len
+        ][i % 4]
+        work.append((rng.randrange(0, 30), Request(f"r{i}", prompt, params, eos_token_id=eos)))
+    return work
+
+
+@pytest.mark.parametrize("num_speculative_tokens", [0, 2])
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_plain_decode_fast_path_settles_what_the_general_path_settles(
+    monkeypatch: pytest.MonkeyPatch, async_scheduling: bool, num_speculative_tokens: int
+) -> None:
+    """Every processed step, with and without the fast path: the same outputs (tokens,
+    finish, reasons, cached counts), and the same requests' counters after it."""
+    update = Scheduler.update_from_output
+    settle = scheduler_module.settle_plain_decodes
+
+    def steps_of(fast: bool) -> tuple[list, dict, int]:
+        steps: list = []
+        settled = [0]
+
+        def recorded(self: Scheduler, so, ro):  # type: ignore[no-untyped-def]
+            outs = update(self, so, ro)
+            reqs = sorted(self.requests.values(), key=lambda r: r.request_id)
+            steps.append(([(o.request_id, tuple(o.new_token_ids), o.finished, o.finish_reason, o.stop_reason,
+                            o.num_cached_tokens) for o in outs],
+                          [(r.request_id, r.num_computed_tokens, r.num_in_flight_tokens, r.num_output_placeholders,
+                            len(r.output_token_ids), len(r.block_hashes)) for r in reqs]))
+            return outs
+
+        def counted(*args):  # type: ignore[no-untyped-def]
+            end = settle(*args)
+            settled[0] += end - args[4]
+            return end
+
+        monkeypatch.setattr(Scheduler, "update_from_output", recorded)
+        monkeypatch.setattr(Scheduler, "plain_decode_fast_path", fast)
+        monkeypatch.setattr(scheduler_module, "settle_plain_decodes", counted)
+        run = run_sim(SPECS["sliding"], stopping_workload(), num_blocks=160, max_num_batched_tokens=64,
+                      max_model_len=256, async_scheduling=async_scheduling,
+                      num_speculative_tokens=num_speculative_tokens, enable_prefix_caching=True)
+        assert run.violations == [] and run.num_free_blocks == run.num_blocks - 1
+        return steps, run.finish_reasons, settled[0]
+
+    fast, fast_reasons, settled = steps_of(True)
+    general, general_reasons, none = steps_of(False)
+    assert len(fast) > 50 and fast == general and fast_reasons == general_reasons
+    assert sorted(set(fast_reasons.values())) == ["length", "stop"]
+    assert none == 0
+    if not num_speculative_tokens:  # (rows with drafts are the general path's)
+        assert settled > sum(len(outs) for outs, _ in fast) // 2  # the fast path settled most rows

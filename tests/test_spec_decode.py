@@ -26,7 +26,6 @@ from hybridserve.core.errors import ConfigError  # noqa: E402
 from hybridserve.core.request import Request, SamplingParams  # noqa: E402
 from hybridserve.core.sched.config import SchedulerConfig  # noqa: E402
 from hybridserve.engine.loop import EngineCore, build_engine  # noqa: E402
-from hybridserve.engine.outputs import SamplingParams as UserParams  # noqa: E402
 from hybridserve.entrypoints import bench  # noqa: E402
 from hybridserve.executor.torch.executor import TorchExecutor  # noqa: E402
 from tests.ngram_reference import propose_ngram_drafts  # noqa: E402
@@ -240,7 +239,7 @@ def test_engine_config_to_stats_and_metrics() -> None:
         assert llm.parts.engine.executor.runner.drafter == NgramDrafter(1, 3)  # type: ignore[attr-defined]
 
         async def main():  # type: ignore[no-untyped-def]
-            params = UserParams(max_tokens=NEW_TOKENS, temperature=0.0)
+            params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
             finals = []
             for p in prompts:  # one at a time: the same tokens whatever the batch
                 finals.append([o async for o in llm.generate(p, params)][-1])

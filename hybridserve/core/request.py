@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from hybridserve.core.errors import RequestError
@@ -75,8 +75,10 @@ class StructuredOutput:
 
 @dataclass
 class SamplingParams:
-    """How to pick tokens. The scheduler reads max_tokens, stops and ignore_eos; the
-    executor reads the rest."""
+    """How to pick tokens and when to stop: the one parameter set of a request, from the
+    user's call down to the sampler. The scheduler reads max_tokens, stop_token_ids and
+    ignore_eos; the executor the token-level rest; the front end (engine/outputs.py) the
+    text-level options at the end, which the core carries but never reads."""
 
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
@@ -103,6 +105,16 @@ class SamplingParams:
     # Every output token keeps the output a prefix of this constraint's language (a
     # grammar engine masks the logits); None: unconstrained.
     structured_output: StructuredOutput | None = None
+    # Text-level options. n: independent choices per prompt, one engine request each
+    # (`for_choice`). stop: strings that end generation; the text is cut before the
+    # earliest match (kept when include_stop_str_in_output). bad_words: words never to
+    # produce, tokenized (with and without a leading space) into bad_words_token_ids when
+    # the request is prepared (frontend.prepare_params).
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    bad_words: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # Every field is checked for type and range here, at the library's boundary: a value
@@ -147,6 +159,23 @@ class SamplingParams:
             for t, bias in self.logit_bias.items():
                 _check_int("logit_bias", t, 0, "token ids are never negative")
                 _check_float("logit_bias", bias, -100.0, 100.0)
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise RequestError(f"n must be an integer >= 1, got {self.n!r}", "n")
+        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if any(not isinstance(x, str) or not x for x in stops):
+            raise RequestError("stop strings must be non-empty strings", "stop")
+        self.stop = stops
+        words = (self.bad_words,) if isinstance(self.bad_words, str) else tuple(self.bad_words or ())
+        if any(not isinstance(w, str) or not w.strip() for w in words):
+            raise RequestError("bad words must be non-empty strings", "bad_words")
+        self.bad_words = words
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """Parameters of choice `index` (an engine request of its own): a seeded choice i > 0
+        uses seed + i, so the n choices differ and each is reproducible."""
+        if index == 0 or self.seed is None:
+            return self
+        return replace(self, seed=(self.seed + index) % (1 << 63))
 
     @property
     def has_logits_controls(self) -> bool:
@@ -225,10 +254,6 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.output_token_ids)
 
     @property
     def num_tokens(self) -> int:

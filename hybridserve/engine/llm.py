@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from hybridserve.config import EngineConfig
 from hybridserve.core.errors import RequestError
-from hybridserve.core.request import SamplingParams as CoreSamplingParams
+from hybridserve.core.request import SamplingParams
 from hybridserve.engine.frontend import (
     EngineParts,
     Prompt,
@@ -32,7 +32,7 @@ from hybridserve.engine.loop import EngineStuckError
 from hybridserve.engine.outputs import GenerationOutput, GenerationTracker, as_sampling_params
 from hybridserve.engine.tokenizer import Tokenizer
 
-ParamsArg = CoreSamplingParams | Sequence[CoreSamplingParams] | None
+ParamsArg = SamplingParams | Sequence[SamplingParams] | None
 _MAX_IDLE_STEPS = 100_000
 
 

@@ -1,6 +1,8 @@
-"""What users pass and get back: SamplingParams (with text-level options) and generation outputs.
+"""What users get back: generation outputs, built from the engine's token-level outputs.
 
-The core scheduler works in token ids. Everything text-level lives here, shared by the
+Users pass a `SamplingParams` (core/request.py, re-exported here and as
+`hybridserve.SamplingParams`). The core scheduler works in token ids. Everything text-level
+(the text options of SamplingParams included) is applied here, shared by the
 blocking `LLM`, the `AsyncLLM` and the server, so all three produce the same text:
 incremental detokenizing, stop strings, n choices (one engine request each),
 logprobs and per-request timing.
@@ -13,48 +15,10 @@ from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 from hybridserve.core.errors import RequestError
-from hybridserve.core.request import Request
-from hybridserve.core.request import SamplingParams as CoreSamplingParams
+from hybridserve.core.request import Request, SamplingParams
 from hybridserve.core.sched.output import LogprobInfo
 from hybridserve.core.sched.output import RequestOutput as CoreOutput
 from hybridserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
-
-
-@dataclass
-class SamplingParams(CoreSamplingParams):
-    """Core sampling parameters plus what the front end applies on text.
-
-    n: independent choices per prompt; choice i > 0 with a seed uses seed + i.
-    stop: strings that end generation; the text is cut before the earliest match
-    (kept when include_stop_str_in_output).
-    """
-
-    n: int = 1
-    stop: tuple[str, ...] = ()
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    # Words never to produce; tokenized (with and without a leading space) into
-    # bad_words_token_ids when the request is prepared (frontend.prepare_params).
-    bad_words: tuple[str, ...] = ()
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
-            raise RequestError(f"n must be an integer >= 1, got {self.n!r}", "n")
-        stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        if any(not isinstance(s, str) or not s for s in stops):
-            raise RequestError("stop strings must be non-empty strings", "stop")
-        self.stop = stops
-        words = (self.bad_words,) if isinstance(self.bad_words, str) else tuple(self.bad_words or ())
-        if any(not isinstance(w, str) or not w.strip() for w in words):
-            raise RequestError("bad words must be non-empty strings", "bad_words")
-        self.bad_words = words
-
-    def for_choice(self, index: int) -> SamplingParams:
-        """Parameters of choice `index` (an engine request of its own)."""
-        if index == 0 or self.seed is None:
-            return self
-        return replace(self, seed=(self.seed + index) % (1 << 63))
 
 
 @dataclass
@@ -298,12 +262,10 @@ class GenerationTracker:
                                 [self.metrics(cid) for cid in self.core_ids])
 
 
-def as_sampling_params(params: CoreSamplingParams | None) -> SamplingParams:
-    """Front-end params from None (defaults), ours, or the core's plain SamplingParams."""
+def as_sampling_params(params: SamplingParams | None) -> SamplingParams:
+    """The request's params: the defaults for None; a one-line RequestError for anything else."""
     if params is None:
         return SamplingParams()
     if isinstance(params, SamplingParams):
         return params
-    if isinstance(params, CoreSamplingParams):
-        return SamplingParams(**{f: getattr(params, f) for f in CoreSamplingParams.__dataclass_fields__})
     raise RequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")

@@ -87,7 +87,7 @@ def _run(a: argparse.Namespace) -> int:
     if a.url is not None:
         return _run_serving(a)
     from hybridserve.engine.llm import LLM
-    from hybridserve.engine.outputs import SamplingParams
+    from hybridserve.core.request import SamplingParams
 
     config = engine_config_from_args(a)
     llm = LLM(config=config)

@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(a: argparse.Namespace) -> int:
     from hybridserve.engine.llm import LLM
-    from hybridserve.engine.outputs import SamplingParams
+    from hybridserve.core.request import SamplingParams
 
     prompts, examples = read_prompts(a, sys.stdin)
     if examples and not a.quiet:

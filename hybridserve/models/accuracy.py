@@ -61,7 +61,7 @@ def drift(reference: Sequence[Stream], candidate: Sequence[Stream]) -> Drift:
 def greedy_streams(llm: Any, prompts: Sequence[str | Sequence[int]], max_tokens: int) -> list[Stream]:
     """Each prompt's greedy tokens and their logprobs from a hybridserve LLM (EOS ignored, so
     every stream has max_tokens tokens)."""
-    from hybridserve.engine.outputs import SamplingParams
+    from hybridserve.core.request import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
     outs = llm.generate([p if isinstance(p, str) else list(p) for p in prompts], params, use_tqdm=False)

@@ -20,13 +20,17 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hybridserve.core.errors import ConfigError
 from hybridserve.models.llama4_config import CHUNKED, Llama4Options, llama4_layer_types, parse_llama4_options
-
-if TYPE_CHECKING:
-    from hybridserve.models.mamba_config import MambaMixerConfig
+from hybridserve.models.mamba_config import (
+    MAMBA,
+    MambaMixerConfig,
+    bamba_attention_layers,
+    parse_bamba_mixer,
+    parse_mamba2_mixer,
+)
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
@@ -39,11 +43,10 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Llama4ForCausalLM": "llama4",
-    # State-space models: parsed by models/mamba_config.py, built by models/mamba_loader.py.
+    # State-space models: mixer parsed by models/mamba_config.py, built by models/mamba_loader.py.
     "Mamba2ForCausalLM": "mamba2",
     "BambaForCausalLM": "bamba",
 }
-MAMBA_FAMILIES = ("mamba2", "bamba")
 _GEMMA = ("gemma2", "gemma3")
 # HF activation names -> ours. gelu_pytorch_tanh is the tanh approximation of GELU.
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
@@ -101,10 +104,6 @@ class ModelConfig:
     # Dims of each head RoPE rotates (the first ones); None: all of head_dim (Bamba: half).
     rotary_dim: int | None = None
 
-    def layer_window(self, layer_idx: int) -> int | None:
-        """The sliding window of one layer, or None for full attention."""
-        return self.sliding_window if self.layer_types[layer_idx] == SLIDING else None
-
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
     """Read `<model_dir>/config.json` and normalise it; ConfigError on anything unsupported."""
@@ -127,10 +126,10 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     family = SUPPORTED_ARCHITECTURES[arch]
-    if family in MAMBA_FAMILIES:
-        from hybridserve.models.mamba_config import parse_mamba_family
-
-        return parse_mamba_family(raw, arch, family)
+    if family == "mamba2":
+        return _parse_mamba2(raw, arch)
+    if family == "bamba":
+        return _parse_bamba(raw, arch)
     num_layers = _req_int(raw, "num_hidden_layers")
     num_heads = _req_int(raw, "num_attention_heads")
     hidden = _req_int(raw, "hidden_size")
@@ -186,6 +185,47 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
         eos_token_id=raw.get("eos_token_id"),
         attention_chunk_size=chunk,
         llama4=llama4,
+    )
+
+
+def _parse_mamba2(raw: dict[str, Any], arch: str) -> ModelConfig:
+    """Every layer a Mamba2 mixer: the attention fields are 0 and the rope table empty."""
+    mixer = parse_mamba2_mixer(raw)
+    num_layers = _req_int(raw, "num_hidden_layers")
+    return ModelConfig(
+        architecture=arch, family="mamba2", vocab_size=_req_int(raw, "vocab_size"),
+        hidden_size=_req_int(raw, "hidden_size"), intermediate_size=0, num_layers=num_layers, num_heads=0,
+        num_kv_heads=0, head_dim=0, rms_norm_eps=mixer.norm_eps, activation="silu",
+        layer_types=(MAMBA,) * num_layers, sliding_window=None, rope={},
+        max_position_embeddings=int(raw.get("max_position_embeddings") or 1 << 20),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), eos_token_id=raw.get("eos_token_id"),
+        mamba=mixer,
+    )
+
+
+def _parse_bamba(raw: dict[str, Any], arch: str) -> ModelConfig:
+    """Mamba2 mixers with a few full-attention layers, a SwiGLU MLP after every layer."""
+    mixer = parse_bamba_mixer(raw)
+    hidden = _req_int(raw, "hidden_size")
+    num_layers = _req_int(raw, "num_hidden_layers")
+    attn_layers = bamba_attention_layers(raw, num_layers)
+    num_heads = _req_int(raw, "num_attention_heads")
+    num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
+    if num_heads % num_kv_heads:
+        raise ConfigError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
+    head_dim = int(raw.get("head_dim") or hidden // num_heads)
+    rope_raw = dict(raw.get("rope_parameters") or {"rope_theta": raw.get("rope_theta", 10_000.0)})
+    # HF's Bamba rotates half of each head whatever the config says (hard-coded there).
+    rope_raw.pop("partial_rotary_factor", None)
+    return ModelConfig(
+        architecture=arch, family="bamba", vocab_size=_req_int(raw, "vocab_size"), hidden_size=hidden,
+        intermediate_size=_req_int(raw, "intermediate_size"), num_layers=num_layers, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, rms_norm_eps=mixer.norm_eps, activation="silu",
+        layer_types=tuple(FULL if i in attn_layers else MAMBA for i in range(num_layers)), sliding_window=None,
+        rope={FULL: _one_rope(rope_raw, "rope_parameters")},
+        max_position_embeddings=int(raw.get("max_position_embeddings") or 8192),
+        attn_scale=head_dim**-0.5, tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        eos_token_id=raw.get("eos_token_id"), mamba=mixer, rotary_dim=head_dim // 2,
     )
 
 

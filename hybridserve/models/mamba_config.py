@@ -2,8 +2,9 @@
 (Mamba2 mixers with a few attention layers, a SwiGLU MLP after every mixer).
 
 Pure Python (no torch): `kv_specs` derives each Mamba layer's state shapes from here
-before any weights are loaded. Fields that change the numbers and that we do not
-implement raise ConfigError naming the field, as in `models/config.py`.
+before any weights are loaded. This module parses the mixer; `models/config.py` builds the
+`ModelConfig` around it (imports run config.py -> here, never back). Fields that change the
+numbers and that we do not implement raise ConfigError naming the field, as in `models/config.py`.
 
 Per Mamba2 mixer, with H heads of P channels, G groups, N state size, kernel K::
 
@@ -96,68 +97,45 @@ def _check_common(raw: dict[str, Any], mixer: MambaMixerConfig, hidden: int, exp
         raise ConfigError(f"conv kernel must be >= 2, got {mixer.conv_kernel}")
 
 
-def parse_mamba_family(raw: dict[str, Any], arch: str, family: str) -> Any:
-    """ModelConfig of a Mamba2ForCausalLM or BambaForCausalLM config.json.
+def parse_mamba2_mixer(raw: dict[str, Any]) -> MambaMixerConfig:
+    """The mixer of a Mamba2ForCausalLM config.json (every layer is one)."""
+    lo, hi = _time_step_limit(raw)
+    mixer = MambaMixerConfig(
+        num_heads=_int(raw, "num_heads"), head_dim=_int(raw, "head_dim"), state_size=_int(raw, "state_size"),
+        n_groups=_int(raw, "n_groups", 1), conv_kernel=_int(raw, "conv_kernel", 4),
+        chunk_size=_int(raw, "chunk_size", 256), norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)),
+        conv_bias=bool(raw.get("use_conv_bias", True)), proj_bias=bool(raw.get("use_bias", False)),
+        dt_min=lo, dt_max=hi,
+    )
+    _check_common(raw, mixer, _int(raw, "hidden_size"), _int(raw, "expand", 2))
+    return mixer
 
-    Attention fields of an attention-free model (Mamba2) are 0 and its rope table empty.
-    """
-    from hybridserve.models.config import FULL, ModelConfig, _one_rope
 
+def parse_bamba_mixer(raw: dict[str, Any]) -> MambaMixerConfig:
+    """The mixer of a BambaForCausalLM config.json (its `mamba_*` fields; norm_eps is the model's)."""
     hidden = _int(raw, "hidden_size")
-    num_layers = _int(raw, "num_hidden_layers")
-    if family == "mamba2":
-        mixer = MambaMixerConfig(
-            num_heads=_int(raw, "num_heads"), head_dim=_int(raw, "head_dim"), state_size=_int(raw, "state_size"),
-            n_groups=_int(raw, "n_groups", 1), conv_kernel=_int(raw, "conv_kernel", 4),
-            chunk_size=_int(raw, "chunk_size", 256), norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)),
-            conv_bias=bool(raw.get("use_conv_bias", True)), proj_bias=bool(raw.get("use_bias", False)),
-            dt_min=_time_step_limit(raw)[0], dt_max=_time_step_limit(raw)[1],
-        )
-        _check_common(raw, mixer, hidden, _int(raw, "expand", 2))
-        return ModelConfig(
-            architecture=arch, family=family, vocab_size=_int(raw, "vocab_size"), hidden_size=hidden,
-            intermediate_size=0, num_layers=num_layers, num_heads=0, num_kv_heads=0, head_dim=0,
-            rms_norm_eps=mixer.norm_eps, activation="silu", layer_types=(MAMBA,) * num_layers,
-            sliding_window=None, rope={}, max_position_embeddings=int(raw.get("max_position_embeddings") or 1 << 20),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), eos_token_id=raw.get("eos_token_id"),
-            mamba=mixer,
-        )
-    # Bamba
-    eps = float(raw.get("rms_norm_eps", 1e-5))
     n_heads = _int(raw, "mamba_n_heads", 128)
     expand = _int(raw, "mamba_expand", 2)
     d_head = raw.get("mamba_d_head", "auto")
-    mamba_head_dim = expand * hidden // n_heads if d_head in (None, "auto") else _int(raw, "mamba_d_head")
+    lo, hi = _time_step_limit(raw)
     mixer = MambaMixerConfig(
-        num_heads=n_heads, head_dim=mamba_head_dim,
+        num_heads=n_heads, head_dim=expand * hidden // n_heads if d_head in (None, "auto") else _int(raw, "mamba_d_head"),
         state_size=_int(raw, "mamba_d_state", 256), n_groups=_int(raw, "mamba_n_groups", 1),
-        conv_kernel=_int(raw, "mamba_d_conv", 4), chunk_size=_int(raw, "mamba_chunk_size", 256), norm_eps=eps,
+        conv_kernel=_int(raw, "mamba_d_conv", 4), chunk_size=_int(raw, "mamba_chunk_size", 256),
+        norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
         conv_bias=bool(raw.get("mamba_conv_bias", True)), proj_bias=bool(raw.get("mamba_proj_bias", False)),
-        dt_min=_time_step_limit(raw)[0], dt_max=_time_step_limit(raw)[1],
+        dt_min=lo, dt_max=hi,
     )
     _check_common(raw, mixer, hidden, expand)
+    return mixer
+
+
+def bamba_attention_layers(raw: dict[str, Any], num_layers: int) -> frozenset[int]:
+    """Indices of Bamba's attention layers (every other layer is a mixer); ConfigError if out of range."""
     for key in ("attention_bias", "mlp_bias"):
         if raw.get(key):
             raise ConfigError(f"{key}=true is not supported for Bamba")
-    attn_layers = set(raw.get("attn_layer_indices") or ())
+    attn_layers = frozenset(raw.get("attn_layer_indices") or ())
     if any(not isinstance(i, int) or not 0 <= i < num_layers for i in attn_layers):
         raise ConfigError(f"attn_layer_indices {sorted(attn_layers)} out of range for {num_layers} layers")
-    num_heads = _int(raw, "num_attention_heads")
-    num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
-    if num_heads % num_kv_heads:
-        raise ConfigError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
-    head_dim = int(raw.get("head_dim") or hidden // num_heads)
-    rope_raw = dict(raw.get("rope_parameters") or {"rope_theta": raw.get("rope_theta", 10_000.0)})
-    # HF's Bamba rotates half of each head whatever the config says (hard-coded there).
-    rope_raw.pop("partial_rotary_factor", None)
-    rotary_dim = head_dim // 2
-    return ModelConfig(
-        architecture=arch, family=family, vocab_size=_int(raw, "vocab_size"), hidden_size=hidden,
-        intermediate_size=_int(raw, "intermediate_size"), num_layers=num_layers, num_heads=num_heads,
-        num_kv_heads=num_kv_heads, head_dim=head_dim, rms_norm_eps=eps, activation="silu",
-        layer_types=tuple(FULL if i in attn_layers else MAMBA for i in range(num_layers)), sliding_window=None,
-        rope={FULL: _one_rope(rope_raw, "rope_parameters")},
-        max_position_embeddings=int(raw.get("max_position_embeddings") or 8192),
-        attn_scale=head_dim**-0.5, tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        eos_token_id=raw.get("eos_token_id"), mamba=mixer, rotary_dim=rotary_dim,
-    )
+    return attn_layers

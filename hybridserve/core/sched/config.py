@@ -1,8 +1,14 @@
-"""Scheduler settings, validated once, with the in-flight allowance derived in one place."""
+"""Scheduler settings, validated once, with the in-flight allowance derived in one place.
+
+The defaults here are the only definition of each scheduler setting's default: the engine's
+`EngineConfig` and the simulator's `SimConfig` take theirs from these class attributes, and
+both build their SchedulerConfig through `from_settings`.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.kv.spec import WindowTail
@@ -29,6 +35,14 @@ class SchedulerConfig:
     # Sliding-window groups hold only the window and each chunk's tail. None: the
     # executor decides (see resolve_window_tail); True/False force it.
     window_tail_allocation: bool | None = None
+
+    @classmethod
+    def from_settings(cls, settings: Any, **resolved: Any) -> SchedulerConfig:
+        """The scheduler part of a layer's flat settings (EngineConfig, SimConfig): every
+        field of this class that `settings` has, by name, so a new scheduler setting needs
+        no copying code; `resolved` gives what the layer resolves itself (max_model_len)."""
+        values = {f.name: getattr(settings, f.name) for f in fields(cls) if hasattr(settings, f.name)}
+        return cls(**{**values, **resolved})
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "pipeline_parallel_size"):

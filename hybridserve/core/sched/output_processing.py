@@ -1,13 +1,20 @@
 """Output processing: a step's sampled tokens appended to a request (with the block
 hashes of the blocks they fill), and the stop check.
 
-`append_one_token` is the fast path of `append_tokens` for the usual row (one token, no
-drafts); the two agree on every input (tests/test_output_processing.py).
+`settle_plain_decodes` is the fast path of the settling loop in
+`Scheduler.update_from_output` for the usual rows (one token, no drafts, nothing that
+can stop the request): it settles a run of them in one call, so a step of many decodes
+pays one call, not one per token. The general path (that loop, with `append_tokens`)
+settles every other row; the two agree (tests/test_output_processing.py,
+tests/test_scheduler_short_path.py).
 """
 
 from __future__ import annotations
 
 from hybridserve.core.request import Request, RequestStatus
+from hybridserve.core.sched.output import LogprobInfo, RequestOutput, ScheduledRequest
+
+FINISHED = RequestStatus.FINISHED_STOPPED  # statuses >= this are finished
 
 
 def check_stop(req: Request, token: int, max_model_len: int) -> RequestStatus | None:
@@ -45,18 +52,52 @@ def append_tokens(
     return new_tokens, status
 
 
-def append_one_token(req: Request, token: int, max_model_len: int, block_size: int) -> RequestStatus | None:
-    """`append_tokens` for a one-token row (returns only the status: the row is what is
-    appended); the stop check runs only when something can stop the request (stop ids,
-    EOS, or a length limit reached)."""
-    outs = req.output_token_ids
-    outs.append(token)
-    sp = req.sampling_params
-    num_outputs = len(outs)
-    num_tokens = len(req.prompt_token_ids) + num_outputs
-    if req._block_hasher is not None and num_tokens >= (len(req.block_hashes) + 1) * block_size:
-        req.update_block_hashes()  # the token filled a block
-    if (sp.stop_token_ids or (token == req.eos_token_id and not sp.ignore_eos)
-            or num_outputs >= sp.max_tokens or num_tokens >= max_model_len):
-        return check_stop(req, token, max_model_len)
-    return None
+def settle_plain_decodes(
+    scheduled: list[ScheduledRequest],
+    reqs: list[Request],
+    epochs: list[int],
+    sampled_rows: list[list[int]],
+    start: int,
+    max_model_len: int,
+    block_size: int,
+    logprobs_of: dict[str, LogprobInfo] | None,
+    outputs: list[RequestOutput],
+) -> int:
+    """Settle rows start, start+1, ... of a processed step for as long as each is a plain
+    decode, appending each one's RequestOutput to `outputs`; returns the index of the
+    first row not settled (the general path takes it, untouched).
+
+    A plain decode: one sampled token, no drafts, a sampling step scheduled since the
+    request's last preemption, a request not finished, and nothing that could stop it
+    after this token (no stop ids, not an EOS it honours, below max_tokens and
+    max_model_len), so the stop check cannot fire and the row settles as the general
+    path would settle it: in-flight tokens and the placeholder returned, the token
+    appended, a block it fills hashed.
+    """
+    add_output = outputs.append
+    i, stop = start, len(reqs)
+    while i < stop:
+        sampled = sampled_rows[i]
+        if len(sampled) != 1:
+            break
+        sr, req = scheduled[i], reqs[i]
+        if not sr.samples or sr.num_draft_tokens or req.status >= FINISHED or epochs[i] != req.num_preemptions:
+            break
+        token = sampled[0]
+        sp = req.sampling_params
+        outs = req.output_token_ids
+        num_outputs = len(outs) + 1
+        num_tokens = len(req.prompt_token_ids) + num_outputs
+        if (sp.stop_token_ids or (token == req.eos_token_id and not sp.ignore_eos)
+                or num_outputs >= sp.max_tokens or num_tokens >= max_model_len):
+            break
+        req.num_in_flight_tokens -= sr.num_scheduled_tokens
+        req.num_output_placeholders -= 1
+        outs.append(token)
+        if req._block_hasher is not None and num_tokens >= (len(req.block_hashes) + 1) * block_size:
+            req.update_block_hashes()  # the token filled a block
+        cached = req.num_cached_tokens
+        add_output(RequestOutput(sr.request_id, sampled, False, None, req.stop_reason,
+                                 logprobs_of.get(sr.request_id) if logprobs_of else None, cached if cached > 0 else 0))
+        i += 1
+    return i

@@ -25,19 +25,20 @@ from hybridserve.core.sched.admission import Admission
 from hybridserve.core.sched.config import SchedulerConfig
 from hybridserve.core.sched.kv_transfer import KVTransferState
 from hybridserve.core.sched.output import ModelRunnerOutput, RequestOutput, ScheduledRequest, SchedulerOutput
-from hybridserve.core.sched.output_processing import append_one_token, append_tokens
+from hybridserve.core.sched.output_processing import FINISHED, append_tokens, settle_plain_decodes
 from hybridserve.core.sched.planner import StepBatch, plan_running, plan_steady_decodes
 from hybridserve.core.sched.queues import make_queue
 from hybridserve.core.sched.stats import SchedulerStats
 
-FINISHED = RequestStatus.FINISHED_STOPPED  # statuses >= this are finished
 EMPTY: list[int] = []
 
 
 class Scheduler:
-    # The steady-decode fast path (`plan_steady_decodes`); tests turn it off to compare
-    # with the general path.
+    # The steady-decode fast path (`plan_steady_decodes`) and the plain-decode one of
+    # output processing (`settle_plain_decodes`); tests turn them off to compare with
+    # the general paths.
     steady_decode_fast_path = True
+    plain_decode_fast_path = True
 
     def __init__(
         self,
@@ -119,10 +120,6 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         """Requests to run, or finished ones whose blocks wait on a connector store/load."""
         return bool(self.requests) or (self.transfer is not None and self.transfer.has_pending())
-
-    @property
-    def num_in_flight_steps(self) -> int:
-        return len(self.in_flight)
 
     # -- schedule ------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -253,7 +250,19 @@ class Scheduler:
         logprobs_of = runner_output.logprobs
         proposed_of = runner_output.num_draft_tokens
         num_generated = 0
-        for sr, req, epoch, sampled in zip(scheduler_output.requests, reqs, epochs, sampled_rows):
+        scheduled = scheduler_output.requests
+        fast = self.plain_decode_fast_path
+        i, num_rows = 0, len(reqs)
+        while i < num_rows:
+            if fast:
+                start = i
+                i = settle_plain_decodes(scheduled, reqs, epochs, sampled_rows, i, max_model_len, block_size,
+                                         logprobs_of, outputs)
+                num_generated += i - start  # one token each
+                if i == num_rows:
+                    break
+            sr, req, epoch, sampled = scheduled[i], reqs[i], epochs[i], sampled_rows[i]
+            i += 1
             req.num_in_flight_tokens -= sr.num_scheduled_tokens  # first, whatever happened since
             if req.status >= FINISHED:
                 continue
@@ -264,10 +273,7 @@ class Scheduler:
                 req.num_output_placeholders -= 1 + drafts
             if not sampled:
                 continue
-            if len(sampled) == 1:
-                new_tokens, status = sampled, append_one_token(req, sampled[0], max_model_len, block_size)
-            else:
-                new_tokens, status = append_tokens(req, sampled, max_model_len, block_size)
+            new_tokens, status = append_tokens(req, sampled, max_model_len, block_size)
             num_generated += len(new_tokens)
             if status is not None:
                 any_finished = True

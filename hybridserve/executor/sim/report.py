@@ -6,7 +6,6 @@ pool's allocatable blocks (null block excluded) a group's block tables hold.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
@@ -80,9 +79,6 @@ class SimReport:
         if not include_series:
             d.pop("series")
         return _finite(d)
-
-    def to_json(self, include_series: bool = True, indent: int | None = 2) -> str:
-        return json.dumps(self.to_dict(include_series), indent=indent)
 
 
 def _finite(obj: Any) -> Any:

@@ -47,7 +47,8 @@ class SimulationError(HybridServeError, RuntimeError):
 
 @dataclass(frozen=True)
 class SimConfig:
-    """One configuration to simulate. `max_model_len` None: the longest request, at least 8192."""
+    """One configuration to simulate. `max_model_len` None: the longest request, at least
+    SchedulerConfig's default max_model_len."""
 
     gpu: str = "H100"
     model_layout: str = "gemma3-27b-like"
@@ -69,7 +70,7 @@ class SimConfig:
     # None: derived by SchedulerConfig (concurrent batches * max_num_batched_tokens).
     max_in_flight_tokens: int | None = None
     # None: on (the simulated executor computes in-chunk attention from the batch).
-    window_tail_allocation: bool | None = None
+    window_tail_allocation: bool | None = SchedulerConfig.window_tail_allocation
     connector: bool = False
     connector_capacity_blocks: int = 4096
     connector_max_delay_steps: int = 3
@@ -98,7 +99,7 @@ class SimConfig:
                 f"{longest_item.describe()} has {longest} tokens, more than {layout.name}'s "
                 f"{layout.max_position_embeddings} positions"
             )
-        return max(8192, longest)
+        return max(SchedulerConfig.max_model_len, longest)
 
 
 def build_kv_cache_config(cfg: SimConfig) -> KVCacheConfig:
@@ -215,18 +216,8 @@ def _simulate(sim_config: SimConfig, items: list[WorkloadItem], progress: bool) 
     if not 0.0 <= cfg.acceptance_rate <= 1.0:
         raise ConfigError(f"--acceptance-rate must be in [0, 1], got {cfg.acceptance_rate}")
     max_model_len = cfg.resolve_max_model_len(items)
-    sched_cfg = SchedulerConfig(
-        max_num_batched_tokens=cfg.max_num_batched_tokens,
-        max_num_seqs=cfg.max_num_seqs,
-        max_model_len=max_model_len,
-        async_scheduling=cfg.async_scheduling,
-        pipeline_parallel_size=cfg.pipeline_parallel_size,
-        num_speculative_tokens=cfg.num_speculative_tokens,
-        enable_prefix_caching=cfg.enable_prefix_caching,
-        full_sequence_must_fit=cfg.full_sequence_must_fit,
-        max_in_flight_tokens_override=cfg.max_in_flight_tokens,
-        window_tail_allocation=cfg.window_tail_allocation,
-    )
+    sched_cfg = SchedulerConfig.from_settings(cfg, max_model_len=max_model_len,
+                                              max_in_flight_tokens_override=cfg.max_in_flight_tokens)
     kv_config = build_kv_cache_config(cfg)
     connector = _make_connector(cfg, kv_config)
     sim_exec = SimExecutor(

@@ -30,7 +30,8 @@ from hybridserve.core.errors import ConfigError  # noqa: E402
 from hybridserve.core.request import Request, SamplingParams  # noqa: E402
 from hybridserve.core.sched.config import SchedulerConfig  # noqa: E402
 from hybridserve.engine.loop import EngineCore, build_engine  # noqa: E402
-from hybridserve.executor.distributed.driver import ExecutorFailedError, make_distributed_executor  # noqa: E402
+from hybridserve.executor.distributed.backends import make_distributed_executor  # noqa: E402
+from hybridserve.executor.distributed.driver import ExecutorFailedError  # noqa: E402
 from hybridserve.executor.distributed.layout import ParallelLayout  # noqa: E402
 
 NEW_TOKENS = 20

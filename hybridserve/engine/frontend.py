@@ -112,7 +112,7 @@ def _distributed_executor(config: EngineConfig, path: Path, device: str, dtype: 
     unless num_threads (per worker) says otherwise."""
     import os
 
-    from hybridserve.executor.distributed.driver import make_distributed_executor
+    from hybridserve.executor.distributed.backends import make_distributed_executor
     from hybridserve.executor.distributed.layout import ParallelLayout
 
     layout = ParallelLayout(config.pipeline_parallel_size, config.tensor_parallel_size)

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from hybridserve.core.errors import ConfigError, HybridServeError
+from hybridserve.core.errors import HybridServeError
 from hybridserve.core.kv.spec import KVCacheConfig, KVCacheSpec
 from hybridserve.core.sched.output import KVConnectorOutput
 from hybridserve.executor.base import Executor
-from hybridserve.config import DISTRIBUTED_BACKENDS as BACKENDS
 from hybridserve.executor.distributed.layout import ParallelLayout
 from hybridserve.models.config import ModelConfig, load_model_config
 
@@ -90,17 +89,3 @@ class ConnectorReports:
                 del counts[rid]
                 out.add(rid)
         return merged
-
-
-def make_distributed_executor(backend: str, **spec_args: Any) -> DistributedDriver:
-    """A multi-process executor: `mp` (processes on this machine) or `ray` (Ray actors,
-    which may span machines). spec_args are WorkerSpec fields (see worker.py)."""
-    if backend not in BACKENDS:
-        raise ConfigError(f"distributed_executor_backend must be one of {list(BACKENDS)}, got {backend!r}")
-    if backend == "ray":
-        from hybridserve.executor.distributed.ray_executor import RayExecutor
-
-        return RayExecutor(spec_args)
-    from hybridserve.executor.distributed.mp_executor import MultiprocExecutor
-
-    return MultiprocExecutor(spec_args)

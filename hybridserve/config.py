@@ -96,6 +96,9 @@ class EngineConfig:
     # Sliding-window groups hold only the window and each chunk's tail (None: on when the
     # executor computes in-chunk attention from the batch, as the PyTorch runner does).
     window_tail_allocation: bool | None = None
+    # Engine-core replicas behind one server (AsyncLLM with core processes), each with its
+    # own KV pool; num_threads applies to each.
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -155,6 +158,7 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         _check_int("num_threads", self.num_threads, 1, optional=True)
+        _check_int("data_parallel_size", self.data_parallel_size, 1)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -83,6 +83,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--kv-offload-memory", default="0", metavar="SIZE",
                    help="host memory for offloaded KV blocks, bytes or e.g. 4GiB (default: 0, no offload)")
     e.add_argument("--seed", type=int, default=None, help="random seed (default: 0 for the engine, none per request)")
+    e.add_argument("--data-parallel-size", type=int, default=1,
+                   help="engine-core replicas behind one server, each with its own KV pool and --num-threads "
+                        "(serve only; default: 1)")
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
@@ -98,6 +101,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         ngram_prompt_lookup_max=a.ngram_prompt_lookup_max, enable_prefix_caching=a.enable_prefix_caching,
         kv_offload_memory=offload, seed=a.seed if a.seed is not None else 0, device=a.device, dtype=a.dtype,
         quantization=a.quantization, num_threads=a.num_threads,
+        data_parallel_size=a.data_parallel_size,
     )
 
 

@@ -43,6 +43,24 @@ def running_server(model: Path, *args: str, name: str = "tiny", env: dict[str, s
         os.unlink(log.name)
 
 
+def scrape_metrics(url: str) -> dict[str, float]:
+    """GET /metrics as {series (name with its labels): value}."""
+    out = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def process_alive(pid: int) -> bool:
+    """True while the process exists and is not a zombie (Linux /proc)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
 def _wait_ready(proc: subprocess.Popen, log_path: str, name: str, headers: dict[str, str]) -> str:
     deadline = time.monotonic() + START_TIMEOUT
     sel = selectors.DefaultSelector()

@@ -61,8 +61,8 @@ class CoreProcessReplica(EngineReplica):
     def _open(self, progress: bool) -> None:
         """Spawn the process; `wait_ready` finishes the start (so replicas load together)."""
         parent, child = self._mp.Pipe()
-        self.process = self._mp.Process(target=core_main, args=(self.config, child, progress), daemon=True,
-                                        name=f"hybridserve-core-{self.index}")
+        self.process = self._mp.Process(target=core_main, args=(self.config, child, self.index, progress),
+                                        daemon=True, name=f"hybridserve-core-{self.index}")
         self.process.start()
         child.close()  # the child holds its end: EOF here once it exits
         self.conn, self.generation, self._sent = parent, self.generation + 1, 0

@@ -39,6 +39,9 @@ from hybridserve.models.config import ModelConfig
 
 logger = logging.getLogger("hybridserve")
 
+# The OS name of replica i's core process (what `ps` and `top` show): CORE_NAME_PREFIX + i.
+CORE_NAME_PREFIX = "hs-core-"
+
 
 @dataclass(frozen=True)
 class CoreInfo:
@@ -54,10 +57,11 @@ class CoreInfo:
     num_blocks: int  # the KV pool, null block included: bounds the router's record of its prefixes
 
 
-def core_main(config: EngineConfig, conn: Connection, progress: bool) -> None:
+def core_main(config: EngineConfig, conn: Connection, index: int, progress: bool) -> None:
     """The process's entry point."""
     from hybridserve.engine.frontend import build_engine_parts
 
+    _name_process(f"{CORE_NAME_PREFIX}{index}")
     # Ctrl-C in a terminal reaches the whole process group; the server stops its cores.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
@@ -121,6 +125,14 @@ def _add(engine: Any, conn: Connection, request_id: str, requests: list[Any]) ->
     except HybridServeError as exc:  # this request is bad, the engine is fine
         conn.send(("add_failed", request_id, str(exc), getattr(exc, "param", None)))
         return []
+
+
+def _name_process(name: str) -> None:
+    try:
+        with open("/proc/self/comm", "w") as f:  # Linux; 15 characters at most
+            f.write(name[:15])
+    except OSError:
+        pass  # another OS: the name is only a convenience
 
 
 def _send(conn: Connection, message: tuple[Any, ...]) -> bool:

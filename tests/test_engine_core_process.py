@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
+from tests import faults  # noqa: E402
 from tests.server_proc import process_alive  # noqa: E402
 from tests.serving_models import PROMPTS, tiny_serving_dir  # noqa: E402
 
@@ -204,6 +205,37 @@ def test_a_killed_core_fails_its_requests_only_then_restarts_then_is_dropped() -
     finally:
         llm.shutdown()
     assert not any(process_alive(pid) for pid in pids)
+
+
+def test_a_failed_step_in_the_core_fails_open_requests_then_a_fresh_core_serves(ref: LLM, monkeypatch,
+                                                                               tmp_path) -> None:
+    from hybridserve.engine import core_client
+
+    monkeypatch.setenv(faults.FAULT_FLAG_ENV, str(tmp_path / "failed"))
+    monkeypatch.setattr(core_client, "core_main", faults.core_main_failing_once)
+    want = ref.generate(PROMPTS[1], SamplingParams(max_tokens=12), use_tqdm=False)[0].text
+    llm = AsyncLLM(str(tiny_serving_dir()), max_model_len=MAX_LEN, dtype="float32", progress=False,
+                   core_process=True, max_restarts=1)
+
+    async def main() -> None:
+        results = await asyncio.gather(
+            *(collect(llm, p, SamplingParams(max_tokens=50, ignore_eos=True)) for p in PROMPTS[:4]),
+            return_exceptions=True)
+        assert all(isinstance(r, EngineDeadError) for r in results), results
+        assert "restarting" in str(results[0]) and "secret" not in str(results[0])
+        for _ in range(600):
+            if not llm.restarting:
+                break
+            await asyncio.sleep(0.05)
+        assert not llm.restarting and llm.dead_error is None
+        outs = await collect(llm, PROMPTS[1], SamplingParams(max_tokens=12))
+        assert outs[-1].outputs[0].text == want
+
+    try:
+        run(main())
+        assert llm.restart_reasons == ["RuntimeError: device lost at /secret/path"]
+    finally:
+        llm.shutdown()
 
 
 def test_replicas_need_core_processes() -> None:

@@ -19,14 +19,15 @@ START_TIMEOUT = 240.0
 
 
 @contextlib.contextmanager
-def running_server(model: Path, *args: str, name: str = "tiny", env: dict[str, str] | None = None,
+def running_server(model: Path | None, *args: str, name: str = "tiny", env: dict[str, str] | None = None,
                    health_headers: dict[str, str] | None = None) -> Iterator[dict]:
-    """Yields {"url", "proc", "log"}; terminates the server (if still running) afterwards."""
+    """Yields {"url", "proc", "log"}; terminates the server (if still running) afterwards.
+    model=None: the default model."""
     log = tempfile.NamedTemporaryFile("w+", prefix="hybridserve_server_", suffix=".log", delete=False)
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hybridserve.entrypoints.cli", "serve", "--model", str(model), "--port", "0",
-         "--served-model-name", name, *args],
+        [sys.executable, "-m", "hybridserve.entrypoints.cli", "serve", *(["--model", str(model)] if model else []),
+         "--port", "0", "--served-model-name", name, *args],
         stdout=subprocess.PIPE, stderr=log, text=True, cwd=REPO, env=env)
     try:
         url = _wait_ready(proc, log.name, name, health_headers or {})

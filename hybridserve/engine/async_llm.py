@@ -71,8 +71,8 @@ class AsyncLLM:
         self.config = config or EngineConfig.from_kwargs(model=model, **engine_args)
         num = self.config.data_parallel_size
         if num > 1 and not core_process:
-            raise ConfigError(f"data_parallel_size={num} runs each replica in an engine core process; "
-                              "pass core_process=True (the server's default)")
+            raise ConfigError(f"data_parallel_size={num} runs each replica in an engine core process: "
+                              "AsyncLLM(core_process=True), serve's --engine-core-process (its default)")
         self.on_request_finished = on_request_finished
         # Called once, on a replica thread, when every replica is dead for good.
         self.on_dead: Callable[[str], None] | None = None

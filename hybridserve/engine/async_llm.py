@@ -81,17 +81,21 @@ class AsyncLLM:
         # Open requests: id -> (replica, engine requests). Under lock.
         self._active: dict[str, tuple[EngineReplica, int]] = {}
         self._dead: EngineDeadError | None = None
+        self.router = Router(num, self.config.block_size, self.config.max_num_seqs, routing)
         if core_process:
             self.replicas = _start_core_replicas(self.config, self, max_restarts, progress)
             info = self.replicas[0].info
-            tokenizer = load_tokenizer(self.config, info.model_path)
+            self.router.record_blocks = info.num_blocks
+            try:
+                tokenizer = load_tokenizer(self.config, info.model_path)
+            except BaseException:
+                for r in self.replicas:
+                    r.close()
+                raise
             self._front = FrontEnd(self.config, tokenizer, info.model_path, info.model_config, info.max_model_len,
                                    info.eos_token_id, info.model_stop_ids, grammar_backend(tokenizer, info.model_config))
-            record = info.num_blocks
         else:
             self.replicas = [EngineReplica(0, self.config, self, max_restarts, progress)]
-            record = 1
-        self.router = Router(num, self.config.block_size, self.config.max_num_seqs, record, routing)
         for r in self.replicas:
             r.start()
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Protocol, Sequence
 
+from hybridserve.core.errors import ConfigError
 from hybridserve.core.kv.hashing import make_block_hasher
 from hybridserve.core.request import Request
 
@@ -31,13 +32,13 @@ class Routable(Protocol):
 
 
 class Router:
-    def __init__(self, num_replicas: int, block_size: int, max_num_seqs: int, record_blocks: int,
-                 policy: str = "prefix") -> None:
+    def __init__(self, num_replicas: int, block_size: int, max_num_seqs: int, policy: str = "prefix") -> None:
         if policy not in POLICIES:
-            raise ValueError(f"routing policy must be one of {POLICIES}, got {policy!r}")
+            raise ConfigError(f"routing must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.policy = policy
         self.max_num_seqs = max_num_seqs
-        self.record_blocks = record_blocks
+        # Block hashes remembered per replica; set to the pool size once the replicas report it.
+        self.record_blocks = 1
         self._hasher = make_block_hasher(block_size)
         self._records: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(num_replicas)]
         self._next = 0  # round robin's next replica

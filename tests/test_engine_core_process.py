@@ -250,3 +250,14 @@ def test_replicas_need_core_processes() -> None:
 def test_a_config_error_in_the_core_is_raised_by_the_constructor() -> None:
     with pytest.raises(ConfigError, match="max_model_len=100000 exceeds the model's context"):
         AsyncLLM(str(tiny_serving_dir()), max_model_len=100_000, core_process=True)
+
+
+def test_replicas_split_the_cpu_cores_unless_told_their_threads(monkeypatch) -> None:
+    from hybridserve import EngineConfig
+    from hybridserve.engine.async_llm import replica_config
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    threads = [replica_config(EngineConfig(data_parallel_size=d)).num_threads for d in (1, 2, 3, 16)]
+    assert threads == [None, 4, 2, 1]  # one replica: torch's own choice; 8 // d, at least 1
+    assert replica_config(EngineConfig(data_parallel_size=2, num_threads=3)).num_threads == 3
+    assert replica_config(EngineConfig(data_parallel_size=2, device="cuda")).num_threads is None

@@ -78,7 +78,9 @@ class Router:
 
     def _remember(self, index: int, hashes: list[bytes]) -> None:
         record = self._records[index]
-        for h in hashes:
+        # Last block first, so a prompt's leading blocks are the most recent: the LRU drops
+        # the tails of prefixes first and a remembered run always starts at block 0.
+        for h in reversed(hashes):
             record[h] = None
             record.move_to_end(h)
         while len(record) > self.record_blocks:

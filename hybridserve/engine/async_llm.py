@@ -14,6 +14,8 @@ each stream its outputs (replica.py). Where the engine runs:
 - `core_process=True` (the server's default): each of `data_parallel_size` replicas
   drives an engine core in its own process (core_client.py, core_process.py); this
   process keeps only the tokenizer. Replica processes load their models together.
+  They are spawned (multiprocessing): a script that builds one needs the usual
+  `if __name__ == "__main__":` guard.
 
 Failure contract, narrowest scope first:
 - A request whose own sampling, detokenizing or stop matching fails raises

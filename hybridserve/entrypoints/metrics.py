@@ -6,7 +6,7 @@ between steps (AsyncLLM.get_replica_stats), rendered by a custom collector at sc
 they are always mutually consistent. With data-parallel replicas every engine-side series
 carries a `replica` label (and hybridserve_requests_routed counts the requests routed to
 each); with one engine they carry none. Latencies are histograms observed when each
-choice finishes (AsyncLLM's on_request_finished hook, called on the engine thread;
+choice finishes (AsyncLLM's on_request_finished hook, called on a replica thread;
 prometheus_client metrics are thread-safe).
 """
 

@@ -23,11 +23,18 @@ from hybridserve.core.errors import ConfigError  # noqa: E402
 
 MAX_LEN = 256
 TIMEOUT = 120.0
+RESTART_TIMEOUT = 300.0  # a restart spawns a fresh core (interpreter, torch, model): slow on a busy machine
 BLOCK = 16  # the default block size
 
 
-def run(coro):  # a hang is a failure, not a stuck suite
-    return asyncio.run(asyncio.wait_for(coro, TIMEOUT))
+def run(coro, timeout: float = TIMEOUT):  # a hang is a failure, not a stuck suite
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+async def until(condition) -> None:
+    """Poll until `condition()` holds (the caller's run() bounds the wait)."""
+    while not condition():
+        await asyncio.sleep(0.05)
 
 
 def new_engine(**kw) -> AsyncLLM:
@@ -180,20 +187,14 @@ def test_a_killed_core_fails_its_requests_only_then_restarts_then_is_dropped() -
 
     async def main() -> None:
         await kill_replica_0_under_load()
-        for _ in range(600):  # replica 0 comes back in a fresh process
-            if llm.replicas[0].serving:
-                break
-            await asyncio.sleep(0.05)
+        await until(lambda: llm.replicas[0].serving)  # replica 0 comes back in a fresh process
         assert llm.replicas[0].serving and llm.replicas[0].info.pid != pids[0]
         pids.append(llm.replicas[0].info.pid)
         assert llm.replicas[0].restart_reasons == ["EngineCoreLost: the engine core process was killed by signal 9"]
         # Out of restarts the second time: dropped from routing, replica 1 serves on.
         llm.replicas[0].num_routed = llm.replicas[1].num_routed = 0
         await kill_replica_0_under_load()
-        for _ in range(200):
-            if llm.replicas[0].dead is not None:
-                break
-            await asyncio.sleep(0.05)
+        await until(lambda: llm.replicas[0].dead is not None)
         assert llm.replicas[0].dead is not None and llm.dead_error is None and not llm.restarting
         outs = await asyncio.gather(*(collect(llm, p, SamplingParams(max_tokens=4)) for p in PROMPTS[:3]))
         assert all(o[-1].finished for o in outs)
@@ -201,7 +202,7 @@ def test_a_killed_core_fails_its_requests_only_then_restarts_then_is_dropped() -
         assert await llm.get_stats(0) is None
 
     try:
-        run(main())
+        run(main(), RESTART_TIMEOUT)
     finally:
         llm.shutdown()
     assert not any(process_alive(pid) for pid in pids)
@@ -223,16 +224,13 @@ def test_a_failed_step_in_the_core_fails_open_requests_then_a_fresh_core_serves(
             return_exceptions=True)
         assert all(isinstance(r, EngineDeadError) for r in results), results
         assert "restarting" in str(results[0]) and "secret" not in str(results[0])
-        for _ in range(600):
-            if not llm.restarting:
-                break
-            await asyncio.sleep(0.05)
+        await until(lambda: not llm.restarting)
         assert not llm.restarting and llm.dead_error is None
         outs = await collect(llm, PROMPTS[1], SamplingParams(max_tokens=12))
         assert outs[-1].outputs[0].text == want
 
     try:
-        run(main())
+        run(main(), RESTART_TIMEOUT)
         assert llm.restart_reasons == ["RuntimeError: device lost at /secret/path"]
     finally:
         llm.shutdown()

@@ -16,9 +16,11 @@ messages of an old process are ignored.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import multiprocessing
 import threading
+import weakref
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -36,6 +38,36 @@ logger = logging.getLogger("hybridserve")
 CORE_START_TIMEOUT_S = 600.0
 # Seconds a stopped core may take to exit before it is terminated, then killed.
 CORE_EXIT_GRACE_S = 10.0
+
+
+# Core processes not yet stopped. They are not daemonic (a core may start worker processes
+# of its own, which daemonic processes may not), so multiprocessing would wait for them at
+# exit: this hook, registered after multiprocessing's and so run before it, ends them, and
+# from then on no core starts (a replica that sees its core end then dies, not restarts).
+_RUNNING: weakref.WeakSet = weakref.WeakSet()
+_EXIT_LOCK = threading.Lock()
+_exiting = False
+
+
+@atexit.register
+def _stop_running_cores() -> None:
+    global _exiting
+    with _EXIT_LOCK:
+        _exiting = True
+        running = list(_RUNNING)
+    for proc in running:
+        _end_process(proc, grace_s=0.0)  # nobody told it to stop: no point waiting
+
+
+def _end_process(proc: Any, grace_s: float = CORE_EXIT_GRACE_S) -> None:
+    """Wait `grace_s` for a core told to stop, then terminate it, then kill it."""
+    proc.join(grace_s)
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(CORE_EXIT_GRACE_S)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
 
 
 class EngineCoreStartError(HybridServeError, RuntimeError):
@@ -61,9 +93,14 @@ class CoreProcessReplica(EngineReplica):
     def _open(self, progress: bool) -> None:
         """Spawn the process; `wait_ready` finishes the start (so replicas load together)."""
         parent, child = self._mp.Pipe()
-        self.process = self._mp.Process(target=core_main, args=(self.config, child, self.index, progress),
-                                        daemon=True, name=f"hybridserve-core-{self.index}")
-        self.process.start()
+        process = self._mp.Process(target=core_main, args=(self.config, child, self.index, progress),
+                                   name=f"hybridserve-core-{self.index}")
+        with _EXIT_LOCK:
+            if _exiting:
+                raise EngineCoreStartError("the process is exiting: no engine core starts")
+            process.start()
+            _RUNNING.add(process)
+        self.process = process
         child.close()  # the child holds its end: EOF here once it exits
         self.conn, self.generation, self._sent = parent, self.generation + 1, 0
 
@@ -104,13 +141,8 @@ class CoreProcessReplica(EngineReplica):
             except (OSError, ValueError):
                 pass
         if proc is not None:
-            proc.join(CORE_EXIT_GRACE_S)
-            if proc.is_alive():
-                proc.terminate()
-                proc.join(CORE_EXIT_GRACE_S)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+            _end_process(proc)
+            _RUNNING.discard(proc)
         if conn is not None:
             conn.close()
         self.conn = None
@@ -134,6 +166,8 @@ class CoreProcessReplica(EngineReplica):
             if cmd[0] != "core":
                 if not self._command(cmd):
                     return None
+            elif _exiting:
+                return None  # the interpreter is exiting and has ended the core: stop, do not restart
             elif cmd[1] == self.generation:
                 failure = self._on_core(cmd[2])
                 if failure is not None:

@@ -106,6 +106,9 @@ class EngineConfig:
     pipeline_parallel_size: int = SchedulerConfig.pipeline_parallel_size
     tensor_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
+    # Engine-core replicas behind one server (AsyncLLM with core processes), each with its
+    # own KV pool; num_threads applies to each.
+    data_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):
@@ -170,6 +173,7 @@ class EngineConfig:
         if self.distributed_executor_backend not in DISTRIBUTED_BACKENDS:
             raise ConfigError(f"distributed_executor_backend must be one of {', '.join(DISTRIBUTED_BACKENDS)}, "
                               f"got {self.distributed_executor_backend!r}")
+        _check_int("data_parallel_size", self.data_parallel_size, 1)
 
     @property
     def is_multiprocess(self) -> bool:

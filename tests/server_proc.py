@@ -19,14 +19,15 @@ START_TIMEOUT = 240.0
 
 
 @contextlib.contextmanager
-def running_server(model: Path, *args: str, name: str = "tiny", env: dict[str, str] | None = None,
+def running_server(model: Path | None, *args: str, name: str = "tiny", env: dict[str, str] | None = None,
                    health_headers: dict[str, str] | None = None) -> Iterator[dict]:
-    """Yields {"url", "proc", "log"}; terminates the server (if still running) afterwards."""
+    """Yields {"url", "proc", "log"}; terminates the server (if still running) afterwards.
+    model=None: the default model."""
     log = tempfile.NamedTemporaryFile("w+", prefix="hybridserve_server_", suffix=".log", delete=False)
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "hybridserve.entrypoints.cli", "serve", "--model", str(model), "--port", "0",
-         "--served-model-name", name, *args],
+        [sys.executable, "-m", "hybridserve.entrypoints.cli", "serve", *(["--model", str(model)] if model else []),
+         "--port", "0", "--served-model-name", name, *args],
         stdout=subprocess.PIPE, stderr=log, text=True, cwd=REPO, env=env)
     try:
         url = _wait_ready(proc, log.name, name, health_headers or {})
@@ -41,6 +42,24 @@ def running_server(model: Path, *args: str, name: str = "tiny", env: dict[str, s
                 proc.wait(10)
         log.close()
         os.unlink(log.name)
+
+
+def scrape_metrics(url: str) -> dict[str, float]:
+    """GET /metrics as {series (name with its labels): value}."""
+    out = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def process_alive(pid: int) -> bool:
+    """True while the process exists and is not a zombie (Linux /proc)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
 
 
 def _wait_ready(proc: subprocess.Popen, log_path: str, name: str, headers: dict[str, str]) -> str:

@@ -24,7 +24,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 
-from tests.server_proc import running_server  # noqa: E402
+from tests.server_proc import running_server, scrape_metrics  # noqa: E402
 from tests.serving_models import PROMPTS, WORDS, tiny_serving_dir  # noqa: E402
 
 from hybridserve import LLM, SamplingParams  # noqa: E402
@@ -50,13 +50,7 @@ def client(server):
     return openai.OpenAI(base_url=server["url"] + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def metrics(url: str) -> dict[str, float]:
-    out = {}
-    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
+metrics = scrape_metrics
 
 
 def wait_idle(url: str) -> dict[str, float]:

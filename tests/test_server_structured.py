@@ -1,5 +1,6 @@
 """Structured outputs through the OpenAI API: response_format and the guided_* extras
-(in-process server over the byte-level tiny model)."""
+(server app over the byte-level tiny model, its engine in this process or in a core
+process, where the runner builds its own grammar matchers)."""
 
 from __future__ import annotations
 
@@ -22,9 +23,10 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"typ
           "maximum": 50}}, "required": ["ok", "n"], "additionalProperties": False}
 
 
-@pytest.fixture(scope="module")
-def engine():
-    llm = AsyncLLM(str(byte_model_dir()), max_model_len=256, progress=False, num_speculative_tokens=2)
+@pytest.fixture(scope="module", params=[False, True], ids=["in_process", "core_process"])
+def engine(request):
+    llm = AsyncLLM(str(byte_model_dir()), max_model_len=256, progress=False, num_speculative_tokens=2,
+                   core_process=request.param)
     yield llm
     llm.shutdown()
 

@@ -229,7 +229,7 @@ def test_engine_config_to_stats_and_metrics() -> None:
     """EngineConfig -> drafter sizes in the runner; acceptance in AsyncLLM stats, /metrics
     and the bench summary line."""
     pytest.importorskip("prometheus_client")
-    from hybridserve.entrypoints.metrics import ServerMetrics
+    from hybridserve.entrypoints.metrics import ReplicaSnapshot, ServerMetrics
 
     prompts = prompts_for("mistral")
     llm = AsyncLLM(config=EngineConfig(model=str(hf_tiny.tiny_model_dir("mistral")), max_model_len=256,
@@ -253,7 +253,7 @@ def test_engine_config_to_stats_and_metrics() -> None:
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     assert stats.acceptance_rate == stats.num_accepted_tokens / stats.num_draft_tokens
     assert stats.mean_accepted_length == 1 + stats.num_accepted_tokens / stats.num_spec_steps
-    text = ServerMetrics().render(stats, True, []).decode()
+    text = ServerMetrics().render([ReplicaSnapshot(stats, True)]).decode()
     assert f"hybridserve_spec_decode_num_accepted_tokens_total {float(stats.num_accepted_tokens)}" in text
     assert "hybridserve_spec_decode_acceptance_rate " in text
     row = {"model": "m", "num_prompts": 1, "input_len": 8, "output_len": 8, "elapsed_s": 1.0,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -26,11 +26,11 @@ Prompt = str | Sequence[int]
 
 
 @dataclass
-class EngineParts:
-    """A running engine plus what the front ends need to talk to it."""
+class FrontEnd:
+    """What a front end needs to talk to an engine: the tokenizer and the model's limits.
+    A server whose engine runs in core processes holds only this (see core_client.py)."""
 
     config: EngineConfig
-    engine: EngineCore
     tokenizer: Tokenizer | None
     model_path: Path
     model_config: ModelConfig
@@ -44,6 +44,29 @@ class EngineParts:
     @property
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
+
+
+@dataclass
+class EngineParts(FrontEnd):
+    """A running engine plus what the front ends need to talk to it."""
+
+    engine: EngineCore = field(kw_only=True)
+
+
+def load_tokenizer(config: EngineConfig, model_path: Path) -> Tokenizer | None:
+    """The tokenizer (the model's, or config.tokenizer), with config.chat_template applied."""
+    tokenizer = Tokenizer.from_dir(config.tokenizer or model_path)
+    if tokenizer is None and config.tokenizer is not None:
+        raise ConfigError(f"tokenizer: no tokenizer files in {config.tokenizer}")
+    if config.chat_template is not None:
+        if tokenizer is None:
+            raise ConfigError("chat_template needs a tokenizer; this model has none")
+        tokenizer.use_chat_template(config.chat_template)
+    return tokenizer
+
+
+def grammar_backend(tokenizer: Tokenizer | None, model_config: ModelConfig) -> GrammarBackend | None:
+    return GrammarBackend(tokenizer.hf, model_config.vocab_size) if tokenizer is not None else None
 
 
 def build_engine_parts(config: EngineConfig, progress: bool = True) -> EngineParts:
@@ -68,20 +91,14 @@ def build_engine_parts(config: EngineConfig, progress: bool = True) -> EnginePar
     settings = resolve_engine_settings(config, groups, model_cfg.max_position_embeddings,
                                        window_tail=SchedulerConfig(window_tail_allocation=config.window_tail_allocation)
                                        .resolve_window_tail(TorchExecutor.computes_in_chunk_attention_from_batch))
-    tokenizer = Tokenizer.from_dir(config.tokenizer or path)
-    if tokenizer is None and config.tokenizer is not None:
-        raise ConfigError(f"tokenizer: no tokenizer files in {config.tokenizer}")
-    if config.chat_template is not None:
-        if tokenizer is None:
-            raise ConfigError("chat_template needs a tokenizer; this model has none")
-        tokenizer.use_chat_template(config.chat_template)
+    tokenizer = load_tokenizer(config, path)
     eos, extra = _stop_token_ids(path, model_cfg, tokenizer)
     say(progress, describe(dtype, quantization, flags))  # after the checks: an error stays one line
     # Async scheduling overlaps the next step's scheduling with this one's execution. On a
     # GPU a worker thread lets the host run ahead of the kernels; on CPU the model's own
     # threads use every core and a second Python thread only steals them (measured: Gemma 3
     # 270M 17% slower), so the step runs inline and the overlap is the scheduler's alone.
-    grammar = GrammarBackend(tokenizer.hf, model_cfg.vocab_size) if tokenizer is not None else None
+    grammar = grammar_backend(tokenizer, model_cfg)
     executor: Any
     if config.is_multiprocess:
         executor = _distributed_executor(config, path, device.type, dtype, quantization, tokenizer is not None)
@@ -103,7 +120,7 @@ def build_engine_parts(config: EngineConfig, progress: bool = True) -> EnginePar
     except BaseException:
         executor.shutdown()
         raise
-    return EngineParts(config, engine, tokenizer, path, model_cfg, settings.max_model_len, eos, extra, grammar)
+    return EngineParts(config, tokenizer, path, model_cfg, settings.max_model_len, eos, extra, grammar, engine=engine)
 
 
 def _distributed_executor(config: EngineConfig, path: Path, device: str, dtype: str, quantization: str,
@@ -155,7 +172,7 @@ def new_request_id(prefix: str = "req") -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def prepare_prompt(parts: EngineParts, prompt: Prompt) -> tuple[str | None, list[int]]:
+def prepare_prompt(parts: FrontEnd, prompt: Prompt) -> tuple[str | None, list[int]]:
     """(text or None, token ids) for a text or token-id prompt; RequestError if unusable."""
     if isinstance(prompt, str):
         if parts.tokenizer is None:
@@ -191,7 +208,7 @@ def check_prompt_ids(ids: Sequence[int], max_model_len: int, vocab_size: int) ->
         raise RequestError(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})", "prompt")
 
 
-def prepare_params(parts: EngineParts, params: Any) -> Any:
+def prepare_params(parts: FrontEnd, params: Any) -> Any:
     """Front-end params ready for the engine: bad words tokenized, then checked."""
     if getattr(params, "bad_words", ()):
         if parts.tokenizer is None:
@@ -209,7 +226,7 @@ def prepare_params(parts: EngineParts, params: Any) -> Any:
     return params
 
 
-def check_params(parts: EngineParts, params: Any) -> None:
+def check_params(parts: FrontEnd, params: Any) -> None:
     """What SamplingParams cannot check alone: token ids against this model's vocabulary
     (an id past it would index the logits out of bounds), and stop strings need a tokenizer."""
     bad = next(((name, t) for name, t in params.token_ids_to_check() if t >= parts.vocab_size), None)
@@ -224,7 +241,7 @@ def check_params(parts: EngineParts, params: Any) -> None:
         parts.grammar.check(params.structured_output)
 
 
-def prepare_chat(parts: EngineParts, messages: Sequence[dict[str, Any]], params: Any,
+def prepare_chat(parts: FrontEnd, messages: Sequence[dict[str, Any]], params: Any,
                  tools: list[Any] | None = None) -> tuple[str, list[int], Any]:
     """(prompt text, ids, params) for a conversation (with the tools it offers, rendered by
     the chat template). Without a chat template the plain template applies and

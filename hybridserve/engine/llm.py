@@ -17,7 +17,7 @@ import time
 from typing import Any, Callable, Iterator, Sequence
 
 from hybridserve.config import EngineConfig
-from hybridserve.core.errors import RequestError
+from hybridserve.core.errors import ConfigError, RequestError
 from hybridserve.core.request import SamplingParams
 from hybridserve.engine.frontend import (
     EngineParts,
@@ -54,6 +54,9 @@ class LLM:
         if config is not None and (engine_args or model is not None):
             raise RequestError("pass either config=EngineConfig(...) or model/engine arguments, not both")
         self.config = config or EngineConfig.from_kwargs(model=model, **engine_args)
+        if self.config.data_parallel_size > 1:
+            raise ConfigError(f"data_parallel_size={self.config.data_parallel_size}: replicas run behind a server "
+                              "(AsyncLLM(core_process=True), `hybridserve serve`); LLM runs one engine in this process")
         self.parts: EngineParts = build_engine_parts(self.config, progress=progress)
 
     @property

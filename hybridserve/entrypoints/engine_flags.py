@@ -92,6 +92,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     par.add_argument("--distributed-executor-backend", default="mp", choices=DISTRIBUTED_BACKENDS,
                      help="how parallel workers start: mp, processes on this machine; ray, Ray actors, "
                           "which may span machines (pip install 'hybridserve[ray]') (default: mp)")
+    par.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                     help="engine-core replicas behind one server, each with its own KV pool and --num-threads "
+                          "(serve only; default: 1)")
 
 
 def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
@@ -108,6 +111,7 @@ def engine_config_from_args(a: argparse.Namespace) -> EngineConfig:
         kv_offload_memory=offload, seed=a.seed if a.seed is not None else 0, device=a.device, dtype=a.dtype,
         quantization=a.quantization, num_threads=a.num_threads, pipeline_parallel_size=a.pipeline_parallel_size,
         tensor_parallel_size=a.tensor_parallel_size, distributed_executor_backend=a.distributed_executor_backend,
+        data_parallel_size=a.data_parallel_size,
     )
 
 

@@ -1,15 +1,18 @@
 """Prometheus metrics of the server (GET /metrics), one registry per app.
 
 Engine-side numbers (running/waiting requests, KV usage per group, prefix-cache hit
-rate, preemptions, generated tokens, speculative-decoding acceptance) come from a snapshot the engine thread takes
-between steps (AsyncLLM.get_stats), rendered by a custom collector at scrape time, so
-they are always mutually consistent. Latencies are histograms observed when each
-choice finishes (AsyncLLM's on_request_finished hook, called on the engine thread;
+rate, preemptions, generated tokens, speculative-decoding acceptance) come from a snapshot each engine takes
+between steps (AsyncLLM.get_replica_stats), rendered by a custom collector at scrape time, so
+they are always mutually consistent. With data-parallel replicas every engine-side series
+carries a `replica` label (and hybridserve_requests_routed counts the requests routed to
+each); with one engine they carry none. Latencies are histograms observed when each
+choice finishes (AsyncLLM's on_request_finished hook, called on a replica thread;
 prometheus_client metrics are thread-safe).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -51,36 +54,64 @@ _SCALARS: tuple[tuple[type, str, str, str], ...] = (
 )
 
 
+@dataclass
+class ReplicaSnapshot:
+    """One engine replica at scrape time."""
+
+    stats: EngineStats | None  # None: dead or restarting
+    healthy: bool
+    restart_reasons: list[str] = field(default_factory=list)
+    num_routed: int = 0
+
+
 class _EngineCollector:
-    """Yields the engine snapshot set just before a scrape (None: the engine is dead)."""
+    """Yields the engine snapshots set just before a scrape."""
 
     def __init__(self) -> None:
-        self.stats: EngineStats | None = None
-        self.alive = True
-        self.restart_reasons: list[str] = []
+        self.replicas: list[ReplicaSnapshot] = []
 
     def collect(self) -> Iterator[Metric]:
-        yield GaugeMetricFamily("hybridserve_engine_healthy", "1 while the engine runs (0 dead or restarting)",
-                                value=int(self.alive))
-        restarts = CounterMetricFamily("hybridserve_engine_restarts", "Engine rebuilds after a failure, by the "
-                                       "failure's exception type", labels=["reason"])
-        by_type: dict[str, int] = {}
-        for reason in self.restart_reasons:
-            # The type alone: the message may hold internal detail and would grow the label set.
-            kind = reason.split(":", 1)[0]
-            by_type[kind] = by_type.get(kind, 0) + 1
-        for kind, count in sorted(by_type.items()):
-            restarts.add_metric([kind], count)
+        replicated = len(self.replicas) > 1
+        key = ["replica"] if replicated else []
+
+        def family(kind: type, name: str, doc: str, labels: tuple[str, ...] = ()) -> Metric:
+            return kind(name, doc, labels=key + list(labels))
+
+        def labels(i: int, *rest: str) -> list[str]:
+            return ([str(i)] if replicated else []) + list(rest)
+
+        healthy = family(_GAUGE, "hybridserve_engine_healthy", "1 while the engine runs (0 dead or restarting)")
+        restarts = family(_COUNTER, "hybridserve_engine_restarts", "Engine rebuilds after a failure, by the "
+                          "failure's exception type", ("reason",))
+        for i, r in enumerate(self.replicas):
+            healthy.add_metric(labels(i), int(r.healthy))
+            by_type: dict[str, int] = {}
+            for reason in r.restart_reasons:
+                # The type alone: the message may hold internal detail and would grow the label set.
+                kind = reason.split(":", 1)[0]
+                by_type[kind] = by_type.get(kind, 0) + 1
+            for kind, count in sorted(by_type.items()):
+                restarts.add_metric(labels(i, kind), count)
+        yield healthy
         yield restarts
-        s = self.stats
-        if s is None:
+        if replicated:
+            routed = family(_COUNTER, "hybridserve_requests_routed", "Requests routed to each replica")
+            for i, r in enumerate(self.replicas):
+                routed.add_metric(labels(i), r.num_routed)
+            yield routed
+        live = [(i, r.stats) for i, r in enumerate(self.replicas) if r.stats is not None]
+        if not live:
             return
-        for family, name, doc, field in _SCALARS:
-            yield family(name, doc, value=getattr(s, field))
-        group = GaugeMetricFamily("hybridserve_kv_cache_group_usage_ratio",
-                                  "Fraction of KV blocks held by each KV cache group's tables", labels=["group", "kind"])
-        for i, (usage, kind) in enumerate(zip(s.group_kv_usage, s.group_labels)):
-            group.add_metric([str(i), kind], usage)
+        for kind, name, doc, field_name in _SCALARS:
+            metric = family(kind, name, doc)
+            for i, s in live:
+                metric.add_metric(labels(i), getattr(s, field_name))
+            yield metric
+        group = family(_GAUGE, "hybridserve_kv_cache_group_usage_ratio",
+                       "Fraction of KV blocks held by each KV cache group's tables", ("group", "kind"))
+        for i, s in live:
+            for g, (usage, kind) in enumerate(zip(s.group_kv_usage, s.group_labels)):
+                group.add_metric(labels(i, str(g), kind), usage)
         yield group
 
 
@@ -110,8 +141,7 @@ class ServerMetrics:
         self.prompt_tokens.inc(m.num_prompt_tokens)
         self.finished.labels(m.finish_reason).inc()
 
-    def render(self, stats: EngineStats | None, alive: bool, restart_reasons: list[str]) -> bytes:
-        """The exposition text with this engine snapshot (call from one thread at a time)."""
-        self.collector.stats, self.collector.alive = stats, alive
-        self.collector.restart_reasons = list(restart_reasons)
+    def render(self, replicas: list[ReplicaSnapshot]) -> bytes:
+        """The exposition text with these engine snapshots (call from one thread at a time)."""
+        self.collector.replicas = replicas
         return generate_latest(self.registry)

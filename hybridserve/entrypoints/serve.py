@@ -44,6 +44,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                    help="server log level (default: warning)")
     s.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False,
                    help="log one line per HTTP request (default: off)")
+    s.add_argument("--engine-core-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine (scheduler + executor) in its own process, one per --data-parallel-size "
+                        "replica, so HTTP and detokenizing do not share an interpreter with it (default: on; "
+                        "off: one engine on a thread of the server process)")
     g = p.add_argument_group("limits and security")
     g.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on the API routes (default: ${API_KEY_ENV}, else open)")
@@ -122,7 +126,7 @@ def _run(a: argparse.Namespace) -> int:
         from hybridserve.entrypoints.server import build_app
         from hybridserve.models.default_model import DEFAULT_MODEL_NAME
 
-        engine = AsyncLLM(config=config, max_restarts=limits.max_engine_restarts)
+        engine = AsyncLLM(config=config, max_restarts=limits.max_engine_restarts, core_process=a.engine_core_process)
         try:
             name = a.served_model_name or a.model or DEFAULT_MODEL_NAME
             app = build_app(engine, name, owns_engine=True, limits=limits)

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP server: a FastAPI app around one AsyncLLM.
+"""The OpenAI-compatible HTTP server: a FastAPI app around one AsyncLLM (whose engine
+replicas may run in their own core processes; the app does not depend on where).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (stream or not), GET /v1/models,
 GET /health, GET /metrics.
@@ -50,7 +51,7 @@ from hybridserve.engine.frontend import ContextLengthError, prepare_chat, prepar
 from hybridserve.engine.outputs import GenerationOutput, SamplingParams
 from hybridserve.entrypoints import openai_protocol as P
 from hybridserve.entrypoints.http_guard import HttpGuard
-from hybridserve.entrypoints.metrics import CONTENT_TYPE, ServerMetrics
+from hybridserve.entrypoints.metrics import CONTENT_TYPE, ReplicaSnapshot, ServerMetrics
 from hybridserve.entrypoints.server_limits import ServerLimits
 from hybridserve.entrypoints.tool_calls import ToolError, forced_call_schema, functions, parse_tool_calls
 
@@ -180,7 +181,7 @@ class OpenAIServer:
         if num_choices > cap:
             raise P.ApiError(f"n x the number of prompts is {num_choices}; this server allows at most {cap} "
                              "per request", param="n")
-        slots = self.engine.config.max_num_seqs
+        slots = self.engine.config.max_num_seqs * self.engine.config.data_parallel_size
         limit = self.limits.waiting_limit(slots)
         waiting_after = self.num_admitted + num_choices - slots
         # An idle server always takes one request, so no request is refused for its size alone.
@@ -508,9 +509,9 @@ class OpenAIServer:
         }]}
 
     async def render_metrics(self) -> Response:
-        engine = self.engine
-        stats = await engine.get_stats()
-        body = self.metrics.render(stats, engine.dead_error is None and not engine.restarting, engine.restart_reasons)
+        stats = await self.engine.get_replica_stats()
+        body = self.metrics.render([ReplicaSnapshot(s, r.serving, list(r.restart_reasons), r.num_routed)
+                                    for s, r in zip(stats, self.engine.replicas)])
         return Response(body, media_type=CONTENT_TYPE)
 
     def health(self) -> Response:

@@ -368,3 +368,25 @@ def test_requests_sharing_a_prefix_arriving_together(kind: str, async_scheduling
     eng = make_engine(kind, async_scheduling=async_scheduling, max_num_batched_tokens=200)
     got = run(eng, prompts)
     check(kind, prompts, got)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_paged_bamba_states_hit_the_periodic_checkpoints(async_scheduling: bool) -> None:
+    """Bamba's states are 3 pages (see test_configs_specs_and_groups). At max_model_len
+    2048 a max-length request has 128 attention blocks, so periodic checkpoints fit the
+    10% share every 4 blocks (sync: 3 page-group blocks in flight per period term, async
+    4; see checkpoint_interval_for). Chunks of 24 keep S32, S48, S80 where chunks start
+    or end, S64 only through the period, S96 in a decode: the second wave hits at 80,
+    64 and 96, starting from paged states, and every token is HF's."""
+    base = PROMPTS[3]
+    ex = TorchExecutor(model("bamba"), use_worker_thread=async_scheduling)
+    sc = SchedulerConfig(max_model_len=2048, async_scheduling=async_scheduling, max_num_batched_tokens=24)
+    eng = build_engine(sc, ex.kv_cache_config(BS, num_blocks=400), ex)
+    specs = [m.spec for m in eng.scheduler.kv.coordinator.managers if isinstance(m.spec, MambaSpec)]
+    assert len(specs) == 9 and {(s.num_pages, s.checkpoint_interval, s.sparse) for s in specs} == {(3, 4, True)}
+    first = run(eng, [base], tag="a", shutdown=False)
+    check("bamba", [base], first, tag="a")
+    second = [list(base), base[:70] + [9] * 20, base + first["a0"][0] + [5, 6, 7]]
+    got = run(eng, second, tag="b")
+    check("bamba", second, got, tag="b")
+    assert len(base) == 86 and [got[f"b{i}"][2] for i in range(3)] == [80, 64, 96]

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from hybridserve.config import EngineConfig, format_size, parse_size, resolve_engine_settings
+from hybridserve.core.connector.base import KVConnectorBase
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.kv.spec import FullAttentionSpec, SlidingWindowSpec, group_layers
 
@@ -121,3 +124,44 @@ def test_default_pool_fits_max_num_seqs_full_requests_within_one_gib() -> None:
     # Per request (as in the num_blocks test above, whatever the batch budget): 6 + 6 + 16.
     got = resolve_engine_settings(cfg, g, model_max_len=2048, window_tail=True).kv_cache_config.num_blocks
     assert got == 4 * 28 + 1
+
+
+class _NoConnector(KVConnectorBase):
+    """A KV connector that never moves anything: only its presence matters here."""
+
+    def get_num_new_matched_tokens(self, request, num_local_computed_tokens):  # type: ignore[no-untyped-def]
+        return 0, False
+
+    def update_state_after_alloc(self, request, block_ids, num_external_tokens):  # type: ignore[no-untyped-def]
+        pass
+
+    def build_connector_meta(self, scheduler_output):  # type: ignore[no-untyped-def]
+        return None
+
+    def request_finished(self, request, block_ids):  # type: ignore[no-untyped-def]
+        return False, None
+
+
+@pytest.mark.parametrize(("async_scheduling", "offload", "need"), [
+    # Bamba-9B at 8192 tokens, 8192 per step: 512 attention blocks; 330 Mamba page groups
+    # (10 groups x 33 pages), each holding the running state + one tail per step in
+    # flight (+ the last whole checkpoint with a KV connector); no period fits the 10%.
+    (False, False, 1 + 512 + 330 * 2),
+    (True, False, 1 + 512 + 330 * 3),
+    (True, True, 1 + 512 + 330 * 4),
+])
+def test_startup_sizing_and_admission_agree_for_paged_mamba_states(async_scheduling, offload, need) -> None:
+    from hybridserve.core.sched.scheduler import Scheduler
+    from hybridserve.executor.sim.presets import get_layout
+
+    g = group_layers(get_layout("bamba-9b-like").layer_specs(16, "bfloat16"))
+    kw = dict(max_model_len=8192, max_num_batched_tokens=8192, async_scheduling=async_scheduling,
+              kv_offload_memory="1GiB" if offload else 0)
+    with pytest.raises(ConfigError, match=f"the smallest num_blocks that works is {need}"):
+        resolve_engine_settings(EngineConfig(num_blocks=need - 1, **kw), g, model_max_len=65536, window_tail=False)
+    ok = resolve_engine_settings(EngineConfig(num_blocks=need, **kw), g, model_max_len=65536, window_tail=False)
+    # The scheduler's KV manager (admission) takes exactly that pool, one block less not.
+    Scheduler(ok.scheduler_config, ok.kv_cache_config, connector=None if not offload else _NoConnector())
+    with pytest.raises(ConfigError, match=f"need at least {need}"):
+        Scheduler(ok.scheduler_config, replace(ok.kv_cache_config, num_blocks=need - 1),
+                  connector=None if not offload else _NoConnector())

@@ -21,6 +21,7 @@ from hybridserve.core.kv.spec import (
     KVCacheSpec,
     MambaSpec,
     SlidingWindowSpec,
+    WindowTail,
 )
 
 RID = "r"
@@ -258,3 +259,50 @@ def test_get_num_blocks_to_allocate_counts_free_hits() -> None:
     assert m.num_null_blocks[RID] == 2
     assert len(m.allocate_new_blocks(RID, 12)) == 2
     assert [b.is_null for b in m.req_to_blocks[RID]] == [True, True, False, False, False, False]
+
+
+def sparse_mamba(interval: int, drafts: int = 0, keep: bool = True) -> MambaSpec:
+    return MambaSpec(16, shapes=((3, 4),), block_checkpoints=True, num_pages=2, in_flight=WindowTail(2, drafts),
+                     checkpoint_interval=interval, keep_last_checkpoint=keep)
+
+
+@pytest.mark.parametrize(("interval", "drafts", "nulls"), [
+    (4, 0, [0, 1, 2, 4, 5]),  # the period keeps block 3 (S64), the tail block 6 (S100 running)
+    (0, 0, [0, 1, 2, 3, 4, 5]),  # no period: the tail only
+    (0, 8, [0, 1, 2, 3, 4]),  # tail = slots 99 - 16 .. 99: blocks 5, 6
+    (1, 0, []),  # interval 1: every block, the dense layout
+])
+def test_sparse_mamba_checkpoints_are_real_only_on_the_period_and_in_the_tail(interval, drafts, nulls) -> None:
+    m = manager_for(sparse_mamba(interval, drafts))
+    assert m.get_num_blocks_to_allocate(RID, 100, []) == 7 - len(nulls)
+    m.allocate_new_blocks(RID, 100)
+    assert null_positions(m) == nulls and m.num_real_blocks[RID] == 7 - len(nulls)
+
+
+def test_sparse_mamba_reads_after_a_load_from_its_own_real_block() -> None:
+    """A chunk starting at 96 (after a KV-connector load): block 5 (S96) is what it reads."""
+    m = manager_for(sparse_mamba(0))
+    m.allocate_new_blocks(RID, 140, chunk_start=96)
+    assert null_positions(m) == [0, 1, 2, 3, 4, 6, 7] and m.num_real_blocks[RID] == 2  # blocks 5 and 8
+
+
+@pytest.mark.parametrize(("processed", "keep", "freed"), [(100, True, [0, 1, 2, 3, 4]), (100, False, [0, 1, 2, 3, 4, 5])])
+def test_sparse_mamba_without_a_connector_holds_only_the_running_state(processed, keep, freed) -> None:
+    # Interval 2: blocks 1, 3, 5 on the period, 6 the tail. Processed 100: the running
+    # state is in block 6; the last whole checkpoint (S96) in block 5.
+    m = manager_for(sparse_mamba(2, keep=keep))
+    m.allocate_new_blocks(RID, 112)
+    m.remove_skipped_blocks(RID, processed)
+    assert [i for i in range(7) if m.req_to_blocks[RID][i].is_null] == freed
+
+
+def test_sparse_mamba_admission_cap() -> None:
+    # B = 1024 in flight, bs 16, k = 2 steps, d drafts, interval K:
+    #   dense = touch(1024) + 1 = 1 + cdiv(1023, 16) + 1 = 66
+    #   sparse = (1 + keep) + k * touch(1 + 2d) + cdiv(touch(1024 + d), K)
+    assert sparse_mamba(4).max_admission_blocks_per_request(1024, 8192) == 2 + 2 * 1 + 17  # touch(1024) = 65
+    assert sparse_mamba(4, keep=False).max_admission_blocks_per_request(1024, 8192) == 1 + 2 * 1 + 17
+    assert sparse_mamba(0).max_admission_blocks_per_request(1024, 8192) == 2 + 2 * 1
+    assert sparse_mamba(0, drafts=8).max_admission_blocks_per_request(1024, 8192) == 2 + 2 * 2  # touch(17) = 2
+    assert sparse_mamba(1).max_admission_blocks_per_request(1024, 8192) == 66  # dense
+    assert sparse_mamba(4).max_admission_blocks_per_request(64, 8192) == 6  # dense is smaller: touch(64) + 1

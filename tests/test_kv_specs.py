@@ -7,6 +7,8 @@ formula (or to who calls it) fails a test with a concrete expected value.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from hybridserve.core.errors import ConfigError
@@ -18,9 +20,11 @@ from hybridserve.core.kv.spec import (
     KVCacheSpec,
     MambaSpec,
     SlidingWindowSpec,
+    WindowTail,
     blocks_per_request,
     bytes_per_block,
     group_layers,
+    with_mamba_checkpoints,
 )
 
 BS = 16
@@ -210,3 +214,58 @@ def test_a_chunk_that_blocks_do_not_divide_names_the_block_size_that_does(chunk:
     with pytest.raises(ConfigError, match=rf"use --block-size {fits} \(block_size={fits}\)"):
         ChunkedLocalAttentionSpec(32, 1, 8, attention_chunk_size=chunk)
     assert ChunkedLocalAttentionSpec(fits, 1, 8, attention_chunk_size=chunk).attention_chunk_size == chunk
+
+
+# -- Mamba hybrids: paged states, sparse checkpoints (numbers derived by hand) ----------------
+def test_bamba_9b_state_is_33_attention_pages() -> None:
+    """Bamba-9B (config.json): conv state (8192 + 2*1*128) x (4-1) = 25,344 elements, SSM
+    state 128 x 64 x 128 = 1,048,576; bf16: 2,147,840 bytes. An attention page of 16
+    tokens: 2 * 16 * 8 * 128 * 2 = 65,536 bytes. 2,147,840 / 65,536 = 32.8 -> 33 pages of
+    cdiv(1,073,920, 33) = 32,544 elements (65,088 bytes, 0.7% padding). 3 attention layers
+    -> groups of 3 layers: 1 attention group, 29 Mamba layers in 10 groups (the last of 2),
+    each as 33 page groups; a block is 3 pages: 196,608 bytes (it was 3 x 2,147,840)."""
+    from hybridserve.executor.sim.presets import get_layout
+
+    specs = get_layout("bamba-9b-like").layer_specs(16, "bfloat16")
+    assert sorted(i for i, name in enumerate(specs) if name.endswith(".attn")) == [9, 18, 27]
+    groups = group_layers(specs)
+    mamba = [g for g in groups if isinstance(g.spec, MambaSpec)]
+    assert len(groups) == 1 + 10 * 33 and len(mamba) == 330
+    s = mamba[0].spec
+    assert (s.state_size_bytes, s.num_pages, s.page_elems, s.page_size_bytes) == (2_147_840, 33, 32_544, 65_088)
+    assert sorted(len(g.layer_names) for g in mamba)[:33] == [2] * 33
+    assert bytes_per_block(groups) == 196_608
+
+
+def test_jamba_like_state_is_5_attention_pages() -> None:
+    """Jamba-like: conv 8192 x 3 = 24,576 + SSM 128 x 64 x 16 = 131,072 elements, bf16:
+    311,296 bytes = 4.75 pages of 65,536 -> 5 pages of 31,130 elements. 4 attention layers:
+    28 Mamba layers in 7 groups of 4, 35 page groups; a block is 4 pages, 262,144 bytes."""
+    from hybridserve.executor.sim.presets import get_layout
+
+    groups = group_layers(get_layout("jamba-like").layer_specs(16, "bfloat16"))
+    s = groups[0].spec
+    assert isinstance(s, MambaSpec) and (s.state_size_bytes, s.num_pages, s.page_elems) == (311_296, 5, 31_130)
+    assert len(groups) == 36 and bytes_per_block(groups) == 262_144
+
+
+def test_a_state_that_fits_a_page_is_not_cut() -> None:
+    groups = group_layers({"a": FullAttentionSpec(16, 1, 8), "m": MambaSpec(16, shapes=((4, 4),))})
+    assert [g.spec.num_pages for g in groups if isinstance(g.spec, MambaSpec)] == [1]
+
+
+def test_the_checkpoint_period_is_the_densest_within_the_share() -> None:
+    """Full attention (64 blocks at 1024 tokens) + a 2-page Mamba state, B = 256 tokens in
+    flight, 1 step, no drafts, no connector. Mamba cap per page group: dense
+    touch(256) + 1 = 18; sparse 1 + 1 + cdiv(touch(256) = 17, K). Without a period
+    64 + 2 * 2 = 68 blocks, so the budget is 74.8: K=1 -> 64 + 2*18 = 100, K=2 -> 64 + 2*11
+    = 86, K=4 -> 64 + 2*7 = 78, K=8 -> 64 + 2*5 = 74: K = 8."""
+    mamba = MambaSpec(16, shapes=((40, 40),))
+    groups = (KVCacheGroup(FullAttentionSpec(16, 1, 8), ("a",)),
+              KVCacheGroup(replace(mamba, num_pages=2, page_index=0), ("m",)),
+              KVCacheGroup(replace(mamba, num_pages=2, page_index=1), ("m",)))
+    out = with_mamba_checkpoints(groups, WindowTail(1, 0), 256, 1024, keep_last_checkpoint=False)
+    assert [g.spec.checkpoint_interval for g in out[1:]] == [8, 8]
+    assert blocks_per_request(out, 256, 1024) == 74
+    # Without the in-flight limits (or with a state that fits a page): a checkpoint per block.
+    assert [g.spec.checkpoint_interval for g in with_mamba_checkpoints(groups)[1:]] == [1, 1]

@@ -59,9 +59,15 @@ def test_configs_specs_and_groups() -> None:
     assert specs["layers.0"].page_size_bytes == (192 * 3 + 8 * 16 * 16) * 4
     assert specs["layers.1"] == FullAttentionSpec(BS, 2, 16, "float32")
     kvc = build_kv_cache_config(bamba, BS, num_blocks=40)
-    # 3 Mamba layers + 1 attention layer -> groups of 1 layer: 3 Mamba groups + 1 attention.
-    assert sorted(type(g.spec).__name__ for g in kvc.groups) == ["FullAttentionSpec"] + ["MambaSpec"] * 3
-    assert kvc.bytes_per_block == (192 * 3 + 8 * 16 * 16) * 4
+    # 3 Mamba layers + 1 attention layer -> groups of 1 layer. The attention page is
+    # 2 (K, V) * 16 tokens * 2 heads * 16 dims * 4 bytes = 4096 bytes; a state, 2624
+    # elements = 10496 bytes, is cut into cdiv(10496, 4096) = 3 pages of cdiv(2624, 3) =
+    # 875 elements (3500 bytes): 3 Mamba groups * 3 page groups + 1 attention group.
+    assert sorted(type(g.spec).__name__ for g in kvc.groups) == ["FullAttentionSpec"] + ["MambaSpec"] * 9
+    mamba = [g.spec for g in kvc.groups if isinstance(g.spec, MambaSpec)]
+    assert {(s.num_pages, s.page_elems, s.page_size_bytes) for s in mamba} == {(3, 875, 3500)}
+    assert sorted(s.page_index for s in mamba) == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert kvc.bytes_per_block == 4096
 
 
 @pytest.mark.parametrize("change,needle", [
@@ -86,7 +92,7 @@ class HandRun:
 
     def __init__(self, kind: str, prompt: list[int], checkpoints: bool = False) -> None:
         self.model = model(kind)
-        kvc = build_kv_cache_config(self.model.cfg, BS, num_blocks=64)
+        kvc = build_kv_cache_config(self.model.cfg, BS, num_blocks=256)  # Bamba: 10 groups (3 pages a state)
         if checkpoints:  # positional Mamba tables, as with prefix caching
             kvc = replace(kvc, groups=with_mamba_checkpoints(kvc.groups))
         self.runner = ModelRunner(self.model, kvc, torch.device("cpu"))
@@ -135,11 +141,10 @@ def _states(runner: ModelRunner, col: int = 0) -> list[torch.Tensor]:
     """Every Mamba layer's conv and SSM state of the single request, in table column col."""
     assert runner.mamba is not None
     out = []
-    for i, entry in enumerate(runner.mamba.states):
-        if entry is not None:
-            g, views = entry
-            block = int(runner.tables.table[g, runner.states["r"].row, col])
-            out += [v[block].clone() for v in views]
+    for pages in runner.mamba.states:
+        if pages is not None:
+            ids = [[int(runner.tables.table[g, runner.states["r"].row, col]) for g in pages.page_groups]]
+            out += [part[0] for part in pages.read(torch.tensor(ids))]
     return out
 
 
@@ -300,10 +305,12 @@ def test_chunked_prefill_across_ssd_chunk_and_block_boundaries(kind: str) -> Non
 @pytest.mark.parametrize("prefix_caching", [False, True], ids=["recompute", "cached"])
 def test_preemption_resumes_from_zero_or_a_checkpoint(async_scheduling: bool, prefix_caching: bool) -> None:
     # Bamba's attention group grows with the sequence; a small pool forces preemptions.
-    # Without prefix caching (3 of 14 blocks are each request's Mamba states) a resumed
-    # request restarts at 0; with it (a state checkpoint per block, so a bigger pool) it
-    # resumes from its own last cached checkpoint, if not evicted meanwhile.
-    eng = make_engine("bamba", async_scheduling=async_scheduling, num_blocks=32 if prefix_caching else 14,
+    # Without prefix caching (9 of 26 blocks are each request's Mamba states: 3 layers of
+    # 3 pages) a resumed request restarts at 0; with it (a state per step in flight, so a
+    # bigger pool: at least 29 blocks sync, 38 async) it resumes from its own last cached
+    # checkpoint, if not evicted meanwhile.
+    num_blocks = (40 if async_scheduling else 32) if prefix_caching else 26
+    eng = make_engine("bamba", async_scheduling=async_scheduling, num_blocks=num_blocks,
                       max_num_batched_tokens=32, prefix_caching=prefix_caching)
     got = run(eng, PROMPTS)
     assert eng.scheduler.stats.num_preemptions > 0
@@ -361,3 +368,25 @@ def test_requests_sharing_a_prefix_arriving_together(kind: str, async_scheduling
     eng = make_engine(kind, async_scheduling=async_scheduling, max_num_batched_tokens=200)
     got = run(eng, prompts)
     check(kind, prompts, got)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_paged_bamba_states_hit_the_periodic_checkpoints(async_scheduling: bool) -> None:
+    """Bamba's states are 3 pages (see test_configs_specs_and_groups). At max_model_len
+    2048 a max-length request has 128 attention blocks, so periodic checkpoints fit the
+    10% share every 4 blocks (sync: 3 page-group blocks in flight per period term, async
+    4; see checkpoint_interval_for). Chunks of 24 keep S32, S48, S80 where chunks start
+    or end, S64 only through the period, S96 in a decode: the second wave hits at 80,
+    64 and 96, starting from paged states, and every token is HF's."""
+    base = PROMPTS[3]
+    ex = TorchExecutor(model("bamba"), use_worker_thread=async_scheduling)
+    sc = SchedulerConfig(max_model_len=2048, async_scheduling=async_scheduling, max_num_batched_tokens=24)
+    eng = build_engine(sc, ex.kv_cache_config(BS, num_blocks=400), ex)
+    specs = [m.spec for m in eng.scheduler.kv.coordinator.managers if isinstance(m.spec, MambaSpec)]
+    assert len(specs) == 9 and {(s.num_pages, s.checkpoint_interval, s.sparse) for s in specs} == {(3, 4, True)}
+    first = run(eng, [base], tag="a", shutdown=False)
+    check("bamba", [base], first, tag="a")
+    second = [list(base), base[:70] + [9] * 20, base + first["a0"][0] + [5, 6, 7]]
+    got = run(eng, second, tag="b")
+    check("bamba", second, got, tag="b")
+    assert len(base) == 86 and [got[f"b{i}"][2] for i in range(3)] == [80, 64, 96]

@@ -151,3 +151,56 @@ def test_a_request_waiting_for_its_load_holds_no_more_than_the_caps(failure_rate
                                   num_blocks=24, budget=16)
     check(run, reqs, 256)
     assert run.connector.num_loaded_blocks + run.connector.num_failed_blocks > 0
+
+
+# -- a state cut into pages (MambaSpec.num_pages): sparse checkpoints ------------------------
+PAGED = [MambaSpec(BS, shapes=((4, 4),), num_pages=3, page_index=k) for k in range(3)]
+
+
+def _mamba_managers(run) -> list:
+    return [m for m in run.scheduler.kv.coordinator.managers if isinstance(m.spec, MambaSpec)]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_paged_states_hit_at_a_kept_checkpoint(async_scheduling):
+    """Three page groups decide alike; interior boundaries off the period are null, so a
+    later request sharing the 100-token prefix starts from the last kept checkpoint at or
+    below it, which every page group holds (the coordinator demands all of them)."""
+    reqs = shared_prefix_requests()
+    # max_model_len 256: a checkpoint per block in flight would add more than 10% to a
+    # max-length request (16 attention blocks), so the period is sparser (0: none).
+    run = run_sim([FULL] + PAGED, reqs, 400, max_model_len=256, max_num_batched_tokens=40,
+                  async_scheduling=async_scheduling)
+    check(run, reqs, 256)
+    specs = [m.spec for m in _mamba_managers(run)]
+    assert all(s.sparse for s in specs) and len({s.checkpoint_interval for s in specs}) == 1
+    interval = specs[0].checkpoint_interval
+    # Request r0 runs chunks 0..39, 40..79, 80..119, 120..129. Kept: S48 (the first
+    # boundary after 40 lands in the block chunk 40..79 reads), S80 (a chunk's final
+    # state, on a boundary) and the period's boundaries; S64, S96, S112 are not.
+    kept = {48, 80} | ({b for b in range(16, 97, 16) if (b // 16) % interval == 0} if interval else set())
+    assert run.scheduler.kv.prefix_cache_stats.hits == 2 * max(b for b in kept if b <= 96)
+
+
+@pytest.mark.parametrize("acceptance_rate", [0.3, 0.9])
+def test_paged_spec_decode_rollback_keeps_outputs_right(acceptance_rate):
+    first = [(0, make_request(f"a{i}", [(i * 31 + j) % 800 + 3 for j in range(40)], 60)) for i in range(2)]
+    base = run_sim([FULL] + PAGED, first, 600, max_model_len=MML, num_speculative_tokens=3,
+                   acceptance_rate=acceptance_rate)
+    check(base, first)
+    again = [(0, make_request(f"a{i}", [(i * 31 + j) % 800 + 3 for j in range(40)], 60)) for i in range(2)]
+    follow = [(120, make_request(f"b{i}", r.prompt_token_ids + base.outputs[r.request_id] + [9] * 5, 10))
+              for i, (_, r) in enumerate(again)]
+    run = run_sim([FULL] + PAGED, again + follow, 600, max_model_len=MML, num_speculative_tokens=3,
+                  acceptance_rate=acceptance_rate, concurrent_batches=3)
+    check(run, again + follow)
+    # Decoding keeps every boundary (each decode's block is its chunk's tail): the turn
+    # hits the last whole block of its first 100 known tokens.
+    assert run.scheduler.kv.prefix_cache_stats.hits >= 2 * 96
+
+
+@pytest.mark.parametrize("failure_rate", [0.0, 0.5])
+def test_paged_connector_loads_the_last_checkpoint_of_a_finished_turn(failure_rate):
+    run, reqs = _offload_workload([FULL] + PAGED, failure_rate=failure_rate, num_blocks=120)
+    check(run, reqs, 256)
+    assert run.connector.num_loaded_blocks + run.connector.num_failed_blocks > 0

@@ -33,7 +33,7 @@ def layouts(draw):
     kinds = draw(
         st.sampled_from(
             [("full",), ("full", "sliding"), ("sliding",), ("chunked",), ("full", "chunked"), ("full", "mamba"),
-             ("sliding", "mamba"), ("full", "sliding", "chunked")]
+             ("sliding", "mamba"), ("full", "sliding", "chunked"), ("full", "paged"), ("sliding", "paged")]
         )
     )
     specs = []
@@ -44,8 +44,12 @@ def layouts(draw):
             specs.append(SlidingWindowSpec(bs, 1, 8, sliding_window=draw(st.sampled_from([5, 8, 16, 33]))))
         elif k == "chunked":
             specs.append(ChunkedLocalAttentionSpec(bs, 1, 8, attention_chunk_size=bs * draw(st.integers(1, 4))))
-        else:
+        elif k == "mamba":
             specs.append(MambaSpec(bs, shapes=((4, 4),), num_speculative_blocks=spec_tokens))
+        else:  # a state cut into pages, each its own group: sparse checkpoints with prefix caching
+            pages = draw(st.integers(2, 3))
+            specs += [MambaSpec(bs, shapes=((4, 4),), num_speculative_blocks=spec_tokens, num_pages=pages,
+                                page_index=i) for i in range(pages)]
     return specs, spec_tokens
 
 
@@ -83,8 +87,8 @@ def workloads(draw):
     sc = SchedulerConfig(max_num_batched_tokens=budget, max_model_len=MML, async_scheduling=async_sched,
                          max_concurrent_batches=batches, num_speculative_tokens=spec_tokens)
     groups = tuple(KVCacheGroup(s, (f"l{i}",)) for i, s in enumerate(specs))
-    if cfg["enable_prefix_caching"]:  # Mamba groups then keep a state checkpoint per block
-        groups = with_mamba_checkpoints(groups)
+    if cfg["enable_prefix_caching"]:  # Mamba groups then keep state checkpoints, as the scheduler sizes them
+        groups = with_mamba_checkpoints(groups, sc.window_tail, sc.max_in_flight_tokens, MML, cfg["connector"])
     tail = sc.window_tail if cfg["window_tail_allocation"] else None
     min_blocks = KVCacheConfig(1, groups).min_num_blocks(sc.max_in_flight_tokens, MML, tail)
     num_blocks = min_blocks + draw(st.integers(0, 60))

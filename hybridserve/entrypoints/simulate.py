@@ -50,7 +50,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     hw.add_argument("--gpu", default="H100", help="H100, H200, A100-80GB or L40S (default: %(default)s)")
     hw.add_argument("--model-layout", default="gemma3-27b-like",
                     help="gemma3-27b-like, gpt-oss-120b-like, llama4-scout-like, jamba-like (its weights need "
-                         "--gpu H200 or --pipeline-parallel-size 2), llama3-8b-like (default: %(default)s)")
+                         "--gpu H200 or --pipeline-parallel-size 2), bamba-9b-like, llama3-8b-like "
+                         "(default: %(default)s)")
     hw.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     hw.add_argument("--num-blocks", type=int, default=None, help="override the KV pool size (blocks, null block included)")
     hw.add_argument("--gpu-memory-utilization", type=float, default=0.9,

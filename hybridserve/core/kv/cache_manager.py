@@ -67,9 +67,17 @@ class KVCacheManager:
         enable_caching: bool = True,
         unsafe_optimistic_free: bool = False,
         window_tail: WindowTail | None = None,
+        in_flight: WindowTail | None = None,
+        keep_last_checkpoint: bool = True,
     ) -> None:
-        if enable_caching:  # Mamba groups then keep a state per block, so prefixes can hit
-            kv_cache_config = replace(kv_cache_config, groups=with_mamba_checkpoints(kv_cache_config.groups))
+        """in_flight: the scheduler's steps and drafts in flight (SchedulerConfig.window_tail,
+        whether or not window-tail allocation is on); with it paged Mamba states keep
+        sparse checkpoints, and the last whole one only if keep_last_checkpoint (a KV
+        connector is attached)."""
+        if enable_caching:  # Mamba groups then keep state checkpoints, so prefixes can hit
+            groups = with_mamba_checkpoints(kv_cache_config.groups, in_flight, max_in_flight_tokens, max_model_len,
+                                            keep_last_checkpoint)
+            kv_cache_config = replace(kv_cache_config, groups=groups)
         need = kv_cache_config.min_num_blocks(max_in_flight_tokens, max_model_len, window_tail)
         if kv_cache_config.num_blocks < need:
             raise ConfigError(

@@ -65,7 +65,7 @@ class SingleTypeKVCacheManager:
         num_new = self.num_required_blocks(num_tokens) - (len(blocks) if blocks else 0) - len(new_computed_blocks)
         if num_new < 0:
             num_new = 0
-        elif num_new and (self.window_tail is not None or not blocks):
+        elif num_new and (self.has_holes or not blocks):
             first = (len(blocks) if blocks else 0) + len(new_computed_blocks)
             num_new = sum(1 for i in range(first, first + num_new) if self.is_real(i, chunk_start, num_tokens))
         if new_computed_blocks:
@@ -91,7 +91,7 @@ class SingleTypeKVCacheManager:
         if n <= 0:
             return []
         first = len(blocks)
-        if self.window_tail is None and first > self.first_real_block(chunk_start):
+        if not self.has_holes and first > self.first_real_block(chunk_start):
             new = self.pool.get_new_blocks(n)
             num_real = n
         else:
@@ -110,6 +110,11 @@ class SingleTypeKVCacheManager:
 
     # Window-tail allocation: set by the KV cache manager for sliding-window groups.
     window_tail: WindowTail | None = None
+
+    @property
+    def has_holes(self) -> bool:
+        """Can a chunk's new blocks include nulls above the skip boundary (see is_real)?"""
+        return self.window_tail is not None
 
     def first_real_block(self, chunk_start: int) -> int:
         """Blocks below this one are skipped when a chunk starts at chunk_start: a request's
@@ -323,8 +328,27 @@ class MambaManager(SingleTypeKVCacheManager):
         super().__init__(spec, block_pool, group_id, enable_caching)
         self.checkpoints = self.spec.block_checkpoints
 
+    @property
+    def has_holes(self) -> bool:
+        return self.spec.sparse
+
+    def is_real(self, index: int, chunk_start: int, chunk_end: int) -> bool:
+        """Sparse checkpoints: real only where the chunk reads its state (new after a load
+        from a KV connector), in its tail or on the period (MambaSpec); a null interior
+        boundary's state is simply not kept."""
+        if index < self.first_real_block(chunk_start):
+            return False
+        spec = self.spec
+        if not spec.sparse or index == (chunk_start - 1) // self.block_size:
+            return True
+        return spec.is_checkpoint_block(index) or index >= spec.tail_start(chunk_end) // self.block_size
+
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
-        if not self.checkpoints or num_computed_tokens < 2 * self.block_size:
+        if not self.checkpoints:
+            return 0
+        if self.spec.sparse and not self.spec.keep_last_checkpoint:  # only the running state
+            return max(0, (num_computed_tokens - 1) // self.block_size * self.block_size)
+        if num_computed_tokens < 2 * self.block_size:
             return 0
         return (num_computed_tokens // self.block_size - 1) * self.block_size
 

@@ -199,26 +199,81 @@ class MambaSpec(KVCacheSpec):
       A step over s..e-1 reads block (s-1)//bs, writes the state at every boundary it
       crosses into that boundary's block and its final state into block (e-1)//bs.
       Older blocks are freed (they stay cached until evicted).
+
+    Pages (`num_pages` > 1): a state bigger than the pool's page is cut into num_pages
+    slices of its flattened elements; slice k lives in its own KV cache group (same
+    layers, `page_index` k), so a state costs num_pages small blocks and every group of
+    the pool keeps one page size. The page groups make identical decisions, and a prefix
+    hit needs every slice (the coordinator already requires every group to agree).
+
+    Sparse checkpoints (`in_flight` set, see `with_mamba_checkpoints`): a chunk's new
+    blocks are real only where a state lands that a later step reads (the tail of the
+    chunk where its final state, or a verify step's accepted state, can end) or on the
+    checkpoint period (`checkpoint_interval` blocks; 0: none); the other interior
+    boundaries of a chunk get the null block and their states are not kept.
     """
 
     shapes: tuple[tuple[int, ...], ...] = ()
     dtype: str = "float32"
     num_speculative_blocks: int = 0
     block_checkpoints: bool = False
+    num_pages: int = 1
+    page_index: int = 0
+    # Sparse checkpoints: the in-flight limits (steps, drafts) the caps are proven for,
+    # and the period of the checkpoints kept inside chunks (1: every block, 0: none).
+    in_flight: WindowTail | None = None
+    checkpoint_interval: int = 1
+    # Sparse only: hold the last whole-block checkpoint below the running state (what a KV
+    # connector stores at a request's finish); without a connector it is only cached.
+    keep_last_checkpoint: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.num_speculative_blocks < 0:
             raise ConfigError(f"num_speculative_blocks must be >= 0, got {self.num_speculative_blocks}")
+        if not 0 <= self.page_index < self.num_pages:
+            raise ConfigError(f"page_index must be in [0, num_pages={self.num_pages}), got {self.page_index}")
+        if self.checkpoint_interval < 0:
+            raise ConfigError(f"checkpoint_interval must be >= 0, got {self.checkpoint_interval}")
         dtype_size(self.dtype)
 
     @property
+    def state_elems(self) -> int:
+        """Elements of one layer's whole state (conv + SSM), all pages together."""
+        return sum(prod(s) for s in self.shapes)
+
+    @property
+    def page_elems(self) -> int:
+        """Elements of one page: the state cut into num_pages equal slices (the last padded)."""
+        return cdiv(self.state_elems, self.num_pages)
+
+    @property
+    def state_size_bytes(self) -> int:
+        return self.state_elems * dtype_size(self.dtype)
+
+    @property
     def page_size_bytes(self) -> int:
-        return sum(prod(s) for s in self.shapes) * dtype_size(self.dtype)
+        return self.page_elems * dtype_size(self.dtype)
 
     @property
     def num_state_blocks(self) -> int:
         return 1 + self.num_speculative_blocks
+
+    @property
+    def sparse(self) -> bool:
+        return self.block_checkpoints and self.in_flight is not None and self.checkpoint_interval != 1
+
+    def is_checkpoint_block(self, index: int) -> bool:
+        """Does block `index` keep its boundary state even inside a chunk (the period)?"""
+        k = self.checkpoint_interval
+        return k == 1 or (k > 1 and (index + 1) % k == 0)
+
+    def tail_start(self, chunk_end: int) -> int:
+        """First slot of a chunk ending at chunk_end (lookahead included) whose block a
+        state can land in: its final state, or after rejected drafts a verify step's
+        accepted one (see max_admission_blocks_per_request)."""
+        d = self.in_flight.max_draft_tokens if self.in_flight is not None else 0
+        return chunk_end - 1 - 2 * d
 
     def max_admission_blocks_per_request(
         self, max_in_flight_tokens: int, max_model_len: int, window_tail: WindowTail | None = None
@@ -226,10 +281,29 @@ class MambaSpec(KVCacheSpec):
         """State blocks, or with checkpoints: the last whole-block checkpoint, then a
         block per boundary in flight. After pruning on the processed count P a request
         holds blocks P//bs - 1 .. (e-1)//bs with e - P <= B = max_in_flight_tokens:
-        at most cdiv(B - 1, bs) + 2 = touch(B) + 1, and never more than max_model_len needs."""
+        at most cdiv(B - 1, bs) + 2 = touch(B) + 1, and never more than max_model_len needs.
+
+        Sparse (k = in_flight.max_in_flight_steps, d = in_flight.max_draft_tokens, K the
+        interval): besides the running block (P-1)//bs and, with keep_last_checkpoint,
+        the kept checkpoint P//bs - 1,
+        the real blocks above P are each in-flight chunk's tail (the blocks of its last
+        1 + 2d slots: d lookahead slots past the chunk's end and up to d rejected drafts
+        before it, where its final or accepted state can land; at most k chunks) and the
+        period's blocks among the touch(B + d) blocks in flight::
+
+            cap = min(dense, 1 + keep + k * touch(1 + 2d) + cdiv(touch(B + d), K))   (K = 0: no period term)
+        """
         if not self.block_checkpoints:
             return self.num_state_blocks
-        return min(blocks_touched(max_in_flight_tokens, self.block_size) + 1, cdiv(max_model_len, self.block_size))
+        bs = self.block_size
+        dense = min(blocks_touched(max_in_flight_tokens, bs) + 1, cdiv(max_model_len, bs))
+        if not self.sparse:
+            return dense
+        assert self.in_flight is not None
+        k, d = self.in_flight.max_in_flight_steps, self.in_flight.max_draft_tokens
+        period = cdiv(blocks_touched(max_in_flight_tokens + d, bs), self.checkpoint_interval) if self.checkpoint_interval else 0
+        held = 1 + int(self.keep_last_checkpoint)
+        return min(dense, held + k * blocks_touched(1 + 2 * d, bs) + period)
 
 
 @dataclass(frozen=True)
@@ -274,13 +348,67 @@ class KVCacheConfig:
         return (self.num_blocks - 1) / need
 
 
-def with_mamba_checkpoints(groups: tuple[KVCacheGroup, ...]) -> tuple[KVCacheGroup, ...]:
-    """The groups with every Mamba group keeping a state checkpoint per block: what
-    prefix caching needs to serve a Mamba model a hit (see MambaSpec)."""
-    return tuple(
+# Periodic Mamba checkpoints may add at most this share to the blocks a max_model_len
+# request needs (see checkpoint_interval_for): the memory budget that sets their period.
+CHECKPOINT_SHARE = 0.1
+
+
+def with_mamba_checkpoints(
+    groups: tuple[KVCacheGroup, ...],
+    in_flight: WindowTail | None = None,
+    max_in_flight_tokens: int = 0,
+    max_model_len: int = 0,
+    keep_last_checkpoint: bool = True,
+) -> tuple[KVCacheGroup, ...]:
+    """The groups with every Mamba group keeping state checkpoints: what prefix caching
+    needs to serve a Mamba model a hit (see MambaSpec).
+
+    Without `in_flight` (the scheduler's steps and drafts in flight) every block keeps
+    one. With it, and states cut into pages (bigger than an attention page, see
+    group_layers), checkpoints are sparse: the period comes from `checkpoint_interval_for`,
+    so a request never reserves a state per block boundary it has in flight, and holds
+    its last whole-block checkpoint only if `keep_last_checkpoint` (a KV connector stores
+    it at the request's finish). A state that fits one page costs a block no more than
+    attention does: it keeps them all."""
+    dense = tuple(
         KVCacheGroup(replace(g.spec, block_checkpoints=True), g.layer_names) if isinstance(g.spec, MambaSpec) else g
         for g in groups
     )
+    if in_flight is None or not any(isinstance(g.spec, MambaSpec) and g.spec.num_pages > 1 for g in groups):
+        return dense
+    dense = tuple(
+        KVCacheGroup(replace(g.spec, keep_last_checkpoint=keep_last_checkpoint), g.layer_names)
+        if isinstance(g.spec, MambaSpec) else g
+        for g in dense
+    )
+    interval = checkpoint_interval_for(dense, in_flight, max_in_flight_tokens, max_model_len)
+    return _with_interval(dense, in_flight, interval)
+
+
+def _with_interval(groups: tuple[KVCacheGroup, ...], in_flight: WindowTail, interval: int) -> tuple[KVCacheGroup, ...]:
+    return tuple(
+        KVCacheGroup(replace(g.spec, in_flight=in_flight, checkpoint_interval=interval), g.layer_names)
+        if isinstance(g.spec, MambaSpec) else g
+        for g in groups
+    )
+
+
+def checkpoint_interval_for(
+    groups: tuple[KVCacheGroup, ...], in_flight: WindowTail, max_in_flight_tokens: int, max_model_len: int
+) -> int:
+    """The densest checkpoint period (1, 2, 4, .. blocks) whose in-flight checkpoints add
+    at most CHECKPOINT_SHARE to the blocks of a max_model_len request without them; 0
+    (no periodic checkpoints, only the chunk tails) when none does."""
+    def need(interval: int) -> int:
+        return blocks_per_request(_with_interval(groups, in_flight, interval), max_in_flight_tokens, max_model_len)
+
+    budget = (1 + CHECKPOINT_SHARE) * need(0)
+    interval, most = 1, cdiv(max_model_len, groups[0].spec.block_size)
+    while interval <= most:
+        if need(interval) <= budget:
+            return interval
+        interval *= 2
+    return 0
 
 
 def bytes_per_block(groups: tuple[KVCacheGroup, ...] | list[KVCacheGroup]) -> int:
@@ -306,6 +434,10 @@ def group_layers(layer_specs: dict[str, KVCacheSpec]) -> tuple[KVCacheGroup, ...
     g pages. A 5:1 sliding/global model of 18 layers becomes 1 full + 5 sliding groups of
     3 layers; 52 sliding + 10 full layers become 6 sliding groups (the last of 2 layers)
     and 1 full group of 10, so a block costs 10 pages, not 52.
+
+    A Mamba state bigger than the largest attention page is cut into that many pages
+    (MambaSpec.num_pages), each slice its own group: the pool's page is the attention
+    page, not the state (a Bamba-9B state is 33 pages of 16 tokens of KV).
     """
     if not layer_specs:
         raise ConfigError("a model needs at least one KV cache layer")
@@ -316,8 +448,14 @@ def group_layers(layer_specs: dict[str, KVCacheSpec]) -> tuple[KVCacheGroup, ...
     for name, spec in layer_specs.items():
         by_spec.setdefault(spec, []).append(name)
     size = min(len(v) for v in by_spec.values())
+    attention_pages = [s.page_size_bytes for s in by_spec if not isinstance(s, MambaSpec)]
+    page = max(attention_pages, default=0)
     groups: list[KVCacheGroup] = []
     for spec, names in by_spec.items():
+        pages = [spec]
+        if isinstance(spec, MambaSpec) and attention_pages and spec.state_size_bytes > page:
+            n = cdiv(spec.state_size_bytes, page)
+            pages = [replace(spec, num_pages=n, page_index=k) for k in range(n)]
         for i in range(0, len(names), size):
-            groups.append(KVCacheGroup(spec, tuple(names[i : i + size])))
+            groups.extend(KVCacheGroup(p, tuple(names[i : i + size])) for p in pages)
     return tuple(groups)

@@ -60,6 +60,8 @@ class Scheduler:
             enable_caching=config.enable_prefix_caching,
             unsafe_optimistic_free=unsafe_optimistic_free,
             window_tail=config.window_tail if use_tail else None,
+            in_flight=config.window_tail,
+            keep_last_checkpoint=connector is not None,
         )
         self.stats = SchedulerStats()
         self.connector = connector

@@ -108,7 +108,12 @@ class SimExecutor(Executor):
             else:
                 self.group_kinds.append(("full", 0))
         codes = {"full": _FULL, "sliding": _SLIDING, "chunked": _CHUNKED, "mamba": _MAMBA}
-        self._groups = tuple((g, codes[kind], size) for g, (kind, size) in enumerate(self.group_kinds))
+        # A Mamba state's pages 1.. (MambaSpec.num_pages) mirror page 0's tables: the shadow
+        # follows page 0 only, so a paged state costs the detector one group, not num_pages.
+        mirrors = {g for g, grp in enumerate(kv_cache_config.groups)
+                   if isinstance(grp.spec, MambaSpec) and grp.spec.page_index > 0}
+        self._groups = tuple((g, codes[kind], size) for g, (kind, size) in enumerate(self.group_kinds)
+                             if g not in mirrors)
         if self.detector:
             self.shadow = ShadowKV(kv_cache_config.num_blocks, self.block_size, len(self.group_kinds), self.strict)
         if self.connector is not None:
@@ -361,7 +366,7 @@ class SimExecutor(Executor):
         """Positional states (MambaSpec.block_checkpoints): read the state after s tokens
         from block (s-1)//bs; write the chunk's final state to block (end-1)//bs as the
         mixer does, then, as the runner's commit does, the state at every boundary
-        crossed by the valid tokens and the state after the last valid one. A rejected
+        crossed by the valid tokens whose block is real and the state after the last valid one. A rejected
         draft thus leaves a garbage state only in a block past the valid end."""
         bs = self.block_size
         end = s + len(writes)
@@ -375,7 +380,8 @@ class SimExecutor(Executor):
         state_writes.append((table[last], writes[-1], rid))
         valid_end = s + num_valid
         for b in range((s // bs + 1) * bs, valid_end, bs):  # boundaries strictly inside
-            state_writes.append((table[b // bs - 1], writes[b - s - 1], rid))
+            if table[b // bs - 1] != NULL:  # sparse checkpoints keep only some (MambaSpec)
+                state_writes.append((table[b // bs - 1], writes[b - s - 1], rid))
         state_writes.append((table[(valid_end - 1) // bs], writes[num_valid - 1], rid))
         touches.add(g, row, first, last - first + 1, s, -1, rid, _NO_FPS)
 

@@ -59,10 +59,13 @@ class MambaShape:
     nheads: int
     head_dim: int
     d_state: int
+    # Channels the conv runs over: d_inner for Mamba-1, d_inner + 2 * n_groups * d_state
+    # for Mamba-2 (x, B and C). 0: d_inner.
+    conv_dim: int = 0
 
     @property
     def conv_state_shape(self) -> tuple[int, int]:
-        return (self.d_inner, self.d_conv - 1)
+        return (self.conv_dim or self.d_inner, self.d_conv - 1)
 
     @property
     def ssm_state_shape(self) -> tuple[int, int, int]:
@@ -187,6 +190,11 @@ def _parse_layout(name: str, raw: dict[str, Any]) -> ModelLayout:
     if not pattern or any(k not in LAYER_KINDS for k in pattern):
         raise ConfigError(f"presets: {where} layer_pattern must use {LAYER_KINDS}")
     kinds = tuple(pattern[i % len(pattern)] for i in range(num_layers))
+    # Full-attention layers at listed indices (a layout that repeats no pattern, e.g. Bamba's).
+    attention_layers = [int(i) for i in raw.get("attention_layers", ())]
+    if any(not 0 <= i < num_layers for i in attention_layers):
+        raise ConfigError(f"presets: {where} attention_layers must be in [0, {num_layers})")
+    kinds = tuple("full" if i in attention_layers else k for i, k in enumerate(kinds))
     mamba = MambaShape(**raw["mamba"]) if "mamba" in raw else None
     if "mamba" in kinds and mamba is None:
         raise ConfigError(f"presets: {where} has mamba layers but no 'mamba' shapes")

@@ -12,10 +12,17 @@ identical runs record identical samples.
 
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
-from hybridserve.core.kv.spec import ChunkedLocalAttentionSpec, KVCacheConfig, KVCacheGroup, MambaSpec, SlidingWindowSpec
+from hybridserve.core.kv.spec import (
+    ChunkedLocalAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroup,
+    MambaSpec,
+    SlidingWindowSpec,
+    blocks_per_request,
+)
 from hybridserve.core.request import Request
 from hybridserve.core.sched.output import RequestOutput
 from hybridserve.core.sched.scheduler import Scheduler
@@ -35,7 +42,7 @@ def group_label(index: int, group: KVCacheGroup) -> str:
     elif isinstance(spec, ChunkedLocalAttentionSpec):
         kind = f"chunked C={spec.attention_chunk_size}"
     elif isinstance(spec, MambaSpec):
-        kind = "mamba"
+        kind = f"mamba, {spec.num_pages} pages a state" if spec.num_pages > 1 else "mamba"
     else:
         kind = "full"
     return f"g{index} {kind} ({len(group.layer_names)} layers)"
@@ -62,6 +69,25 @@ def group_usage(scheduler: Scheduler) -> list[float]:
         held.discard(kv.pool.null_block)
         usage.append(len(held) / total)
     return usage
+
+
+def _is_page(group: KVCacheGroup) -> bool:
+    """A Mamba state's page 1.. (MambaSpec.num_pages): reported with its page 0."""
+    return isinstance(group.spec, MambaSpec) and group.spec.page_index > 0
+
+
+def merge_state_pages(series: TimeSeries, kv_config: KVCacheConfig) -> TimeSeries:
+    """The series with each paged Mamba state's page groups summed into one (they follow
+    page 0 in the group list), so a report lists states, not hundreds of pages."""
+    if not any(_is_page(g) for g in kv_config.groups):
+        return series
+    merged: list[list[float]] = []
+    for grp, usage in zip(kv_config.groups, series.kv_usage):
+        if _is_page(grp):
+            merged[-1] = [a + b for a, b in zip(merged[-1], usage)]
+        else:
+            merged.append(list(usage))
+    return replace(series, kv_usage=merged)
 
 
 def time_weighted_mean(times: list[float], values: list[float]) -> float:
@@ -147,7 +173,11 @@ class RunRecorder:
                 tpot.append((self.finish[k] - self.first_token[k]) / (num_out[k] - 1))
         out_tokens = sum(num_out)
         span = sim_time if sim_time > 0 else float("nan")
-        s, stats = self.series, scheduler.stats
+        s, stats = merge_state_pages(self.series, kv_config), scheduler.stats
+        kv, sc = scheduler.kv, scheduler.config
+        # What admission reserves for one max_model_len request (the groups as the KV
+        # manager sized them: Mamba checkpoints included), per token of it.
+        per_request = blocks_per_request(kv.config.groups, sc.max_in_flight_tokens, sc.max_model_len, kv.window_tail)
         return SimReport(
             label=label,
             config=config,
@@ -168,7 +198,9 @@ class RunRecorder:
             max_running=max(s.running, default=0),
             num_preemptions=stats.num_preemptions,
             num_blocks=kv_config.num_blocks,
-            kv_groups=[group_label(g, grp) for g, grp in enumerate(kv_config.groups)],
+            kv_bytes_per_token=kv.config.bytes_per_block * per_request / sc.max_model_len,
+            max_len_requests=(kv_config.num_blocks - 1) / per_request,
+            kv_groups=[group_label(g, grp) for g, grp in enumerate(kv_config.groups) if not _is_page(grp)],
             kv_peak_usage=[max(u, default=0.0) for u in s.kv_usage],
             kv_mean_usage=[time_weighted_mean(s.kv_time, u) for u in s.kv_usage],
             pool_peak_usage=max((sum(col) for col in zip(*s.kv_usage)), default=0.0),

@@ -63,6 +63,10 @@ class SimReport:
     max_running: int
     num_preemptions: int
     num_blocks: int
+    # KV bytes admission reserves for one max_model_len request, per token of it, and how
+    # many such requests the pool admits at once (the admission caps, checkpoints included).
+    kv_bytes_per_token: float
+    max_len_requests: float
     kv_groups: list[str]
     kv_peak_usage: list[float]
     kv_mean_usage: list[float]
@@ -111,6 +115,8 @@ def summary_rows(r: SimReport) -> list[tuple[str, str, float | None]]:
         ("running mean / max", f"{r.mean_running:.1f} / {r.max_running}", r.mean_running),
         ("preemptions", f"{r.num_preemptions:,}", float(r.num_preemptions)),
         ("KV pool blocks", f"{r.num_blocks:,}", float(r.num_blocks)),
+        ("KV bytes / token (max-length request)", f"{r.kv_bytes_per_token:,.0f}", r.kv_bytes_per_token),
+        ("max-length requests that fit", f"{r.max_len_requests:,.1f}", r.max_len_requests),
         ("KV pool used peak / mean", f"{r.pool_peak_usage:.1%} / {r.pool_mean_usage:.1%}", r.pool_peak_usage),
     ]
     # Each group's part of the used blocks (time-weighted means), so the groups add up to

@@ -8,8 +8,8 @@ a time, so groups never overwrite each other. An attention layer views its buffe
 
 so one token slot holds its K and V side by side: a step writes all its slots with one
 index_copy_ and gathers whole blocks with one index_select per layer. A Mamba layer
-(MambaSpec) views the same row as its state shapes, back to back: a state block holds
-one request's conv state and SSM state.
+(MambaSpec) keeps one request's conv state and SSM state, flattened back to back, in
+the rows of its slot buffer: one block of each of its page groups (MambaPages).
 
 Block 0 is the null block: it is zero-filled here and never written by the runner, so
 a masked read of it is always finite.
@@ -72,10 +72,40 @@ def _zeros(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> to
     return raw.view(dtype).view(rows, cols)
 
 
+class MambaPages:
+    """One Mamba layer's state in the pool: its elements (conv state, then SSM state,
+    flattened) cut into `num_pages` slices, slice k in the block of page group k (see
+    MambaSpec), all in the layer's slot buffer. Reads and writes take ids [R, num_pages]."""
+
+    def __init__(self, buffer: torch.Tensor, spec: MambaSpec, page_groups: tuple[int, ...]) -> None:
+        self.page_groups = page_groups
+        self.page_elems = spec.page_elems
+        self.shapes = spec.shapes
+        self.sizes = [prod(s) for s in spec.shapes]
+        # A page may be narrower than the slot buffer's row (a larger page elsewhere).
+        self.pages = buffer if buffer.shape[1] == self.page_elems else buffer[:, : self.page_elems]
+
+    def read(self, ids: torch.Tensor) -> list[torch.Tensor]:
+        """Each state part, [R, *shape], gathered from the pages of ids [R, num_pages]."""
+        rows = ids.shape[0]
+        flat = self.pages.index_select(0, ids.reshape(-1)).view(rows, -1)
+        parts = flat[:, : sum(self.sizes)].split(self.sizes, dim=1)
+        return [part.reshape(rows, *shape).contiguous() for part, shape in zip(parts, self.shapes)]
+
+    def write(self, ids: torch.Tensor, *parts: torch.Tensor) -> None:
+        """Store each request's state parts (as read returns them) into its pages."""
+        rows = ids.shape[0]
+        flat = torch.cat([p.reshape(rows, -1) for p in parts], dim=1)
+        pad = ids.shape[1] * self.page_elems - flat.shape[1]
+        if pad:
+            flat = torch.nn.functional.pad(flat, (0, pad))
+        self.pages.index_copy_(0, ids.reshape(-1), flat.reshape(-1, self.page_elems))
+
+
 class PagedKVCache:
     """Slot buffers plus, per layer name, its group index and its view: attention layers
-    [nb, bs, 2, kvh, d] in `layer_view`; Mamba layers one view per state shape, each
-    [nb, *shape], in `state_views` (a block id holds one request's states)."""
+    [nb, bs, 2, kvh, d] in `layer_view`; Mamba layers their MambaPages in `state_pages`
+    (a state spans one block of each of the layer's page groups)."""
 
     def __init__(self, config: KVCacheConfig, device: torch.device) -> None:
         dtype = TORCH_DTYPES[_check_specs(config)]
@@ -88,20 +118,21 @@ class PagedKVCache:
         self.buffers = [_zeros(config.num_blocks, page_elems, dtype, device) for _ in range(num_slots)]
         self.layer_group: dict[str, int] = {}
         self.layer_view: dict[str, torch.Tensor] = {}
-        self.state_views: dict[str, tuple[torch.Tensor, ...]] = {}
+        self.state_pages: dict[str, MambaPages] = {}
+        page_groups: dict[tuple[str, ...], list[int]] = {}  # a Mamba group's layers -> its page groups
+        for gi, group in enumerate(config.groups):
+            if isinstance(group.spec, MambaSpec):
+                page_groups.setdefault(group.layer_names, []).append(gi)
         for gi, group in enumerate(config.groups):
             spec = group.spec
             for j, name in enumerate(group.layer_names):
-                self.layer_group[name] = gi
                 if isinstance(spec, MambaSpec):
-                    views, at = [], 0
-                    for shape in spec.shapes:
-                        n = prod(shape)
-                        views.append(self.buffers[j][:, at : at + n].view(config.num_blocks, *shape))
-                        at += n
-                    self.state_views[name] = tuple(views)
+                    if spec.page_index == 0:
+                        self.layer_group[name] = gi
+                        self.state_pages[name] = MambaPages(self.buffers[j], spec, tuple(page_groups[group.layer_names]))
                     continue
                 assert isinstance(spec, AttentionSpec)
+                self.layer_group[name] = gi
                 # Attention pages all have one size, so without Mamba groups the view is
                 # contiguous and flattens to token slots; a larger Mamba page leaves gaps
                 # between blocks (StepAttention then writes by (block, offset)).

@@ -1,7 +1,8 @@
 """The runner's side of Mamba layers: each request's states in its Mamba group's blocks.
 
-A layer of a Mamba group reads and writes its views of a block (PagedKVCache.state_views);
-where a request's state lives depends on the group's layout (MambaSpec):
+A Mamba layer reads and writes its state through MambaPages (PagedKVCache.state_pages):
+one block of each of its page groups, at the same table column; where a request's
+state lives depends on the layout (MambaSpec):
 
     one state block (no prefix caching): column 0, read and written in place
     block checkpoints (prefix caching):  positional, the state after n tokens in block (n-1)//bs
@@ -10,6 +11,7 @@ where a request's state lives depends on the group's layout (MambaSpec):
       read   block (s-1)//bs = 2            -> conv [conv_dim, K-1], SSM [H, P, N]  (zeros if s == 0)
       mixer  advances both past the chunk, keeping the states at boundaries 48 and 64
       write  S48 -> block 2, S64 -> block 3, S72 -> block (e-1)//bs = 4
+             (sparse checkpoints: block 3 may be the null block; S64 is then not kept)
 
 Why the states are always right:
 - steps run in dispatch order, one at a time, so a request's chunk s.. reads exactly
@@ -33,7 +35,7 @@ import torch
 from hybridserve.core.errors import RequestError
 from hybridserve.core.kv.spec import AttentionSpec, KVCacheConfig, MambaSpec
 from hybridserve.executor.torch.attention import StepAttention
-from hybridserve.executor.torch.kv_cache import PagedKVCache
+from hybridserve.executor.torch.kv_cache import MambaPages, PagedKVCache
 from hybridserve.executor.torch.requests import BlockTables
 from hybridserve.models.kv_specs import layer_index
 from hybridserve.models.mamba2 import BoundaryStates, TokenStates
@@ -52,7 +54,7 @@ class GroupSubset:
 
 
 class MambaLayout:
-    """Built once per runner: which layers are Mamba, their group and state views, and
+    """Built once per runner: which layers are Mamba, their page groups and pages, and
     the attention layers renumbered onto the attention-only groups."""
 
     def __init__(self, config: KVCacheConfig, kv: PagedKVCache, num_layers: int) -> None:
@@ -65,14 +67,14 @@ class MambaLayout:
             raise ValueError("Mamba groups of one model must share one state layout")
         self.checkpoints: bool = layouts.pop()
         self.block_size = config.block_size
-        # Per model layer: (group, views) for Mamba layers, None otherwise.
-        self.states: list[tuple[int, tuple[torch.Tensor, ...]] | None] = [None] * num_layers
+        # Per model layer: the MambaPages of a Mamba layer, None otherwise.
+        self.states: list[MambaPages | None] = [None] * num_layers
         # StepAttention's layer list over the attention-only group numbering.
         self.attn_layers: list[tuple[int, torch.Tensor]] = [(-1, torch.empty(0))] * num_layers
         for name, g in kv.layer_group.items():
             i = layer_index(name)
-            if name in kv.state_views:
-                self.states[i] = (g, kv.state_views[name])
+            if name in kv.state_pages:
+                self.states[i] = kv.state_pages[name]
             else:
                 self.attn_layers[i] = (local[g], kv.layer_view[name])
 
@@ -80,6 +82,11 @@ class MambaLayout:
         if num_computed and not self.checkpoints:
             raise RequestError(f"request {req_id} starts at token {num_computed}, but a Mamba model without "
                                "prefix caching keeps no state mid-sequence")
+
+
+def _page_ids(per_group: dict[int, torch.Tensor], groups: tuple[int, ...]) -> torch.Tensor:
+    """[N, num_pages]: each row's block in every page group of a layer."""
+    return torch.stack([per_group[g] for g in groups], dim=1)
 
 
 @dataclass
@@ -96,9 +103,11 @@ class StepMambaStates:
     verify: list[int] = field(default_factory=list)
     token_states: dict[int, TokenStates] = field(default_factory=dict)
     # Block checkpoints: the token counts after which each crossing chunk keeps its state,
-    # and per group the blocks those states go to, in (request, count) order.
+    # and per group the blocks those states go to, in (request, count) order; `kept`
+    # selects the states whose block is real (sparse checkpoints null the others).
     checkpoints: dict[int, list[int]] = field(default_factory=dict)
     checkpoint_ids: dict[int, torch.Tensor] = field(default_factory=dict)
+    kept: torch.Tensor | None = None
     # Per group, the block the state after each token of a verify chunk belongs in.
     verify_dest: dict[int, list[np.ndarray]] = field(default_factory=dict)
     starts: list[int] = field(default_factory=list)
@@ -121,6 +130,7 @@ class StepMambaStates:
                 if js:
                     checkpoints[r] = js
         read_ids, write_ids, checkpoint_ids, verify_dest = {}, {}, {}, {}
+        kept = None
         for g in layout.mamba_groups:
             if np.any(tables.lengths[g, rows] <= write_col):
                 raise RuntimeError("a scheduled request lacks a Mamba state block (scheduler and runner out of sync)")
@@ -131,20 +141,25 @@ class StepMambaStates:
             read_ids[g], write_ids[g] = torch.from_numpy(read).to(device), torch.from_numpy(write).to(device)
             if checkpoints:
                 cols = [(rows[r], (starts[r] + j) // bs - 1) for r, js in checkpoints.items() for j in js]
-                checkpoint_ids[g] = torch.tensor([table[row, col] for row, col in cols], device=device)
+                ids = np.array([table[row, col] for row, col in cols], dtype=np.int64)
+                if kept is None:  # every page group nulls the same blocks
+                    kept = torch.from_numpy(ids != 0).to(device)
+                checkpoint_ids[g] = torch.from_numpy(ids).to(device)[kept]
             if verify and layout.checkpoints:
                 verify_dest[g] = [table[rows[r], (starts[r] + np.arange(counts[r])) // bs] for r in verify]
         fresh = starts == 0
         return cls(layout, counts, read_ids, write_ids, torch.from_numpy(fresh).to(device) if fresh.any() else None,
-                   verify, checkpoints=checkpoints, checkpoint_ids=checkpoint_ids, verify_dest=verify_dest,
-                   starts=starts.tolist())
+                   verify, checkpoints=checkpoints, checkpoint_ids=checkpoint_ids, kept=kept,
+                   verify_dest=verify_dest, starts=starts.tolist())
+
+    def _pages(self, layer_idx: int) -> MambaPages:
+        pages = self.layout.states[layer_idx]
+        assert pages is not None, f"layer {layer_idx} is not a Mamba layer"
+        return pages
 
     def read(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        entry = self.layout.states[layer_idx]
-        assert entry is not None, f"layer {layer_idx} is not a Mamba layer"
-        g, (conv_view, ssm_view) = entry
-        ids = self.read_ids[g]
-        conv, ssm = conv_view.index_select(0, ids), ssm_view.index_select(0, ids)
+        pages = self._pages(layer_idx)
+        conv, ssm = pages.read(_page_ids(self.read_ids, pages.page_groups))
         if self.fresh is not None:
             conv[self.fresh] = 0
             ssm[self.fresh] = 0
@@ -152,18 +167,18 @@ class StepMambaStates:
 
     def write(self, layer_idx: int, conv: torch.Tensor, ssm: torch.Tensor,
               token_states: TokenStates | None = None, boundary_states: BoundaryStates | None = None) -> None:
-        entry = self.layout.states[layer_idx]
-        assert entry is not None
-        g, (conv_view, ssm_view) = entry
-        ids = self.write_ids[g]
-        conv_view.index_copy_(0, ids, conv)
-        ssm_view.index_copy_(0, ids, ssm)
+        pages = self._pages(layer_idx)
+        pages.write(_page_ids(self.write_ids, pages.page_groups), conv, ssm)
         if token_states is not None:
             self.token_states[layer_idx] = token_states
         if self.checkpoints:
             assert boundary_states is not None and boundary_states.keys() == self.checkpoints.keys()
-            conv_view.index_copy_(0, self.checkpoint_ids[g], torch.cat([boundary_states[r][0] for r in self.checkpoints]))
-            ssm_view.index_copy_(0, self.checkpoint_ids[g], torch.cat([boundary_states[r][1] for r in self.checkpoints]))
+            assert self.kept is not None
+            if not bool(self.kept.any()):
+                return
+            conv_at = torch.cat([boundary_states[r][0] for r in self.checkpoints])[self.kept]
+            ssm_at = torch.cat([boundary_states[r][1] for r in self.checkpoints])[self.kept]
+            pages.write(_page_ids(self.checkpoint_ids, pages.page_groups), conv_at, ssm_at)
 
     def commit(self, num_valid: list[int]) -> None:
         """After verification: verify request `self.verify[v]` keeps its first
@@ -178,23 +193,23 @@ class StepMambaStates:
                 raise ValueError(f"request {r}: {num_valid[v]} valid tokens of a chunk of {self.counts[r]}")
         bs = self.layout.block_size
         for layer_idx, ts in self.token_states.items():
-            entry = self.layout.states[layer_idx]
-            assert entry is not None
-            g, (conv_view, ssm_view) = entry
-            picks: list[tuple[int, int, int]] = []  # (verify index, token index j, block id)
+            pages = self._pages(layer_idx)
+            picks: list[tuple[int, int, list[int]]] = []  # (verify index, token index j, block per page group)
             for v, r in enumerate(ts.reqs):
                 n = num_valid[v]
                 if self.layout.checkpoints:
-                    s, dest = self.starts[r], self.verify_dest[g][v]
-                    picks += [(v, j, int(dest[j])) for j in range(n) if (s + j + 1) % bs == 0 or j == n - 1]
+                    s, head = self.starts[r], self.verify_dest[pages.page_groups[0]][v]
+                    # Boundary states go where the block is real (sparse checkpoints null some).
+                    picks += [(v, j, [int(self.verify_dest[g][v][j]) for g in pages.page_groups])
+                              for j in range(n) if j == n - 1 or ((s + j + 1) % bs == 0 and head[j])]
                 elif n < self.counts[r]:
-                    picks.append((v, n - 1, int(self.write_ids[g][r])))
+                    picks.append((v, n - 1, [int(self.write_ids[g][r]) for g in pages.page_groups]))
             if not picks:
                 continue
             dev = ts.conv.device
-            v_idx, j_idx, ids = (torch.tensor(col, device=dev) for col in zip(*picks))
-            conv_view.index_copy_(0, ids, ts.conv[v_idx, j_idx])
-            ssm_view.index_copy_(0, ids, ts.ssm[v_idx, j_idx])
+            v_idx = torch.tensor([p[0] for p in picks], device=dev)
+            j_idx = torch.tensor([p[1] for p in picks], device=dev)
+            pages.write(torch.tensor([p[2] for p in picks], device=dev), ts.conv[v_idx, j_idx], ts.ssm[v_idx, j_idx])
 
 
 @dataclass

@@ -84,7 +84,7 @@ class ModelRunner:
         if self.kv.buffers[0].dtype != model.dtype:
             raise ConfigError(f"KV cache dtype {self.kv.buffers[0].dtype} differs from the model's {model.dtype}")
         # Mamba layers (Mamba2, Bamba): their state blocks, and attention over its own groups.
-        self.mamba = MambaLayout(kv_cache_config, self.kv, model.cfg.num_layers) if self.kv.state_views else None
+        self.mamba = MambaLayout(kv_cache_config, self.kv, model.cfg.num_layers) if self.kv.state_pages else None
         if self.mamba is not None:
             self.layers = self.mamba.attn_layers
             attn_groups = [kv_cache_config.groups[g] for g in self.mamba.attn_groups]

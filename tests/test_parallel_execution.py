@@ -132,7 +132,8 @@ def test_pipeline_parallel_2_matches_hf(kind: str, async_scheduling: bool) -> No
     hits = eng.scheduler.kv.prefix_cache_stats
     got = run(eng, prompts, check_in_flight=True)
     assert_matches_hf(kind, prompts, got)
-    assert hits.hits > 0  # the late prompts hit the cached shared prefix
+    if kind != "bamba":  # a Mamba group checkpoints only chunk tails and every K blocks: a hit is not sure
+        assert hits.hits > 0  # the late prompts hit the cached shared prefix
 
 
 @pytest.mark.parametrize("kind", ["mistral", "bamba"])

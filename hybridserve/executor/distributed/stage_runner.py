@@ -60,7 +60,9 @@ class PendingStep:
 def stage_kv_config(config: KVCacheConfig, layers: range, local_specs: dict[str, KVCacheSpec]) -> KVCacheConfig:
     """The pool as one worker holds it: every group (block ids and tables are shared
     across workers), only this stage's layers in each, and each page sized for this
-    tensor-parallel rank's heads (`local_specs`: the specs of the rank's local model)."""
+    tensor-parallel rank's heads (`local_specs`: the specs of the rank's local model). A
+    Mamba state cut into pages keeps the driver's page count and index, so its slices stay
+    the same groups; each slice is 1/num_pages of the rank's smaller state."""
     groups = []
     for g in config.groups:
         spec = g.spec

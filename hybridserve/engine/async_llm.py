@@ -171,6 +171,10 @@ class AsyncLLM:
                 raise RequestError(f"duplicate request id {rid!r}")
             serving = [r for r in self.replicas if r.serving]
             if not serving:
+                # A replica dies (under this lock) a moment before the front hears of it.
+                dead = [r.dead for r in self.replicas if r.dead is not None]
+                if len(dead) == len(self.replicas):
+                    raise EngineDeadError(str(dead[-1]))
                 raise EngineRestartingError("the engine is restarting after a failure; retry shortly")
             replica = self.router.choose(ids, serving)
             self._active[rid] = (replica, params.n)

@@ -60,7 +60,7 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
 def _fill(model: DecoderLM, cfg: ModelConfig, w: Weights) -> None:
     """HF tensors into `model` (its stage's layers, its rank's share); `cfg` the global config."""
     H, hd, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
-    nq, nkv = cfg.num_heads, cfg.num_kv_heads
+    nq = cfg.num_heads
     gemma = cfg.gemma_norm
     tp = model.tp or TPGroup()
     local = model.cfg

@@ -320,6 +320,10 @@ class KVCacheManager:
     def holds_blocks(self, request_id: str) -> bool:
         return request_id in self.coordinator.managers[0].req_to_blocks
 
+    @property
+    def num_requests_holding_blocks(self) -> int:
+        return len(self.coordinator.managers[0].req_to_blocks)
+
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         return self.coordinator.get_block_ids(request_id)
 

@@ -37,8 +37,15 @@ class Admission:
         skipped: list[Request] = []
         # Full-sequence admission reserves what admitted requests will still grow by.
         reserved = kv.outstanding_blocks(running) if cfg.full_sequence_must_fit and waiting else 0
+        # Once a request cannot get blocks, only waiting requests that already hold blocks
+        # (a finished or finishing connector load) may still go: waiting behind a request
+        # that needs those very blocks would stall the engine for good.
+        holders_only = False
         while len(waiting) and batch.budget > 0 and len(running) < cfg.max_num_seqs:
             req = waiting.peek()
+            if holders_only and not kv.holds_blocks(req.request_id):
+                skipped.append(waiting.pop())
+                continue
             if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 assert self.transfer is not None
                 if not self.transfer.load_done(req.request_id):
@@ -74,7 +81,12 @@ class Admission:
                 num_reserved_blocks=reserved,
             )
             if new_blocks is None:
-                break
+                # Scan on only while some request outside the running list holds blocks.
+                if holders_only or kv.num_requests_holding_blocks <= len(running):
+                    break
+                skipped.append(waiting.pop())
+                holders_only = True
+                continue
             if cfg.full_sequence_must_fit:
                 reserved += kv.outstanding_blocks([req])
             waiting.pop()

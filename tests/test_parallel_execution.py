@@ -318,3 +318,46 @@ def test_kv_offload_across_workers_loads_from_host_and_matches_hf(kind: str, pp:
     processed_end = (len(WAVE1[0]) + OFFLOAD_TOKENS - 1) // 16 * 16
     assert stats.num_offload_hit_tokens == processed_end - device_hits[0] + (PREFIX - device_hits[1])
     assert stats.num_failed_loads == 0
+
+
+_DRIVER = """
+import sys, time
+sys.path[:0] = {path!r}
+from hybridserve.executor.distributed.backends import make_distributed_executor
+from hybridserve.executor.distributed.layout import ParallelLayout
+if __name__ == "__main__":
+    ex = make_distributed_executor("mp", layout=ParallelLayout(2, 1), model_path={model!r}, num_threads=1)
+    print(" ".join(str(p.pid) for p in ex.procs), flush=True)
+    time.sleep(600)
+"""
+
+
+def test_workers_of_a_killed_driver_exit() -> None:
+    """A driver killed without a chance to stop its workers (SIGKILL): they notice within
+    seconds and exit, so no worker outlives the engine that started it."""
+    import subprocess
+    import sys
+
+    code = _DRIVER.format(path=sys.path, model=str(model_dir("mistral")))
+    driver = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in driver.stdout.readline().split()]  # type: ignore[union-attr]
+        assert len(pids) == 2
+        driver.kill()
+        driver.wait(10)
+
+        def alive(pid: int) -> bool:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return False
+            status = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+            return status != "Z"
+
+        deadline = time.monotonic() + 20
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(alive(p) for p in pids)
+    finally:
+        if driver.poll() is None:
+            driver.kill()

@@ -51,8 +51,16 @@ def _worker_main(spec: WorkerSpec, rank: int, inbox: Any, outbox: Any) -> None:
     try:
         worker = Worker(spec, rank)
         outbox.put(("ready", rank, None))
+        # The driver's process: a worker whose driver died (killed, so no "stop" came)
+        # exits instead of waiting on its inbox for ever.
+        driver = mp.parent_process()
         while True:
-            kind, payload = inbox.get()
+            try:
+                kind, payload = inbox.get(timeout=1.0)
+            except queue.Empty:
+                if driver is not None and not driver.is_alive():
+                    break
+                continue
             if kind == "stop":
                 break
             if kind == "init":

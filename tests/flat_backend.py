@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridserve.models.config import CHUNKED, ModelConfig
+from hybridserve.models.config import CHUNKED, SLIDING, ModelConfig
 
 
 class FlatMambaStates:
@@ -60,9 +60,8 @@ class FlatBackend:
     def _allowed(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         q, k = q[:, None], k[None, :]
         allowed = k <= q
-        window = self.cfg.layer_window(layer_idx)
-        if window is not None:
-            allowed &= q - k < window
+        if self.cfg.layer_types[layer_idx] == SLIDING:
+            allowed &= q - k < self.cfg.sliding_window
         if self.cfg.layer_types[layer_idx] == CHUNKED:
             size = self.cfg.attention_chunk_size
             assert size is not None

@@ -22,6 +22,8 @@ CPUINFO = Path("/proc/cpuinfo")
 OMP_WAIT_POLICY = "OMP_WAIT_POLICY"
 # Flags (as Linux spells them) of instructions that multiply bf16 in hardware.
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+# Flags of int8 dot-product instructions (u8 x s8 -> s32 without an int16 step that saturates).
+NATIVE_INT8_DOT_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
 
 
 def read_cpu_flags(cpuinfo: Path = CPUINFO) -> frozenset[str]:
@@ -40,6 +42,10 @@ def read_cpu_flags(cpuinfo: Path = CPUINFO) -> frozenset[str]:
 
 def has_native_bf16(flags: frozenset[str] | set[str]) -> bool:
     return not NATIVE_BF16_FLAGS.isdisjoint(flags)
+
+
+def has_int8_dot(flags: frozenset[str] | set[str]) -> bool:
+    return not NATIVE_INT8_DOT_FLAGS.isdisjoint(flags)
 
 
 def choose_dtype(requested: str, device_type: str, flags: frozenset[str] | set[str]) -> str:

@@ -8,9 +8,14 @@ README's performance section):
 - bfloat16 halves the bytes every decode step reads (weights and KV); with AVX512-BF16 or
   AMX-BF16 the dot products run natively, so bf16 is faster than float32. Without either,
   bf16 is converted in software and can be slower: float32 stays the default there.
-- Weight-only int8 (per output channel) is faster than bf16 only at a few rows per matmul:
-  PyTorch's CPU int8 kernel re-reads the weight per row, so at a decode batch of 16 it is
-  slower than oneDNN's bf16 GEMM. It is therefore not the automatic choice.
+- The output head dominates a large-vocabulary model, and at decode batches of 16-64 it is
+  compute-bound. With int8 dot products (VNNI / AMX-INT8) the int8 head multiplies int8
+  weights by per-row int8 activations (models/head.py), 4-6x faster than the bf16 GEMM
+  without AMX; so a bfloat16 model quantizes its head to int8 there (its accuracy against
+  float32 is bounded in tests/test_accuracy.py). A float32 model keeps its exact head: it
+  is the reference that equals HF token for token. Weight-only int8 (CPUs without int8 dot
+  products) re-reads the weight per row and is slower than bf16 from a batch of 16: not
+  chosen automatically.
 """
 
 from __future__ import annotations
@@ -56,10 +61,12 @@ def choose_dtype(requested: str, device_type: str, flags: frozenset[str] | set[s
     return "bfloat16" if device_type == "cpu" and has_native_bf16(flags) else "float32"
 
 
-def choose_quantization(requested: str) -> str:
-    """"auto" is no quantization (see the module docstring: int8/int4 win only at small
-    decode batches on the CPUs measured); "int8"/"int4" quantize the output head."""
-    return "none" if requested == "auto" else requested
+def choose_quantization(requested: str, dtype: str, device_type: str, flags: frozenset[str] | set[str]) -> str:
+    """"int8"/"int4" quantize the output head; "auto" is int8 for a bfloat16 model on a CPU
+    with int8 dot products, else none (see the module docstring)."""
+    if requested != "auto":
+        return requested
+    return "int8" if dtype == "bfloat16" and device_type == "cpu" and has_int8_dot(flags) else "none"
 
 
 def describe(dtype: str, quantization: str, flags: frozenset[str] | set[str]) -> str:

@@ -45,8 +45,14 @@ def test_explicit_dtype_and_other_devices() -> None:
 
 
 def test_quantization_choice() -> None:
-    assert choose_quantization("auto") == "none"
-    assert [choose_quantization(q) for q in ("none", "int8", "int4")] == ["none", "int8", "int4"]
+    vnni = frozenset({"avx512f", "avx512_bf16", "avx512_vnni"})
+    assert choose_quantization("auto", "bfloat16", "cpu", vnni) == "int8"
+    assert choose_quantization("auto", "bfloat16", "cpu", frozenset({"avx2", "avx_vnni"})) == "int8"
+    assert choose_quantization("auto", "bfloat16", "cpu", frozenset(EPYC_AVX2)) == "none"  # no int8 dot products
+    assert choose_quantization("auto", "float32", "cpu", vnni) == "none"  # the exact reference stays exact
+    assert choose_quantization("auto", "bfloat16", "cuda", vnni) == "none"
+    assert [choose_quantization(q, "bfloat16", "cpu", vnni) for q in ("none", "int8", "int4")] == \
+        ["none", "int8", "int4"]
 
 
 def test_describe_names_the_reason() -> None:

@@ -17,8 +17,10 @@ from hybridserve.models.head import (  # noqa: E402
     HEAD_CHUNK_ROWS,
     OutputHead,
     dequantize_int4_groups,
+    int8_activations_native,
     quantize_int4_groups,
     quantize_int8_rows,
+    quantize_rows_uint8,
 )
 from hybridserve.models.safetensors_map import MappedCheckpoint  # noqa: E402
 
@@ -32,6 +34,14 @@ def test_int8_rows_by_hand() -> None:
     assert values.dtype == torch.int8
     assert values.tolist() == [[127, -64, 0], [127, 50, -1]]
     assert scale.tolist() == pytest.approx([0.01, 0.02], rel=1e-6)
+
+
+def test_uint8_rows_by_hand() -> None:
+    x = torch.tensor([[1.27, -0.64, 0.0], [-2.54, 1.0, 0.02]])
+    values, scale = quantize_rows_uint8(x)
+    assert values.dtype == torch.uint8
+    assert values.tolist() == [[255, 64, 128], [1, 178, 129]]  # round(x / scale) + 128
+    assert scale.squeeze(1).tolist() == pytest.approx([0.01, 0.02], rel=1e-6)
 
 
 def test_int4_groups_by_hand() -> None:
@@ -71,13 +81,27 @@ def test_dense_head_equals_f_linear(weight: torch.Tensor, rows: int) -> None:
     torch.testing.assert_close(got, F.linear(x, weight), rtol=1e-5, atol=1e-5)
 
 
-def test_int8_head_equals_matmul_of_its_dequantized_weight(weight: torch.Tensor) -> None:
+def test_int8_weight_only_head_equals_matmul_of_its_dequantized_weight(weight: torch.Tensor, monkeypatch) -> None:
+    monkeypatch.setattr("hybridserve.models.head.int8_activations_native", lambda: False)
     x = _hidden(3)
     values, scale = quantize_int8_rows(weight)
     expected = F.linear(x.bfloat16().float(), values.float() * scale.bfloat16().float()[:, None])
     got = OutputHead(weight, "int8")(x)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-3)  # bf16 output rounding
+
+
+@pytest.mark.skipif(not int8_activations_native(), reason="no int8 dot products (VNNI / AMX-INT8) here")
+@pytest.mark.parametrize("rows", [1, 16, 64])
+def test_int8_head_with_int8_activations_equals_matmul_of_both_dequantized(weight: torch.Tensor, rows: int) -> None:
+    x = _hidden(rows) * torch.linspace(0.1, 10.0, rows)[:, None]  # rows of different ranges: scales per row
+    values, scale = quantize_int8_rows(weight)
+    x_values, x_scale = quantize_rows_uint8(x)
+    expected = F.linear((x_values.float() - 128) * x_scale, values.float() * scale[:, None])
+    got = OutputHead(weight, "int8")(x)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)  # exact int32 sums, float32 scaling
+    assert OutputHead(weight.bfloat16(), "int8")(x.bfloat16()).dtype == torch.bfloat16  # the model dtype
 
 
 def test_int4_head_equals_matmul_of_its_dequantized_weight(weight: torch.Tensor) -> None:
@@ -90,7 +114,12 @@ def test_int4_head_equals_matmul_of_its_dequantized_weight(weight: torch.Tensor)
 
 
 @pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
-def test_greedy_is_argmax_of_the_logits(weight: torch.Tensor, quantization: str) -> None:
+@pytest.mark.parametrize("int8_activations", [False, True])
+def test_greedy_is_argmax_of_the_logits(weight: torch.Tensor, quantization: str, int8_activations: bool,
+                                        monkeypatch) -> None:
+    if int8_activations and (quantization != "int8" or not int8_activations_native()):
+        pytest.skip("int8 activations: the int8 head on a CPU with int8 dot products only")
+    monkeypatch.setattr("hybridserve.models.head.int8_activations_native", lambda: int8_activations)
     head = OutputHead(weight, quantization)
     x = _hidden(16)
     assert head.greedy(x, None) == head(x).argmax(dim=-1).tolist()

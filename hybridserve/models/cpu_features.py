@@ -8,9 +8,14 @@ README's performance section):
 - bfloat16 halves the bytes every decode step reads (weights and KV); with AVX512-BF16 or
   AMX-BF16 the dot products run natively, so bf16 is faster than float32. Without either,
   bf16 is converted in software and can be slower: float32 stays the default there.
-- Weight-only int8 (per output channel) is faster than bf16 only at a few rows per matmul:
-  PyTorch's CPU int8 kernel re-reads the weight per row, so at a decode batch of 16 it is
-  slower than oneDNN's bf16 GEMM. It is therefore not the automatic choice.
+- The output head dominates a large-vocabulary model, and at decode batches of 16-64 it is
+  compute-bound. With int8 dot products (VNNI / AMX-INT8) the int8 head multiplies int8
+  weights by per-row int8 activations (models/head.py), 4-6x faster than the bf16 GEMM
+  without AMX; so a bfloat16 model quantizes its head to int8 there (its accuracy against
+  float32 is bounded in tests/test_accuracy.py). A float32 model keeps its exact head: it
+  is the reference that equals HF token for token. Weight-only int8 (CPUs without int8 dot
+  products) re-reads the weight per row and is slower than bf16 from a batch of 16: not
+  chosen automatically.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ CPUINFO = Path("/proc/cpuinfo")
 OMP_WAIT_POLICY = "OMP_WAIT_POLICY"
 # Flags (as Linux spells them) of instructions that multiply bf16 in hardware.
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+# Flags of int8 dot-product instructions (u8 x s8 -> s32 without an int16 step that saturates).
+NATIVE_INT8_DOT_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
 
 
 def read_cpu_flags(cpuinfo: Path = CPUINFO) -> frozenset[str]:
@@ -42,6 +49,10 @@ def has_native_bf16(flags: frozenset[str] | set[str]) -> bool:
     return not NATIVE_BF16_FLAGS.isdisjoint(flags)
 
 
+def has_int8_dot(flags: frozenset[str] | set[str]) -> bool:
+    return not NATIVE_INT8_DOT_FLAGS.isdisjoint(flags)
+
+
 def choose_dtype(requested: str, device_type: str, flags: frozenset[str] | set[str]) -> str:
     """The dtype to serve in: `requested` unless it is "auto"; "auto" is bfloat16 on a CPU
     with native bf16 and float32 everywhere else (GPUs keep the float32 default)."""
@@ -50,10 +61,12 @@ def choose_dtype(requested: str, device_type: str, flags: frozenset[str] | set[s
     return "bfloat16" if device_type == "cpu" and has_native_bf16(flags) else "float32"
 
 
-def choose_quantization(requested: str) -> str:
-    """"auto" is no quantization (see the module docstring: int8/int4 win only at small
-    decode batches on the CPUs measured); "int8"/"int4" quantize the output head."""
-    return "none" if requested == "auto" else requested
+def choose_quantization(requested: str, dtype: str, device_type: str, flags: frozenset[str] | set[str]) -> str:
+    """"int8"/"int4" quantize the output head; "auto" is int8 for a bfloat16 model on a CPU
+    with int8 dot products, else none (see the module docstring)."""
+    if requested != "auto":
+        return requested
+    return "int8" if dtype == "bfloat16" and device_type == "cpu" and has_int8_dot(flags) else "none"
 
 
 def describe(dtype: str, quantization: str, flags: frozenset[str] | set[str]) -> str:

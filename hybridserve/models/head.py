@@ -9,22 +9,30 @@ parameters) and its bytes set the decode speed, so it gets its own representatio
   chunk: the tied embedding stays a mapped view of the checkpoint whose rows are read only
   for the tokens looked up.
 - "int8": one int8 per weight and one scale per vocabulary row (symmetric, round to
-  nearest), multiplied by PyTorch's weight-only int8 CPU kernel (`_weight_int8pack_mm`).
+  nearest). On a CPU with int8 dot products (VNNI / AMX-INT8) the hidden states are
+  quantized too, per row (symmetric, 127 levels, stored as uint8 around 128), and oneDNN's
+  int8 GEMM multiplies them (`onednn.qlinear_pointwise`): at a decode batch of 64 the head
+  is compute-bound, and the int8 dot products run several times faster than bf16 ones
+  without AMX (Gemma 3 270M head chunk on one Sapphire Rapids core: 2.9 vs 17 ms at 64
+  rows, 0.6 vs 1.0 ms at 1 row). Elsewhere PyTorch's weight-only int8 kernel
+  (`_weight_int8pack_mm`) multiplies bfloat16 activations.
 - "int4": unsigned 4-bit values in groups of INT4_GROUP_SIZE along the hidden dimension,
   each group with its own scale and offset (asymmetric min/max), packed for PyTorch's CPU
   int4 kernel (`_weight_int4pack_mm_for_cpu`).
 
-The quantized kernels take bfloat16 activations; a float32 model's hidden states are
-rounded to bfloat16 for them and the logits come back in the model dtype.
+The weight-only kernels take bfloat16 activations; a float32 model's hidden states are
+rounded to bfloat16 for them. The logits come back in the model dtype.
 """
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Callable
 
 import torch
 
 from hybridserve.core.errors import ConfigError
+from hybridserve.models.cpu_features import has_int8_dot, read_cpu_flags
 from hybridserve.models.linear import pack
 
 # Vocabulary rows per packed / quantized chunk: small enough that quantizing one (float32
@@ -36,7 +44,28 @@ _INT4_LEVELS = 15  # largest 4-bit value
 _INT4_MIDPOINT = 8  # the kernel subtracts this from each 4-bit value before scaling
 _INT8_LEVELS = 127
 
+_UINT8_ZERO_POINT = 128  # a symmetric int8 activation stored as uint8 (oneDNN's u8 x s8 GEMM)
+
 ReleaseRows = Callable[[int, int], None]
+# What a head's chunks take: the hidden states as the kernel wants them, and the per-row
+# scale of quantized activations (None: not quantized).
+HeadInput = tuple[torch.Tensor, "torch.Tensor | None"]
+
+
+@cache
+def int8_activations_native() -> bool:
+    """Whether int8 x int8 GEMMs are the fast path here: oneDNN's quantized linear exists
+    and the CPU has int8 dot-product instructions (without them the u8 x s8 step can
+    saturate)."""
+    return hasattr(torch.ops.onednn, "qlinear_pointwise") and has_int8_dot(read_cpu_flags())
+
+
+def quantize_rows_uint8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(uint8 [S, K], float32 scale [S, 1]) with x ~= (values - 128) * scale: symmetric per
+    row, 127 levels each side (so values are 1..255)."""
+    x = x.float()
+    scale = x.abs().amax(dim=-1, keepdim=True).clamp_(min=torch.finfo(torch.float32).tiny) / _INT8_LEVELS
+    return (x / scale).round_().add_(_UINT8_ZERO_POINT).to(torch.uint8), scale
 
 
 def quantize_int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,7 +106,8 @@ class OutputHead:
         self.out_dtype = weight.dtype
         self.quantization = quantization
         self.vocab_size = weight.shape[0]
-        self._chunks: list[Callable[[torch.Tensor], torch.Tensor]] = []
+        self._int8_activations = quantization == "int8" and weight.device.type == "cpu" and int8_activations_native()
+        self._chunks: list[Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]] = []
         for start in range(0, self.vocab_size, HEAD_CHUNK_ROWS):
             stop = min(start + HEAD_CHUNK_ROWS, self.vocab_size)
             kernel, reads_source = self._chunk_kernel(weight[start:stop])
@@ -85,35 +115,51 @@ class OutputHead:
             if release_rows is not None and not reads_source:
                 release_rows(start, stop)
 
-    def _chunk_kernel(self, w: torch.Tensor) -> tuple[Callable[[torch.Tensor], torch.Tensor], bool]:
+    def _chunk_kernel(self, w: torch.Tensor) -> tuple[Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor], bool]:
         """(the matmul of one chunk of rows, whether it still reads `w` itself)."""
         if self.quantization == "int8":
             values, scale = quantize_int8_rows(w)
+            if self._int8_activations:
+                packed = torch.ops.onednn.qlinear_prepack(values, None)
+                zero_points = torch.zeros(len(scale), dtype=torch.int64)
+                qlinear = torch.ops.onednn.qlinear_pointwise
+
+                def w8a8(x: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:
+                    out = qlinear(x, 1.0, _UINT8_ZERO_POINT, packed, scale, zero_points, None, 1.0, 0,
+                                  torch.float32, "none", [None], "")
+                    return out.mul_(row_scale)
+
+                return w8a8, False
             scale_bf16 = scale.to(torch.bfloat16)
-            return (lambda x: torch._weight_int8pack_mm(x, values, scale_bf16)), False
+            return (lambda x, _: torch._weight_int8pack_mm(x, values, scale_bf16)), False
         if self.quantization == "int4":
             values, scale, offset = quantize_int4_groups(w)
             group_size = w.shape[1] // scale.shape[1]
             packed_values = torch._convert_weight_to_int4pack_for_cpu(values, 1)
             scale_offset = torch.stack([scale.t(), offset.t()], dim=-1).contiguous().to(torch.bfloat16)
-            return (lambda x: torch._weight_int4pack_mm_for_cpu(x, packed_values, group_size, scale_offset)), False
+            return (lambda x, _: torch._weight_int4pack_mm_for_cpu(x, packed_values, group_size, scale_offset)), False
         if self.quantization != "none":
             raise ConfigError(f"unknown head quantization {self.quantization!r}; use none, int8 or int4")
         packed = pack(w)
         if packed is None:  # small or not packable here: the plain weight is the kernel's input
-            return (lambda x: torch.nn.functional.linear(x, w)), True
+            return (lambda x, _: torch.nn.functional.linear(x, w)), True
         linear = torch.ops.mkldnn._linear_pointwise
-        return (lambda x: linear(x, packed, None, "none", [], "")), False
+        return (lambda x, _: linear(x, packed, None, "none", [], "")), False
 
-    def _input(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _input(self, hidden: torch.Tensor) -> HeadInput:
+        """The chunks' input, made once per call (quantizing per chunk would repeat it)."""
         x = hidden.contiguous()
-        return x.to(torch.bfloat16) if self.quantization != "none" else x
+        if self.quantization == "none":
+            return x, None
+        if self.quantization == "int8" and self._int8_activations:
+            return quantize_rows_uint8(x)
+        return x.to(torch.bfloat16), None
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         x = self._input(hidden)
         if len(self._chunks) == 1:
-            return self._chunks[0](x).to(self.out_dtype)
-        return torch.cat([chunk(x) for chunk in self._chunks], dim=1).to(self.out_dtype)
+            return self._chunks[0](*x).to(self.out_dtype)
+        return torch.cat([chunk(*x) for chunk in self._chunks], dim=1).to(self.out_dtype)
 
     def greedy(self, hidden: torch.Tensor, softcap: float | None) -> list[int]:
         """argmax of each row's logits (the first index among equal maxima, as argmax), without
@@ -123,7 +169,7 @@ class OutputHead:
         x = self._input(hidden)
         values, indices = [], []
         for start, chunk in zip(range(0, self.vocab_size, HEAD_CHUNK_ROWS), self._chunks):
-            out = chunk(x)
+            out = chunk(*x)
             if softcap:  # as logits(): tanh can make distinct logits equal, so argmax must see it
                 out = torch.tanh(out.to(self.out_dtype) / softcap) * softcap
             best = out.max(dim=-1)

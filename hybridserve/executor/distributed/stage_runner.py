@@ -108,7 +108,7 @@ class StageRunner(ModelRunner):
         else:
             assert place.prev_rank is not None
             plan = link.recv_object(place.prev_rank, TAG_PLAN)
-            states = self._attach(so, plan)
+            states = [self._apply_scheduled(sr) for sr in so.requests]
             starts, counts, drafts = plan.starts, plan.counts, plan.drafts
             hidden_in = link.recv_tensor((sum(counts), self.model.cfg.hidden_size), self.model.dtype,
                                          place.prev_rank, TAG_HIDDEN)
@@ -124,20 +124,6 @@ class StageRunner(ModelRunner):
         for rank in place.earlier_stage_ranks:
             link.send_object(out.sampled_token_ids, rank, TAG_RESULT)
         return out
-
-    def _attach(self, so: SchedulerOutput, plan: StepPlan) -> list[RequestState]:
-        """A later stage's view of the step's requests: new ones added, tables updated."""
-        states: list[RequestState] = []
-        for sr in so.requests:
-            if sr.new is not None:
-                if sr.request_id in self.states:
-                    self._drop(sr.request_id, preempted=True)
-                state = self._add(sr.new, sr.num_computed_tokens)
-            else:
-                state = self.states[sr.request_id]
-            self._update_tables(sr, state)
-            states.append(state)
-        return states
 
     def _catch_up(self, so: SchedulerOutput) -> None:
         """Apply the sampled tokens of earlier steps this step depends on (and of any

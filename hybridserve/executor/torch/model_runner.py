@@ -253,6 +253,21 @@ class ModelRunner:
         """
         state.num_computed += num_known + num_accepted
 
+    def _apply_scheduled(self, sr: ScheduledRequest) -> RequestState:
+        """The request's state after this step's news: added (or re-added) when it comes
+        with NewRequestData, its block tables extended by the step's deltas."""
+        state = self.states.get(sr.request_id)
+        if sr.new is not None:
+            if state is not None:  # resumed under the same id without a preemption notice
+                self._drop(sr.request_id, preempted=True)
+            state = self._add(sr.new, sr.num_computed_tokens)
+            if self.mamba is not None:
+                self.mamba.check_start(sr.request_id, state.num_computed)
+        elif state is None:
+            raise RequestError(f"request {sr.request_id} scheduled but unknown to the runner")
+        self._update_tables(sr, state)
+        return state
+
     def _prepare(self, so: SchedulerOutput
                  ) -> tuple[list[RequestState], list[int], list[int], list[int], list[list[int]]]:
         """Apply new requests and block-table deltas; the tokens each request computes
@@ -263,16 +278,7 @@ class ModelRunner:
         ids: list[int] = []
         drafts: list[list[int]] = []
         for sr in so.requests:
-            state = self.states.get(sr.request_id)
-            if sr.new is not None:
-                if state is not None:  # resumed under the same id without a preemption notice
-                    self._drop(sr.request_id, preempted=True)
-                state = self._add(sr.new, sr.num_computed_tokens)
-                if self.mamba is not None:
-                    self.mamba.check_start(sr.request_id, state.num_computed)
-            elif state is None:
-                raise RequestError(f"request {sr.request_id} scheduled but unknown to the runner")
-            self._update_tables(sr, state)
+            state = self._apply_scheduled(sr)
             count = sr.num_scheduled_tokens - sr.num_draft_tokens
             start = state.num_computed
             if count < 1 or start + count > len(state.token_ids):

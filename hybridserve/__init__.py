@@ -12,11 +12,11 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-from hybridserve.models.cpu_features import prefer_passive_omp_wait
+from hybridserve.models.cpu_features import prefer_short_omp_spin
 
 __version__ = "0.1.0"
 
-prefer_passive_omp_wait()  # before anything imports torch (see the function)
+prefer_short_omp_spin()  # before anything imports torch (see the function)
 
 _EXPORTS = {
     "LLM": "hybridserve.engine.llm",

@@ -88,11 +88,15 @@ def test_cli_rejects_unknown_quantization_in_one_line() -> None:
     assert out.stderr.count("\n") == 1 and "argument --quantization: invalid choice: 'fp8'" in out.stderr
 
 
-def test_import_sets_a_passive_openmp_wait_policy_unless_set() -> None:
-    code = "import os, hybridserve; print(os.environ['OMP_WAIT_POLICY'])"
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+def test_import_sets_a_short_openmp_spin_unless_the_user_chose_a_wait() -> None:
+    code = "import os, hybridserve; print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'))"
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     repo = Path(__file__).resolve().parents[1]
-    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          cwd=repo).stdout.strip() == "PASSIVE"
-    assert subprocess.run([sys.executable, "-c", code], env={**env, "OMP_WAIT_POLICY": "ACTIVE"},
-                          capture_output=True, text=True, cwd=repo).stdout.strip() == "ACTIVE"
+
+    def imported(**extra: str) -> str:
+        return subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True,
+                              cwd=repo).stdout.strip()
+
+    assert imported() == "10000 None"
+    assert imported(OMP_WAIT_POLICY="ACTIVE") == "None ACTIVE"
+    assert imported(GOMP_SPINCOUNT="5") == "5 None"

@@ -25,6 +25,9 @@ from pathlib import Path
 
 CPUINFO = Path("/proc/cpuinfo")
 OMP_WAIT_POLICY = "OMP_WAIT_POLICY"
+GOMP_SPINCOUNT = "GOMP_SPINCOUNT"
+# Busy-wait iterations of an idle OpenMP thread before it sleeps (prefer_short_omp_spin).
+SHORT_SPIN_COUNT = 10_000
 # Flags (as Linux spells them) of instructions that multiply bf16 in hardware.
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 # Flags of int8 dot-product instructions (u8 x s8 -> s32 without an int16 step that saturates).
@@ -76,10 +79,21 @@ def describe(dtype: str, quantization: str, flags: frozenset[str] | set[str]) ->
     return f"dtype {dtype}, quantization {quantization} ({why})"
 
 
-def prefer_passive_omp_wait() -> None:
-    """Make torch's OpenMP threads sleep, not spin, between parallel regions, unless the
-    user chose a policy. Spinning threads on a machine shared with other busy processes
-    wait for each other's time slices at every region: measured on 2 cores at load ~10,
-    Gemma 3 270M 16x32 greedy ran 3.7 tok/s with the default policy and 33 tok/s passive.
-    OpenMP reads the variable once, when torch loads it, hence at `import hybridserve`."""
-    os.environ.setdefault(OMP_WAIT_POLICY, "PASSIVE")
+def prefer_short_omp_spin() -> None:
+    """Make torch's OpenMP threads spin briefly (GOMP_SPINCOUNT = SHORT_SPIN_COUNT) and then
+    sleep between parallel regions, unless the user chose a wait policy or spin count.
+
+    Why neither extreme: a decode step is hundreds of small element-wise regions, so
+    threads that sleep at once (OMP_WAIT_POLICY=PASSIVE, spin count 0) pay a futex wake-up
+    per region: RMSNorm of [64, 640] bf16 on 2 threads took 871 us passive vs 87 us
+    spinning and 84 us on one thread. Threads that spin long (libgomp's unset default,
+    300,000 spins) steal time slices on a machine shared with other busy processes: on 2
+    cores at load ~10, Gemma 3 270M 16x32 greedy ran 3.7 tok/s with the default and 33
+    passive. A short spin covers the gap between the ops of one step and then yields; the
+    same RMSNorm with 2 busy processes beside it: 138 us at 10,000 spins, 257 us passive,
+    189 us at 100,000 (Sapphire Rapids, 2 cores; `benchmarks/cpu_peers.py --hs-omp
+    spin,passive,libgomp --busy 2` measures whole runs). libgomp reads the variables once, when torch loads it, hence at `import
+    hybridserve`; Intel's OpenMP (not what torch's wheels link) would ignore them."""
+    if OMP_WAIT_POLICY in os.environ or GOMP_SPINCOUNT in os.environ:
+        return
+    os.environ[GOMP_SPINCOUNT] = str(SHORT_SPIN_COUNT)

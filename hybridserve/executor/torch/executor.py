@@ -8,6 +8,7 @@ steps run inline in `execute` (simplest to debug; sync scheduling loses nothing)
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from hybridserve.executor.torch.kv_cache import TORCH_DTYPES, num_blocks_for_mem
 from hybridserve.executor.torch.model_runner import ModelRunner
 from hybridserve.executor.torch.offload import OffloadWorker
 from hybridserve.executor.torch.spec_decode import NgramDrafter
+from hybridserve.executor.torch.threads import ThreadGovernor
 from hybridserve.models.config import ModelConfig
 from hybridserve.models.decoder import DecoderLM
 from hybridserve.models.kv_specs import model_kv_layer_specs
@@ -73,6 +75,11 @@ class TorchExecutor(Executor):
         self.device = resolve_device(device)
         if num_threads is not None:
             torch.set_num_threads(num_threads)
+        # Without a thread count given, a CPU step runs with the count measured fastest now
+        # (executor/torch/threads.py): all cores on a quiet machine, one on a busy one.
+        self._threads = (ThreadGovernor(torch.get_num_threads())
+                         if num_threads is None and self.device.type == "cpu" and torch.get_num_threads() > 1
+                         else None)
         self.model = model if isinstance(model, (DecoderLM, MambaLM)) else load_model(model, self.device, dtype, quantization)
         self.seed = seed
         self.drafter = drafter
@@ -117,8 +124,21 @@ class TorchExecutor(Executor):
         self._offload_args = (num_host_blocks, fail_loads)
 
     def _step(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """One step on the runner thread; with offload, start this step's copies first (they
-        overlap the model) and report the copies finished by the end of the step."""
+        """One step on the runner thread, with the thread count the governor picks."""
+        governor = self._threads
+        if governor is None or not so.total_num_scheduled_tokens:
+            return self._run_step(so)
+        threads = governor.choose(so.total_num_scheduled_tokens)
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)  # on the runner thread: OpenMP's count is per calling thread
+        start = time.perf_counter()
+        out = self._run_step(so)
+        governor.observe(so.total_num_scheduled_tokens, threads, time.perf_counter() - start)
+        return out
+
+    def _run_step(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """One step; with offload, start this step's copies first (they overlap the model)
+        and report the copies finished by the end of the step."""
         assert self.runner is not None
         offload = self.offload
         if offload is None:

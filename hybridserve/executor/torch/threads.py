@@ -1,0 +1,104 @@
+"""How many threads a step runs with: the count measured fastest on the CPU this process gets.
+
+On a quiet machine every core helps (Gemma 3 270M, 2 Sapphire Rapids cores: 2 threads
+~1.15-1.3x faster than 1). On a machine shared with other busy processes, each parallel
+region waits for whichever of its threads the OS has descheduled, and one thread is
+faster: 1.4-1.9x at load 3-6 from other processes (README, "CPU serving"). Which case
+holds is not known in advance and changes while serving, so it is measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Steps of a size bucket between re-measurements of a thread count that is not the
+# fastest: rare enough that measuring the slower count costs little (1 step in 64 at up
+# to ~2x its time: ~1.5%), often enough to follow a load that comes and goes within seconds.
+EXPLORE_EVERY = 64
+# Steps measured per visit to another count; the first after a switch is not counted
+# (threads that slept and caches that hold the other count's layout make it an outlier).
+EXPLORE_STEPS = 3
+# Weight of a new step time in a count's running average.
+SMOOTHING = 0.3
+
+
+@dataclass
+class _Bucket:
+    """The measurements of one step size (token count rounded down to a power of 2)."""
+
+    steps: int = 0
+    cost: dict[int, float] = field(default_factory=dict)  # threads -> average seconds per token
+    measured_at: dict[int, int] = field(default_factory=dict)  # threads -> `steps` when last measured
+    exploring: int | None = None  # the count being re-measured, if any
+    explore_left: int = 0
+    stale: bool = False  # the explored count's average is old: its next measurement replaces it
+
+
+class ThreadGovernor:
+    """Picks each step's thread count among `candidates` from measured step times.
+
+    Per bucket of step sizes it keeps a running average of seconds per scheduled token for
+    each candidate, runs the fastest, and every EXPLORE_EVERY steps of the bucket runs
+    another candidate for EXPLORE_STEPS steps to re-measure it (its old average is
+    replaced, not blended: the load it was measured under may be gone). A candidate never
+    measured in a bucket is measured first (the largest first).
+
+    Invariants: `choose` returns a member of `candidates`; with one candidate it always
+    returns it; `observe` counts only steps run with the count `choose` returned and skips
+    the first step after the count changed.
+    """
+
+    def __init__(self, max_threads: int) -> None:
+        self.candidates = sorted({1, max_threads}, reverse=True)
+        self._buckets: dict[int, _Bucket] = {}
+        self._last: int | None = None  # the count the previous step ran with
+        self._switched = False
+
+    @staticmethod
+    def _bucket(num_tokens: int) -> int:
+        return max(1, num_tokens).bit_length()
+
+    def choose(self, num_tokens: int) -> int:
+        """The thread count to run a step of `num_tokens` tokens with."""
+        b = self._buckets.setdefault(self._bucket(num_tokens), _Bucket())
+        threads = self._pick(b)
+        self._switched = threads != self._last
+        self._last = threads
+        return threads
+
+    def _pick(self, b: _Bucket) -> int:
+        if len(self.candidates) == 1:
+            return self.candidates[0]
+        if b.exploring is not None:
+            return b.exploring
+        for c in self.candidates:
+            if c not in b.cost:
+                return self._explore(b, c)
+        best = min(self.candidates, key=lambda c: b.cost[c])
+        for c in self.candidates:
+            if c != best and b.steps - b.measured_at[c] >= EXPLORE_EVERY:
+                return self._explore(b, c)
+        return best
+
+    @staticmethod
+    def _explore(b: _Bucket, threads: int) -> int:
+        b.exploring, b.explore_left, b.stale = threads, EXPLORE_STEPS, True
+        return threads
+
+    def observe(self, num_tokens: int, threads: int, seconds: float) -> None:
+        """Record that a step of `num_tokens` tokens took `seconds` with `threads` threads."""
+        b = self._buckets.setdefault(self._bucket(num_tokens), _Bucket())
+        b.steps += 1
+        if b.exploring == threads:
+            b.explore_left -= 1
+            if b.explore_left <= 0:
+                b.exploring = None
+        if self._switched or threads not in self.candidates:
+            return
+        per_token = seconds / max(1, num_tokens)
+        old = b.cost.get(threads)
+        if old is None or (b.stale and b.exploring == threads):
+            b.cost[threads], b.stale = per_token, False  # a re-measured count starts afresh
+        else:
+            b.cost[threads] = old + SMOOTHING * (per_token - old)
+        b.measured_at[threads] = b.steps

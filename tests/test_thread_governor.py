@@ -1,0 +1,70 @@
+"""executor/torch/threads.py: the thread count each step runs with, from measured step times.
+
+The schedules below are derived by hand from the rules: a bucket measures 2 threads for 3
+steps (the first not counted), then 1 thread for 3 steps, then runs the cheaper, and
+re-measures the other once the bucket has taken 64 steps since that count's last counted
+step.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from hybridserve.executor.torch.threads import EXPLORE_EVERY, EXPLORE_STEPS, ThreadGovernor
+
+
+def run(governor: ThreadGovernor, steps: int, seconds: Callable[[int, int], float], tokens: int = 16) -> list[int]:
+    """The thread count of each of `steps` steps of `tokens` tokens; step i (from 1) with t
+    threads takes seconds(i, t)."""
+    chosen = []
+    for i in range(1, steps + 1):
+        t = governor.choose(tokens)
+        governor.observe(tokens, t, seconds(i, t))
+        chosen.append(t)
+    return chosen
+
+
+def test_the_schedule_constants_the_hand_derivations_assume() -> None:
+    assert (EXPLORE_EVERY, EXPLORE_STEPS) == (64, 3)
+
+
+def test_one_core_never_switches() -> None:
+    g = ThreadGovernor(1)
+    assert run(g, 100, lambda i, t: 1.0) == [1] * 100
+
+
+def test_a_busy_machine_settles_on_one_thread_and_rechecks_two_every_64_steps() -> None:
+    chosen = run(ThreadGovernor(2), 200, lambda i, t: 1.0 if t == 2 else 0.5)
+    # Steps 1-3 measure 2 threads (2 and 3 counted: last at bucket step 3), 4-6 measure 1;
+    # 2 threads are re-measured when the bucket has taken 64 steps since step 3 (steps
+    # 68-70, counted up to 70), then since 70 (steps 135-137); 202 is past the end.
+    two = [i for i, t in enumerate(chosen, start=1) if t == 2]
+    assert two == [1, 2, 3, 68, 69, 70, 135, 136, 137]
+
+
+def test_a_quiet_machine_settles_on_all_threads() -> None:
+    chosen = run(ThreadGovernor(2), 100, lambda i, t: 0.4 if t == 2 else 0.5)
+    one = [i for i, t in enumerate(chosen, start=1) if t == 1]
+    # 1 thread measured at steps 4-6 (counted up to 6), re-measured at 71-73.
+    assert one == [4, 5, 6, 71, 72, 73]
+
+
+def test_the_choice_follows_a_load_that_goes_away() -> None:
+    # Busy until step 100 (1 thread faster), quiet after (2 threads faster).
+    chosen = run(ThreadGovernor(2), 200, lambda i, t: (1.0 if t == 2 else 0.5) if i <= 100 else
+                 (0.25 if t == 2 else 0.5))
+    # 2 threads re-measured at 135-137 under the new load (the old average is replaced, so
+    # one counted step is enough), chosen from 138 on; 1 thread, last counted at 134, is
+    # re-measured from bucket step 198 + 1 = 199.
+    assert chosen[134:137] == [2, 2, 2]
+    assert chosen[137:198] == [2] * 61
+    assert chosen[198:200] == [1, 1]
+
+
+def test_step_sizes_are_measured_apart() -> None:
+    g = ThreadGovernor(2)
+    # Decodes of 16 tokens: 1 thread is faster; a 1024-token prefill: 2 threads are.
+    run(g, 10, lambda i, t: 1.0 if t == 2 else 0.5, tokens=16)
+    prefill = run(g, 10, lambda i, t: 1.0 if t == 2 else 4.0, tokens=1024)
+    assert prefill == [2, 2, 2, 1, 1, 1, 2, 2, 2, 2]
+    assert g.choose(16) == 1 and g.choose(1024) == 2

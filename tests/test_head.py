@@ -15,6 +15,7 @@ from safetensors.torch import save_file  # noqa: E402
 
 from hybridserve.models.head import (  # noqa: E402
     HEAD_CHUNK_ROWS,
+    QUANTIZE_BLOCK_ROWS,
     OutputHead,
     dequantize_int4_groups,
     int8_activations_native,
@@ -34,6 +35,18 @@ def test_int8_rows_by_hand() -> None:
     assert values.dtype == torch.int8
     assert values.tolist() == [[127, -64, 0], [127, 50, -1]]
     assert scale.tolist() == pytest.approx([0.01, 0.02], rel=1e-6)
+
+
+def test_int8_rows_by_hand_across_quantization_blocks() -> None:
+    """Rows are quantized QUANTIZE_BLOCK_ROWS at a time: every block gets its own rows'
+    scales, and a float32 weight is left as it was (no in-place temporaries on it)."""
+    rows = 2 * QUANTIZE_BLOCK_ROWS + 3  # two whole blocks and a partial one
+    w = torch.tensor([1.27, -0.64, 0.0]).repeat(rows, 1) * torch.arange(1, rows + 1, dtype=torch.float32)[:, None]
+    before = w.clone()
+    values, scale = quantize_int8_rows(w)
+    assert values.tolist() == [[127, -64, 0]] * rows  # row i is (i + 1) x [1.27, -0.64, 0]: scale 0.01 (i + 1)
+    assert scale.tolist() == pytest.approx([0.01 * (i + 1) for i in range(rows)], rel=1e-5)
+    assert torch.equal(w, before)
 
 
 def test_uint8_rows_by_hand() -> None:

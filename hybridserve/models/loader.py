@@ -17,6 +17,7 @@ from hybridserve.models.checkpoint import (Weights, fill_ends, open_checkpoint, 
                                           take_row_bias)
 from hybridserve.models.config import ModelConfig, load_model_config
 from hybridserve.models.decoder import DecoderLM
+from hybridserve.models.heap import release_free_heap
 from hybridserve.models.llama4 import Llama4LM, fill_llama4
 from hybridserve.models.parallel import PipelineStage, TPGroup
 
@@ -54,6 +55,7 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
     model.build_linears(quantization=quantization,
                         release_head_rows=lambda start, stop: w.checkpoint.release(head_name, (start, stop)))
     w.release_all()
+    release_free_heap()  # the fused layers' source copies and packing temporaries (models/heap.py)
     return model.eval()
 
 

@@ -1,9 +1,11 @@
 """models/head.py and models/safetensors_map.py: quantizers on hand-derived numbers, the chunked
-head against plain matmuls, greedy == argmax (ties included), mapped tensors and page release."""
+head against plain matmuls, greedy == argmax (ties included), mapped tensors and page release
+(the loader's too)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -158,6 +160,23 @@ def test_release_rows_per_chunk_only_when_the_source_is_no_longer_read(weight: t
     released.clear()
     OutputHead(weight[:100], "none", lambda a, b: released.append((a, b)))  # too small to pack: read as is
     assert released == []
+
+
+def test_the_heads_first_release_gives_back_every_page_read_so_far() -> None:
+    from hybridserve.models.loader import _head_release
+
+    calls: list[tuple] = []
+
+    class Recorder:  # a Weights whose checkpoint records what is given back
+        checkpoint = SimpleNamespace(release=lambda name, rows: calls.append((name, rows)))
+
+        def release_all(self) -> None:
+            calls.append(("all",))
+
+    release = _head_release(Recorder(), "lm_head.weight")  # type: ignore[arg-type]
+    release(0, HEAD_CHUNK_ROWS)
+    release(HEAD_CHUNK_ROWS, VOCAB)
+    assert calls == [("all",), ("lm_head.weight", (0, HEAD_CHUNK_ROWS)), ("lm_head.weight", (HEAD_CHUNK_ROWS, VOCAB))]
 
 
 def test_mapped_checkpoint_views_the_file(tmp_path: Path) -> None:

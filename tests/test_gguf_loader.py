@@ -199,7 +199,7 @@ def test_bfloat16_conversion_stores_bfloat16(tiny_llama: tuple[Path, dict, Path]
         assert weights.get_tensor("model.norm.weight").dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_vocabulary_tensors_converted_in_row_blocks_equal_whole_dequantization(
         tiny_llama: tuple[Path, dict, Path], tmp_path: Path, monkeypatch, dtype: str) -> None:
     """With blocks of 7 rows the 275-row embedding and head go through the row-block path

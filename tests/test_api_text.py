@@ -127,3 +127,38 @@ def test_plain_chat_template() -> None:
     text = plain_chat_text([{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
                             {"role": "assistant", "content": "hello"}, {"role": "user", "content": "bye"}])
     assert text == "System: be brief\nUser: hi\nAssistant: hello\nUser: bye\nAssistant:"
+
+
+def test_a_loaded_tokenizer_drops_its_python_vocabulary_and_encodes_as_hf(tmp_path) -> None:
+    """Gemma's transformers class keeps the Python vocab and merges it built the Rust
+    backend from (transformers 5); from_dir drops them, and still encodes and decodes as
+    a fresh AutoTokenizer does (with transformers 4 there is nothing to drop)."""
+    from transformers import AutoTokenizer, GemmaTokenizer
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<bos>": 2, "<unk>": 3, "<mask>": 4, "a": 5, "b": 6, "\u2581": 7, "ab": 8,
+             "\u2581ab": 9}
+    merges = [("a", "b"), ("\u2581", "ab")]
+    try:
+        GemmaTokenizer(vocab=vocab, merges=merges, add_bos_token=True).save_pretrained(str(tmp_path))
+    except TypeError:
+        pytest.skip("this transformers' GemmaTokenizer is not built from vocab and merges")
+    oracle = AutoTokenizer.from_pretrained(str(tmp_path))
+    kept = [name for name in ("_vocab", "_merges") if isinstance(getattr(oracle, name, None), (dict, list))]
+    tok = Tokenizer.from_dir(tmp_path)
+    assert tok is not None
+    for name in kept:
+        assert getattr(tok.hf, name) is None
+    # "ab ab b": BOS, then "ab" (a+b), "\u2581ab" (the space and ab merged), "\u2581", "b"
+    assert tok.encode("ab ab b") == [2, 8, 9, 7, 6] == oracle.encode("ab ab b")
+    assert tok.decode([8, 9, 7, 6]) == "ab ab b" == oracle.decode([8, 9, 7, 6])
+    assert len(tok) == len(oracle) == 10
+
+
+def test_dropping_construction_copies_keeps_a_slow_tokenizer_whole() -> None:
+    from types import SimpleNamespace
+
+    from hybridserve.engine.tokenizer import drop_construction_copies
+
+    slow = SimpleNamespace(_vocab={"a": 0}, _merges=[("a", "a")])  # no Rust backend: the copies are the vocabulary
+    assert drop_construction_copies(slow) == []
+    assert slow._vocab == {"a": 0} and slow._merges == [("a", "a")]

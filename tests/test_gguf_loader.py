@@ -199,6 +199,32 @@ def test_bfloat16_conversion_stores_bfloat16(tiny_llama: tuple[Path, dict, Path]
         assert weights.get_tensor("model.norm.weight").dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_vocabulary_tensors_converted_in_row_blocks_equal_whole_dequantization(
+        tiny_llama: tuple[Path, dict, Path], tmp_path: Path, monkeypatch, dtype: str) -> None:
+    """With blocks of 7 rows the 275-row embedding and head go through the row-block path
+    (39 whole blocks and a partial one); every tensor must equal gguf's own dequantization
+    of the whole tensor, cast to the cache dtype, and the file must satisfy safetensors'
+    own reader (contiguous offsets, the header it expects)."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    from safetensors import safe_open
+
+    monkeypatch.setattr(gguf_loader, "_DEQUANTIZE_BLOCK_ROWS", 7)
+    converted = convert_gguf(tiny_llama[0], cache_dir=tmp_path, dtype=dtype, progress=False)
+    reader = GGUFReader(str(tiny_llama[0]))
+    whole = {t.name: dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+             for t in reader.tensors}
+    with safe_open(str(converted / "model.safetensors"), "pt") as weights:
+        assert weights.metadata() == {"format": "pt"}
+        for gguf_name, hf_name in [("token_embd.weight", "model.embed_tokens.weight"),
+                                   ("output.weight", "lm_head.weight"),
+                                   ("blk.1.ffn_down.weight", "model.layers.1.mlp.down_proj.weight")]:
+            expected = torch.from_numpy(np.ascontiguousarray(whole[gguf_name], np.float32)).to(getattr(torch, dtype))
+            assert torch.equal(weights.get_tensor(hf_name), expected), hf_name
+        assert len(list(weights.keys())) == 2 + 1 + 2 * 9  # embedding, head, final norm; 9 per layer
+
+
 def test_resolve_model_path_cases(tiny_llama: tuple[Path, dict, Path], tmp_path: Path, monkeypatch) -> None:
     gguf_path, _, converted = tiny_llama
     monkeypatch.setenv("HYBRIDSERVE_CACHE_DIR", str(converted.parent.parent))

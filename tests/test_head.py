@@ -1,9 +1,11 @@
 """models/head.py and models/safetensors_map.py: quantizers on hand-derived numbers, the chunked
-head against plain matmuls, greedy == argmax (ties included), mapped tensors and page release."""
+head against plain matmuls, greedy == argmax (ties included), mapped tensors and page release
+(the loader's too)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -15,6 +17,7 @@ from safetensors.torch import save_file  # noqa: E402
 
 from hybridserve.models.head import (  # noqa: E402
     HEAD_CHUNK_ROWS,
+    QUANTIZE_BLOCK_ROWS,
     OutputHead,
     dequantize_int4_groups,
     int8_activations_native,
@@ -34,6 +37,18 @@ def test_int8_rows_by_hand() -> None:
     assert values.dtype == torch.int8
     assert values.tolist() == [[127, -64, 0], [127, 50, -1]]
     assert scale.tolist() == pytest.approx([0.01, 0.02], rel=1e-6)
+
+
+def test_int8_rows_by_hand_across_quantization_blocks() -> None:
+    """Rows are quantized QUANTIZE_BLOCK_ROWS at a time: every block gets its own rows'
+    scales, and a float32 weight is left as it was (no in-place temporaries on it)."""
+    rows = 2 * QUANTIZE_BLOCK_ROWS + 3  # two whole blocks and a partial one
+    w = torch.tensor([1.27, -0.64, 0.0]).repeat(rows, 1) * torch.arange(1, rows + 1, dtype=torch.float32)[:, None]
+    before = w.clone()
+    values, scale = quantize_int8_rows(w)
+    assert values.tolist() == [[127, -64, 0]] * rows  # row i is (i + 1) x [1.27, -0.64, 0]: scale 0.01 (i + 1)
+    assert scale.tolist() == pytest.approx([0.01 * (i + 1) for i in range(rows)], rel=1e-5)
+    assert torch.equal(w, before)
 
 
 def test_uint8_rows_by_hand() -> None:
@@ -145,6 +160,23 @@ def test_release_rows_per_chunk_only_when_the_source_is_no_longer_read(weight: t
     released.clear()
     OutputHead(weight[:100], "none", lambda a, b: released.append((a, b)))  # too small to pack: read as is
     assert released == []
+
+
+def test_the_heads_first_release_gives_back_every_page_read_so_far() -> None:
+    from hybridserve.models.loader import _head_release
+
+    calls: list[tuple] = []
+
+    class Recorder:  # a Weights whose checkpoint records what is given back
+        checkpoint = SimpleNamespace(release=lambda name, rows: calls.append((name, rows)))
+
+        def release_all(self) -> None:
+            calls.append(("all",))
+
+    release = _head_release(Recorder(), "lm_head.weight")  # type: ignore[arg-type]
+    release(0, HEAD_CHUNK_ROWS)
+    release(HEAD_CHUNK_ROWS, VOCAB)
+    assert calls == [("all",), ("lm_head.weight", (0, HEAD_CHUNK_ROWS)), ("lm_head.weight", (HEAD_CHUNK_ROWS, VOCAB))]
 
 
 def test_mapped_checkpoint_views_the_file(tmp_path: Path) -> None:

@@ -189,8 +189,9 @@ def _parse_header(path: Path, blob: np.ndarray) -> GGUFHeader:
     return GGUFHeader(path, version, metadata, string_array_lengths, tuple(tensors))
 
 
-def dequantize_tensor(header: GGUFHeader, info: GGUFTensorInfo) -> np.ndarray:
-    """The tensor `info` as a float32 array of shape `info.shape`, via `gguf.quants.dequantize`."""
+def dequantize_tensor(header: GGUFHeader, info: GGUFTensorInfo, rows: tuple[int, int] | None = None) -> np.ndarray:
+    """The tensor `info` as a float32 array of shape `info.shape`, via `gguf.quants.dequantize`;
+    with `rows` = (start, stop) only those indices of its first dimension."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -200,8 +201,12 @@ def dequantize_tensor(header: GGUFHeader, info: GGUFTensorInfo) -> np.ndarray:
     # dequantize() wants the raw bytes with rows intact: (..., bytes per row).
     row_bytes = info.shape[-1] // block_size * block_bytes
     raw = blob.reshape(*info.shape[:-1], row_bytes)
+    shape = info.shape
+    if rows is not None:
+        raw = raw[rows[0]:rows[1]]
+        shape = (raw.shape[0], *info.shape[1:])
     try:
         values = dequantize(raw, ggml_type)
     except NotImplementedError:
         raise ConfigError(f"{header.path}: ggml type {ggml_type.name} of {info.name} cannot be dequantized") from None
-    return np.asarray(values, dtype=np.float32).reshape(info.shape)
+    return np.asarray(values, dtype=np.float32).reshape(shape)

@@ -35,11 +35,12 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
 from hybridserve.core.errors import ConfigError
+from hybridserve.models.heap import release_free_heap
 
 CONVERTER_VERSION = 3
 CACHE_DIR_ENV_VAR = "HYBRIDSERVE_CACHE_DIR"
@@ -49,6 +50,11 @@ _KEY_WINDOW_BYTES = 64 * 1024
 _KEY_WINDOW_COUNT = 17
 # transformers tokenizer type (a model_type) per GGUF architecture; others get the generic class.
 _TOKENIZER_TYPES = {"gemma3": "gemma3_text"}
+# Rows dequantized at a time from a vocabulary-sized tensor: Gemma 3's 262k x 640 embedding
+# is 671 MB in float32, and gguf's numpy dequantizer makes temporaries of a similar size.
+_DEQUANTIZE_BLOCK_ROWS = 32768
+_NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.int16}  # bfloat16: its raw bits
+_SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
 
 def say(progress: bool, message: str) -> None:
@@ -132,13 +138,13 @@ def convert_gguf(
     staging.mkdir()
     try:
         say(progress, f"first start: converting {path.name} ({header.architecture}) to a {dtype} checkpoint")
-        tensors = _dequantize_all(header, spec, config, progress)
-        say(progress, f"caching {len(tensors)} tensors as {dtype} safetensors in {target}")
-        _write_safetensors(tensors, staging / "model.safetensors", dtype)
-        del tensors
+        say(progress, f"caching the tensors as {dtype} safetensors in {target}, each as it is dequantized")
+        _convert_tensors(header, spec, config, staging / "model.safetensors", dtype, progress)
+        release_free_heap()  # gguf's dequantizer temporaries, before the tokenizer is built
         (staging / "config.json").write_text(json.dumps({**config, "torch_dtype": dtype}, indent=2) + "\n")
         say(progress, "building the tokenizer from the GGUF's embedded vocabulary")
         _save_tokenizer(path, header, staging)
+        release_free_heap()  # transformers' GGUF vocabulary parse, before the tokenizer is loaded again
         marker = {
             "converter_version": CONVERTER_VERSION,
             "source": str(path.resolve()),
@@ -167,40 +173,66 @@ def _publish(staging: Path, target: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)  # an identical conversion is already published
 
 
-def _dequantize_all(header: Any, spec: Any, config: dict[str, Any], progress: bool) -> dict[str, np.ndarray]:
-    """Every mapped tensor as float32 with HF names and llama.cpp's fix-ups undone."""
+def _convert_tensors(header: Any, spec: Any, config: dict[str, Any], path: Path, dtype: str,
+                     progress: bool) -> None:
+    """Every mapped tensor with HF names and llama.cpp's fix-ups undone, written in `dtype`
+    to the safetensors file `path` as it is dequantized.
+
+    One tensor at a time (a vocabulary-sized one in row blocks), never the whole model: the
+    shapes are known from the GGUF header, so the file's header is written first and each
+    tensor's bytes follow. Holding every tensor in float32 and then a `dtype` copy for
+    safetensors' writer made the default model's first start peak at 1.88 GB of RSS."""
     from tqdm import tqdm
 
-    from hybridserve.models.gguf_header import dequantize_tensor
-
+    mapped = [(name, info) for info in header.tensors if (name := spec.hf_name(info.name)) is not None]
+    element_bytes = np.dtype(_NUMPY_DTYPES[dtype]).itemsize
+    entries: dict[str, Any] = {}
+    offset = 0
+    for name, info in mapped:
+        size = int(np.prod(info.shape, dtype=np.int64)) * element_bytes
+        entries[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(info.shape),
+                         "data_offsets": [offset, offset + size]}
+        offset += size
+    # The "pt" format tag is what transformers requires to load the file.
+    header_bytes = json.dumps({"__metadata__": {"format": "pt"}, **entries}, separators=(",", ":")).encode()
+    header_bytes += b" " * (-len(header_bytes) % 8)  # the data starts 8-byte aligned, as safetensors writes it
     total_params = sum(int(np.prod(t.shape, dtype=np.int64)) for t in header.tensors)
-    tensors: dict[str, np.ndarray] = {}
-    with tqdm(
+    with path.open("wb") as file, tqdm(
         total=total_params, desc="hybridserve: dequantizing", unit="param", unit_scale=True,
         disable=not progress, file=sys.stderr, leave=False,
     ) as bar:
-        for info in header.tensors:
-            hf_name = spec.hf_name(info.name)
-            if hf_name is not None:
-                values = spec.fix_tensor(hf_name, dequantize_tensor(header, info), config)
-                # Own, writable memory: an F32 tensor is otherwise a view of the read-only file map.
-                tensors[hf_name] = np.require(values, np.float32, ["C_CONTIGUOUS", "WRITEABLE"])
+        file.write(len(header_bytes).to_bytes(8, "little") + header_bytes)
+        for name, info in mapped:
+            for block in _dequantized_blocks(header, info, spec, name, config):
+                file.write(memoryview(_in_dtype(block, dtype)).cast("B"))
             bar.update(int(np.prod(info.shape, dtype=np.int64)))
-    return tensors
 
 
-def _write_safetensors(tensors: dict[str, np.ndarray], path: Path, dtype: str) -> None:
-    """Write in `dtype`; the "pt" format tag is what transformers requires to load the file."""
-    metadata = {"format": "pt"}
-    if dtype == "bfloat16":  # numpy has no bfloat16: go through torch for this one
-        import torch
-        from safetensors.torch import save_file as save_torch
+def _dequantized_blocks(header: Any, info: Any, spec: Any, hf_name: str, config: dict[str, Any]
+                        ) -> Iterator[np.ndarray]:
+    """One tensor as float32 with its fix-ups undone: a vocabulary-sized one (the embedding,
+    the output head; one row per token, which fix_tensor leaves as they are) in blocks of
+    _DEQUANTIZE_BLOCK_ROWS rows, any other whole (fix_tensor's per-head reordering needs
+    all of a Q/K projection's rows)."""
+    from hybridserve.models.gguf_header import dequantize_tensor
 
-        save_torch({k: torch.from_numpy(v).to(torch.bfloat16) for k, v in tensors.items()}, str(path), metadata)
+    rows = info.shape[0]
+    if len(info.shape) != 2 or rows != config.get("vocab_size"):
+        yield np.ascontiguousarray(spec.fix_tensor(hf_name, dequantize_tensor(header, info), config), np.float32)
         return
-    from safetensors.numpy import save_file as save_numpy
+    for start in range(0, rows, _DEQUANTIZE_BLOCK_ROWS):
+        block = dequantize_tensor(header, info, (start, min(start + _DEQUANTIZE_BLOCK_ROWS, rows)))
+        yield np.ascontiguousarray(spec.fix_tensor(hf_name, block, config), np.float32)
 
-    save_numpy({k: v.astype(dtype, copy=False) for k, v in tensors.items()}, str(path), metadata)
+
+def _in_dtype(values: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 `values` as the stored bytes of `dtype` (bfloat16 rounded to nearest even by
+    torch: numpy has no bfloat16)."""
+    if dtype == "bfloat16":
+        import torch
+
+        return torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy()
+    return values.astype(_NUMPY_DTYPES[dtype], copy=False)
 
 
 # GGUF token types (llama.cpp's llama_token_type).

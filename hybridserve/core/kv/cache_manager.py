@@ -18,6 +18,10 @@ from hybridserve.core.kv.hashing import make_block_hasher
 from hybridserve.core.kv.spec import KVCacheConfig, WindowTail, with_mamba_checkpoints
 from hybridserve.core.request import Request
 
+# Best-effort Mamba checkpoints never take the last this share of the pool's blocks: a
+# step's required blocks (running states, attention slots) come first (InPlaceMambaManager).
+CHECKPOINT_FREE_SHARE = 0.05
+
 # A limit no token count reaches: the steady-decode limits are ints (not float("inf")),
 # so the per-step comparisons stay int-to-int.
 NEVER = 1 << 62
@@ -85,6 +89,11 @@ class KVCacheManager:
                 f"{max_model_len} with {max_in_flight_tokens} tokens in flight; need at least {need}"
             )
         self.config = kv_cache_config
+        # Each group's admission cap: what a request's held blocks are counted against.
+        self.caps = [g.spec.max_admission_blocks_per_request(max_in_flight_tokens, max_model_len, window_tail)
+                     for g in kv_cache_config.groups]
+        # Best-effort Mamba checkpoints leave this many blocks free for the steps' own needs.
+        self.checkpoint_floor = int(CHECKPOINT_FREE_SHARE * (kv_cache_config.num_blocks - 1))
         self.block_size = kv_cache_config.block_size
         self.max_model_len = max_model_len
         self.max_in_flight_tokens = max_in_flight_tokens
@@ -242,25 +251,32 @@ class KVCacheManager:
 
         hits = new_computed_blocks
         num_needed = 0
-        if hits is None:  # a running request: the common, cheap path
+        if hits is None and not full_sequence_must_fit:  # a running request: the common, cheap path
             for m in managers:
                 num_needed += m.get_num_blocks_to_allocate(rid, num_tokens_need_slot, (), total_computed)
         else:
-            for m, group_hits in zip(managers, hits):
-                num_needed += m.get_num_blocks_to_allocate(rid, num_tokens_need_slot, group_hits, total_computed)
+            needs = [m.get_num_blocks_to_allocate(rid, num_tokens_need_slot, group_hits, total_computed)
+                     for m, group_hits in zip(managers, hits or [()] * len(managers))]
+            num_needed = sum(needs)
         num_free = self.pool.num_free_blocks
         if num_needed > num_free:
             return None
-        if full_sequence_must_fit:
-            shared_hits = sum(1 for g in hits or () for b in g if b.ref_cnt > 0 and not b.is_null)
-            held = sum(m.num_real_blocks.get(rid, 0) for m in managers)
-            if self.peak_blocks(request) - held - shared_hits + num_reserved_blocks > num_free:
-                return None
+        if full_sequence_must_fit and self._growth_after(request, hits, needs) + num_needed + num_reserved_blocks > num_free:
+            return None
 
         if hits is not None:
             for group_hits in hits:
                 self.pool.touch(group_hits)
             self.coordinator.save_new_computed_blocks(rid, hits)
+        if self.coordinator.in_place:
+            # Best-effort Mamba checkpoints: only blocks beyond what this allocation needs,
+            # what admitted requests are reserved, and the free share kept for steps.
+            # A checkpoint column costs a block in every such group (they decide alike:
+            # a hit needs every group, every page of a state).
+            in_place = self.coordinator.in_place
+            spare = (num_free - num_needed - max(num_reserved_blocks, self.checkpoint_floor)) // len(in_place)
+            for m in in_place:
+                m.spare = spare if spare > 0 else 0
         new_blocks = self.coordinator.allocate_new_blocks(rid, num_tokens_need_slot, total_computed)
         if self.enable_caching and not delay_cache_blocks:
             self.coordinator.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens), processed)
@@ -268,27 +284,55 @@ class KVCacheManager:
 
     def peak_blocks(self, request: Request) -> int:
         """Blocks the request holds at its peak (prompt + max_tokens), by the admission caps."""
+        return sum(self._peaks(request))
+
+    def _peaks(self, request: Request) -> list[int]:
         n = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
-        return self.coordinator.full_sequence_blocks(n, self.max_in_flight_tokens, self.max_model_len, self.window_tail)
+        return [min(m.num_required_blocks(n), cap) for m, cap in zip(self.coordinator.managers, self.caps)]
+
+    def _growth_after(self, request: Request, hits: BlocksPerGroup | None, needs: list[int]) -> int:
+        """Blocks the request may still take past this allocation, to its peak: per group
+        the peak less what it will hold, counted up to the cap (its blocks, the non-null
+        hits and the new blocks; a Mamba hit's source held beside the running state is a
+        block past the cap, not growth).
+
+        With attention groups only this is the peak less held blocks less all hits less
+        new blocks, so with `needs` added back: peak - held - shared hits."""
+        rid = request.request_id
+        total = 0
+        for m, cap, peak, need, group_hits in zip(self.coordinator.managers, self.caps, self._peaks(request), needs,
+                                                  hits or [()] * len(needs)):
+            real_hits = [b for b in group_hits if not b.is_null]
+            new = need - sum(1 for b in real_hits if b.ref_cnt == 0)
+            held = m.num_real_blocks.get(rid, 0) + len(real_hits) + new
+            total += max(0, peak - min(held, cap))
+        return total
 
     def outstanding_blocks(self, requests: list[Request]) -> int:
-        """How many more blocks these requests may still take before their peaks."""
+        """How many more blocks these requests may still take before their peaks (blocks
+        held beyond a group's cap, best-effort checkpoints, do not count as taken)."""
         managers = self.coordinator.managers
         total = 0
         for r in requests:
-            held = sum(m.num_real_blocks.get(r.request_id, 0) for m in managers)
-            total += max(0, self.peak_blocks(r) - held)
+            rid = r.request_id
+            total += sum(max(0, peak - min(m.num_real_blocks.get(rid, 0), cap))
+                         for m, cap, peak in zip(managers, self.caps, self._peaks(r)))
         return total
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int) -> None:
         self._forget(request_id)
         self.coordinator.remove_skipped_blocks(request_id, processed_computed_tokens)
 
-    def cache_blocks(self, request: Request, num_processed_tokens: int) -> None:
-        """Publish the full blocks below a count whose steps are all processed."""
+    def cache_blocks(self, request: Request, num_processed_tokens: int, final: bool = False) -> None:
+        """Publish the full blocks below a count whose steps are all processed (final: the
+        request finishes there, so an in-place Mamba group's block at that boundary is
+        settled too, see InPlaceMambaManager.cache_final)."""
         if self.enable_caching:
             self._forget(request.request_id)
             self.coordinator.cache_blocks(request, num_processed_tokens, num_processed_tokens)
+            if final:
+                for m in self.coordinator.in_place:
+                    m.cache_final(request, num_processed_tokens)
 
     def _forget(self, request_id: str) -> None:
         self._steady.pop(request_id, None)

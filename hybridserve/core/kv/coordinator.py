@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from hybridserve.core.kv.block_pool import BlockPool, KVCacheBlock
-from hybridserve.core.kv.single_type_managers import FullAttentionManager, SingleTypeKVCacheManager, make_manager
+from hybridserve.core.kv.single_type_managers import (
+    FullAttentionManager, InPlaceMambaManager, SingleTypeKVCacheManager, make_manager,
+)
 from hybridserve.core.kv.spec import KVCacheGroup, WindowTail
 from hybridserve.core.request import Request
 
@@ -24,6 +26,8 @@ class KVCacheCoordinator:
         self.managers: list[SingleTypeKVCacheManager] = [
             make_manager(g.spec, pool, i, enable_caching, window_tail) for i, g in enumerate(groups)
         ]
+        # Mamba groups keeping their running state in place (their checkpoints are best-effort).
+        self.in_place = [m for m in self.managers if isinstance(m, InPlaceMambaManager)]
         # Full attention first: it is the most selective, so later groups search short.
         self.search_order = sorted(
             range(len(groups)), key=lambda i: not isinstance(self.managers[i], FullAttentionManager)

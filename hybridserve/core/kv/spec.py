@@ -223,9 +223,12 @@ class MambaSpec(KVCacheSpec):
     # and the period of the checkpoints kept inside chunks (1: every block, 0: none).
     in_flight: WindowTail | None = None
     checkpoint_interval: int = 1
-    # Sparse only: hold the last whole-block checkpoint below the running state (what a KV
-    # connector stores at a request's finish); without a connector it is only cached.
+    # Sparse and in place: hold the last whole-block checkpoint below the running state
+    # (what a KV connector stores at a request's finish); without a connector it is only cached.
     keep_last_checkpoint: bool = True
+    # In place (see `with_mamba_checkpoints`): the running state stays in one block, the
+    # last entry of the table, for the request's life; checkpoints are best-effort copies.
+    running_in_place: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -295,6 +298,8 @@ class MambaSpec(KVCacheSpec):
         """
         if not self.block_checkpoints:
             return self.num_state_blocks
+        if self.running_in_place:
+            return 1  # the running state; checkpoints and a hit's or load's source are not held for long
         bs = self.block_size
         dense = min(blocks_touched(max_in_flight_tokens, bs) + 1, cdiv(max_model_len, bs))
         if not self.sparse:
@@ -374,15 +379,13 @@ def with_mamba_checkpoints(
         KVCacheGroup(replace(g.spec, block_checkpoints=True), g.layer_names) if isinstance(g.spec, MambaSpec) else g
         for g in groups
     )
-    if in_flight is None or not any(isinstance(g.spec, MambaSpec) and g.spec.num_pages > 1 for g in groups):
+    if in_flight is None:
         return dense
-    dense = tuple(
-        KVCacheGroup(replace(g.spec, keep_last_checkpoint=keep_last_checkpoint), g.layer_names)
+    return tuple(
+        KVCacheGroup(replace(g.spec, keep_last_checkpoint=keep_last_checkpoint, running_in_place=True), g.layer_names)
         if isinstance(g.spec, MambaSpec) else g
         for g in dense
     )
-    interval = checkpoint_interval_for(dense, in_flight, max_in_flight_tokens, max_model_len)
-    return _with_interval(dense, in_flight, interval)
 
 
 def _with_interval(groups: tuple[KVCacheGroup, ...], in_flight: WindowTail, interval: int) -> tuple[KVCacheGroup, ...]:

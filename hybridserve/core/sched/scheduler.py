@@ -326,7 +326,7 @@ class Scheduler:
         elif self.config.enable_prefix_caching:
             # Publish what the last steps filled: with drafts a step fills a block
             # before its tokens are known, and no allocation follows a finish.
-            self.kv.cache_blocks(req, min(req.num_processed_tokens, req.num_tokens))
+            self.kv.cache_blocks(req, min(req.num_processed_tokens, req.num_tokens), final=True)
         req.status = status
         self._free_request(req)
 

@@ -66,6 +66,10 @@ class MambaLayout:
         if len(layouts) != 1:
             raise ValueError("Mamba groups of one model must share one state layout")
         self.checkpoints: bool = layouts.pop()
+        # Running state in place (InPlaceMambaManager): the table's last entry holds it.
+        self.in_place = self.checkpoints and all(specs[g].running_in_place  # type: ignore[attr-defined]
+                                                 for g in self.mamba_groups)
+        self.in_place_groups = frozenset(self.mamba_groups) if self.in_place else frozenset()
         self.block_size = config.block_size
         # Per model layer: the MambaPages of a Mamba layer, None otherwise.
         self.states: list[MambaPages | None] = [None] * num_layers
@@ -111,14 +115,27 @@ class StepMambaStates:
     # Per group, the block the state after each token of a verify chunk belongs in.
     verify_dest: dict[int, list[np.ndarray]] = field(default_factory=dict)
     starts: list[int] = field(default_factory=list)
+    # In place: the requests (`copied`) whose start is a boundary they read from their
+    # running block, and per group the checkpoint block the state they read goes to.
+    copied: torch.Tensor | None = None
+    copy_ids: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def build(cls, layout: MambaLayout, tables: BlockTables, rows: np.ndarray, starts: np.ndarray,
-              counts: list[int], device: torch.device, verify: list[int] | None = None) -> StepMambaStates:
+              counts: list[int], device: torch.device, verify: list[int] | None = None,
+              from_source: np.ndarray | None = None) -> StepMambaStates:
+        """from_source: per request, its first step after it was added (in place, a request
+        starting mid-sequence then reads block (s-1)//bs: a prefix hit or a connector load)."""
         verify = list(verify or ())
         ends = starts + np.asarray(counts, dtype=np.int64)
         bs = layout.block_size
-        if layout.checkpoints:
+        in_place = layout.in_place
+        if in_place:
+            g0 = layout.mamba_groups[0]
+            last = tables.lengths[g0, rows] - 1
+            source = (starts > 0) & (from_source if from_source is not None else False)
+            read_col, write_col = np.where(source, np.maximum(starts - 1, 0) // bs, last), last
+        elif layout.checkpoints:
             read_col, write_col = np.maximum(starts - 1, 0) // bs, (ends - 1) // bs
         else:
             read_col = write_col = np.zeros_like(starts)
@@ -129,10 +146,14 @@ class StepMambaStates:
                 js = list(range((s // bs + 1) * bs - s, c, bs))  # boundaries strictly inside the chunk
                 if js:
                     checkpoints[r] = js
-        read_ids, write_ids, checkpoint_ids, verify_dest = {}, {}, {}, {}
-        kept = None
+        read_ids, write_ids, checkpoint_ids, verify_dest, copy_ids = {}, {}, {}, {}, {}
+        kept = copied = None
+        if in_place:
+            # A start on a boundary read from the running block: the state read is the
+            # checkpoint of block s/bs - 1 (the step that ended there could not write it).
+            copy_rows = np.flatnonzero((starts > 0) & (starts % bs == 0) & ~source)
         for g in layout.mamba_groups:
-            if np.any(tables.lengths[g, rows] <= write_col):
+            if np.any(tables.lengths[g, rows] <= write_col) or (in_place and np.any(last < (ends - 1) // bs)):
                 raise RuntimeError("a scheduled request lacks a Mamba state block (scheduler and runner out of sync)")
             table = tables.table[g]
             read, write = table[rows, read_col], table[rows, write_col]
@@ -145,12 +166,17 @@ class StepMambaStates:
                 if kept is None:  # every page group nulls the same blocks
                     kept = torch.from_numpy(ids != 0).to(device)
                 checkpoint_ids[g] = torch.from_numpy(ids).to(device)[kept]
+            if in_place and len(copy_rows):
+                ids = table[rows[copy_rows], starts[copy_rows] // bs - 1]
+                if copied is None:
+                    copied = torch.from_numpy(copy_rows[ids != 0]).to(device)
+                copy_ids[g] = torch.from_numpy(ids[ids != 0]).to(device)
             if verify and layout.checkpoints:
                 verify_dest[g] = [table[rows[r], (starts[r] + np.arange(counts[r])) // bs] for r in verify]
         fresh = starts == 0
         return cls(layout, counts, read_ids, write_ids, torch.from_numpy(fresh).to(device) if fresh.any() else None,
                    verify, checkpoints=checkpoints, checkpoint_ids=checkpoint_ids, kept=kept,
-                   verify_dest=verify_dest, starts=starts.tolist())
+                   verify_dest=verify_dest, starts=starts.tolist(), copied=copied, copy_ids=copy_ids)
 
     def _pages(self, layer_idx: int) -> MambaPages:
         pages = self.layout.states[layer_idx]
@@ -163,6 +189,9 @@ class StepMambaStates:
         if self.fresh is not None:
             conv[self.fresh] = 0
             ssm[self.fresh] = 0
+        if self.copied is not None and len(self.copied):
+            # No state of this step is read from these fresh checkpoint blocks.
+            pages.write(_page_ids(self.copy_ids, pages.page_groups), conv[self.copied], ssm[self.copied])
         return conv, ssm
 
     def write(self, layer_idx: int, conv: torch.Tensor, ssm: torch.Tensor,
@@ -197,7 +226,15 @@ class StepMambaStates:
             picks: list[tuple[int, int, list[int]]] = []  # (verify index, token index j, block per page group)
             for v, r in enumerate(ts.reqs):
                 n = num_valid[v]
-                if self.layout.checkpoints:
+                if self.layout.in_place:
+                    # The accepted state to the running block; boundary states where a
+                    # checkpoint block is (best-effort: some are null), never the running one.
+                    s, head = self.starts[r], self.verify_dest[pages.page_groups[0]][v]
+                    running = int(self.write_ids[pages.page_groups[0]][r])
+                    picks += [(v, j, [int(self.verify_dest[g][v][j]) for g in pages.page_groups])
+                              for j in range(n) if (s + j + 1) % bs == 0 and head[j] and head[j] != running]
+                    picks.append((v, n - 1, [int(self.write_ids[g][r]) for g in pages.page_groups]))
+                elif self.layout.checkpoints:
                     s, head = self.starts[r], self.verify_dest[pages.page_groups[0]][v]
                     # Boundary states go where the block is real (sparse checkpoints null some).
                     picks += [(v, j, [int(self.verify_dest[g][v][j]) for g in pages.page_groups])

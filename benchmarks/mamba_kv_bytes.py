@@ -64,7 +64,7 @@ def before_bytes(specs: dict, length: int, in_flight_tokens: int) -> int:
 
 
 def after_bytes(specs: dict, length: int, in_flight_tokens: int, steps: int) -> int:
-    groups = with_mamba_checkpoints(group_layers(specs), WindowTail(steps, 0), in_flight_tokens, length)
+    groups = with_mamba_checkpoints(group_layers(specs), WindowTail(steps, 0))
     return bytes_per_block(groups) * blocks_per_request(groups, in_flight_tokens, length)
 
 

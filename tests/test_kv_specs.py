@@ -7,7 +7,6 @@ formula (or to who calls it) fails a test with a concrete expected value.
 
 from __future__ import annotations
 
-from dataclasses import replace
 
 import pytest
 
@@ -270,7 +269,7 @@ def test_in_place_mamba_cap_is_one_block_a_page_group(steps: int, drafts: int) -
 
     for name, blocks, block_bytes in (("bamba-9b-like", 842, 196_608), ("jamba-like", 547, 262_144)):
         groups = with_mamba_checkpoints(group_layers(get_layout(name).layer_specs(16, "bfloat16")),
-                                        WindowTail(steps, drafts), steps * 8192, 8192)
+                                        WindowTail(steps, drafts))
         mamba = [g.spec for g in groups if isinstance(g.spec, MambaSpec)]
         assert all(s.running_in_place and s.max_admission_blocks_per_request(steps * 8192, 8192) == 1 for s in mamba)
         assert blocks_per_request(groups, steps * 8192, 8192) == blocks

@@ -391,3 +391,38 @@ def test_paged_bamba_states_hit_the_best_effort_checkpoints(async_scheduling: bo
     got = run(eng, second, tag="b")
     check("bamba", second, got, tag="b")
     assert len(base) == 86 and [got[f"b{i}"][2] for i in range(3)] == [80, 64, 96]
+
+
+def _count_skipped_checkpoints(eng: EngineCore) -> list[int]:
+    """Null entries a running request's table got when its running block moved on (its
+    best-effort checkpoints skipped for want of spare blocks), one count per allocation."""
+    skipped: list[int] = []
+    for m in eng.scheduler.kv.coordinator.in_place:
+        def counting(rid, num_tokens, chunk_start=0, orig=m.allocate_new_blocks, m=m):  # type: ignore[no-untyped-def]
+            moving = rid in m.running
+            new = orig(rid, num_tokens, chunk_start)
+            skipped.append(sum(b.is_null for b in new) if moving else 0)
+            return new
+        m.allocate_new_blocks = counting  # type: ignore[method-assign]
+    return skipped
+
+
+@pytest.mark.parametrize("kind", tiny.KINDS)
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_short_pool_skips_checkpoints_and_every_token_is_hf(kind: str, async_scheduling: bool) -> None:
+    """Pools near the admission minimum (one max-length request of 160 tokens: Bamba 10
+    attention blocks + 9 running-state pages, 20 blocks with the null block; Mamba2 one
+    group of 3 layers, 1 block, 2) with the prefix-hit workload: best-effort checkpoints
+    are skipped (null entries), hits get fewer, and every token is still HF's. The second
+    wave starts only from checkpoints that exist."""
+    num_blocks = {"mamba2": 4, "bamba": 26}[kind]
+    base = PROMPTS[3]
+    eng = make_engine(kind, async_scheduling=async_scheduling, num_blocks=num_blocks, max_num_batched_tokens=24)
+    skipped = _count_skipped_checkpoints(eng)
+    first = run(eng, [base], tag="a", shutdown=False)
+    turn2 = base + first["a0"][0] + [5, 6, 7]
+    second = [list(base), base[:50] + [9] * 20, turn2]
+    got = run(eng, second, tag="b")
+    check(kind, [base], first, tag="a")
+    check(kind, second, got, tag="b")
+    assert sum(skipped) > 0

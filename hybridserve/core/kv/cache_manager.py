@@ -75,12 +75,11 @@ class KVCacheManager:
         keep_last_checkpoint: bool = True,
     ) -> None:
         """in_flight: the scheduler's steps and drafts in flight (SchedulerConfig.window_tail,
-        whether or not window-tail allocation is on); with it paged Mamba states keep
-        sparse checkpoints, and the last whole one only if keep_last_checkpoint (a KV
-        connector is attached)."""
+        whether or not window-tail allocation is on); with it Mamba states stay in place
+        (checkpoints are best-effort), and a request holds the last whole checkpoint only
+        if keep_last_checkpoint (a KV connector is attached)."""
         if enable_caching:  # Mamba groups then keep state checkpoints, so prefixes can hit
-            groups = with_mamba_checkpoints(kv_cache_config.groups, in_flight, max_in_flight_tokens, max_model_len,
-                                            keep_last_checkpoint)
+            groups = with_mamba_checkpoints(kv_cache_config.groups, in_flight, keep_last_checkpoint)
             kv_cache_config = replace(kv_cache_config, groups=groups)
         need = kv_cache_config.min_num_blocks(max_in_flight_tokens, max_model_len, window_tail)
         if kv_cache_config.num_blocks < need:

@@ -328,26 +328,9 @@ class MambaManager(SingleTypeKVCacheManager):
         super().__init__(spec, block_pool, group_id, enable_caching)
         self.checkpoints = self.spec.block_checkpoints
 
-    @property
-    def has_holes(self) -> bool:
-        return self.spec.sparse
-
-    def is_real(self, index: int, chunk_start: int, chunk_end: int) -> bool:
-        """Sparse checkpoints: real only where the chunk reads its state (new after a load
-        from a KV connector), in its tail or on the period (MambaSpec); a null interior
-        boundary's state is simply not kept."""
-        if index < self.first_real_block(chunk_start):
-            return False
-        spec = self.spec
-        if not spec.sparse or index == (chunk_start - 1) // self.block_size:
-            return True
-        return spec.is_checkpoint_block(index) or index >= spec.tail_start(chunk_end) // self.block_size
-
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         if not self.checkpoints:
             return 0
-        if self.spec.sparse and not self.spec.keep_last_checkpoint:  # only the running state
-            return max(0, (num_computed_tokens - 1) // self.block_size * self.block_size)
         if num_computed_tokens < 2 * self.block_size:
             return 0
         return (num_computed_tokens // self.block_size - 1) * self.block_size
@@ -420,10 +403,9 @@ class InPlaceMambaManager(MambaManager):
         """Every column below the last computed token's (its checkpoints are written and
         published by then), but with keep_last_checkpoint the last whole one (a KV
         connector stores it at the request's finish)."""
-        bs = self.block_size
         if self.spec.keep_last_checkpoint:
-            return 0 if num_computed_tokens < 2 * bs else (num_computed_tokens // bs - 1) * bs
-        return max(0, (num_computed_tokens - 1) // bs * bs)
+            return super().get_num_skipped_tokens(num_computed_tokens)
+        return max(0, (num_computed_tokens - 1) // self.block_size * self.block_size)
 
     def _source_column(self, chunk_start: int) -> int:
         """Column of the state a request without a running block starts from (-1: zeros)."""

@@ -191,8 +191,9 @@ class SimExecutor(Executor):
                     last = hash((last, tok))
                     fps.append(last)
             sampled.append(out)
-        for sr in so.requests:
-            reqs[sr.request_id].from_source = False
+        if shadow is not None:  # only the shadow reads it
+            for sr in so.requests:
+                reqs[sr.request_id].from_source = False
         if touches is not None and touches.state_writes:
             # A Mamba layer reads every request's state before it writes any (the runner's
             # StepMambaStates): a state written this step is not there for another's read.
@@ -405,8 +406,9 @@ class SimExecutor(Executor):
         """Running state in place (MambaSpec.running_in_place): read it from the table's last
         entry R (the first step after a hit or a load: from block (s-1)//bs), write the
         chunk's final state to R then, as the runner's commit does, the state after the last
-        valid token; and the state at every boundary b in [s, s + num_valid) to block
-        b/bs - 1 where that is a checkpoint block (b == s: the state read)."""
+        valid token; and the state at every boundary b in [s, s + num_valid] to block
+        b/bs - 1 where that is a checkpoint block, not R (b == s: the state read; b at the
+        end: the state after the last valid token)."""
         bs = self.block_size
         table, row = st.tables[g], st.row
         end = s + len(writes)
@@ -421,7 +423,7 @@ class SimExecutor(Executor):
         running = table[last]
         state_writes = touches.state_writes
         state_writes.append((running, writes[-1], rid))
-        for b in range((s // bs + 1) * bs if source else -(-s // bs) * bs, s + num_valid, bs):
+        for b in range((s // bs + 1) * bs if source else -(-s // bs) * bs, s + num_valid + 1, bs):
             col = b // bs - 1
             if b and col != last and table[col] != NULL:
                 state_writes.append((table[col], read_fp if b == s else writes[b - s - 1], rid))  # type: ignore[arg-type]

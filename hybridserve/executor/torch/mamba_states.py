@@ -6,6 +6,10 @@ state lives depends on the layout (MambaSpec):
 
     one state block (no prefix caching): column 0, read and written in place
     block checkpoints (prefix caching):  positional, the state after n tokens in block (n-1)//bs
+    running state in place (prefix caching, the engine's layout): the table's last entry R
+      is read and written by every step (a first step after a hit or a load reads block
+      (s-1)//bs); checkpoints at boundaries b in [s, e] go to block b/bs - 1 where that is
+      a checkpoint block (best-effort: may be null), b == s the state read, b == e the final
 
     step: request r computes tokens s..e-1 (bs 16, s 40, e 72)
       read   block (s-1)//bs = 2            -> conv [conv_dim, K-1], SSM [H, P, N]  (zeros if s == 0)
@@ -93,6 +97,31 @@ def _page_ids(per_group: dict[int, torch.Tensor], groups: tuple[int, ...]) -> to
     return torch.stack([per_group[g] for g in groups], dim=1)
 
 
+def _boundary_copies(layout: MambaLayout, tables: BlockTables, rows: np.ndarray, at: np.ndarray,
+                     eligible: np.ndarray, device: torch.device) -> tuple[torch.Tensor, dict[int, torch.Tensor]] | None:
+    """In place: the requests whose position `at` is a boundary (eligible ones) with a
+    checkpoint block there (block at/bs - 1, real: best-effort ones may be null), and
+    that block in every Mamba group (the groups null alike); None when there are none."""
+    bs = layout.block_size
+    sel = np.flatnonzero(eligible & (at > 0) & (at % bs == 0))
+    if not len(sel):
+        return None
+    cols = at[sel] // bs - 1
+    g0 = layout.mamba_groups[0]
+    real = tables.table[g0, rows[sel], cols] != 0
+    sel, cols = sel[real], cols[real]
+    if not len(sel):
+        return None
+    ids = {g: torch.from_numpy(tables.table[g, rows[sel], cols]).to(device) for g in layout.mamba_groups}
+    return torch.from_numpy(sel).to(device), ids
+
+
+def _write_copies(pages: MambaPages, copies: tuple[torch.Tensor, dict[int, torch.Tensor]], conv: torch.Tensor,
+                  ssm: torch.Tensor) -> None:
+    sel, ids = copies
+    pages.write(_page_ids(ids, pages.page_groups), conv[sel], ssm[sel])
+
+
 @dataclass
 class StepMambaStates:
     """One step's MambaStateIO: where every request's state is read from and written to."""
@@ -115,10 +144,12 @@ class StepMambaStates:
     # Per group, the block the state after each token of a verify chunk belongs in.
     verify_dest: dict[int, list[np.ndarray]] = field(default_factory=dict)
     starts: list[int] = field(default_factory=list)
-    # In place: the requests (`copied`) whose start is a boundary they read from their
-    # running block, and per group the checkpoint block the state they read goes to.
-    copied: torch.Tensor | None = None
-    copy_ids: dict[int, torch.Tensor] = field(default_factory=dict)
+    # In place: the requests whose start is a boundary they read from their running block
+    # (`at_start`), and those whose (non-verify) chunk ends on a boundary past which R has
+    # moved (`at_end`): the checkpoint blocks the state read, or the final state, also
+    # goes to (rows of the step, per group their blocks).
+    at_start: tuple[torch.Tensor, dict[int, torch.Tensor]] | None = None
+    at_end: tuple[torch.Tensor, dict[int, torch.Tensor]] | None = None
 
     @classmethod
     def build(cls, layout: MambaLayout, tables: BlockTables, rows: np.ndarray, starts: np.ndarray,
@@ -146,12 +177,16 @@ class StepMambaStates:
                 js = list(range((s // bs + 1) * bs - s, c, bs))  # boundaries strictly inside the chunk
                 if js:
                     checkpoints[r] = js
-        read_ids, write_ids, checkpoint_ids, verify_dest, copy_ids = {}, {}, {}, {}, {}
-        kept = copied = None
+        read_ids, write_ids, checkpoint_ids, verify_dest = {}, {}, {}, {}
+        kept = None
+        at_start = at_end = None
         if in_place:
-            # A start on a boundary read from the running block: the state read is the
-            # checkpoint of block s/bs - 1 (the step that ended there could not write it).
-            copy_rows = np.flatnonzero((starts > 0) & (starts % bs == 0) & ~source)
+            # The checkpoint of a boundary b = s (the state read from R) or b = e (the final
+            # state, R having moved on); b/bs - 1 is never R's column then.
+            is_verify = np.zeros(len(starts), dtype=bool)
+            is_verify[verify] = True
+            at_start = _boundary_copies(layout, tables, rows, starts, (starts > 0) & ~source, device)
+            at_end = _boundary_copies(layout, tables, rows, ends, (last >= ends // bs) & ~is_verify, device)
         for g in layout.mamba_groups:
             if np.any(tables.lengths[g, rows] <= write_col) or (in_place and np.any(last < (ends - 1) // bs)):
                 raise RuntimeError("a scheduled request lacks a Mamba state block (scheduler and runner out of sync)")
@@ -166,17 +201,12 @@ class StepMambaStates:
                 if kept is None:  # every page group nulls the same blocks
                     kept = torch.from_numpy(ids != 0).to(device)
                 checkpoint_ids[g] = torch.from_numpy(ids).to(device)[kept]
-            if in_place and len(copy_rows):
-                ids = table[rows[copy_rows], starts[copy_rows] // bs - 1]
-                if copied is None:
-                    copied = torch.from_numpy(copy_rows[ids != 0]).to(device)
-                copy_ids[g] = torch.from_numpy(ids[ids != 0]).to(device)
             if verify and layout.checkpoints:
                 verify_dest[g] = [table[rows[r], (starts[r] + np.arange(counts[r])) // bs] for r in verify]
         fresh = starts == 0
         return cls(layout, counts, read_ids, write_ids, torch.from_numpy(fresh).to(device) if fresh.any() else None,
                    verify, checkpoints=checkpoints, checkpoint_ids=checkpoint_ids, kept=kept,
-                   verify_dest=verify_dest, starts=starts.tolist(), copied=copied, copy_ids=copy_ids)
+                   verify_dest=verify_dest, starts=starts.tolist(), at_start=at_start, at_end=at_end)
 
     def _pages(self, layer_idx: int) -> MambaPages:
         pages = self.layout.states[layer_idx]
@@ -189,15 +219,17 @@ class StepMambaStates:
         if self.fresh is not None:
             conv[self.fresh] = 0
             ssm[self.fresh] = 0
-        if self.copied is not None and len(self.copied):
-            # No state of this step is read from these fresh checkpoint blocks.
-            pages.write(_page_ids(self.copy_ids, pages.page_groups), conv[self.copied], ssm[self.copied])
+        if self.at_start is not None:
+            # No state of this step is read from these checkpoint blocks.
+            _write_copies(pages, self.at_start, conv, ssm)
         return conv, ssm
 
     def write(self, layer_idx: int, conv: torch.Tensor, ssm: torch.Tensor,
               token_states: TokenStates | None = None, boundary_states: BoundaryStates | None = None) -> None:
         pages = self._pages(layer_idx)
         pages.write(_page_ids(self.write_ids, pages.page_groups), conv, ssm)
+        if self.at_end is not None:
+            _write_copies(pages, self.at_end, conv, ssm)
         if token_states is not None:
             self.token_states[layer_idx] = token_states
         if self.checkpoints:

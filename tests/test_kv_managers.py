@@ -265,7 +265,7 @@ def in_place(spare: int, keep: bool = False, num_blocks: int = 32) -> InPlaceMam
     spec = MambaSpec(16, shapes=((3, 4),), block_checkpoints=True, running_in_place=True, keep_last_checkpoint=keep)
     m = manager_for(spec, num_blocks)
     assert isinstance(m, InPlaceMambaManager)
-    m.spare = spare
+    m.budget.columns = spare
     return m
 
 
@@ -280,7 +280,7 @@ def test_in_place_mamba_first_chunk_takes_only_the_running_block_as_required() -
     assert m.get_num_blocks_to_allocate(RID, 100, []) == 1  # R only
     new = m.allocate_new_blocks(RID, 100)
     assert [b.is_null for b in new] == [False, False, True, True, True, True, False]
-    assert m.num_real_blocks[RID] == 3 and m.num_null_blocks[RID] == 0 and m.spare == 0
+    assert m.num_real_blocks[RID] == 3 and m.num_null_blocks[RID] == 0
 
 
 def test_in_place_mamba_running_block_moves_to_the_new_last_entry() -> None:
@@ -290,7 +290,7 @@ def test_in_place_mamba_running_block_moves_to_the_new_last_entry() -> None:
     m = in_place(spare=8)
     m.allocate_new_blocks(RID, 20)  # [X16, R]
     running = m.req_to_blocks[RID][-1]
-    m.spare = 1
+    m.budget.columns = 1
     assert m.get_num_blocks_to_allocate(RID, 53, [], chunk_start=20) == 0
     delta = m.allocate_new_blocks(RID, 53, chunk_start=20)
     assert len(delta) == 2 and not delta[0].is_null and delta[1].is_null
@@ -353,3 +353,14 @@ def test_in_place_mamba_admission_cap_is_one() -> None:
     spec = MambaSpec(16, shapes=((3, 4),), block_checkpoints=True, running_in_place=True)
     assert spec.max_admission_blocks_per_request(1024, 8192) == 1
     assert spec.max_admission_blocks_per_request(64, 40) == 1
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_in_place_mamba_next_free_basis_agrees_with_the_general_search(keep: bool) -> None:
+    """The closed form (mark m = null prefix + 1: m*16 + 1 tokens, or (m + 1)*16 when the
+    last whole checkpoint is kept) against the base class's doubling-bisecting search."""
+    m = in_place(spare=10, keep=keep)
+    m.allocate_new_blocks(RID, 200)
+    for processed in (0, 1, 17, 32, 33, 64, 100, 150):
+        m.remove_skipped_blocks(RID, processed)
+        assert m.next_free_basis(RID) == SingleTypeKVCacheManager.next_free_basis(m, RID)

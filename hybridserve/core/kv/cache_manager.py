@@ -272,10 +272,9 @@ class KVCacheManager:
             # what admitted requests are reserved, and the free share kept for steps.
             # A checkpoint column costs a block in every such group (they decide alike:
             # a hit needs every group, every page of a state).
-            in_place = self.coordinator.in_place
-            spare = (num_free - num_needed - max(num_reserved_blocks, self.checkpoint_floor)) // len(in_place)
-            for m in in_place:
-                m.spare = spare if spare > 0 else 0
+            spare = (num_free - num_needed - max(num_reserved_blocks, self.checkpoint_floor)) // len(
+                self.coordinator.in_place)
+            self.coordinator.checkpoint_budget.columns = spare if spare > 0 else 0
         new_blocks = self.coordinator.allocate_new_blocks(rid, num_tokens_need_slot, total_computed)
         if self.enable_caching and not delay_cache_blocks:
             self.coordinator.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens), processed)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hybridserve.core.kv.block_pool import BlockPool, KVCacheBlock
 from hybridserve.core.kv.single_type_managers import (
-    FullAttentionManager, InPlaceMambaManager, SingleTypeKVCacheManager, make_manager,
+    CheckpointBudget, FullAttentionManager, InPlaceMambaManager, SingleTypeKVCacheManager, make_manager,
 )
 from hybridserve.core.kv.spec import KVCacheGroup, WindowTail
 from hybridserve.core.request import Request
@@ -26,8 +26,12 @@ class KVCacheCoordinator:
         self.managers: list[SingleTypeKVCacheManager] = [
             make_manager(g.spec, pool, i, enable_caching, window_tail) for i, g in enumerate(groups)
         ]
-        # Mamba groups keeping their running state in place (their checkpoints are best-effort).
+        # Mamba groups keeping their running state in place (their checkpoints are best-effort),
+        # sharing one checkpoint budget.
         self.in_place = [m for m in self.managers if isinstance(m, InPlaceMambaManager)]
+        self.checkpoint_budget = CheckpointBudget()
+        for m in self.in_place:
+            m.budget = self.checkpoint_budget
         # Full attention first: it is the most selective, so later groups search short.
         self.search_order = sorted(
             range(len(groups)), key=lambda i: not isinstance(self.managers[i], FullAttentionManager)

@@ -366,6 +366,15 @@ class MambaManager(SingleTypeKVCacheManager):
             super().cache_blocks(request, min(num_tokens, num_processed_tokens), num_processed_tokens)
 
 
+class CheckpointBudget:
+    """How many best-effort checkpoint columns the allocation under way may fill."""
+
+    __slots__ = ("columns",)
+
+    def __init__(self) -> None:
+        self.columns = 0
+
+
 class InPlaceMambaManager(MambaManager):
     """Mamba groups whose running state stays in one block (`MambaSpec.running_in_place`).
 
@@ -374,7 +383,7 @@ class InPlaceMambaManager(MambaManager):
     one block a request truly needs. When a step's slots grow the table, R moves to the
     new last entry (same block id: every step reads and writes its state in place) and
     the entries it leaves get checkpoint blocks when the pool has blocks to spare
-    (`spare`, set by the KV cache manager per allocation) or the null block (no
+    (`budget`, set by the KV cache manager per allocation) or the null block (no
     checkpoint there, so fewer prefix hits)::
 
         bs 4, chunk 0..5 then 6..12:   [X4  R]   ->   [X4  X8  null  R]
@@ -392,8 +401,10 @@ class InPlaceMambaManager(MambaManager):
     def __init__(self, spec: KVCacheSpec, block_pool: BlockPool, group_id: int, enable_caching: bool) -> None:
         super().__init__(spec, block_pool, group_id, enable_caching)
         self.running: set[str] = set()  # requests whose last table entry is their running block
-        # Checkpoint blocks this allocation may take beyond what it needs (KVCacheManager).
-        self.spare = 0
+        # Checkpoint columns an allocation may fill beyond what it needs: set once per
+        # allocation by the KV cache manager, shared by every in-place group (they decide
+        # alike, each taking that many blocks; see KVCacheManager._allocate_slots).
+        self.budget = CheckpointBudget()
 
     @property
     def has_holes(self) -> bool:
@@ -407,6 +418,12 @@ class InPlaceMambaManager(MambaManager):
             return super().get_num_skipped_tokens(num_computed_tokens)
         return max(0, (num_computed_tokens - 1) // self.block_size * self.block_size)
 
+    def next_free_basis(self, request_id: str) -> float:
+        """The base class's search, in closed form for this hook: block nn (the first past
+        the null mark) goes at processed nn*bs + bs + 1 (the last whole one kept: + bs)."""
+        mark = self.num_null_blocks.get(request_id, 0) + 1
+        return (mark + 1) * self.block_size if self.spec.keep_last_checkpoint else mark * self.block_size + 1
+
     def _source_column(self, chunk_start: int) -> int:
         """Column of the state a request without a running block starts from (-1: zeros)."""
         return (chunk_start - 1) // self.block_size if chunk_start > 0 else -1
@@ -415,7 +432,7 @@ class InPlaceMambaManager(MambaManager):
         self, request_id: str, num_tokens: int, new_computed_blocks: list[KVCacheBlock] | tuple, chunk_start: int = 0
     ) -> int:
         """Required blocks only: R at a request's first compute step and, after a connector
-        load, the block the load fills; checkpoints are taken from `spare` if any."""
+        load, the block the load fills; checkpoints take what `budget` allows."""
         blocks = self.req_to_blocks.get(request_id)
         have = (len(blocks) if blocks else 0) + len(new_computed_blocks)
         num_new = 0
@@ -433,28 +450,26 @@ class InPlaceMambaManager(MambaManager):
         if end <= first:
             return []
         pool, null = self.pool, self.pool.null_block
+        spare = self.budget.columns
         running = request_id in self.running
-        if running:
-            cols = range(first - 1, end - 1)  # the entries R leaves and passes
-            required: set[int] = set()
+        if running:  # the entries R leaves and passes, first - 1 .. end - 2: checkpoints
+            real = [i < spare for i in range(end - first)]
         else:
             skip = self.first_real_block(chunk_start)
             source = self._source_column(chunk_start)
             last = end - 1 if num_tokens > chunk_start else end  # end: no running block yet (a load)
-            cols = range(first, min(last, end))
-            required = {source} if source >= first else set()
-        new: list[KVCacheBlock] = []
-        num_real = 0
-        for i in cols:
-            if i in required:
-                new.extend(pool.get_new_blocks(1))
-                num_real += 1
-            elif self.spare > 0 and (running or i >= skip):
-                new.extend(pool.get_new_blocks(1))
-                self.spare -= 1
-                num_real += 1
-            else:
-                new.append(null)
+            real = []
+            for i in range(first, min(last, end)):
+                if i == source:
+                    real.append(True)
+                elif spare > 0 and i >= skip:
+                    real.append(True)
+                    spare -= 1
+                else:
+                    real.append(False)
+        num_real = sum(real)
+        fresh = iter(pool.get_new_blocks(num_real))
+        new = [next(fresh) if r else null for r in real]
         if running:
             blocks[first - 1 : first - 1] = new  # insert before R
         else:

@@ -391,11 +391,12 @@ class InPlaceMambaManager(MambaManager):
 
     A step over s..e-1 reads R (the first step after a prefix hit or a connector load
     reads block (s-1)//bs instead, the source it starts from), writes its final state
-    to R and the state at every boundary b in [s, e) (b > 0) to block b/bs - 1 when that
-    is a checkpoint block (for b == s: the state it read). A checkpoint is written by the
-    step that crosses its boundary, so it is published (and pruned) only once the
-    processed count has passed the boundary: (c + 1) * bs < processed. R is never
-    published while the request runs: its column is never below the scheduled count.
+    to R and the state at every boundary b in [s, e] (b > 0) to block b/bs - 1 when that
+    is a checkpoint block, not R (b == s: the state it read; b == e: its final state). A
+    checkpoint is written by a step that reaches its boundary, so it is published (and
+    pruned) once the processed count has passed the boundary: (c + 1) * bs < processed.
+    R is never published while the request runs: its column is never below the
+    scheduled count (at a finish, see cache_final).
     """
 
     def __init__(self, spec: KVCacheSpec, block_pool: BlockPool, group_id: int, enable_caching: bool) -> None:
@@ -498,10 +499,11 @@ class InPlaceMambaManager(MambaManager):
 
     def cache_final(self, request: Request, num_processed_tokens: int) -> None:
         """At a request's finish its block at the last processed boundary is settled: R
-        there holds that state (no later step can write R, whose column would then have
-        moved on), a checkpoint block there was written by the verify step that ended on
-        the boundary or is by the step in flight that starts on it, which runs before any
-        step that could hit it."""
+        there holds that state (no later step can write R without moving it on), and a
+        checkpoint block there was written by the step that reached the boundary (a
+        chunk's final state or a verify step's commit: boundaries b in [s, e]) or, when R
+        moved on while that step was in flight, is by the step in flight that starts on
+        it (b == s), which runs before any step that could read it."""
         SingleTypeKVCacheManager.cache_blocks(self, request, num_processed_tokens, num_processed_tokens)
 
     def pop(self, request_id: str) -> list[KVCacheBlock]:

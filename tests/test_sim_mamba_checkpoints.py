@@ -210,3 +210,40 @@ def test_paged_connector_loads_the_last_checkpoint_of_a_finished_turn(failure_ra
     run, reqs = _offload_workload([FULL] + PAGED, failure_rate=failure_rate, num_blocks=120)
     check(run, reqs, 256)
     assert run.connector.num_loaded_blocks + run.connector.num_failed_blocks > 0
+
+
+# -- injected faults in the in-place layout: the detector must catch them ------------------------
+def test_detector_catches_publishing_the_running_block(monkeypatch):
+    """Fault: publish a checkpoint once the processed count reaches its boundary (not
+    passes it). Sync, chunks of 32: r0's first chunk ends on boundary 32 with R in
+    block 1, so the next allocation publishes R under the 32-token prefix, then moves
+    it on and keeps writing it; r1, sharing 40 tokens, hits it and reads a later state."""
+    from hybridserve.core.kv.single_type_managers import InPlaceMambaManager, SingleTypeKVCacheManager
+
+    def too_early(self, request, num_tokens, num_processed_tokens):  # type: ignore[no-untyped-def]
+        SingleTypeKVCacheManager.cache_blocks(self, request, min(num_tokens, num_processed_tokens),
+                                              num_processed_tokens)
+
+    monkeypatch.setattr(InPlaceMambaManager, "cache_blocks", too_early)
+    prefix = [(j * 7) % 900 + 5 for j in range(40)]
+    reqs = [(i * 40, make_request(f"r{i}", prefix + [1000 + i] * 30, 12)) for i in range(2)]
+    run = run_sim([FULL, MAMBA], reqs, 300, max_model_len=MML, max_num_batched_tokens=32, async_scheduling=False,
+                  strict=False)
+    assert any(v.kind == WRONG and v.group == 1 for v in run.violations)
+
+
+def test_detector_catches_a_runner_that_appends_past_the_running_block(monkeypatch):
+    """Fault: the executor appends an in-place group's deltas instead of inserting them
+    before its last entry, so it reads a fresh checkpoint block as the running state."""
+    from hybridserve.executor.sim.executor import SimExecutor
+
+    init = SimExecutor.initialize
+
+    def appending(self, kv_cache_config):  # type: ignore[no-untyped-def]
+        init(self, kv_cache_config)
+        self._in_place = [False] * len(self._in_place)
+
+    monkeypatch.setattr(SimExecutor, "initialize", appending)
+    reqs = shared_prefix_requests(n=1)
+    run = run_sim([FULL, MAMBA], reqs, 300, max_model_len=MML, max_num_batched_tokens=40, strict=False)
+    assert any(v.group == 1 for v in run.violations)

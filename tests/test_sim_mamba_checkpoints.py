@@ -247,3 +247,22 @@ def test_detector_catches_a_runner_that_appends_past_the_running_block(monkeypat
     reqs = shared_prefix_requests(n=1)
     run = run_sim([FULL, MAMBA], reqs, 300, max_model_len=MML, max_num_batched_tokens=40, strict=False)
     assert any(v.group == 1 for v in run.violations)
+
+
+@pytest.mark.parametrize("connector", [False, True])
+def test_the_mirror_fast_path_agrees_with_every_group(monkeypatch, connector):
+    """KVCacheCoordinator.mirror_fast_path computes a request's limits and block count
+    over page 0 of each paged state: the same run (async, drafts, shared prefixes, a pool
+    that runs short, a connector) with it off must schedule exactly alike."""
+    from hybridserve.core.kv.coordinator import KVCacheCoordinator
+
+    def one(fast: bool):  # type: ignore[no-untyped-def]
+        monkeypatch.setattr(KVCacheCoordinator, "mirror_fast_path", fast)
+        reqs = shared_prefix_requests(n=4, gap=15)
+        run = run_sim([FULL] + PAGED, reqs, 40, max_model_len=256, max_num_batched_tokens=40,
+                      num_speculative_tokens=2, connector=connector)
+        check(run, reqs, 256)
+        s = run.scheduler
+        return run.outputs, s.stats.num_steps, s.stats.num_preemptions, s.kv.prefix_cache_stats.hits
+
+    assert one(True) == one(False)

@@ -251,8 +251,7 @@ class KVCacheManager:
         hits = new_computed_blocks
         num_needed = 0
         if hits is None and not full_sequence_must_fit:  # a running request: the common, cheap path
-            for m in managers:
-                num_needed += m.get_num_blocks_to_allocate(rid, num_tokens_need_slot, (), total_computed)
+            num_needed = self.coordinator.num_blocks_to_allocate(rid, num_tokens_need_slot, total_computed)
         else:
             needs = [m.get_num_blocks_to_allocate(rid, num_tokens_need_slot, group_hits, total_computed)
                      for m, group_hits in zip(managers, hits or [()] * len(managers))]

@@ -118,6 +118,9 @@ class SimExecutor(Executor):
                    if isinstance(grp.spec, MambaSpec) and grp.spec.page_index > 0}
         self._groups = tuple((g, codes[kind], size) for g, (kind, size) in enumerate(self.group_kinds)
                              if g not in mirrors)
+        # The groups whose tables the shadow keeps (a mirror's blocks are never touched, so
+        # its frees can never report: its table is not needed).
+        self._tracked = [g for g in range(len(self.group_kinds)) if g not in mirrors]
         self._in_place = [kind == "mamba" and size == 2 for kind, size in self.group_kinds]
         if self.detector:
             self.shadow = ShadowKV(kv_cache_config.num_blocks, self.block_size, len(self.group_kinds), self.strict)
@@ -236,10 +239,11 @@ class SimExecutor(Executor):
         st = _ReqState(prefix_fingerprints(sr.new.token_ids), sr.num_computed_tokens)
         shadow = self.shadow
         if shadow is not None:
-            st.tables = [list(t) for t in sr.new_block_ids]
+            st.tables = [[] for _ in sr.new_block_ids]
             st.num_nulls = tuple(sr.num_null_blocks)
             st.row = shadow.alloc_row()
-            for g, table in enumerate(st.tables):
+            for g in self._tracked:
+                st.tables[g] = table = list(sr.new_block_ids[g])
                 shadow.set_blocks(g, st.row, 0, table)
         self.reqs[sr.request_id] = st
         return st
@@ -247,8 +251,9 @@ class SimExecutor(Executor):
     def _update_tables(self, sr: ScheduledRequest, st: _ReqState) -> None:
         shadow = self.shadow
         assert shadow is not None
-        for g, ids in enumerate(sr.new_block_ids):
-            table = st.tables[g]
+        new_ids, new_nulls = sr.new_block_ids, sr.num_null_blocks
+        for g in self._tracked:
+            table, ids = st.tables[g], new_ids[g]
             if ids:
                 if self._in_place[g]:  # the running state's block R stays last (InPlaceMambaManager)
                     shadow.insert_before_last(g, st.row, len(table) - 1, ids)
@@ -256,7 +261,7 @@ class SimExecutor(Executor):
                 else:
                     shadow.set_blocks(g, st.row, len(table), ids)
                     table.extend(ids)
-            nulls = sr.num_null_blocks[g]
+            nulls = new_nulls[g]
             old = st.num_nulls[g]
             if nulls > old:
                 for i in range(old, nulls):

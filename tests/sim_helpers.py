@@ -114,9 +114,19 @@ def run_sim(
                     check_in_place_table(m, blocks, sched.requests.get(rid), sched.config.max_in_flight_tokens)
                     continue
                 assert real <= cap, f"request {rid} holds {real} real blocks of {type(m.spec).__name__}, cap {cap}"
+        # The running sum best-effort checkpoints leave free equals the recount.
+        holders = [r for rid, r in sched.requests.items() if kv.holds_blocks(rid)]
+        assert kv.total_outstanding == kv.outstanding_blocks(holders)
         step += 1
         if step > 50_000:
-            raise RuntimeError("simulation did not finish")
+            raise RuntimeError(
+                f"simulation did not finish: {num_blocks} blocks ({sched.kv.pool.num_free_blocks} free), specs "
+                f"{[type(s).__name__ for s in specs]} bs {block_size}, {kw}, running "
+                f"{[(r.request_id, r.num_computed_tokens, r.num_tokens) for r in sched.running]}, waiting "
+                f"{[(r.request_id, r.status.name, r.num_computed_tokens, kv.holds_blocks(r.request_id)) for r in sched.waiting]}"
+                f" tables {[(rid, [b.block_id for b in bl]) for m in kv.coordinator.managers for rid, bl in m.req_to_blocks.items()]}"
+                f" fenced {len(kv.fenced)} inflight {[(r.request_id, r.num_in_flight_tokens) for r in sched.running]}"
+                f" queue {len(engine.queue)}")
     return SimRun(outputs, ex.violations, sched.kv.pool.num_free_blocks, num_blocks, sched, conn, reasons)
 
 

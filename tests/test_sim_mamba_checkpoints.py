@@ -266,3 +266,15 @@ def test_the_mirror_fast_path_agrees_with_every_group(monkeypatch, connector):
         return run.outputs, s.stats.num_steps, s.stats.num_preemptions, s.kv.prefix_cache_stats.hits
 
     assert one(True) == one(False)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_full_sequence_admission_keeps_growth_free_of_checkpoints(async_scheduling):
+    """full_sequence_must_fit promises no preemption: best-effort checkpoints leave free
+    what admitted requests may still grow by (run_sim checks the running sum against a
+    recount after every step), so a short pool never preempts, and outputs stay right."""
+    reqs = shared_prefix_requests(n=4, gap=5)
+    run = run_sim([FULL] + PAGED, reqs, 60, max_model_len=256, max_num_batched_tokens=40,
+                  async_scheduling=async_scheduling, full_sequence_must_fit=True, connector=True)
+    check(run, reqs, 256)
+    assert run.scheduler.stats.num_preemptions == 0

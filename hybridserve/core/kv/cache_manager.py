@@ -112,6 +112,14 @@ class KVCacheManager:
         self.no_new_blocks: BlocksPerGroup = [[] for _ in kv_cache_config.groups]
         # Per request: the limits below which allocate_slots has nothing to do.
         self._steady: dict[str, SteadyDecode] = {}
+        # What each request holding blocks may still take before its peak (per group up to
+        # its cap, over the coordinator's leaders), and their sum, which best-effort Mamba
+        # checkpoints leave free: they never starve a request's own next chunk (it would
+        # preempt itself and take them all again) nor full-sequence admission's promise.
+        self._leader_caps = [self.caps[self.coordinator.managers.index(m)] for m in self.coordinator.leader_managers]
+        self._peaks_of: dict[str, list[int]] = {}
+        self._outstanding: dict[str, int] = {}
+        self.total_outstanding = 0
 
     @property
     def num_groups(self) -> int:
@@ -193,6 +201,8 @@ class KVCacheManager:
             request, total_computed, num_new_tokens, num_tokens_need_slot, basis, new_computed_blocks,
             delay_cache_blocks, full_sequence_must_fit, num_reserved_blocks,
         )
+        if result is not None or rid in self._peaks_of:  # blocks taken, or pruned
+            self._track(request)
         if result is not None:
             slots, frees, caches = [x if x < NEVER else NEVER for x in self.coordinator.slack(rid)]
             nulls = tuple([m.num_null_blocks.get(rid, 0) for m in self.coordinator.managers])
@@ -271,13 +281,33 @@ class KVCacheManager:
             # what admitted requests are reserved, and the free share kept for steps.
             # A checkpoint column costs a block in every such group (they decide alike:
             # a hit needs every group, every page of a state).
-            spare = (num_free - num_needed - max(num_reserved_blocks, self.checkpoint_floor)) // len(
-                self.coordinator.in_place)
+            self._track(request)  # its own growth counts too (before this allocation: conservative)
+            reserve = max(num_reserved_blocks, self.checkpoint_floor, self.total_outstanding)
+            spare = (num_free - num_needed - reserve) // len(self.coordinator.in_place)
             self.coordinator.checkpoint_budget.columns = spare if spare > 0 else 0
         new_blocks = self.coordinator.allocate_new_blocks(rid, num_tokens_need_slot, total_computed)
         if self.enable_caching and not delay_cache_blocks:
             self.coordinator.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens), processed)
         return new_blocks
+
+    def _track(self, request: Request) -> None:
+        """Refresh what the request may still take before its peak (see total_outstanding)."""
+        rid = request.request_id
+        peaks = self._peaks_of.get(rid)
+        if peaks is None:
+            n = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
+            peaks = self._peaks_of[rid] = [min(m.num_required_blocks(n), cap) for m, cap in
+                                           zip(self.coordinator.leader_managers, self._leader_caps)]
+        self._set_outstanding(rid, peaks)
+
+    def _set_outstanding(self, rid: str, peaks: list[int]) -> None:
+        left = 0
+        for (m, weight), peak in zip(self.coordinator.leaders, peaks):
+            held = m.num_real_blocks.get(rid, 0)
+            if held < peak:  # peak <= cap: blocks past the cap (best-effort) never count
+                left += weight * (peak - held)
+        self.total_outstanding += left - self._outstanding.get(rid, 0)
+        self._outstanding[rid] = left
 
     def peak_blocks(self, request: Request) -> int:
         """Blocks the request holds at its peak (prompt + max_tokens), by the admission caps."""
@@ -319,6 +349,9 @@ class KVCacheManager:
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int) -> None:
         self._forget(request_id)
         self.coordinator.remove_skipped_blocks(request_id, processed_computed_tokens)
+        peaks = self._peaks_of.get(request_id)
+        if peaks is not None:
+            self._set_outstanding(request_id, peaks)
 
     def cache_blocks(self, request: Request, num_processed_tokens: int, final: bool = False) -> None:
         """Publish the full blocks below a count whose steps are all processed (final: the
@@ -340,9 +373,15 @@ class KVCacheManager:
             request.set_block_hasher(self.block_hasher)
 
     # -- freeing -------------------------------------------------------------
+    def done_growing(self, request_id: str) -> None:
+        """The request takes no more blocks (finished; its blocks may stay for a store)."""
+        self._peaks_of.pop(request_id, None)
+        self.total_outstanding -= self._outstanding.pop(request_id, 0)
+
     def free(self, request: Request, fence_step: int | None = None) -> None:
         """Detach the request's tables now; return its blocks once `fence_step` is processed."""
         self._forget(request.request_id)
+        self.done_growing(request.request_id)
         blocks = self.coordinator.pop(request.request_id)
         if not blocks:
             return

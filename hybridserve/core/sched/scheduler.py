@@ -333,6 +333,7 @@ class Scheduler:
     def _free_request(self, req: Request) -> None:
         del self.requests[req.request_id]
         self.finished_req_ids.add(req.request_id)
+        self.kv.done_growing(req.request_id)
         if self.transfer is not None and self.transfer.request_finished(req):
             return  # a store reads its blocks: freed when it reports
         self.kv.free(req, fence_step=req.last_scheduled_step)

@@ -12,8 +12,9 @@ Definitions (per max_model_len request L, B = in-flight tokens = steps in flight
   Mamba state); a Mamba group holds a checkpoint block per boundary in flight,
   min(touch(B) + 1, cdiv(L, bs)) blocks.
 - after: this engine's sizing, `blocks_per_request` of the groups `group_layers` and
-  `with_mamba_checkpoints` build (no KV connector: the last whole checkpoint is cached,
-  not held; `+conn` holds it).
+  `with_mamba_checkpoints` build: paged states kept in place, a cap of 1 block per page
+  group (checkpoints, and with a KV connector the last whole one, are best-effort blocks
+  outside the cap), the same with or without a connector and for any steps in flight.
 - mainstream (vLLM's HybridAttentionMambaModelConfig with prefix caching, "align" mode):
   attention block size = chunk * cdiv(state page, chunk * attention bytes per token)
   (chunk = the Mamba-2 SSD chunk, 256; Mamba-1 Jamba has no SSD chunk: 16), Mamba pages
@@ -62,10 +63,9 @@ def before_bytes(specs: dict, length: int, in_flight_tokens: int) -> int:
     return per_block * blocks
 
 
-def after_bytes(specs: dict, length: int, in_flight_tokens: int, steps: int, connector: bool) -> tuple[int, int]:
-    groups = with_mamba_checkpoints(group_layers(specs), WindowTail(steps, 0), in_flight_tokens, length, connector)
-    interval = next(g.spec.checkpoint_interval for g in groups if isinstance(g.spec, MambaSpec))
-    return bytes_per_block(groups) * blocks_per_request(groups, in_flight_tokens, length), interval
+def after_bytes(specs: dict, length: int, in_flight_tokens: int, steps: int) -> int:
+    groups = with_mamba_checkpoints(group_layers(specs), WindowTail(steps, 0))
+    return bytes_per_block(groups) * blocks_per_request(groups, in_flight_tokens, length)
 
 
 def mainstream_bytes(name: str, specs: dict, length: int) -> tuple[int, int]:
@@ -91,8 +91,8 @@ def main() -> None:
     a = p.parse_args()
     gpu = get_gpu(a.gpu)
     print("| layout | L | mode | need B/tok | before B/tok (x) | mainstream B/tok (x) | after B/tok (x) | "
-          "after +conn (x) | K | fit before / mainstream / after |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "fit before / mainstream / after |")
+    print("|---|---|---|---|---|---|---|---|")
     for name in ("bamba-9b-like", "jamba-like"):
         layout = get_layout(name)
         specs = layout.layer_specs(BS, "bfloat16")
@@ -103,15 +103,14 @@ def main() -> None:
                 need = need_bytes(specs, length)
                 before = before_bytes(specs, length, tokens)
                 main_b, main_bs = mainstream_bytes(name, specs, length)
-                after, interval = after_bytes(specs, length, tokens, steps, connector=False)
-                after_conn, _ = after_bytes(specs, length, tokens, steps, connector=True)
+                after = after_bytes(specs, length, tokens, steps)
 
                 def cell(b: int) -> str:
                     return f"{b / length:,.0f} ({b / need:.2f})"
 
                 fit = " / ".join(f"{int(pool // b):,}" for b in (before, main_b, after))
                 print(f"| {name} | {length:,} | {mode} | {need / length:,.0f} | {cell(before)} | {cell(main_b)} "
-                      f"[bs {main_bs}] | {cell(after)} | {cell(after_conn)} | {interval} | {fit} |")
+                      f"[bs {main_bs}] | {cell(after)} | {fit} |")
 
 
 if __name__ == "__main__":

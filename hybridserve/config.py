@@ -224,7 +224,7 @@ def resolve_engine_settings(config: EngineConfig, groups: tuple[KVCacheGroup, ..
     sched = config.scheduler_config(max_model_len)
     if config.enable_prefix_caching:  # as KVCacheManager will see them
         offload = parse_size("kv_offload_memory", config.kv_offload_memory, allow_zero=True) > 0
-        groups = with_mamba_checkpoints(groups, sched.window_tail, sched.max_in_flight_tokens, max_model_len, offload)
+        groups = with_mamba_checkpoints(groups, sched.window_tail, offload)
     tail = sched.window_tail if window_tail else None
     per_block = bytes_per_block(groups)
 

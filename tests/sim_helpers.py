@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hybridserve.core.kv.single_type_managers import InPlaceMambaManager
 from hybridserve.core.kv.spec import KVCacheSpec
 from hybridserve.core.request import Request, SamplingParams
 from hybridserve.engine.loop import EngineCore
@@ -109,11 +110,41 @@ def run_sim(
         for m, cap in zip(kv.coordinator.managers, caps):
             for rid, blocks in m.req_to_blocks.items():
                 real = sum(1 for b in blocks if not b.is_null)
+                if isinstance(m, InPlaceMambaManager) and rid in m.running:
+                    check_in_place_table(m, blocks, sched.requests.get(rid), sched.config.max_in_flight_tokens)
+                    continue
                 assert real <= cap, f"request {rid} holds {real} real blocks of {type(m.spec).__name__}, cap {cap}"
+        # The running sum best-effort checkpoints leave free equals the recount.
+        holders = [r for rid, r in sched.requests.items() if kv.holds_blocks(rid)]
+        assert kv.total_outstanding == kv.outstanding_blocks(holders)
         step += 1
         if step > 50_000:
-            raise RuntimeError("simulation did not finish")
+            raise RuntimeError(
+                f"simulation did not finish: {num_blocks} blocks ({sched.kv.pool.num_free_blocks} free), specs "
+                f"{[type(s).__name__ for s in specs]} bs {block_size}, {kw}, running "
+                f"{[(r.request_id, r.num_computed_tokens, r.num_tokens) for r in sched.running]}, waiting "
+                f"{[(r.request_id, r.status.name, r.num_computed_tokens, kv.holds_blocks(r.request_id)) for r in sched.waiting]}"
+                f" tables {[(rid, [b.block_id for b in bl]) for m in kv.coordinator.managers for rid, bl in m.req_to_blocks.items()]}"
+                f" fenced {len(kv.fenced)} inflight {[(r.request_id, r.num_in_flight_tokens) for r in sched.running]}"
+                f" queue {len(engine.queue)}")
     return SimRun(outputs, ex.violations, sched.kv.pool.num_free_blocks, num_blocks, sched, conn, reasons)
+
+
+def check_in_place_table(m: InPlaceMambaManager, blocks: list, req: Request | None, max_in_flight: int) -> None:
+    """An in-place Mamba table holds its running state (the cap's one block) last, and
+    besides it only blocks of recent steps: checkpoints and a first step's source, pruned
+    at the next allocation on the processed basis of then, which lags the processed count
+    by at most the tokens in flight then and since (2 * max_in_flight); a connector also
+    keeps the last whole checkpoint. A leaked checkpoint would fall below that."""
+    assert not blocks[-1].is_null, "the running state's block is the null block"
+    if req is None:
+        return  # finished: its blocks are fenced behind its last step
+    bs = m.block_size
+    basis = req.num_computed_tokens - req.num_in_flight_tokens - 2 * max_in_flight
+    keep = 1 if m.spec.keep_last_checkpoint else 0
+    lowest = max(0, (basis - 1) // bs - keep)
+    extra = [i for i, b in enumerate(blocks[:-1]) if not b.is_null and i < lowest]
+    assert not extra, f"blocks {extra} held below column {lowest} (basis {basis})"
 
 
 def make_request(rid: str, prompt: list[int], max_tokens: int) -> Request:

@@ -144,11 +144,11 @@ class _NoConnector(KVConnectorBase):
 
 @pytest.mark.parametrize(("async_scheduling", "offload", "need"), [
     # Bamba-9B at 8192 tokens, 8192 per step: 512 attention blocks; 330 Mamba page groups
-    # (10 groups x 33 pages), each holding the running state + one tail per step in
-    # flight (+ the last whole checkpoint with a KV connector); no period fits the 10%.
-    (False, False, 1 + 512 + 330 * 2),
-    (True, False, 1 + 512 + 330 * 3),
-    (True, True, 1 + 512 + 330 * 4),
+    # (10 groups x 33 pages), each holding its running state in place: 1 block, whatever
+    # the steps in flight, with or without a KV connector (checkpoints are best-effort).
+    (False, False, 1 + 512 + 330),
+    (True, False, 1 + 512 + 330),
+    (True, True, 1 + 512 + 330),
 ])
 def test_startup_sizing_and_admission_agree_for_paged_mamba_states(async_scheduling, offload, need) -> None:
     from hybridserve.core.sched.scheduler import Scheduler

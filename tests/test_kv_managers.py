@@ -9,6 +9,7 @@ from hybridserve.core.kv.coordinator import KVCacheCoordinator
 from hybridserve.core.kv.single_type_managers import (
     ChunkedLocalAttentionManager,
     FullAttentionManager,
+    InPlaceMambaManager,
     MambaManager,
     SingleTypeKVCacheManager,
     SlidingWindowManager,
@@ -21,7 +22,6 @@ from hybridserve.core.kv.spec import (
     KVCacheSpec,
     MambaSpec,
     SlidingWindowSpec,
-    WindowTail,
 )
 
 RID = "r"
@@ -261,48 +261,106 @@ def test_get_num_blocks_to_allocate_counts_free_hits() -> None:
     assert [b.is_null for b in m.req_to_blocks[RID]] == [True, True, False, False, False, False]
 
 
-def sparse_mamba(interval: int, drafts: int = 0, keep: bool = True) -> MambaSpec:
-    return MambaSpec(16, shapes=((3, 4),), block_checkpoints=True, num_pages=2, in_flight=WindowTail(2, drafts),
-                     checkpoint_interval=interval, keep_last_checkpoint=keep)
+def in_place(spare: int, keep: bool = False, num_blocks: int = 32) -> InPlaceMambaManager:
+    spec = MambaSpec(16, shapes=((3, 4),), block_checkpoints=True, running_in_place=True, keep_last_checkpoint=keep)
+    m = manager_for(spec, num_blocks)
+    assert isinstance(m, InPlaceMambaManager)
+    m.budget.columns = spare
+    return m
 
 
-@pytest.mark.parametrize(("interval", "drafts", "nulls"), [
-    (4, 0, [0, 1, 2, 4, 5]),  # the period keeps block 3 (S64), the tail block 6 (S100 running)
-    (0, 0, [0, 1, 2, 3, 4, 5]),  # no period: the tail only
-    (0, 8, [0, 1, 2, 3, 4]),  # tail = slots 99 - 16 .. 99: blocks 5, 6
-    (1, 0, []),  # interval 1: every block, the dense layout
+def ids(m: SingleTypeKVCacheManager) -> list[int]:
+    return [b.block_id for b in m.req_to_blocks[RID]]
+
+
+def test_in_place_mamba_first_chunk_takes_only_the_running_block_as_required() -> None:
+    """Chunk 0..99 (bs 16): 7 columns, R last; columns 0..5 want checkpoints. With 2
+    to spare, columns 0 and 1 get them (in order), 2..5 the null block."""
+    m = in_place(spare=2)
+    assert m.get_num_blocks_to_allocate(RID, 100, []) == 1  # R only
+    new = m.allocate_new_blocks(RID, 100)
+    assert [b.is_null for b in new] == [False, False, True, True, True, True, False]
+    assert m.num_real_blocks[RID] == 3 and m.num_null_blocks[RID] == 0
+
+
+def test_in_place_mamba_running_block_moves_to_the_new_last_entry() -> None:
+    """Chunk 0..19 then 20..52: R (block 2 of the pool) moves from column 1 to column 3;
+    the delta is the entries inserted before it: column 1 (S32) and 2 (S48), the first
+    with a checkpoint block, the second null (1 to spare). Nothing is required."""
+    m = in_place(spare=8)
+    m.allocate_new_blocks(RID, 20)  # [X16, R]
+    running = m.req_to_blocks[RID][-1]
+    m.budget.columns = 1
+    assert m.get_num_blocks_to_allocate(RID, 53, [], chunk_start=20) == 0
+    delta = m.allocate_new_blocks(RID, 53, chunk_start=20)
+    assert len(delta) == 2 and not delta[0].is_null and delta[1].is_null
+    assert m.req_to_blocks[RID][1:] == [delta[0], delta[1], running] and m.num_real_blocks[RID] == 3
+    assert m.allocate_new_blocks(RID, 60, chunk_start=53) == []  # same last column: nothing moves
+
+
+def test_in_place_mamba_after_a_hit_or_a_load() -> None:
+    """A hit at column 3 (S64): the first chunk 64..99 needs R only (the hit is its
+    source). A connector load to 64 (no hit): the source column 3 is required too, and
+    columns 0..2 are below the skip boundary (null); a load-only allocation (no tokens
+    computed yet) takes the source alone, R comes with the first chunk."""
+    m = in_place(spare=0)
+    hit = [m.pool.null_block] * 3 + m.pool.get_new_blocks(1)
+    assert m.get_num_blocks_to_allocate(RID, 100, hit, chunk_start=64) == 1
+    m.save_new_computed_blocks(RID, hit)
+    m.allocate_new_blocks(RID, 100, chunk_start=64)
+    assert [b.is_null for b in m.req_to_blocks[RID]] == [True, True, True, False, True, True, False]
+    load = in_place(spare=5)
+    assert load.get_num_blocks_to_allocate(RID, 64, [], chunk_start=64) == 1  # the source, no R yet
+    load.allocate_new_blocks(RID, 64, chunk_start=64)
+    assert [b.is_null for b in load.req_to_blocks[RID]] == [True, True, True, False] and RID not in load.running
+    assert load.get_num_blocks_to_allocate(RID, 100, [], chunk_start=64) == 1  # R
+    load.allocate_new_blocks(RID, 100, chunk_start=64)
+    assert [b.is_null for b in load.req_to_blocks[RID]] == [True, True, True, False, False, False, False]
+
+
+@pytest.mark.parametrize(("processed", "keep", "freed"), [
+    (64, False, [0, 1, 2]), (65, False, [0, 1, 2, 3]), (100, False, [0, 1, 2, 3, 4, 5]),
+    (65, True, [0, 1, 2]), (100, True, [0, 1, 2, 3, 4]),
 ])
-def test_sparse_mamba_checkpoints_are_real_only_on_the_period_and_in_the_tail(interval, drafts, nulls) -> None:
-    m = manager_for(sparse_mamba(interval, drafts))
-    assert m.get_num_blocks_to_allocate(RID, 100, []) == 7 - len(nulls)
-    m.allocate_new_blocks(RID, 100)
-    assert null_positions(m) == nulls and m.num_real_blocks[RID] == 7 - len(nulls)
-
-
-def test_sparse_mamba_reads_after_a_load_from_its_own_real_block() -> None:
-    """A chunk starting at 96 (after a KV-connector load): block 5 (S96) is what it reads."""
-    m = manager_for(sparse_mamba(0))
-    m.allocate_new_blocks(RID, 140, chunk_start=96)
-    assert null_positions(m) == [0, 1, 2, 3, 4, 6, 7] and m.num_real_blocks[RID] == 2  # blocks 5 and 8
-
-
-@pytest.mark.parametrize(("processed", "keep", "freed"), [(100, True, [0, 1, 2, 3, 4]), (100, False, [0, 1, 2, 3, 4, 5])])
-def test_sparse_mamba_without_a_connector_holds_only_the_running_state(processed, keep, freed) -> None:
-    # Interval 2: blocks 1, 3, 5 on the period, 6 the tail. Processed 100: the running
-    # state is in block 6; the last whole checkpoint (S96) in block 5.
-    m = manager_for(sparse_mamba(2, keep=keep))
-    m.allocate_new_blocks(RID, 112)
+def test_in_place_mamba_prunes_checkpoints_once_their_boundary_is_processed(processed, keep, freed) -> None:
+    """Checkpoint column c is written by the step that reaches boundary (c+1)*16, so it
+    is published and freed once processed > (c+1)*16; a connector keeps the last whole
+    one (column processed//16 - 1). R (column 7 of 120 tokens) is never freed."""
+    m = in_place(spare=10, keep=keep)
+    m.allocate_new_blocks(RID, 120)
     m.remove_skipped_blocks(RID, processed)
-    assert [i for i in range(7) if m.req_to_blocks[RID][i].is_null] == freed
+    assert null_positions(m) == freed and not m.req_to_blocks[RID][-1].is_null
 
 
-def test_sparse_mamba_admission_cap() -> None:
-    # B = 1024 in flight, bs 16, k = 2 steps, d drafts, interval K:
-    #   dense = touch(1024) + 1 = 1 + cdiv(1023, 16) + 1 = 66
-    #   sparse = (1 + keep) + k * touch(1 + 2d) + cdiv(touch(1024 + d), K)
-    assert sparse_mamba(4).max_admission_blocks_per_request(1024, 8192) == 2 + 2 * 1 + 17  # touch(1024) = 65
-    assert sparse_mamba(4, keep=False).max_admission_blocks_per_request(1024, 8192) == 1 + 2 * 1 + 17
-    assert sparse_mamba(0).max_admission_blocks_per_request(1024, 8192) == 2 + 2 * 1
-    assert sparse_mamba(0, drafts=8).max_admission_blocks_per_request(1024, 8192) == 2 + 2 * 2  # touch(17) = 2
-    assert sparse_mamba(1).max_admission_blocks_per_request(1024, 8192) == 66  # dense
-    assert sparse_mamba(4).max_admission_blocks_per_request(64, 8192) == 6  # dense is smaller: touch(64) + 1
+def test_in_place_mamba_publishes_only_checkpoints_whose_writer_is_processed() -> None:
+    from hybridserve.core.request import Request, SamplingParams
+
+    m = in_place(spare=10)
+    req = Request(RID, list(range(120)), SamplingParams(max_tokens=1))
+    req.block_hashes = [bytes([i]) for i in range(7)]
+    m.allocate_new_blocks(RID, 120)
+    m.cache_blocks(req, 120, 64)  # boundary 64 reached, its checkpoint not yet past
+    assert [b.cache_key is not None for b in m.req_to_blocks[RID][:4]] == [True, True, True, False]
+    m.cache_blocks(req, 120, 65)
+    assert m.req_to_blocks[RID][3].cache_key is not None
+    m.cache_blocks(req, 120, 112)  # R sits at column 7 (boundary 128): never published while running
+    assert m.req_to_blocks[RID][-1].cache_key is None
+    m.cache_final(req, 112)  # at a finish the block at the last processed boundary is settled
+    assert m.req_to_blocks[RID][6].cache_key is not None
+
+
+def test_in_place_mamba_admission_cap_is_one() -> None:
+    spec = MambaSpec(16, shapes=((3, 4),), block_checkpoints=True, running_in_place=True)
+    assert spec.max_admission_blocks_per_request(1024, 8192) == 1
+    assert spec.max_admission_blocks_per_request(64, 40) == 1
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_in_place_mamba_next_free_basis_agrees_with_the_general_search(keep: bool) -> None:
+    """The closed form (mark m = null prefix + 1: m*16 + 1 tokens, or (m + 1)*16 when the
+    last whole checkpoint is kept) against the base class's doubling-bisecting search."""
+    m = in_place(spare=10, keep=keep)
+    m.allocate_new_blocks(RID, 200)
+    for processed in (0, 1, 17, 32, 33, 64, 100, 150):
+        m.remove_skipped_blocks(RID, processed)
+        assert m.next_free_basis(RID) == SingleTypeKVCacheManager.next_free_basis(m, RID)

@@ -7,7 +7,6 @@ formula (or to who calls it) fails a test with a concrete expected value.
 
 from __future__ import annotations
 
-from dataclasses import replace
 
 import pytest
 
@@ -254,18 +253,28 @@ def test_a_state_that_fits_a_page_is_not_cut() -> None:
     assert [g.spec.num_pages for g in groups if isinstance(g.spec, MambaSpec)] == [1]
 
 
-def test_the_checkpoint_period_is_the_densest_within_the_share() -> None:
-    """Full attention (64 blocks at 1024 tokens) + a 2-page Mamba state, B = 256 tokens in
-    flight, 1 step, no drafts, no connector. Mamba cap per page group: dense
-    touch(256) + 1 = 18; sparse 1 + 1 + cdiv(touch(256) = 17, K). Without a period
-    64 + 2 * 2 = 68 blocks, so the budget is 74.8: K=1 -> 64 + 2*18 = 100, K=2 -> 64 + 2*11
-    = 86, K=4 -> 64 + 2*7 = 78, K=8 -> 64 + 2*5 = 74: K = 8."""
-    mamba = MambaSpec(16, shapes=((40, 40),))
-    groups = (KVCacheGroup(FullAttentionSpec(16, 1, 8), ("a",)),
-              KVCacheGroup(replace(mamba, num_pages=2, page_index=0), ("m",)),
-              KVCacheGroup(replace(mamba, num_pages=2, page_index=1), ("m",)))
-    out = with_mamba_checkpoints(groups, WindowTail(1, 0), 256, 1024, keep_last_checkpoint=False)
-    assert [g.spec.checkpoint_interval for g in out[1:]] == [8, 8]
-    assert blocks_per_request(out, 256, 1024) == 74
-    # Without the in-flight limits (or with a state that fits a page): a checkpoint per block.
-    assert [g.spec.checkpoint_interval for g in with_mamba_checkpoints(groups)[1:]] == [1, 1]
+@pytest.mark.parametrize("steps,drafts", [(1, 0), (2, 0), (2, 4)])
+def test_in_place_mamba_cap_is_one_block_a_page_group(steps: int, drafts: int) -> None:
+    """Prefix caching with the scheduler's in-flight limits: the running state stays in
+    place, so a Mamba page group's cap is 1 whatever the steps and drafts in flight
+    (checkpoints are best-effort). Bamba-9B-like at L = 8192, B = steps * 8192:
+    attention cdiv(8192, 16) = 512 blocks + 330 page groups x 1 = 842 blocks of 196,608
+    bytes = 165,543,936 bytes, 20,208 per token; the need is 3 x 65,536 x 512 attention
+    + 29 x 2,147,840 states = 162,950,656 bytes (19,891 per token): 1.016x, the rest
+    is the 10th group's third layer slot and the pages' padding. Jamba-like: 512 + 35 =
+    547 blocks of 262,144 bytes = 143,392,768 (17,504 per token) against 4 x 65,536 x
+    512 + 28 x 311,296 = 142,934,016: 1.003x. Sync and async alike (the positional
+    layout needed 1 + k blocks a page group: 28,128 and 36,048 bytes a token for Bamba)."""
+    from hybridserve.executor.sim.presets import get_layout
+
+    for name, blocks, block_bytes in (("bamba-9b-like", 842, 196_608), ("jamba-like", 547, 262_144)):
+        groups = with_mamba_checkpoints(group_layers(get_layout(name).layer_specs(16, "bfloat16")),
+                                        WindowTail(steps, drafts))
+        mamba = [g.spec for g in groups if isinstance(g.spec, MambaSpec)]
+        assert all(s.running_in_place and s.max_admission_blocks_per_request(steps * 8192, 8192) == 1 for s in mamba)
+        assert blocks_per_request(groups, steps * 8192, 8192) == blocks
+        assert bytes_per_block(groups) == block_bytes
+    # Without the in-flight limits: the positional layout, a checkpoint per block in flight.
+    plain = with_mamba_checkpoints((KVCacheGroup(MambaSpec(16, shapes=((40, 40),)), ("m",)),))
+    assert not plain[0].spec.running_in_place
+    assert plain[0].spec.max_admission_blocks_per_request(256, 1024) == 17 + 1

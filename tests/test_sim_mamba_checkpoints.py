@@ -162,24 +162,30 @@ def _mamba_managers(run) -> list:
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_paged_states_hit_at_a_kept_checkpoint(async_scheduling):
-    """Three page groups decide alike; interior boundaries off the period are null, so a
-    later request sharing the 100-token prefix starts from the last kept checkpoint at or
-    below it, which every page group holds (the coordinator demands all of them)."""
+def test_paged_states_hit_at_the_last_whole_block_of_the_shared_prefix(async_scheduling):
+    """Three page groups decide alike and the pool has blocks to spare, so every boundary
+    gets a best-effort checkpoint: both later requests sharing the 100-token prefix start
+    from S96, which every page group holds (the coordinator demands all of them)."""
     reqs = shared_prefix_requests()
-    # max_model_len 256: a checkpoint per block in flight would add more than 10% to a
-    # max-length request (16 attention blocks), so the period is sparser (0: none).
     run = run_sim([FULL] + PAGED, reqs, 400, max_model_len=256, max_num_batched_tokens=40,
                   async_scheduling=async_scheduling)
     check(run, reqs, 256)
-    specs = [m.spec for m in _mamba_managers(run)]
-    assert all(s.sparse for s in specs) and len({s.checkpoint_interval for s in specs}) == 1
-    interval = specs[0].checkpoint_interval
-    # Request r0 runs chunks 0..39, 40..79, 80..119, 120..129. Kept: S48 (the first
-    # boundary after 40 lands in the block chunk 40..79 reads), S80 (a chunk's final
-    # state, on a boundary) and the period's boundaries; S64, S96, S112 are not.
-    kept = {48, 80} | ({b for b in range(16, 97, 16) if (b // 16) % interval == 0} if interval else set())
-    assert run.scheduler.kv.prefix_cache_stats.hits == 2 * max(b for b in kept if b <= 96)
+    assert all(m.spec.running_in_place for m in _mamba_managers(run))
+    assert run.scheduler.kv.prefix_cache_stats.hits == 2 * 96
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_short_pool_skips_checkpoints_and_outputs_stay_right(async_scheduling):
+    """A pool of 24 blocks (the floor kept free: 5% of 23 = 1 block): a request holds 16
+    attention blocks at 256 tokens plus its running state's 3 pages, so checkpoints (3
+    blocks a column) fit only while the attention table is short. Outputs stay right,
+    every checkpoint a later request starts from holds its prefix (the detector), and
+    the later requests hit less than the ample pool's 2 * 96."""
+    reqs = shared_prefix_requests(n=3, gap=0)
+    run = run_sim([FULL] + PAGED, reqs, 24, max_model_len=256, max_num_batched_tokens=40,
+                  async_scheduling=async_scheduling)
+    check(run, reqs, 256)
+    assert run.scheduler.kv.prefix_cache_stats.hits < 2 * 96
 
 
 @pytest.mark.parametrize("acceptance_rate", [0.3, 0.9])
@@ -204,3 +210,71 @@ def test_paged_connector_loads_the_last_checkpoint_of_a_finished_turn(failure_ra
     run, reqs = _offload_workload([FULL] + PAGED, failure_rate=failure_rate, num_blocks=120)
     check(run, reqs, 256)
     assert run.connector.num_loaded_blocks + run.connector.num_failed_blocks > 0
+
+
+# -- injected faults in the in-place layout: the detector must catch them ------------------------
+def test_detector_catches_publishing_the_running_block(monkeypatch):
+    """Fault: publish a checkpoint once the processed count reaches its boundary (not
+    passes it). Sync, chunks of 32: r0's first chunk ends on boundary 32 with R in
+    block 1, so the next allocation publishes R under the 32-token prefix, then moves
+    it on and keeps writing it; r1, sharing 40 tokens, hits it and reads a later state."""
+    from hybridserve.core.kv.single_type_managers import InPlaceMambaManager, SingleTypeKVCacheManager
+
+    def too_early(self, request, num_tokens, num_processed_tokens):  # type: ignore[no-untyped-def]
+        SingleTypeKVCacheManager.cache_blocks(self, request, min(num_tokens, num_processed_tokens),
+                                              num_processed_tokens)
+
+    monkeypatch.setattr(InPlaceMambaManager, "cache_blocks", too_early)
+    prefix = [(j * 7) % 900 + 5 for j in range(40)]
+    reqs = [(i * 40, make_request(f"r{i}", prefix + [1000 + i] * 30, 12)) for i in range(2)]
+    run = run_sim([FULL, MAMBA], reqs, 300, max_model_len=MML, max_num_batched_tokens=32, async_scheduling=False,
+                  strict=False)
+    assert any(v.kind == WRONG and v.group == 1 for v in run.violations)
+
+
+def test_detector_catches_a_runner_that_appends_past_the_running_block(monkeypatch):
+    """Fault: the executor appends an in-place group's deltas instead of inserting them
+    before its last entry, so it reads a fresh checkpoint block as the running state."""
+    from hybridserve.executor.sim.executor import SimExecutor
+
+    init = SimExecutor.initialize
+
+    def appending(self, kv_cache_config):  # type: ignore[no-untyped-def]
+        init(self, kv_cache_config)
+        self._in_place = [False] * len(self._in_place)
+
+    monkeypatch.setattr(SimExecutor, "initialize", appending)
+    reqs = shared_prefix_requests(n=1)
+    run = run_sim([FULL, MAMBA], reqs, 300, max_model_len=MML, max_num_batched_tokens=40, strict=False)
+    assert any(v.group == 1 for v in run.violations)
+
+
+@pytest.mark.parametrize("connector", [False, True])
+def test_the_mirror_fast_path_agrees_with_every_group(monkeypatch, connector):
+    """KVCacheCoordinator.mirror_fast_path computes a request's limits and block count
+    over page 0 of each paged state: the same run (async, drafts, shared prefixes, a pool
+    that runs short, a connector) with it off must schedule exactly alike."""
+    from hybridserve.core.kv.coordinator import KVCacheCoordinator
+
+    def one(fast: bool):  # type: ignore[no-untyped-def]
+        monkeypatch.setattr(KVCacheCoordinator, "mirror_fast_path", fast)
+        reqs = shared_prefix_requests(n=4, gap=15)
+        run = run_sim([FULL] + PAGED, reqs, 40, max_model_len=256, max_num_batched_tokens=40,
+                      num_speculative_tokens=2, connector=connector)
+        check(run, reqs, 256)
+        s = run.scheduler
+        return run.outputs, s.stats.num_steps, s.stats.num_preemptions, s.kv.prefix_cache_stats.hits
+
+    assert one(True) == one(False)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_full_sequence_admission_keeps_growth_free_of_checkpoints(async_scheduling):
+    """full_sequence_must_fit promises no preemption: best-effort checkpoints leave free
+    what admitted requests may still grow by (run_sim checks the running sum against a
+    recount after every step), so a short pool never preempts, and outputs stay right."""
+    reqs = shared_prefix_requests(n=4, gap=5)
+    run = run_sim([FULL] + PAGED, reqs, 60, max_model_len=256, max_num_batched_tokens=40,
+                  async_scheduling=async_scheduling, full_sequence_must_fit=True, connector=True)
+    check(run, reqs, 256)
+    assert run.scheduler.stats.num_preemptions == 0

@@ -88,7 +88,7 @@ def workloads(draw):
                          max_concurrent_batches=batches, num_speculative_tokens=spec_tokens)
     groups = tuple(KVCacheGroup(s, (f"l{i}",)) for i, s in enumerate(specs))
     if cfg["enable_prefix_caching"]:  # Mamba groups then keep state checkpoints, as the scheduler sizes them
-        groups = with_mamba_checkpoints(groups, sc.window_tail, sc.max_in_flight_tokens, MML, cfg["connector"])
+        groups = with_mamba_checkpoints(groups, sc.window_tail, cfg["connector"])
     tail = sc.window_tail if cfg["window_tail_allocation"] else None
     min_blocks = KVCacheConfig(1, groups).min_num_blocks(sc.max_in_flight_tokens, MML, tail)
     num_blocks = min_blocks + draw(st.integers(0, 60))

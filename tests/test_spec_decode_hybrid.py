@@ -75,13 +75,14 @@ class OracleDrafter:
         return drafts
 
 
-def make_engine(kind: str, async_scheduling: bool, spec: int, drafter: object = None) -> EngineCore:
+def make_engine(kind: str, async_scheduling: bool, spec: int, drafter: object = None,
+                num_blocks: int = 200) -> EngineCore:
     if kind not in _MODELS:
         _MODELS[kind] = load_model(model_dir(kind))
     ex = TorchExecutor(_MODELS[kind], use_worker_thread=async_scheduling, drafter=drafter)  # type: ignore[arg-type]
     sc = SchedulerConfig(max_model_len=256, async_scheduling=async_scheduling, max_num_batched_tokens=40,
                          num_speculative_tokens=spec)
-    return build_engine(sc, ex.kv_cache_config(16, num_blocks=200), ex)
+    return build_engine(sc, ex.kv_cache_config(16, num_blocks=num_blocks), ex)
 
 
 def run(engine: EngineCore, prompts: list[list[int]], tag: str = "r", shutdown: bool = True,
@@ -147,3 +148,26 @@ def test_next_turn_starts_from_states_checkpointed_during_verification(kind: str
         assert second[f"b{i}"] == oracle(kind, turn2[i], NEW_TOKENS), f"{kind} turn 2 of prompt {i}"
         # The first turn computed all but its last output token: whole blocks of that.
         assert cached[f"b{i}"] == (len(p) + NEW_TOKENS - 1) // 16 * 16 > len(p) // 16 * 16
+
+
+@pytest.mark.parametrize("kind", ["mamba2", "bamba"])
+@pytest.mark.parametrize("async_scheduling,spec", [(False, 3), (True, 4)], ids=["sync3", "async4"])
+def test_a_short_pool_skips_checkpoints_under_verification_and_every_token_is_hf(kind: str, async_scheduling: bool,
+                                                                                  spec: int) -> None:
+    """Pools a few blocks above the admission minimum (256 tokens: Bamba 16 attention
+    blocks + 9 running-state pages + the null block = 26; Mamba2 1 + 1): verify steps
+    find no blocks to spare for some boundaries (null entries, no checkpoint there), the
+    rollback still lands in the running block, and both turns are HF's tokens."""
+    from tests.test_mamba import _count_skipped_checkpoints
+
+    prompts = prompts_for(kind)
+    turn2 = [p + oracle(kind, p, NEW_TOKENS) + [7, 8, 9] for p in prompts]
+    sequences = [p + oracle(kind, p, NEW_TOKENS) for p in prompts + turn2]
+    eng = make_engine(kind, async_scheduling, spec, OracleDrafter(sequences), num_blocks={"mamba2": 4, "bamba": 30}[kind])
+    skipped = _count_skipped_checkpoints(eng)
+    first = run(eng, prompts, tag="a", shutdown=False)
+    second = run(eng, turn2, tag="b")
+    for i, p in enumerate(prompts):
+        assert first[f"a{i}"] == oracle(kind, p, NEW_TOKENS)
+        assert second[f"b{i}"] == oracle(kind, turn2[i], NEW_TOKENS), f"{kind} turn 2 of prompt {i}"
+    assert sum(skipped) > 0

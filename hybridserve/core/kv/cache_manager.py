@@ -18,6 +18,10 @@ from hybridserve.core.kv.hashing import make_block_hasher
 from hybridserve.core.kv.spec import KVCacheConfig, WindowTail, with_mamba_checkpoints
 from hybridserve.core.request import Request
 
+# Best-effort Mamba checkpoints never take the last this share of the pool's blocks: a
+# step's required blocks (running states, attention slots) come first (InPlaceMambaManager).
+CHECKPOINT_FREE_SHARE = 0.05
+
 # A limit no token count reaches: the steady-decode limits are ints (not float("inf")),
 # so the per-step comparisons stay int-to-int.
 NEVER = 1 << 62
@@ -71,12 +75,11 @@ class KVCacheManager:
         keep_last_checkpoint: bool = True,
     ) -> None:
         """in_flight: the scheduler's steps and drafts in flight (SchedulerConfig.window_tail,
-        whether or not window-tail allocation is on); with it paged Mamba states keep
-        sparse checkpoints, and the last whole one only if keep_last_checkpoint (a KV
-        connector is attached)."""
+        whether or not window-tail allocation is on); with it Mamba states stay in place
+        (checkpoints are best-effort), and a request holds the last whole checkpoint only
+        if keep_last_checkpoint (a KV connector is attached)."""
         if enable_caching:  # Mamba groups then keep state checkpoints, so prefixes can hit
-            groups = with_mamba_checkpoints(kv_cache_config.groups, in_flight, max_in_flight_tokens, max_model_len,
-                                            keep_last_checkpoint)
+            groups = with_mamba_checkpoints(kv_cache_config.groups, in_flight, keep_last_checkpoint)
             kv_cache_config = replace(kv_cache_config, groups=groups)
         need = kv_cache_config.min_num_blocks(max_in_flight_tokens, max_model_len, window_tail)
         if kv_cache_config.num_blocks < need:
@@ -85,6 +88,11 @@ class KVCacheManager:
                 f"{max_model_len} with {max_in_flight_tokens} tokens in flight; need at least {need}"
             )
         self.config = kv_cache_config
+        # Each group's admission cap: what a request's held blocks are counted against.
+        self.caps = [g.spec.max_admission_blocks_per_request(max_in_flight_tokens, max_model_len, window_tail)
+                     for g in kv_cache_config.groups]
+        # Best-effort Mamba checkpoints leave this many blocks free for the steps' own needs.
+        self.checkpoint_floor = int(CHECKPOINT_FREE_SHARE * (kv_cache_config.num_blocks - 1))
         self.block_size = kv_cache_config.block_size
         self.max_model_len = max_model_len
         self.max_in_flight_tokens = max_in_flight_tokens
@@ -104,6 +112,14 @@ class KVCacheManager:
         self.no_new_blocks: BlocksPerGroup = [[] for _ in kv_cache_config.groups]
         # Per request: the limits below which allocate_slots has nothing to do.
         self._steady: dict[str, SteadyDecode] = {}
+        # What each request holding blocks may still take before its peak (per group up to
+        # its cap, over the coordinator's leaders), and their sum, which best-effort Mamba
+        # checkpoints leave free: they never starve a request's own next chunk (it would
+        # preempt itself and take them all again) nor full-sequence admission's promise.
+        self._leader_caps = [self.caps[self.coordinator.managers.index(m)] for m in self.coordinator.leader_managers]
+        self._peaks_of: dict[str, list[int]] = {}
+        self._outstanding: dict[str, int] = {}
+        self.total_outstanding = 0
 
     @property
     def num_groups(self) -> int:
@@ -185,6 +201,8 @@ class KVCacheManager:
             request, total_computed, num_new_tokens, num_tokens_need_slot, basis, new_computed_blocks,
             delay_cache_blocks, full_sequence_must_fit, num_reserved_blocks,
         )
+        if result is not None or rid in self._peaks_of:  # blocks taken, or pruned
+            self._track(request)
         if result is not None:
             slots, frees, caches = [x if x < NEVER else NEVER for x in self.coordinator.slack(rid)]
             nulls = tuple([m.num_null_blocks.get(rid, 0) for m in self.coordinator.managers])
@@ -242,53 +260,109 @@ class KVCacheManager:
 
         hits = new_computed_blocks
         num_needed = 0
-        if hits is None:  # a running request: the common, cheap path
-            for m in managers:
-                num_needed += m.get_num_blocks_to_allocate(rid, num_tokens_need_slot, (), total_computed)
+        if hits is None and not full_sequence_must_fit:  # a running request: the common, cheap path
+            num_needed = self.coordinator.num_blocks_to_allocate(rid, num_tokens_need_slot, total_computed)
         else:
-            for m, group_hits in zip(managers, hits):
-                num_needed += m.get_num_blocks_to_allocate(rid, num_tokens_need_slot, group_hits, total_computed)
+            needs = [m.get_num_blocks_to_allocate(rid, num_tokens_need_slot, group_hits, total_computed)
+                     for m, group_hits in zip(managers, hits or [()] * len(managers))]
+            num_needed = sum(needs)
         num_free = self.pool.num_free_blocks
         if num_needed > num_free:
             return None
-        if full_sequence_must_fit:
-            shared_hits = sum(1 for g in hits or () for b in g if b.ref_cnt > 0 and not b.is_null)
-            held = sum(m.num_real_blocks.get(rid, 0) for m in managers)
-            if self.peak_blocks(request) - held - shared_hits + num_reserved_blocks > num_free:
-                return None
+        if full_sequence_must_fit and self._growth_after(request, hits, needs) + num_needed + num_reserved_blocks > num_free:
+            return None
 
         if hits is not None:
             for group_hits in hits:
                 self.pool.touch(group_hits)
             self.coordinator.save_new_computed_blocks(rid, hits)
+        if self.coordinator.in_place:
+            # Best-effort Mamba checkpoints: only blocks beyond what this allocation needs,
+            # what admitted requests are reserved, and the free share kept for steps.
+            # A checkpoint column costs a block in every such group (they decide alike:
+            # a hit needs every group, every page of a state).
+            self._track(request)  # its own growth counts too (before this allocation: conservative)
+            reserve = max(num_reserved_blocks, self.checkpoint_floor, self.total_outstanding)
+            spare = (num_free - num_needed - reserve) // len(self.coordinator.in_place)
+            self.coordinator.checkpoint_budget.columns = spare if spare > 0 else 0
         new_blocks = self.coordinator.allocate_new_blocks(rid, num_tokens_need_slot, total_computed)
         if self.enable_caching and not delay_cache_blocks:
             self.coordinator.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens), processed)
         return new_blocks
 
+    def _track(self, request: Request) -> None:
+        """Refresh what the request may still take before its peak (see total_outstanding)."""
+        rid = request.request_id
+        peaks = self._peaks_of.get(rid)
+        if peaks is None:
+            n = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
+            peaks = self._peaks_of[rid] = [min(m.num_required_blocks(n), cap) for m, cap in
+                                           zip(self.coordinator.leader_managers, self._leader_caps)]
+        self._set_outstanding(rid, peaks)
+
+    def _set_outstanding(self, rid: str, peaks: list[int]) -> None:
+        left = 0
+        for (m, weight), peak in zip(self.coordinator.leaders, peaks):
+            held = m.num_real_blocks.get(rid, 0)
+            if held < peak:  # peak <= cap: blocks past the cap (best-effort) never count
+                left += weight * (peak - held)
+        self.total_outstanding += left - self._outstanding.get(rid, 0)
+        self._outstanding[rid] = left
+
     def peak_blocks(self, request: Request) -> int:
         """Blocks the request holds at its peak (prompt + max_tokens), by the admission caps."""
+        return sum(self._peaks(request))
+
+    def _peaks(self, request: Request) -> list[int]:
         n = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
-        return self.coordinator.full_sequence_blocks(n, self.max_in_flight_tokens, self.max_model_len, self.window_tail)
+        return [min(m.num_required_blocks(n), cap) for m, cap in zip(self.coordinator.managers, self.caps)]
+
+    def _growth_after(self, request: Request, hits: BlocksPerGroup | None, needs: list[int]) -> int:
+        """Blocks the request may still take past this allocation, to its peak: per group
+        the peak less what it will hold, counted up to the cap (its blocks, the non-null
+        hits and the new blocks; a Mamba hit's source held beside the running state is a
+        block past the cap, not growth).
+
+        With attention groups only this is the peak less held blocks less all hits less
+        new blocks, so with `needs` added back: peak - held - shared hits."""
+        rid = request.request_id
+        total = 0
+        for m, cap, peak, need, group_hits in zip(self.coordinator.managers, self.caps, self._peaks(request), needs,
+                                                  hits or [()] * len(needs)):
+            real_hits = [b for b in group_hits if not b.is_null]
+            new = need - sum(1 for b in real_hits if b.ref_cnt == 0)
+            held = m.num_real_blocks.get(rid, 0) + len(real_hits) + new
+            total += max(0, peak - min(held, cap))
+        return total
 
     def outstanding_blocks(self, requests: list[Request]) -> int:
-        """How many more blocks these requests may still take before their peaks."""
+        """How many more blocks these requests may still take before their peaks (blocks
+        held beyond a group's cap, best-effort checkpoints, do not count as taken)."""
         managers = self.coordinator.managers
         total = 0
         for r in requests:
-            held = sum(m.num_real_blocks.get(r.request_id, 0) for m in managers)
-            total += max(0, self.peak_blocks(r) - held)
+            rid = r.request_id
+            total += sum(max(0, peak - min(m.num_real_blocks.get(rid, 0), cap))
+                         for m, cap, peak in zip(managers, self.caps, self._peaks(r)))
         return total
 
     def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int) -> None:
         self._forget(request_id)
         self.coordinator.remove_skipped_blocks(request_id, processed_computed_tokens)
+        peaks = self._peaks_of.get(request_id)
+        if peaks is not None:
+            self._set_outstanding(request_id, peaks)
 
-    def cache_blocks(self, request: Request, num_processed_tokens: int) -> None:
-        """Publish the full blocks below a count whose steps are all processed."""
+    def cache_blocks(self, request: Request, num_processed_tokens: int, final: bool = False) -> None:
+        """Publish the full blocks below a count whose steps are all processed (final: the
+        request finishes there, so an in-place Mamba group's block at that boundary is
+        settled too, see InPlaceMambaManager.cache_final)."""
         if self.enable_caching:
             self._forget(request.request_id)
             self.coordinator.cache_blocks(request, num_processed_tokens, num_processed_tokens)
+            if final:
+                for m in self.coordinator.in_place:
+                    m.cache_final(request, num_processed_tokens)
 
     def _forget(self, request_id: str) -> None:
         self._steady.pop(request_id, None)
@@ -299,9 +373,15 @@ class KVCacheManager:
             request.set_block_hasher(self.block_hasher)
 
     # -- freeing -------------------------------------------------------------
+    def done_growing(self, request_id: str) -> None:
+        """The request takes no more blocks (finished; its blocks may stay for a store)."""
+        self._peaks_of.pop(request_id, None)
+        self.total_outstanding -= self._outstanding.pop(request_id, 0)
+
     def free(self, request: Request, fence_step: int | None = None) -> None:
         """Detach the request's tables now; return its blocks once `fence_step` is processed."""
         self._forget(request.request_id)
+        self.done_growing(request.request_id)
         blocks = self.coordinator.pop(request.request_id)
         if not blocks:
             return

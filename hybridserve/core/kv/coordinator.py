@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 from hybridserve.core.kv.block_pool import BlockPool, KVCacheBlock
-from hybridserve.core.kv.single_type_managers import FullAttentionManager, SingleTypeKVCacheManager, make_manager
-from hybridserve.core.kv.spec import KVCacheGroup, WindowTail
+from hybridserve.core.kv.single_type_managers import (
+    CheckpointBudget, FullAttentionManager, InPlaceMambaManager, SingleTypeKVCacheManager, make_manager,
+)
+from hybridserve.core.kv.spec import KVCacheGroup, MambaSpec, WindowTail
 from hybridserve.core.request import Request
 
 BlocksPerGroup = list[list[KVCacheBlock]]
 
 
 class KVCacheCoordinator:
+    # Page groups 1.. of a paged Mamba state get exactly the calls page 0 gets (a hit too:
+    # every group must agree on its length), so their tables keep page 0's shape: the
+    # per-request limits and a running request's block count are computed over page 0
+    # alone (weighted by its page count). Tests turn it off to compare with all groups.
+    mirror_fast_path = True
+
     def __init__(
         self,
         groups: tuple[KVCacheGroup, ...],
@@ -24,6 +32,17 @@ class KVCacheCoordinator:
         self.managers: list[SingleTypeKVCacheManager] = [
             make_manager(g.spec, pool, i, enable_caching, window_tail) for i, g in enumerate(groups)
         ]
+        # Mamba groups keeping their running state in place (their checkpoints are best-effort),
+        # sharing one checkpoint budget.
+        self.in_place = [m for m in self.managers if isinstance(m, InPlaceMambaManager)]
+        self.checkpoint_budget = CheckpointBudget()
+        for m in self.in_place:
+            m.budget = self.checkpoint_budget
+        # (group, how many groups it stands for): every group but Mamba pages 1.., which
+        # mirror their page 0 (see mirror_fast_path).
+        self.leaders = [(m, m.spec.num_pages if isinstance(m.spec, MambaSpec) else 1)
+                        for m in self.managers if not (isinstance(m.spec, MambaSpec) and m.spec.page_index > 0)]
+        self.leader_managers = [m for m, _ in self.leaders]
         # Full attention first: it is the most selective, so later groups search short.
         self.search_order = sorted(
             range(len(groups)), key=lambda i: not isinstance(self.managers[i], FullAttentionManager)
@@ -80,11 +99,19 @@ class KVCacheCoordinator:
             total += min(m.num_required_blocks(num_tokens), cap)
         return total
 
+    def num_blocks_to_allocate(self, request_id: str, num_tokens: int, chunk_start: int) -> int:
+        """Blocks a running request (no new hits) takes from the pool for num_tokens slots."""
+        if self.mirror_fast_path:
+            return sum([w * m.get_num_blocks_to_allocate(request_id, num_tokens, (), chunk_start)
+                        for m, w in self.leaders])
+        return sum([m.get_num_blocks_to_allocate(request_id, num_tokens, (), chunk_start) for m in self.managers])
+
     def slack(self, request_id: str) -> tuple[float, float, float]:
         """(tokens with slots, processed count that frees a block, tokens that cache a block)."""
         inf = float("inf")
         slots = frees = caches = inf
-        for m in self.managers:  # a plain loop: generator min()s cost more than the work
+        managers = self.leader_managers if self.mirror_fast_path else self.managers
+        for m in managers:  # a plain loop: generator min()s cost more than the work
             slots = min(slots, m.num_covered_tokens(request_id))
             frees = min(frees, m.next_free_basis(request_id))
             caches = min(caches, m.next_cache_tokens(request_id))

@@ -328,26 +328,9 @@ class MambaManager(SingleTypeKVCacheManager):
         super().__init__(spec, block_pool, group_id, enable_caching)
         self.checkpoints = self.spec.block_checkpoints
 
-    @property
-    def has_holes(self) -> bool:
-        return self.spec.sparse
-
-    def is_real(self, index: int, chunk_start: int, chunk_end: int) -> bool:
-        """Sparse checkpoints: real only where the chunk reads its state (new after a load
-        from a KV connector), in its tail or on the period (MambaSpec); a null interior
-        boundary's state is simply not kept."""
-        if index < self.first_real_block(chunk_start):
-            return False
-        spec = self.spec
-        if not spec.sparse or index == (chunk_start - 1) // self.block_size:
-            return True
-        return spec.is_checkpoint_block(index) or index >= spec.tail_start(chunk_end) // self.block_size
-
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         if not self.checkpoints:
             return 0
-        if self.spec.sparse and not self.spec.keep_last_checkpoint:  # only the running state
-            return max(0, (num_computed_tokens - 1) // self.block_size * self.block_size)
         if num_computed_tokens < 2 * self.block_size:
             return 0
         return (num_computed_tokens // self.block_size - 1) * self.block_size
@@ -383,6 +366,151 @@ class MambaManager(SingleTypeKVCacheManager):
             super().cache_blocks(request, min(num_tokens, num_processed_tokens), num_processed_tokens)
 
 
+class CheckpointBudget:
+    """How many best-effort checkpoint columns the allocation under way may fill."""
+
+    __slots__ = ("columns",)
+
+    def __init__(self) -> None:
+        self.columns = 0
+
+
+class InPlaceMambaManager(MambaManager):
+    """Mamba groups whose running state stays in one block (`MambaSpec.running_in_place`).
+
+    The table is positional like MambaManager's (block i: the state after tokens up to
+    the end of block i), except that its last entry is always the running block R, the
+    one block a request truly needs. When a step's slots grow the table, R moves to the
+    new last entry (same block id: every step reads and writes its state in place) and
+    the entries it leaves get checkpoint blocks when the pool has blocks to spare
+    (`budget`, set by the KV cache manager per allocation) or the null block (no
+    checkpoint there, so fewer prefix hits)::
+
+        bs 4, chunk 0..5 then 6..12:   [X4  R]   ->   [X4  X8  null  R]
+        table delta of the second:     [X8, null], inserted before the last entry
+
+    A step over s..e-1 reads R (the first step after a prefix hit or a connector load
+    reads block (s-1)//bs instead, the source it starts from), writes its final state
+    to R and the state at every boundary b in [s, e] (b > 0) to block b/bs - 1 when that
+    is a checkpoint block, not R (b == s: the state it read; b == e: its final state). A
+    checkpoint is written by a step that reaches its boundary, so it is published (and
+    pruned) once the processed count has passed the boundary: (c + 1) * bs < processed.
+    R is never published while the request runs: its column is never below the
+    scheduled count (at a finish, see cache_final).
+    """
+
+    def __init__(self, spec: KVCacheSpec, block_pool: BlockPool, group_id: int, enable_caching: bool) -> None:
+        super().__init__(spec, block_pool, group_id, enable_caching)
+        self.running: set[str] = set()  # requests whose last table entry is their running block
+        # Checkpoint columns an allocation may fill beyond what it needs: set once per
+        # allocation by the KV cache manager, shared by every in-place group (they decide
+        # alike, each taking that many blocks; see KVCacheManager._allocate_slots).
+        self.budget = CheckpointBudget()
+
+    @property
+    def has_holes(self) -> bool:
+        return True
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        """Every column below the last computed token's (its checkpoints are written and
+        published by then), but with keep_last_checkpoint the last whole one (a KV
+        connector stores it at the request's finish)."""
+        if self.spec.keep_last_checkpoint:
+            return super().get_num_skipped_tokens(num_computed_tokens)
+        return max(0, (num_computed_tokens - 1) // self.block_size * self.block_size)
+
+    def next_free_basis(self, request_id: str) -> float:
+        """The base class's search, in closed form for this hook: block nn (the first past
+        the null mark) goes at processed nn*bs + bs + 1 (the last whole one kept: + bs)."""
+        mark = self.num_null_blocks.get(request_id, 0) + 1
+        return (mark + 1) * self.block_size if self.spec.keep_last_checkpoint else mark * self.block_size + 1
+
+    def _source_column(self, chunk_start: int) -> int:
+        """Column of the state a request without a running block starts from (-1: zeros)."""
+        return (chunk_start - 1) // self.block_size if chunk_start > 0 else -1
+
+    def get_num_blocks_to_allocate(
+        self, request_id: str, num_tokens: int, new_computed_blocks: list[KVCacheBlock] | tuple, chunk_start: int = 0
+    ) -> int:
+        """Required blocks only: R at a request's first compute step and, after a connector
+        load, the block the load fills; checkpoints take what `budget` allows."""
+        blocks = self.req_to_blocks.get(request_id)
+        have = (len(blocks) if blocks else 0) + len(new_computed_blocks)
+        num_new = 0
+        if -(-num_tokens // self.block_size) > have and request_id not in self.running:
+            num_new = int(num_tokens > chunk_start) + int(self._source_column(chunk_start) >= have)
+        if new_computed_blocks:
+            num_new += sum(1 for b in new_computed_blocks if b.ref_cnt == 0 and not b.is_null)
+        return num_new
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int, chunk_start: int = 0) -> list[KVCacheBlock]:
+        """The table delta: appended entries, or for a running request the entries inserted
+        before R (which moves to the new last column)."""
+        blocks = self.req_to_blocks.setdefault(request_id, [])
+        first, end = len(blocks), -(-num_tokens // self.block_size)
+        if end <= first:
+            return []
+        pool, null = self.pool, self.pool.null_block
+        spare = self.budget.columns
+        running = request_id in self.running
+        if running:  # the entries R leaves and passes, first - 1 .. end - 2: checkpoints
+            real = [i < spare for i in range(end - first)]
+        else:
+            skip = self.first_real_block(chunk_start)
+            source = self._source_column(chunk_start)
+            last = end - 1 if num_tokens > chunk_start else end  # end: no running block yet (a load)
+            real = []
+            for i in range(first, min(last, end)):
+                if i == source:
+                    real.append(True)
+                elif spare > 0 and i >= skip:
+                    real.append(True)
+                    spare -= 1
+                else:
+                    real.append(False)
+        num_real = sum(real)
+        fresh = iter(pool.get_new_blocks(num_real))
+        new = [next(fresh) if r else null for r in real]
+        if running:
+            blocks[first - 1 : first - 1] = new  # insert before R
+        else:
+            if num_tokens > chunk_start:
+                new.extend(pool.get_new_blocks(1))  # R
+                num_real += 1
+                self.running.add(request_id)
+            nulls = self.num_null_blocks.get(request_id, 0)
+            if nulls == first:  # a null prefix grows (blocks below the skip boundary)
+                while nulls < first + len(new) and new[nulls - first].is_null:
+                    nulls += 1
+                self.num_null_blocks[request_id] = nulls
+            blocks.extend(new)
+        self.num_real_blocks[request_id] = self.num_real_blocks.get(request_id, 0) + num_real
+        return new
+
+    def cache_blocks(self, request: Request, num_tokens: int, num_processed_tokens: int) -> None:
+        """Checkpoints whose boundary the processed count has passed: the step that
+        crossed it (and wrote it) is processed, and the block is not R."""
+        n = min(num_tokens, num_processed_tokens - 1)
+        if n > 0:
+            SingleTypeKVCacheManager.cache_blocks(self, request, n, num_processed_tokens)
+
+    def next_cache_tokens(self, request_id: str) -> float:
+        return super().next_cache_tokens(request_id) + 1
+
+    def cache_final(self, request: Request, num_processed_tokens: int) -> None:
+        """At a request's finish its block at the last processed boundary is settled: R
+        there holds that state (no later step can write R without moving it on), and a
+        checkpoint block there was written by the step that reached the boundary (a
+        chunk's final state or a verify step's commit: boundaries b in [s, e]) or, when R
+        moved on while that step was in flight, is by the step in flight that starts on
+        it (b == s), which runs before any step that could read it."""
+        SingleTypeKVCacheManager.cache_blocks(self, request, num_processed_tokens, num_processed_tokens)
+
+    def pop(self, request_id: str) -> list[KVCacheBlock]:
+        self.running.discard(request_id)
+        return super().pop(request_id)
+
+
 MANAGER_FOR_SPEC: dict[type, type[SingleTypeKVCacheManager]] = {
     FullAttentionSpec: FullAttentionManager,
     SlidingWindowSpec: SlidingWindowManager,
@@ -394,7 +522,10 @@ MANAGER_FOR_SPEC: dict[type, type[SingleTypeKVCacheManager]] = {
 def make_manager(
     spec: KVCacheSpec, pool: BlockPool, group_id: int, enable_caching: bool, window_tail: WindowTail | None = None
 ) -> SingleTypeKVCacheManager:
-    manager = MANAGER_FOR_SPEC[type(spec)](spec, pool, group_id, enable_caching)
+    cls = MANAGER_FOR_SPEC[type(spec)]
+    if isinstance(spec, MambaSpec) and spec.block_checkpoints and spec.running_in_place:
+        cls = InPlaceMambaManager
+    manager = cls(spec, pool, group_id, enable_caching)
     if isinstance(manager, SlidingWindowManager):
         manager.window_tail = window_tail
     return manager

@@ -206,11 +206,11 @@ class MambaSpec(KVCacheSpec):
     the pool keeps one page size. The page groups make identical decisions, and a prefix
     hit needs every slice (the coordinator already requires every group to agree).
 
-    Sparse checkpoints (`in_flight` set, see `with_mamba_checkpoints`): a chunk's new
-    blocks are real only where a state lands that a later step reads (the tail of the
-    chunk where its final state, or a verify step's accepted state, can end) or on the
-    checkpoint period (`checkpoint_interval` blocks; 0: none); the other interior
-    boundaries of a chunk get the null block and their states are not kept.
+    Running state in place (`running_in_place`, what the engine uses with prefix
+    caching, see `with_mamba_checkpoints` and InPlaceMambaManager): the table is
+    positional, but its last entry is always the running block, which every step reads
+    and writes in place and which moves to the new last entry when the table grows; the
+    entries it leaves get checkpoint blocks only when the pool has some to spare.
     """
 
     shapes: tuple[tuple[int, ...], ...] = ()
@@ -219,11 +219,10 @@ class MambaSpec(KVCacheSpec):
     block_checkpoints: bool = False
     num_pages: int = 1
     page_index: int = 0
-    # Sparse checkpoints: the in-flight limits (steps, drafts) the caps are proven for,
-    # and the period of the checkpoints kept inside chunks (1: every block, 0: none).
-    in_flight: WindowTail | None = None
-    checkpoint_interval: int = 1
-    # Sparse only: hold the last whole-block checkpoint below the running state (what a KV
+    # In place: the running state stays in one block, the table's last entry, for the
+    # request's life; checkpoints are best-effort blocks outside the admission cap.
+    running_in_place: bool = False
+    # In place: hold the last whole-block checkpoint below the running state (what a KV
     # connector stores at a request's finish); without a connector it is only cached.
     keep_last_checkpoint: bool = True
 
@@ -233,8 +232,6 @@ class MambaSpec(KVCacheSpec):
             raise ConfigError(f"num_speculative_blocks must be >= 0, got {self.num_speculative_blocks}")
         if not 0 <= self.page_index < self.num_pages:
             raise ConfigError(f"page_index must be in [0, num_pages={self.num_pages}), got {self.page_index}")
-        if self.checkpoint_interval < 0:
-            raise ConfigError(f"checkpoint_interval must be >= 0, got {self.checkpoint_interval}")
         dtype_size(self.dtype)
 
     @property
@@ -259,51 +256,28 @@ class MambaSpec(KVCacheSpec):
     def num_state_blocks(self) -> int:
         return 1 + self.num_speculative_blocks
 
-    @property
-    def sparse(self) -> bool:
-        return self.block_checkpoints and self.in_flight is not None and self.checkpoint_interval != 1
-
-    def is_checkpoint_block(self, index: int) -> bool:
-        """Does block `index` keep its boundary state even inside a chunk (the period)?"""
-        k = self.checkpoint_interval
-        return k == 1 or (k > 1 and (index + 1) % k == 0)
-
-    def tail_start(self, chunk_end: int) -> int:
-        """First slot of a chunk ending at chunk_end (lookahead included) whose block a
-        state can land in: its final state, or after rejected drafts a verify step's
-        accepted one (see max_admission_blocks_per_request)."""
-        d = self.in_flight.max_draft_tokens if self.in_flight is not None else 0
-        return chunk_end - 1 - 2 * d
-
     def max_admission_blocks_per_request(
         self, max_in_flight_tokens: int, max_model_len: int, window_tail: WindowTail | None = None
     ) -> int:
-        """State blocks, or with checkpoints: the last whole-block checkpoint, then a
-        block per boundary in flight. After pruning on the processed count P a request
-        holds blocks P//bs - 1 .. (e-1)//bs with e - P <= B = max_in_flight_tokens:
-        at most cdiv(B - 1, bs) + 2 = touch(B) + 1, and never more than max_model_len needs.
+        """State blocks; with checkpoints in place (k steps and d drafts in flight alike)::
 
-        Sparse (k = in_flight.max_in_flight_steps, d = in_flight.max_draft_tokens, K the
-        interval): besides the running block (P-1)//bs and, with keep_last_checkpoint,
-        the kept checkpoint P//bs - 1,
-        the real blocks above P are each in-flight chunk's tail (the blocks of its last
-        1 + 2d slots: d lookahead slots past the chunk's end and up to d rejected drafts
-        before it, where its final or accepted state can land; at most k chunks) and the
-        period's blocks among the touch(B + d) blocks in flight::
+            cap = 1   the running state: every step reads and writes it in place, so a
+                      state written by step N is read by step N+1 after N finishes
 
-            cap = min(dense, 1 + keep + k * touch(1 + 2d) + cdiv(touch(B + d), K))   (K = 0: no period term)
+        What else a request holds is not required: checkpoints are taken only from blocks
+        to spare (null otherwise) and freed once their step is processed; a prefix hit's
+        or a connector load's source block is read by the first step only and freed once
+        that is processed (admission counts it among the blocks it takes, see
+        KVCacheManager._growth_after). The positional layout (without in-flight limits)
+        holds the last whole-block checkpoint, then a block per boundary in flight: after
+        pruning on the processed count P, blocks P//bs - 1 .. (e-1)//bs with e - P <= B =
+        max_in_flight_tokens, at most touch(B) + 1, never more than max_model_len needs.
         """
         if not self.block_checkpoints:
             return self.num_state_blocks
-        bs = self.block_size
-        dense = min(blocks_touched(max_in_flight_tokens, bs) + 1, cdiv(max_model_len, bs))
-        if not self.sparse:
-            return dense
-        assert self.in_flight is not None
-        k, d = self.in_flight.max_in_flight_steps, self.in_flight.max_draft_tokens
-        period = cdiv(blocks_touched(max_in_flight_tokens + d, bs), self.checkpoint_interval) if self.checkpoint_interval else 0
-        held = 1 + int(self.keep_last_checkpoint)
-        return min(dense, held + k * blocks_touched(1 + 2 * d, bs) + period)
+        if self.running_in_place:
+            return 1
+        return min(blocks_touched(max_in_flight_tokens, self.block_size) + 1, cdiv(max_model_len, self.block_size))
 
 
 @dataclass(frozen=True)
@@ -348,67 +322,31 @@ class KVCacheConfig:
         return (self.num_blocks - 1) / need
 
 
-# Periodic Mamba checkpoints may add at most this share to the blocks a max_model_len
-# request needs (see checkpoint_interval_for): the memory budget that sets their period.
-CHECKPOINT_SHARE = 0.1
-
-
 def with_mamba_checkpoints(
     groups: tuple[KVCacheGroup, ...],
     in_flight: WindowTail | None = None,
-    max_in_flight_tokens: int = 0,
-    max_model_len: int = 0,
     keep_last_checkpoint: bool = True,
 ) -> tuple[KVCacheGroup, ...]:
     """The groups with every Mamba group keeping state checkpoints: what prefix caching
     needs to serve a Mamba model a hit (see MambaSpec).
 
-    Without `in_flight` (the scheduler's steps and drafts in flight) every block keeps
-    one. With it, and states cut into pages (bigger than an attention page, see
-    group_layers), checkpoints are sparse: the period comes from `checkpoint_interval_for`,
-    so a request never reserves a state per block boundary it has in flight, and holds
-    its last whole-block checkpoint only if `keep_last_checkpoint` (a KV connector stores
-    it at the request's finish). A state that fits one page costs a block no more than
-    attention does: it keeps them all."""
+    With `in_flight` (the scheduler's limits, what the engine passes) the running state
+    stays in place: a request's cap is one block a Mamba group whatever the steps and
+    drafts in flight, and checkpoints are best-effort (InPlaceMambaManager); it holds its
+    last whole-block checkpoint only if `keep_last_checkpoint` (a KV connector stores it
+    at the request's finish). Without it (unit tests of the positional layout) every
+    block keeps a checkpoint and a request reserves one per boundary in flight."""
     dense = tuple(
         KVCacheGroup(replace(g.spec, block_checkpoints=True), g.layer_names) if isinstance(g.spec, MambaSpec) else g
         for g in groups
     )
-    if in_flight is None or not any(isinstance(g.spec, MambaSpec) and g.spec.num_pages > 1 for g in groups):
+    if in_flight is None:
         return dense
-    dense = tuple(
-        KVCacheGroup(replace(g.spec, keep_last_checkpoint=keep_last_checkpoint), g.layer_names)
+    return tuple(
+        KVCacheGroup(replace(g.spec, keep_last_checkpoint=keep_last_checkpoint, running_in_place=True), g.layer_names)
         if isinstance(g.spec, MambaSpec) else g
         for g in dense
     )
-    interval = checkpoint_interval_for(dense, in_flight, max_in_flight_tokens, max_model_len)
-    return _with_interval(dense, in_flight, interval)
-
-
-def _with_interval(groups: tuple[KVCacheGroup, ...], in_flight: WindowTail, interval: int) -> tuple[KVCacheGroup, ...]:
-    return tuple(
-        KVCacheGroup(replace(g.spec, in_flight=in_flight, checkpoint_interval=interval), g.layer_names)
-        if isinstance(g.spec, MambaSpec) else g
-        for g in groups
-    )
-
-
-def checkpoint_interval_for(
-    groups: tuple[KVCacheGroup, ...], in_flight: WindowTail, max_in_flight_tokens: int, max_model_len: int
-) -> int:
-    """The densest checkpoint period (1, 2, 4, .. blocks) whose in-flight checkpoints add
-    at most CHECKPOINT_SHARE to the blocks of a max_model_len request without them; 0
-    (no periodic checkpoints, only the chunk tails) when none does."""
-    def need(interval: int) -> int:
-        return blocks_per_request(_with_interval(groups, in_flight, interval), max_in_flight_tokens, max_model_len)
-
-    budget = (1 + CHECKPOINT_SHARE) * need(0)
-    interval, most = 1, cdiv(max_model_len, groups[0].spec.block_size)
-    while interval <= most:
-        if need(interval) <= budget:
-            return interval
-        interval *= 2
-    return 0
 
 
 def bytes_per_block(groups: tuple[KVCacheGroup, ...] | list[KVCacheGroup]) -> int:

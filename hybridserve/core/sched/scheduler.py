@@ -326,13 +326,14 @@ class Scheduler:
         elif self.config.enable_prefix_caching:
             # Publish what the last steps filled: with drafts a step fills a block
             # before its tokens are known, and no allocation follows a finish.
-            self.kv.cache_blocks(req, min(req.num_processed_tokens, req.num_tokens))
+            self.kv.cache_blocks(req, min(req.num_processed_tokens, req.num_tokens), final=True)
         req.status = status
         self._free_request(req)
 
     def _free_request(self, req: Request) -> None:
         del self.requests[req.request_id]
         self.finished_req_ids.add(req.request_id)
+        self.kv.done_growing(req.request_id)
         if self.transfer is not None and self.transfer.request_finished(req):
             return  # a store reads its blocks: freed when it reports
         self.kv.free(req, fence_step=req.last_scheduled_step)

@@ -51,7 +51,7 @@ def prefix_fingerprints(tokens: list[int]) -> list[int]:
 class _ReqState:
     """One request as the executor sees it. Invariant: num_computed <= len(fps)."""
 
-    __slots__ = ("fps", "num_computed", "tables", "num_nulls", "row")
+    __slots__ = ("fps", "num_computed", "tables", "num_nulls", "row", "from_source")
 
     def __init__(self, fps: list[int], num_computed: int) -> None:
         self.fps = fps
@@ -59,6 +59,9 @@ class _ReqState:
         self.tables: list[list[int]] = []
         self.num_nulls: tuple[int, ...] = ()
         self.row = -1  # shadow table row (detector on)
+        # In-place Mamba states: the first step starts from block (s-1)//bs (a prefix hit
+        # or a connector load), later ones from the running block (InPlaceMambaManager).
+        self.from_source = True
 
 
 class SimExecutor(Executor):
@@ -103,8 +106,9 @@ class SimExecutor(Executor):
                 self.group_kinds.append(("sliding", s.sliding_window))
             elif isinstance(s, ChunkedLocalAttentionSpec):
                 self.group_kinds.append(("chunked", s.attention_chunk_size))
-            elif isinstance(s, MambaSpec):
-                self.group_kinds.append(("mamba", int(s.block_checkpoints)))
+            elif isinstance(s, MambaSpec):  # 0: one state block, 1: positional, 2: running state in place
+                self.group_kinds.append(("mamba", int(s.block_checkpoints) + int(s.block_checkpoints
+                                                                                  and s.running_in_place)))
             else:
                 self.group_kinds.append(("full", 0))
         codes = {"full": _FULL, "sliding": _SLIDING, "chunked": _CHUNKED, "mamba": _MAMBA}
@@ -114,6 +118,10 @@ class SimExecutor(Executor):
                    if isinstance(grp.spec, MambaSpec) and grp.spec.page_index > 0}
         self._groups = tuple((g, codes[kind], size) for g, (kind, size) in enumerate(self.group_kinds)
                              if g not in mirrors)
+        # The groups whose tables the shadow keeps (a mirror's blocks are never touched, so
+        # its frees can never report: its table is not needed).
+        self._tracked = [g for g in range(len(self.group_kinds)) if g not in mirrors]
+        self._in_place = [kind == "mamba" and size == 2 for kind, size in self.group_kinds]
         if self.detector:
             self.shadow = ShadowKV(kv_cache_config.num_blocks, self.block_size, len(self.group_kinds), self.strict)
         if self.connector is not None:
@@ -186,6 +194,9 @@ class SimExecutor(Executor):
                     last = hash((last, tok))
                     fps.append(last)
             sampled.append(out)
+        if shadow is not None:  # only the shadow reads it
+            for sr in so.requests:
+                reqs[sr.request_id].from_source = False
         if touches is not None and touches.state_writes:
             # A Mamba layer reads every request's state before it writes any (the runner's
             # StepMambaStates): a state written this step is not there for another's read.
@@ -228,10 +239,11 @@ class SimExecutor(Executor):
         st = _ReqState(prefix_fingerprints(sr.new.token_ids), sr.num_computed_tokens)
         shadow = self.shadow
         if shadow is not None:
-            st.tables = [list(t) for t in sr.new_block_ids]
+            st.tables = [[] for _ in sr.new_block_ids]
             st.num_nulls = tuple(sr.num_null_blocks)
             st.row = shadow.alloc_row()
-            for g, table in enumerate(st.tables):
+            for g in self._tracked:
+                st.tables[g] = table = list(sr.new_block_ids[g])
                 shadow.set_blocks(g, st.row, 0, table)
         self.reqs[sr.request_id] = st
         return st
@@ -239,12 +251,17 @@ class SimExecutor(Executor):
     def _update_tables(self, sr: ScheduledRequest, st: _ReqState) -> None:
         shadow = self.shadow
         assert shadow is not None
-        for g, ids in enumerate(sr.new_block_ids):
-            table = st.tables[g]
+        new_ids, new_nulls = sr.new_block_ids, sr.num_null_blocks
+        for g in self._tracked:
+            table, ids = st.tables[g], new_ids[g]
             if ids:
-                shadow.set_blocks(g, st.row, len(table), ids)
-                table.extend(ids)
-            nulls = sr.num_null_blocks[g]
+                if self._in_place[g]:  # the running state's block R stays last (InPlaceMambaManager)
+                    shadow.insert_before_last(g, st.row, len(table) - 1, ids)
+                    table[-1:-1] = ids
+                else:
+                    shadow.set_blocks(g, st.row, len(table), ids)
+                    table.extend(ids)
+            nulls = new_nulls[g]
             old = st.num_nulls[g]
             if nulls > old:
                 for i in range(old, nulls):
@@ -282,7 +299,9 @@ class SimExecutor(Executor):
             table = st.tables[g]
             num_blocks = len(table)
             if kind == _MAMBA:
-                if size:  # a state checkpoint per block
+                if size == 2:
+                    self._mamba_in_place(touches, st, g, s, fps[s - 1] if s else None, writes, k + len(accepted), rid)
+                elif size:  # a state checkpoint per block
                     self._mamba_checkpoints(touches, table, g, row, s, fps[s - 1] if s else None, writes,
                                             k + len(accepted), rid)
                 else:
@@ -384,6 +403,38 @@ class SimExecutor(Executor):
                 state_writes.append((table[b // bs - 1], writes[b - s - 1], rid))
         state_writes.append((table[(valid_end - 1) // bs], writes[num_valid - 1], rid))
         touches.add(g, row, first, last - first + 1, s, -1, rid, _NO_FPS)
+
+    def _mamba_in_place(
+        self, touches: StepTouches, st: _ReqState, g: int, s: int, read_fp: int | None, writes: list[int],
+        num_valid: int, rid: str,
+    ) -> None:
+        """Running state in place (MambaSpec.running_in_place): read it from the table's last
+        entry R (the first step after a hit or a load: from block (s-1)//bs), write the
+        chunk's final state to R then, as the runner's commit does, the state after the last
+        valid token; and the state at every boundary b in [s, s + num_valid] to block
+        b/bs - 1 where that is a checkpoint block, not R (b == s: the state read; b at the
+        end: the state after the last valid token)."""
+        bs = self.block_size
+        table, row = st.tables[g], st.row
+        end = s + len(writes)
+        last = len(table) - 1
+        if last < (end - 1) // bs:
+            touches.mark(Violation(UNALLOCATED, touches.step, rid, g, -1, max(s, len(table) * bs)))
+            return
+        source = st.from_source and s > 0
+        first = (s - 1) // bs if source else last
+        if read_fp is not None:
+            self._check_state_read(touches, g, row, first, table[first], s, read_fp, rid)
+        running = table[last]
+        state_writes = touches.state_writes
+        state_writes.append((running, writes[-1], rid))
+        for b in range((s // bs + 1) * bs if source else -(-s // bs) * bs, s + num_valid + 1, bs):
+            col = b // bs - 1
+            if b and col != last and table[col] != NULL:
+                state_writes.append((table[col], read_fp if b == s else writes[b - s - 1], rid))  # type: ignore[arg-type]
+        state_writes.append((running, writes[num_valid - 1], rid))
+        lo = (s - 1) // bs if s else 0  # the source, or the first boundary's checkpoint
+        touches.add(g, row, lo, last - lo + 1, s, -1, rid, _NO_FPS)
 
     def _check_state_read(
         self, touches: StepTouches, g: int, row: int, index: int, bid: int, s: int, read_fp: int, rid: str

@@ -212,6 +212,16 @@ class ShadowKV:
         self.table[group, row, start:end] = block_ids
         self.tgen[group, row, start:end] = self.free_gen[block_ids]
 
+    def insert_before_last(self, group: int, row: int, last: int, block_ids: list[int]) -> None:
+        """A running Mamba state kept in place (InPlaceMambaManager): entry `last` moves,
+        with the generation it was got at, behind block_ids, which the row owns from now on."""
+        end = last + len(block_ids)
+        self.set_blocks(group, row, last + 1, block_ids)  # grows the table to end + 1 entries
+        for arr in (self.table, self.tgen, self.vbid, self.vstamp, self.vpos):
+            arr[group, row, end] = arr[group, row, last]
+        self.set_blocks(group, row, last, block_ids)
+        self.vbid[group, row, last:end] = -1
+
     def set_null(self, group: int, row: int, start: int, end: int) -> None:
         self.table[group, row, start:end] = NULL
         self.tgen[group, row, start:end] = 0  # the null block is never freed

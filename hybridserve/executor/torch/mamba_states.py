@@ -6,6 +6,10 @@ state lives depends on the layout (MambaSpec):
 
     one state block (no prefix caching): column 0, read and written in place
     block checkpoints (prefix caching):  positional, the state after n tokens in block (n-1)//bs
+    running state in place (prefix caching, the engine's layout): the table's last entry R
+      is read and written by every step (a first step after a hit or a load reads block
+      (s-1)//bs); checkpoints at boundaries b in [s, e] go to block b/bs - 1 where that is
+      a checkpoint block (best-effort: may be null), b == s the state read, b == e the final
 
     step: request r computes tokens s..e-1 (bs 16, s 40, e 72)
       read   block (s-1)//bs = 2            -> conv [conv_dim, K-1], SSM [H, P, N]  (zeros if s == 0)
@@ -66,6 +70,10 @@ class MambaLayout:
         if len(layouts) != 1:
             raise ValueError("Mamba groups of one model must share one state layout")
         self.checkpoints: bool = layouts.pop()
+        # Running state in place (InPlaceMambaManager): the table's last entry holds it.
+        self.in_place = self.checkpoints and all(specs[g].running_in_place  # type: ignore[attr-defined]
+                                                 for g in self.mamba_groups)
+        self.in_place_groups = frozenset(self.mamba_groups) if self.in_place else frozenset()
         self.block_size = config.block_size
         # Per model layer: the MambaPages of a Mamba layer, None otherwise.
         self.states: list[MambaPages | None] = [None] * num_layers
@@ -87,6 +95,31 @@ class MambaLayout:
 def _page_ids(per_group: dict[int, torch.Tensor], groups: tuple[int, ...]) -> torch.Tensor:
     """[N, num_pages]: each row's block in every page group of a layer."""
     return torch.stack([per_group[g] for g in groups], dim=1)
+
+
+def _boundary_copies(layout: MambaLayout, tables: BlockTables, rows: np.ndarray, at: np.ndarray,
+                     eligible: np.ndarray, device: torch.device) -> tuple[torch.Tensor, dict[int, torch.Tensor]] | None:
+    """In place: the requests whose position `at` is a boundary (eligible ones) with a
+    checkpoint block there (block at/bs - 1, real: best-effort ones may be null), and
+    that block in every Mamba group (the groups null alike); None when there are none."""
+    bs = layout.block_size
+    sel = np.flatnonzero(eligible & (at > 0) & (at % bs == 0))
+    if not len(sel):
+        return None
+    cols = at[sel] // bs - 1
+    g0 = layout.mamba_groups[0]
+    real = tables.table[g0, rows[sel], cols] != 0
+    sel, cols = sel[real], cols[real]
+    if not len(sel):
+        return None
+    ids = {g: torch.from_numpy(tables.table[g, rows[sel], cols]).to(device) for g in layout.mamba_groups}
+    return torch.from_numpy(sel).to(device), ids
+
+
+def _write_copies(pages: MambaPages, copies: tuple[torch.Tensor, dict[int, torch.Tensor]], conv: torch.Tensor,
+                  ssm: torch.Tensor) -> None:
+    sel, ids = copies
+    pages.write(_page_ids(ids, pages.page_groups), conv[sel], ssm[sel])
 
 
 @dataclass
@@ -111,14 +144,29 @@ class StepMambaStates:
     # Per group, the block the state after each token of a verify chunk belongs in.
     verify_dest: dict[int, list[np.ndarray]] = field(default_factory=dict)
     starts: list[int] = field(default_factory=list)
+    # In place: the requests whose start is a boundary they read from their running block
+    # (`at_start`), and those whose (non-verify) chunk ends on a boundary past which R has
+    # moved (`at_end`): the checkpoint blocks the state read, or the final state, also
+    # goes to (rows of the step, per group their blocks).
+    at_start: tuple[torch.Tensor, dict[int, torch.Tensor]] | None = None
+    at_end: tuple[torch.Tensor, dict[int, torch.Tensor]] | None = None
 
     @classmethod
     def build(cls, layout: MambaLayout, tables: BlockTables, rows: np.ndarray, starts: np.ndarray,
-              counts: list[int], device: torch.device, verify: list[int] | None = None) -> StepMambaStates:
+              counts: list[int], device: torch.device, verify: list[int] | None = None,
+              from_source: np.ndarray | None = None) -> StepMambaStates:
+        """from_source: per request, its first step after it was added (in place, a request
+        starting mid-sequence then reads block (s-1)//bs: a prefix hit or a connector load)."""
         verify = list(verify or ())
         ends = starts + np.asarray(counts, dtype=np.int64)
         bs = layout.block_size
-        if layout.checkpoints:
+        in_place = layout.in_place
+        if in_place:
+            g0 = layout.mamba_groups[0]
+            last = tables.lengths[g0, rows] - 1
+            source = (starts > 0) & (from_source if from_source is not None else False)
+            read_col, write_col = np.where(source, np.maximum(starts - 1, 0) // bs, last), last
+        elif layout.checkpoints:
             read_col, write_col = np.maximum(starts - 1, 0) // bs, (ends - 1) // bs
         else:
             read_col = write_col = np.zeros_like(starts)
@@ -131,8 +179,16 @@ class StepMambaStates:
                     checkpoints[r] = js
         read_ids, write_ids, checkpoint_ids, verify_dest = {}, {}, {}, {}
         kept = None
+        at_start = at_end = None
+        if in_place:
+            # The checkpoint of a boundary b = s (the state read from R) or b = e (the final
+            # state, R having moved on); b/bs - 1 is never R's column then.
+            is_verify = np.zeros(len(starts), dtype=bool)
+            is_verify[verify] = True
+            at_start = _boundary_copies(layout, tables, rows, starts, (starts > 0) & ~source, device)
+            at_end = _boundary_copies(layout, tables, rows, ends, (last >= ends // bs) & ~is_verify, device)
         for g in layout.mamba_groups:
-            if np.any(tables.lengths[g, rows] <= write_col):
+            if np.any(tables.lengths[g, rows] <= write_col) or (in_place and np.any(last < (ends - 1) // bs)):
                 raise RuntimeError("a scheduled request lacks a Mamba state block (scheduler and runner out of sync)")
             table = tables.table[g]
             read, write = table[rows, read_col], table[rows, write_col]
@@ -150,7 +206,7 @@ class StepMambaStates:
         fresh = starts == 0
         return cls(layout, counts, read_ids, write_ids, torch.from_numpy(fresh).to(device) if fresh.any() else None,
                    verify, checkpoints=checkpoints, checkpoint_ids=checkpoint_ids, kept=kept,
-                   verify_dest=verify_dest, starts=starts.tolist())
+                   verify_dest=verify_dest, starts=starts.tolist(), at_start=at_start, at_end=at_end)
 
     def _pages(self, layer_idx: int) -> MambaPages:
         pages = self.layout.states[layer_idx]
@@ -163,12 +219,17 @@ class StepMambaStates:
         if self.fresh is not None:
             conv[self.fresh] = 0
             ssm[self.fresh] = 0
+        if self.at_start is not None:
+            # No state of this step is read from these checkpoint blocks.
+            _write_copies(pages, self.at_start, conv, ssm)
         return conv, ssm
 
     def write(self, layer_idx: int, conv: torch.Tensor, ssm: torch.Tensor,
               token_states: TokenStates | None = None, boundary_states: BoundaryStates | None = None) -> None:
         pages = self._pages(layer_idx)
         pages.write(_page_ids(self.write_ids, pages.page_groups), conv, ssm)
+        if self.at_end is not None:
+            _write_copies(pages, self.at_end, conv, ssm)
         if token_states is not None:
             self.token_states[layer_idx] = token_states
         if self.checkpoints:
@@ -197,7 +258,15 @@ class StepMambaStates:
             picks: list[tuple[int, int, list[int]]] = []  # (verify index, token index j, block per page group)
             for v, r in enumerate(ts.reqs):
                 n = num_valid[v]
-                if self.layout.checkpoints:
+                if self.layout.in_place:
+                    # The accepted state to the running block; boundary states where a
+                    # checkpoint block is (best-effort: some are null), never the running one.
+                    s, head = self.starts[r], self.verify_dest[pages.page_groups[0]][v]
+                    running = int(self.write_ids[pages.page_groups[0]][r])
+                    picks += [(v, j, [int(self.verify_dest[g][v][j]) for g in pages.page_groups])
+                              for j in range(n) if (s + j + 1) % bs == 0 and head[j] and head[j] != running]
+                    picks.append((v, n - 1, [int(self.write_ids[g][r]) for g in pages.page_groups]))
+                elif self.layout.checkpoints:
                     s, head = self.starts[r], self.verify_dest[pages.page_groups[0]][v]
                     # Boundary states go where the block is real (sparse checkpoints null some).
                     picks += [(v, j, [int(self.verify_dest[g][v][j]) for g in pages.page_groups])

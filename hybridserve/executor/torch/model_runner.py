@@ -154,9 +154,13 @@ class ModelRunner:
         state.extra["grammar"] = grammar
 
     def _update_tables(self, sr: ScheduledRequest, state: RequestState) -> None:
+        in_place = self.mamba.in_place_groups if self.mamba is not None and sr.new is None else ()
         for g, ids in enumerate(sr.new_block_ids):
             if ids:
-                self.tables.append(g, state.row, ids)
+                if g in in_place:
+                    self.tables.insert_before_last(g, state.row, ids)
+                else:
+                    self.tables.append(g, state.row, ids)
         if any(sr.num_null_blocks):
             for g, num_null in enumerate(sr.num_null_blocks):
                 if num_null:
@@ -218,8 +222,9 @@ class ModelRunner:
             # Requests verifying drafts keep the state after every token, so a rejected
             # draft can fall back to the state after the last accepted one (commit below).
             verify = [i for i, d in enumerate(drafts) if d]
+            from_source = np.array([s.extra.pop("mamba_from_source", False) for s in states], dtype=bool)
             mamba_states = StepMambaStates.build(self.mamba, self.tables, rows, starts, counts_l, self.device,
-                                                 verify)
+                                                 verify, from_source)
             attn = StepBackend(attn, mamba_states)
         return StepBatch(ends, torch.from_numpy(positions).to(self.device), int(positions.max()), attn,
                          mamba_states)
@@ -263,6 +268,7 @@ class ModelRunner:
             state = self._add(sr.new, sr.num_computed_tokens)
             if self.mamba is not None:
                 self.mamba.check_start(sr.request_id, state.num_computed)
+                state.extra["mamba_from_source"] = True  # its first step reads block (s-1)//bs
         elif state is None:
             raise RequestError(f"request {sr.request_id} scheduled but unknown to the runner")
         self._update_tables(sr, state)

@@ -72,6 +72,14 @@ class BlockTables:
         self.table[group, row, start : start + n] = block_ids
         self.lengths[group, row] = start + n
 
+    def insert_before_last(self, group: int, row: int, block_ids: list[int]) -> None:
+        """A Mamba running state kept in place (InPlaceMambaManager): its block, the row's
+        last entry, moves behind block_ids."""
+        last = int(self.lengths[group, row]) - 1
+        running = int(self.table[group, row, last])
+        self.lengths[group, row] = last
+        self.append(group, row, list(block_ids) + [running])
+
     def set_null_prefix(self, group: int, row: int, num_null: int) -> None:
         """The first `num_null` blocks were freed (out of window): they read as block 0."""
         done = int(self.null_lengths[group, row])

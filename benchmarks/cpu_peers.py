@@ -134,8 +134,9 @@ def isa_env(isa: str) -> list[str]:
     """The `env VAR=value` prefix that runs a command as on a CPU with `isa` (see --isa)."""
     if isa == "native":
         return []
-    flags = Path("/proc/cpuinfo").read_text().split("flags", 1)[1].split("\n", 1)[0].lstrip("\t :").split()
-    kept = " ".join(f for f in flags if not f.startswith(NOT_AVX2))
+    from hybridserve.models.cpu_features import read_cpu_flags
+
+    kept = " ".join(sorted(f for f in read_cpu_flags() if not f.startswith(NOT_AVX2)))
     return ["env", "ONEDNN_MAX_CPU_ISA=AVX2", "ATEN_CPU_CAPABILITY=avx2", f"HYBRIDSERVE_CPU_FLAGS={kept}"]
 
 
@@ -257,8 +258,9 @@ def drive(a: argparse.Namespace, hf_dir: Path, busy: list[subprocess.Popen]) -> 
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 cwd=REPO).stdout.strip()
         print(f"# CPU: {cpu_description()}\n# commit {commit}; command: {' '.join(sys.argv)}")
-        if a.isa != "native":
-            print(f"# run as on an {a.isa.upper()} CPU: {' '.join(isa_env(a.isa)[1:3])}, hybridserve deciding "
+        isa = isa_env(a.isa)
+        if isa:
+            print(f"# run as on an {a.isa.upper()} CPU: {' '.join(isa[1:3])}, hybridserve deciding "
                   "without avx512* / amx* / avx_vnni flags")
         if busy:
             print(f"# {len(busy)} busy-looping processes run beside every engine")
@@ -280,7 +282,7 @@ def drive(a: argparse.Namespace, hf_dir: Path, busy: list[subprocess.Popen]) -> 
                         extra = [x for x in args if x != "--prompts-file" and not x.endswith("prompts16.json")]
                         extra += ["--prompt-ids-from", text_ids]
                     out_file = Path(tmp) / f"{wl}-{len(results)}-{rnd}.json"
-                    result, rss, around = run_one(isa_env(a.isa) + command + extra + ["--out", str(out_file)], a.log)
+                    result, rss, around = run_one(isa + command + extra + ["--out", str(out_file)], a.log)
                     if result is not None and text_ids is None and "--prompts-file" in args:
                         text_ids = str(out_file)
                     results.setdefault((wl, name), []).append((result, rss, around))

@@ -98,8 +98,9 @@ def prefer_short_omp_spin() -> None:
     passive. A short spin covers the gap between the ops of one step and then yields; the
     same RMSNorm with 2 busy processes beside it: 138 us at 10,000 spins, 257 us passive,
     189 us at 100,000 (Sapphire Rapids, 2 cores; `benchmarks/cpu_peers.py --hs-omp
-    spin,passive,libgomp --busy 2` measures whole runs). libgomp reads the variables once, when torch loads it, hence at `import
-    hybridserve`; Intel's OpenMP (not what torch's wheels link) would ignore them."""
+    spin,passive,libgomp --busy 2` measures whole runs). libgomp reads the variables once,
+    when torch loads it, hence at `import hybridserve`; Intel's OpenMP (not what torch's
+    wheels link) would ignore them."""
     if OMP_WAIT_POLICY in os.environ or GOMP_SPINCOUNT in os.environ:
         return
     os.environ[GOMP_SPINCOUNT] = str(SHORT_SPIN_COUNT)

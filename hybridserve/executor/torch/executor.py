@@ -77,9 +77,8 @@ class TorchExecutor(Executor):
             torch.set_num_threads(num_threads)
         # Without a thread count given, a CPU step runs with the count measured fastest now
         # (executor/torch/threads.py): all cores on a quiet machine, one on a busy one.
-        self._threads = (ThreadGovernor(torch.get_num_threads())
-                         if num_threads is None and self.device.type == "cpu" and torch.get_num_threads() > 1
-                         else None)
+        cores = torch.get_num_threads()
+        self._threads = ThreadGovernor(cores) if num_threads is None and self.device.type == "cpu" and cores > 1 else None
         self.model = model if isinstance(model, (DecoderLM, MambaLM)) else load_model(model, self.device, dtype, quantization)
         self.seed = seed
         self.drafter = drafter

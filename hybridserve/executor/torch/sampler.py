@@ -136,7 +136,8 @@ def _top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch
     dev = x.device
     neg_inf = float("-inf")
     want_k = any(k > 0 for k in top_k)
-    if not want_k and all(p >= 1.0 for p in top_p):
+    want_p = any(p < 1.0 for p in top_p)
+    if not want_k and not want_p:
         return x
     k = torch.tensor([min(k, x.shape[1]) for k in top_k], device=dev)
 
@@ -145,7 +146,7 @@ def _top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch
         kth = values_desc.gather(1, (k.clamp(min=1) - 1)[:, None])
         return kth.masked_fill((k == 0)[:, None], neg_inf)
 
-    if all(p >= 1.0 for p in top_p):
+    if not want_p:
         return x.masked_fill(x < kth_largest(x.topk(int(k.max()), dim=-1).values), neg_inf)
     sorted_x, order = x.sort(dim=-1, descending=True)
     if want_k:

@@ -63,10 +63,12 @@ def test_tiny_gemma3_reduced_precision_stays_within_bounds(mode: tuple[str, str]
 
 # Gemma 3 270M over the 16 text prompts, 128 tokens. Measured (benchmarks/quant_accuracy.py,
 # README "CPU serving"): agreement / mean |dlp| / max |dlp| = bf16 0.458 / 0.0094 / 0.148,
-# bf16+int8 0.274 / 0.018 / 0.203, bf16+int4 0.072 / 0.071 / 0.47; bounds with headroom.
+# bf16+int8 head 0.274-0.356 / 0.018-0.026 / 0.203-0.295, bf16+int8 (every linear, smoothed)
+# 0.136-0.188 / 0.035 / 0.346-0.353, bf16+int4 0.072 / 0.071 / 0.47; bounds with headroom.
 GEMMA_BOUNDS = {
     ("bfloat16", "none"): (0.3, 0.02, 0.3),
-    ("bfloat16", "int8"): (0.15, 0.04, 0.4),
+    ("bfloat16", "int8-head"): (0.15, 0.04, 0.4),
+    ("bfloat16", "int8"): (0.08, 0.06, 0.8),
     ("bfloat16", "int4"): (0.03, 0.15, 1.0),
 }
 

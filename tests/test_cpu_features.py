@@ -51,8 +51,8 @@ def test_quantization_choice() -> None:
     assert choose_quantization("auto", "bfloat16", "cpu", frozenset(EPYC_AVX2)) == "none"  # no int8 dot products
     assert choose_quantization("auto", "float32", "cpu", vnni) == "none"  # the exact reference stays exact
     assert choose_quantization("auto", "bfloat16", "cuda", vnni) == "none"
-    assert [choose_quantization(q, "bfloat16", "cpu", vnni) for q in ("none", "int8", "int4")] == \
-        ["none", "int8", "int4"]
+    assert [choose_quantization(q, "bfloat16", "cpu", vnni) for q in ("none", "int8", "int8-head", "int4")] == \
+        ["none", "int8", "int8-head", "int4"]
 
 
 def test_describe_names_the_reason() -> None:
@@ -87,7 +87,7 @@ def test_cpu_flags_from_the_environment_override_cpuinfo(tmp_path: Path, monkeyp
 def test_config_defaults_and_bad_values() -> None:
     config = EngineConfig()
     assert (config.dtype, config.quantization) == ("auto", "auto")
-    with pytest.raises(ConfigError, match=r"quantization must be one of auto, none, int8, int4, got 'int3'"):
+    with pytest.raises(ConfigError, match=r"quantization must be one of auto, none, int8, int8-head, int4, got 'int3'"):
         EngineConfig(quantization="int3")
 
 

@@ -8,6 +8,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")
@@ -16,12 +18,16 @@ import torch.nn.functional as F  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from hybridserve.models.head import (  # noqa: E402
+    ARGMAX_SPAN,
     HEAD_CHUNK_ROWS,
-    QUANTIZE_BLOCK_ROWS,
     OutputHead,
     dequantize_int4_groups,
-    int8_activations_native,
     quantize_int4_groups,
+    row_max,
+)
+from hybridserve.models.int8 import (  # noqa: E402
+    QUANTIZE_BLOCK_ROWS,
+    int8_activations_native,
     quantize_int8_rows,
     quantize_rows_uint8,
 )
@@ -201,3 +207,20 @@ def test_mapped_checkpoint_rejects_a_non_safetensors_file(tmp_path: Path) -> Non
     bad.write_bytes(b"\xff" * 16)
     with pytest.raises(ConfigError, match="not a readable safetensors file"):
         MappedCheckpoint([bad])
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 4), spans=st.integers(1, 5), extra=st.sampled_from([0, 0, 7]), levels=st.integers(1, 6),
+       seed=st.integers(0, 2**16), dtype=st.sampled_from(["float32", "bfloat16"]))
+def test_row_max_is_max_over_the_row_ties_included(rows: int, spans: int, extra: int, levels: int, seed: int,
+                                                    dtype: str) -> None:
+    """row_max against torch's own max(dim=-1): few distinct values make ties across and
+    within spans common; a width that is not a multiple of the span takes the general path."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, levels, (rows, spans * ARGMAX_SPAN + extra), generator=g).to(getattr(torch, dtype))
+    values, indices = row_max(x)
+    expected = x.max(dim=-1)
+    assert torch.equal(values, expected.values)
+    assert torch.equal(indices, expected.indices)
+    first = [(row == row.max()).nonzero()[0].item() for row in x]  # the first maximal index, plainly
+    assert indices.tolist() == first

@@ -107,7 +107,7 @@ def build_engine_parts(config: EngineConfig, progress: bool = True) -> EnginePar
                                  use_worker_thread=config.async_scheduling and device.type != "cpu",
                                  seed=config.seed, num_threads=config.num_threads,
                                  drafter=NgramDrafter(config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max),
-                                 grammar=grammar)
+                                 grammar=grammar, encode=tokenizer.encode if tokenizer is not None else None)
     try:
         connector = None
         offload_bytes = parse_size("kv_offload_memory", config.kv_offload_memory, allow_zero=True)

@@ -8,14 +8,18 @@ README's performance section):
 - bfloat16 halves the bytes every decode step reads (weights and KV); with AVX512-BF16 or
   AMX-BF16 the dot products run natively, so bf16 is faster than float32. Without either,
   bf16 is converted in software and can be slower: float32 stays the default there.
-- The output head dominates a large-vocabulary model, and at decode batches of 16-64 it is
-  compute-bound. With int8 dot products (VNNI / AMX-INT8) the int8 head multiplies int8
-  weights by per-row int8 activations (models/head.py), 4-6x faster than the bf16 GEMM
-  without AMX; so a bfloat16 model quantizes its head to int8 there (its accuracy against
-  float32 is bounded in tests/test_accuracy.py). A float32 model keeps its exact head: it
-  is the reference that equals HF token for token. Weight-only int8 (CPUs without int8 dot
-  products) re-reads the weight per row and is slower than bf16 from a batch of 16: not
-  chosen automatically.
+- At decode batches of 16-64 the matmuls are compute-bound, and without AMX int8 dot
+  products (VNNI) do twice the multiply-adds of bf16 ones per instruction. So on a CPU with
+  them a bfloat16 model runs every linear as int8 x int8 (`--quantization int8`, models/
+  int8.py): the output head (most of a large-vocabulary model: 168M of Gemma 3 270M's 270M
+  parameters) and the decoder's linears, whose activations are smoothed first (models/
+  smoothing.py). Gemma 3 270M, 16 x 64 on one core: 110 tok/s with the int8 head alone,
+  130 with every linear int8. The accuracy against float32 is measured
+  (benchmarks/quant_accuracy.py) and bounded in tests/test_accuracy.py; `int8-head` keeps
+  the decoder in bf16 and `none` quantizes nothing. A float32 model keeps its exact
+  linears: it is the reference that equals HF token for token. Weight-only int8 (CPUs
+  without int8 dot products) re-reads the weight per row and is slower than bf16 from a
+  batch of 16: not chosen automatically.
 """
 
 from __future__ import annotations
@@ -71,8 +75,9 @@ def choose_dtype(requested: str, device_type: str, flags: frozenset[str] | set[s
 
 
 def choose_quantization(requested: str, dtype: str, device_type: str, flags: frozenset[str] | set[str]) -> str:
-    """"int8"/"int4" quantize the output head; "auto" is int8 for a bfloat16 model on a CPU
-    with int8 dot products, else none (see the module docstring)."""
+    """The quantization to serve with: `requested` unless it is "auto"; "auto" is int8
+    (every linear) for a bfloat16 model on a CPU with int8 dot products, else none (see the
+    module docstring). int8-head and int4 quantize the output head only."""
     if requested != "auto":
         return requested
     return "int8" if dtype == "bfloat16" and device_type == "cpu" and has_int8_dot(flags) else "none"

@@ -15,17 +15,19 @@ then holds its stage's layers only (still numbered globally), and its heads / ML
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from hybridserve.models.config import ModelConfig
-from hybridserve.models.head import OutputHead, ReleaseRows
-from hybridserve.models.linear import Linear, ResidualLinear, make_linear
+from hybridserve.models.head import OutputHead, ReleaseRows, head_quantization
+from hybridserve.models.heap import release_free_heap
+from hybridserve.models.linear import LayerLinears, Linear, ResidualLinear, make_int8_linear, make_linear
 from hybridserve.models.parallel import PipelineStage, TPGroup, local_config
 from hybridserve.models.rope import RopeTable, apply_rope_
+from hybridserve.models.smoothing import LayerSmoothing
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: torch.Tensor, inv_dim: float) -> torch.Tensor:
@@ -82,15 +84,8 @@ class DecoderLayerWeights(nn.Module):
         self.down_bias = p(cfg.hidden_size) if cfg.mlp_bias and row_bias else None
 
 
-class LayerLinears(NamedTuple):
-    """One layer's matmuls as callables (plain or oneDNN-packed, see models/linear.py)."""
-
-    qkv: Linear
-    o: Linear
-    o_residual: ResidualLinear
-    gate_up: Linear
-    down: Linear
-    down_residual: ResidualLinear
+def _release(weight: nn.Parameter) -> None:
+    weight.data = torch.empty(0, dtype=weight.dtype)  # only the packed / quantized copy is read now
 
 
 def _layer_linears(w: DecoderLayerWeights, release: bool) -> LayerLinears:
@@ -99,8 +94,50 @@ def _layer_linears(w: DecoderLayerWeights, release: bool) -> LayerLinears:
         weight: nn.Parameter = getattr(w, name)
         linear, residual, packed = make_linear(weight, getattr(w, name + "_bias"))
         if packed and release:
-            weight.data = torch.empty(0, dtype=weight.dtype)  # only the packed copy is read now
+            _release(weight)
         made[name], made[name + "_residual"] = linear, residual
+    return LayerLinears(**{f: made[f] for f in LayerLinears._fields})
+
+
+def _smoothed_gate_up(w: DecoderLayerWeights, s: LayerSmoothing) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """gate|up in float32 with its columns times s.gate_up and up's rows (and bias) divided
+    by s.down: act(gate) * up is linear in up, so down's input comes out divided by s.down."""
+    inter = w.down.shape[1]
+    weight = w.gate_up.detach().float() * s.gate_up
+    weight[inter:] /= s.down[:, None]
+    if w.gate_up_bias is None:
+        return weight, None
+    bias = w.gate_up_bias.detach().float()
+    bias[inter:] /= s.down
+    return weight, bias
+
+
+WeightSource = Callable[[], "tuple[torch.Tensor, torch.Tensor | None]"]
+
+
+def smoothed_weights(w: DecoderLayerWeights, s: LayerSmoothing) -> dict[str, WeightSource]:
+    """Per matmul, what makes its smoothed float32 (weight, bias): the columns times the
+    layer's factors, up's rows (and bias) divided by down's factors, whose inputs they
+    produce (models/smoothing.py). With the norms already divided, these weights compute
+    the same function as the originals. Made on demand, one at a time, so the load's peak
+    grows by one float32 weight, not a float32 model."""
+    return {
+        "qkv": lambda: (w.qkv.detach().float() * s.qkv, w.qkv_bias),
+        "o": lambda: (w.o.detach().float(), w.o_bias),
+        "gate_up": lambda: _smoothed_gate_up(w, s),
+        "down": lambda: (w.down.detach().float() * s.down, w.down_bias),
+    }
+
+
+def _int8_layer_linears(w: DecoderLayerWeights, s: LayerSmoothing, release: bool) -> LayerLinears:
+    """The layer's matmuls as int8 x int8 (models/int8.py) on its smoothed weights."""
+    made = {}
+    for name, source in smoothed_weights(w, s).items():
+        weight, bias = source()
+        made[name], made[name + "_residual"] = make_int8_linear(weight, bias, w.qkv.dtype)
+        del weight  # before the next weight's float32 copy
+        if release:
+            _release(getattr(w, name))
     return LayerLinears(**{f: made[f] for f in LayerLinears._fields})
 
 
@@ -179,6 +216,7 @@ class DecoderLM(StagedModel):
         self._rope: dict[str, RopeTable] = {}
         self._linears: list[LayerLinears] = []
         self._head: OutputHead | None = None
+        self.int8_layers = False  # whether the decoder layers' matmuls are int8 x int8 (build_linears)
         self._act = {"silu": F.silu, "gelu": F.gelu,
                      "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}[cfg.activation]
 
@@ -195,16 +233,24 @@ class DecoderLM(StagedModel):
         self._eps = torch.tensor(self.cfg.rms_norm_eps, dtype=self.dtype, device=device)
 
     def build_linears(self, release_weights: bool = True, quantization: str = "none",
-                      release_head_rows: ReleaseRows | None = None) -> None:
+                      release_head_rows: ReleaseRows | None = None,
+                      smoothing: list[LayerSmoothing] | None = None) -> None:
         """Bind each matmul to its fastest kernel (call once the weights are final and on
         their device). With release_weights, weights that were packed free their plain
         copy: the model is then for inference only; reload it to change weights. The head
         is packed or quantized as `quantization` says (see models/head.py); a tied head's
-        plain weight stays, as the embedding lookup reads it."""
-        self._linears = [_layer_linears(w, release_weights) for w in self.layers]
+        plain weight stays, as the embedding lookup reads it. With `smoothing` (from
+        models/smoothing.smooth, which has already divided the norms) the layers' matmuls
+        are int8 x int8."""
+        self.int8_layers = smoothing is not None
+        if smoothing is None:
+            self._linears = [_layer_linears(w, release_weights) for w in self.layers]
+        else:
+            self._linears = [_int8_layer_linears(w, s, release_weights) for w, s in zip(self.layers, smoothing)]
+            release_free_heap()  # the float32 copies quantized above (models/heap.py)
         if self.stage.is_last:
             assert self.lm_head is not None, "weights not loaded"
-            self._head = OutputHead(self.lm_head, quantization, release_head_rows)
+            self._head = OutputHead(self.lm_head, head_quantization(quantization), release_head_rows)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, max_position: int,
                 backend: AttentionBackend, hidden_in: torch.Tensor | None = None) -> torch.Tensor:

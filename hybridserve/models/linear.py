@@ -12,10 +12,12 @@ Results differ from `F.linear` only by float summation order (~1e-6 relative).
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from hybridserve.models.int8 import quantize_int8_rows, quantize_rows_uint8, w8a8_matmul
 
 Linear = Callable[[torch.Tensor], torch.Tensor]                        # x -> x W^T + b
 ResidualLinear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (h, x) -> h + x W^T + b
@@ -67,3 +69,35 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[Linear
         return mkl_linear.binary(x.contiguous(), h, packed, bias, "add")
 
     return packed_linear, packed_residual, True
+
+
+class LayerLinears(NamedTuple):
+    """One layer's matmuls as callables (plain or oneDNN-packed, see models/linear.py)."""
+
+    qkv: Linear
+    o: Linear
+    o_residual: ResidualLinear
+    gate_up: Linear
+    down: Linear
+    down_residual: ResidualLinear
+
+
+def make_int8_linear(weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+                     ) -> tuple[Linear, ResidualLinear]:
+    """(linear, residual_linear) as int8 x int8 (models/int8.py): `weight` [out, in] is
+    quantized per row once, the input per row at every call; bias and residual are added
+    in float32 before the result is rounded to `out_dtype`."""
+    matmul = w8a8_matmul(*quantize_int8_rows(weight))
+    bias32 = None if bias is None else bias.detach().float()
+
+    def product(x: torch.Tensor) -> torch.Tensor:
+        out = matmul(*quantize_rows_uint8(x))
+        return out if bias32 is None else out.add_(bias32)
+
+    def linear(x: torch.Tensor) -> torch.Tensor:
+        return product(x).to(out_dtype)
+
+    def residual(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return product(x).add_(h).to(out_dtype)
+
+    return linear, residual

@@ -18,19 +18,22 @@ from hybridserve.models.checkpoint import (Weights, fill_ends, open_checkpoint, 
 from hybridserve.models.config import ModelConfig, load_model_config
 from hybridserve.models.decoder import DecoderLM
 from hybridserve.models.heap import release_free_heap
+from hybridserve.models.int8 import int8_activations_native
 from hybridserve.models.llama4 import Llama4LM, fill_llama4
 from hybridserve.models.parallel import PipelineStage, TPGroup
+from hybridserve.models.smoothing import Encode, LayerSmoothing, calibration_sequences, file_encoder, smooth
 
 if TYPE_CHECKING:
     from hybridserve.models.mamba_lm import MambaLM
 
 def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32, quantization: str = "none", stage: PipelineStage | None = None,
-               tp: TPGroup | None = None) -> DecoderLM | MambaLM:
+               tp: TPGroup | None = None, encode: Encode | None = None) -> DecoderLM | MambaLM:
     """Build a DecoderLM (a MambaLM for Mamba2 / Bamba) from an HF directory, weights on `device` in `dtype`,
     the output head quantized as `quantization` says (none, int8, int4: see models/head.py).
     With `stage` and `tp` (models/parallel.py) only that pipeline stage's layers are read, cut
-    to that tensor-parallel rank's heads and columns (ConfigError where the sizes do not divide)."""
+    to that tensor-parallel rank's heads and columns (ConfigError where the sizes do not divide).
+    `encode` (the engine's tokenizer) tokenizes the int8 calibration texts (models/smoothing.py)."""
     model_dir = Path(model_dir)
     cfg = load_model_config(model_dir)
     if stage is not None:
@@ -50,10 +53,26 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
     place_weights(model, cfg, w, device)
     model.setup_rope(torch.device(device), cfg.max_position_embeddings)
     head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-    model.build_linears(quantization=quantization, release_head_rows=_head_release(w, head_name))
+    model.build_linears(quantization=quantization, release_head_rows=_head_release(w, head_name),
+                        smoothing=_int8_smoothing(model, model_dir, quantization, encode))
     w.release_all()
     release_free_heap()  # the fused layers' source copies and packing temporaries (models/heap.py)
     return model.eval()
+
+
+def _int8_smoothing(model: DecoderLM, model_dir: Path, quantization: str, encode: Encode | None
+                    ) -> list[LayerSmoothing] | None:
+    """The smoothing that makes the decoder's linears int8 x int8 under --quantization int8
+    (models/smoothing.py), or None where they stay in the model dtype: no int8 dot products
+    here (the head alone is quantized then), not a plain decoder (Llama 4's MoE layers), a
+    model split over processes (the calibration forward needs every layer on one rank), or
+    no tokenizer to calibrate with (`encode`, else the directory's tokenizer.json)."""
+    if (quantization != "int8" or type(model) is not DecoderLM or model.tp is not None
+            or not (model.stage.is_first and model.stage.is_last)
+            or model.final_norm is None or model.final_norm.device.type != "cpu" or not int8_activations_native()):
+        return None
+    encode = encode or file_encoder(model_dir)
+    return None if encode is None else smooth(model, calibration_sequences(encode, model.cfg.sliding_window))
 
 
 def _head_release(w: Weights, head_name: str) -> Callable[[int, int], None]:

@@ -30,6 +30,7 @@ from hybridserve.models.decoder import DecoderLM
 from hybridserve.models.kv_specs import model_kv_layer_specs
 from hybridserve.models.loader import load_model
 from hybridserve.models.mamba_lm import MambaLM
+from hybridserve.models.smoothing import Encode
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -68,10 +69,12 @@ class TorchExecutor(Executor):
     def __init__(self, model: DecoderLM | MambaLM | str | Path, *, device: str | torch.device | None = None,
                  dtype: torch.dtype = torch.float32, use_worker_thread: bool = True, seed: int = 0,
                  num_threads: int | None = None, drafter: NgramDrafter | None = None,
-                 grammar: GrammarBackend | None = None, quantization: str = "none") -> None:
+                 grammar: GrammarBackend | None = None, quantization: str = "none",
+                 encode: Encode | None = None) -> None:
         """drafter: fills the draft slots of speculative decoding (default: n-gram sizes 2..4);
         grammar: compiles structured outputs (None: requests with one are refused);
-        quantization: of the output head of a model loaded from a directory (models/head.py)."""
+        quantization: of a model loaded from a directory (models/cpu_features.py);
+        encode: the tokenizer, for int8's calibration texts (models/smoothing.py)."""
         self.device = resolve_device(device)
         if num_threads is not None:
             torch.set_num_threads(num_threads)
@@ -79,7 +82,8 @@ class TorchExecutor(Executor):
         # (executor/torch/threads.py): all cores on a quiet machine, one on a busy one.
         cores = torch.get_num_threads()
         self._threads = ThreadGovernor(cores) if num_threads is None and self.device.type == "cpu" and cores > 1 else None
-        self.model = model if isinstance(model, (DecoderLM, MambaLM)) else load_model(model, self.device, dtype, quantization)
+        self.model = model if isinstance(model, (DecoderLM, MambaLM)) else load_model(
+            model, self.device, dtype, quantization, encode=encode)
         self.seed = seed
         self.drafter = drafter
         self.grammar = grammar

@@ -1,0 +1,124 @@
+"""int8 x int8 decoder layers: the linear against a matmul of its dequantized operands, the
+smoothing factors and norm folding by hand, smoothed weights computing the same function as
+the originals, and which loads get int8 layers (models/int8.py, smoothing.py, decoder.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torch.nn.functional as F  # noqa: E402
+
+from hybridserve.models import smoothing  # noqa: E402
+from hybridserve.models.decoder import smoothed_weights  # noqa: E402
+from hybridserve.models.int8 import int8_activations_native, quantize_int8_rows, quantize_rows_uint8  # noqa: E402
+from hybridserve.models.linear import LayerLinears, make_int8_linear, make_linear  # noqa: E402
+from hybridserve.models.loader import load_model  # noqa: E402
+from tests import hf_tiny  # noqa: E402
+
+needs_int8_dot = pytest.mark.skipif(not int8_activations_native(), reason="no int8 dot products (VNNI / AMX-INT8) here")
+
+
+def toy_encode(text: str) -> list[int]:
+    """A tokenizer for the tiny models (vocabulary 256): BOS, then one id per byte."""
+    return [2] + [b % 256 for b in text.encode()]
+
+
+@needs_int8_dot
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_int8_linear_is_the_product_of_its_dequantized_operands(out_dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(96, 64, generator=g)
+    b = torch.randn(96, generator=g)
+    x = torch.randn(5, 64, generator=g).to(out_dtype)
+    h = torch.randn(5, 96, generator=g).to(out_dtype)
+    linear, residual = make_int8_linear(w, b, out_dtype)
+    wv, ws = quantize_int8_rows(w)
+    xv, xs = quantize_rows_uint8(x)
+    product = ((xv.float() - 128) * xs) @ (wv.float() * ws[:, None]).t() + b
+    tol = 1e-5 if out_dtype == torch.float32 else 1e-2
+    assert linear(x).dtype == out_dtype
+    torch.testing.assert_close(linear(x).float(), product.to(out_dtype).float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(residual(h, x).float(), (h.float() + product).to(out_dtype).float(),
+                               rtol=tol, atol=tol)
+    # and int8 stays close to the float product itself: 127 levels each side on both
+    # operands put the relative error near 1% (measured 0.6%)
+    exact = F.linear(x.float(), w, b)
+    assert float((linear(x).float() - exact).norm() / exact.norm()) < 0.02
+
+
+def test_factors_by_hand() -> None:
+    assert smoothing.ALPHA == 0.6  # the numbers below are for 0.6
+    x_max = torch.tensor([4.0, 1.0, 0.0])
+    w = torch.tensor([[1.0, -4.0, 0.0], [0.5, 2.0, 0.0]])  # column maxima 1, 4, 0
+    # 4^0.6 / 1^0.4 = e^(0.6 ln 4) = 2.29740; 1^0.6 / 4^0.4 = 1 / e^(0.4 ln 4) = 0.574349;
+    # a silent column meets the floor on both sides: (1e-5)^0.6 / (1e-5)^0.4 = (1e-5)^0.2 = 0.1
+    assert smoothing.factors(x_max, w).tolist() == pytest.approx([2.29740, 0.574349, 0.1], rel=1e-4)
+
+
+def test_folding_into_a_bfloat16_norm_returns_the_factor_it_really_applies() -> None:
+    norm = torch.tensor([1.0, 3.0, 0.0], dtype=torch.bfloat16)
+    applied = smoothing._fold_into_norm(norm, torch.tensor([3.0, 2.0, 5.0]))
+    # 1/3 rounds to bf16 1.0101011b x 2^-2 = 0.333984375; 3/2 is exact; 0 stays 0
+    assert norm.tolist() == [0.333984375, 1.5, 0.0]
+    assert applied.tolist() == pytest.approx([1 / 0.333984375, 2.0, 1.0], rel=1e-7)
+
+
+def _hidden(model, ids: list[list[int]]) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """Final hidden states of `ids` (sequences end to end, each attending to itself)."""
+    lengths = [len(s) for s in ids]
+    backend = smoothing._SequencesAttention(lengths, model.cfg.attn_scale, model.cfg.attn_softcap,
+                                            torch.device("cpu"))
+    flat = torch.tensor([t for s in ids for t in s])
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    with torch.inference_mode():
+        return model.forward(flat, positions, max(lengths), backend)
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "llama"])
+def test_smoothed_weights_compute_the_same_function(kind: str) -> None:
+    model = load_model(hf_tiny.tiny_model_dir(kind), "cpu", torch.float32, "none")
+    model.build_linears(release_weights=False)
+    prompts = hf_tiny.random_prompts(3, 5, 30, seed=4)
+    before = _hidden(model, prompts)
+    layers = smoothing.smooth(model, smoothing.calibration_sequences(toy_encode, None))
+    spread = max(float(f.max() / f.min()) for s in layers for f in s)
+    assert spread > 2  # the factors are far from uniform, so a wrong fold would show
+    linears = []
+    for w, s in zip(model.layers, layers):
+        made = {}
+        for name, source in smoothed_weights(w, s).items():
+            made[name], made[name + "_residual"], _ = make_linear(*source())
+        linears.append(LayerLinears(**{f: made[f] for f in LayerLinears._fields}))
+    model._linears = linears
+    torch.testing.assert_close(_hidden(model, prompts), before, rtol=1e-4, atol=1e-4)
+
+
+@needs_int8_dot
+def test_int8_loads_quantize_the_layers_only_when_asked_and_calibratable() -> None:
+    folder = hf_tiny.tiny_model_dir("gemma3")
+
+    def layers_int8(quantization: str, encode=toy_encode) -> bool:  # type: ignore[no-untyped-def]
+        return load_model(folder, "cpu", torch.float32, quantization, encode=encode).int8_layers
+
+    assert layers_int8("int8")
+    assert not layers_int8("int8-head")
+    assert not layers_int8("none")
+    assert not (folder / "tokenizer.json").exists()
+    assert not layers_int8("int8", encode=None)  # nothing to calibrate with: the layers stay float
+
+
+@needs_int8_dot
+def test_int8_layers_stay_close_to_float32_on_a_tiny_model() -> None:
+    folder = hf_tiny.tiny_model_dir("gemma3")
+    prompts = hf_tiny.random_prompts(3, 5, 30, seed=5)
+    exact = load_model(folder, "cpu", torch.float32, "none")
+    quantized = load_model(folder, "cpu", torch.float32, "int8", encode=toy_encode)
+    a, b = _hidden(exact, prompts), _hidden(quantized, prompts)
+    cosine = F.cosine_similarity(a, b, dim=-1)
+    assert float(cosine.min()) > 0.99, cosine
+    assert not torch.equal(a, b)  # the layers really are quantized
+    assert math.isfinite(float(b.abs().max()))

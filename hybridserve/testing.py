@@ -23,6 +23,24 @@ from hybridserve.core.sched.scheduler import Scheduler
 DEFAULT_SAMPLED_TOKEN = 1000
 
 
+class NullConnector(KVConnectorBase):
+    """A KV connector that finds nothing and moves nothing: subclass it to fake one
+    part of the protocol (hits, a finish) and keep the rest inert."""
+
+    def get_num_new_matched_tokens(self, request: Request, num_local_computed_tokens: int) -> tuple[int, bool]:
+        return 0, False
+
+    def update_state_after_alloc(self, request: Request, block_ids: tuple[list[int], ...],
+                                 num_external_tokens: int) -> None:
+        pass
+
+    def build_connector_meta(self, scheduler_output: object) -> None:
+        return None
+
+    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, None]:
+        return False, None
+
+
 def make_kv_cache_config(
     num_blocks: int, kv_specs: Sequence[KVCacheSpec] | None = None, block_size: int = 16
 ) -> KVCacheConfig:

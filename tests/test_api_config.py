@@ -7,9 +7,9 @@ from dataclasses import replace
 import pytest
 
 from hybridserve.config import EngineConfig, format_size, parse_size, resolve_engine_settings
-from hybridserve.core.connector.base import KVConnectorBase
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.kv.spec import FullAttentionSpec, SlidingWindowSpec, group_layers
+from hybridserve.testing import NullConnector
 
 
 def groups(block_size: int = 16, window: int = 16) -> tuple:
@@ -126,22 +126,6 @@ def test_default_pool_fits_max_num_seqs_full_requests_within_one_gib() -> None:
     assert got == 4 * 28 + 1
 
 
-class _NoConnector(KVConnectorBase):
-    """A KV connector that never moves anything: only its presence matters here."""
-
-    def get_num_new_matched_tokens(self, request, num_local_computed_tokens):  # type: ignore[no-untyped-def]
-        return 0, False
-
-    def update_state_after_alloc(self, request, block_ids, num_external_tokens):  # type: ignore[no-untyped-def]
-        pass
-
-    def build_connector_meta(self, scheduler_output):  # type: ignore[no-untyped-def]
-        return None
-
-    def request_finished(self, request, block_ids):  # type: ignore[no-untyped-def]
-        return False, None
-
-
 @pytest.mark.parametrize(("async_scheduling", "offload", "need"), [
     # Bamba-9B at 8192 tokens, 8192 per step: 512 attention blocks; 330 Mamba page groups
     # (10 groups x 33 pages), each holding its running state in place: 1 block, whatever
@@ -161,7 +145,7 @@ def test_startup_sizing_and_admission_agree_for_paged_mamba_states(async_schedul
         resolve_engine_settings(EngineConfig(num_blocks=need - 1, **kw), g, model_max_len=65536, window_tail=False)
     ok = resolve_engine_settings(EngineConfig(num_blocks=need, **kw), g, model_max_len=65536, window_tail=False)
     # The scheduler's KV manager (admission) takes exactly that pool, one block less not.
-    Scheduler(ok.scheduler_config, ok.kv_cache_config, connector=None if not offload else _NoConnector())
+    Scheduler(ok.scheduler_config, ok.kv_cache_config, connector=None if not offload else NullConnector())
     with pytest.raises(ConfigError, match=f"need at least {need}"):
         Scheduler(ok.scheduler_config, replace(ok.kv_cache_config, num_blocks=need - 1),
-                  connector=None if not offload else _NoConnector())
+                  connector=None if not offload else NullConnector())

@@ -11,7 +11,7 @@ import pytest
 
 from hybridserve.core.kv.block_pool import KVCacheBlock
 from hybridserve.core.kv.spec import ChunkedLocalAttentionSpec, FullAttentionSpec, MambaSpec, SlidingWindowSpec
-from hybridserve.testing import fake_runner_output, make_requests, make_scheduler
+from hybridserve.testing import NullConnector, fake_runner_output, make_requests, make_scheduler
 
 SW16 = SlidingWindowSpec(16, 1, 8, sliding_window=16)
 CL32 = ChunkedLocalAttentionSpec(16, 1, 8, attention_chunk_size=32)
@@ -114,20 +114,9 @@ def test_admission_caps_with_overlapping_batches(overlap, expected):
 
 
 def test_connector_finished_prunes_on_settled_basis():
-    from hybridserve.core.connector.base import KVConnectorBase
-
-    class Recorder(KVConnectorBase):
+    class Recorder(NullConnector):
         def __init__(self):
             self.tables = []
-
-        def get_num_new_matched_tokens(self, request, n):
-            return 0, False
-
-        def update_state_after_alloc(self, request, block_ids, n):
-            pass
-
-        def build_connector_meta(self, so):
-            return None
 
         def request_finished(self, request, block_ids):
             self.tables.append(block_ids)

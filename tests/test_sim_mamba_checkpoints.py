@@ -81,11 +81,12 @@ def test_unsafe_basis_frees_the_state_block_an_in_flight_step_writes():
 def _offload_workload(specs, unsafe: bool = False, failure_rate: float = 0.0, *, prompt_len: int = 150,
                       max_tokens: int = 21, num_evict: int = 6, evict_max_tokens: int = 4, evict_at: int = 30,
                       turn2_at: int = 200, turn2_extra: int = 30, turn2_max_tokens: int = 15, num_blocks: int = 40,
-                      budget: int = 64):
+                      budget: int = 64, num_conversations: int = 2, **sched_kw):
     """Turn 1, then unrelated requests that evict it from a small pool, then turn 2
-    (turn 1's prompt + output + more): its Mamba state comes back from host memory."""
+    (turn 1's prompt + output + more): its Mamba state comes back from host memory.
+    sched_kw: run_sim's scheduling options (async_scheduling, max_num_seqs, policy, ...)."""
     first = [(0, make_request(f"a{i}", [(i * 131 + j) % 30_000 + 2 for j in range(prompt_len)], max_tokens))
-             for i in range(2)]
+             for i in range(num_conversations)]
     evict = [(evict_at, make_request(f"e{i}", [(i * 17 + j) % 999 + 3 for j in range(200)], evict_max_tokens))
              for i in range(num_evict)]
     turn2 = [(turn2_at, make_request("t2-" + r.request_id, r.prompt_token_ids
@@ -94,7 +95,7 @@ def _offload_workload(specs, unsafe: bool = False, failure_rate: float = 0.0, *,
              for _, r in first]
     reqs = first + evict + turn2
     run = run_sim(specs, reqs, num_blocks, max_model_len=256, max_num_batched_tokens=budget, connector=True,
-                  failure_rate=failure_rate, unsafe=unsafe, strict=not unsafe)
+                  failure_rate=failure_rate, unsafe=unsafe, strict=not unsafe, **sched_kw)
     return run, reqs
 
 

@@ -5,6 +5,12 @@ the batch has room, allocates their slots (after prefix-cache and connector look
 and adds each one's first chunk to the step. A request whose connector load is async
 gets its blocks and waits (WAITING_FOR_REMOTE_KVS) until `KVTransferState` reports the
 load done. It works on the queue, the running list and the batch it is given.
+
+Waiting requests that hold loaded blocks can starve one another (with nothing running,
+none fits beside the others' blocks, and no step will free any) or the only running
+request (it preempts itself, comes back, and preempts itself again for ever). The
+scheduler then calls `release_last_holder`, which gives back the blocks of the last
+such holder in queue order (the released one is admitted again later).
 """
 
 from __future__ import annotations
@@ -59,7 +65,7 @@ class Admission:
             hits, num_hit, num_external, load_async = kv.coordinator.empty(), 0, 0, False
             if not kv.holds_blocks(req.request_id):  # not resuming after a (failed) load
                 hits, num_hit = kv.get_computed_blocks(req)
-                if connector is not None:
+                if connector is not None and not self._skips_load(req):
                     num_external, load_async = connector.get_num_new_matched_tokens(req, num_hit)
             num_computed = req.num_computed_tokens + num_hit + num_external
             if load_async:
@@ -115,3 +121,50 @@ class Admission:
             ), req)
         if skipped:
             waiting.prepend(skipped)
+
+    def _skips_load(self, req: Request) -> bool:
+        """Once, after `release_last_holder` released it at the head of the queue."""
+        transfer = self.transfer
+        if transfer is None or req.request_id not in transfer.skip_load_once:
+            return False
+        transfer.skip_load_once.discard(req.request_id)
+        return True
+
+    def release_last_holder(self, waiting: WaitingQueue, yielding_to: Request | None = None) -> bool:
+        """Give back the blocks of the last waiting request in queue order that holds a
+        load reported done (the latest comer yields, as a preemption picks the last
+        running request); returns whether it released one (the caller allocates again).
+
+        Only a step's output, a store's report or an aborted load's report frees blocks;
+        a load reporting done frees none. So when nothing runs, no step is in flight and
+        no store or aborted load is pending (yielding_to None; the caller checked the
+        first two), the blocks free now are all there will be, and if admission took
+        nothing, nothing ever fits. With a load still writing somewhere nothing is
+        released then: it could stall the same way once it reports, and releasing now
+        would only let holders load again while it runs.
+
+        yielding_to: the only running request, about to preempt itself for blocks. After
+        that it would come back, still not fit beside the holders, and preempt itself
+        again for ever; a holder that would queue after it yields instead (any under
+        FCFS, as a preempted request goes back to the head; one with a later
+        (priority, arrival) under the priority policy)."""
+        transfer = self.transfer
+        if transfer is None:
+            return False
+        holders = [r for r in waiting if self.kv.holds_blocks(r.request_id)]
+        if yielding_to is None:
+            if transfer.has_pending() or any(transfer.loading(r) for r in holders):
+                return False
+        else:
+            holders = [r for r in holders if not transfer.loading(r) and self._queues_after(r, yielding_to)]
+        if not holders:
+            return False
+        last = holders[-1]
+        transfer.release_load(last, at_head=yielding_to is None and last is waiting.peek())
+        return True
+
+    def _queues_after(self, req: Request, other: Request) -> bool:
+        """Whether req comes after `other` in the waiting queue once `other` is preempted."""
+        if self.config.policy == "priority":
+            return (req.priority, req.arrival_time) > (other.priority, other.arrival_time)
+        return True

@@ -26,6 +26,9 @@ class KVTransferState:
         self.finished_recving: set[str] = set()  # loads reported done, request not yet resumed
         self.awaiting_store: dict[str, Request] = {}  # finished; blocks freed once the store reports
         self.aborted_loading: dict[str, Request] = {}  # aborted; blocks freed once the load reports
+        # Released while at the head of the queue: no earlier request needed the blocks, so
+        # its own load was what could not fit; its next admission skips the connector.
+        self.skip_load_once: set[str] = set()
 
     def has_pending(self) -> bool:
         """Finished requests whose blocks still wait on a store or a load."""
@@ -47,11 +50,35 @@ class KVTransferState:
         self.kv.remove_skipped_blocks(req.request_id, req.num_processed_tokens)
         self.kv.cache_blocks(req, req.num_computed_tokens)
 
+    def loading(self, req: Request) -> bool:
+        """A load still writes into the request's blocks (not yet reported done)."""
+        return req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and req.request_id not in self.finished_recving
+
+    def release_load(self, req: Request, at_head: bool) -> None:
+        """Give back the blocks a waiting request holds from a load reported done, and undo
+        what the load set up, so it is admitted again from scratch (prefix and connector
+        lookups included; the loaded blocks were cached, so its own device hits may still
+        serve it). The connector has nothing to undo: a reported load already unpinned its
+        slots, and its hit was counted once, when planned (loading it again is a new load,
+        counted again). No step of the request is in flight (none was scheduled since its
+        load, and admission starts no load while old steps are out), so the fence has
+        passed and its blocks go back at once; a block another request hit in the prefix
+        cache keeps that reference. at_head: nothing waits ahead of it (skip_load_once)."""
+        rid = req.request_id
+        self.finished_recving.discard(rid)
+        self.kv.free(req, fence_step=req.last_scheduled_step)
+        req.num_computed_tokens = req.num_external_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        if at_head:
+            self.skip_load_once.add(rid)
+        self.stats.num_released_loads += 1
+
     def abort(self, req: Request) -> bool:
         """Note an abort. True: a load still writes into its blocks, which are then freed
         when the load reports (the caller must not free them now)."""
         rid = req.request_id
-        if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and rid not in self.finished_recving:
+        self.skip_load_once.discard(rid)
+        if self.loading(req):
             self.aborted_loading[rid] = req
             return True
         self.finished_recving.discard(rid)

@@ -131,6 +131,10 @@ class Scheduler:
         preempted = self._schedule_running(batch)
         if not preempted:
             self.admission.admit(batch, self.waiting, self.running)
+            # When no step will free blocks, waiting requests that hold loaded blocks
+            # would starve each other for ever (Admission.release_last_holder).
+            while self._no_step_frees_blocks() and self.admission.release_last_holder(self.waiting):
+                self.admission.admit(batch, self.waiting, self.running)
         out = SchedulerOutput(
             step_id=self.next_step_id,
             requests=batch.scheduled,
@@ -143,6 +147,12 @@ class Scheduler:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         self._commit(out, batch.reqs)
         return out
+
+    def _no_step_frees_blocks(self) -> bool:
+        """Nothing runs, no fenced free waits, and every step in flight is empty (with
+        async scheduling one usually is: it polls the connector), so no step's output
+        will free blocks; connector reports are release_last_holder's to check."""
+        return not self.running and not self.kv.fenced and not any(reqs for reqs, _ in self.in_flight.values())
 
     def _schedule_running(self, batch: StepBatch) -> bool:
         """Schedule running requests in order, preempting when blocks run out; returns
@@ -190,6 +200,10 @@ class Scheduler:
         num_preempted = num_before = 0
         while new_blocks is None:
             victim = self._pick_victim(req)
+            if victim is req and len(self.running) == 1 and self.admission.release_last_holder(self.waiting, req):
+                # Waiting requests' loaded blocks kept it from fitting (Admission.release_last_holder).
+                new_blocks = self.kv.allocate_slots(req, num_tokens)
+                continue
             num_preempted += 1
             if victim is req:
                 self._preempt(req)

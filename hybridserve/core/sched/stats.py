@@ -13,6 +13,9 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_generated_tokens: int = 0
     num_failed_loads: int = 0
+    # Waiting requests that gave back their loaded blocks so that others could make
+    # progress, where no step would free blocks (Admission.release_last_holder).
+    num_released_loads: int = 0
     kv_usage: float = 0.0
     group_kv_usage: list[float] = field(default_factory=list)
     prefix_cache_hit_rate: float = 0.0

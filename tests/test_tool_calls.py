@@ -60,7 +60,9 @@ def test_a_named_tool_choice_through_the_server_gives_a_valid_call() -> None:
     from hybridserve import AsyncLLM
     from hybridserve.entrypoints.server import build_app
 
-    engine = AsyncLLM(str(byte_model_dir()), max_model_len=1024, progress=False)
+    # float32: the exact path, so the random model's streams (which must close a call within
+    # max_tokens) do not move with the CPU's dtype and quantization choice
+    engine = AsyncLLM(str(byte_model_dir()), max_model_len=1024, dtype="float32", progress=False)
 
     async def main() -> list:
         transport = httpx.ASGITransport(app=build_app(engine, "byte"))

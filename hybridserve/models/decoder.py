@@ -15,7 +15,7 @@ then holds its stage's layers only (still numbered globally), and its heads / ML
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Callable, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +27,6 @@ from hybridserve.models.heap import release_free_heap
 from hybridserve.models.linear import LayerLinears, Linear, ResidualLinear, make_int8_linear, make_linear
 from hybridserve.models.parallel import PipelineStage, TPGroup, local_config
 from hybridserve.models.rope import RopeTable, apply_rope_
-from hybridserve.models.smoothing import LayerSmoothing
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: torch.Tensor, inv_dim: float) -> torch.Tensor:
@@ -82,6 +81,16 @@ class DecoderLayerWeights(nn.Module):
         self.gate_up_bias = p(2 * cfg.intermediate_size) if cfg.mlp_bias else None
         self.down = p(cfg.hidden_size, cfg.intermediate_size)
         self.down_bias = p(cfg.hidden_size) if cfg.mlp_bias and row_bias else None
+
+
+class LayerSmoothing(NamedTuple):
+    """One layer's smoothing for int8 activations (models/smoothing.py): column factors s
+    that multiply the weight's columns, while the producers of the inputs (the norms, up's
+    rows) divide by them."""
+
+    qkv: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
 
 
 def _release(weight: nn.Parameter) -> None:

@@ -16,12 +16,12 @@ import torch
 from hybridserve.models.checkpoint import (Weights, fill_ends, open_checkpoint, place_weights, take_gate_up, take_qkv,
                                           take_row_bias)
 from hybridserve.models.config import ModelConfig, load_model_config
-from hybridserve.models.decoder import DecoderLM
+from hybridserve.models.decoder import DecoderLM, LayerSmoothing
 from hybridserve.models.heap import release_free_heap
 from hybridserve.models.int8 import int8_activations_native
 from hybridserve.models.llama4 import Llama4LM, fill_llama4
 from hybridserve.models.parallel import PipelineStage, TPGroup
-from hybridserve.models.smoothing import Encode, LayerSmoothing, calibration_sequences, file_encoder, smooth
+from hybridserve.models.smoothing import Encode, calibration_sequences, file_encoder, smooth
 
 if TYPE_CHECKING:
     from hybridserve.models.mamba_lm import MambaLM

@@ -30,15 +30,13 @@ calibrate worse (measured: mean |logprob difference| 0.072 against 0.029 with te
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, NamedTuple
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from hybridserve.models.decoder import DecoderLM, LayerSmoothing
 from hybridserve.models.linear import LayerLinears
-
-if TYPE_CHECKING:
-    from hybridserve.models.decoder import DecoderLM
 
 # Share of the activation's range moved onto the weights. Of 0.4, 0.5, 0.6, 0.75 and 0.85, 0.6 kept
 # Gemma 3 270M's greedy streams closest to float32 (benchmarks/quant_accuracy.py).
@@ -57,15 +55,6 @@ CALIBRATION_TEXTS = (
     "1, 2, 3, 5, 8, 13, 21, 34, 55, 89: each Fibonacci number is the sum of the two before it. "
     "SELECT name, COUNT(*) FROM orders GROUP BY name;",
 )
-
-
-class LayerSmoothing(NamedTuple):
-    """One layer's column factors s (multiply the weight's columns; the producers of the
-    inputs already divide by them)."""
-
-    qkv: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
 
 
 Encode = Callable[[str], list[int]]  # text -> token ids, the model's special tokens included

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from hybridserve.executor.torch.threads import EXPLORE_EVERY, EXPLORE_STEPS, ThreadGovernor
+from hybridserve.executor.torch.threads import EXPLORE_EVERY, EXPLORE_STEPS, WINDOW, ThreadGovernor
 
 
 def run(governor: ThreadGovernor, steps: int, seconds: Callable[[int, int], float], tokens: int = 16) -> list[int]:
@@ -25,7 +25,7 @@ def run(governor: ThreadGovernor, steps: int, seconds: Callable[[int, int], floa
 
 
 def test_the_schedule_constants_the_hand_derivations_assume() -> None:
-    assert (EXPLORE_EVERY, EXPLORE_STEPS) == (64, 3)
+    assert (EXPLORE_EVERY, EXPLORE_STEPS, WINDOW) == (64, 3, 5)
 
 
 def test_one_core_never_switches() -> None:
@@ -68,3 +68,19 @@ def test_step_sizes_are_measured_apart() -> None:
     prefill = run(g, 10, lambda i, t: 1.0 if t == 2 else 4.0, tokens=1024)
     assert prefill == [2, 2, 2, 1, 1, 1, 2, 2, 2, 2]
     assert g.choose(16) == 1 and g.choose(1024) == 2
+
+
+def test_one_delayed_step_does_not_switch_the_count() -> None:
+    # Quiet: 2 threads 0.4 s, 1 thread 0.5 s; step 20 (2 threads) is delayed to 2.0 s. The
+    # 2-thread median of its last 5 counted steps (0.4 x 4 and 2.0) stays 0.4, so 1 thread
+    # is run only when re-measured (steps 4-6 and 71-73), as without the delay.
+    chosen = run(ThreadGovernor(2), 100, lambda i, t: (2.0 if i == 20 else 0.4) if t == 2 else 0.5)
+    assert [i for i, t in enumerate(chosen, start=1) if t == 1] == [4, 5, 6, 71, 72, 73]
+
+
+def test_a_load_that_stays_moves_the_choice_within_three_steps() -> None:
+    # Quiet until step 30, then 2 threads take 1.0 s (1 thread stays 0.5 s): the 2-thread
+    # window holds 0.4 x 5 at step 30; after 3 slow steps (31-33) its median is 1.0 > 0.5.
+    chosen = run(ThreadGovernor(2), 40, lambda i, t: (0.4 if i <= 30 else 1.0) if t == 2 else 0.5)
+    assert chosen[30:33] == [2, 2, 2]
+    assert chosen[33:40] == [1] * 7

@@ -13,8 +13,8 @@ README's performance section):
   them a bfloat16 model runs every linear as int8 x int8 (`--quantization int8`, models/
   int8.py): the output head (most of a large-vocabulary model: 168M of Gemma 3 270M's 270M
   parameters) and the decoder's linears, whose activations are smoothed first (models/
-  smoothing.py). Gemma 3 270M, 16 x 64 on one core: 110 tok/s with the int8 head alone,
-  130 with every linear int8. The accuracy against float32 is measured
+  smoothing.py). Gemma 3 270M, 16 x 64, 2 cores: 136 tok/s with the int8 head alone,
+  205 with every linear int8 (README, "Accuracy"). The accuracy against float32 is measured
   (benchmarks/quant_accuracy.py) and bounded in tests/test_accuracy.py; `int8-head` keeps
   the decoder in bf16 and `none` quantizes nothing. A float32 model keeps its exact
   linears: it is the reference that equals HF token for token. Weight-only int8 (CPUs

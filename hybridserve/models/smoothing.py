@@ -101,18 +101,19 @@ class _SequencesAttention:
         return (probs @ v).transpose(0, 1).reshape(T, -1)
 
 
-def _recorder(name: str, weight: torch.Tensor, maxima: dict[str, torch.Tensor]):  # type: ignore[no-untyped-def]
+def _recorder(name: str, weight: torch.Tensor, bias: torch.Tensor | None,  # type: ignore[no-untyped-def]
+              maxima: dict[str, torch.Tensor]):
     def record(x: torch.Tensor) -> None:
         m = x.detach().abs().amax(dim=0).float()
         maxima[name] = torch.maximum(maxima[name], m) if name in maxima else m
 
     def linear(x: torch.Tensor) -> torch.Tensor:
         record(x)
-        return F.linear(x, weight)
+        return F.linear(x, weight, bias)
 
     def residual(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         record(x)
-        return h + F.linear(x, weight)
+        return h + F.linear(x, weight, bias)
 
     return linear, residual
 
@@ -120,13 +121,13 @@ def _recorder(name: str, weight: torch.Tensor, maxima: dict[str, torch.Tensor]):
 def input_maxima(model: DecoderLM, sequences: list[list[int]]) -> list[dict[str, torch.Tensor]]:
     """Per layer: max |x_j| over the calibration tokens of the inputs of qkv, o, gate_up
     and down (float32 [K] each). Runs the layers as plain matmuls of the unquantized
-    weights (biases left out: they do not change any linear's input)."""
+    weights and their biases (qkv's bias reaches o's input, gate_up's reaches down's)."""
     maxima: list[dict[str, torch.Tensor]] = [{} for _ in model.layers]
     linears = []
     for w, m in zip(model.layers, maxima):
         made = {}
         for name in ("qkv", "o", "gate_up", "down"):
-            made[name], made[name + "_residual"] = _recorder(name, getattr(w, name), m)
+            made[name], made[name + "_residual"] = _recorder(name, getattr(w, name), getattr(w, name + "_bias"), m)
         linears.append(LayerLinears(**{f: made[f] for f in LayerLinears._fields}))
     saved, model._linears = model._linears, linears
     device = model.final_norm.device if model.final_norm is not None else torch.device("cpu")

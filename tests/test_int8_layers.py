@@ -122,3 +122,37 @@ def test_int8_layers_stay_close_to_float32_on_a_tiny_model() -> None:
     assert float(cosine.min()) > 0.99, cosine
     assert not torch.equal(a, b)  # the layers really are quantized
     assert math.isfinite(float(b.abs().max()))
+
+
+class _DtypeRecorder:
+    """Wraps a backend and records the dtypes attention receives (what the KV cache stores)."""
+
+    def __init__(self, inner) -> None:  # type: ignore[no-untyped-def]
+        self.inner = inner
+        self.seen: set[torch.dtype] = set()
+
+    def attention(self, layer_idx: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        self.seen |= {q.dtype, kv.dtype}
+        return self.inner.attention(layer_idx, q, kv)
+
+
+@needs_int8_dot
+def test_bfloat16_int8_layers_keep_float32_activations_and_bfloat16_kv() -> None:
+    folder = hf_tiny.tiny_model_dir("gemma3")
+    prompts = hf_tiny.random_prompts(3, 5, 30, seed=6)
+    model = load_model(folder, "cpu", torch.bfloat16, "int8", encode=toy_encode)
+    assert model.int8_layers
+    lengths = [len(s) for s in prompts]
+    backend = _DtypeRecorder(smoothing._SequencesAttention(lengths, model.cfg.attn_scale, model.cfg.attn_softcap,
+                                                           torch.device("cpu")))
+    with torch.inference_mode():
+        hidden = model.forward(torch.tensor([t for s in prompts for t in s]),
+                               torch.cat([torch.arange(n) for n in lengths]), max(lengths), backend)
+    assert hidden.dtype == torch.float32  # never rounded to bfloat16 between the layers
+    assert backend.seen == {torch.bfloat16}  # K/V (and q) in the cache's dtype, the model's
+    # The element-wise operands went float32 with their values (bf16 values are float32 values).
+    assert {w.input_norm.dtype for w in model.layers} == {torch.float32}
+    assert all(t.cos.dtype == torch.float32 for t in model._rope.values())
+    # and the model stays close to its float32 original
+    exact = _hidden(load_model(folder, "cpu", torch.float32, "none"), prompts)
+    assert float(F.cosine_similarity(hidden, exact, dim=-1).min()) > 0.99

@@ -139,11 +139,13 @@ def smoothed_weights(w: DecoderLayerWeights, s: LayerSmoothing) -> dict[str, Wei
 
 
 def _int8_layer_linears(w: DecoderLayerWeights, s: LayerSmoothing, release: bool) -> LayerLinears:
-    """The layer's matmuls as int8 x int8 (models/int8.py) on its smoothed weights."""
+    """The layer's matmuls as int8 x int8 (models/int8.py) on its smoothed weights. They
+    return float32 (the GEMM's own output): with int8 layers the activations between the
+    matmuls stay float32 (see DecoderLM.forward)."""
     made = {}
     for name, source in smoothed_weights(w, s).items():
         weight, bias = source()
-        made[name], made[name + "_residual"] = make_int8_linear(weight, bias, w.qkv.dtype)
+        made[name], made[name + "_residual"] = make_int8_linear(weight, bias, torch.float32)
         del weight  # before the next weight's float32 copy
         if release:
             _release(getattr(w, name))
@@ -257,9 +259,29 @@ class DecoderLM(StagedModel):
         else:
             self._linears = [_int8_layer_linears(w, s, release_weights) for w, s in zip(self.layers, smoothing)]
             release_free_heap()  # the float32 copies quantized above (models/heap.py)
+            self._float32_elementwise()
         if self.stage.is_last:
             assert self.lm_head is not None, "weights not loaded"
             self._head = OutputHead(self.lm_head, head_quantization(quantization), release_head_rows)
+
+    _NORMS = ("input_norm", "post_attn_norm", "pre_ffn_norm", "post_ffn_norm", "qk_norm")
+
+    def _float32_elementwise(self) -> None:
+        """With int8 layers the activations are float32 (see forward), so what they meet
+        element-wise (norm weights, eps, RoPE tables) becomes float32 too: a CPU kernel
+        casts a mixed-dtype operand to a temporary on every call (about 200 casts per
+        decode step). Norm weights and eps keep their values (a bfloat16 is a float32);
+        the RoPE tables are recomputed unrounded."""
+        for w in self.layers:
+            for name in self._NORMS:
+                weight = getattr(w, name)
+                if weight is not None:
+                    weight.data = weight.data.float()
+        if self.final_norm is not None:
+            self.final_norm.data = self.final_norm.data.float()
+        self._eps = self._eps.float()
+        for table in self._rope.values():
+            table.set_dtype(torch.float32)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, max_position: int,
                 backend: AttentionBackend, hidden_in: torch.Tensor | None = None) -> torch.Tensor:
@@ -267,7 +289,12 @@ class DecoderLM(StagedModel):
         hidden_in [T, hidden]: the previous stage's output (other stages). Returns
         stage_output: the final hidden [T, hidden] on the last stage, else the residual stream."""
         cfg = self.cfg
-        h = self.stage_input(input_ids, hidden_in)
+        # With int8 x int8 layers the activations stay float32 between matmuls: the GEMMs
+        # return float32 and quantize their inputs from float32, so rounding to the model
+        # dtype in between would only add kernels (about a tenth of a decode step at 16
+        # rows) and error. K/V are still stored, and attention computed, in the model dtype.
+        act_dtype = torch.float32 if self.int8_layers else self.dtype
+        h = self.stage_input(input_ids, hidden_in).to(act_dtype)
         rope = {t: table.lookup(positions, max_position) for t, table in self._rope.items()}
         nq, nkv, hd, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self._eps
         inv_h, inv_hd = 1.0 / cfg.hidden_size, 1.0 / hd
@@ -284,7 +311,8 @@ class DecoderLM(StagedModel):
                 torch.mul(rms_norm(qk, None, eps, inv_hd), w.qk_norm, out=qk)
             cos, sin = rope[cfg.layer_types[i]]
             apply_rope_(qk, cos, sin)  # q and k share positions: one rotation covers both
-            attn = backend.attention(i, qk[:, :nq], qkv[:, nq * hd :].view(T, 2, nkv, hd))
+            qkv = qkv.to(self.dtype)  # the KV cache's dtype (a no-op unless int8 layers)
+            attn = backend.attention(i, qkv[:, : nq * hd].view(T, nq, hd), qkv[:, nq * hd :].view(T, 2, nkv, hd))
             if cfg.sandwich_norm:
                 h = h + rms_norm(self.reduce(lin.o(attn)), w.post_attn_norm, eps, inv_h)
                 x = rms_norm(h, w.pre_ffn_norm, eps, inv_h)

@@ -35,10 +35,12 @@ from hybridserve.models.heap import release_free_heap
 from hybridserve.models.int8 import int8_activations_native, quantize_int8_rows, quantize_rows_uint8, w8a8_matmul
 from hybridserve.models.linear import pack
 
-# Vocabulary rows per packed / quantized chunk: small enough that quantizing one (float32
-# temporaries) adds little to the load's peak memory, large enough that per-call overhead
-# stays small (16 calls per step for a 262k vocabulary).
-HEAD_CHUNK_ROWS = 16384
+# Vocabulary rows per packed / quantized chunk: small enough that one chunk's logits stay
+# in a core's L2 for the argmax ([16, 32768] float32 is 2 MB) and packing one adds little
+# to the load's peak memory, large enough that the GEMM streams its weight at full speed
+# (Gemma 3 270M's int8 head, 2 Sapphire Rapids cores: 9.7 ms at 1 row and 15.8 ms at 16
+# in chunks of 32768 rows, against 11.0 and 17.5 ms in chunks of 16384).
+HEAD_CHUNK_ROWS = 32768
 # Columns per span of row_max's first pass: short enough that searching the winning span
 # again costs little, long enough that the span maxima are few.
 ARGMAX_SPAN = 128

@@ -94,6 +94,9 @@ def make_int8_linear(weight: torch.Tensor, bias: torch.Tensor | None, out_dtype:
         out = matmul(*quantize_rows_uint8(x))
         return out if bias32 is None else out.add_(bias32)
 
+    if out_dtype == torch.float32:  # the product's own dtype: no conversion kernel at all
+        return product, lambda h, x: product(x).add_(h)
+
     def linear(x: torch.Tensor) -> torch.Tensor:
         return product(x).to(out_dtype)
 

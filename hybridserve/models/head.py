@@ -38,8 +38,9 @@ from hybridserve.models.linear import pack
 # Vocabulary rows per packed / quantized chunk: small enough that one chunk's logits stay
 # in a core's L2 for the argmax ([16, 32768] float32 is 2 MB) and packing one adds little
 # to the load's peak memory, large enough that the GEMM streams its weight at full speed
-# (Gemma 3 270M's int8 head, 2 Sapphire Rapids cores: 9.7 ms at 1 row and 15.8 ms at 16
-# in chunks of 32768 rows, against 11.0 and 17.5 ms in chunks of 16384).
+# (benchmarks/head_chunks.py, Gemma 3 270M's int8 head on 2 Sapphire Rapids cores: a greedy
+# pass 9.9-10.5 ms at 1 row and 15.3-17.2 ms at 16 in chunks of 32768 rows, against
+# 12.7-12.8 and 18.8-20.5 ms in chunks of 16384).
 HEAD_CHUNK_ROWS = 32768
 # Columns per span of row_max's first pass: short enough that searching the winning span
 # again costs little, long enough that the span maxima are few.

@@ -12,6 +12,7 @@ import pytest
 from hybridserve.config import EngineConfig
 from hybridserve.core.errors import ConfigError
 from hybridserve.models.cpu_features import (
+    CPU_FLAGS_ENV,
     choose_dtype,
     choose_quantization,
     describe,
@@ -62,7 +63,8 @@ def test_describe_names_the_reason() -> None:
         "dtype float32, quantization int8 (no native bf16 (avx512_bf16 / amx_bf16))"
 
 
-def test_read_cpu_flags(tmp_path: Path) -> None:
+def test_read_cpu_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(CPU_FLAGS_ENV, raising=False)  # a run as another CPU (--isa avx2) sets it
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nmodel name\t: Test CPU\nflags\t\t: fpu avx2 avx512_bf16\n\n"
                        "processor\t: 1\nflags\t\t: fpu avx2 avx512_bf16\n")
@@ -72,7 +74,6 @@ def test_read_cpu_flags(tmp_path: Path) -> None:
     arm.write_text("processor\t: 0\nFeatures\t: fp asimd bf16\n")
     assert not has_native_bf16(read_cpu_flags(arm))  # ARM's bf16 is not the x86 flag
     assert read_cpu_flags(tmp_path / "missing") == frozenset()
-
 
 
 def test_cpu_flags_from_the_environment_override_cpuinfo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

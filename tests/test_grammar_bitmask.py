@@ -65,9 +65,10 @@ def test_right_with_avx2_kernels() -> None:
 import random
 import torch
 from hybridserve.executor.torch.grammar import apply_bitmask
+from tests.test_grammar_bitmask import words
 rng = random.Random(7)
 values = [rng.getrandbits(32) for _ in range(8192)]
-mask = torch.tensor([v - (1 << 32) if v >= 1 << 31 else v for v in values], dtype=torch.int32)
+mask = words(values)
 logits = torch.zeros(8192 * 32)
 apply_bitmask(logits, mask)
 wrong = sum(1 for t in range(8192 * 32) if (logits[t].item() == 0.0) != bool(values[t // 32] >> (t % 32) & 1))

@@ -13,6 +13,7 @@ accepted), then rolled back, and only the accepted tokens are consumed for good.
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Any, Sequence
 
 import numpy as np
@@ -56,6 +57,12 @@ class RequestGrammar:
 _BITS_OF = {4: torch.int32, 2: torch.int16}
 
 
+@cache
+def _neg_inf_bits(dtype: torch.dtype) -> int:
+    """-inf of `dtype` as its integer bit pattern (made once per dtype, not per masked row)."""
+    return torch.tensor(float("-inf"), dtype=dtype).view(_BITS_OF[dtype.itemsize]).item()
+
+
 def bitmask_penalty(bitmask: torch.Tensor, vocab_size: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[vocab_size] of `dtype` (float32, bfloat16 or float16) from an llguidance bitmask
     [words] int32: 0 for an allowed token, -inf for a forbidden one. Token t is allowed when
@@ -69,7 +76,7 @@ def bitmask_penalty(bitmask: torch.Tensor, vocab_size: int, dtype: torch.dtype =
     words = bitmask.numpy().astype("<i4", copy=False).view(np.uint8)
     bits = torch.from_numpy(np.unpackbits(words, bitorder="little")[:vocab_size])
     int_type = _BITS_OF[dtype.itemsize]
-    neg_inf = torch.tensor(float("-inf"), dtype=dtype).view(int_type).item()
+    neg_inf = _neg_inf_bits(dtype)
     penalty = torch.empty(vocab_size, dtype=int_type)
     penalty[bits.shape[0]:] = neg_inf
     # bit - 1 is 0 (allowed) or all ones (forbidden); AND -inf's bit pattern makes that 0.0

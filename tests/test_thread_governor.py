@@ -3,12 +3,17 @@
 The schedules below are derived by hand from the rules: a bucket measures 2 threads for 3
 steps (the first not counted), then 1 thread for 3 steps, then runs the cheaper, and
 re-measures the other once the bucket has taken 64 steps since that count's last counted
-step.
+step, or once the running count's median has passed the other's (5 steps or more after
+the other's last counted step). A re-measurement that beats the running count is
+followed by one of the running count, and the two fresh medians decide.
 """
 
 from __future__ import annotations
 
 from typing import Callable
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hybridserve.executor.torch.threads import EXPLORE_EVERY, EXPLORE_STEPS, WINDOW, ThreadGovernor
 
@@ -53,12 +58,13 @@ def test_the_choice_follows_a_load_that_goes_away() -> None:
     # Busy until step 100 (1 thread faster), quiet after (2 threads faster).
     chosen = run(ThreadGovernor(2), 200, lambda i, t: (1.0 if t == 2 else 0.5) if i <= 100 else
                  (0.25 if t == 2 else 0.5))
-    # 2 threads re-measured at 135-137 under the new load (the old average is replaced, so
-    # one counted step is enough), chosen from 138 on; 1 thread, last counted at 134, is
-    # re-measured from bucket step 198 + 1 = 199.
+    # 2 threads re-measured at 135-137 under the new load (its old times are replaced): 0.25
+    # beats 1 thread's 0.5, so 1 thread is measured afresh at 138-140 (139 and 140 counted,
+    # still 0.5) and 2 threads run from 141; 1 thread, last counted at 140, would be
+    # re-measured from bucket step 204 + 1 = 205, past the end.
     assert chosen[134:137] == [2, 2, 2]
-    assert chosen[137:198] == [2] * 61
-    assert chosen[198:200] == [1, 1]
+    assert chosen[137:140] == [1, 1, 1]
+    assert chosen[140:200] == [2] * 60
 
 
 def test_step_sizes_are_measured_apart() -> None:
@@ -78,9 +84,57 @@ def test_one_delayed_step_does_not_switch_the_count() -> None:
     assert [i for i, t in enumerate(chosen, start=1) if t == 1] == [4, 5, 6, 71, 72, 73]
 
 
-def test_a_load_that_stays_moves_the_choice_within_three_steps() -> None:
+def test_a_load_that_stays_moves_the_choice_within_nine_steps() -> None:
     # Quiet until step 30, then 2 threads take 1.0 s (1 thread stays 0.5 s): the 2-thread
-    # window holds 0.4 x 5 at step 30; after 3 slow steps (31-33) its median is 1.0 > 0.5.
-    chosen = run(ThreadGovernor(2), 40, lambda i, t: (0.4 if i <= 30 else 1.0) if t == 2 else 0.5)
+    # window holds 0.4 x 5 at step 30; after 3 slow steps (31-33) its median is 1.0 > 0.5,
+    # so 1 thread is measured afresh at 34-36 (0.5), beats 1.0, 2 threads are measured
+    # afresh at 37-39 (1.0), and 1 thread runs from step 40.
+    chosen = run(ThreadGovernor(2), 50, lambda i, t: (0.4 if i <= 30 else 1.0) if t == 2 else 0.5)
     assert chosen[30:33] == [2, 2, 2]
-    assert chosen[33:40] == [1] * 7
+    assert chosen[33:36] == [1, 1, 1]
+    assert chosen[36:39] == [2, 2, 2]
+    assert chosen[39:50] == [1] * 11
+
+
+def test_a_machine_wide_slow_spell_is_remeasured_once_not_followed() -> None:
+    # Quiet (2 threads 0.4 s, 1 thread 0.5 s) but steps 20-29 run at half speed whatever the
+    # count (0.8 and 1.0 s). After 3 slow steps the 2-thread median (0.8 at step 23) passes
+    # 1 thread's old 0.5: 1 thread is measured afresh at steps 23-25 (24 and 25 counted, at
+    # 1.0), which loses to 2 threads' 0.8, so 2 threads run again from step 26. The next
+    # suspicion could come 5 steps after 25, when the spell is over; the scheduled
+    # re-measurement comes 64 steps after 25 (steps 90-92).
+    chosen = run(ThreadGovernor(2), 100, lambda i, t: (0.4 if t == 2 else 0.5) * (2 if 20 <= i <= 29 else 1))
+    assert [i for i, t in enumerate(chosen, start=1) if t == 1] == [4, 5, 6, 23, 24, 25, 90, 91, 92]
+
+
+def test_a_slow_spell_that_ends_during_the_measurement_does_not_move_the_choice() -> None:
+    # Quiet (2 threads 0.4 s, 1 thread 0.5 s), everything 3x slower at steps 20-24. At step
+    # 23 the 2-thread window holds 0.4, 0.4, 1.2, 1.2, 1.2 (median 1.2 > 0.5): 1 thread is
+    # measured at 23-25, counted at 24 (1.5) and 25 (0.5, the spell is over), median 1.0,
+    # which beats the window's 1.2. 2 threads are then measured afresh at 26-28 (0.4) and
+    # win, so 1 thread runs again only when re-measured 64 steps after 25 (steps 90-92).
+    chosen = run(ThreadGovernor(2), 100, lambda i, t: (0.4 if t == 2 else 0.5) * (3 if 20 <= i <= 24 else 1))
+    assert [i for i, t in enumerate(chosen, start=1) if t == 1] == [4, 5, 6, 23, 24, 25, 90, 91, 92]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(min_value=0.01, max_value=10.0), min_size=1, max_size=400),
+       st.lists(st.sampled_from([1, 16, 1024]), min_size=1, max_size=400))
+def test_the_running_count_changes_only_when_a_measurement_starts_or_ends(times: list[float],
+                                                                         sizes: list[int]) -> None:
+    # Whatever the step times and sizes: between two steps of one bucket the count changes
+    # only if the earlier step ended a measurement or the later one starts one.
+    g = ThreadGovernor(2)
+    last: dict[int, tuple[int, bool]] = {}  # bucket -> (count of its last step, that step ended a measurement)
+    for k, seconds in enumerate(times):
+        tokens = sizes[k % len(sizes)]
+        t = g.choose(tokens)
+        assert t in g.candidates
+        bucket = g._buckets[g._bucket(tokens)]
+        starts = bucket.exploring == t and bucket.explore_left == EXPLORE_STEPS
+        was_exploring = bucket.exploring is not None
+        g.observe(tokens, t, seconds)
+        key = g._bucket(tokens)
+        if key in last and last[key][0] != t:
+            assert last[key][1] or starts
+        last[key] = (t, was_exploring and bucket.exploring is None)

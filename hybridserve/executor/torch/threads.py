@@ -35,24 +35,34 @@ class _Bucket:
     steps: int = 0
     times: dict[int, deque[float]] = field(default_factory=dict)  # threads -> the last WINDOW seconds per token
     measured_at: dict[int, int] = field(default_factory=dict)  # threads -> `steps` when last measured
-    exploring: int | None = None  # the count being re-measured, if any
+    best: int | None = None  # the count the bucket runs, decided when a measurement ends
+    exploring: int | None = None  # the count being measured, if any
+    challenger: int | None = None  # measured faster than `best`, which is being measured again
     explore_left: int = 0
-    stale: bool = False  # the explored count's average is old: its next measurement replaces it
+    stale: bool = False  # the explored count's times are old: its next measurement replaces them
 
 
 class ThreadGovernor:
     """Picks each step's thread count among `candidates` from measured step times.
 
     Per bucket of step sizes it keeps the seconds per scheduled token of each candidate's
-    last WINDOW counted steps, runs the one with the lowest median, and every EXPLORE_EVERY
-    steps of the bucket runs another candidate for EXPLORE_STEPS steps to re-measure it
-    (its old times are dropped, not mixed in: the load they were measured under may be
-    gone). A candidate never
+    last WINDOW counted steps and runs the count with the lowest median. Another count is
+    measured afresh for EXPLORE_STEPS steps (its old times dropped: the load they were
+    measured under may be gone) when EXPLORE_EVERY steps of the bucket have passed since it
+    was last measured, or sooner when the running count's median has grown past the other's
+    (a load arrived, or the machine as a whole slowed down). Only measurements change the
+    choice: when the fresh times beat the running count's, the running count is measured
+    afresh too, right after, and the two fresh medians decide. Switching on the running
+    count's times against a median measured long before let this VM's machine-wide slow
+    spells (every count slower for a few seconds) move a quiet machine to 1 thread for up
+    to 17 steps of a 128-token stream, and a trial version that compared the fresh times
+    with a window still holding such a spell kept it there for 57. A candidate never
     measured in a bucket is measured first (the largest first).
 
     Invariants: `choose` returns a member of `candidates`; with one candidate it always
     returns it; `observe` counts only steps run with the count `choose` returned and skips
-    the first step after the count changed.
+    the first step after the count changed; the running count changes only when a
+    measurement ends.
     """
 
     def __init__(self, max_threads: int) -> None:
@@ -81,11 +91,18 @@ class ThreadGovernor:
         for c in self.candidates:
             if c not in b.times:
                 return self._explore(b, c)
-        best = min(self.candidates, key=lambda c: statistics.median(b.times[c]))
+        if b.best is None:  # every count measured once, back to back
+            b.best = min(self.candidates, key=lambda c: self._cost(b, c))
+        running = self._cost(b, b.best)
         for c in self.candidates:
-            if c != best and b.steps - b.measured_at[c] >= EXPLORE_EVERY:
+            if c == b.best:
+                continue
+            since = b.steps - b.measured_at[c]
+            # Suspicion waits until the running count's window holds only steps run after
+            # c's last measurement, so one slow spell triggers one re-measurement.
+            if since >= EXPLORE_EVERY or (since >= WINDOW and running > self._cost(b, c)):
                 return self._explore(b, c)
-        return best
+        return b.best
 
     @staticmethod
     def _explore(b: _Bucket, threads: int) -> int:
@@ -96,13 +113,32 @@ class ThreadGovernor:
         """Record that a step of `num_tokens` tokens took `seconds` with `threads` threads."""
         b = self._buckets.setdefault(self._bucket(num_tokens), _Bucket())
         b.steps += 1
+        if not self._switched and threads in self.candidates:
+            if threads not in b.times or (b.stale and b.exploring == threads):
+                b.times[threads], b.stale = deque(maxlen=WINDOW), False  # a re-measured count starts afresh
+            b.times[threads].append(seconds / max(1, num_tokens))
+            b.measured_at[threads] = b.steps
         if b.exploring == threads:
             b.explore_left -= 1
             if b.explore_left <= 0:
                 b.exploring = None
-        if self._switched or threads not in self.candidates:
+                self._decide(b, threads)
+
+    def _decide(self, b: _Bucket, measured: int) -> None:
+        """After `measured`'s measurement: whether the bucket runs another count from now on."""
+        challenger, b.challenger = b.challenger, None
+        if b.stale or b.best is None:
+            # No step of the measurement counted (each followed a change of count), or the
+            # first measurements are not done: _pick decides once every count has times.
             return
-        if threads not in b.times or (b.stale and b.exploring == threads):
-            b.times[threads], b.stale = deque(maxlen=WINDOW), False  # a re-measured count starts afresh
-        b.times[threads].append(seconds / max(1, num_tokens))
-        b.measured_at[threads] = b.steps
+        if measured != b.best and self._cost(b, measured) < self._cost(b, b.best):
+            # Before switching, measure the running count again: its window may hold a slow
+            # spell that has just ended; fresh times on both sides, back to back, decide.
+            b.challenger = measured
+            self._explore(b, b.best)
+        elif measured == b.best and challenger is not None:
+            b.best = min((b.best, challenger), key=lambda c: self._cost(b, c))
+
+    @staticmethod
+    def _cost(b: _Bucket, threads: int) -> float:
+        return statistics.median(b.times[threads])

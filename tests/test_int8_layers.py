@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
@@ -14,7 +17,13 @@ import torch.nn.functional as F  # noqa: E402
 
 from hybridserve.models import smoothing  # noqa: E402
 from hybridserve.models.decoder import smoothed_weights  # noqa: E402
-from hybridserve.models.int8 import int8_activations_native, quantize_int8_rows, quantize_rows_uint8  # noqa: E402
+from hybridserve.models.int8 import (  # noqa: E402
+    W8A8Linear,
+    int8_activations_native,
+    quantize_int8_rows,
+    quantize_rows_int8,
+    quantize_rows_uint8,
+)
 from hybridserve.models.linear import LayerLinears, make_int8_linear, make_linear  # noqa: E402
 from hybridserve.models.loader import load_model  # noqa: E402
 from tests import hf_tiny  # noqa: E402
@@ -48,6 +57,46 @@ def test_int8_linear_is_the_product_of_its_dequantized_operands(out_dtype: torch
     # operands put the relative error near 1% (measured 0.6%)
     exact = F.linear(x.float(), w, b)
     assert float((linear(x).float() - exact).norm() / exact.norm()) < 0.02
+
+
+@needs_int8_dot
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 4), st.sampled_from([8, 64, 100, 640]), st.sampled_from([7, 96, 1536]), st.integers(0, 2**31))
+def test_the_single_row_path_agrees_with_the_packed_gemm_bit_for_bit(rows: int, k: int, n: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    linear = W8A8Linear(*quantize_int8_rows(torch.randn(n, k, generator=g)))
+    x = torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 10
+    packed = linear.packed(*quantize_rows_uint8(x))
+    assert torch.equal(linear.single_row(x), packed)
+    if rows == 1:
+        assert torch.equal(linear(x), packed)
+
+
+def test_signed_and_unsigned_activation_levels_are_the_same_levels() -> None:
+    x = torch.tensor([[1.0, -2.0, 0.5, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    signed, s1 = quantize_rows_int8(x)
+    unsigned, s2 = quantize_rows_uint8(x)
+    # row max 2: scale 2/127; 1 -> 63.5 -> 64 (round half to even), -2 -> -127, 0.5 -> 31.75 -> 32;
+    # an all-zero row keeps the smallest normal scale and all-zero levels
+    assert signed.tolist() == [[64, -127, 32, 0], [0, 0, 0, 0]]
+    assert (unsigned.int() - 128).tolist() == signed.tolist()
+    assert torch.equal(s1, s2) and s1[0, 0].item() == pytest.approx(2 / 127)
+
+
+@needs_int8_dot
+def test_the_single_row_path_at_the_int8_extremes_is_exact() -> None:
+    # Every product 127 x -127 over K = 2048: the int32 sum -33,032,192 must come out exact
+    # (a saturating 16-bit step would not), then times both scales.
+    k = 2048
+    weight = torch.full((3, k), -1.0)
+    weight[1] = 1.0
+    linear = W8A8Linear(*quantize_int8_rows(weight))  # levels -127 / 127, scale 1/127
+    x = torch.full((1, k), 2.0)  # levels 127, scale 2/127
+    expected = np.array([-1, 1, -1]) * (127 * 127 * k)  # exact in int64
+    out = linear(x)
+    assert torch.equal(out, linear.packed(*quantize_rows_uint8(x)))
+    # 33,032,192 x (1/127) x (2/127) = 4096 up to float32 rounding of the scales
+    np.testing.assert_allclose(out.numpy()[0], expected * (1 / 127) * (2 / 127), rtol=1e-6)
 
 
 def test_factors_by_hand() -> None:

@@ -17,7 +17,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from hybridserve.models.int8 import quantize_int8_rows, quantize_rows_uint8, w8a8_matmul
+from hybridserve.models.int8 import W8A8Linear, quantize_int8_rows
 
 Linear = Callable[[torch.Tensor], torch.Tensor]                        # x -> x W^T + b
 ResidualLinear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (h, x) -> h + x W^T + b
@@ -87,11 +87,11 @@ def make_int8_linear(weight: torch.Tensor, bias: torch.Tensor | None, out_dtype:
     """(linear, residual_linear) as int8 x int8 (models/int8.py): `weight` [out, in] is
     quantized per row once, the input per row at every call; bias and residual are added
     in float32 before the result is rounded to `out_dtype`."""
-    matmul = w8a8_matmul(*quantize_int8_rows(weight))
+    matmul = W8A8Linear(*quantize_int8_rows(weight))
     bias32 = None if bias is None else bias.detach().float()
 
     def product(x: torch.Tensor) -> torch.Tensor:
-        out = matmul(*quantize_rows_uint8(x))
+        out = matmul(x)
         return out if bias32 is None else out.add_(bias32)
 
     if out_dtype == torch.float32:  # the product's own dtype: no conversion kernel at all

@@ -107,10 +107,11 @@ class W8A8Linear:
     The general path is oneDNN's packed u8 x s8 GEMM (w8a8_matmul). Beside it, a fast path
     for one row (a decode step of one request): `torch._int_mm` on the plain int8 weight.
     The packed GEMM costs about 30 us per call whatever its size (a 64 x 64 weight takes as
-    long as a 640 x 1024 one), which is most of a one-row product on a decoder-sized
-    weight: Gemma 3 270M's 72 decoder matmuls, one row, 2 Sapphire Rapids cores, weights
-    from memory, quantizers included, 4.6-8.4 ms per step against 9.1-13.1 ms packed. From
-    2 rows on the plain GEMM is no faster, and at 64 rows a third slower, so only one row
+    long as a 640 x 1024 one), which is much of a one-row product on a decoder-sized
+    weight. `python benchmarks/int8_rows.py` (Gemma 3 270M's 72 decoder matmuls, weights
+    from memory, quantizers included, 2 Sapphire Rapids cores, 4 runs, load ~1): one row
+    8.9-13.2 ms per step against 11.2-16.7 packed; from 2 rows on the plain GEMM is no
+    faster (2 rows 12.0-19.0 vs 11.2-16.9, 16 rows 20.1-27.4 vs 20.1-26.6). So only one row
     takes it; the plain weight stays beside the packed one for it (the decoder's int8 size
     again: 100 MB for Gemma 3 270M).
 

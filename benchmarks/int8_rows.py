@@ -7,8 +7,8 @@ Random weights of the default model's decoder shapes (18 layers of qkv 1536 x 64
 1024, gate|up 4096 x 640, down 640 x 2048; 100 MB of int8, far larger than the caches, so
 each pass streams them from memory as a decode step does) are quantized as `--quantization
 int8` does. Each pass multiplies every layer's four weights once, activations quantized per
-call, through the two paths of models/int8.W8A8Linear: `packed` (oneDNN's packed u8 x s8
-GEMM, the general path) and `single_row` (torch._int_mm on the plain weight, the path one
+call, through the two paths of models/int8.W8A8Linear: `general` (oneDNN's packed u8 x s8
+GEMM) and `single_row` (torch._int_mm on the plain weight, the path one
 row takes). Prints the median of --repeat passes, alternating the paths, with the CPU flags,
 load, commit and threads.
 """
@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))  # this checkout's hybridserve, whatever is instal
 import torch  # noqa: E402
 
 from hybridserve.models.cpu_features import read_cpu_flags  # noqa: E402
-from hybridserve.models.int8 import W8A8Linear, int8_activations_native, quantize_int8_rows, quantize_rows_uint8  # noqa: E402
+from hybridserve.models.int8 import W8A8Linear, int8_activations_native, quantize_int8_rows  # noqa: E402
 
 LAYERS = 18
 SHAPES = [(1536, 640), (640, 1024), (4096, 640), (640, 2048)]  # [out, in] of qkv, o, gate|up, down
@@ -55,26 +55,20 @@ def main() -> int:
     linears = [(k, W8A8Linear(*quantize_int8_rows(torch.randn(n, k, generator=g) * 0.02)))
                for _ in range(LAYERS) for n, k in SHAPES]
 
-    def packed(xs: dict[int, torch.Tensor]) -> None:
-        for k, linear in linears:
-            linear.packed(*quantize_rows_uint8(xs[k]))
-
-    def single_row(xs: dict[int, torch.Tensor]) -> None:
-        for k, linear in linears:
-            linear.single_row(xs[k])
-
+    paths = ("general", "single_row")  # W8A8Linear's methods: the packed GEMM, the one-row path
     print("| rows | packed GEMM ms | one-row path ms |")
     print("|---:|---:|---:|")
     for rows in (int(r) for r in a.rows.split(",")):
         xs = {k: torch.randn(rows, k, generator=g) for k in {k for _, k in SHAPES}}
-        times: dict[str, list[float]] = {"packed": [], "single_row": []}
+        times: dict[str, list[float]] = {path: [] for path in paths}
         for _ in range(a.repeat + 1):  # the first pass of each is a warm-up
-            for name, path in (("packed", packed), ("single_row", single_row)):
+            for path in paths:
                 t0 = time.perf_counter()
-                path(xs)
-                times[name].append(time.perf_counter() - t0)
-        print(f"| {rows} | {statistics.median(times['packed'][1:]) * 1e3:.2f} | "
-              f"{statistics.median(times['single_row'][1:]) * 1e3:.2f} |", flush=True)
+                for k, linear in linears:
+                    getattr(linear, path)(xs[k])
+                times[path].append(time.perf_counter() - t0)
+        print("| " + " | ".join([str(rows)] + [f"{statistics.median(times[p][1:]) * 1e3:.2f}" for p in paths]) + " |",
+              flush=True)
     return 0
 
 

@@ -126,8 +126,10 @@ class W8A8Linear:
         self._scale = scale
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] == 1:
-            return self.single_row(x)
+        return self.single_row(x) if x.shape[0] == 1 else self.general(x)
+
+    def general(self, x: torch.Tensor) -> torch.Tensor:
+        """The general path: unsigned activations into the packed GEMM."""
         return self.packed(*quantize_rows_uint8(x))
 
     def single_row(self, x: torch.Tensor) -> torch.Tensor:

@@ -70,8 +70,6 @@ OMP_WAITS = {
     "libgomp": ["GOMP_SPINCOUNT=300000"],
     "active": ["OMP_WAIT_POLICY=ACTIVE"],
 }
-# Flag prefixes an AVX2-only CPU lacks (--isa avx2 hides them from hybridserve's choices).
-NOT_AVX2 = ("avx512", "amx", "avx_vnni", "avx_ne_convert", "avx_ifma")
 SHOWN_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_bf16", "amx_int8")
 
 
@@ -135,10 +133,9 @@ def isa_env(isa: str) -> list[str]:
     """The `env VAR=value` prefix that runs a command as on a CPU with `isa` (see --isa)."""
     if isa == "native":
         return []
-    from hybridserve.models.cpu_features import read_cpu_flags
+    from hybridserve.models.cpu_features import as_avx2_env, read_cpu_flags
 
-    kept = " ".join(sorted(f for f in read_cpu_flags() if not f.startswith(NOT_AVX2)))
-    return ["env", "ONEDNN_MAX_CPU_ISA=AVX2", "ATEN_CPU_CAPABILITY=avx2", f"HYBRIDSERVE_CPU_FLAGS={kept}"]
+    return ["env", *(f"{name}={value}" for name, value in as_avx2_env(read_cpu_flags()).items())]
 
 
 def load() -> str:

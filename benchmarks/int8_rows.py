@@ -1,16 +1,22 @@
-"""Time of Gemma 3 270M's 72 int8 decoder matmuls per step, packed GEMM against the one-row path.
+"""Time of Gemma 3 270M's int8 matmuls per decode step: float32, the packed int8 GEMM, the plain one.
 
-    python benchmarks/int8_rows.py                    # 1, 2, 4 and 16 rows
+    python benchmarks/int8_rows.py                    # 1, 2, 4 and 16 rows, this CPU
+    python benchmarks/int8_rows.py --isa avx2         # as on a CPU with AVX2 alone
     python benchmarks/int8_rows.py --rows 1,16 --repeat 21
 
-Random weights of the default model's decoder shapes (18 layers of qkv 1536 x 640, o 640 x
-1024, gate|up 4096 x 640, down 640 x 2048; 100 MB of int8, far larger than the caches, so
-each pass streams them from memory as a decode step does) are quantized as `--quantization
-int8` does. Each pass multiplies every layer's four weights once, activations quantized per
-call, through the two paths of models/int8.W8A8Linear: `general` (oneDNN's packed u8 x s8
-GEMM) and `single_row` (torch._int_mm on the plain weight, the path one
-row takes). Prints the median of --repeat passes, alternating the paths, with the CPU flags,
-load, commit and threads.
+Random weights of the default model's shapes, each pass streaming them from memory as a
+decode step does (far larger than the caches):
+- decoder: 18 layers of qkv 1536 x 640, o 640 x 1024, gate|up 4096 x 640, down 640 x 2048
+  (100 MB of int8, 400 MB of float32);
+- head: 8 chunks of 32768 x 640 vocabulary rows (168 MB of int8, 671 MB of float32).
+Every weight is multiplied once per pass, activations quantized per call, three ways:
+`float32`, oneDNN's packed float32 GEMM (models/linear.py, what --dtype float32 runs);
+`packed`, W8A8Linear.general (oneDNN's packed u8 x s8 GEMM); `plain`, W8A8Linear.plain
+(torch._int_mm on the plain weight). The int8 weights take this CPU's levels (127, or 63
+on AVX2 alone: models/int8.gemm_weight_levels). Prints the median of --repeat passes,
+alternating the three, with the CPU flags, load, commit and threads. `--isa avx2` runs the
+measurement in a process limited as cpu_features.as_avx2_env says (how the AVX2 choices of
+models/int8.plain_gemm_max_rows were measured on an AVX-512 machine).
 """
 
 from __future__ import annotations
@@ -28,11 +34,40 @@ sys.path.insert(0, str(REPO))  # this checkout's hybridserve, whatever is instal
 
 import torch  # noqa: E402
 
-from hybridserve.models.cpu_features import read_cpu_flags  # noqa: E402
-from hybridserve.models.int8 import W8A8Linear, int8_activations_native, quantize_int8_rows  # noqa: E402
+from hybridserve.models.cpu_features import CPU_FLAGS_ENV, as_avx2_env, read_cpu_flags  # noqa: E402
+from hybridserve.models.int8 import W8A8Linear, gemm_weight_levels, int8_gemm_available, quantize_gemm_weight  # noqa: E402
+from hybridserve.models.linear import make_linear  # noqa: E402
 
 LAYERS = 18
 SHAPES = [(1536, 640), (640, 1024), (4096, 640), (640, 2048)]  # [out, in] of qkv, o, gate|up, down
+HEAD_CHUNKS = [(32768, 640)] * 8  # models/head.py's chunks of Gemma 3 270M's 262,144-row head
+PATHS = ("float32", "packed", "plain")
+
+
+def _weights(shapes: list[tuple[int, int]], g: torch.Generator) -> list[tuple[int, dict]]:
+    """(in features, {path: x -> x W^T}) per weight."""
+    made = []
+    for n, k in shapes:
+        w = torch.randn(n, k, generator=g) * 0.02
+        dense, _, _ = make_linear(w, None)
+        int8 = W8A8Linear(*quantize_gemm_weight(w))
+        made.append((k, {"float32": dense, "packed": int8.general, "plain": int8.plain}))
+    return made
+
+
+def _table(name: str, weights: list[tuple[int, dict]], rows_list: list[int], repeat: int, g: torch.Generator) -> None:
+    print(f"\n{name}\n| rows | float32 ms | int8 packed ms | int8 plain ms |\n|---:|---:|---:|---:|")
+    for rows in rows_list:
+        xs = {k: torch.randn(rows, k, generator=g) for k in {k for k, _ in weights}}
+        times: dict[str, list[float]] = {path: [] for path in PATHS}
+        for _ in range(repeat + 1):  # the first pass of each is a warm-up
+            for path in PATHS:
+                t0 = time.perf_counter()
+                for k, fs in weights:
+                    fs[path](xs[k])
+                times[path].append(time.perf_counter() - t0)
+        print("| " + " | ".join([str(rows)] + [f"{statistics.median(times[p][1:]) * 1e3:.2f}" for p in PATHS]) + " |",
+              flush=True)
 
 
 def main() -> int:
@@ -40,35 +75,30 @@ def main() -> int:
     p.add_argument("--rows", default="1,2,4,16", help="activation rows per pass (decode batch sizes)")
     p.add_argument("--repeat", type=int, default=15)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--isa", choices=["native", "avx2"], default="native")
     a = p.parse_args()
-    if not int8_activations_native():
-        print("int8_rows: this CPU has no int8 dot products (VNNI / AMX-INT8); int8 layers are not used here",
+    if a.isa == "avx2" and CPU_FLAGS_ENV not in os.environ:
+        if "avx2" not in read_cpu_flags():
+            print("int8_rows: --isa avx2 needs an x86 CPU with AVX2", file=sys.stderr)
+            return 2
+        env = {**os.environ, **as_avx2_env(read_cpu_flags())}
+        return subprocess.run([sys.executable, *sys.argv], env=env).returncode
+    if not int8_gemm_available():
+        print("int8_rows: no int8 GEMM on this CPU (x86 with AVX2 or VNNI); int8 layers are not used here",
               file=sys.stderr)
         return 2
     if a.threads:
         torch.set_num_threads(a.threads)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=REPO).stdout.strip()
-    flags = " ".join(sorted(f for f in read_cpu_flags() if f.startswith(("avx512_vnni", "avx_vnni", "amx"))))
-    print(f"# commit {commit}; {torch.get_num_threads()} threads; flags {flags}; load {os.getloadavg()[0]:.1f}")
+    flags = " ".join(sorted(f for f in read_cpu_flags() if f.startswith(("avx2", "avx512_vnni", "avx_vnni", "amx"))))
+    print(f"# commit {commit}; {torch.get_num_threads()} threads; flags {flags}; "
+          f"ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', 'unset')}; int8 weight levels "
+          f"{gemm_weight_levels()}; load {os.getloadavg()[0]:.1f}")
     g = torch.Generator().manual_seed(0)
-    linears = [(k, W8A8Linear(*quantize_int8_rows(torch.randn(n, k, generator=g) * 0.02)))
-               for _ in range(LAYERS) for n, k in SHAPES]
-
-    paths = ("general", "single_row")  # W8A8Linear's methods: the packed GEMM, the one-row path
-    print("| rows | packed GEMM ms | one-row path ms |")
-    print("|---:|---:|---:|")
-    for rows in (int(r) for r in a.rows.split(",")):
-        xs = {k: torch.randn(rows, k, generator=g) for k in {k for _, k in SHAPES}}
-        times: dict[str, list[float]] = {path: [] for path in paths}
-        for _ in range(a.repeat + 1):  # the first pass of each is a warm-up
-            for path in paths:
-                t0 = time.perf_counter()
-                for k, linear in linears:
-                    getattr(linear, path)(xs[k])
-                times[path].append(time.perf_counter() - t0)
-        print("| " + " | ".join([str(rows)] + [f"{statistics.median(times[p][1:]) * 1e3:.2f}" for p in paths]) + " |",
-              flush=True)
+    rows_list = [int(r) for r in a.rows.split(",")]
+    _table("decoder: 72 matmuls per step", _weights(SHAPES * LAYERS, g), rows_list, a.repeat, g)
+    _table("head: 8 chunks of 32768 rows", _weights(HEAD_CHUNKS, g), rows_list, a.repeat, g)
     return 0
 
 

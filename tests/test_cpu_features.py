@@ -13,6 +13,7 @@ from hybridserve.config import EngineConfig
 from hybridserve.core.errors import ConfigError
 from hybridserve.models.cpu_features import (
     CPU_FLAGS_ENV,
+    as_avx2_env,
     choose_dtype,
     choose_quantization,
     describe,
@@ -47,20 +48,39 @@ def test_explicit_dtype_and_other_devices() -> None:
 
 def test_quantization_choice() -> None:
     vnni = frozenset({"avx512f", "avx512_bf16", "avx512_vnni"})
+    # the second argument is the dtype as the user asked for it, "auto" included
+    assert choose_quantization("auto", "auto", "cpu", vnni) == "int8"
     assert choose_quantization("auto", "bfloat16", "cpu", vnni) == "int8"
     assert choose_quantization("auto", "bfloat16", "cpu", frozenset({"avx2", "avx_vnni"})) == "int8"
-    assert choose_quantization("auto", "bfloat16", "cpu", frozenset(EPYC_AVX2)) == "none"  # no int8 dot products
-    assert choose_quantization("auto", "float32", "cpu", vnni) == "none"  # the exact reference stays exact
+    # AVX2 alone: oneDNN's int8 GEMM with narrowed weights, float32 activations under --dtype auto
+    assert choose_quantization("auto", "auto", "cpu", frozenset(EPYC_AVX2)) == "int8"
+    assert choose_quantization("auto", "bfloat16", "cpu", frozenset(EPYC_AVX2)) == "int8"
+    # float32 named by the user is the exact reference and stays exact, on every CPU
+    assert choose_quantization("auto", "float32", "cpu", vnni) == "none"
+    assert choose_quantization("auto", "float32", "cpu", frozenset(EPYC_AVX2)) == "none"
+    # no int8 GEMM: AVX alone, an ARM flag set, a GPU
+    assert choose_quantization("auto", "auto", "cpu", frozenset({"avx", "fma", "sse4_2"})) == "none"
+    assert choose_quantization("auto", "auto", "cpu", frozenset({"fp", "asimd", "asimddp"})) == "none"
     assert choose_quantization("auto", "bfloat16", "cuda", vnni) == "none"
-    assert [choose_quantization(q, "bfloat16", "cpu", vnni) for q in ("none", "int8", "int8-head", "int4")] == \
+    assert [choose_quantization(q, "float32", "cpu", vnni) for q in ("none", "int8", "int8-head", "int4")] == \
         ["none", "int8", "int8-head", "int4"]
+
+
+def test_as_avx2_env_hides_what_an_avx2_cpu_lacks() -> None:
+    zen5 = frozenset({"fma", "avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "avx_ifma", "f16c"})
+    env = as_avx2_env(zen5)
+    assert env == {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", CPU_FLAGS_ENV: "avx2 f16c fma"}
+    assert choose_dtype("auto", "cpu", frozenset(env[CPU_FLAGS_ENV].split())) == "float32"
 
 
 def test_describe_names_the_reason() -> None:
     assert describe("bfloat16", "none", frozenset(SAPPHIRE_RAPIDS_AMX)) == \
         "dtype bfloat16, quantization none (native bf16: amx_bf16, avx512_bf16)"
+    assert describe("bfloat16", "int8", frozenset(SAPPHIRE_RAPIDS_NO_AMX)) == \
+        "dtype bfloat16, quantization int8 (native bf16: avx512_bf16; int8 dot products: avx512_vnni)"
     assert describe("float32", "int8", frozenset(EPYC_AVX2)) == \
-        "dtype float32, quantization int8 (no native bf16 (avx512_bf16 / amx_bf16))"
+        "dtype float32, quantization int8 (no native bf16 (avx512_bf16 / amx_bf16); int8 GEMM on AVX2, " \
+        "weights in 63 levels)"
 
 
 def test_read_cpu_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -83,7 +103,10 @@ def test_cpu_flags_from_the_environment_override_cpuinfo(tmp_path: Path, monkeyp
     flags = read_cpu_flags(cpuinfo)
     assert flags == frozenset({"avx", "avx2", "fma"})
     assert choose_dtype("auto", "cpu", flags) == "float32"
-    assert choose_quantization("auto", "float32", "cpu", flags) == "none"
+    assert choose_quantization("auto", "auto", "cpu", flags) == "int8"
+    monkeypatch.setenv("HYBRIDSERVE_CPU_FLAGS", "avx fma")
+    assert choose_quantization("auto", "auto", "cpu", read_cpu_flags(cpuinfo)) == "none"
+
 
 def test_config_defaults_and_bad_values() -> None:
     config = EngineConfig()

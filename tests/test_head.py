@@ -27,7 +27,8 @@ from hybridserve.models.head import (  # noqa: E402
 )
 from hybridserve.models.int8 import (  # noqa: E402
     QUANTIZE_BLOCK_ROWS,
-    int8_activations_native,
+    int8_gemm_available,
+    quantize_gemm_weight,
     quantize_int8_rows,
     quantize_rows_uint8,
 )
@@ -43,6 +44,11 @@ def test_int8_rows_by_hand() -> None:
     assert values.dtype == torch.int8
     assert values.tolist() == [[127, -64, 0], [127, 50, -1]]
     assert scale.tolist() == pytest.approx([0.01, 0.02], rel=1e-6)
+    # 63 levels (AVX2's int8 GEMM): scales 1.27/63, 2.54/63; -0.64 * 63/1.27 = -31.75 -> -32,
+    # 1.0 * 63/2.54 = 24.80 -> 25, -0.02 * 63/2.54 = -0.496 -> 0
+    narrow, narrow_scale = quantize_int8_rows(w, 63)
+    assert narrow.tolist() == [[63, -32, 0], [63, 25, 0]]
+    assert narrow_scale.tolist() == pytest.approx([1.27 / 63, 2.54 / 63], rel=1e-6)
 
 
 def test_int8_rows_by_hand_across_quantization_blocks() -> None:
@@ -103,7 +109,7 @@ def test_dense_head_equals_f_linear(weight: torch.Tensor, rows: int) -> None:
 
 
 def test_int8_weight_only_head_equals_matmul_of_its_dequantized_weight(weight: torch.Tensor, monkeypatch) -> None:
-    monkeypatch.setattr("hybridserve.models.head.int8_activations_native", lambda: False)
+    monkeypatch.setattr("hybridserve.models.head.int8_gemm_available", lambda: False)
     x = _hidden(3)
     values, scale = quantize_int8_rows(weight)
     expected = F.linear(x.bfloat16().float(), values.float() * scale.bfloat16().float()[:, None])
@@ -112,11 +118,11 @@ def test_int8_weight_only_head_equals_matmul_of_its_dequantized_weight(weight: t
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-3)  # bf16 output rounding
 
 
-@pytest.mark.skipif(not int8_activations_native(), reason="no int8 dot products (VNNI / AMX-INT8) here")
+@pytest.mark.skipif(not int8_gemm_available(), reason="no int8 GEMM here (x86 with AVX2 or VNNI)")
 @pytest.mark.parametrize("rows", [1, 16, 64])
 def test_int8_head_with_int8_activations_equals_matmul_of_both_dequantized(weight: torch.Tensor, rows: int) -> None:
     x = _hidden(rows) * torch.linspace(0.1, 10.0, rows)[:, None]  # rows of different ranges: scales per row
-    values, scale = quantize_int8_rows(weight)
+    values, scale = quantize_gemm_weight(weight)  # 127 levels with int8 dot products, 63 on AVX2 alone
     x_values, x_scale = quantize_rows_uint8(x)
     expected = F.linear((x_values.float() - 128) * x_scale, values.float() * scale[:, None])
     got = OutputHead(weight, "int8")(x)
@@ -134,15 +140,15 @@ def test_int4_head_equals_matmul_of_its_dequantized_weight(weight: torch.Tensor)
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=3e-3)
 
 
-# int8 activations exist only for the int8 head, on a CPU with int8 dot products.
+# int8 activations exist only for the int8 head, on a CPU with an int8 GEMM.
 _GREEDY_CASES = [("none", False), ("int8", False), ("int4", False)] + (
-    [("int8", True)] if int8_activations_native() else [])
+    [("int8", True)] if int8_gemm_available() else [])
 
 
 @pytest.mark.parametrize("quantization,int8_activations", _GREEDY_CASES)
 def test_greedy_is_argmax_of_the_logits(weight: torch.Tensor, quantization: str, int8_activations: bool,
                                         monkeypatch) -> None:
-    monkeypatch.setattr("hybridserve.models.head.int8_activations_native", lambda: int8_activations)
+    monkeypatch.setattr("hybridserve.models.head.int8_gemm_available", lambda: int8_activations)
     head = OutputHead(weight, quantization)
     x = _hidden(16)
     assert head.greedy(x, None) == head(x).argmax(dim=-1).tolist()

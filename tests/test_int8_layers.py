@@ -4,7 +4,12 @@ the originals, and which loads get int8 layers (models/int8.py, smoothing.py, de
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,7 +24,9 @@ from hybridserve.models import smoothing  # noqa: E402
 from hybridserve.models.decoder import smoothed_weights  # noqa: E402
 from hybridserve.models.int8 import (  # noqa: E402
     W8A8Linear,
-    int8_activations_native,
+    gemm_weight_levels,
+    int8_gemm_available,
+    quantize_gemm_weight,
     quantize_int8_rows,
     quantize_rows_int8,
     quantize_rows_uint8,
@@ -28,7 +35,7 @@ from hybridserve.models.linear import LayerLinears, make_int8_linear, make_linea
 from hybridserve.models.loader import load_model  # noqa: E402
 from tests import hf_tiny  # noqa: E402
 
-needs_int8_dot = pytest.mark.skipif(not int8_activations_native(), reason="no int8 dot products (VNNI / AMX-INT8) here")
+needs_int8_gemm = pytest.mark.skipif(not int8_gemm_available(), reason="no int8 GEMM here (x86 with AVX2 or VNNI)")
 
 
 def toy_encode(text: str) -> list[int]:
@@ -36,7 +43,7 @@ def toy_encode(text: str) -> list[int]:
     return [2] + [b % 256 for b in text.encode()]
 
 
-@needs_int8_dot
+@needs_int8_gemm
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_int8_linear_is_the_product_of_its_dequantized_operands(out_dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(3)
@@ -45,7 +52,7 @@ def test_int8_linear_is_the_product_of_its_dequantized_operands(out_dtype: torch
     x = torch.randn(5, 64, generator=g).to(out_dtype)
     h = torch.randn(5, 96, generator=g).to(out_dtype)
     linear, residual = make_int8_linear(w, b, out_dtype)
-    wv, ws = quantize_int8_rows(w)
+    wv, ws = quantize_gemm_weight(w)
     xv, xs = quantize_rows_uint8(x)
     product = ((xv.float() - 128) * xs) @ (wv.float() * ws[:, None]).t() + b
     tol = 1e-5 if out_dtype == torch.float32 else 1e-2
@@ -54,22 +61,21 @@ def test_int8_linear_is_the_product_of_its_dequantized_operands(out_dtype: torch
     torch.testing.assert_close(residual(h, x).float(), (h.float() + product).to(out_dtype).float(),
                                rtol=tol, atol=tol)
     # and int8 stays close to the float product itself: 127 levels each side on both
-    # operands put the relative error near 1% (measured 0.6%)
+    # operands put the relative error near 1% (measured 0.6%; 63 weight levels: 0.9%)
     exact = F.linear(x.float(), w, b)
     assert float((linear(x).float() - exact).norm() / exact.norm()) < 0.02
 
 
-@needs_int8_dot
+@needs_int8_gemm
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 4), st.sampled_from([8, 64, 100, 640]), st.sampled_from([7, 96, 1536]), st.integers(0, 2**31))
-def test_the_single_row_path_agrees_with_the_packed_gemm_bit_for_bit(rows: int, k: int, n: int, seed: int) -> None:
+def test_the_plain_path_agrees_with_the_packed_gemm_bit_for_bit(rows: int, k: int, n: int, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
-    linear = W8A8Linear(*quantize_int8_rows(torch.randn(n, k, generator=g)))
+    linear = W8A8Linear(*quantize_gemm_weight(torch.randn(n, k, generator=g)))
     x = torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 10
     packed = linear.packed(*quantize_rows_uint8(x))
-    assert torch.equal(linear.single_row(x), packed)
-    if rows == 1:
-        assert torch.equal(linear(x), packed)
+    assert torch.equal(linear.plain(x), packed)
+    assert torch.equal(linear(x), packed)  # whichever path this CPU takes for `rows`
 
 
 def test_signed_and_unsigned_activation_levels_are_the_same_levels() -> None:
@@ -83,20 +89,23 @@ def test_signed_and_unsigned_activation_levels_are_the_same_levels() -> None:
     assert torch.equal(s1, s2) and s1[0, 0].item() == pytest.approx(2 / 127)
 
 
-@needs_int8_dot
-def test_the_single_row_path_at_the_int8_extremes_is_exact() -> None:
-    # Every product 127 x -127 over K = 2048: the int32 sum -33,032,192 must come out exact
-    # (a saturating 16-bit step would not), then times both scales.
+@needs_int8_gemm
+def test_the_plain_path_at_the_int8_extremes_is_exact() -> None:
+    # Every product 127 x -L over K = 2048 (L = 127 with int8 dot products, 63 on AVX2
+    # alone): the int32 sum, -33,032,192 for L = 127, must come out exact (a saturating
+    # 16-bit step would not), then times both scales.
     k = 2048
+    levels = gemm_weight_levels()
     weight = torch.full((3, k), -1.0)
     weight[1] = 1.0
-    linear = W8A8Linear(*quantize_int8_rows(weight))  # levels -127 / 127, scale 1/127
+    linear = W8A8Linear(*quantize_gemm_weight(weight))  # levels -L / L, scale 1/L
     x = torch.full((1, k), 2.0)  # levels 127, scale 2/127
-    expected = np.array([-1, 1, -1]) * (127 * 127 * k)  # exact in int64
+    expected = np.array([-1, 1, -1]) * (127 * levels * k)  # exact in int64
     out = linear(x)
     assert torch.equal(out, linear.packed(*quantize_rows_uint8(x)))
-    # 33,032,192 x (1/127) x (2/127) = 4096 up to float32 rounding of the scales
-    np.testing.assert_allclose(out.numpy()[0], expected * (1 / 127) * (2 / 127), rtol=1e-6)
+    # 127 L k x (1/L) x (2/127) = 4096 up to float32 rounding of the scales
+    np.testing.assert_allclose(out.numpy()[0], expected * (1 / levels) * (2 / 127), rtol=1e-6)
+    np.testing.assert_allclose(out.numpy()[0], [-4096, 4096, -4096], rtol=1e-6)
 
 
 def test_factors_by_hand() -> None:
@@ -146,7 +155,7 @@ def test_smoothed_weights_compute_the_same_function(kind: str) -> None:
     torch.testing.assert_close(_hidden(model, prompts), before, rtol=1e-4, atol=1e-4)
 
 
-@needs_int8_dot
+@needs_int8_gemm
 def test_int8_loads_quantize_the_layers_only_when_asked_and_calibratable() -> None:
     folder = hf_tiny.tiny_model_dir("gemma3")
 
@@ -160,7 +169,7 @@ def test_int8_loads_quantize_the_layers_only_when_asked_and_calibratable() -> No
     assert not layers_int8("int8", encode=None)  # nothing to calibrate with: the layers stay float
 
 
-@needs_int8_dot
+@needs_int8_gemm
 def test_int8_layers_stay_close_to_float32_on_a_tiny_model() -> None:
     folder = hf_tiny.tiny_model_dir("gemma3")
     prompts = hf_tiny.random_prompts(3, 5, 30, seed=5)
@@ -185,7 +194,7 @@ class _DtypeRecorder:
         return self.inner.attention(layer_idx, q, kv)
 
 
-@needs_int8_dot
+@needs_int8_gemm
 def test_bfloat16_int8_layers_keep_float32_activations_and_bfloat16_kv() -> None:
     folder = hf_tiny.tiny_model_dir("gemma3")
     prompts = hf_tiny.random_prompts(3, 5, 30, seed=6)
@@ -205,3 +214,35 @@ def test_bfloat16_int8_layers_keep_float32_activations_and_bfloat16_kv() -> None
     # and the model stays close to its float32 original
     exact = _hidden(load_model(folder, "cpu", torch.float32, "none"), prompts)
     assert float(F.cosine_similarity(hidden, exact, dim=-1).min()) > 0.99
+
+
+_AVX2_SUMS = """
+import json, torch
+from hybridserve.models.int8 import W8A8Linear, quantize_int8_rows
+g = torch.Generator().manual_seed(0)
+sign = lambda *shape: torch.randint(0, 2, shape, generator=g).float() * 2 - 1
+x = 127 * sign(16, 640)  # every activation at an extreme: levels +-127 (uint8 1 and 255), scale 1
+exact = {}
+for levels in (63, 127):
+    w = levels * sign(96, 640)  # every weight at +-levels: scale 1
+    linear = W8A8Linear(*quantize_int8_rows(w, levels))
+    product = x.double() @ w.double().t()  # integers below 2^24: exact in float32 too
+    exact[levels] = [torch.equal(linear.general(x).double(), product),
+                     torch.equal(linear.plain(x).double(), product)]
+print(json.dumps(exact))
+"""
+
+
+@needs_int8_gemm
+def test_narrow_weights_keep_avx2_int8_sums_exact() -> None:
+    # oneDNN limited to AVX2 multiplies u8 x s8 with vpmaddubsw (pairs summed into int16,
+    # saturating). Activations at 1 / 255 times weights at +-63: every pair within
+    # 2 x 255 x 63 = 32,130, so both paths' sums are exact; at +-127 pairs reach 64,770 and
+    # saturate, which shows the ISA limit was in force (with VNNI both would be exact).
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+    out = subprocess.run([sys.executable, "-c", _AVX2_SUMS], env=env, capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[1], timeout=120)
+    assert out.returncode == 0, out.stderr
+    exact = json.loads(out.stdout)
+    assert exact["63"] == [True, True]
+    assert exact["127"] == [False, False]

@@ -84,7 +84,7 @@ def build_engine_parts(config: EngineConfig, progress: bool = True) -> EnginePar
     device = resolve_device(config.device)
     flags = read_cpu_flags()
     dtype = choose_dtype(config.dtype, device.type, flags)
-    quantization = choose_quantization(config.quantization, dtype, device.type, flags)
+    quantization = choose_quantization(config.quantization, config.dtype, device.type, flags)
     path = resolve_model_path(config.model, progress=progress, dtype=dtype)
     model_cfg = load_model_config(path)
     groups = group_layers(model_kv_layer_specs(model_cfg, config.block_size, dtype))

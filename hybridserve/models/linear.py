@@ -17,7 +17,7 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from hybridserve.models.int8 import W8A8Linear, quantize_int8_rows
+from hybridserve.models.int8 import W8A8Linear, quantize_gemm_weight
 
 Linear = Callable[[torch.Tensor], torch.Tensor]                        # x -> x W^T + b
 ResidualLinear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (h, x) -> h + x W^T + b
@@ -87,7 +87,7 @@ def make_int8_linear(weight: torch.Tensor, bias: torch.Tensor | None, out_dtype:
     """(linear, residual_linear) as int8 x int8 (models/int8.py): `weight` [out, in] is
     quantized per row once, the input per row at every call; bias and residual are added
     in float32 before the result is rounded to `out_dtype`."""
-    matmul = W8A8Linear(*quantize_int8_rows(weight))
+    matmul = W8A8Linear(*quantize_gemm_weight(weight))
     bias32 = None if bias is None else bias.detach().float()
 
     def product(x: torch.Tensor) -> torch.Tensor:

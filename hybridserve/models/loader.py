@@ -18,7 +18,7 @@ from hybridserve.models.checkpoint import (Weights, fill_ends, open_checkpoint, 
 from hybridserve.models.config import ModelConfig, load_model_config
 from hybridserve.models.decoder import DecoderLM, LayerSmoothing
 from hybridserve.models.heap import release_free_heap
-from hybridserve.models.int8 import int8_activations_native
+from hybridserve.models.int8 import int8_gemm_available
 from hybridserve.models.llama4 import Llama4LM, fill_llama4
 from hybridserve.models.parallel import PipelineStage, TPGroup
 from hybridserve.models.smoothing import Encode, calibration_sequences, file_encoder, smooth
@@ -63,13 +63,13 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
 def _int8_smoothing(model: DecoderLM, model_dir: Path, quantization: str, encode: Encode | None
                     ) -> list[LayerSmoothing] | None:
     """The smoothing that makes the decoder's linears int8 x int8 under --quantization int8
-    (models/smoothing.py), or None where they stay in the model dtype: no int8 dot products
-    here (the head alone is quantized then), not a plain decoder (Llama 4's MoE layers), a
+    (models/smoothing.py), or None where they stay in the model dtype: no int8 GEMM here
+    (models/int8.int8_gemm_available; the head alone is quantized then), not a plain decoder (Llama 4's MoE layers), a
     model split over processes (the calibration forward needs every layer on one rank), or
     no tokenizer to calibrate with (`encode`, else the directory's tokenizer.json)."""
     if (quantization != "int8" or type(model) is not DecoderLM or model.tp is not None
             or not (model.stage.is_first and model.stage.is_last)
-            or model.final_norm is None or model.final_norm.device.type != "cpu" or not int8_activations_native()):
+            or model.final_norm is None or model.final_norm.device.type != "cpu" or not int8_gemm_available()):
         return None
     encode = encode or file_encoder(model_dir)
     return None if encode is None else smooth(model, calibration_sequences(encode, model.cfg.sliding_window))

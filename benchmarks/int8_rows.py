@@ -34,7 +34,8 @@ sys.path.insert(0, str(REPO))  # this checkout's hybridserve, whatever is instal
 
 import torch  # noqa: E402
 
-from hybridserve.models.cpu_features import CPU_FLAGS_ENV, as_avx2_env, read_cpu_flags  # noqa: E402
+from as_avx2 import rerun_as_avx2  # noqa: E402
+from hybridserve.models.cpu_features import read_cpu_flags  # noqa: E402
 from hybridserve.models.int8 import W8A8Linear, gemm_weight_levels, int8_gemm_available, quantize_gemm_weight  # noqa: E402
 from hybridserve.models.linear import make_linear  # noqa: E402
 
@@ -77,12 +78,8 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--isa", choices=["native", "avx2"], default="native")
     a = p.parse_args()
-    if a.isa == "avx2" and CPU_FLAGS_ENV not in os.environ:
-        if "avx2" not in read_cpu_flags():
-            print("int8_rows: --isa avx2 needs an x86 CPU with AVX2", file=sys.stderr)
-            return 2
-        env = {**os.environ, **as_avx2_env(read_cpu_flags())}
-        return subprocess.run([sys.executable, *sys.argv], env=env).returncode
+    if a.isa == "avx2" and (rc := rerun_as_avx2()) is not None:
+        return rc
     if not int8_gemm_available():
         print("int8_rows: no int8 GEMM on this CPU (x86 with AVX2 or VNNI); int8 layers are not used here",
               file=sys.stderr)

@@ -2,6 +2,7 @@
 
     python benchmarks/quant_accuracy.py                      # bf16, bf16+int8, bf16+int4, fp32+int8
     python benchmarks/quant_accuracy.py --modes bfloat16/none --max-tokens 32
+    python benchmarks/quant_accuracy.py --isa avx2 --modes auto/auto   # as on a CPU with AVX2 alone
 
 Greedy streams of the peer kit's 16 text prompts (shared/peers/vllm_cpu/prompts16.json), 128
 new tokens, EOS ignored, each chosen token's logprob recorded; each mode is compared with the
@@ -22,6 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # this checkout's hybridserve, whatever is installed
 
+from as_avx2 import rerun_as_avx2  # noqa: E402
 from hybridserve.models.accuracy import drift, greedy_streams  # noqa: E402
 from hybridserve.models.cpu_features import read_cpu_flags  # noqa: E402
 
@@ -44,12 +46,18 @@ def main() -> int:
                    help="comma-separated DTYPE/QUANTIZATION, each compared with float32/none")
     p.add_argument("--prompts-file", type=Path, default=PROMPTS_FILE)
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--isa", choices=["native", "avx2"], default="native",
+                   help="avx2: measure as on a CPU with AVX2 alone (oneDNN and ATen limited to AVX2, "
+                        "hybridserve choosing from such a CPU's flags)")
     a = p.parse_args()
+    if a.isa == "avx2" and (rc := rerun_as_avx2()) is not None:
+        return rc
     prompts = json.loads(a.prompts_file.read_text())
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=REPO).stdout.strip()
     flags = sorted(f for f in read_cpu_flags() if f.startswith(("avx512", "amx", "avx2")))
-    print(f"# commit {commit}; {len(prompts)} prompts x {a.max_tokens} tokens; CPU flags: {' '.join(flags)}")
+    print(f"# commit {commit}; {len(prompts)} prompts x {a.max_tokens} tokens; CPU flags: {' '.join(flags)}; "
+          f"ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', 'unset')}")
     reference = streams("float32", "none", prompts, a.max_tokens)
     print("| mode | token agreement | identical streams | mean abs dlogprob | max abs dlogprob | load |")
     print("|---|---:|---:|---:|---:|---|")

@@ -57,10 +57,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="weights, compute and KV cache (default: auto, bfloat16 where the CPU multiplies bf16 "
                         "natively, else float32)")
     m.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
-                   help="int8: every linear int8 (int8 x int8 with smoothed activations on CPUs with "
-                        "VNNI / AMX-INT8, else the head only, weight-only); int8-head: the output head "
-                        "only; int4: the head, group-wise weight-only (default: auto, int8 for bfloat16 "
-                        "on CPUs with int8 dot products, else none)")
+                   help="int8: every linear int8 (int8 x int8 with smoothed activations on x86 CPUs with "
+                        "VNNI / AMX-INT8 or AVX2, else the head only, weight-only); int8-head: the output head "
+                        "only; int4: the head, group-wise weight-only (default: auto, int8 on such CPUs "
+                        "unless --dtype float32 is given, the exact reference; else none)")
     m.add_argument("--device", default=None, help="cpu (default), cuda, cuda:N or auto")
     m.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     e = p.add_argument_group("engine")

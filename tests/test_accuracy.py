@@ -120,9 +120,10 @@ GEMMA_BOUNDS = {
 # The same where the int8 GEMM takes weights in 63 levels (AVX2 alone: models/int8.py), measured
 # as on such a CPU (benchmarks/quant_accuracy.py under cpu_features.as_avx2_env, README "CPU
 # serving"): float32+int8 (the AVX2 default) 0.081 / 0.090 / 0.54, bf16+int8 0.068 / 0.095 /
-# 0.54, bf16+int8 head 0.276 / 0.034 / 0.49. One bit less per weight roughly doubles the error.
+# 0.54, bf16+int8 head 0.183-0.276 / 0.034-0.042 / 0.49-0.61. One bit less per weight roughly
+# doubles the error.
 GEMMA_AVX2_BOUNDS = {
-    ("bfloat16", "int8-head"): (0.15, 0.06, 0.8),
+    ("bfloat16", "int8-head"): (0.1, 0.06, 0.8),
     ("bfloat16", "int8"): (0.03, 0.13, 1.0),
     ("float32", "int8"): (0.03, 0.13, 1.0),
 }

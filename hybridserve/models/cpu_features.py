@@ -24,8 +24,9 @@ README's performance section):
   cannot saturate (models/int8.py), all through torch._int_mm. Measured as on such a CPU
   (`benchmarks/cpu_peers.py --isa avx2`, README "CPU serving"): 1.22-1.33x float32's
   tokens/s at 16 x 64, 64 x 128 and the text prompts, 1.03x for one stream, 27-42% less
-  peak memory, at about twice the int8 error of a VNNI CPU (mean |dlogprob| 0.090). Weight-only int8 (PyTorch's kernel) re-reads
-  the weight per row and is slower than bf16 from a batch of 16: not chosen automatically.
+  peak memory, at about twice the int8 error of a VNNI CPU (mean |dlogprob| 0.090).
+  Weight-only int8 (PyTorch's kernel) re-reads the weight per row and is slower than bf16
+  from a batch of 16: not chosen automatically.
 """
 
 from __future__ import annotations

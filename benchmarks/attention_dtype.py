@@ -14,9 +14,7 @@ chunk. The allocator is first brought to a serving process's state (see main). P
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,7 +25,8 @@ sys.path.insert(0, str(REPO))  # this checkout's hybridserve, whatever is instal
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from hybridserve.models.cpu_features import read_cpu_flags  # noqa: E402
+from common import torch_header  # noqa: E402
+
 
 SEQUENCES, HEADS, KV_HEADS, HEAD_DIM = 16, 4, 1, 256
 CASES = [("decode, 128 keys", 1, 128), ("decode, 512 keys", 1, 512), ("prefill chunk 64, 64 keys", 64, 64)]
@@ -49,13 +48,7 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=51)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     a = p.parse_args()
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=REPO).stdout.strip()
-    flags = " ".join(sorted(f for f in read_cpu_flags() if f.startswith(("avx512_bf16", "avx512_fp16", "amx"))))
-    print(f"# commit {commit}; {torch.get_num_threads()} threads; flags {flags or 'no bf16 flags'}; "
-          f"load {os.getloadavg()[0]:.1f}")
+    print(torch_header(a.threads, ("avx512_bf16", "avx512_fp16", "amx")))
     # glibc serves blocks below its mmap threshold from the heap and keeps them there; the
     # threshold follows the largest block freed (up to 32 MB). A serving process has freed
     # such blocks in its first steps (logits, head chunks), so its per-call copies reuse

@@ -13,9 +13,7 @@ Prints the CPU flags, load, commit and threads with the figures.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,8 +23,8 @@ sys.path.insert(0, str(REPO))  # this checkout's hybridserve, whatever is instal
 
 import torch  # noqa: E402
 
+from common import torch_header  # noqa: E402
 from hybridserve.models import head  # noqa: E402
-from hybridserve.models.cpu_features import read_cpu_flags  # noqa: E402
 
 VOCAB, HIDDEN = 262144, 640  # Gemma 3 270M
 
@@ -38,13 +36,7 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=9)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     a = p.parse_args()
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=REPO).stdout.strip()
-    flags = " ".join(sorted(f for f in read_cpu_flags() if f.startswith(("avx512_bf16", "avx512_vnni", "amx"))))
-    print(f"# commit {commit}; {torch.get_num_threads()} threads; flags {flags or 'none of avx512_bf16/vnni/amx'}; "
-          f"load {os.getloadavg()[0]:.1f}")
+    print(torch_header(a.threads, ("avx512_bf16", "avx512_vnni", "amx")))
     weight = (torch.randn(VOCAB, HIDDEN, generator=torch.Generator().manual_seed(0)) * 0.05).to(torch.bfloat16)
     print("| chunk rows | " + " | ".join(f"{r} rows ms" for r in a.rows.split(",")) + " |")
     print("|---:|" + "---:|" * len(a.rows.split(",")))

@@ -22,9 +22,7 @@ models/int8.plain_gemm_max_rows were measured on an AVX-512 machine).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,8 +32,7 @@ sys.path.insert(0, str(REPO))  # this checkout's hybridserve, whatever is instal
 
 import torch  # noqa: E402
 
-from as_avx2 import rerun_as_avx2  # noqa: E402
-from hybridserve.models.cpu_features import read_cpu_flags  # noqa: E402
+from common import rerun_as_avx2, torch_header  # noqa: E402
 from hybridserve.models.int8 import W8A8Linear, gemm_weight_levels, int8_gemm_available, quantize_gemm_weight  # noqa: E402
 from hybridserve.models.linear import make_linear  # noqa: E402
 
@@ -84,14 +81,8 @@ def main() -> int:
         print("int8_rows: no int8 GEMM on this CPU (x86 with AVX2 or VNNI); int8 layers are not used here",
               file=sys.stderr)
         return 2
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=REPO).stdout.strip()
-    flags = " ".join(sorted(f for f in read_cpu_flags() if f.startswith(("avx2", "avx512_vnni", "avx_vnni", "amx"))))
-    print(f"# commit {commit}; {torch.get_num_threads()} threads; flags {flags}; "
-          f"ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', 'unset')}; int8 weight levels "
-          f"{gemm_weight_levels()}; load {os.getloadavg()[0]:.1f}")
+    print(f"{torch_header(a.threads, ('avx2', 'avx512_vnni', 'avx_vnni', 'amx'))}; int8 weight levels "
+          f"{gemm_weight_levels()}")
     g = torch.Generator().manual_seed(0)
     rows_list = [int(r) for r in a.rows.split(",")]
     _table("decoder: 72 matmuls per step", _weights(SHAPES * LAYERS, g), rows_list, a.repeat, g)

@@ -16,14 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # this checkout's hybridserve, whatever is installed
 
-from as_avx2 import rerun_as_avx2  # noqa: E402
+from common import checkout_commit, rerun_as_avx2  # noqa: E402
 from hybridserve.models.accuracy import drift, greedy_streams  # noqa: E402
 from hybridserve.models.cpu_features import read_cpu_flags  # noqa: E402
 
@@ -53,8 +52,7 @@ def main() -> int:
     if a.isa == "avx2" and (rc := rerun_as_avx2()) is not None:
         return rc
     prompts = json.loads(a.prompts_file.read_text())
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=REPO).stdout.strip()
+    commit = checkout_commit()
     flags = sorted(f for f in read_cpu_flags() if f.startswith(("avx512", "amx", "avx2")))
     print(f"# commit {commit}; {len(prompts)} prompts x {a.max_tokens} tokens; CPU flags: {' '.join(flags)}; "
           f"ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', 'unset')}")

@@ -1,0 +1,42 @@
+"""What the benchmark scripts share: the header line that says what ran where, and `--isa avx2`
+(run the script again in a process limited as on a CPU with AVX2 alone)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from hybridserve.models.cpu_features import CPU_FLAGS_ENV, as_avx2_env, read_cpu_flags
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def checkout_commit() -> str:
+    """The short commit of this checkout (empty outside git)."""
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=REPO).stdout.strip()
+
+
+def torch_header(threads: int | None, flag_prefixes: tuple[str, ...]) -> str:
+    """Set torch's thread count (where `threads` is given) and return the script's header:
+    commit, threads, the CPU flags starting with `flag_prefixes`, oneDNN's ISA limit, load."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    flags = " ".join(sorted(f for f in read_cpu_flags() if f.startswith(flag_prefixes)))
+    return (f"# commit {checkout_commit()}; {torch.get_num_threads()} threads; flags {flags or 'none of ' + '/'.join(flag_prefixes)}; "
+            f"ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', 'unset')}; load {os.getloadavg()[0]:.1f}")
+
+
+def rerun_as_avx2() -> int | None:
+    """The exit code of this script run again as on an AVX2 CPU, or None where this process
+    already runs so (the variables are set) and should measure."""
+    if CPU_FLAGS_ENV in os.environ:
+        return None
+    if "avx2" not in read_cpu_flags():
+        print(f"{os.path.basename(sys.argv[0])}: --isa avx2 needs an x86 CPU with AVX2", file=sys.stderr)
+        return 2
+    return subprocess.run([sys.executable, *sys.argv], env={**os.environ, **as_avx2_env(read_cpu_flags())}).returncode

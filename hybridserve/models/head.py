@@ -33,7 +33,7 @@ import torch
 
 from hybridserve.core.errors import ConfigError
 from hybridserve.models.heap import release_free_heap
-from hybridserve.models.int8 import (int8_gemm_available, plain_gemm_max_rows, plain_matmul, quantize_gemm_weight,
+from hybridserve.models.int8 import (int8_gemm_available, plain_gemm_always, plain_matmul, quantize_gemm_weight,
                                     quantize_int8_rows, quantize_rows_int8, quantize_rows_uint8, w8a8_matmul)
 from hybridserve.models.linear import pack
 
@@ -114,11 +114,11 @@ class OutputHead:
         self.vocab_size = weight.shape[0]
         self._int8_activations = quantization == "int8" and weight.device.type == "cpu" and int8_gemm_available()
         # torch._int_mm on the plain weight where it is the faster path at every row count
-        # (AVX2 alone: models/int8.plain_gemm_max_rows); with int8 dot products the packed
+        # (AVX2 alone: models/int8.plain_gemm_always); with int8 dot products the packed
         # GEMM, which is faster for the head from a few rows on and about as fast at one
         # (`benchmarks/int8_rows.py`, 2 EPYC cores with VNNI: 5.9 vs 5.3 ms at 1 row, 5.7
         # vs 11.0 at 4, 9.3 vs 16.1 at 16), without a second copy of the head's weights.
-        self._plain = self._int8_activations and plain_gemm_max_rows() == float("inf")
+        self._plain = self._int8_activations and plain_gemm_always()
         self._chunks: list[Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]] = []
         for start in range(0, self.vocab_size, HEAD_CHUNK_ROWS):
             stop = min(start + HEAD_CHUNK_ROWS, self.vocab_size)

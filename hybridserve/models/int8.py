@@ -159,6 +159,12 @@ def plain_gemm_max_rows() -> float:
     return 1 if has_int8_dot(read_cpu_flags()) else float("inf")
 
 
+def plain_gemm_always() -> bool:
+    """Whether every row count takes the plain path here (AVX2 alone): the packed GEMM is
+    then never used, and no packed copy of a weight need be made."""
+    return plain_gemm_max_rows() == float("inf")
+
+
 class W8A8Linear:
     """x [S, K] (float) -> x W^T in float32, int8 x int8: `x` quantized per row at each
     call, the int8 weight rows (`values`, `scale` from quantize_gemm_weight) fixed.
@@ -177,7 +183,7 @@ class W8A8Linear:
         self._plain = plain_matmul(values, scale)
         self._plain_max_rows = plain_gemm_max_rows()
         # packed at load where serving will use it, not in the first step that needs it
-        self._packed = w8a8_matmul(values, scale) if self._plain_max_rows < float("inf") else None
+        self._packed = None if plain_gemm_always() else w8a8_matmul(values, scale)
 
     @property
     def packed(self) -> Int8Matmul:

@@ -1,4 +1,4 @@
-"""Time of Gemma 3 270M's int8 matmuls per decode step: float32, the packed int8 GEMM, the plain one.
+"""Time of Gemma 3 270M's int8 matmuls per decode step: float32 and the three int8 x int8 paths.
 
     python benchmarks/int8_rows.py                    # 1, 2, 4 and 16 rows, this CPU
     python benchmarks/int8_rows.py --isa avx2         # as on a CPU with AVX2 alone
@@ -9,14 +9,15 @@ decode step does (far larger than the caches):
 - decoder: 18 layers of qkv 1536 x 640, o 640 x 1024, gate|up 4096 x 640, down 640 x 2048
   (100 MB of int8, 400 MB of float32);
 - head: 8 chunks of 32768 x 640 vocabulary rows (168 MB of int8, 671 MB of float32).
-Every weight is multiplied once per pass, activations quantized per call, three ways:
+Every weight is multiplied once per pass, activations quantized per call, four ways:
 `float32`, oneDNN's packed float32 GEMM (models/linear.py, what --dtype float32 runs);
 `packed`, W8A8Linear.general (oneDNN's packed u8 x s8 GEMM); `plain`, W8A8Linear.plain
-(torch._int_mm on the plain weight). The int8 weights take this CPU's levels (127, or 63
-on AVX2 alone: models/int8.gemm_weight_levels). Prints the median of --repeat passes,
-alternating the three, with the CPU flags, load, commit and threads. `--isa avx2` runs the
-measurement in a process limited as cpu_features.as_avx2_env says (how the AVX2 choices of
-models/int8.plain_gemm_max_rows were measured on an AVX-512 machine).
+(torch._int_mm on the plain weight); `fbgemm`, W8A8Linear.fbgemm (fbgemm's u8 x s8 GEMM).
+The int8 weights take this CPU's levels (127, or 63 on AVX2 alone:
+models/int8.gemm_weight_levels). Prints the median of --repeat passes, alternating the
+four, with the CPU flags, load, commit and threads. `--isa avx2` runs the measurement in a
+process limited as cpu_features.as_avx2_env says (how the AVX2 choices of
+models/int8.int8_paths were measured on an AVX-512 machine).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from hybridserve.models.linear import make_linear  # noqa: E402
 LAYERS = 18
 SHAPES = [(1536, 640), (640, 1024), (4096, 640), (640, 2048)]  # [out, in] of qkv, o, gate|up, down
 HEAD_CHUNKS = [(32768, 640)] * 8  # models/head.py's chunks of Gemma 3 270M's 262,144-row head
-PATHS = ("float32", "packed", "plain")
+PATHS = ("float32", "packed", "plain", "fbgemm")
 
 
 def _weights(shapes: list[tuple[int, int]], g: torch.Generator) -> list[tuple[int, dict]]:
@@ -49,12 +50,12 @@ def _weights(shapes: list[tuple[int, int]], g: torch.Generator) -> list[tuple[in
         w = torch.randn(n, k, generator=g) * 0.02
         dense, _, _ = make_linear(w, None)
         int8 = W8A8Linear(*quantize_gemm_weight(w))
-        made.append((k, {"float32": dense, "packed": int8.general, "plain": int8.plain}))
+        made.append((k, {"float32": dense, "packed": int8.general, "plain": int8.plain, "fbgemm": int8.fbgemm}))
     return made
 
 
 def _table(name: str, weights: list[tuple[int, dict]], rows_list: list[int], repeat: int, g: torch.Generator) -> None:
-    print(f"\n{name}\n| rows | float32 ms | int8 packed ms | int8 plain ms |\n|---:|---:|---:|---:|")
+    print(f"\n{name}\n| rows | float32 ms | int8 packed ms | int8 plain ms | int8 fbgemm ms |\n|---:|---:|---:|---:|---:|")
     for rows in rows_list:
         xs = {k: torch.randn(rows, k, generator=g) for k in {k for k, _ in weights}}
         times: dict[str, list[float]] = {path: [] for path in PATHS}

@@ -69,7 +69,8 @@ def test_quantization_choice() -> None:
 def test_as_avx2_env_hides_what_an_avx2_cpu_lacks() -> None:
     zen5 = frozenset({"fma", "avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "avx_ifma", "f16c"})
     env = as_avx2_env(zen5)
-    assert env == {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", CPU_FLAGS_ENV: "avx2 f16c fma"}
+    assert env == {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2",
+                   CPU_FLAGS_ENV: "avx2 f16c fma"}
     assert choose_dtype("auto", "cpu", frozenset(env[CPU_FLAGS_ENV].split())) == "float32"
 
 

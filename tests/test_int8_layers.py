@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
@@ -22,8 +22,14 @@ import torch.nn.functional as F  # noqa: E402
 
 from hybridserve.models import smoothing  # noqa: E402
 from hybridserve.models.decoder import smoothed_weights  # noqa: E402
+from hybridserve.models.cpu_features import as_avx2_env, read_cpu_flags  # noqa: E402
 from hybridserve.models.int8 import (  # noqa: E402
+    FBGEMM,
+    PACKED,
+    PLAIN,
     W8A8Linear,
+    choose_int8_paths,
+    fbgemm_available,
     gemm_weight_levels,
     int8_gemm_available,
     quantize_gemm_weight,
@@ -36,6 +42,7 @@ from hybridserve.models.loader import load_model  # noqa: E402
 from tests import hf_tiny  # noqa: E402
 
 needs_int8_gemm = pytest.mark.skipif(not int8_gemm_available(), reason="no int8 GEMM here (x86 with AVX2 or VNNI)")
+needs_fbgemm = pytest.mark.skipif(not fbgemm_available(), reason="this torch has no fbgemm (x86 builds do)")
 
 
 def toy_encode(text: str) -> list[int]:
@@ -76,6 +83,31 @@ def test_the_plain_path_agrees_with_the_packed_gemm_bit_for_bit(rows: int, k: in
     packed = linear.packed(*quantize_rows_uint8(x))
     assert torch.equal(linear.plain(x), packed)
     assert torch.equal(linear(x), packed)  # whichever path this CPU takes for `rows`
+
+
+@needs_fbgemm
+@settings(max_examples=40, deadline=None)
+@example(rows=17, k=640, n=7, seed=0)  # the tie that fbgemm's own rounding got wrong
+@given(st.integers(1, 20), st.sampled_from([8, 64, 100, 640]), st.sampled_from([7, 96, 1536]), st.integers(0, 2**31))
+def test_the_fbgemm_path_agrees_with_the_packed_gemm_bit_for_bit(rows: int, k: int, n: int, seed: int) -> None:
+    # A level at exactly x.5 must round as on the other paths (ties to even): fbgemm's
+    # own rounding sent 0.5 to 1 at 17 rows, so it is given whole levels.
+    g = torch.Generator().manual_seed(seed)
+    linear = W8A8Linear(*quantize_gemm_weight(torch.randn(n, k, generator=g)))
+    x = torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 10
+    x[0, :2] = torch.tensor([2.0, 127.0])  # row scale 1: level 2, and a tie if k > 2 ...
+    if k > 2:
+        x[0, 2] = 0.5  # ... 0.5 -> 0 (to even), where rounding half up would give 1
+    assert torch.equal(linear.fbgemm(x), linear.packed(*quantize_rows_uint8(x)))
+
+
+def test_int8_paths_by_cpu_flags() -> None:
+    vnni, amx, avx2 = {"avx2", "avx512f", "avx512_vnni"}, {"avx2", "amx_int8"}, {"avx2", "fma"}
+    assert choose_int8_paths(vnni, fbgemm=True) == (PLAIN, PACKED)
+    assert choose_int8_paths(amx, fbgemm=True) == (PLAIN, PACKED)
+    assert choose_int8_paths({"avx2", "avx_vnni"}, fbgemm=False) == (PLAIN, PACKED)
+    assert choose_int8_paths(avx2, fbgemm=True) == (FBGEMM, FBGEMM)
+    assert choose_int8_paths(avx2, fbgemm=False) == (PLAIN, PLAIN)
 
 
 def test_signed_and_unsigned_activation_levels_are_the_same_levels() -> None:
@@ -218,7 +250,7 @@ def test_bfloat16_int8_layers_keep_float32_activations_and_bfloat16_kv() -> None
 
 _AVX2_SUMS = """
 import json, torch
-from hybridserve.models.int8 import W8A8Linear, quantize_int8_rows
+from hybridserve.models.int8 import W8A8Linear, int8_paths, quantize_int8_rows
 g = torch.Generator().manual_seed(0)
 sign = lambda *shape: torch.randint(0, 2, shape, generator=g).float() * 2 - 1
 x = 127 * sign(16, 640)  # every activation at an extreme: levels +-127 (uint8 1 and 255), scale 1
@@ -228,8 +260,9 @@ for levels in (63, 127):
     linear = W8A8Linear(*quantize_int8_rows(w, levels))
     product = x.double() @ w.double().t()  # integers below 2^24: exact in float32 too
     exact[levels] = [torch.equal(linear.general(x).double(), product),
-                     torch.equal(linear.plain(x).double(), product)]
-print(json.dumps(exact))
+                     torch.equal(linear.plain(x).double(), product),
+                     torch.equal(linear.fbgemm(x).double(), product)]
+print(json.dumps({"exact": exact, "paths": int8_paths(), "plain_rows_kept": linear._values is not None}))
 """
 
 
@@ -239,10 +272,14 @@ def test_narrow_weights_keep_avx2_int8_sums_exact() -> None:
     # saturating). Activations at 1 / 255 times weights at +-63: every pair within
     # 2 x 255 x 63 = 32,130, so both paths' sums are exact; at +-127 pairs reach 64,770 and
     # saturate, which shows the ISA limit was in force (with VNNI both would be exact).
-    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+    # fbgemm (limited by FBGEMM_ENABLE_INSTRUCTIONS) behaves the same. The process runs as
+    # an AVX2 CPU would (as_avx2_env), so fbgemm alone serves there and the plain weight
+    # rows are not kept: general and plain run on rows unpacked from fbgemm's copy.
+    env = {**os.environ, **as_avx2_env(read_cpu_flags())}
     out = subprocess.run([sys.executable, "-c", _AVX2_SUMS], env=env, capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parents[1], timeout=120)
     assert out.returncode == 0, out.stderr
-    exact = json.loads(out.stdout)
-    assert exact["63"] == [True, True]
-    assert exact["127"] == [False, False]
+    report = json.loads(out.stdout)
+    assert report["exact"]["63"] == [True, True, True]
+    assert report["exact"]["127"] == [False, False, False]
+    assert report["paths"] == [FBGEMM, FBGEMM] and not report["plain_rows_kept"]

@@ -69,11 +69,12 @@ def read_cpu_flags(cpuinfo: Path = CPUINFO) -> frozenset[str]:
 
 def as_avx2_env(flags: frozenset[str] | set[str]) -> dict[str, str]:
     """Environment variables that make a process on this x86 CPU run as on one with AVX2
-    alone (no AVX-512, AMX or VNNI): oneDNN and ATen limited to AVX2 code, and hybridserve
+    alone (no AVX-512, AMX or VNNI): oneDNN, fbgemm and ATen limited to AVX2 code, and hybridserve
     choosing from `flags` less what such a CPU lacks. How AVX2 choices are measured and
     tested on the AVX-512 machines we have (benchmarks/cpu_peers.py --isa avx2)."""
     kept = " ".join(sorted(f for f in flags if not f.startswith(NOT_AVX2_PREFIXES)))
-    return {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", CPU_FLAGS_ENV: kept}
+    return {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2",
+            CPU_FLAGS_ENV: kept}
 
 
 def has_native_bf16(flags: frozenset[str] | set[str]) -> bool:

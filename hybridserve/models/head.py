@@ -11,8 +11,8 @@ parameters) and its bytes set the decode speed, so it gets its own representatio
 - "int8": one int8 per weight and one scale per vocabulary row (symmetric, round to
   nearest). On an x86 CPU with int8 dot products (VNNI / AMX-INT8) or AVX2 the hidden
   states are quantized too, per row (symmetric, 127 levels, stored as uint8 around 128),
-  and oneDNN's int8 GEMM multiplies them (`onednn.qlinear_pointwise`; models/int8.py, whose
-  gemm_weight_levels narrows the weights to 63 levels on AVX2 alone): at a decode batch of
+  and oneDNN's int8 GEMM multiplies them (`onednn.qlinear_pointwise`; on AVX2 alone
+  fbgemm's, with the weights narrowed to 63 levels: models/int8.py): at a decode batch of
   64 the head is compute-bound, and the int8 dot products run several times faster than
   bf16 ones without AMX (Gemma 3 270M head chunk on one Sapphire Rapids core: 2.9 vs 17 ms
   at 64 rows, 0.6 vs 1.0 ms at 1 row). Elsewhere PyTorch's weight-only int8 kernel
@@ -33,8 +33,8 @@ import torch
 
 from hybridserve.core.errors import ConfigError
 from hybridserve.models.heap import release_free_heap
-from hybridserve.models.int8 import (int8_gemm_available, plain_gemm_always, plain_matmul, quantize_gemm_weight,
-                                    quantize_int8_rows, quantize_rows_int8, quantize_rows_uint8, w8a8_matmul)
+from hybridserve.models.int8 import (FBGEMM, PACKED, QUANTIZERS, fbgemm_matmul, fbgemm_pack, int8_gemm_available,
+                                    int8_paths, plain_matmul, quantize_gemm_weight, quantize_int8_rows, w8a8_matmul)
 from hybridserve.models.linear import pack
 
 # Vocabulary rows per packed / quantized chunk: small enough that one chunk's logits stay
@@ -113,12 +113,12 @@ class OutputHead:
         self.quantization = quantization
         self.vocab_size = weight.shape[0]
         self._int8_activations = quantization == "int8" and weight.device.type == "cpu" and int8_gemm_available()
-        # torch._int_mm on the plain weight where it is the faster path at every row count
-        # (AVX2 alone: models/int8.plain_gemm_always); with int8 dot products the packed
-        # GEMM, which is faster for the head from a few rows on and about as fast at one
+        # One int8 path for every row count, the one for many rows (models/int8.int8_paths),
+        # so the head's weights are held once: with int8 dot products the packed GEMM,
+        # faster for the head from a few rows on and about as fast at one
         # (`benchmarks/int8_rows.py`, 2 EPYC cores with VNNI: 5.9 vs 5.3 ms at 1 row, 5.7
-        # vs 11.0 at 4, 9.3 vs 16.1 at 16), without a second copy of the head's weights.
-        self._plain = self._int8_activations and plain_gemm_always()
+        # vs 11.0 at 4, 9.3 vs 16.1 at 16); on AVX2 alone fbgemm's.
+        self._int8_path = int8_paths()[1]
         self._chunks: list[Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]] = []
         for start in range(0, self.vocab_size, HEAD_CHUNK_ROWS):
             stop = min(start + HEAD_CHUNK_ROWS, self.vocab_size)
@@ -135,8 +135,10 @@ class OutputHead:
         """(the matmul of one chunk of rows, whether it still reads `w` itself)."""
         if self.quantization == "int8":
             if self._int8_activations:
-                matmul = plain_matmul if self._plain else w8a8_matmul
-                return matmul(*quantize_gemm_weight(w)), False
+                values, scale = quantize_gemm_weight(w)
+                if self._int8_path == FBGEMM:
+                    return fbgemm_matmul(fbgemm_pack(values, scale), scale), False
+                return (w8a8_matmul if self._int8_path == PACKED else plain_matmul)(values, scale), False
             values, scale = quantize_int8_rows(w)
             scale_bf16 = scale.to(torch.bfloat16)
             return (lambda x, _: torch._weight_int8pack_mm(x, values, scale_bf16)), False
@@ -160,7 +162,7 @@ class OutputHead:
         if self.quantization == "none":
             return x, None
         if self.quantization == "int8" and self._int8_activations:
-            return quantize_rows_int8(x) if self._plain else quantize_rows_uint8(x)
+            return QUANTIZERS[self._int8_path](x)
         return x.to(torch.bfloat16), None
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:

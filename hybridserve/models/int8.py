@@ -5,10 +5,11 @@ Weights are int8 per output row (symmetric, scale = row max / levels; 127 levels
 row at every call (symmetric, 127 levels) and stored as uint8 around 128 because
 oneDNN's int8 GEMM (`onednn.qlinear_pointwise`) takes unsigned activations. The GEMM
 returns float32 with the weight scales applied; the per-row activation scale is applied
-after it, since the kernel takes only one activation scale per tensor. Beside it runs a
-plain path, `torch._int_mm` on signed int8 activations (W8A8Linear), with the same result
-bit for bit: for one row where the CPU has int8 dot products, for every row count on
-AVX2 alone (plain_gemm_max_rows).
+after it, since the kernel takes only one activation scale per tensor. Beside it run two
+more paths with the same result bit for bit (W8A8Linear): `torch._int_mm` on signed int8
+activations, for one row where the CPU has int8 dot products, and fbgemm's int8 GEMM
+(`quantized.linear_with_input_q_dq_qweight_dq_output_fp32`), which quantizes its float
+input itself, for every row count on AVX2 alone (int8_paths).
 
 Why int8 activations at all: without AMX, a decode batch of 16-64 rows makes the matmuls
 compute-bound, and VNNI's int8 dot products do twice the multiply-adds per instruction of
@@ -24,6 +25,7 @@ head needs no smoothing: its input is the final norm's output.
 
 from __future__ import annotations
 
+import warnings
 from functools import cache
 from typing import Callable
 
@@ -65,9 +67,10 @@ def gemm_weight_levels() -> int:
     return INT8_LEVELS if has_int8_dot(read_cpu_flags()) else NARROW_WEIGHT_LEVELS
 
 
-def _row_levels(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_float(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(x / scale rounded, in -127..127 as float32 [S, K], float32 scale [S, 1]): symmetric per
-    row, scale = the row's largest magnitude / 127."""
+    row, scale = the row's largest magnitude / 127. The levels of the other quantizers, and
+    what fbgemm_matmul takes."""
     x = x.float()
     scale = x.abs().amax(dim=-1, keepdim=True).clamp_(min=torch.finfo(torch.float32).tiny) / INT8_LEVELS
     return (x / scale).round_(), scale
@@ -76,14 +79,14 @@ def _row_levels(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_rows_uint8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(uint8 [S, K], float32 scale [S, 1]) with x ~= (values - 128) * scale: symmetric per
     row, 127 levels each side (so values are 1..255)."""
-    levels, scale = _row_levels(x)
+    levels, scale = quantize_rows_float(x)
     return levels.add_(UINT8_ZERO_POINT).to(torch.uint8), scale
 
 
 def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 [S, K], float32 scale [S, 1]) with x ~= values * scale: the same levels as
     quantize_rows_uint8, signed."""
-    levels, scale = _row_levels(x)
+    levels, scale = quantize_rows_float(x)
     return levels.to(torch.int8), scale
 
 
@@ -139,66 +142,153 @@ def plain_matmul(values: torch.Tensor, scale: torch.Tensor) -> Int8Matmul:
 
 
 @cache
-def plain_gemm_max_rows() -> float:
-    """The most rows for which W8A8Linear takes its plain path (torch._int_mm on the plain
-    weight) rather than oneDNN's packed GEMM on this CPU.
+def fbgemm_available() -> bool:
+    """Whether this torch packs and runs fbgemm's int8 linear with float32 in and out (x86
+    builds do). Tried on a small weight: the quantized-tensor API it needs is deprecated,
+    so a later torch may lack it, and then the other paths serve."""
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        return False
+    try:
+        packed = fbgemm_pack(torch.ones(2, 4, dtype=torch.int8), torch.ones(2))
+        out = fbgemm_matmul(packed, torch.ones(2))(torch.ones(1, 4), torch.ones(1, 1))
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+    return out.tolist() == [[4.0, 4.0]]
 
-    With int8 dot products: 1. The packed GEMM costs about 30 us per call whatever its
+
+def fbgemm_pack(values: torch.Tensor, scale: torch.Tensor) -> torch.ScriptObject:
+    """int8 weight rows (`values`, `scale` from quantize_gemm_weight) packed for fbgemm's
+    GEMM: the int8 values re-laid out, one float scale per row (the same float32 values)."""
+    zero_points = torch.zeros(len(scale), dtype=torch.int64)
+    with warnings.catch_warnings():
+        # torch warns at every quantized tensor that the API is deprecated; fbgemm_available
+        # checks that it still works, and one warning per layer would only bury the log.
+        warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
+        weight = torch._make_per_channel_quantized_tensor(values, scale.double(), zero_points, 0)
+    # The engine setting picks the packed type; the packed weight then runs fbgemm's
+    # kernel whatever the setting is later. Restored at once: it is process-wide.
+    engine = torch.backends.quantized.engine
+    torch.backends.quantized.engine = "fbgemm"
+    try:
+        return torch.ops.quantized.linear_prepack(weight, None)
+    finally:
+        torch.backends.quantized.engine = engine
+
+
+def fbgemm_values(packed: torch.ScriptObject) -> torch.Tensor:
+    """The int8 weight rows a fbgemm_pack result holds (for the other paths on demand)."""
+    return torch.ops.quantized.linear_unpack(packed)[0].int_repr()
+
+
+def fbgemm_matmul(packed: torch.ScriptObject, scale: torch.Tensor) -> Int8Matmul:
+    """The same product as w8a8_matmul through fbgemm's u8 x s8 GEMM: (levels as float32
+    from quantize_rows_float, their row scale) -> x W^T in float32. The kernel quantizes
+    its float input itself with one scale and zero point per tensor; given whole levels,
+    scale 1 and zero point 128 it stores level + 128, as quantize_rows_uint8 does, so the
+    int32 sums and the weight scales applied to them are w8a8_matmul's
+    (tests/test_int8_layers.py compares them bit for bit). The levels come rounded because
+    fbgemm's own rounding of exact halves differs between its kernels (0.5 went to 1 with
+    17 rows and to 0 with 3). Why it exists: per call it costs far less than oneDNN's GEMM
+    on AVX2 alone (see int8_paths)."""
+    del scale  # in `packed`; taken so that every path is built from the same pair
+    op = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
+
+    def matmul(x: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+        return op(x, 1.0, UINT8_ZERO_POINT, packed).mul_(x_scale)
+
+    return matmul
+
+
+PACKED, PLAIN, FBGEMM = "packed", "plain", "fbgemm"  # the int8 x int8 paths, see int8_paths
+QUANTIZERS = {PACKED: quantize_rows_uint8, PLAIN: quantize_rows_int8, FBGEMM: quantize_rows_float}
+
+
+def choose_int8_paths(flags: frozenset[str] | set[str], fbgemm: bool) -> tuple[str, str]:
+    """(the path for one row, the path for more rows) of the int8 x int8 matmuls on a CPU with
+    these flags, `fbgemm` saying whether torch has fbgemm (fbgemm_available).
+
+    With int8 dot products: plain (torch._int_mm on the plain weight) for one row, packed
+    (oneDNN's packed GEMM) for more. The packed GEMM costs about 30 us per call whatever its
     size (a 64 x 64 weight takes as long as a 640 x 1024 one), much of a one-row product
     on a decoder-sized weight; from 2 rows on the plain path is no faster
     (`python benchmarks/int8_rows.py`, Gemma 3 270M's 72 decoder matmuls, 2 Sapphire
     Rapids cores, 4 runs, load ~1: one row 8.9-13.2 ms per step against 11.2-16.7 packed;
     2 rows 12.0-19.0 vs 11.2-16.9, 16 rows 20.1-27.4 vs 20.1-26.6).
 
-    On AVX2 alone: every row count. There oneDNN's packed u8 x s8 GEMM is no faster than
-    float32 up to 16 rows, while torch._int_mm is faster at every size (`python
-    benchmarks/int8_rows.py --isa avx2 --rows 1,4,16,64 --repeat 9`, 2 AMD EPYC cores
-    limited to AVX2, load 0.7; plain / packed / float32 ms per step: the 72 decoder
-    matmuls at 1 row 9.4 / 14.0 / 15.2, at 16 rows 17.0 / 28.0 / 25.4; the head's 8
-    chunks at 16 rows 29.0 / 40.5 / 37.9)."""
-    return 1 if has_int8_dot(read_cpu_flags()) else float("inf")
+    On AVX2 alone: fbgemm at every row count. There oneDNN's packed u8 x s8 GEMM is no
+    faster than float32 up to 16 rows and torch._int_mm only somewhat faster, while
+    fbgemm's GEMM is faster than both at every size (`python benchmarks/int8_rows.py --isa
+    avx2 --rows 1,4,16,64 --repeat 7`, 2 AMD EPYC cores limited to AVX2, load 1.0; float32 /
+    packed / plain / fbgemm ms per step: the 72 decoder matmuls at 1 row 10.6 / 13.2 / 8.5
+    / 4.5, at 16 rows 21.8 / 26.5 / 16.8 / 11.6; the head's 8 chunks at 1 row 13.3 / 16.8 /
+    13.5 / 4.5, at 16 rows 35.5 / 41.3 / 26.0 / 13.6). Without fbgemm in the build: plain."""
+    if has_int8_dot(flags):
+        return PLAIN, PACKED
+    return (FBGEMM, FBGEMM) if fbgemm else (PLAIN, PLAIN)
 
 
-def plain_gemm_always() -> bool:
-    """Whether every row count takes the plain path here (AVX2 alone): the packed GEMM is
-    then never used, and no packed copy of a weight need be made."""
-    return plain_gemm_max_rows() == float("inf")
+@cache
+def int8_paths() -> tuple[str, str]:
+    """choose_int8_paths for this CPU and torch."""
+    return choose_int8_paths(read_cpu_flags(), fbgemm_available())
 
 
 class W8A8Linear:
     """x [S, K] (float) -> x W^T in float32, int8 x int8: `x` quantized per row at each
     call, the int8 weight rows (`values`, `scale` from quantize_gemm_weight) fixed.
 
-    Two paths: `general`, oneDNN's packed u8 x s8 GEMM (w8a8_matmul), and `plain`,
-    torch._int_mm on signed activations and the plain int8 weight (plain_matmul). Which
-    one runs is a matter of speed on this CPU (plain_gemm_max_rows). Both sum the same
-    int32 products and scale them the same way, so they agree bit for bit
-    (tests/test_int8_layers.py). The packed copy is made at the first call that needs it:
-    on AVX2 alone, where every call takes the plain path, never (the decoder's int8 size,
-    100 MB for Gemma 3 270M, not held twice).
+    Three paths, which sum the same int32 products and scale them the same way, so they
+    agree bit for bit (tests/test_int8_layers.py): `general`, oneDNN's packed u8 x s8
+    GEMM (w8a8_matmul); `plain`, torch._int_mm on signed activations and the plain int8
+    weight (plain_matmul); `fbgemm`, fbgemm's u8 x s8 GEMM (fbgemm_matmul). Which ones
+    serve is a matter of speed on this CPU (int8_paths); only their weights are made at
+    load, the others' at the first call (tests, benchmarks). Where fbgemm alone serves (AVX2
+    alone) the plain rows are not kept beside its packed copy: the decoder's int8 weights
+    (100 MB for Gemma 3 270M) are held once.
     """
 
     def __init__(self, values: torch.Tensor, scale: torch.Tensor) -> None:
-        self._values, self._scale = values, scale
-        self._plain = plain_matmul(values, scale)
-        self._plain_max_rows = plain_gemm_max_rows()
-        # packed at load where serving will use it, not in the first step that needs it
-        self._packed = None if plain_gemm_always() else w8a8_matmul(values, scale)
+        self._scale = scale
+        one_row, more_rows = int8_paths()
+        serving = {one_row, more_rows}
+        self._fbgemm_packed = fbgemm_pack(values, scale) if FBGEMM in serving else None
+        self._values = None if serving == {FBGEMM} else values
+        self._kernels: dict[str, Int8Matmul] = {}
+        for path in serving:
+            self._kernel(path)
+        self._one_row, self._more_rows = getattr(self, _METHODS[one_row]), getattr(self, _METHODS[more_rows])
+
+    def _kernel(self, path: str) -> Int8Matmul:
+        if path not in self._kernels:
+            if path == FBGEMM:
+                if self._fbgemm_packed is None:
+                    self._fbgemm_packed = fbgemm_pack(self._values, self._scale)
+                self._kernels[path] = fbgemm_matmul(self._fbgemm_packed, self._scale)
+            else:
+                values = self._values if self._values is not None else fbgemm_values(self._fbgemm_packed)
+                make = w8a8_matmul if path == PACKED else plain_matmul
+                self._kernels[path] = make(values, self._scale)
+        return self._kernels[path]
 
     @property
     def packed(self) -> Int8Matmul:
         """The packed GEMM on (unsigned activations, their scale)."""
-        if self._packed is None:
-            self._packed = w8a8_matmul(self._values, self._scale)
-        return self._packed
+        return self._kernel(PACKED)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.plain(x) if x.shape[0] <= self._plain_max_rows else self.general(x)
+        return self._one_row(x) if x.shape[0] == 1 else self._more_rows(x)
 
     def general(self, x: torch.Tensor) -> torch.Tensor:
-        """The general path: unsigned activations into the packed GEMM."""
-        return self.packed(*quantize_rows_uint8(x))
+        """oneDNN's packed GEMM on unsigned activations."""
+        return self._kernel(PACKED)(*quantize_rows_uint8(x))
 
     def plain(self, x: torch.Tensor) -> torch.Tensor:
-        """The plain path: signed activations, torch._int_mm on the plain weight."""
-        return self._plain(*quantize_rows_int8(x))
+        """torch._int_mm on signed activations and the plain weight."""
+        return self._kernel(PLAIN)(*quantize_rows_int8(x))
+
+    def fbgemm(self, x: torch.Tensor) -> torch.Tensor:
+        """fbgemm's GEMM on the levels as float32."""
+        return self._kernel(FBGEMM)(*quantize_rows_float(x))
+
+
+_METHODS = {PACKED: "general", PLAIN: "plain", FBGEMM: "fbgemm"}

@@ -21,14 +21,17 @@ def checkout_commit() -> str:
 
 def torch_header(threads: int | None, flag_prefixes: tuple[str, ...]) -> str:
     """Set torch's thread count (where `threads` is given) and return the script's header:
-    commit, threads, the CPU flags starting with `flag_prefixes`, oneDNN's ISA limit, load."""
+    commit, threads, the CPU flags starting with `flag_prefixes`, oneDNN's and fbgemm's ISA
+    limits, load."""
     import torch
 
     if threads:
         torch.set_num_threads(threads)
     flags = " ".join(sorted(f for f in read_cpu_flags() if f.startswith(flag_prefixes)))
     return (f"# commit {checkout_commit()}; {torch.get_num_threads()} threads; flags {flags or 'none of ' + '/'.join(flag_prefixes)}; "
-            f"ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', 'unset')}; load {os.getloadavg()[0]:.1f}")
+            f"ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', 'unset')}; "
+            f"FBGEMM_ENABLE_INSTRUCTIONS={os.environ.get('FBGEMM_ENABLE_INSTRUCTIONS', 'unset')}; "
+            f"load {os.getloadavg()[0]:.1f}")
 
 
 def rerun_as_avx2() -> int | None:

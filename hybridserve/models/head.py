@@ -44,13 +44,14 @@ from hybridserve.models.linear import pack
 # pass 9.9-10.5 ms at 1 row and 15.3-17.2 ms at 16 in chunks of 32768 rows, against
 # 12.7-12.8 and 18.8-20.5 ms in chunks of 16384).
 HEAD_CHUNK_ROWS = 32768
-# The same on fbgemm's int8 path (AVX2 alone, models/int8.int8_paths): there [64, 32768]
-# logits (8 MB) made a greedy pass at 64 rows 62.3 ms against 55.9 in chunks of 8192 rows
-# (`benchmarks/head_chunks.py` as on AVX2, 2 EPYC cores, load 0.7; equal at 32 rows, 3-4%
-# slower at 1 and 16), and end to end as on AVX2 Gemma 3 270M ran 64 x 128 at 401-430 tok/s
-# against 379-397 and 16 x 64 at 362-391 against 337-353 (interleaved pairs; with the KV
-# pool on huge pages too: executor/torch/kv_cache.py). With VNNI, 32768 stays faster (6.96 vs
-# 8.29 ms at 16 rows).
+# Vocabulary rows per chunk on fbgemm's int8 path (AVX2 alone, models/int8.int8_paths).
+# There [64, 32768] float32 logits (8 MB) made a greedy pass at 64 rows 62.3 ms against 55.9
+# in chunks of 8192 rows (`python benchmarks/head_chunks.py --isa avx2`, 2 EPYC cores, load
+# 0.7; equal at 32 rows, 3-4% slower at 1 and 16). End to end as on AVX2, interleaved
+# runs: Gemma 3 270M ran 64 x 128 at 401-430 tok/s with these chunks against 379-397 with
+# 32768, and 16 x 64 at 362-391 with them and the KV pool's huge pages
+# (executor/torch/kv_cache.py) against 337-353 with neither. With VNNI, 32768 stays faster
+# (6.96 vs 8.29 ms at 16 rows).
 FBGEMM_HEAD_CHUNK_ROWS = 8192
 # Columns per span of row_max's first pass: short enough that searching the winning span
 # again costs little, long enough that the span maxima are few.

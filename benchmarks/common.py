@@ -29,9 +29,12 @@ def torch_header(threads: int | None, flag_prefixes: tuple[str, ...]) -> str:
         torch.set_num_threads(threads)
     flags = " ".join(sorted(f for f in read_cpu_flags() if f.startswith(flag_prefixes)))
     return (f"# commit {checkout_commit()}; {torch.get_num_threads()} threads; flags {flags or 'none of ' + '/'.join(flag_prefixes)}; "
-            f"ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', 'unset')}; "
-            f"FBGEMM_ENABLE_INSTRUCTIONS={os.environ.get('FBGEMM_ENABLE_INSTRUCTIONS', 'unset')}; "
-            f"load {os.getloadavg()[0]:.1f}")
+            f"{isa_limits()}; load {os.getloadavg()[0]:.1f}")
+
+
+def isa_limits() -> str:
+    """The kernel libraries' ISA limits in force in this process (as_avx2_env sets them)."""
+    return "; ".join(f"{name}={os.environ.get(name, 'unset')}" for name in ("ONEDNN_MAX_CPU_ISA", "FBGEMM_ENABLE_INSTRUCTIONS"))
 
 
 def rerun_as_avx2() -> int | None:

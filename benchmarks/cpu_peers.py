@@ -262,7 +262,9 @@ def drive(a: argparse.Namespace, hf_dir: Path, busy: list[subprocess.Popen]) -> 
         print(f"# CPU: {cpu_description()}\n# commit {commit}; command: {' '.join(sys.argv)}")
         isa = isa_env(a.isa)
         if isa:
-            limits = [setting for setting in isa[1:] if not setting.startswith("HYBRIDSERVE_CPU_FLAGS=")]
+            from hybridserve.models.cpu_features import CPU_FLAGS_ENV
+
+            limits = [setting for setting in isa[1:] if not setting.startswith(f"{CPU_FLAGS_ENV}=")]
             print(f"# run as on an {a.isa.upper()} CPU: {' '.join(limits)}, hybridserve deciding "
                   "without avx512* / amx* / avx_vnni flags")
         if busy:

@@ -22,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # this checkout's hybridserve, whatever is installed
 
-from common import checkout_commit, rerun_as_avx2  # noqa: E402
+from common import checkout_commit, isa_limits, rerun_as_avx2  # noqa: E402
 from hybridserve.models.accuracy import drift, greedy_streams  # noqa: E402
 from hybridserve.models.cpu_features import read_cpu_flags  # noqa: E402
 
@@ -46,7 +46,7 @@ def main() -> int:
     p.add_argument("--prompts-file", type=Path, default=PROMPTS_FILE)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--isa", choices=["native", "avx2"], default="native",
-                   help="avx2: measure as on a CPU with AVX2 alone (oneDNN and ATen limited to AVX2, "
+                   help="avx2: measure as on a CPU with AVX2 alone (oneDNN, fbgemm and ATen limited to AVX2, "
                         "hybridserve choosing from such a CPU's flags)")
     a = p.parse_args()
     if a.isa == "avx2" and (rc := rerun_as_avx2()) is not None:
@@ -55,7 +55,7 @@ def main() -> int:
     commit = checkout_commit()
     flags = sorted(f for f in read_cpu_flags() if f.startswith(("avx512", "amx", "avx2")))
     print(f"# commit {commit}; {len(prompts)} prompts x {a.max_tokens} tokens; CPU flags: {' '.join(flags)}; "
-          f"ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', 'unset')}")
+          f"{isa_limits()}")
     reference = streams("float32", "none", prompts, a.max_tokens)
     print("| mode | token agreement | identical streams | mean abs dlogprob | max abs dlogprob | load |")
     print("|---|---:|---:|---:|---:|---|")

@@ -33,8 +33,8 @@ import torch
 
 from hybridserve.core.errors import ConfigError
 from hybridserve.models.heap import release_free_heap
-from hybridserve.models.int8 import (FBGEMM, PACKED, QUANTIZERS, fbgemm_matmul, fbgemm_pack, int8_gemm_available,
-                                    int8_paths, plain_matmul, quantize_gemm_weight, quantize_int8_rows, w8a8_matmul)
+from hybridserve.models.int8 import (FBGEMM, QUANTIZERS, int8_gemm_available, int8_matmul, int8_paths,
+                                    quantize_gemm_weight, quantize_int8_rows)
 from hybridserve.models.linear import pack
 
 # Vocabulary rows per packed / quantized chunk: small enough that one chunk's logits stay
@@ -149,10 +149,7 @@ class OutputHead:
         """(the matmul of one chunk of rows, whether it still reads `w` itself)."""
         if self.quantization == "int8":
             if self._int8_activations:
-                values, scale = quantize_gemm_weight(w)
-                if self._int8_path == FBGEMM:
-                    return fbgemm_matmul(fbgemm_pack(values, scale), scale), False
-                return (w8a8_matmul if self._int8_path == PACKED else plain_matmul)(values, scale), False
+                return int8_matmul(self._int8_path, *quantize_gemm_weight(w)), False
             values, scale = quantize_int8_rows(w)
             scale_bf16 = scale.to(torch.bfloat16)
             return (lambda x, _: torch._weight_int8pack_mm(x, values, scale_bf16)), False

@@ -150,7 +150,7 @@ def fbgemm_available() -> bool:
         return False
     try:
         packed = fbgemm_pack(torch.ones(2, 4, dtype=torch.int8), torch.ones(2))
-        out = fbgemm_matmul(packed, torch.ones(2))(torch.ones(1, 4), torch.ones(1, 1))
+        out = fbgemm_matmul(packed)(torch.ones(1, 4), torch.ones(1, 1))
     except (AttributeError, RuntimeError, NotImplementedError):
         return False
     return out.tolist() == [[4.0, 4.0]]
@@ -180,7 +180,7 @@ def fbgemm_values(packed: torch.ScriptObject) -> torch.Tensor:
     return torch.ops.quantized.linear_unpack(packed)[0].int_repr()
 
 
-def fbgemm_matmul(packed: torch.ScriptObject, scale: torch.Tensor) -> Int8Matmul:
+def fbgemm_matmul(packed: torch.ScriptObject) -> Int8Matmul:
     """The same product as w8a8_matmul through fbgemm's u8 x s8 GEMM: (levels as float32
     from quantize_rows_float, their row scale) -> x W^T in float32. The kernel quantizes
     its float input itself with one scale and zero point per tensor; given whole levels,
@@ -190,7 +190,6 @@ def fbgemm_matmul(packed: torch.ScriptObject, scale: torch.Tensor) -> Int8Matmul
     fbgemm's own rounding of exact halves differs between its kernels (0.5 went to 1 with
     17 rows and to 0 with 3). Why it exists: on AVX2 alone it is the fastest of the three
     at every row count (see choose_int8_paths)."""
-    del scale  # in `packed`; taken so that every path is built from the same pair
     op = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
 
     def matmul(x: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
@@ -201,7 +200,6 @@ def fbgemm_matmul(packed: torch.ScriptObject, scale: torch.Tensor) -> Int8Matmul
 
 PACKED, PLAIN, FBGEMM = "packed", "plain", "fbgemm"  # the int8 x int8 paths, see int8_paths
 QUANTIZERS = {PACKED: quantize_rows_uint8, PLAIN: quantize_rows_int8, FBGEMM: quantize_rows_float}
-_METHODS = {PACKED: "general", PLAIN: "plain", FBGEMM: "fbgemm"}  # W8A8Linear's method per path
 
 
 def choose_int8_paths(flags: frozenset[str] | set[str], fbgemm: bool) -> tuple[str, str]:
@@ -235,6 +233,14 @@ def int8_paths() -> tuple[str, str]:
     return choose_int8_paths(read_cpu_flags(), fbgemm_available())
 
 
+def int8_matmul(path: str, values: torch.Tensor, scale: torch.Tensor) -> Int8Matmul:
+    """The kernel of `path` for int8 weight rows (`values`, `scale` from quantize_gemm_weight);
+    it takes what QUANTIZERS[path] makes of the activations."""
+    if path == FBGEMM:
+        return fbgemm_matmul(fbgemm_pack(values, scale))
+    return (w8a8_matmul if path == PACKED else plain_matmul)(values, scale)
+
+
 class W8A8Linear:
     """x [S, K] (float) -> x W^T in float32, int8 x int8: `x` quantized per row at each
     call, the int8 weight rows (`values`, `scale` from quantize_gemm_weight) fixed.
@@ -251,26 +257,25 @@ class W8A8Linear:
 
     def __init__(self, values: torch.Tensor, scale: torch.Tensor) -> None:
         self._scale = scale
-        one_row, more_rows = int8_paths()
-        serving = {one_row, more_rows}
-        self._fbgemm_packed = fbgemm_pack(values, scale) if FBGEMM in serving else None
-        self._values = None if serving == {FBGEMM} else values
+        self._one_row, self._more_rows = int8_paths()
+        self._fbgemm_packed: torch.ScriptObject | None = None
         self._kernels: dict[str, Int8Matmul] = {}
-        for path in serving:
-            self._kernel(path)
-        self._one_row, self._more_rows = getattr(self, _METHODS[one_row]), getattr(self, _METHODS[more_rows])
+        for path in {self._one_row, self._more_rows}:
+            if path == FBGEMM:  # kept: the other paths' weight rows can be unpacked from it
+                self._fbgemm_packed = fbgemm_pack(values, scale)
+                self._kernels[path] = fbgemm_matmul(self._fbgemm_packed)
+            else:
+                self._kernels[path] = int8_matmul(path, values, scale)
+        self._values = None if self._kernels.keys() == {FBGEMM} else values
 
     def _kernel(self, path: str) -> Int8Matmul:
-        if path not in self._kernels:
-            if path == FBGEMM:
-                if self._fbgemm_packed is None:
-                    self._fbgemm_packed = fbgemm_pack(self._values, self._scale)
-                self._kernels[path] = fbgemm_matmul(self._fbgemm_packed, self._scale)
-            else:
-                values = self._values if self._values is not None else fbgemm_values(self._fbgemm_packed)
-                make = w8a8_matmul if path == PACKED else plain_matmul
-                self._kernels[path] = make(values, self._scale)
+        if path not in self._kernels:  # a path that does not serve here (tests, benchmarks)
+            values = self._values if self._values is not None else fbgemm_values(self._fbgemm_packed)
+            self._kernels[path] = int8_matmul(path, values, self._scale)
         return self._kernels[path]
+
+    def _run(self, path: str, x: torch.Tensor) -> torch.Tensor:
+        return self._kernel(path)(*QUANTIZERS[path](x))
 
     @property
     def packed(self) -> Int8Matmul:
@@ -278,17 +283,16 @@ class W8A8Linear:
         return self._kernel(PACKED)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self._one_row(x) if x.shape[0] == 1 else self._more_rows(x)
+        return self._run(self._one_row if x.shape[0] == 1 else self._more_rows, x)
 
     def general(self, x: torch.Tensor) -> torch.Tensor:
         """oneDNN's packed GEMM on unsigned activations."""
-        return self._kernel(PACKED)(*quantize_rows_uint8(x))
+        return self._run(PACKED, x)
 
     def plain(self, x: torch.Tensor) -> torch.Tensor:
         """torch._int_mm on signed activations and the plain weight."""
-        return self._kernel(PLAIN)(*quantize_rows_int8(x))
+        return self._run(PLAIN, x)
 
     def fbgemm(self, x: torch.Tensor) -> torch.Tensor:
         """fbgemm's GEMM on the levels as float32."""
-        return self._kernel(FBGEMM)(*quantize_rows_float(x))
-
+        return self._run(FBGEMM, x)

@@ -281,5 +281,9 @@ def test_narrow_weights_keep_avx2_int8_sums_exact() -> None:
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert report["exact"]["63"] == [True, True, True]
-    assert report["exact"]["127"] == [False, False, False]
+    # Past the bound the u8 x s8 kernels (oneDNN packed, fbgemm: vpmaddubsw) saturate.
+    # torch._int_mm is left out: on a real AVX2-only CPU (AMD Zen 1) oneDNN ran it on a
+    # kernel that stayed exact at 127, on the Zen 5 limited to AVX2 one that saturated.
+    packed_exact, _, fbgemm_exact = report["exact"]["127"]
+    assert not packed_exact and not fbgemm_exact
     assert report["paths"] == [FBGEMM, FBGEMM] and not report["plain_rows_kept"]

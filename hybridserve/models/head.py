@@ -165,6 +165,8 @@ class OutputHead:
         if packed is None:  # small or not packable here: the plain weight is the kernel's input
             return (lambda x, _: torch.nn.functional.linear(x, w)), True
         linear = torch.ops.mkldnn._linear_pointwise
+        if packed.dtype != w.dtype:  # bf16 computed in float32 (models/linear.py), one rounding to bf16
+            return (lambda x, _: linear(x.float(), packed, None, "none", [], "").to(w.dtype)), False
         return (lambda x, _: linear(x, packed, None, "none", [], "")), False
 
     def _input(self, hidden: torch.Tensor) -> HeadInput:

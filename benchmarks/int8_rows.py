@@ -3,6 +3,7 @@
     python benchmarks/int8_rows.py                    # 1, 2, 4 and 16 rows, this CPU
     python benchmarks/int8_rows.py --isa avx2         # as on a CPU with AVX2 alone
     python benchmarks/int8_rows.py --rows 1,16 --repeat 21
+    python benchmarks/int8_rows.py --peak             # the CPU's multiply-add rate per path
 
 Random weights of the default model's shapes, each pass streaming them from memory as a
 decode step does (far larger than the caches):
@@ -18,6 +19,10 @@ models/int8.gemm_weight_levels). Prints the median of --repeat passes, alternati
 four, with the CPU flags, load, commit and threads. `--isa avx2` runs the measurement in a
 process limited as cpu_features.as_avx2_env says (how the AVX2 choices of
 models/int8.int8_paths were measured on an AVX-512 machine).
+
+`--peak` prints instead the multiply-adds per second of each path at PEAK_ROWS rows against
+one head chunk (compute-bound: the rate the CPU's kernels reach at best), and of a plain
+2048^3 float32 matmul: the ceiling any engine's float32 or int8 decode runs under here.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ LAYERS = 18
 SHAPES = [(1536, 640), (640, 1024), (4096, 640), (640, 2048)]  # [out, in] of qkv, o, gate|up, down
 HEAD_CHUNKS = [(32768, 640)] * 8  # models/head.py's chunks of Gemma 3 270M's 262,144-row head
 PATHS = ("float32", "packed", "plain", "fbgemm")
+PEAK_ROWS = 1024
 
 
 def _weights(shapes: list[tuple[int, int]], g: torch.Generator) -> list[tuple[int, dict]]:
@@ -69,12 +75,32 @@ def _table(name: str, weights: list[tuple[int, dict]], rows_list: list[int], rep
               flush=True)
 
 
+def _peak(repeat: int, g: torch.Generator) -> None:
+    """GMAC/s of each path at PEAK_ROWS rows x one head chunk, and of a 2048^3 float32 matmul."""
+    (k, fs), = _weights(HEAD_CHUNKS[:1], g)
+    n = HEAD_CHUNKS[0][0]
+    x = torch.randn(PEAK_ROWS, k, generator=g)
+    square = torch.randn(2048, 2048, generator=g)
+    runs = {path: (lambda f=fs[path]: f(x), PEAK_ROWS * n * k) for path in PATHS if path != "plain"}
+    runs["float32 2048^3 matmul"] = (lambda: square @ square, 2048 ** 3)
+    print(f"\n| {PEAK_ROWS} rows x {n} x {k} | GMAC/s |\n|---|---:|")
+    for name, (f, macs) in runs.items():  # torch._int_mm ("plain") is skipped: far off the others on AVX2
+        f()
+        times = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            f()
+            times.append(time.perf_counter() - t0)
+        print(f"| {name} | {macs / statistics.median(times) / 1e9:.1f} |", flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="1,2,4,16", help="activation rows per pass (decode batch sizes)")
     p.add_argument("--repeat", type=int, default=15)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--isa", choices=["native", "avx2"], default="native")
+    p.add_argument("--peak", action="store_true", help="multiply-add rates at many rows instead of the tables")
     a = p.parse_args()
     if a.isa == "avx2" and (rc := rerun_as_avx2()) is not None:
         return rc
@@ -85,6 +111,9 @@ def main() -> int:
     print(f"{torch_header(a.threads, ('avx2', 'avx512_vnni', 'avx_vnni', 'amx'))}; int8 weight levels "
           f"{gemm_weight_levels()}")
     g = torch.Generator().manual_seed(0)
+    if a.peak:
+        _peak(a.repeat, g)
+        return 0
     rows_list = [int(r) for r in a.rows.split(",")]
     _table("decoder: 72 matmuls per step", _weights(SHAPES * LAYERS, g), rows_list, a.repeat, g)
     _table("head: 8 chunks of 32768 rows", _weights(HEAD_CHUNKS, g), rows_list, a.repeat, g)

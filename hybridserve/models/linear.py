@@ -13,9 +13,10 @@ bfloat16 weights on a CPU that does not multiply bf16 natively (no AVX512-BF16 o
 are packed as float32 copies of their bf16 values, and each call runs the float32 kernel
 on the input's values and rounds the result to bf16 once. That is the arithmetic of a
 native bf16 GEMM (exact products, float32 sums, one rounding) at float32's speed: on 2
-Zen 1 cores (AVX2) the plain bf16 `F.linear` took 3.8-33 ms at 16 rows and 15-133 ms at
-64 for Gemma 3 270M's shapes, the float32 packed copy 0.8-7.8 and 2.7-20.5 ms. Such
-weights take float32's memory; `--dtype auto` does not pick bf16 on these CPUs.
+Zen 1 cores (AVX2), Gemma 3 270M's decoder matmuls of a 16-row step took 303 ms as plain
+bf16 `F.linear` and 77 ms so, its head 494 and 97 ms (`benchmarks/bf16_linear.py`). At one
+row bf16's half-size reads win (21 vs 30 ms for the decoder), the cost of this one path.
+Such weights take float32's memory; `--dtype auto` does not pick bf16 on these CPUs.
 """
 
 from __future__ import annotations

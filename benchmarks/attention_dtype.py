@@ -14,9 +14,7 @@ chunk. The allocator is first brought to a serving process's state (see main). P
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -25,22 +23,11 @@ sys.path.insert(0, str(REPO))  # this checkout's hybridserve, whatever is instal
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from common import torch_header  # noqa: E402
+from common import median_seconds, torch_header  # noqa: E402
 
 
 SEQUENCES, HEADS, KV_HEADS, HEAD_DIM = 16, 4, 1, 256
 CASES = [("decode, 128 keys", 1, 128), ("decode, 512 keys", 1, 512), ("prefill chunk 64, 64 keys", 64, 64)]
-
-
-def _median_us(f, repeat: int) -> float:  # type: ignore[no-untyped-def]
-    for _ in range(5):
-        f()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e6
 
 
 def main() -> int:
@@ -72,7 +59,7 @@ def main() -> int:
                                                   enable_gqa=True).bfloat16()
 
         torch.testing.assert_close(half().float(), copies().float(), rtol=3e-2, atol=3e-2)
-        times = [_median_us(f, a.repeat) for f in (half, copies)]
+        times = [median_seconds(f, a.repeat, warmup=5) * 1e6 for f in (half, copies)]
         print(f"| {name} | {times[0]:.0f} | {times[1]:.0f} |", flush=True)
     return 0
 

@@ -18,9 +18,7 @@ CPU flags (avx512_bf16 / amx_bf16 say which of the two make_linear picks here).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,9 +29,9 @@ import torch.nn.functional as F  # noqa: E402
 
 from common import torch_header  # noqa: E402
 from hybridserve.models.linear import make_linear  # noqa: E402
-from int8_rows import HEAD_CHUNKS, LAYERS, SHAPES  # noqa: E402  (this folder is on sys.path)
+from int8_rows import HEAD_CHUNKS, LAYERS, SHAPES, step_table  # noqa: E402  (this folder is on sys.path)
 
-PATHS = ("bf16 plain", "bf16 packed", "as float32", "float32")
+COLUMNS = {p: p for p in ("bf16 plain", "bf16 packed", "as float32", "float32")}
 
 
 def _weights(shapes: list[tuple[int, int]], g: torch.Generator) -> list[tuple[int, dict]]:
@@ -52,22 +50,6 @@ def _weights(shapes: list[tuple[int, int]], g: torch.Generator) -> list[tuple[in
     return made
 
 
-def _table(name: str, weights: list[tuple[int, dict]], rows_list: list[int], repeat: int, g: torch.Generator) -> None:
-    print(f"\n{name}\n| rows | " + " | ".join(f"{p} ms" for p in PATHS) + " |\n|---:|" + "---:|" * len(PATHS))
-    available = [p for p in PATHS if all(fs[p] is not None for _, fs in weights)]
-    for rows in rows_list:
-        xs = {k: torch.randn(rows, k, generator=g).bfloat16() for k in {k for k, _ in weights}}
-        times: dict[str, list[float]] = {p: [] for p in available}
-        for _ in range(repeat + 1):  # the first pass of each is a warm-up
-            for path in available:
-                t0 = time.perf_counter()
-                for k, fs in weights:
-                    fs[path](xs[k])
-                times[path].append(time.perf_counter() - t0)
-        cells = [f"{statistics.median(times[p][1:]) * 1e3:.2f}" if p in times else "n/a" for p in PATHS]
-        print("| " + " | ".join([str(rows)] + cells) + " |", flush=True)
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="1,16,64", help="activation rows per pass (decode batch sizes)")
@@ -77,8 +59,10 @@ def main() -> int:
     print(torch_header(a.threads, ("avx2", "avx512_bf16", "amx_bf16")))
     g = torch.Generator().manual_seed(0)
     rows_list = [int(r) for r in a.rows.split(",")]
-    _table("decoder: 72 matmuls per step", _weights(SHAPES * LAYERS, g), rows_list, a.repeat, g)
-    _table("head: 8 chunks of 32768 rows", _weights(HEAD_CHUNKS, g), rows_list, a.repeat, g)
+    step_table("decoder: 72 matmuls per step", _weights(SHAPES * LAYERS, g), COLUMNS, rows_list, a.repeat, g,
+               torch.bfloat16)
+    step_table("head: 8 chunks of 32768 rows", _weights(HEAD_CHUNKS, g), COLUMNS, rows_list, a.repeat, g,
+               torch.bfloat16)
     return 0
 
 

@@ -1,16 +1,31 @@
-"""What the benchmark scripts share: the header line that says what ran where, and `--isa avx2`
-(run the script again in a process limited as on a CPU with AVX2 alone)."""
+"""What the benchmark scripts share: the header line that says what ran where, `--isa avx2`
+(run the script again in a process limited as on a CPU with AVX2 alone), and the median
+time of a call."""
 
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from hybridserve.models.cpu_features import CPU_FLAGS_ENV, as_avx2_env, read_cpu_flags
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def median_seconds(f, repeat: int, warmup: int = 1) -> float:  # type: ignore[no-untyped-def]
+    """Median seconds of `repeat` calls of f(), after `warmup` untimed ones."""
+    for _ in range(warmup):
+        f()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def checkout_commit() -> str:

@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO))  # this checkout's hybridserve, whatever is instal
 
 import torch  # noqa: E402
 
-from common import rerun_as_avx2, torch_header  # noqa: E402
+from common import median_seconds, rerun_as_avx2, torch_header  # noqa: E402
 from hybridserve.models.int8 import W8A8Linear, gemm_weight_levels, int8_gemm_available, quantize_gemm_weight  # noqa: E402
 from hybridserve.models.linear import make_linear  # noqa: E402
 
@@ -46,6 +46,7 @@ LAYERS = 18
 SHAPES = [(1536, 640), (640, 1024), (4096, 640), (640, 2048)]  # [out, in] of qkv, o, gate|up, down
 HEAD_CHUNKS = [(32768, 640)] * 8  # models/head.py's chunks of Gemma 3 270M's 262,144-row head
 PATHS = ("float32", "packed", "plain", "fbgemm")
+COLUMNS = {"float32": "float32", "packed": "int8 packed", "plain": "int8 plain", "fbgemm": "int8 fbgemm"}
 PEAK_ROWS = 1024
 
 
@@ -60,19 +61,25 @@ def _weights(shapes: list[tuple[int, int]], g: torch.Generator) -> list[tuple[in
     return made
 
 
-def _table(name: str, weights: list[tuple[int, dict]], rows_list: list[int], repeat: int, g: torch.Generator) -> None:
-    print(f"\n{name}\n| rows | float32 ms | int8 packed ms | int8 plain ms | int8 fbgemm ms |\n|---:|---:|---:|---:|---:|")
+def step_table(name: str, weights: list[tuple[int, dict]], columns: dict[str, str], rows_list: list[int],
+               repeat: int, g: torch.Generator, dtype: torch.dtype = torch.float32) -> None:
+    """Print one row per row count: the median ms of a pass over every weight, per path
+    (`columns`: path -> column title), the paths alternating; a path some weight lacks
+    (None) prints n/a."""
+    print(f"\n{name}\n| rows | " + " | ".join(f"{t} ms" for t in columns.values()) + " |\n|---:|"
+          + "---:|" * len(columns))
+    available = [p for p in columns if all(fs[p] is not None for _, fs in weights)]
     for rows in rows_list:
-        xs = {k: torch.randn(rows, k, generator=g) for k in {k for k, _ in weights}}
-        times: dict[str, list[float]] = {path: [] for path in PATHS}
+        xs = {k: torch.randn(rows, k, generator=g).to(dtype) for k in {k for k, _ in weights}}
+        times: dict[str, list[float]] = {path: [] for path in available}
         for _ in range(repeat + 1):  # the first pass of each is a warm-up
-            for path in PATHS:
+            for path in available:
                 t0 = time.perf_counter()
                 for k, fs in weights:
                     fs[path](xs[k])
                 times[path].append(time.perf_counter() - t0)
-        print("| " + " | ".join([str(rows)] + [f"{statistics.median(times[p][1:]) * 1e3:.2f}" for p in PATHS]) + " |",
-              flush=True)
+        cells = [f"{statistics.median(times[p][1:]) * 1e3:.2f}" if p in times else "n/a" for p in columns]
+        print("| " + " | ".join([str(rows)] + cells) + " |", flush=True)
 
 
 def _peak(repeat: int, g: torch.Generator) -> None:
@@ -85,13 +92,7 @@ def _peak(repeat: int, g: torch.Generator) -> None:
     runs["float32 2048^3 matmul"] = (lambda: square @ square, 2048 ** 3)
     print(f"\n| {PEAK_ROWS} rows x {n} x {k} | GMAC/s |\n|---|---:|")
     for name, (f, macs) in runs.items():  # torch._int_mm ("plain") is skipped: far off the others on AVX2
-        f()
-        times = []
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            f()
-            times.append(time.perf_counter() - t0)
-        print(f"| {name} | {macs / statistics.median(times) / 1e9:.1f} |", flush=True)
+        print(f"| {name} | {macs / median_seconds(f, repeat) / 1e9:.1f} |", flush=True)
 
 
 def main() -> int:
@@ -115,8 +116,8 @@ def main() -> int:
         _peak(a.repeat, g)
         return 0
     rows_list = [int(r) for r in a.rows.split(",")]
-    _table("decoder: 72 matmuls per step", _weights(SHAPES * LAYERS, g), rows_list, a.repeat, g)
-    _table("head: 8 chunks of 32768 rows", _weights(HEAD_CHUNKS, g), rows_list, a.repeat, g)
+    step_table("decoder: 72 matmuls per step", _weights(SHAPES * LAYERS, g), COLUMNS, rows_list, a.repeat, g)
+    step_table("head: 8 chunks of 32768 rows", _weights(HEAD_CHUNKS, g), COLUMNS, rows_list, a.repeat, g)
     return 0
 
 

@@ -35,7 +35,7 @@ from hybridserve.core.errors import ConfigError
 from hybridserve.models.heap import release_free_heap
 from hybridserve.models.int8 import (FBGEMM, QUANTIZERS, int8_gemm_available, int8_matmul, int8_paths,
                                     quantize_gemm_weight, quantize_int8_rows)
-from hybridserve.models.linear import pack
+from hybridserve.models.linear import make_linear
 
 # Vocabulary rows per packed / quantized chunk: small enough that one chunk's logits stay
 # in a core's L2 for the argmax ([16, 32768] float32 is 2 MB) and packing one adds little
@@ -161,13 +161,10 @@ class OutputHead:
             return (lambda x, _: torch._weight_int4pack_mm_for_cpu(x, packed_values, group_size, scale_offset)), False
         if self.quantization != "none":
             raise ConfigError(f"unknown head quantization {self.quantization!r}; use none, int8 or int4")
-        packed = pack(w)
-        if packed is None:  # small or not packable here: the plain weight is the kernel's input
-            return (lambda x, _: torch.nn.functional.linear(x, w)), True
-        linear = torch.ops.mkldnn._linear_pointwise
-        if packed.dtype != w.dtype:  # bf16 computed in float32 (models/linear.py), one rounding to bf16
-            return (lambda x, _: linear(x.float(), packed, None, "none", [], "").to(w.dtype)), False
-        return (lambda x, _: linear(x, packed, None, "none", [], "")), False
+        # Packed where that pays (bf16 as float32 on CPUs without native bf16), else the plain
+        # weight is the kernel's input and must stay.
+        linear, _, packed = make_linear(w, None)
+        return (lambda x, _: linear(x)), not packed
 
     def _input(self, hidden: torch.Tensor) -> HeadInput:
         """The chunks' input, made once per call (quantizing per chunk would repeat it)."""

@@ -91,6 +91,16 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, native_bf16: bo
 
         return linear, residual, False
     mkl_linear = torch.ops.mkldnn._linear_pointwise
+    if packed.dtype != weight.dtype:  # bf16 computed in float32, one rounding to bf16
+        out_dtype, bias32 = weight.dtype, None if bias is None else bias.detach().float()
+
+        def widened_linear(x: torch.Tensor) -> torch.Tensor:
+            return mkl_linear(x.float(), packed, bias32, "none", [], "").to(out_dtype)
+
+        def widened_residual(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+            return mkl_linear.binary(x.float(), h.float(), packed, bias32, "add").to(out_dtype)
+
+        return widened_linear, widened_residual, True
 
     def packed_linear(x: torch.Tensor) -> torch.Tensor:
         return mkl_linear(x.contiguous(), packed, bias, "none", [], "")
@@ -98,17 +108,7 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, native_bf16: bo
     def packed_residual(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return mkl_linear.binary(x.contiguous(), h, packed, bias, "add")
 
-    if packed.dtype == weight.dtype:
-        return packed_linear, packed_residual, True
-    out_dtype, bias32 = weight.dtype, None if bias is None else bias.detach().float()
-
-    def widened_linear(x: torch.Tensor) -> torch.Tensor:
-        return mkl_linear(x.float(), packed, bias32, "none", [], "").to(out_dtype)
-
-    def widened_residual(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return mkl_linear.binary(x.float(), h.float(), packed, bias32, "add").to(out_dtype)
-
-    return widened_linear, widened_residual, True
+    return packed_linear, packed_residual, True
 
 
 class LayerLinears(NamedTuple):

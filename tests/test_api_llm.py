@@ -101,8 +101,9 @@ def test_max_tokens_is_capped_by_max_model_len(llm: LLM) -> None:
     ([10] * MAX_LEN, r"prompt 0: the prompt has 256 tokens, but max_model_len=256 allows at most 255"),
     ([10, 999], r"prompt 0: token id 999 is outside the vocabulary \(0..255\)"),
     ([], r"prompt 0: the prompt is empty"),
+    ("ab\ud800", r"prompt 0: prompt is not valid Unicode: a lone surrogate U\+D800 at character 2"),
 ])
-def test_unusable_prompts_are_request_errors(llm: LLM, prompt: list[int], pattern: str) -> None:
+def test_unusable_prompts_are_request_errors(llm: LLM, prompt: list[int] | str, pattern: str) -> None:
     with pytest.raises(RequestError, match=pattern):
         llm.generate([prompt], use_tqdm=False)
 

@@ -107,6 +107,9 @@ def test_other_one_line_errors(model_dir: str, capsys, monkeypatch, tmp_path: Pa
         (["serve", "--model", model_dir, "--api-key", "k", "--max-stop-strings", "0"], "max_stop_strings must be >= 1"),
         (["bench", "--model", model_dir, "--num-prompts", "0"], "--num-prompts: must be >= 1"),
         (["nonsense"], "invalid choice: 'nonsense'"),
+        # A command-line byte that is not UTF-8 reaches Python as a lone surrogate.
+        (["generate", "--model", model_dir, "--quiet", "ok\udcff"],
+         "prompt 0: prompt is not valid Unicode: a lone surrogate U+DCFF (the byte 0xFF, which is not UTF-8)"),
     ]
     busy = _busy_port()
     try:

@@ -210,6 +210,10 @@ BAD = [
     ({"prompt": "hi", "stop": [f"s{i}" for i in range(17)]}, 400, "stop", None),
     ({"prompt": "hi", "stop": ["x" * 257]}, 400, "stop", None),
     ({"prompt": ["hi", "yo"], "n": 65}, 400, "n", None),
+    # JSON can spell a lone UTF-16 surrogate, which no tokenizer encodes (it was a 500).
+    ({"prompt": "ok \ud800"}, 400, "prompt", None),
+    ({"prompt": ["hi", "\udfff"]}, 400, "prompt", None),
+    ({"prompt": "hi", "bad_words": ["\ud800"]}, 400, "bad_words", None),
 ]
 
 
@@ -265,6 +269,14 @@ def test_other_bad_requests(server, client) -> None:
     with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="nope", prompt="hi")
     assert info.value.status_code == 404 and info.value.body["code"] == "model_not_found"
+    as_json = {"content-type": "application/json"}  # json.dumps escapes the surrogates; httpx's json= cannot
+    r = httpx.post(url + "/v1/chat/completions", headers=as_json,
+                   content=json.dumps({"messages": [{"role": "user", "content": "a\ud800"}]}))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert "lone surrogate U+D800" in r.json()["error"]["message"]
+    # An error message that quotes a surrogate from the request is still a JSON answer.
+    r = httpx.post(url + "/v1/completions", headers=as_json, content=json.dumps({"model": "x\ud800", "prompt": "hi"}))
+    assert r.status_code == 404 and "x\\ud800" in r.json()["error"]["message"], r.text
     r = httpx.get(url + "/v1/completions")
     assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["code"] == "405"
     assert httpx.get(url + "/v2/nothing").json()["error"]["code"] == "404"

@@ -177,7 +177,7 @@ def prepare_prompt(parts: FrontEnd, prompt: Prompt) -> tuple[str | None, list[in
     if isinstance(prompt, str):
         if parts.tokenizer is None:
             raise RequestError("text prompts need a tokenizer; this model has none (pass token ids)", "prompt")
-        ids = parts.tokenizer.encode(prompt)
+        ids = parts.tokenizer.encode(prompt, param="prompt")
         text: str | None = prompt
     else:
         try:
@@ -218,7 +218,7 @@ def prepare_params(parts: FrontEnd, params: Any) -> Any:
             # A word inside a text usually follows a space, which most tokenizers fold
             # into the word's first token: ban both spellings.
             for variant in (word, " " + word.lstrip()):
-                ids = tuple(parts.tokenizer.encode(variant, add_special_tokens=False))
+                ids = tuple(parts.tokenizer.encode(variant, add_special_tokens=False, param="bad_words"))
                 if ids:
                     seqs[ids] = None
         params = replace(params, bad_words=(), bad_words_token_ids=tuple(seqs))

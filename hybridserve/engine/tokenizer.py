@@ -103,7 +103,10 @@ class Tokenizer:
     def __len__(self) -> int:
         return len(self.hf)
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, param: str | None = None) -> list[int]:
+        """Token ids of `text`; RequestError naming `param` (the request field the text came
+        from) if it is not encodable Unicode."""
+        require_unicode(text, param)
         with self._encode_lock:
             return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
@@ -135,12 +138,28 @@ class Tokenizer:
                                                        chat_template=self.chat_template, tools=tools or None)
             except Exception as exc:  # jinja raises its own errors (TemplateError, raise_exception)
                 raise RequestError(f"the model's chat template rejected the messages: {exc}") from None
-            return text, self.encode(text, add_special_tokens=False)
+            return text, self.encode(text, add_special_tokens=False, param="messages")
         text = plain_chat_text(messages)
-        return text, self.encode(text, add_special_tokens=True)
+        return text, self.encode(text, add_special_tokens=True, param="messages")
 
     def detokenizer(self, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self, prompt_token_ids, skip_special_tokens)
+
+
+def require_unicode(text: str, param: str | None) -> None:
+    """RequestError unless `text` encodes as UTF-8. JSON may spell a lone UTF-16 surrogate
+    ("\\ud800"), and Python turns bytes that are not UTF-8 in argv or stdin into such
+    surrogates; no tokenizer takes them (the Rust one raises a TypeError), so they are named
+    here as the client's error."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        where = f"{param} is" if param else "the text is"
+        code = ord(text[exc.start])
+        # U+DC80..U+DCFF is how Python keeps a byte that was not UTF-8 (command lines, stdin).
+        byte = f" (the byte 0x{code - 0xDC00:02X}, which is not UTF-8)" if 0xDC80 <= code <= 0xDCFF else ""
+        raise RequestError(f"{where} not valid Unicode: a lone surrogate U+{code:04X}{byte} at character "
+                           f"{exc.start}", param) from None
 
 
 def drop_construction_copies(hf_tokenizer: Any) -> list[str]:

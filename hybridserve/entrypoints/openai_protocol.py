@@ -32,7 +32,10 @@ class ApiError(Exception):
         self.headers = headers
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        # Messages may quote the request (a model name); a lone surrogate from its JSON would
+        # make the response unencodable, so such characters are spelled out as escapes.
+        message = self.message.encode("utf-8", "backslashreplace").decode("utf-8")
+        return {"error": {"message": message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 class _Body(BaseModel):

@@ -23,6 +23,7 @@ def test_parse_distributions() -> None:
     assert LengthDistribution.parse("uniform:10:20") == LengthDistribution("uniform", 10, 20)
     assert LengthDistribution.parse("lognormal:300:0.8") == LengthDistribution("lognormal", 300, 0.8)
     assert str(LengthDistribution.parse("uniform:10:20")) == "uniform:10:20"
+    assert LengthDistribution.parse(" 64 ") == LengthDistribution("fixed", 64)  # a bare length is fixed
 
 
 @pytest.mark.parametrize(
@@ -33,6 +34,8 @@ def test_parse_distributions() -> None:
         ("uniform:5", "uniform takes 2 number"),
         ("fixed:abc", "not a number"),
         ("fixed:0", "whole numbers >= 1"),
+        ("0", "whole numbers >= 1"),
+        ("-3", "unknown distribution"),
         ("fixed:2.5", "whole numbers >= 1"),
         ("uniform:9:3", "LO > HI"),
         ("lognormal:-1:0.5", "MEAN > 0"),

@@ -92,7 +92,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     wl.add_argument("--num-requests", type=int, default=200, help="requests in the workload (default: 200)")
     # Prompts up to 4x the presets' 1,024-token windows, so the window (and --window-tail) matters.
     wl.add_argument("--prompt-len", default="uniform:512:4096",
-                    help="fixed:N, uniform:LO:HI or lognormal:MEAN:SIGMA (default: uniform:512:4096)")
+                    help="N or fixed:N, uniform:LO:HI or lognormal:MEAN:SIGMA (default: uniform:512:4096)")
     wl.add_argument("--output-len", default="uniform:32:256", help="as --prompt-len (default: uniform:32:256)")
     wl.add_argument("--arrival-rate", type=float, default=None, help="Poisson requests/s (default: all at t=0)")
     wl.add_argument("--prefix-groups", type=int, default=0,

@@ -27,7 +27,7 @@ class WorkloadError(ConfigError):
 
 @dataclass(frozen=True)
 class LengthDistribution:
-    """`fixed:N`, `uniform:LO:HI` (inclusive) or `lognormal:MEAN:SIGMA`.
+    """`fixed:N` (or just `N`), `uniform:LO:HI` (inclusive) or `lognormal:MEAN:SIGMA`.
 
     For lognormal, MEAN is the mean length in tokens and SIGMA the standard deviation of
     the underlying normal (mu = ln(MEAN) - SIGMA^2 / 2); samples are rounded and clipped
@@ -41,10 +41,12 @@ class LengthDistribution:
     @classmethod
     def parse(cls, text: str, flag: str = "length") -> "LengthDistribution":
         parts = text.strip().split(":")
+        if len(parts) == 1 and parts[0].isdigit():  # a bare length, as users type it
+            parts = ["fixed", parts[0]]
         kind = parts[0].lower()
         expected = {"fixed": 1, "uniform": 2, "lognormal": 2}
         if kind not in expected:
-            raise WorkloadError(f"{flag}: unknown distribution {text!r}; use fixed:N, uniform:LO:HI or lognormal:MEAN:SIGMA")
+            raise WorkloadError(f"{flag}: unknown distribution {text!r}; use N, fixed:N, uniform:LO:HI or lognormal:MEAN:SIGMA")
         if len(parts) - 1 != expected[kind]:
             raise WorkloadError(f"{flag}: {kind} takes {expected[kind]} number(s), got {text!r}")
         try:

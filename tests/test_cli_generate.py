@@ -106,6 +106,8 @@ def test_other_one_line_errors(model_dir: str, capsys, monkeypatch, tmp_path: Pa
         (["serve", "--model", model_dir, "--max-waiting-requests", "-1"], "max_waiting_requests must be >= 0"),
         (["serve", "--model", model_dir, "--api-key", "k", "--max-stop-strings", "0"], "max_stop_strings must be >= 1"),
         (["bench", "--model", model_dir, "--num-prompts", "0"], "--num-prompts: must be >= 1"),
+        (["bench", "--model", model_dir, "--request-rate", "5"], "--request-rate: applies to a running server only"),
+        (["bench", "--url", "http://127.0.0.1:9", "--goodput-ttft-ms", "nan"], "--goodput-ttft-ms: must be >= 0 ms"),
         (["nonsense"], "invalid choice: 'nonsense'"),
         # A command-line byte that is not UTF-8 reaches Python as a lone surrogate.
         (["generate", "--model", model_dir, "--quiet", "ok\udcff"],

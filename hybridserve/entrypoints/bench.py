@@ -31,6 +31,8 @@ from hybridserve.entrypoints.engine_flags import (
 
 PROG = "hybridserve bench"
 DESCRIPTION = "Measure output tokens/s, TTFT and TPOT of a model on N prompts x M tokens."
+# What the serving-mode flags (with --url) take when not given.
+SERVING_DEFAULTS = {"request_rate": float("inf"), "goodput_ttft_ms": 1000.0, "goodput_tpot_ms": 100.0}
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,12 +46,14 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     sv = p.add_argument_group("serving mode (against a running server; the engine flags are then unused)")
     sv.add_argument("--url", default=None, help="base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000 "
                     "(default: none, benchmark the engine offline)")
-    sv.add_argument("--request-rate", type=float, default=float("inf"),
-                    help="Poisson arrivals per second; inf sends all at once (default: inf)")
-    sv.add_argument("--goodput-ttft-ms", type=float, default=1000.0,
-                    help="goodput counts requests with TTFT at most this (default: 1000)")
-    sv.add_argument("--goodput-tpot-ms", type=float, default=100.0,
-                    help="... and TPOT at most this (default: 100)")
+    # Serving-only flags default to None here, so that giving one without --url is caught;
+    # SERVING_DEFAULTS fills them in.
+    sv.add_argument("--request-rate", type=float, default=None,
+                    help=f"Poisson arrivals per second; inf sends all at once (default: {SERVING_DEFAULTS['request_rate']})")
+    sv.add_argument("--goodput-ttft-ms", type=float, default=None,
+                    help=f"goodput counts requests with TTFT at most this (default: {SERVING_DEFAULTS['goodput_ttft_ms']:g})")
+    sv.add_argument("--goodput-tpot-ms", type=float, default=None,
+                    help=f"... and TPOT at most this (default: {SERVING_DEFAULTS['goodput_tpot_ms']:g})")
     sv.add_argument("--api-key", default=None, help="bearer key for the server (default: $HYBRIDSERVE_API_KEY)")
     add_engine_arguments(p)
 
@@ -86,6 +90,9 @@ def _run(a: argparse.Namespace) -> int:
             raise FlagError(f"argument {flag}: must be >= 1, got {value}")
     if a.url is not None:
         return _run_serving(a)
+    given = [name for name in (*SERVING_DEFAULTS, "api_key") if getattr(a, name) is not None]
+    if given:
+        raise FlagError(f"argument --{given[0].replace('_', '-')}: applies to a running server only (give --url)")
     from hybridserve.engine.llm import LLM
     from hybridserve.core.request import SamplingParams
 
@@ -145,8 +152,14 @@ def _run_serving(a: argparse.Namespace) -> int:
     from hybridserve.entrypoints.bench_serving import run_serving_benchmark, summarize
     from hybridserve.entrypoints.server_limits import api_key_from_env
 
+    for name, default in SERVING_DEFAULTS.items():
+        if getattr(a, name) is None:
+            setattr(a, name, default)
     if not a.request_rate > 0:
         raise FlagError(f"argument --request-rate: must be > 0 (inf for all at once), got {a.request_rate}")
+    for flag, value in (("--goodput-ttft-ms", a.goodput_ttft_ms), ("--goodput-tpot-ms", a.goodput_tpot_ms)):
+        if not value >= 0:  # NaN as well
+            raise FlagError(f"argument {flag}: must be >= 0 ms, got {value}")
     try:
         run = asyncio.run(run_serving_benchmark(a.url, a.num_prompts, a.input_len, a.output_len, a.request_rate,
                                                 a.seed or 0, api_key_from_env(a.api_key)))

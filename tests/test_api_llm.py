@@ -151,6 +151,39 @@ def test_params_list_must_match_prompts(llm: LLM) -> None:
         llm.generate(PROMPTS[:2], [SamplingParams()], use_tqdm=False)
 
 
+@pytest.mark.parametrize("prompts, pattern", [
+    (None, r"^prompts are a string, a list of token ids, or a list of those; got NoneType$"),
+    (7, r"got int$"),
+    (b"cat", r"got bytes$"),  # iterated, it was three token ids
+    ({"cat": 1}, r"got dict$"),  # iterated, it was the prompt "cat"
+    ([b"cat"], r"^prompt 0: a prompt is a string or a list of token ids, not bytes"),
+])
+def test_prompts_of_another_type_are_request_errors(llm: LLM, prompts, pattern: str) -> None:
+    with pytest.raises(RequestError, match=pattern):
+        llm.generate(prompts, use_tqdm=False)
+
+
+def test_numpy_and_torch_prompts_are_their_lists(llm: LLM) -> None:
+    np = pytest.importorskip("numpy")
+    torch = pytest.importorskip("torch")
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    want = [o.token_ids for o in llm.generate([[10, 11, 12], [13, 14]], params, use_tqdm=False)]
+    assert [o.token_ids for o in llm.generate(np.array([10, 11, 12]), params, use_tqdm=False)] == want[:1]
+    mixed = [np.array([10, 11, 12], dtype=np.int32), torch.tensor([13, 14])]
+    assert [o.token_ids for o in llm.generate(mixed, params, use_tqdm=False)] == want
+
+
+@pytest.mark.parametrize("conversations, pattern", [
+    ("hi", r"^chat takes a conversation \(a list of \{'role', 'content'\} dicts\) or a list of them, got str$"),
+    (5, r"got int$"),
+    ([{"content": "hi"}], r"^conversation 0: message 0 is not a \{'role', 'content'\} dict with a string role$"),
+    ([[{"role": "user", "content": "a"}], "b"], r"^conversation 1: a conversation is a list of .* dicts, got str$"),
+])
+def test_chats_of_another_shape_are_request_errors(llm: LLM, conversations, pattern: str) -> None:
+    with pytest.raises(RequestError, match=pattern):
+        llm.chat(conversations, use_tqdm=False)
+
+
 def test_stream_deltas_add_up_to_generate_and_an_abandoned_stream_frees_its_blocks(llm: LLM) -> None:
     params = SamplingParams(max_tokens=9)
     full = llm.generate(PROMPTS[:3], params, use_tqdm=False)

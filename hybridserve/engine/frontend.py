@@ -173,7 +173,12 @@ def new_request_id(prefix: str = "req") -> str:
 
 
 def prepare_prompt(parts: FrontEnd, prompt: Prompt) -> tuple[str | None, list[int]]:
-    """(text or None, token ids) for a text or token-id prompt; RequestError if unusable."""
+    """(text or None, token ids) for a text or token-id prompt (a numpy array or torch tensor
+    of ids too); RequestError if unusable."""
+    if hasattr(prompt, "tolist"):
+        prompt = prompt.tolist()
+    if isinstance(prompt, (bytes, bytearray)):  # would iterate into byte values posing as token ids
+        raise RequestError("a prompt is a string or a list of token ids, not bytes (decode them first)", "prompt")
     if isinstance(prompt, str):
         if parts.tokenizer is None:
             raise RequestError("text prompts need a tokenizer; this model has none (pass token ids)", "prompt")
@@ -241,6 +246,17 @@ def check_params(parts: FrontEnd, params: Any) -> None:
         parts.grammar.check(params.structured_output)
 
 
+def check_messages(messages: Any) -> None:
+    """RequestError unless `messages` is a list of dicts with a string "role" (what chat
+    templates index; the server's request model checks this before)."""
+    if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+        raise RequestError("a conversation is a list of {'role', 'content'} dicts, got "
+                           f"{type(messages).__name__}", "messages")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise RequestError(f"message {i} is not a {{'role', 'content'}} dict with a string role", "messages")
+
+
 def prepare_chat(parts: FrontEnd, messages: Sequence[dict[str, Any]], params: Any,
                  tools: list[Any] | None = None) -> tuple[str, list[int], Any]:
     """(prompt text, ids, params) for a conversation (with the tools it offers, rendered by
@@ -250,6 +266,7 @@ def prepare_chat(parts: FrontEnd, messages: Sequence[dict[str, Any]], params: An
 
     if parts.tokenizer is None:
         raise RequestError("chat needs a tokenizer; this model has none", "messages")
+    check_messages(messages)
     text, ids = parts.tokenizer.chat_prompt(messages, tools)
     check_prompt_ids(ids, parts.max_model_len, parts.vocab_size)
     if not parts.tokenizer.has_chat_template:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from hybridserve.config import EngineConfig
 from hybridserve.core.errors import ConfigError, RequestError
@@ -37,9 +37,16 @@ _MAX_IDLE_STEPS = 100_000
 
 
 def normalize_prompts(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    """A string or a list of ints is one prompt; anything else is a list of prompts."""
+    """A string or a list of ints is one prompt; any other iterable is a list of prompts.
+    A numpy array or torch tensor counts as its `tolist()` (1-D: one prompt of ids)."""
+    if hasattr(prompts, "tolist"):
+        prompts = prompts.tolist()
     if isinstance(prompts, str):
         return [prompts]
+    # bytes and dicts iterate too, into ints and keys that would pass for prompts.
+    if isinstance(prompts, (bytes, bytearray, dict)) or not isinstance(prompts, Iterable):
+        raise RequestError("prompts are a string, a list of token ids, or a list of those; got "
+                           f"{type(prompts).__name__}", "prompt")
     items = list(prompts)
     if items and all(isinstance(x, int) and not isinstance(x, bool) for x in items):
         return [items]  # type: ignore[list-item]
@@ -78,6 +85,9 @@ class LLM:
     def chat(self, conversations: Sequence[dict[str, str]] | Sequence[Sequence[dict[str, str]]],
              sampling_params: ParamsArg = None, *, use_tqdm: bool = True) -> list[GenerationOutput]:
         """Like generate, for conversations (a list of {"role", "content"} dicts, or a list of them)."""
+        if isinstance(conversations, (str, bytes)) or not isinstance(conversations, Sequence):
+            raise RequestError("chat takes a conversation (a list of {'role', 'content'} dicts) or a list of them, "
+                               f"got {type(conversations).__name__}", "messages")
         convs = [conversations] if conversations and isinstance(conversations[0], dict) else list(conversations)
         trackers = self._chat_trackers(convs, sampling_params)  # type: ignore[arg-type]
         self._run(trackers, None, self._progress_bar(trackers, use_tqdm))

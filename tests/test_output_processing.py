@@ -45,7 +45,7 @@ def state(r: Request) -> tuple:
 )
 def test_plain_decode_fast_path_settles_as_the_general_path_or_not_at_all(
         prompt_len, outputs, max_tokens, min_tokens, stop, ignore_eos, token, max_model_len):
-    fast = request(prompt_len, outputs, max_tokens, min_tokens, stop, ignore_eos)
+    fast = request(prompt_len, outputs, max_tokens, min(min_tokens, max_tokens), stop, ignore_eos)
     fast.num_in_flight_tokens, fast.num_output_placeholders = 1, 1  # one decode step in flight
     general = copy.deepcopy(fast)
     before = state(fast)

@@ -210,6 +210,7 @@ BAD = [
     ({"prompt": "hi", "stop": [f"s{i}" for i in range(17)]}, 400, "stop", None),
     ({"prompt": "hi", "stop": ["x" * 257]}, 400, "stop", None),
     ({"prompt": ["hi", "yo"], "n": 65}, 400, "n", None),
+    ({"prompt": "hi", "max_tokens": 2, "min_tokens": 3}, 400, "min_tokens", None),
     # JSON can spell a lone UTF-16 surrogate, which no tokenizer encodes (it was a 500).
     ({"prompt": "ok \ud800"}, 400, "prompt", None),
     ({"prompt": ["hi", "\udfff"]}, 400, "prompt", None),

@@ -128,6 +128,8 @@ class SamplingParams:
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0)
         _check_int("min_tokens", self.min_tokens, 0)
+        if self.min_tokens > self.max_tokens:  # a contradiction, not a request to honour one of them
+            raise RequestError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})", "min_tokens")
         if self.seed is not None:
             _check_int("seed", self.seed, None)
             # A generator seed is 64 bits; torch wraps negatives the same way, so every seed

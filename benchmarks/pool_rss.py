@@ -1,0 +1,78 @@
+"""Resident memory of the default model over repeated generations, per KV cache budget.
+
+    python benchmarks/pool_rss.py                                  # default budget and 256MiB
+    python benchmarks/pool_rss.py --budgets default,512MiB --generations 8
+
+Each budget runs in a fresh process: load the default model (`--kv-cache-memory` as given,
+or unset for "default"), then generate --prompts random-id prompts of 8-64 tokens (seed 0)
+x --max-tokens greedy tokens, --generations times, printing VmRSS after the load and after
+each generation. What it shows: the KV pool's buffers are zero pages until written, and the
+block pool hands out blocks never used before until every one has been (its free queue
+keeps freed blocks for the prefix cache), so resident memory grows by the new blocks each
+generation writes until the whole budget has been touched once, then stays flat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # this checkout's hybridserve, whatever is installed
+
+from common import torch_header  # noqa: E402
+
+
+def vm_rss_mb() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) // 1024
+    return -1
+
+
+def run_one(budget: str, prompts: int, max_tokens: int, generations: int) -> None:
+    """One budget in this process: prints one markdown row."""
+    from hybridserve import LLM, SamplingParams
+
+    llm = LLM(None, progress=False, **({} if budget == "default" else {"kv_cache_memory": budget}))
+    rng = random.Random(0)
+    batch = [[rng.randrange(5, llm.parts.vocab_size) for _ in range(rng.randint(8, 64))] for _ in range(prompts)]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    row = [budget, str(vm_rss_mb())]
+    for _ in range(generations):
+        llm.generate(batch, params, use_tqdm=False)
+        row.append(str(vm_rss_mb()))
+    llm.shutdown()
+    print("| " + " | ".join(row) + " |", flush=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--budgets", default="default,256MiB", help="kv_cache_memory values, 'default' for unset")
+    p.add_argument("--prompts", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--generations", type=int, default=5)
+    p.add_argument("--run-one", default=None, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.run_one:
+        run_one(a.run_one, a.prompts, a.max_tokens, a.generations)
+        return 0
+    print(torch_header(None, ("avx",)))
+    print(f"# {a.prompts} prompts x {a.max_tokens} tokens, {a.generations} generations per process; VmRSS in MB")
+    print("| kv_cache_memory | loaded | " + " | ".join(f"after {i + 1}" for i in range(a.generations)) + " |")
+    print("|---|" + "---:|" * (a.generations + 1))
+    for budget in a.budgets.split(","):
+        child = [sys.executable, __file__, "--run-one", budget, "--prompts", str(a.prompts), "--max-tokens",
+                 str(a.max_tokens), "--generations", str(a.generations)]
+        rc = subprocess.run(child, cwd=REPO, env={**os.environ}).returncode
+        if rc:
+            print(f"| {budget} | failed with exit code {rc} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -5,11 +5,13 @@
 
 Each budget runs in a fresh process: load the default model (`--kv-cache-memory` as given,
 or unset for "default"), then generate --prompts random-id prompts of 8-64 tokens (seed 0)
-x --max-tokens greedy tokens, --generations times, printing VmRSS after the load and after
-each generation. What it shows: the KV pool's buffers are zero pages until written, and the
-block pool hands out blocks never used before until every one has been (its free queue
-keeps freed blocks for the prefix cache), so resident memory grows by the new blocks each
-generation writes until the whole budget has been touched once, then stays flat.
+x --max-tokens greedy tokens, --generations times, printing VmRSS after the load, after
+each generation, and once more after a pause of IDLE_RELEASE_S + 1 s. What it shows: the KV
+pool's buffers are zero pages until written, and the block pool hands out blocks never used
+before until every one has been (its free queue keeps freed blocks for the prefix cache),
+so resident memory grows by the new blocks each generation writes until the whole budget
+has been touched once, then stays flat; and after the pause the step temporaries left in
+the C heap have gone back to the OS (models/heap.IdleHeapRelease).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,6 +40,7 @@ def vm_rss_mb() -> int:
 def run_one(budget: str, prompts: int, max_tokens: int, generations: int) -> None:
     """One budget in this process: prints one markdown row."""
     from hybridserve import LLM, SamplingParams
+    from hybridserve.models.heap import IDLE_RELEASE_S
 
     llm = LLM(None, progress=False, **({} if budget == "default" else {"kv_cache_memory": budget}))
     rng = random.Random(0)
@@ -46,6 +50,8 @@ def run_one(budget: str, prompts: int, max_tokens: int, generations: int) -> Non
     for _ in range(generations):
         llm.generate(batch, params, use_tqdm=False)
         row.append(str(vm_rss_mb()))
+    time.sleep(IDLE_RELEASE_S + 1)
+    row.append(str(vm_rss_mb()))
     llm.shutdown()
     print("| " + " | ".join(row) + " |", flush=True)
 
@@ -63,8 +69,8 @@ def main() -> int:
         return 0
     print(torch_header(None, ("avx",)))
     print(f"# {a.prompts} prompts x {a.max_tokens} tokens, {a.generations} generations per process; VmRSS in MB")
-    print("| kv_cache_memory | loaded | " + " | ".join(f"after {i + 1}" for i in range(a.generations)) + " |")
-    print("|---|" + "---:|" * (a.generations + 1))
+    print("| kv_cache_memory | loaded | " + " | ".join(f"after {i + 1}" for i in range(a.generations)) + " | idle |")
+    print("|---|" + "---:|" * (a.generations + 2))
     for budget in a.budgets.split(","):
         child = [sys.executable, __file__, "--run-one", budget, "--prompts", str(a.prompts), "--max-tokens",
                  str(a.max_tokens), "--generations", str(a.generations)]

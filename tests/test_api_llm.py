@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -250,3 +251,30 @@ def test_a_chat_template_file_replaces_the_plain_template(tmp_path: Path) -> Non
 def test_a_too_small_pool_fails_before_loading_weights() -> None:
     with pytest.raises(ConfigError, match=r"num_blocks=4 is too small: .* the smallest num_blocks that works is \d+"):
         LLM(str(tiny_serving_dir()), max_model_len=MAX_LEN, num_blocks=4, progress=False)
+
+
+def test_the_runner_gives_its_step_heap_back_after_a_pause(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The executor reports every step to an IdleHeapRelease (models/heap.py), so the C
+    heap's free pages go back once steps pause, and shutdown stops its thread."""
+    import hybridserve.executor.torch.executor as torch_executor
+    from hybridserve.models.heap import IdleHeapRelease
+
+    made: list[IdleHeapRelease] = []
+    releases: list[int] = []
+
+    def quick(*_args, **_kwargs) -> IdleHeapRelease:
+        made.append(IdleHeapRelease(idle_s=0.3, release=lambda: releases.append(1)))
+        return made[-1]
+
+    monkeypatch.setattr(torch_executor, "IdleHeapRelease", quick)
+    engine = LLM(str(tiny_serving_dir()), max_model_len=MAX_LEN, dtype="float32", progress=False)
+    try:
+        engine.generate([[10, 11]], SamplingParams(max_tokens=4), use_tqdm=False)
+        deadline = time.monotonic() + 10
+        while not releases and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(made) == 1 and releases == [1]
+    finally:
+        engine.shutdown()
+    thread = made[0]._thread
+    assert thread is not None and not thread.is_alive()

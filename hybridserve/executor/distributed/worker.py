@@ -22,6 +22,7 @@ from hybridserve.core.sched.output import KVConnectorOutput, ModelRunnerOutput, 
 from hybridserve.executor.distributed.layout import ParallelLayout, WorkerPlace
 from hybridserve.executor.distributed.peer_link import PeerLink
 from hybridserve.executor.distributed.stage_runner import StageRunner
+from hybridserve.models.heap import IdleHeapRelease
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,8 @@ class Worker:
         self.runner: StageRunner | None = None
         self.offload: Any = None  # OffloadWorker of this worker's share, with KV offload
         self.traces: list[StepTrace] = []
+        # Step temporaries left in this process's C heap go back once steps pause (models/heap.py).
+        self.idle_release = IdleHeapRelease() if self.device.type == "cpu" else None
 
     def init_cache(self, kv_cache_config: KVCacheConfig, offload: tuple[int, int] | None = None) -> int:
         """Build the runner over this worker's share of the pool, with a host pool for it
@@ -107,7 +110,11 @@ class Worker:
         offload = self.offload
         if offload is not None:  # this step's copies start first and overlap the model
             offload.submit(so.kv_connector_metadata)
-        out = self.runner.execute(so)
+        try:
+            out = self.runner.execute(so)
+        finally:
+            if self.idle_release is not None:
+                self.idle_release.stepped()
         report = offload.collect(wait_for_one=so.is_empty()) if offload is not None else None
         if self.spec.trace:
             self.traces.append(StepTrace(so.step_id, self.place.rank, start, time.monotonic()))
@@ -121,6 +128,8 @@ class Worker:
         return traces
 
     def close(self) -> None:
+        if self.idle_release is not None:
+            self.idle_release.close()
         if self.offload is not None:
             self.offload.shutdown()
         try:

@@ -27,6 +27,7 @@ from hybridserve.executor.torch.spec_decode import NgramDrafter
 from hybridserve.executor.torch.threads import ThreadGovernor
 from hybridserve.models.config import ModelConfig
 from hybridserve.models.decoder import DecoderLM
+from hybridserve.models.heap import IdleHeapRelease
 from hybridserve.models.kv_specs import model_kv_layer_specs
 from hybridserve.models.loader import load_model
 from hybridserve.models.mamba_lm import MambaLM
@@ -92,6 +93,8 @@ class TorchExecutor(Executor):
         self._offload_args: tuple[int, int] | None = None
         self.offload: OffloadWorker | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch-runner") if use_worker_thread else None
+        # Step temporaries left in the C heap go back to the OS once steps pause (models/heap.py).
+        self._idle_release = IdleHeapRelease() if self.device.type == "cpu" else None
 
     @property
     def model_config(self) -> ModelConfig:
@@ -128,6 +131,13 @@ class TorchExecutor(Executor):
 
     def _step(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """One step on the runner thread, with the thread count the governor picks."""
+        try:
+            return self._governed_step(so)
+        finally:
+            if self._idle_release is not None:
+                self._idle_release.stepped()
+
+    def _governed_step(self, so: SchedulerOutput) -> ModelRunnerOutput:
         governor = self._threads
         if governor is None or not so.total_num_scheduled_tokens:
             return self._run_step(so)
@@ -170,6 +180,8 @@ class TorchExecutor(Executor):
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self._idle_release is not None:
+            self._idle_release.close()
         if self.offload is not None:
             self.offload.shutdown()
             self.offload = None

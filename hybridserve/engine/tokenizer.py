@@ -106,9 +106,14 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True, param: str | None = None) -> list[int]:
         """Token ids of `text`; RequestError naming `param` (the request field the text came
         from) if it is not encodable Unicode."""
-        require_unicode(text, param)
         with self._encode_lock:
-            return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+            try:
+                return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+            except (TypeError, UnicodeError):  # the Rust tokenizers raise the first, slow ones the second
+                # Checked only on failure: a second pass over every prompt would cost each
+                # request what only broken ones need.
+                require_unicode(text, param)
+                raise
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """The text of token ids, as transformers decodes them without its space clean-up."""

@@ -125,7 +125,23 @@ def oracle(kind: str, prompt: list[int], max_new_tokens: int) -> tuple[list[int]
     """HF greedy tokens and logprobs for one prompt of the shared tiny `kind` model (memoised)."""
     key = (kind, tuple(prompt), max_new_tokens)
     if key not in _ORACLE:
-        if kind not in _HF_MODELS:
-            _HF_MODELS[kind] = load_hf(tiny_model_dir(kind))
-        _ORACLE[key] = hf_greedy(_HF_MODELS[kind], prompt, max_new_tokens)
+        _ORACLE[key] = hf_greedy(hf_model(kind), prompt, max_new_tokens)
     return _ORACLE[key]
+
+
+
+def hf_model(kind: str):
+    """The HF model of the shared tiny `kind` model (loaded once)."""
+    if kind not in _HF_MODELS:
+        _HF_MODELS[kind] = load_hf(tiny_model_dir(kind))
+    return _HF_MODELS[kind]
+
+
+def hf_prompt_logprobs(model, prompt: list[int], n_top: int) -> tuple[list[float], list[list[int]]]:
+    """HF's logprob of each prompt token after the first, given the tokens before it (one
+    forward of the whole prompt, batch 1), and the n_top most likely token ids there."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt])).logits[0, :-1]
+    logp = logits.float().log_softmax(-1)
+    values = logp.gather(-1, torch.tensor(prompt[1:])[:, None]).squeeze(-1).tolist()
+    return values, logp.topk(n_top, dim=-1).indices.tolist() if n_top else []

@@ -278,3 +278,19 @@ def test_the_runner_gives_its_step_heap_back_after_a_pause(monkeypatch: pytest.M
         engine.shutdown()
     thread = made[0]._thread
     assert thread is not None and not thread.is_alive()
+
+
+def test_prompt_logprobs_match_hf_for_each_prompt_and_choice(llm: LLM, hf_model) -> None:
+    params = SamplingParams(max_tokens=3, prompt_logprobs=2, n=2, temperature=1.0, seed=3)
+    outs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+    plain = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=3), use_tqdm=False)
+    assert plain[0].prompt_logprobs is None  # only when asked for
+    for o in outs:
+        ids = o.prompt_token_ids
+        want, want_top = hf_tiny.hf_prompt_logprobs(hf_model, ids, 2)
+        got = o.prompt_logprobs
+        assert got is not None and len(got) == len(ids) and got[0] is None
+        assert [e.token_id for e in got[1:]] == ids[1:]
+        assert max(abs(e.logprob - w) for e, w in zip(got[1:], want)) < 1e-4
+        assert [[t for t, _ in e.top] for e in got[1:]] == want_top
+        assert len(o.outputs) == 2 and all(len(c.token_ids) == 3 for c in o.outputs)

@@ -135,3 +135,28 @@ def test_greedy_streams_equal_hf(model_dir: Path, prompts: list[list[int]], hf_g
     got = [list(o.outputs[0].token_ids) for o in outs]
     assert [len(g) for g in got] == [NEW_TOKENS] * len(prompts)
     assert got == hf_greedy
+
+
+def test_prompt_logprobs_of_a_long_prompt_equal_hf(model_dir: Path, hf_model, prompts: list[list[int]]) -> None:
+    """The 700+ token prompt, prefilled in 256-token chunks across the 512 window: each
+    token's logprob given those before it, and the best alternative, as one HF forward."""
+    from hybridserve import LLM
+
+    prompt = prompts[-1]
+    llm = LLM(model=str(model_dir), max_num_batched_tokens=CHUNK_TOKENS, block_size=BLOCK_SIZE,
+              max_model_len=2048, dtype="float32", quantization="none")
+    try:
+        out = llm.generate([list(prompt)], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
+    finally:
+        llm.shutdown()
+    got = out.prompt_logprobs
+    assert got is not None and len(got) == len(prompt) and got[0] is None
+    with torch.inference_mode():
+        logp = hf_model(torch.tensor([prompt])).logits[0, :-1].float().log_softmax(-1)
+        want = logp.gather(-1, torch.tensor(prompt[1:])[:, None]).squeeze(-1)
+        top2 = logp.topk(2, dim=-1)
+    assert max(abs(e.logprob - w) for e, w in zip(got[1:], want.tolist())) < 1e-3
+    # The best alternative wherever HF's first two are not a near-tie (kernels differ by ~1e-5).
+    clear = (top2.values[:, 0] - top2.values[:, 1] > 1e-3).tolist()
+    assert sum(clear) > 0.9 * len(clear)
+    assert [e.top[0][0] for e, c in zip(got[1:], clear) if c] == [b for b, c in zip(top2.indices[:, 0].tolist(), clear) if c]

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from hybridserve.core.errors import RequestError
+from hybridserve.core.logprobs import LogprobInfo
 
 
 class RequestStatus(enum.IntEnum):
@@ -89,6 +90,10 @@ class SamplingParams:
     min_p: float = 0.0
     seed: int | None = None
     logprobs: int | None = None
+    # Logprobs of the prompt's own tokens (each given the tokens before it), with this
+    # many top alternatives: 0 gives the prompt token's alone. The request then computes
+    # its whole prompt (no prefix-cache or connector hit skips positions).
+    prompt_logprobs: int | None = None
     min_tokens: int = 0
     # Logits controls, applied in this order before temperature and the sampling filters
     # (the mainstream server's semantics): only allowed_token_ids may be produced; the last
@@ -127,6 +132,8 @@ class SamplingParams:
         _check_float("min_p", self.min_p, 0.0, 1.0)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0)
         _check_int("min_tokens", self.min_tokens, 0)
         if self.min_tokens > self.max_tokens:  # a contradiction, not a request to honour one of them
             raise RequestError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})", "min_tokens")
@@ -243,6 +250,11 @@ class Request:
     stop_reason: int | str | None = None
     # Set by the scheduler: a whole-request free is fenced behind this step.
     last_scheduled_step: int = -1
+    # Prompt logprobs (SamplingParams.prompt_logprobs) received from the runner and not
+    # reported yet, and how many prompt tokens have received theirs (token 0 never does):
+    # see output_processing.receive_prompt_logprobs.
+    pending_prompt_logprobs: LogprobInfo | None = None
+    num_prompt_logprobs: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:

@@ -59,6 +59,10 @@ class GenerationOutput:
     num_cached_tokens: int = 0
     # Per choice timing, in final outputs of LLM.generate (None in incremental outputs).
     metrics: list[RequestMetrics] | None = None
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first
+    # (nothing precedes it), the others each given the tokens before it. Complete once the
+    # prompt is computed (from the first output with a token on).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def text(self) -> str:
@@ -221,6 +225,11 @@ class GenerationTracker:
         self.seqs = [SequenceState(i, prompt_token_ids, params.for_choice(i), tokenizer) for i in range(params.n)]
         self.by_core_id = dict(zip(self.core_ids, self.seqs))
         self.num_cached_tokens = 0
+        # Every choice's engine request computes them and reports them whole with its first
+        # token (core/sched/output_processing.py); the first report is kept.
+        self.prompt_logprobs: list[TokenLogprob | None] | None = (
+            [None] if params.prompt_logprobs is not None else None
+        )
 
     @property
     def finished(self) -> bool:
@@ -241,6 +250,8 @@ class GenerationTracker:
         """Apply an engine output of one of the choices; True if that choice must be aborted."""
         if out.num_cached_tokens:
             self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        if out.prompt_logprobs is not None and self.prompt_logprobs == [None]:
+            self.prompt_logprobs += _logprobs(self.prompt_token_ids[1:], out.prompt_logprobs)
         return self.by_core_id[out.request_id].update(out, now)
 
     def metrics(self, core_id: str) -> RequestMetrics:
@@ -254,12 +265,12 @@ class GenerationTracker:
         if not deltas:
             return None
         return GenerationOutput(self.request_id, self.prompt, self.prompt_token_ids, deltas, self.finished,
-                                self.num_cached_tokens)
+                                self.num_cached_tokens, prompt_logprobs=self.prompt_logprobs)
 
     def final_output(self) -> GenerationOutput:
         return GenerationOutput(self.request_id, self.prompt, self.prompt_token_ids,
                                 [s.snapshot() for s in self.seqs], self.finished, self.num_cached_tokens,
-                                [self.metrics(cid) for cid in self.core_ids])
+                                [self.metrics(cid) for cid in self.core_ids], self.prompt_logprobs)
 
 
 def as_sampling_params(params: SamplingParams | None) -> SamplingParams:

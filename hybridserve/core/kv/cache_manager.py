@@ -141,9 +141,11 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[BlocksPerGroup, int]:
         """Blocks of the longest cached prefix and its length in tokens.
 
-        At least the last prompt token is always recomputed, so its logits exist.
+        At least the last prompt token is always recomputed, so its logits exist. A request
+        that asks for prompt logprobs hits nothing: each position it skipped would lack its
+        logits.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return self.coordinator.empty(), 0
         return self.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)
 

@@ -123,7 +123,10 @@ class Admission:
             waiting.prepend(skipped)
 
     def _skips_load(self, req: Request) -> bool:
-        """Once, after `release_last_holder` released it at the head of the queue."""
+        """Once, after `release_last_holder` released it at the head of the queue; always
+        for a request that asks for prompt logprobs (loaded positions would lack logits)."""
+        if req.sampling_params.prompt_logprobs is not None:
+            return True
         transfer = self.transfer
         if transfer is None or req.request_id not in transfer.skip_load_once:
             return False

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridserve.core.logprobs import LogprobInfo, PromptLogprobChunk
 from hybridserve.core.request import SamplingParams
 
 NO_TOKEN = -1  # a placeholder the runner fills from its own last sampled token or draft
@@ -67,14 +68,6 @@ class SchedulerOutput:
 
 
 @dataclass
-class LogprobInfo:
-    """Logprob of each sampled token, and the top-n alternatives at that position."""
-
-    token_logprobs: list[float]
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-
-
-@dataclass
 class KVConnectorOutput:
     finished_recving: set[str] = field(default_factory=set)
     finished_sending: set[str] = field(default_factory=set)
@@ -93,6 +86,8 @@ class ModelRunnerOutput:
     req_ids: list[str]
     sampled_token_ids: list[list[int]]
     logprobs: dict[str, LogprobInfo] = field(default_factory=dict)
+    # Requests that asked for prompt logprobs and computed prompt positions this step.
+    prompt_logprobs: dict[str, PromptLogprobChunk] = field(default_factory=dict)
     kv_connector_output: KVConnectorOutput | None = None
     # Drafts the executor actually proposed per request (may be fewer than scheduled).
     num_draft_tokens: dict[str, int] = field(default_factory=dict)
@@ -112,3 +107,6 @@ class RequestOutput:
     stop_reason: int | str | None = None
     logprobs: LogprobInfo | None = None
     num_cached_tokens: int = 0
+    # Prompt logprobs not reported before, from prompt token 1 on, in order (with the
+    # request's first token, since prompt chunks that sample nothing report nothing).
+    prompt_logprobs: LogprobInfo | None = None

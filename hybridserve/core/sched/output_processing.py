@@ -12,7 +12,7 @@ tests/test_scheduler_short_path.py).
 from __future__ import annotations
 
 from hybridserve.core.request import Request, RequestStatus
-from hybridserve.core.sched.output import LogprobInfo, RequestOutput, ScheduledRequest
+from hybridserve.core.sched.output import LogprobInfo, PromptLogprobChunk, RequestOutput, ScheduledRequest
 
 FINISHED = RequestStatus.FINISHED_STOPPED  # statuses >= this are finished
 
@@ -52,6 +52,37 @@ def append_tokens(
     return new_tokens, status
 
 
+def receive_prompt_logprobs(req: Request, chunk: PromptLogprobChunk) -> None:
+    """Keep the chunk's logprobs of the prompt tokens that have none yet, until an output
+    carries them (take_prompt_logprobs).
+
+    A request that asks for prompt logprobs computes its prompt from token 0 (no cache
+    hit skips positions), so chunks arrive gapless from index 1; after a preemption it
+    computes the prompt again, and the chunks that repeat indexes already received are
+    dropped, so each prompt token is reported once.
+    """
+    skip = 1 + req.num_prompt_logprobs - chunk.first_index
+    values = chunk.info.token_logprobs[skip:]
+    if skip < 0 or not values:
+        return
+    tops = chunk.info.top_logprobs
+    tops = None if tops is None else tops[skip:]
+    pending = req.pending_prompt_logprobs
+    if pending is None:
+        req.pending_prompt_logprobs = LogprobInfo(list(values), None if tops is None else list(tops))
+    else:
+        pending.token_logprobs.extend(values)
+        if pending.top_logprobs is not None and tops is not None:
+            pending.top_logprobs.extend(tops)
+    req.num_prompt_logprobs += len(values)
+
+
+def take_prompt_logprobs(req: Request) -> LogprobInfo | None:
+    """The prompt logprobs received and not reported yet (None if there are none)."""
+    pending, req.pending_prompt_logprobs = req.pending_prompt_logprobs, None
+    return pending
+
+
 def settle_plain_decodes(
     scheduled: list[ScheduledRequest],
     reqs: list[Request],
@@ -68,7 +99,8 @@ def settle_plain_decodes(
     first row not settled (the general path takes it, untouched).
 
     A plain decode: one sampled token, no drafts, a sampling step scheduled since the
-    request's last preemption, a request not finished, and nothing that could stop it
+    request's last preemption, a request not finished and with no prompt logprobs to
+    report, and nothing that could stop it
     after this token (no stop ids, not an EOS it honours, below max_tokens and
     max_model_len), so the stop check cannot fire and the row settles as the general
     path would settle it: in-flight tokens and the placeholder returned, the token
@@ -81,7 +113,8 @@ def settle_plain_decodes(
         if len(sampled) != 1:
             break
         sr, req = scheduled[i], reqs[i]
-        if not sr.samples or sr.num_draft_tokens or req.status >= FINISHED or epochs[i] != req.num_preemptions:
+        if (not sr.samples or sr.num_draft_tokens or req.status >= FINISHED or epochs[i] != req.num_preemptions
+                or req.pending_prompt_logprobs is not None):
             break
         token = sampled[0]
         sp = req.sampling_params

@@ -24,8 +24,20 @@ from hybridserve.core.request import Request, RequestStatus
 from hybridserve.core.sched.admission import Admission
 from hybridserve.core.sched.config import SchedulerConfig
 from hybridserve.core.sched.kv_transfer import KVTransferState
-from hybridserve.core.sched.output import ModelRunnerOutput, RequestOutput, ScheduledRequest, SchedulerOutput
-from hybridserve.core.sched.output_processing import FINISHED, append_tokens, settle_plain_decodes
+from hybridserve.core.sched.output import (
+    ModelRunnerOutput,
+    PromptLogprobChunk,
+    RequestOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from hybridserve.core.sched.output_processing import (
+    FINISHED,
+    append_tokens,
+    receive_prompt_logprobs,
+    settle_plain_decodes,
+    take_prompt_logprobs,
+)
 from hybridserve.core.sched.planner import StepBatch, plan_running, plan_steady_decodes
 from hybridserve.core.sched.queues import make_queue
 from hybridserve.core.sched.stats import SchedulerStats
@@ -259,6 +271,8 @@ class Scheduler:
         reqs, epochs = entries
         sampled_rows = self._rows_in_scheduled_order(step, reqs, runner_output)
         del self.in_flight[step]
+        if runner_output.prompt_logprobs:
+            self._receive_prompt_logprobs(reqs, runner_output.prompt_logprobs)
         outputs: list[RequestOutput] = []
         any_finished = False
         max_model_len = self.config.max_model_len
@@ -299,7 +313,7 @@ class Scheduler:
                 RequestOutput(
                     sr.request_id, new_tokens, status is not None, status.finish_reason if status else None,
                     req.stop_reason, logprobs_of.get(sr.request_id) if logprobs_of else None,
-                    cached if cached > 0 else 0,
+                    cached if cached > 0 else 0, take_prompt_logprobs(req),
                 )
             )
         self.stats.num_generated_tokens += num_generated
@@ -309,6 +323,13 @@ class Scheduler:
             self.transfer.update(runner_output.kv_connector_output, self.waiting)
         self.kv.step_processed(step)
         return outputs
+
+    @staticmethod
+    def _receive_prompt_logprobs(reqs: list[Request], chunks: dict[str, PromptLogprobChunk]) -> None:
+        for req in reqs:
+            chunk = chunks.get(req.request_id)
+            if chunk is not None and req.status < FINISHED:
+                receive_prompt_logprobs(req, chunk)
 
     @staticmethod
     def _rows_in_scheduled_order(step: int, reqs: list[Request], runner_output: ModelRunnerOutput) -> list[list[int]]:

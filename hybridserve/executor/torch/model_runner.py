@@ -28,6 +28,7 @@ from hybridserve.core.sched.output import (
     LogprobInfo,
     ModelRunnerOutput,
     NewRequestData,
+    PromptLogprobChunk,
     ScheduledRequest,
     SchedulerOutput,
 )
@@ -37,12 +38,17 @@ from hybridserve.executor.torch.kv_cache import PagedKVCache
 from hybridserve.executor.torch.logits_controls import TokenHistory
 from hybridserve.executor.torch.mamba_states import GroupSubset, MambaLayout, StepBackend, StepMambaStates
 from hybridserve.executor.torch.requests import BlockTables, RequestState
-from hybridserve.executor.torch.sampler import SampleRow, is_greedy, logprob_info, sample_isolated
+from hybridserve.executor.torch.sampler import SampleRow, is_greedy, logprob_info, sample_isolated, target_logprobs
 from hybridserve.executor.torch.spec_decode import NgramDrafter, num_accepted
 from hybridserve.engine.structured_output import GrammarBackend
 from hybridserve.models.decoder import DecoderLM
 from hybridserve.models.kv_specs import layer_index
 from hybridserve.models.mamba_lm import MambaLM
+
+
+# Prompt positions whose vocab logits are materialised at a time for prompt logprobs:
+# 64 rows of Gemma 3's 262k vocabulary are 64 MiB of float32 (twice that with log_softmax).
+PROMPT_LOGPROB_ROWS = 64
 
 
 @dataclass
@@ -232,11 +238,38 @@ class ModelRunner:
     def _sample_and_advance(self, so: SchedulerOutput, states: list[RequestState], counts: list[int],
                             drafts: list[list[int]], hidden: torch.Tensor, batch: StepBatch) -> ModelRunnerOutput:
         failed: dict[str, str] = {}
+        prompt_logprobs = self._prompt_logprobs(states, counts, drafts, hidden, batch.ends)
         sampled, logprobs = self._sample(so, states, hidden, batch.ends, drafts, failed)
         self._advance_all(states, counts, drafts, sampled, batch.mamba_states)
         proposed = {sr.request_id: len(d) for sr, d in zip(so.requests, drafts) if sr.num_draft_tokens}
         return ModelRunnerOutput(req_ids=[s.req_id for s in states], sampled_token_ids=sampled, logprobs=logprobs,
-                                 num_draft_tokens=proposed, failed_req_ids=failed)
+                                 num_draft_tokens=proposed, failed_req_ids=failed, prompt_logprobs=prompt_logprobs)
+
+    def _prompt_logprobs(self, states: list[RequestState], counts: list[int], drafts: list[list[int]],
+                         hidden: torch.Tensor, ends: np.ndarray) -> dict[str, PromptLogprobChunk]:
+        """For the requests that ask for prompt logprobs, the logprob of each prompt token
+        that this step's positions predict: position p's logits give token p + 1's (the
+        last prompt position's logits sample the first output, as for every request).
+        Called before _advance_all, while num_computed is still the step's start."""
+        out: dict[str, PromptLogprobChunk] = {}
+        for i, state in enumerate(states):
+            n_top = state.params.prompt_logprobs
+            start = state.num_computed
+            stop = min(start + counts[i] - len(drafts[i]), state.num_prompt_tokens - 1)
+            if n_top is None or start >= stop:
+                continue
+            first_row = int(ends[i]) - counts[i]
+            values: list[float] = []
+            tops: list[list[tuple[int, float]]] = []
+            for a in range(start, stop, PROMPT_LOGPROB_ROWS):
+                b = min(a + PROMPT_LOGPROB_ROWS, stop)
+                rows = hidden[first_row + a - start : first_row + b - start]
+                targets = torch.tensor(state.token_ids[a + 1 : b + 1], dtype=torch.long, device=self.device)
+                info = target_logprobs(self.model.logits(rows), targets, n_top)
+                values += info.token_logprobs
+                tops += info.top_logprobs or []
+            out[state.req_id] = PromptLogprobChunk(start + 1, LogprobInfo(values, tops if n_top else None))
+        return out
 
     def _advance_all(self, states: list[RequestState], counts: list[int], drafts: list[list[int]],
                      sampled: list[list[int]], mamba_states: StepMambaStates | None) -> None:

@@ -158,6 +158,18 @@ def _top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch
     return torch.empty_like(x).scatter_(1, order, sorted_x.masked_fill(drop, neg_inf))
 
 
+def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, n_top: int) -> LogprobInfo:
+    """logits [S, V], targets [S] (long) -> the logprob of each row's target token in the
+    raw distribution (as `sample` reports a sampled token's), with the row's n_top most
+    likely (token id, logprob) when n_top > 0."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    values = lp.gather(1, targets[:, None]).squeeze(1).tolist()
+    if not n_top:
+        return LogprobInfo(values)
+    tv, ti = lp.topk(min(n_top, lp.shape[1]), dim=-1)
+    return LogprobInfo(values, [list(zip(ids, vals)) for ids, vals in zip(ti.tolist(), tv.tolist())])
+
+
 def logprob_info(entries: list[tuple[float, list[tuple[int, float]] | None]]) -> LogprobInfo:
     """Fold per-token (logprob, top-n) pairs of one request into a LogprobInfo."""
     tops = [t for _, t in entries]

@@ -132,6 +132,61 @@ def test_stop_strings_echo_and_logprobs(client, ref: LLM) -> None:
     assert all(c.top_logprobs[0].logprob == pytest.approx(c.logprob) for c in content)
 
 
+def test_echo_with_logprobs_scores_the_prompt(server, client, ref: LLM) -> None:
+    prompt = PROMPTS[1]
+    want = ref.generate(prompt, SamplingParams(max_tokens=3, prompt_logprobs=2, logprobs=2), use_tqdm=False)[0]
+    ids, scored = want.prompt_token_ids, want.prompt_logprobs
+    assert scored is not None and len(scored) == len(ids) > 3
+    # max_tokens 0 with echo: the prompt alone, scored (the way evaluation harnesses ask).
+    got = client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=2, temperature=0)
+    c = got.choices[0]
+    assert c.text == prompt and c.finish_reason == "length" and got.usage.completion_tokens == 0
+    lp = c.logprobs
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx([e.logprob for e in scored[1:]], abs=1e-5)
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    # Each top list: the 2 best, plus the prompt token when it is not among them.
+    assert all(2 <= len(top) <= 3 for top in lp.top_logprobs[1:])
+    # With a completion, its tokens follow the prompt's, offset past the echoed text.
+    both = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, echo=True, logprobs=2, temperature=0)
+    blp = both.choices[0].logprobs
+    assert both.choices[0].text == prompt + want.text
+    assert blp.token_logprobs[0] is None and blp.token_logprobs[1: len(ids)] == pytest.approx(lp.token_logprobs[1:])
+    assert blp.token_logprobs[len(ids):] == pytest.approx([e.logprob for e in want.outputs[0].logprobs], abs=1e-5)
+    assert blp.text_offset[len(ids)] == len(prompt)
+    # Streamed, the first chunk carries the echo and the prompt's logprobs.
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=2,
+                                            temperature=0, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks) == prompt
+    streamed = chunks[0].choices[0].logprobs.token_logprobs
+    assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:])
+    assert chunks[-1].choices[0].finish_reason == "length"
+    wait_idle(server["url"])
+
+
+def test_prompt_logprobs_extension_on_both_endpoints(server, client, ref: LLM) -> None:
+    got = client.completions.create(model="tiny", prompt=PROMPTS[2], max_tokens=2, temperature=0,
+                                    extra_body={"prompt_logprobs": 1})
+    want = ref.generate(PROMPTS[2], SamplingParams(max_tokens=2, prompt_logprobs=1), use_tqdm=False)[0]
+    field = got.choices[0].model_extra["prompt_logprobs"]
+    assert field[0] is None and len(field) == len(want.prompt_token_ids)
+    for entry, token, exp in zip(field[1:], want.prompt_token_ids[1:], want.prompt_logprobs[1:]):
+        assert entry[str(token)]["logprob"] == pytest.approx(exp.logprob, abs=1e-5)
+        assert set(entry) == {str(token)} | {str(t) for t, _ in exp.top}  # the token and the best one
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "the cat"}],
+                                          max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 0})
+    field = chat.choices[0].model_extra["prompt_logprobs"]
+    assert field[0] is None and len(field) == chat.usage.prompt_tokens
+    assert all(len(entry) == 1 and next(iter(entry.values()))["logprob"] <= 0 for entry in field[1:])
+    stream = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "the cat"}],
+                                                 max_tokens=2, temperature=0, stream=True,
+                                                 extra_body={"prompt_logprobs": 0}))
+    carried = [ch.choices[0].model_extra["prompt_logprobs"] for ch in stream
+               if ch.choices and (ch.choices[0].model_extra or {}).get("prompt_logprobs")]
+    assert carried == [field]  # once, on the choice's first chunk with content
+    wait_idle(server["url"])
+
+
 def test_concurrent_requests_equal_the_python_api(server, ref: LLM) -> None:
     want = ref.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.7, seed=9), use_tqdm=False)
     aclient = openai.AsyncOpenAI(base_url=server["url"] + "/v1", api_key="unused", max_retries=0, timeout=60)
@@ -211,6 +266,10 @@ BAD = [
     ({"prompt": "hi", "stop": ["x" * 257]}, 400, "stop", None),
     ({"prompt": ["hi", "yo"], "n": 65}, 400, "n", None),
     ({"prompt": "hi", "max_tokens": 2, "min_tokens": 3}, 400, "min_tokens", None),
+    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", None),  # scores nothing without echo
+    ({"prompt": "hi", "prompt_logprobs": 21}, 400, "prompt_logprobs", None),
+    ({"prompt": "hi", "prompt_logprobs": -1}, 400, "prompt_logprobs", None),
+    ({"prompt": "hi", "prompt_logprobs": "all"}, 400, "prompt_logprobs", None),
     # JSON can spell a lone UTF-16 surrogate, which no tokenizer encodes (it was a 500).
     ({"prompt": "ok \ud800"}, 400, "prompt", None),
     ({"prompt": ["hi", "\udfff"]}, 400, "prompt", None),

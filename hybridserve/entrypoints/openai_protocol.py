@@ -80,6 +80,9 @@ class _Sampling(_Body):
     # Each choice also carries its generated token ids (always so for a model without a
     # tokenizer, whose text is empty).
     return_token_ids: bool = False
+    # The mainstream server's extension: each choice also carries `prompt_logprobs`, the
+    # logprob of every prompt token given those before it, with this many alternatives.
+    prompt_logprobs: int | None = None
 
 
 class CompletionRequest(_Sampling):
@@ -227,21 +230,53 @@ def token_text_of(tok: Tokenizer | None) -> Callable[[int], str]:
     return lambda token_id: f"token_id:{token_id}"
 
 
-def completion_logprobs(token_text: Callable[[int], str], entries: list[TokenLogprob], offset: int) -> dict[str, Any]:
-    """The legacy completions format; offsets count characters from `offset`."""
-    tokens, offsets = [], []
+def completion_logprobs(token_text: Callable[[int], str], entries: list[TokenLogprob], offset: int,
+                        unscored_first: int | None = None) -> dict[str, Any]:
+    """The legacy completions format; offsets count characters from `offset`.
+    unscored_first: a token before the entries that has no logprob (an echoed prompt's
+    first), listed with null logprobs as the legacy API lists it."""
+    tokens: list[str] = []
+    offsets: list[int] = []
+    token_logprobs: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    if unscored_first is not None:
+        tokens.append(token_text(unscored_first))
+        offsets.append(offset)
+        offset += len(tokens[0])
+        token_logprobs.append(None)
+        tops.append(None)
     for e in entries:
         text = token_text(e.token_id)
         tokens.append(text)
         offsets.append(offset)
         offset += len(text)
-    tops = []
-    for e in entries:
+        token_logprobs.append(e.logprob)
         top = {token_text(t): lp for t, lp in (e.top or [])}
-        top.setdefault(token_text(e.token_id), e.logprob)
+        top.setdefault(text, e.logprob)
         tops.append(top)
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": tops,
-            "text_offset": offsets}
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def joined_logprobs(first: dict[str, Any] | None, second: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Two legacy logprobs objects as one (an echoed prompt's, then the completion's)."""
+    if first is None or second is None:
+        return first if second is None else second
+    return {key: first[key] + second[key] for key in first}
+
+
+def prompt_logprobs_field(token_text: Callable[[int], str], entries: list[TokenLogprob | None]
+                          ) -> list[dict[str, dict[str, Any]] | None]:
+    """The mainstream server's `prompt_logprobs`: per prompt token, None for the first,
+    else {token id: {"logprob", "decoded_token"}} for the prompt token and its alternatives."""
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        field = {str(t): {"logprob": lp, "decoded_token": token_text(t)} for t, lp in (e.top or [])}
+        field[str(e.token_id)] = {"logprob": e.logprob, "decoded_token": token_text(e.token_id)}
+        out.append(field)
+    return out
 
 
 def chat_logprobs(tok: Tokenizer, entries: list[TokenLogprob], top_n: int) -> dict[str, Any]:

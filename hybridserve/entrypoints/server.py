@@ -35,7 +35,7 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import FastAPI, Request
@@ -48,7 +48,7 @@ from hybridserve.core.errors import RequestError
 from hybridserve.core.request import StructuredOutput
 from hybridserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineRestartingError, RequestFailedError
 from hybridserve.engine.frontend import ContextLengthError, prepare_chat, prepare_params, prepare_prompt
-from hybridserve.engine.outputs import GenerationOutput, SamplingParams
+from hybridserve.engine.outputs import CompletionOutput, GenerationOutput, SamplingParams
 from hybridserve.entrypoints import openai_protocol as P
 from hybridserve.entrypoints.http_guard import HttpGuard
 from hybridserve.entrypoints.metrics import CONTENT_TYPE, ReplicaSnapshot, ServerMetrics
@@ -82,6 +82,19 @@ class _SSEResponse(StreamingResponse):
 
 def _sse(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def check_prompt_logprobs(req: P._Sampling) -> None:
+    if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= P.MAX_LOGPROBS:
+        raise P.ApiError(f"prompt_logprobs must be between 0 and {P.MAX_LOGPROBS}", param="prompt_logprobs")
+
+
+def _prompt_only(out: CompletionOutput) -> CompletionOutput:
+    """A choice of a max_tokens 0 completion: the one token generated is dropped."""
+    no_logprobs = None if out.logprobs is None else []
+    reason = "length" if out.finish_reason in ("stop", "length") else out.finish_reason  # abort stays abort
+    return replace(out, text="", token_ids=[], logprobs=no_logprobs, delta_text="", delta_token_ids=[],
+                   delta_logprobs=no_logprobs, finish_reason=reason, stop_reason=None)
 
 
 async def _merge(gens: list[AsyncIterator[GenerationOutput]]) -> AsyncIterator[tuple[int, GenerationOutput]]:
@@ -211,7 +224,8 @@ class OpenAIServer:
         return items
 
     def params(self, req: P._Sampling, prompt_len: int, max_tokens: int | None, default_max: int | None,
-               logprobs: int | None, stop: tuple[str, ...], forced: StructuredOutput | None = None) -> SamplingParams:
+               logprobs: int | None, stop: tuple[str, ...], forced: StructuredOutput | None = None,
+               prompt_logprobs: int | None = None) -> SamplingParams:
         """The request's SamplingParams; `forced`: a constraint of the server's own (a forced
         tool call), which the request may not combine with one of its own."""
         limit = self.engine.max_model_len
@@ -236,7 +250,8 @@ class OpenAIServer:
         try:
             params = SamplingParams(
                 max_tokens=max_tokens, temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p,
-                top_k=req.top_k or 0, min_p=req.min_p or 0.0, seed=seed, logprobs=logprobs, n=req.n, stop=stop,
+                top_k=req.top_k or 0, min_p=req.min_p or 0.0, seed=seed, logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs, n=req.n, stop=stop,
                 stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos,
                 min_tokens=req.min_tokens, presence_penalty=req.presence_penalty or 0.0,
                 frequency_penalty=req.frequency_penalty or 0.0,
@@ -297,6 +312,15 @@ class OpenAIServer:
         self.check_ready(req.model)
         if req.logprobs is not None and not 0 <= req.logprobs <= P.MAX_LOGPROBS:
             raise P.ApiError(f"logprobs must be between 0 and {P.MAX_LOGPROBS}", param="logprobs")
+        check_prompt_logprobs(req)
+        if req.max_tokens == 0 and not req.echo:
+            raise P.ApiError("max_tokens 0 needs echo: true (the prompt scored alone)", param="max_tokens")
+        # An echoed prompt with logprobs is scored too, with the completion's alternatives.
+        scored_echo = req.logprobs if req.echo else None
+        prompt_top = max((n for n in (scored_echo, req.prompt_logprobs) if n is not None), default=None)
+        # max_tokens 0: one token is generated (the engine always samples after the prompt)
+        # and dropped from the reply.
+        max_tokens = 1 if req.max_tokens == 0 else req.max_tokens
         prompts: list[Any]
         if isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], int)):
             prompts = [req.prompt]
@@ -311,7 +335,8 @@ class OpenAIServer:
             for p in prompts:
                 text, ids = await self.tokenize(lambda p=p: prepare_prompt(self.engine.parts, p),
                                                 len(p) if isinstance(p, str) else 0)
-                prepared.append((text, ids, self.params(req, len(ids), req.max_tokens, 16, req.logprobs, stop)))
+                prepared.append((text, ids, self.params(req, len(ids), max_tokens, 16, req.logprobs, stop,
+                                                        prompt_logprobs=prompt_top)))
             self.check_ready(req.model)  # the engine may have failed while we tokenized
         except BaseException:
             release()
@@ -340,16 +365,33 @@ class OpenAIServer:
             return None
         return P.completion_logprobs(P.token_text_of(self.engine.tokenizer), entries, offset)
 
+    def _first_cmpl_choice(self, req: P.CompletionRequest, index: int, text: str, out: CompletionOutput,
+                           prompt: GenerationOutput) -> dict[str, Any]:
+        """A choice's first piece (the whole choice when not streamed): `text` is the echoed
+        prompt, if any, then out.delta_text. An echoed prompt's logprobs lead the choice's
+        logprobs, and `prompt_logprobs` rides along when asked for."""
+        token_text = P.token_text_of(self.engine.tokenizer)
+        lp = self._cmpl_logprobs(out.delta_logprobs, len(text) - len(out.delta_text))
+        scored = prompt.prompt_logprobs
+        if scored is not None and req.echo and req.logprobs is not None:
+            echoed = P.completion_logprobs(token_text, scored[1:], 0, prompt.prompt_token_ids[0])  # type: ignore[arg-type]
+            lp = P.joined_logprobs(echoed, lp)
+        choice = P.completion_choice(index, text, out, lp, out.delta_token_ids if self.token_ids_shown(req) else None)
+        if scored is not None and req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = P.prompt_logprobs_field(token_text, scored)
+        return choice
+
     async def _full_completion(self, gens: list, head: dict, req: P.CompletionRequest, echo: list[str],
                                prompt_tokens: int) -> Response:
-        finals = await self._collect(gens)
+        prompts: dict[int, GenerationOutput] = {}
+        finals = await self._collect(gens, prompts)
         choices, completion_tokens = [], 0
-        show_ids = self.token_ids_shown(req)
         for (pi, ci), out in sorted(finals.items()):
+            if req.max_tokens == 0:
+                out = _prompt_only(out)
+            out = replace(out, delta_text=out.text, delta_token_ids=out.token_ids, delta_logprobs=out.logprobs)
             completion_tokens += len(out.token_ids)
-            lp = self._cmpl_logprobs(out.logprobs, len(echo[pi]))
-            choices.append(P.completion_choice(pi * req.n + ci, echo[pi] + out.text, out, lp,
-                                               out.token_ids if show_ids else None))
+            choices.append(self._first_cmpl_choice(req, pi * req.n + ci, echo[pi] + out.text, out, prompts[pi]))
         return JSONResponse({**head, "choices": choices, "usage": P.usage(prompt_tokens, completion_tokens)})
 
     async def _stream_completion(self, gens: list, head: dict, req: P.CompletionRequest, echo: list[str],
@@ -363,6 +405,8 @@ class OpenAIServer:
                     for c in out.outputs:
                         if self.stopping and c.finish_reason == "abort":
                             raise self._shutdown_error()
+                        if req.max_tokens == 0:
+                            c = _prompt_only(c)
                         key = (pi, c.index)
                         first = key not in offsets
                         text = (echo[pi] if first else "") + c.delta_text
@@ -371,9 +415,13 @@ class OpenAIServer:
                         completion_tokens += len(c.delta_token_ids)
                         if not text and not c.finished and not (show_ids and c.delta_token_ids):
                             continue
-                        lp = self._cmpl_logprobs(c.delta_logprobs, offset + (len(echo[pi]) if first else 0))
-                        ids = c.delta_token_ids if show_ids else None
-                        yield _sse({**head, "choices": [P.completion_choice(pi * req.n + c.index, text, c, lp, ids)]})
+                        if first:
+                            choice = self._first_cmpl_choice(req, pi * req.n + c.index, text, c, out)
+                        else:
+                            lp = self._cmpl_logprobs(c.delta_logprobs, offset)
+                            choice = P.completion_choice(pi * req.n + c.index, text, c, lp,
+                                                         c.delta_token_ids if show_ids else None)
+                        yield _sse({**head, "choices": [choice]})
             if include_usage:
                 yield _sse({**head, "choices": [], "usage": P.usage(prompt_tokens, completion_tokens)})
         except Exception as exc:  # noqa: BLE001 - every failure ends the stream with an error event
@@ -388,6 +436,7 @@ class OpenAIServer:
             raise P.ApiError(f"top_logprobs must be between 0 and {P.MAX_LOGPROBS}", param="top_logprobs")
         if req.top_logprobs and not req.logprobs:
             raise P.ApiError("top_logprobs needs logprobs=true", param="top_logprobs")
+        check_prompt_logprobs(req)
         messages = [_message(m) for m in req.messages]
         stop = self.stop_strings(req.stop)
         tools = self.tool_plan(req)
@@ -402,7 +451,7 @@ class OpenAIServer:
             forced = tools.forced if tools is not None else None
             await self.warm_grammar(req, forced)
             sp = self.params(req, len(ids), max_tokens, None, top_n if req.logprobs else None, tuple(base.stop),
-                             forced)
+                             forced, req.prompt_logprobs)
             self.check_ready(req.model)
         except BaseException:
             release()
@@ -446,19 +495,29 @@ class OpenAIServer:
 
     async def _full_chat(self, gen: Any, head: dict, req: P.ChatRequest, prompt_tokens: int, top_n: int,
                          tools: ToolPlan | None) -> Response:
-        finals = await self._collect([gen])
+        prompts: dict[int, GenerationOutput] = {}
+        finals = await self._collect([gen], prompts)
         choices = []
         for (_, ci), out in sorted(finals.items()):
             calls = parse_tool_calls(out.text, tools.names) if tools is not None else None
-            choices.append(P.chat_choice(out, ci, self._chat_logprobs(out.logprobs, top_n), calls))
+            choices.append(self._with_prompt_logprobs(
+                P.chat_choice(out, ci, self._chat_logprobs(out.logprobs, top_n), calls), prompts[0]))
         completion_tokens = sum(len(out.token_ids) for out in finals.values())
         return JSONResponse({**head, "object": "chat.completion", "choices": choices,
                              "usage": P.usage(prompt_tokens, completion_tokens)})
+
+    def _with_prompt_logprobs(self, choice: dict[str, Any], prompt: GenerationOutput) -> dict[str, Any]:
+        """A chat choice (or a choice's first chunk) with `prompt_logprobs`, when asked for."""
+        if prompt.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = P.prompt_logprobs_field(P.token_text_of(self.engine.tokenizer),
+                                                                prompt.prompt_logprobs)
+        return choice
 
     async def _stream_chat(self, gen: Any, head: dict, req: P.ChatRequest, prompt_tokens: int, top_n: int,
                            include_usage: bool, tools: ToolPlan | None) -> AsyncIterator[str]:
         head = {**head, "object": "chat.completion.chunk"}
         completion_tokens = 0
+        started: set[int] = set()
         try:
             for i in range(req.n):
                 delta = {"role": "assistant", "content": ""}
@@ -473,14 +532,17 @@ class OpenAIServer:
                             # A call is only known whole: the reply is held back and sent
                             # parsed, as content and tool_calls, when the choice finishes.
                             if c.finished:
-                                yield _sse({**head, "choices": [P.chat_tool_delta(c, parse_tool_calls(c.text,
-                                                                                                      tools.names))]})
+                                choice = P.chat_tool_delta(c, parse_tool_calls(c.text, tools.names))
+                                yield _sse({**head, "choices": [self._with_prompt_logprobs(choice, out)]})
                             continue
                         if not c.delta_text and not c.finished:
                             continue
                         choice = {"index": c.index, "delta": {"content": c.delta_text} if c.delta_text else {},
                                   "logprobs": self._chat_logprobs(c.delta_logprobs, top_n),
                                   "finish_reason": P.finish_reason(c.finish_reason)}
+                        if c.index not in started:  # the choice's first chunk with content
+                            started.add(c.index)
+                            choice = self._with_prompt_logprobs(choice, out)
                         yield _sse({**head, "choices": [choice]})
             if include_usage:
                 yield _sse({**head, "choices": [], "usage": P.usage(prompt_tokens, completion_tokens)})
@@ -488,11 +550,16 @@ class OpenAIServer:
             yield _sse(_error_for(exc).body())
         yield "data: [DONE]\n\n"
 
-    async def _collect(self, gens: list) -> dict[tuple[int, int], Any]:
+    async def _collect(self, gens: list, prompts: dict[int, GenerationOutput] | None = None
+                       ) -> dict[tuple[int, int], Any]:
+        """Each choice's final output by (prompt, choice); `prompts` gets each prompt's last
+        output (its prompt logprobs)."""
         finals: dict[tuple[int, int], Any] = {}
         try:
             async with contextlib.aclosing(_merge(gens)) as merged:
                 async for pi, out in merged:
+                    if prompts is not None:
+                        prompts[pi] = out
                     for c in out.outputs:
                         finals[(pi, c.index)] = c
         except Exception as exc:  # noqa: BLE001 - mapped to an OpenAI-style error

@@ -408,13 +408,13 @@ class OpenAIServer:
                         if req.max_tokens == 0:
                             c = _prompt_only(c)
                         key = (pi, c.index)
-                        first = key not in offsets
+                        first = key not in offsets  # no chunk of this choice sent yet
                         text = (echo[pi] if first else "") + c.delta_text
-                        offset = offsets.get(key, 0)
-                        offsets[key] = offset + len(text)
                         completion_tokens += len(c.delta_token_ids)
                         if not text and not c.finished and not (show_ids and c.delta_token_ids):
                             continue
+                        offset = offsets.get(key, 0)
+                        offsets[key] = offset + len(text)
                         if first:
                             choice = self._first_cmpl_choice(req, pi * req.n + c.index, text, c, out)
                         else:

@@ -187,6 +187,34 @@ def test_prompt_logprobs_extension_on_both_endpoints(server, client, ref: LLM) -
     wait_idle(server["url"])
 
 
+def test_tokenize_and_detokenize(server, ref: LLM) -> None:
+    url = server["url"]
+    got = httpx.post(url + "/tokenize", json={"prompt": "the cat sat", "return_token_strs": True}).json()
+    want = ref.tokenizer.encode("the cat sat")
+    assert got["tokens"] == want and got["count"] == len(want) and got["max_model_len"] == MAX_LEN
+    assert got["token_strs"] == [ref.tokenizer.token_text(t) for t in want]
+    bare = httpx.post(url + "/tokenize", json={"prompt": "the cat sat", "add_special_tokens": False}).json()
+    assert bare["tokens"] == ref.tokenizer.encode("the cat sat", add_special_tokens=False) != want
+    # A conversation counts as a chat request renders it: usage.prompt_tokens of the same messages.
+    messages = [{"role": "user", "content": "the cat"}]
+    chat = httpx.post(url + "/tokenize", json={"messages": messages}).json()
+    reply = httpx.post(url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 1}).json()
+    assert chat["count"] == reply["usage"]["prompt_tokens"]
+    # Longer than the context: counted all the same (a client checks it against max_model_len).
+    assert httpx.post(url + "/tokenize", json={"prompt": "the " * 400}).json()["count"] > MAX_LEN
+    text = httpx.post(url + "/detokenize", json={"tokens": got["tokens"]}).json()["prompt"]
+    assert text == ref.tokenizer.decode(want, skip_special_tokens=False) and text.endswith("the cat sat")
+    for path, body, param in [("/tokenize", {}, "prompt"), ("/tokenize", {"prompt": "a", "messages": messages}, "prompt"),
+                              ("/tokenize", {"prompt": 5}, "prompt"), ("/detokenize", {"tokens": [256]}, "tokens"),
+                              ("/detokenize", {"tokens": [-1]}, "tokens"), ("/detokenize", {"tokens": "ab"}, "tokens"),
+                              ("/tokenize", {"prompt": "ok \ud800"}, "prompt")]:
+        # json.dumps spells the lone surrogate as the escape a client would send.
+        r = httpx.post(url + path, content=json.dumps(body), headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
+    r = httpx.post(url + "/tokenize", json={"model": "gpt-4", "prompt": "a"})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
 def test_concurrent_requests_equal_the_python_api(server, ref: LLM) -> None:
     want = ref.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.7, seed=9), use_tqdm=False)
     aclient = openai.AsyncOpenAI(base_url=server["url"] + "/v1", api_key="unused", max_retries=0, timeout=60)

@@ -117,6 +117,22 @@ class ChatRequest(_Sampling):
     functions: list[Any] | None = None
 
 
+class TokenizeRequest(_Body):
+    """/tokenize: a prompt (special tokens added as a completion adds them, unless told not
+    to), or a conversation rendered as chat renders it."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Body):
+    model: str | None = None
+    tokens: list[int]
+
+
 Body = TypeVar("Body", bound=_Body)
 
 

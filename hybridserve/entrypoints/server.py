@@ -184,6 +184,9 @@ class OpenAIServer:
         if self.engine.restarting:
             raise P.ApiError("the engine is restarting after a failure; retry shortly", status=503,
                              type_="engine_restarting", headers={"Retry-After": str(RETRY_AFTER_S)})
+        self.check_model(model)
+
+    def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise P.ApiError(f"the model `{model}` does not exist; this server serves `{self.model_name}`",
                              status=404, param="model", code="model_not_found")
@@ -568,6 +571,44 @@ class OpenAIServer:
             raise self._shutdown_error()
         return finals
 
+    # -- /tokenize, /detokenize (the mainstream server's extensions) ----------------------
+    # They need the tokenizer alone, so they answer while the engine restarts or drains.
+    def _tokenizer(self, param: str) -> Any:
+        tok = self.engine.tokenizer
+        if tok is None:
+            raise P.ApiError("this model has no tokenizer", param=param)
+        return tok
+
+    async def tokenize_text(self, req: P.TokenizeRequest) -> dict[str, Any]:
+        """A prompt's token ids, or a conversation's as chat renders it; a text longer than
+        the context is counted too (`max_model_len` beside it says whether it fits)."""
+        self.check_model(req.model)
+        tok = self._tokenizer("prompt" if req.messages is None else "messages")
+        if (req.prompt is None) == (req.messages is None):
+            raise P.ApiError("give either prompt or messages", param="prompt")
+        if req.messages is not None:
+            messages = [_message(m) for m in req.messages]
+            ids = await self.tokenize(lambda: tok.chat_prompt(messages)[1],
+                                      sum(len(m["content"] or "") for m in messages))
+        else:
+            text = req.prompt
+            ids = await self.tokenize(lambda: tok.encode(text, req.add_special_tokens, param="prompt"), len(text))
+        body: dict[str, Any] = {"count": len(ids), "max_model_len": self.engine.max_model_len, "tokens": ids}
+        if req.return_token_strs:
+            body["token_strs"] = [tok.token_text(t) for t in ids]
+        return body
+
+    async def detokenize_ids(self, req: P.DetokenizeRequest) -> dict[str, Any]:
+        self.check_model(req.model)
+        tok = self._tokenizer("tokens")
+        vocab = self.engine.parts.vocab_size
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise P.ApiError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="tokens")
+        # Special tokens kept: the text of exactly these ids, as /tokenize gave them.
+        return {"prompt": await self.tokenize(lambda: tok.decode(req.tokens, skip_special_tokens=False),
+                                              len(req.tokens))}
+
     # -- the rest ------------------------------------------------------------------------
     def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [{
@@ -697,6 +738,14 @@ def build_app(engine: AsyncLLM, model_name: str, metrics: ServerMetrics | None =
     @app.post("/v1/chat/completions")
     async def chat(request: Request, body: P.ChatRequest) -> Response:
         return await server.chat(request, body)
+
+    @app.post("/tokenize")
+    async def tokenize(body: P.TokenizeRequest) -> dict[str, Any]:
+        return await server.tokenize_text(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: P.DetokenizeRequest) -> dict[str, Any]:
+        return await server.detokenize_ids(body)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -62,8 +62,10 @@ def receive_prompt_logprobs(req: Request, chunk: PromptLogprobChunk) -> None:
     dropped, so each prompt token is reported once.
     """
     skip = 1 + req.num_prompt_logprobs - chunk.first_index
+    if skip < 0:  # a gap, which the rule above rules out: never report misplaced values
+        return
     values = chunk.info.token_logprobs[skip:]
-    if skip < 0 or not values:
+    if not values:
         return
     tops = chunk.info.top_logprobs
     tops = None if tops is None else tops[skip:]
@@ -100,11 +102,10 @@ def settle_plain_decodes(
 
     A plain decode: one sampled token, no drafts, a sampling step scheduled since the
     request's last preemption, a request not finished and with no prompt logprobs to
-    report, and nothing that could stop it
-    after this token (no stop ids, not an EOS it honours, below max_tokens and
-    max_model_len), so the stop check cannot fire and the row settles as the general
-    path would settle it: in-flight tokens and the placeholder returned, the token
-    appended, a block it fills hashed.
+    report, and nothing that could stop it after this token (no stop ids, not an EOS it
+    honours, below max_tokens and max_model_len), so the stop check cannot fire and the
+    row settles as the general path would settle it: in-flight tokens and the placeholder
+    returned, the token appended, a block it fills hashed.
     """
     add_output = outputs.append
     i, stop = start, len(reqs)

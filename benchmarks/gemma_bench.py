@@ -9,7 +9,8 @@ copied here as benchmarks/prompts16.json): the 16 text prompts tokenized with th
 2 warmup prompts of 16 random ids (seed 1_000_003, ids 5..vocab-1) first. Reported:
 - first start: a fresh $HYBRIDSERVE_CACHE_DIR in a temp folder, `LLM()` in a new process
   (assemble the GGUF, dequantize, cache) until it is ready; cached start: the same again;
-- output tok/s: 16 x 64 tokens submitted at once, median of --repeat runs;
+- output tok/s: 16 x 64 tokens submitted at once, median of --repeat runs (prefix caching
+  off, so a repeat recomputes its prompts as HF does; up to commit 9c18591 it was on);
 - HF generate at batch 8 (left padding, EOS off), same prompts, median of --hf-repeat runs,
   and how many of the 16 streams match ours token for token.
 Load on the machine (other processes) is printed next to the numbers: on 2 shared cores it
@@ -70,7 +71,9 @@ def run_ours(model_dir: Path, prompts: list[list[int]], warmup: list[list[int]],
     """(median output tok/s, all run seconds, output ids) through hybridserve.LLM."""
     from hybridserve import LLM, SamplingParams
 
-    llm = LLM(model=str(model_dir), async_scheduling=async_scheduling, max_model_len=1024, progress=False)
+    # Prefix caching off: the repeats reuse the prompts, and HF recomputes them every time.
+    llm = LLM(model=str(model_dir), async_scheduling=async_scheduling, max_model_len=1024,
+              enable_prefix_caching=False, progress=False)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     llm.generate(warmup, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
     times, ids = [], []

@@ -208,9 +208,14 @@ def check_prompt_ids(ids: Sequence[int], max_model_len: int, vocab_size: int) ->
             f"the prompt has {len(ids)} tokens, but max_model_len={max_model_len} allows at most "
             f"{max_model_len - 1} prompt tokens (one must remain for the output)"
         )
+    check_in_vocabulary(ids, vocab_size, "prompt")
+
+
+def check_in_vocabulary(ids: Sequence[int], vocab_size: int, param: str) -> None:
+    """RequestError naming `param` unless every id is a token of the vocabulary."""
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise RequestError(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})", "prompt")
+        raise RequestError(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})", param)
 
 
 def prepare_params(parts: FrontEnd, params: Any) -> Any:

@@ -159,6 +159,13 @@ def validation_error(errors: Sequence[Any]) -> ApiError:
     return ApiError(f"{where}: {err['msg']}", param=param)
 
 
+def check_logprob_count(value: int | None, param: str) -> None:
+    """400 unless a count of alternatives (logprobs, top_logprobs, prompt_logprobs) is
+    unset or within 0..MAX_LOGPROBS."""
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise ApiError(f"{param} must be between 0 and {MAX_LOGPROBS}", param=param)
+
+
 def check_unsupported(req: _Sampling) -> None:
     """400 for options that would change results if silently ignored."""
     if isinstance(req, CompletionRequest):

@@ -47,7 +47,13 @@ from starlette.middleware.cors import CORSMiddleware
 from hybridserve.core.errors import RequestError
 from hybridserve.core.request import StructuredOutput
 from hybridserve.engine.async_llm import AsyncLLM, EngineDeadError, EngineRestartingError, RequestFailedError
-from hybridserve.engine.frontend import ContextLengthError, prepare_chat, prepare_params, prepare_prompt
+from hybridserve.engine.frontend import (
+    ContextLengthError,
+    check_in_vocabulary,
+    prepare_chat,
+    prepare_params,
+    prepare_prompt,
+)
 from hybridserve.engine.outputs import CompletionOutput, GenerationOutput, SamplingParams
 from hybridserve.entrypoints import openai_protocol as P
 from hybridserve.entrypoints.http_guard import HttpGuard
@@ -82,11 +88,6 @@ class _SSEResponse(StreamingResponse):
 
 def _sse(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-
-def check_prompt_logprobs(req: P._Sampling) -> None:
-    if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= P.MAX_LOGPROBS:
-        raise P.ApiError(f"prompt_logprobs must be between 0 and {P.MAX_LOGPROBS}", param="prompt_logprobs")
 
 
 def _prompt_only(out: CompletionOutput) -> CompletionOutput:
@@ -313,9 +314,8 @@ class OpenAIServer:
     async def completions(self, request: Request, req: P.CompletionRequest) -> Response:
         P.check_unsupported(req)
         self.check_ready(req.model)
-        if req.logprobs is not None and not 0 <= req.logprobs <= P.MAX_LOGPROBS:
-            raise P.ApiError(f"logprobs must be between 0 and {P.MAX_LOGPROBS}", param="logprobs")
-        check_prompt_logprobs(req)
+        P.check_logprob_count(req.logprobs, "logprobs")
+        P.check_logprob_count(req.prompt_logprobs, "prompt_logprobs")
         if req.max_tokens == 0 and not req.echo:
             raise P.ApiError("max_tokens 0 needs echo: true (the prompt scored alone)", param="max_tokens")
         # An echoed prompt with logprobs is scored too, with the completion's alternatives.
@@ -435,11 +435,10 @@ class OpenAIServer:
     async def chat(self, request: Request, req: P.ChatRequest) -> Response:
         P.check_unsupported(req)
         self.check_ready(req.model)
-        if req.top_logprobs is not None and not 0 <= req.top_logprobs <= P.MAX_LOGPROBS:
-            raise P.ApiError(f"top_logprobs must be between 0 and {P.MAX_LOGPROBS}", param="top_logprobs")
+        P.check_logprob_count(req.top_logprobs, "top_logprobs")
         if req.top_logprobs and not req.logprobs:
             raise P.ApiError("top_logprobs needs logprobs=true", param="top_logprobs")
-        check_prompt_logprobs(req)
+        P.check_logprob_count(req.prompt_logprobs, "prompt_logprobs")
         messages = [_message(m) for m in req.messages]
         stop = self.stop_strings(req.stop)
         tools = self.tool_plan(req)
@@ -601,10 +600,7 @@ class OpenAIServer:
     async def detokenize_ids(self, req: P.DetokenizeRequest) -> dict[str, Any]:
         self.check_model(req.model)
         tok = self._tokenizer("tokens")
-        vocab = self.engine.parts.vocab_size
-        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise P.ApiError(f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="tokens")
+        _checked(lambda: check_in_vocabulary(req.tokens, self.engine.parts.vocab_size, "tokens"))
         # Special tokens kept: the text of exactly these ids, as /tokenize gave them.
         return {"prompt": await self.tokenize(lambda: tok.decode(req.tokens, skip_special_tokens=False),
                                               len(req.tokens))}

@@ -254,9 +254,11 @@ class ModelRunner:
         out: dict[str, PromptLogprobChunk] = {}
         for i, state in enumerate(states):
             n_top = state.params.prompt_logprobs
+            if n_top is None:  # nearly every request: nothing more to look at
+                continue
             start = state.num_computed
             stop = min(start + counts[i] - len(drafts[i]), state.num_prompt_tokens - 1)
-            if n_top is None or start >= stop:
+            if start >= stop:
                 continue
             first_row = int(ends[i]) - counts[i]
             values: list[float] = []

@@ -63,22 +63,15 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], default_generator: torch
     want = [r.params.logprobs is not None for r in rows]
     if not any(want):
         return token_list, [None] * len(rows)
-    lp = torch.log_softmax(raw.float(), dim=-1)
-    chosen = lp.gather(1, tokens[:, None]).squeeze(1).tolist()
-    n_top = max((r.params.logprobs or 0) for r in rows)
-    top_vals: list[list[float]] = []
-    top_ids: list[list[int]] = []
-    if n_top:
-        tv, ti = lp.topk(min(n_top, lp.shape[1]), dim=-1)
-        top_vals, top_ids = tv.tolist(), ti.tolist()
+    info = target_logprobs(raw, tokens, max((r.params.logprobs or 0) for r in rows))
     out: list[tuple[float, list[tuple[int, float]] | None] | None] = []
     for i, r in enumerate(rows):
         if not want[i]:
             out.append(None)
             continue
         n = r.params.logprobs or 0
-        top = list(zip(top_ids[i][:n], top_vals[i][:n])) if n else None
-        out.append((chosen[i], top))
+        top = info.top_logprobs[i][:n] if n and info.top_logprobs is not None else None
+        out.append((info.token_logprobs[i], top))
     return token_list, out
 
 

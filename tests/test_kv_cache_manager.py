@@ -17,7 +17,9 @@ from hybridserve.core.kv.spec import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,
+    MambaSpec,
     SlidingWindowSpec,
+    WindowTail,
     cdiv,
 )
 from hybridserve.core.request import Request, SamplingParams
@@ -37,10 +39,10 @@ def cl(chunk: int, bs: int = 4) -> ChunkedLocalAttentionSpec:
 
 
 def make_kv(
-    specs: list[KVCacheSpec], num_blocks: int, max_model_len: int = 64, max_in_flight: int = 8, **kw: bool
+    specs: list[KVCacheSpec], num_blocks: int, max_model_len: int = 64, max_in_flight: int = 8, **kw: object
 ) -> KVCacheManager:
     config = make_kv_cache_config(num_blocks, specs, specs[0].block_size)
-    return KVCacheManager(config, max_model_len=max_model_len, max_in_flight_tokens=max_in_flight, **kw)
+    return KVCacheManager(config, max_model_len=max_model_len, max_in_flight_tokens=max_in_flight, **kw)  # type: ignore[arg-type]
 
 
 def make_req(kv: KVCacheManager, rid: str, num_tokens: int, max_tokens: int = 16, **kw: object) -> Request:
@@ -359,6 +361,56 @@ def test_coordinator_shrinks_until_every_group_agrees() -> None:
     assert [x.block_id for x in hits[0]] == d_ids[0][:3]
     assert [x.block_id for x in hits[1]] == [0, d_ids[1][1], d_ids[1][2]]
     assert [x.block_id for x in hits[2]] == [0, 0, d_ids[2][2]]
+
+
+def test_load_past_a_mamba_hit_drops_the_superseded_checkpoint() -> None:
+    """A connector load past a prefix hit: the first computed token (12) starts from the
+    load's state (column 2), so the hit's checkpoint (column 1, the state after 8) is never
+    read and the request must not hold it beside the loaded block: one block, the cap. (The
+    random workloads found the request holding both, 2 real blocks against a cap of 1.)"""
+    mamba = MambaSpec(4, shapes=((4, 4),))
+    kv = make_kv([full(), mamba], num_blocks=64, in_flight=WindowTail(1), keep_last_checkpoint=True)
+    assert kv.caps[1] == 1
+    a = make_req(kv, "a", 13)
+    assert kv.allocate_slots(a, 13) is not None  # columns 0..2 checkpoints (blocks to spare), 3 running
+    a.num_computed_tokens = 13
+    kv.cache_blocks(a, 13, final=True)
+    a_ids = kv.get_block_ids("a")
+    kv.free(a)
+    b = Request("b", a.prompt_token_ids[:12] + [999])
+    kv.init_request(b)
+    hits, length = kv.coordinator.find_longest_cache_hit(b.block_hashes, 8)  # the device holds 8; the host 12
+    assert length == 8
+    assert [x.block_id for x in hits[1]] == [0, a_ids[1][1]]
+    free = kv.pool.num_free_blocks
+    assert kv.allocate_slots(b, 0, num_new_computed_tokens=8, new_computed_blocks=hits,
+                             num_external_computed_tokens=4, delay_cache_blocks=True) is not None
+    table = kv.get_block_ids("b")
+    assert table[0][:2] == a_ids[0][:2] and table[0][2] not in a_ids[0]
+    assert table[1][:2] == [0, 0] and table[1][2] != 0  # the load fills column 2
+    assert real_blocks(kv, "b") == [3, 1]
+    assert hits[1][1].ref_cnt == 0  # still only cached, in the free queue
+    # Two full-attention hits leave the queue, plus one new block per group.
+    assert kv.pool.num_free_blocks == free - 2 - 2
+
+
+def test_load_past_a_sliding_hit_holds_only_the_loaded_window() -> None:
+    """W=4, bs 4: a hit of 8 tokens holds block 1; a load to 16 starts at token 16, whose
+    window (13..16) begins in block 3, so the hit's block 1 is not held."""
+    kv = make_kv([full(), sw(4)], num_blocks=64)
+    a = make_req(kv, "a", 17)
+    kv.allocate_slots(a, 17)
+    a_ids = kv.get_block_ids("a")
+    kv.free(a)
+    b = Request("b", a.prompt_token_ids[:16] + [999])
+    kv.init_request(b)
+    hits, length = kv.coordinator.find_longest_cache_hit(b.block_hashes, 8)
+    assert length == 8 and [x.block_id for x in hits[1]] == [0, a_ids[1][1]]
+    assert kv.allocate_slots(b, 0, num_new_computed_tokens=8, new_computed_blocks=hits,
+                             num_external_computed_tokens=8, delay_cache_blocks=True) is not None
+    assert kv.get_block_ids("b")[1][:3] == [0, 0, 0]
+    assert real_blocks(kv, "b") == [4, 1]
+    assert kv.get_num_null_blocks("b") == (0, 3)
 
 
 def test_failed_allocation_leaves_hit_ref_counts_untouched() -> None:

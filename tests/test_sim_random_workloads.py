@@ -8,7 +8,7 @@ single-request output (a prefix of it when aborted), and every block is back in 
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from hybridserve.core.kv.spec import (
@@ -95,8 +95,24 @@ def workloads(draw):
     return specs, reqs, aborts, num_blocks, cfg
 
 
+# Found by the random search (issue 39): with prefix caching and a connector, request 1
+# hits 8 tokens (a Mamba checkpoint that requests 3 and 4 also hit) and loads 4 more; it
+# held the hit's checkpoint beside the loaded block, 2 real Mamba blocks against a cap of 1.
+LOAD_PAST_A_SHARED_HIT = (
+    [FullAttentionSpec(4, 1, 8), MambaSpec(4, shapes=((4, 4),))],
+    [(arrival, make_request(rid, [3] * 12 + [last], 1))
+     for arrival, rid, last in [(5, "0", 10), (5, "1", 47), (0, "2", 84), (5, "3", 121), (5, "4", 158)]],
+    {3: ["2"]},
+    66,
+    dict(async_scheduling=False, concurrent_batches=1, max_num_batched_tokens=4, num_speculative_tokens=0,
+         acceptance_rate=0.0, enable_prefix_caching=True, connector=True, failure_rate=0.0, seed=0,
+         window_tail_allocation=False),
+)
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(workloads())
+@example(LOAD_PAST_A_SHARED_HIT)
 def test_random_workloads_are_race_free_and_deterministic(w):
     specs, reqs, aborts, num_blocks, cfg = w
     run = run_sim(specs, reqs, num_blocks, aborts=aborts, max_model_len=MML, **cfg)

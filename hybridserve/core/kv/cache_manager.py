@@ -261,6 +261,8 @@ class KVCacheManager:
             m.remove_skipped_blocks(rid, basis)
 
         hits = new_computed_blocks
+        if hits is not None:
+            hits = self.coordinator.drop_unread_hits(hits, total_computed)
         num_needed = 0
         if hits is None and not full_sequence_must_fit:  # a running request: the common, cheap path
             num_needed = self.coordinator.num_blocks_to_allocate(rid, num_tokens_need_slot, total_computed)

@@ -67,6 +67,22 @@ class KVCacheCoordinator:
             if not shrunk:
                 return hits, candidate
 
+    def drop_unread_hits(self, hits: BlocksPerGroup, first_computed: int) -> BlocksPerGroup:
+        """The hits with the null block wherever the request's first computed token never
+        reads: below each group's skip boundary at first_computed. Without a connector
+        load that is where the hit has nulls already; a load past the hit moves the
+        boundary (its end supersedes a Mamba hit's checkpoint, and a window's oldest hit
+        blocks fall out of the loaded end's window), and those hits would otherwise be held
+        beside the loaded blocks, past the group's admission cap."""
+        null = self.pool.null_block
+        out: BlocksPerGroup = []
+        for m, group_hits in zip(self.managers, hits):
+            first = min(m.first_real_block(first_computed), len(group_hits))
+            if first and any(not b.is_null for b in group_hits[:first]):
+                group_hits = [null] * first + list(group_hits[first:])
+            out.append(group_hits)
+        return out
+
     def save_new_computed_blocks(self, request_id: str, new_computed_blocks: BlocksPerGroup) -> None:
         for i, m in enumerate(self.managers):
             m.save_new_computed_blocks(request_id, new_computed_blocks[i])

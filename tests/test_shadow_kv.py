@@ -7,7 +7,9 @@ from __future__ import annotations
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from hybridserve.executor.sim.shadow_kv import FREED, OVERWRITTEN, UNOWNED, WRONG, ShadowKV, StepTouches, Violation
+from hybridserve.executor.sim.shadow_kv import (
+    FREED, OVERWRITTEN, SHARED_WRITE, UNOWNED, WRONG, ShadowKV, StepTouches, Violation,
+)
 
 BS = 4
 # Fingerprints of a request's positions 0..15 (4 blocks of 4): any distinct ints do.
@@ -209,3 +211,16 @@ def _play(ops: list, path: int) -> list[Violation]:
           ("step", [(1, 1, 0), (0, 0, 0)])])
 def test_entrywise_and_vectorized_checks_report_the_same(ops):
     assert _play(ops, ENTRYWISE) == _play(ops, VECTORIZED)
+
+
+def test_a_state_rewritten_with_new_content_while_another_table_holds_it_is_reported() -> None:
+    kv = ShadowKV(num_blocks=8, block_size=BS, num_groups=1, strict=False)
+    shared = {3}
+    kv.is_shared = lambda bid: bid in shared
+    kv.write_state(3, 11, "A", step=0, group=0)  # fresh block: nothing to compare
+    kv.write_state(3, 11, "B", step=1, group=0)  # the same state written back: harmless
+    kv.write_state(5, 12, "A", step=1, group=0)
+    kv.write_state(5, 13, "A", step=2, group=0)  # not shared: the owner moves its state on
+    assert kv.violations == []
+    kv.write_state(3, 14, "A", step=3, group=0)
+    assert kv.violations == [Violation(SHARED_WRITE, 3, "A", 0, 3, -1)]

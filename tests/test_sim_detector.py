@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from hybridserve.core.kv.single_type_managers import SlidingWindowManager
-from hybridserve.core.kv.spec import FullAttentionSpec, SlidingWindowSpec
-from hybridserve.executor.sim.shadow_kv import FREED, NULL_READ, OVERWRITTEN, UNOWNED, RaceViolation
+from hybridserve.core.kv.single_type_managers import (
+    InPlaceMambaManager, SingleTypeKVCacheManager, SlidingWindowManager,
+)
+from hybridserve.core.kv.spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+from hybridserve.executor.sim.shadow_kv import (
+    FREED, NULL_READ, OVERWRITTEN, SHARED_WRITE, UNOWNED, WRONG, RaceViolation,
+)
 from tests.sim_helpers import make_request, reference_output, run_sim
 
 FULL = FullAttentionSpec(16, 1, 8)
@@ -150,3 +154,24 @@ def test_read_of_a_block_freed_one_block_early_is_reported(monkeypatch):
     kinds = {v.kind for v in run.violations}
     assert kinds == {UNOWNED}
     assert all(v.group == 1 and v.block in freed_early for v in run.violations)
+
+
+def test_a_running_mamba_state_published_early_is_caught_at_the_write(monkeypatch):
+    """Inject a bug: in-place Mamba groups publish up to the scheduled count, so a running
+    state whose block just filled is cached while it still runs. b hits it, and a's next
+    step moves its state on in that same block: reported as the write, before b reads."""
+
+    def publish_early(self, request, num_tokens, num_processed_tokens):
+        SingleTypeKVCacheManager.cache_blocks(self, request, num_tokens, num_processed_tokens)
+
+    monkeypatch.setattr(InPlaceMambaManager, "cache_blocks", publish_early)
+    specs = [FullAttentionSpec(4, 1, 8), MambaSpec(4, shapes=((4, 4),))]
+    prompt = list(range(10, 18))
+
+    def reqs():
+        return [(0, make_request("a", prompt, 6)), (3, make_request("b", prompt + [5, 6], 4))]
+
+    run = run_sim(specs, reqs(), 64, async_scheduling=False, strict=False, max_model_len=64)
+    assert [(v.kind, v.request_id, v.group) for v in run.violations][:2] == [(SHARED_WRITE, "a", 1), (WRONG, "b", 1)]
+    monkeypatch.undo()
+    assert run_sim(specs, reqs(), 64, async_scheduling=False, max_model_len=64).violations == []

@@ -130,6 +130,8 @@ class SimExecutor(Executor):
     def observe_block_pool(self, pool: BlockPool) -> None:
         if self.shadow is not None:
             pool.on_free = self.shadow.on_free
+            blocks = pool.blocks
+            self.shadow.is_shared = lambda bid: blocks[bid].ref_cnt > 1
 
     def execute(self, scheduler_output: SchedulerOutput) -> Any:
         so = scheduler_output
@@ -200,8 +202,8 @@ class SimExecutor(Executor):
         if touches is not None and touches.state_writes:
             # A Mamba layer reads every request's state before it writes any (the runner's
             # StepMambaStates): a state written this step is not there for another's read.
-            for bid, fp, writer in touches.state_writes:
-                shadow.write_state(bid, fp, writer)  # type: ignore[union-attr]
+            for bid, fp, writer, group in touches.state_writes:
+                shadow.write_state(bid, fp, writer, so.step_id, group)  # type: ignore[union-attr]
         rec = shadow.begin(touches) if shadow is not None and touches is not None else None
         return ModelRunnerOutput(ids, sampled, kv_connector_output=kco), rec
 
@@ -375,7 +377,7 @@ class SimExecutor(Executor):
         bid = table[0]
         if read_fp is not None:
             self._check_state_read(touches, g, row, 0, bid, s, read_fp, rid)
-        touches.state_writes.append((bid, state_fp, rid))
+        touches.state_writes.append((bid, state_fp, rid, g))
         touches.add(g, row, 0, 1, s, -1, rid, _NO_FPS)
 
     def _mamba_checkpoints(
@@ -396,12 +398,12 @@ class SimExecutor(Executor):
         if read_fp is not None:
             self._check_state_read(touches, g, row, first, table[first], s, read_fp, rid)
         state_writes = touches.state_writes
-        state_writes.append((table[last], writes[-1], rid))
+        state_writes.append((table[last], writes[-1], rid, g))
         valid_end = s + num_valid
         for b in range((s // bs + 1) * bs, valid_end, bs):  # boundaries strictly inside
             if table[b // bs - 1] != NULL:  # sparse checkpoints keep only some (MambaSpec)
-                state_writes.append((table[b // bs - 1], writes[b - s - 1], rid))
-        state_writes.append((table[(valid_end - 1) // bs], writes[num_valid - 1], rid))
+                state_writes.append((table[b // bs - 1], writes[b - s - 1], rid, g))
+        state_writes.append((table[(valid_end - 1) // bs], writes[num_valid - 1], rid, g))
         touches.add(g, row, first, last - first + 1, s, -1, rid, _NO_FPS)
 
     def _mamba_in_place(
@@ -427,12 +429,12 @@ class SimExecutor(Executor):
             self._check_state_read(touches, g, row, first, table[first], s, read_fp, rid)
         running = table[last]
         state_writes = touches.state_writes
-        state_writes.append((running, writes[-1], rid))
+        state_writes.append((running, writes[-1], rid, g))
         for b in range((s // bs + 1) * bs if source else -(-s // bs) * bs, s + num_valid + 1, bs):
             col = b // bs - 1
             if b and col != last and table[col] != NULL:
-                state_writes.append((table[col], read_fp if b == s else writes[b - s - 1], rid))  # type: ignore[arg-type]
-        state_writes.append((running, writes[num_valid - 1], rid))
+                state_writes.append((table[col], read_fp if b == s else writes[b - s - 1], rid, g))  # type: ignore[arg-type]
+        state_writes.append((running, writes[num_valid - 1], rid, g))
         lo = (s - 1) // bs if s else 0  # the source, or the first boundary's checkpoint
         touches.add(g, row, lo, last - lo + 1, s, -1, rid, _NO_FPS)
 

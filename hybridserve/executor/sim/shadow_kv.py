@@ -20,7 +20,9 @@ A touch of a block freed since the request's table got it (its free generation m
 the reference count reached 0, whether or not the block was handed out again) is
 unowned-block, checked before content: a freed block keeps its slots until reused, so
 its content alone would look right. Reads of block id 0 (the null block) are
-read-of-null-slot; wrong fingerprints are wrong-content.
+read-of-null-slot; wrong fingerprints are wrong-content. A Mamba state written with new
+content into a block another table holds too is shared-state-overwritten (at the write:
+that table's read may come much later, or never, while the prefix cache serves it).
 
 Cost grows with blocks touched, never with tokens, and the per-block work is numpy:
 a step's touches are a list of segments (a contiguous range of one request's block table
@@ -50,7 +52,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -63,6 +65,7 @@ NULL_READ = "read-of-null-slot"
 WRONG = "wrong-content"
 UNALLOCATED = "unallocated-slot"
 UNOWNED = "unowned-block"
+SHARED_WRITE = "shared-state-overwritten"
 
 
 @dataclass(frozen=True)
@@ -109,8 +112,8 @@ class StepTouches:
         self.nums: list[int] = []
         self.ctx: list[tuple[str, list[int]]] = []
         self.markers: list[tuple[int, Violation]] = []
-        # Mamba state writes (block, fingerprint, writer), applied after every read of the step.
-        self.state_writes: list[tuple[int, int, str]] = []
+        # Mamba state writes (block, fingerprint, writer, group), applied after every read of the step.
+        self.state_writes: list[tuple[int, int, str, int]] = []
         # Filled by ShadowKV.begin: every touched block id, its version after dispatch, its
         # segment and block index; lo and group per segment (for reports).
         self.bids: Any = _EMPTY
@@ -167,6 +170,9 @@ class ShadowKV:
         self.vstamp = np.zeros_like(self.table)
         self.vpos = np.zeros_like(self.table)
         self._iota = np.arange(1024, dtype=np.int64)
+        # Block-pool hook: is block bid held by more than one table (or a table and a fenced
+        # free)? Set by the executor that observes the pool; None: not checked.
+        self.is_shared: Callable[[int], bool] | None = None
         self._resize(16, 32)
 
     def report(self, v: Violation) -> None:
@@ -253,7 +259,15 @@ class ShadowKV:
         if z > f:
             filled[bid] = z
 
-    def write_state(self, bid: int, fp: int, writer: str) -> None:
+    def write_state(self, bid: int, fp: int, writer: str, step: int = -1, group: int = -1) -> None:
+        """A Mamba state write. A state is one slot with no reader recorded in flight, so a
+        block that two tables hold (a checkpoint that another request hit) rewritten with
+        other content would be seen only at a later read: reported here, at the write. The
+        same content (a step writing back the state it read) is harmless."""
+        if self.is_shared is not None:
+            slots = self.slots[bid]
+            if slots is not None and slots[0] != fp and self.is_shared(bid):
+                self.report(Violation(SHARED_WRITE, step, writer, group, bid, -1))
         self.write(bid, 0, [fp], writer)
 
     # -- a dispatched step ------------------------------------------------------------

@@ -177,10 +177,10 @@ def test_a_request_whose_sampling_fails_fails_alone(engine: AsyncLLM, monkeypatc
 
     real = sampler.sample
 
-    def picky(logits, rows, gen):
+    def picky(logits, rows):
         if any(r.params.seed == 666 for r in rows):
             raise IndexError("boom")
-        return real(logits, rows, gen)
+        return real(logits, rows)
 
     monkeypatch.setattr(sampler, "sample", picky)
     params = SamplingParams(max_tokens=12, temperature=0.8, seed=5)

@@ -38,6 +38,7 @@ from hybridserve.models.int8 import (  # noqa: E402
     quantize_rows_uint8,
 )
 from hybridserve.models.safetensors_map import MappedCheckpoint  # noqa: E402
+from hybridserve.models.span_logits import SPAN  # noqa: E402
 
 VOCAB = HEAD_CHUNK_ROWS + 7232  # two chunks, the second partial
 HIDDEN = 64
@@ -256,3 +257,23 @@ def test_row_max_is_max_over_the_row_ties_included(rows: int, spans: int, extra:
     assert torch.equal(indices, expected.indices)
     first = [(row == row.max()).nonzero()[0].item() for row in x]  # the first maximal index, plainly
     assert indices.tolist() == first
+
+
+@pytest.mark.parametrize("chunk_rows", [None, 8192, 1000])  # the default, per-chunk spans, and chunks off the span
+@pytest.mark.parametrize("softcap", [None, 0.5])
+def test_span_logits_are_the_logits_and_their_span_summaries(weight: torch.Tensor, chunk_rows: int | None,
+                                                            softcap: float | None) -> None:
+    head = OutputHead(weight, "none", chunk_rows=chunk_rows)
+    x = _hidden(5)
+    inv_t = torch.tensor([1.0, 2.0, 0.5, 1.0, 10.0])
+    logits = head(x)
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    got = head.span_logits(x, inv_t, softcap)
+    assert torch.equal(got.logits, logits)
+    assert got.padded.shape[1] % SPAN == 0 and bool((got.padded[:, VOCAB:] == float("-inf")).all())
+    # The summaries by hand, span by span, from the logits padded with -inf.
+    padded = torch.cat([logits, torch.full((5, got.padded.shape[1] - VOCAB), float("-inf"))], dim=1).view(5, -1, SPAN)
+    peak = padded.amax(dim=-1)
+    torch.testing.assert_close(got.span_max, peak, rtol=0, atol=0)
+    torch.testing.assert_close(got.span_sum, torch.exp((padded - peak[..., None]) * inv_t[:, None, None]).sum(-1))

@@ -166,6 +166,26 @@ def test_seeded_sampling_is_reproducible_and_differs_from_greedy() -> None:
     assert outs[0]["r0"][0] != greedy
 
 
+def test_a_seeded_stream_does_not_depend_on_its_batch_scheduling_or_preemption() -> None:
+    """A seeded request's draws are keyed by its seed and each token's position: alone,
+    beside three other requests with async scheduling, and preempted and recomputed in a
+    pool of 8 blocks, its tokens are the same."""
+    params = dict(temperature=1.0, top_p=0.9, min_p=0.02, seed=4321)
+    runs = []
+    for prompts, cfg in [(PROMPTS[:1], dict(async_scheduling=False)),
+                         (PROMPTS, dict(async_scheduling=True)),
+                         (PROMPTS, dict(async_scheduling=False, num_blocks=8, max_num_batched_tokens=32))]:
+        eng = make_engine("mistral", **cfg)  # type: ignore[arg-type]
+        try:
+            runs.append(run(eng, prompts, **params)["r0"][0])
+            if cfg.get("num_blocks"):
+                assert eng.scheduler.stats.num_preemptions > 0
+        finally:
+            eng.shutdown()
+    assert runs[0] == runs[1] == runs[2]
+    assert runs[0] != hf_tiny.oracle("mistral", PROMPTS[0], NEW_TOKENS)[0]
+
+
 def test_executor_errors_surface_in_wait_and_setup_is_checked() -> None:
     from hybridserve.core.errors import ConfigError, RequestError
     from hybridserve.core.sched.output import ScheduledRequest, SchedulerOutput

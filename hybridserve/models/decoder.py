@@ -27,6 +27,7 @@ from hybridserve.models.heap import release_free_heap
 from hybridserve.models.linear import LayerLinears, Linear, ResidualLinear, make_int8_linear, make_linear
 from hybridserve.models.parallel import PipelineStage, TPGroup, local_config
 from hybridserve.models.rope import RopeTable, apply_rope_
+from hybridserve.models.span_logits import SpanLogits
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: torch.Tensor, inv_dim: float) -> torch.Tensor:
@@ -333,6 +334,13 @@ class DecoderLM(StagedModel):
             self.build_linears(release_weights=False)
         assert self._head is not None
         return self._head.greedy(hidden, self.cfg.final_softcap)
+
+    def span_logits(self, hidden: torch.Tensor, inv_temperature: torch.Tensor) -> SpanLogits:
+        """The logits of the rows that sample, with the span summaries sampling reads."""
+        if self._head is None:
+            self.build_linears(release_weights=False)
+        assert self._head is not None
+        return self._head.span_logits(hidden, inv_temperature, self.cfg.final_softcap)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocab logits for the rows that sample only (the head dominates large vocabularies)."""

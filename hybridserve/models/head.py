@@ -36,6 +36,7 @@ from hybridserve.models.heap import release_free_heap
 from hybridserve.models.int8 import (FBGEMM, QUANTIZERS, int8_gemm_available, int8_matmul, int8_paths,
                                     quantize_gemm_weight, quantize_int8_rows)
 from hybridserve.models.linear import make_linear
+from hybridserve.models.span_logits import SPAN, LogitsBuffer, SpanLogits, span_stats
 
 # Vocabulary rows per packed / quantized chunk: small enough that one chunk's logits stay
 # in a core's L2 for the argmax ([16, 32768] float32 is 2 MB) and packing one adds little
@@ -134,6 +135,7 @@ class OutputHead:
         on_fbgemm = self._int8_activations and self._int8_path == FBGEMM
         self.chunk_rows = chunk_rows or (FBGEMM_HEAD_CHUNK_ROWS if on_fbgemm else HEAD_CHUNK_ROWS)
         self._chunks: list[Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]] = []
+        self._logits_buffer = LogitsBuffer(self.vocab_size)
         for start in range(0, self.vocab_size, self.chunk_rows):
             stop = min(start + self.chunk_rows, self.vocab_size)
             kernel, reads_source = self._chunk_kernel(weight[start:stop])
@@ -198,3 +200,27 @@ class OutputHead:
             return indices[0].tolist()
         winner = torch.stack(values, dim=1).max(dim=1).indices  # first chunk holding the maximum
         return torch.stack(indices, dim=1).gather(1, winner[:, None]).squeeze(1).tolist()
+
+    def span_logits(self, hidden: torch.Tensor, inv_temperature: torch.Tensor, softcap: float | None) -> SpanLogits:
+        """The logits (exactly as __call__ then logits()' soft-capping give them) in the reused
+        buffer, with each span's summary taken while its chunk is still in cache
+        (models/span_logits.py): one pass over the vocabulary, as greedy() makes."""
+        x = self._input(hidden)
+        padded = self._logits_buffer.rows(hidden.shape[0])
+        inv_t = inv_temperature.to(torch.float32)
+        per_chunk = self.chunk_rows % SPAN == 0
+        peaks, masses = [], []
+        for start, chunk in zip(range(0, self.vocab_size, self.chunk_rows), self._chunks):
+            out = chunk(*x).to(self.out_dtype)
+            if softcap:
+                out = torch.tanh(out / softcap) * softcap
+            stop = start + out.shape[1]
+            padded[:, start:stop].copy_(out)
+            if per_chunk:  # the last chunk's spans take the buffer's -inf padding with them
+                peak, mass = span_stats(padded[:, start : stop if stop < self.vocab_size else None], inv_t)
+                peaks.append(peak)
+                masses.append(mass)
+        if not per_chunk:
+            peak, mass = span_stats(padded, inv_t)
+            peaks, masses = [peak], [mass]
+        return SpanLogits(padded, self.vocab_size, inv_t, torch.cat(peaks, dim=1), torch.cat(masses, dim=1))

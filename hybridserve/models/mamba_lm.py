@@ -24,6 +24,7 @@ from hybridserve.models.mamba2 import Mamba2MixerWeights, MambaStateIO, mamba2_m
 from hybridserve.models.mamba_config import MAMBA
 from hybridserve.models.parallel import PipelineStage, SharedNormGroups, TPGroup
 from hybridserve.models.rope import RopeTable, apply_rope_
+from hybridserve.models.span_logits import LogitsBuffer, SpanLogits, span_logits_from
 
 
 class HybridBackend(Protocol):
@@ -84,6 +85,7 @@ class MambaLM(StagedModel):
         self.layers = nn.ModuleList(MambaLayerWeights(local, local.layer_types[i], dtype, self.row_bias, share)
                                     for i in self.layer_ids)
         self._rope: RopeTable | None = None
+        self._logits_buffer: LogitsBuffer | None = None
 
     def setup(self, device: torch.device) -> None:
         """Constants on the model's device (call after moving the weights)."""
@@ -140,3 +142,9 @@ class MambaLM(StagedModel):
 
     def greedy_tokens(self, hidden: torch.Tensor) -> list[int]:
         return self.logits(hidden).argmax(dim=-1).tolist()
+
+    def span_logits(self, hidden: torch.Tensor, inv_temperature: torch.Tensor) -> SpanLogits:
+        """The logits of the rows that sample, with the span summaries sampling reads."""
+        if self._logits_buffer is None:
+            self._logits_buffer = LogitsBuffer(self.cfg.vocab_size)
+        return span_logits_from(self.logits(hidden), inv_temperature, self._logits_buffer)

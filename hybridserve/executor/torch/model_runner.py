@@ -38,7 +38,8 @@ from hybridserve.executor.torch.kv_cache import PagedKVCache
 from hybridserve.executor.torch.logits_controls import TokenHistory
 from hybridserve.executor.torch.mamba_states import GroupSubset, MambaLayout, StepBackend, StepMambaStates
 from hybridserve.executor.torch.requests import BlockTables, RequestState
-from hybridserve.executor.torch.sampler import SampleRow, is_greedy, logprob_info, sample_isolated, target_logprobs
+from hybridserve.executor.torch.sampler import (SampleRow, inv_temperatures, is_greedy, logprob_info,
+                                                sample_isolated, target_logprobs)
 from hybridserve.executor.torch.spec_decode import NgramDrafter, num_accepted
 from hybridserve.engine.structured_output import GrammarBackend
 from hybridserve.models.decoder import DecoderLM
@@ -66,8 +67,10 @@ class ModelRunner:
     """Owns the KV cache, the per-request state and the block tables; runs one step at a time.
 
     Invariants: steps execute in dispatch order; a request's state exists from the step
-    that carries its NewRequestData until a step lists it as finished or preempted; a
-    preempted seeded request keeps its generator, so its sample stream continues.
+    that carries its NewRequestData until a step lists it as finished or preempted; every
+    request has a sampling seed (its own, or one drawn from the runner's generator when
+    it first arrives, kept across preemption), and its draws are keyed by (seed, token
+    position), so they continue unchanged after a preemption.
     """
 
     def __init__(self, model: DecoderLM | MambaLM, kv_cache_config: KVCacheConfig, device: torch.device,
@@ -108,33 +111,34 @@ class ModelRunner:
         ]
         self.tables = BlockTables(len(kv_cache_config.groups))
         self.states: dict[str, RequestState] = {}
-        # Generators of preempted seeded requests, so a resumed request keeps its stream.
-        self._parked_generators: dict[str, torch.Generator] = {}
-        self.default_generator = torch.Generator(device=device)
-        self.default_generator.manual_seed(seed)
+        # Seeds of preempted requests, so a resumed request keeps its draws.
+        self._parked_seeds: dict[str, int] = {}
+        # Draws the seeds of requests that bring none (every tensor-parallel rank draws the
+        # same ones: the same seed, and requests arrive in the same order).
+        self.seed_generator = torch.Generator()
+        self.seed_generator.manual_seed(seed)
 
     # -- request state ----------------------------------------------------------
     def _drop(self, req_id: str, preempted: bool) -> None:
         state = self.states.pop(req_id, None)
         if state is None:
             if not preempted:
-                self._parked_generators.pop(req_id, None)
+                self._parked_seeds.pop(req_id, None)
             return
         self.tables.free_row(state.row)
-        if preempted and state.generator is not None:
-            self._parked_generators[req_id] = state.generator
+        if preempted:
+            self._parked_seeds[req_id] = state.seed
 
     def _add(self, new: NewRequestData, num_computed: int) -> RequestState:
         if new.request_id in self.states:
             raise RequestError(f"request {new.request_id} is already running on the runner")
         p = new.sampling_params
-        gen = self._parked_generators.pop(new.request_id, None)
-        if gen is None and new.sampling_params.seed is not None:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(new.sampling_params.seed)
+        seed = self._parked_seeds.pop(new.request_id, p.seed)
+        if seed is None:
+            seed = int(torch.randint(0, 1 << 62, (1,), generator=self.seed_generator))
         state = RequestState(
             req_id=new.request_id, token_ids=list(new.token_ids), num_computed=num_computed,
-            params=new.sampling_params, row=self.tables.alloc_row(), generator=gen,
+            params=new.sampling_params, row=self.tables.alloc_row(), seed=seed,
             num_prompt_tokens=len(new.prompt_token_ids), eos_token_id=new.eos_token_id,
             plain_greedy=(is_greedy(p) and p.logprobs is None and not p.min_tokens
                           and not p.has_logits_controls and p.structured_output is None),
@@ -365,13 +369,14 @@ class ModelRunner:
         if all(states[i].plain_greedy for i in samplers):
             tokens = self.model.greedy_tokens(hidden)  # no full logits tensor
         else:
-            logits = self.model.logits(hidden)
             masks = {i: g.masks(drafts[i], w) for i, w in zip(samplers, widths)
                      if (g := states[i].extra.get("grammar")) is not None}
-            rows_info = [SampleRow(states[i].params, states[i].generator, self._banned(states[i], j),
-                                   self._history(states[i], drafts[i], j), masks[i][j] if i in masks else None)
+            rows_info = [SampleRow(states[i].params, states[i].seed, len(states[i].token_ids) + j,
+                                   self._banned(states[i], j), self._history(states[i], drafts[i], j),
+                                   masks[i][j] if i in masks else None)
                          for i, w in zip(samplers, widths) for j in range(w)]
-            tokens, lps, failed_rows = sample_isolated(logits, rows_info, self.default_generator)
+            inv_t = inv_temperatures(rows_info)
+            tokens, lps, failed_rows = sample_isolated(lambda r: self.model.span_logits(hidden[r], inv_t[r]), rows_info)
             if failed_rows:
                 row_owner = [i for i, w in zip(samplers, widths) for _ in range(w)]
                 for r, reason in failed_rows.items():

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
 from hybridserve.core.errors import RequestError
 from hybridserve.core.request import SamplingParams
@@ -29,7 +28,7 @@ class RequestState:
     num_computed: int
     params: SamplingParams
     row: int  # row of this request in every group's block table
-    generator: torch.Generator | None = None
+    seed: int = 0  # keys this request's draws (executor/torch/sampling_keys.py)
     num_prompt_tokens: int = 0
     eos_token_id: int | None = None
     plain_greedy: bool = False  # greedy, no logprobs, no min_tokens: the argmax fast path

@@ -1,33 +1,42 @@
 """Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
 
 A structured output's grammar mask (grammar.py), the per-request logits controls
-(logits_controls.py) and the min_tokens ban come first; then
-filters apply in the order temperature -> top-k -> top-p -> min-p, each to the result
-of the previous one. Random rows draw with the Gumbel-free "exponential race"
-(argmax p_i / E_i with E_i ~ Exp(1)), which samples exactly from p and lets every
-request use its own torch.Generator. Logprobs are those of the model's raw
-distribution (log_softmax of the logits, soft-capping included, before any sampling
-filter), the way HF's output logits report them.
+(logits_controls.py) and the min_tokens ban change the logits first; then each row draws
+its token from the distribution that temperature -> top-k -> top-p -> min-p define
+(span_sampler.py says how, exactly, without a softmax, a sort or a random number per
+vocabulary entry). The draw's randomness is keyed by the request's seed and the token's
+position (sampling_keys.py). Logprobs are those of the model's raw distribution
+(log_softmax of the logits, soft-capping included, before any change or filter), the
+way HF's output logits report them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
+import numpy as np
 import torch
 
 from hybridserve.core.request import SamplingParams
 from hybridserve.core.sched.output import LogprobInfo
 from hybridserve.executor.torch.grammar import apply_bitmask
 from hybridserve.executor.torch.logits_controls import TokenHistory, apply_logits_controls
+from hybridserve.executor.torch.sampling_keys import uniforms
+from hybridserve.executor.torch.span_sampler import draw_fast
+from hybridserve.models.span_logits import SpanLogits, span_logits_from
+
+# A row's (logprob of its token, top-n alternatives or None), or None without logprobs.
+RowLogprobs = tuple[float, list[tuple[int, float]] | None] | None
 
 
 @dataclass
 class SampleRow:
-    """One logits row to sample: its request's parameters and generator."""
+    """One logits row to sample: its request's parameters and the key of its draw."""
 
     params: SamplingParams
-    generator: torch.Generator | None
+    seed: int = 0  # the request's seed (its own, or the one the runner drew for it)
+    position: int = 0  # the index of the token this row draws in its request's sequence
     # Tokens this row may not produce (EOS and stop tokens before min_tokens outputs).
     banned: tuple[int, ...] = ()
     # The tokens before this row, when its request has logits controls (penalties, bias...).
@@ -40,115 +49,96 @@ def is_greedy(params: SamplingParams) -> bool:
     return params.temperature == 0.0 or params.top_k == 1
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRow], default_generator: torch.Generator
-           ) -> tuple[list[int], list[tuple[float, list[tuple[int, float]] | None] | None]]:
-    """logits [S, V] -> (token per row, (logprob, top-n or None) per row or None)."""
-    greedy = [is_greedy(r.params) for r in rows]
-    raw = logits
-    if any(r.banned or r.history is not None or r.bitmask is not None for r in rows):
-        logits = logits.clone()  # the raw logits stay for logprobs
-        for i, r in enumerate(rows):
-            if r.bitmask is not None:
-                apply_bitmask(logits[i], r.bitmask)
-            if r.history is not None:
-                apply_logits_controls(logits[i], r.params, r.history)
-            if r.banned:
-                logits[i, list(r.banned)] = float("-inf")
-    tokens = logits.argmax(dim=-1)
-    if not all(greedy):
-        idx = [i for i, g in enumerate(greedy) if not g]
-        picked = _sample_random(logits[idx].float(), [rows[i] for i in idx], default_generator)
-        tokens[idx] = picked
+def inv_temperatures(rows: list[SampleRow]) -> torch.Tensor:
+    """[S] float32 1 / temperature (1 for greedy rows, which ignore it): what the span
+    summaries are taken at."""
+    return torch.tensor([1.0 if is_greedy(r.params) else 1.0 / r.params.temperature for r in rows],
+                        dtype=torch.float32)
+
+
+def sample(logits: SpanLogits | torch.Tensor, rows: list[SampleRow]
+           ) -> tuple[list[int], list[RowLogprobs], dict[int, str]]:
+    """logits [S, V] (or their SpanLogits at inv_temperatures(rows)) -> (token per row,
+    logprobs per row, {row: reason} for rows that cannot be sampled). A failing row (a
+    control naming a token outside the vocabulary, every token masked) fails alone: it
+    gets the raw argmax as a stand-in token, and the engine fails its request."""
+    sl = logits if isinstance(logits, SpanLogits) else span_logits_from(logits.float(), inv_temperatures(rows))
+    want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    changes = [i for i, r in enumerate(rows) if r.banned or r.history is not None or r.bitmask is not None]
+    raw_rows = sl.logits[want].clone() if want and changes else None  # the raw logits stay for logprobs
+    failed = _apply_changes(sl, rows, changes) if changes else {}
+    params = [r.params for r in rows]
+    greedy = torch.tensor([is_greedy(p) for p in params])
+    top_k = torch.tensor([p.top_k for p in params], dtype=torch.long)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+    u = torch.from_numpy(uniforms([r.seed for r in rows], [r.position for r in rows]))
+    tokens = draw_fast(sl, greedy, top_k, top_p, min_p, u)
+    for i in (sl.span_max.amax(dim=1) == float("-inf")).nonzero().squeeze(1).tolist():
+        failed.setdefault(i, "every token of the vocabulary is masked (allowed tokens, bans, grammar)")
+    for i in failed:  # any token will do: the engine fails the request
+        tokens[i] = sl.logits[i].max(dim=0).indices
     token_list = tokens.tolist()
-    want = [r.params.logprobs is not None for r in rows]
-    if not any(want):
-        return token_list, [None] * len(rows)
-    info = target_logprobs(raw, tokens, max((r.params.logprobs or 0) for r in rows))
-    out: list[tuple[float, list[tuple[int, float]] | None] | None] = []
-    for i, r in enumerate(rows):
-        if not want[i]:
-            out.append(None)
-            continue
-        n = r.params.logprobs or 0
-        top = info.top_logprobs[i][:n] if n and info.top_logprobs is not None else None
-        out.append((info.token_logprobs[i], top))
-    return token_list, out
+    if not want:
+        return token_list, [None] * len(rows), failed
+    info = target_logprobs(raw_rows if raw_rows is not None else sl.logits[want], tokens[want],
+                           max((rows[i].params.logprobs or 0) for i in want))
+    out: list[RowLogprobs] = [None] * len(rows)
+    for k, i in enumerate(want):
+        n = rows[i].params.logprobs or 0
+        top = info.top_logprobs[k][:n] if n and info.top_logprobs is not None else None
+        out[i] = (info.token_logprobs[k], top)
+    return token_list, out, failed
 
 
-def sample_isolated(logits: torch.Tensor, rows: list[SampleRow], default_generator: torch.Generator
-                    ) -> tuple[list[int], list[tuple[float, list[tuple[int, float]] | None] | None], dict[int, str]]:
-    """`sample`, but a failure is confined to the rows that cause it: on an exception the
-    rows are sampled one at a time, and a row that still fails gets the raw argmax as a
-    stand-in token, its index in the returned {row: reason} (the engine then fails that
-    request alone). The fast path is `sample` itself; a failure is exceptional."""
+def sample_isolated(logits_of: Callable[[list[int]], SpanLogits], rows: list[SampleRow]
+                    ) -> tuple[list[int], list[RowLogprobs], dict[int, str]]:
+    """`sample` over logits_of(every row), but an unexpected fault is confined to the rows
+    that cause it: the rows are then sampled one at a time, each from fresh logits (the
+    failed attempt may have changed the shared ones in place), and a row that still fails
+    gets a stand-in token, its index in the returned {row: reason} (the engine then fails
+    that request alone). The fast path is `sample` itself; a fault is exceptional."""
     try:
-        tokens, lps = sample(logits, rows, default_generator)
-        return tokens, lps, {}
+        return sample(logits_of(list(range(len(rows)))), rows)
     except Exception:  # noqa: BLE001 - narrowed to the failing rows below
         pass
-    tokens, lps, failed = [], [], {}
+    tokens: list[int] = []
+    lps: list[RowLogprobs] = []
+    failed: dict[int, str] = {}
     for i, row in enumerate(rows):
         try:
-            t, lp = sample(logits[i : i + 1], [row], default_generator)
+            t, lp, f = sample(logits_of([i]), [row])
             tokens.append(t[0])
             lps.append(lp[0])
+            if f:
+                failed[i] = f[0]
         except Exception as exc:  # noqa: BLE001 - reported per request
-            tokens.append(int(logits[i].argmax()))
+            tokens.append(0)
             lps.append(None)
             failed[i] = f"{type(exc).__name__}: {exc}"
     return tokens, lps, failed
 
 
-def _sample_random(logits: torch.Tensor, rows: list[SampleRow], default_generator: torch.Generator) -> torch.Tensor:
-    dev = logits.device
-    temp = torch.tensor([r.params.temperature for r in rows], device=dev, dtype=logits.dtype)
-    x = logits / temp[:, None]
-    x = _top_k_top_p(x, [r.params.top_k for r in rows], [r.params.top_p for r in rows])
-    min_p = [r.params.min_p for r in rows]
-    if any(p > 0.0 for p in min_p):
-        probs = x.softmax(dim=-1)
-        limit = torch.tensor(min_p, device=dev, dtype=x.dtype)[:, None] * probs.max(dim=-1, keepdim=True).values
-        x = x.masked_fill(probs < limit, float("-inf"))
-    probs = x.softmax(dim=-1)
-    noise = torch.empty_like(probs)
-    shared = [i for i, r in enumerate(rows) if r.generator is None]
-    if shared:
-        noise[shared] = torch.empty(len(shared), probs.shape[1], device=dev).exponential_(generator=default_generator)
-    for i, r in enumerate(rows):
-        if r.generator is not None:
-            noise[i].exponential_(generator=r.generator)
-    return (probs / noise).argmax(dim=-1)
-
-
-def _top_k_top_p(x: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """x with the tokens outside each row's top-k (k = 0: off; ties with the k-th value
-    stay) and then outside its top-p nucleus (over the top-k survivors, renormalised) set
-    to -inf. A 262k-wide row is costly to sort, so the logits are sorted at most once: one
-    descending sort serves both filters where a row wants top-p; top-k alone needs only the
-    largest k values (`topk`)."""
-    dev = x.device
-    neg_inf = float("-inf")
-    want_k = any(k > 0 for k in top_k)
-    want_p = any(p < 1.0 for p in top_p)
-    if not want_k and not want_p:
-        return x
-    k = torch.tensor([min(k, x.shape[1]) for k in top_k], device=dev)
-
-    def kth_largest(values_desc: torch.Tensor) -> torch.Tensor:
-        """Each row's k-th largest value from its values in descending order; -inf where k = 0."""
-        kth = values_desc.gather(1, (k.clamp(min=1) - 1)[:, None])
-        return kth.masked_fill((k == 0)[:, None], neg_inf)
-
-    if not want_p:
-        return x.masked_fill(x < kth_largest(x.topk(int(k.max()), dim=-1).values), neg_inf)
-    sorted_x, order = x.sort(dim=-1, descending=True)
-    if want_k:
-        sorted_x = sorted_x.masked_fill(sorted_x < kth_largest(sorted_x), neg_inf)
-    probs = sorted_x.softmax(dim=-1)
-    # Drop a token once the mass strictly before it already reaches top_p; the most likely
-    # token is always kept.
-    drop = (probs.cumsum(dim=-1) - probs) >= torch.tensor(top_p, device=dev, dtype=x.dtype)[:, None]
-    return torch.empty_like(x).scatter_(1, order, sorted_x.masked_fill(drop, neg_inf))
+def _apply_changes(sl: SpanLogits, rows: list[SampleRow], changed: list[int]) -> dict[int, str]:
+    """Grammar masks, logits controls and min_tokens bans, in that order, on the rows that
+    have any; the span summaries brought up to date after them."""
+    logits = sl.logits
+    dense = [i for i in changed if rows[i].bitmask is not None]
+    for i in dense:
+        apply_bitmask(logits[i], rows[i].bitmask)  # type: ignore[arg-type]
+    controls, failed = apply_logits_controls(
+        logits, [(i, rows[i].params, rows[i].history) for i in changed if rows[i].history is not None])
+    ban_rows = [np.full(len(rows[i].banned), i) for i in changed if rows[i].banned]
+    sparse_rows, sparse_ids = [controls.rows], [controls.ids]
+    if ban_rows:
+        r = torch.from_numpy(np.concatenate(ban_rows))
+        t = torch.tensor([t for i in changed for t in rows[i].banned], dtype=torch.long)
+        logits[r, t] = float("-inf")
+        sparse_rows.append(r)
+        sparse_ids.append(t)
+    sl.refresh_spans(torch.cat(sparse_rows), torch.cat(sparse_ids))
+    sl.refresh_rows(torch.tensor(sorted(set(dense) | set(controls.dense_rows)), dtype=torch.long))
+    return failed
 
 
 def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, n_top: int) -> LogprobInfo:

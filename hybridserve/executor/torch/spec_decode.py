@@ -15,12 +15,14 @@ s+a+1.. is garbage that later steps overwrite before anyone reads it.
 
 Acceptance rule: a draft is accepted iff it equals the token sampling picks at its
 position. Greedy: the argmax, so the output is exactly plain greedy decoding. Random
-sampling: each position draws from its own (filtered) distribution p with the request's
-generator; for a point-mass drafter (q = one token d) this *is* the standard
-speculative rejection-sampling rule: accept d with probability min(1, p(d)/q(d)) = p(d),
-else resample from norm(max(0, p - q)) = p without d, which is what a draw x ~ p with
-"accept iff x == d" gives. So the output distribution equals plain sampling; seeded
-streams differ from non-speculative ones only because rejected positions consume draws.
+sampling: each position draws from its own (filtered) distribution p, keyed by the
+request's seed and that position (sampling_keys.py); for a point-mass drafter (q = one
+token d) this *is* the standard speculative rejection-sampling rule: accept d with
+probability min(1, p(d)/q(d)) = p(d), else resample from norm(max(0, p - q)) = p without
+d, which is what a draw x ~ p with "accept iff x == d" gives. So the output distribution
+equals plain sampling, and since a position's draw is the one plain decoding makes there,
+a seeded stream is the same token for token with drafts on or off (up to the float
+rounding of a batched verify step's logits).
 """
 
 from __future__ import annotations

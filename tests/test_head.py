@@ -261,11 +261,12 @@ def test_row_max_is_max_over_the_row_ties_included(rows: int, spans: int, extra:
 
 @pytest.mark.parametrize("chunk_rows", [None, 8192, 1000])  # the default, per-chunk spans, and chunks off the span
 @pytest.mark.parametrize("softcap", [None, 0.5])
+@pytest.mark.parametrize("rows", [2, 5])  # summarised as a whole buffer (FEW_ROWS), and per chunk
 def test_span_logits_are_the_logits_and_their_span_summaries(weight: torch.Tensor, chunk_rows: int | None,
-                                                            softcap: float | None) -> None:
+                                                            softcap: float | None, rows: int) -> None:
     head = OutputHead(weight, "none", chunk_rows=chunk_rows)
-    x = _hidden(5)
-    inv_t = torch.tensor([1.0, 2.0, 0.5, 1.0, 10.0])
+    x = _hidden(rows)
+    inv_t = torch.tensor([1.0, 2.0, 0.5, 1.0, 10.0])[:rows]
     logits = head(x)
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
@@ -273,7 +274,8 @@ def test_span_logits_are_the_logits_and_their_span_summaries(weight: torch.Tenso
     assert torch.equal(got.logits, logits)
     assert got.padded.shape[1] % SPAN == 0 and bool((got.padded[:, VOCAB:] == float("-inf")).all())
     # The summaries by hand, span by span, from the logits padded with -inf.
-    padded = torch.cat([logits, torch.full((5, got.padded.shape[1] - VOCAB), float("-inf"))], dim=1).view(5, -1, SPAN)
+    padded = torch.cat([logits, torch.full((rows, got.padded.shape[1] - VOCAB), float("-inf"))], dim=1)
+    padded = padded.view(rows, -1, SPAN)
     peak = padded.amax(dim=-1)
     torch.testing.assert_close(got.span_max, peak, rtol=0, atol=0)
     torch.testing.assert_close(got.span_sum, torch.exp((padded - peak[..., None]) * inv_t[:, None, None]).sum(-1))

@@ -11,6 +11,7 @@ torch = pytest.importorskip("torch")
 from hybridserve.core.request import SamplingParams  # noqa: E402
 from hybridserve.executor.torch.sampler import SampleRow, inv_temperatures  # noqa: E402
 from hybridserve.executor.torch.sampling_keys import uniforms  # noqa: E402
+from hybridserve.executor.torch import span_sampler  # noqa: E402
 from hybridserve.executor.torch.span_sampler import CANDIDATE_SPANS, draw_fast, draw_general  # noqa: E402
 from hybridserve.models.span_logits import SPAN, span_logits_from  # noqa: E402
 
@@ -19,26 +20,29 @@ COMBOS = [
     dict(temperature=1.0, min_p=0.1), dict(temperature=1.3, top_k=50, top_p=0.8, min_p=0.05),
     dict(temperature=0.5, top_p=0.5), dict(temperature=2.0, top_p=0.99), dict(temperature=0.05),
     dict(temperature=1.0, top_k=200), dict(temperature=0.9, top_k=1000, min_p=0.02),
+    dict(temperature=1.0, top_p=0.05), dict(temperature=1.0, min_p=0.9),  # most draws of the whole rejected
 ]
 VOCAB = 5000 + 17  # 40 spans, the last padded with -inf
-ROWS = 60
+ROWS = 30
 
 
 def _draw_both(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[list[int], list[int]]:
     rows = [SampleRow(p, seed=i, position=3) for i, p in enumerate(params)]
     sl = span_logits_from(logits, inv_temperatures(rows))
-    u = torch.from_numpy(uniforms([r.seed for r in rows], [r.position for r in rows]))
+    u = torch.from_numpy(uniforms([r.seed for r in rows], [r.position for r in rows], span_sampler.ATTEMPTS + 1))
     greedy = torch.tensor([p.temperature == 0.0 for p in params])
     fast = draw_fast(sl, greedy, torch.tensor([p.top_k for p in params]),
                                torch.tensor([p.top_p for p in params]), torch.tensor([p.min_p for p in params]), u)
     inv_t = sl.inv_temperature.tolist()
-    general = [draw_general(logits[i], inv_t[i], bool(greedy[i]), p.top_k, p.top_p, p.min_p, float(u[i]))
+    general = [draw_general(logits[i], inv_t[i], bool(greedy[i]), p.top_k, p.top_p, p.min_p, u[i].tolist())
                for i, p in enumerate(params)]
     return fast.tolist(), general
 
 
+@pytest.mark.parametrize("attempts", [span_sampler.ATTEMPTS, 0])  # 0: every row draws from its kept set
 @pytest.mark.parametrize("scale", [1.0, 3.0, 8.0])  # flat to peaked rows
-def test_fast_path_draws_what_the_general_path_draws(scale: float) -> None:
+def test_fast_path_draws_what_the_general_path_draws(scale: float, attempts: int, monkeypatch) -> None:
+    monkeypatch.setattr(span_sampler, "ATTEMPTS", attempts)
     g = torch.Generator().manual_seed(int(scale))
     logits = torch.randn(ROWS * len(COMBOS), VOCAB, generator=g) * scale
     params = [SamplingParams(**c) for c in COMBOS for _ in range(ROWS)]
@@ -48,7 +52,8 @@ def test_fast_path_draws_what_the_general_path_draws(scale: float) -> None:
     assert sum(f != r for f, r in zip(fast, general)) <= len(params) // 1000
 
 
-def test_kept_sets_wider_than_the_candidates_are_drawn_over_whole_rows() -> None:
+@pytest.mark.parametrize("attempts", [span_sampler.ATTEMPTS, 0])
+def test_kept_sets_wider_than_the_candidates_are_drawn_over_whole_rows(attempts: int, monkeypatch) -> None:
     """64 spans: one token far above a flat rest, and ties of the k-th value outside the
     candidates. top_p 0.4 keeps the one token (decided on the candidates); top_p 0.99 and
     min_p 1e-6 keep the flat rest too, mostly outside the CANDIDATE_SPANS spans; top_k 100
@@ -57,6 +62,7 @@ def test_kept_sets_wider_than_the_candidates_are_drawn_over_whole_rows() -> None
     assert 64 > CANDIDATE_SPANS
     logits = torch.zeros(1, 64 * SPAN)
     logits[0, 300] = 9.0  # e^9 = 8103 against 8191: 49.7% of the mass
+    monkeypatch.setattr(span_sampler, "ATTEMPTS", attempts)
     cases = [SamplingParams(temperature=1.0, top_p=0.4), SamplingParams(temperature=1.0, top_p=0.99),
              SamplingParams(temperature=1.0, min_p=1e-6), SamplingParams(temperature=1.0, top_k=100),
              SamplingParams(temperature=1.0, top_k=100, top_p=0.99)]

@@ -170,7 +170,7 @@ def test_a_rows_draw_depends_only_on_its_seed_and_position() -> None:
 
 def test_uniforms_are_splitmix64_outputs() -> None:
     """SplitMix64 seeded with 0 starts 0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4 (the
-    reference sequence); keyed draws are its outputs from the mixed seed."""
+    reference sequence); keyed draws are its outputs from the mixed seed, 8 per position."""
     def mix(z: int) -> int:
         z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
         z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
@@ -179,8 +179,9 @@ def test_uniforms_are_splitmix64_outputs() -> None:
     gamma = 0x9E3779B97F4A7C15
     assert mix(gamma) == 0xE220A8397B1DCDAF and mix(2 * gamma % 2**64) == 0x6E789E6AA1B965F4
     start = mix(12345)
-    want = [(mix((start + (p + 1) * gamma) % 2**64) >> 11) * 2.0**-53 for p in (0, 1, 77)]
-    assert uniforms([12345] * 3, [0, 1, 77]).tolist() == want
+    # draw k of position p is output 8p + k + 1
+    want = [[(mix((start + (8 * p + k + 1) * gamma) % 2**64) >> 11) * 2.0**-53 for k in range(3)] for p in (0, 1, 77)]
+    assert uniforms([12345] * 3, [0, 1, 77], 3).tolist() == want
 
 
 def test_logprobs_of_sampled_token_and_top_n_are_raw() -> None:

@@ -57,6 +57,8 @@ FBGEMM_HEAD_CHUNK_ROWS = 8192
 # Columns per span of row_max's first pass: short enough that searching the winning span
 # again costs little, long enough that the span maxima are few.
 ARGMAX_SPAN = 128
+# Up to this many rows span_logits summarises its whole buffer at once, not chunk by chunk.
+FEW_ROWS = 4
 INT4_GROUP_SIZE = 32  # hidden-dim weights sharing one int4 scale and offset (as GGUF's Q4_K sub-blocks)
 _INT4_LEVELS = 15  # largest 4-bit value
 _INT4_MIDPOINT = 8  # the kernel subtracts this from each 4-bit value before scaling
@@ -202,18 +204,22 @@ class OutputHead:
         return torch.stack(indices, dim=1).gather(1, winner[:, None]).squeeze(1).tolist()
 
     def span_logits(self, hidden: torch.Tensor, inv_temperature: torch.Tensor, softcap: float | None) -> SpanLogits:
-        """The logits (exactly as __call__ then logits()' soft-capping give them) in the reused
-        buffer, with each span's summary taken while its chunk is still in cache
-        (models/span_logits.py): one pass over the vocabulary, as greedy() makes."""
+        """The logits in the reused float32 buffer, as the chunks' kernels compute them (int8
+        kernels: float32; __call__ rounds them to the model dtype, which sampling has no use
+        for), soft-capped in float32, with each span's summary taken while its chunk is
+        still in cache (models/span_logits.py): one pass over the vocabulary, as greedy()
+        makes."""
         x = self._input(hidden)
         padded = self._logits_buffer.rows(hidden.shape[0])
         inv_t = inv_temperature.to(torch.float32)
-        per_chunk = self.chunk_rows % SPAN == 0
+        # Per chunk while it is in cache; a few rows' whole buffer stays in cache anyway, and
+        # one summary over it costs fewer parallel regions than one per chunk.
+        per_chunk = self.chunk_rows % SPAN == 0 and hidden.shape[0] > FEW_ROWS
         peaks, masses = [], []
         for start, chunk in zip(range(0, self.vocab_size, self.chunk_rows), self._chunks):
-            out = chunk(*x).to(self.out_dtype)
+            out = chunk(*x)
             if softcap:
-                out = torch.tanh(out / softcap) * softcap
+                out = torch.tanh(out.float() / softcap) * softcap
             stop = start + out.shape[1]
             padded[:, start:stop].copy_(out)
             if per_chunk:  # the last chunk's spans take the buffer's -inf padding with them

@@ -46,6 +46,10 @@ class SpanLogits:
     def logits(self) -> torch.Tensor:
         return self.padded[:, : self.vocab_size]
 
+    def spans(self) -> torch.Tensor:
+        """The logits as [S, W / span, span]: [rows, js] indexes whole spans."""
+        return self.padded.view(self.padded.shape[0], -1, self.span)
+
     @property
     def num_rows(self) -> int:
         return self.padded.shape[0]
@@ -64,8 +68,7 @@ class SpanLogits:
             return
         keys = torch.unique(rows * self.span_max.shape[1] + token_ids // self.span)
         r, j = keys // self.span_max.shape[1], keys % self.span_max.shape[1]
-        flat = (r * self.padded.shape[1] + j * self.span)[:, None] + torch.arange(self.span)
-        m, s = span_stats(self.padded.view(-1)[flat], self.inv_temperature[r], self.span)
+        m, s = span_stats(self.spans()[r, j], self.inv_temperature[r], self.span)
         self.span_max[r, j] = m[:, 0]
         self.span_sum[r, j] = s[:, 0]
 
@@ -77,7 +80,10 @@ def span_stats(x: torch.Tensor, inv_temperature: torch.Tensor, span: int = SPAN
     rows = x.shape[0]
     spans = x.view(rows, -1, span)
     peak = spans.amax(dim=-1)
-    mass = torch.sub(spans, peak[..., None]).mul_(inv_temperature.view(rows, 1, 1)).exp_().sum(dim=-1)
+    scaled = torch.sub(spans, peak[..., None])
+    if not bool((inv_temperature == 1.0).all()):  # temperature 1, the served default, needs no scaling
+        scaled.mul_(inv_temperature.view(rows, 1, 1))
+    mass = scaled.exp_().sum(dim=-1)
     return peak, mass.masked_fill_(peak == float("-inf"), 0.0)
 
 

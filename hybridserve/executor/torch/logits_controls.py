@@ -49,7 +49,8 @@ class _Edits:
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         if not self.rows:
             return None
-        return tuple(torch.from_numpy(np.concatenate(x)) for x in (self.rows, self.ids, self.values))  # type: ignore[return-value]
+        rows, ids, values = (torch.from_numpy(np.concatenate(x)) for x in (self.rows, self.ids, self.values))
+        return rows, ids, values
 
 
 @dataclass
@@ -109,7 +110,8 @@ def _collect(row: int, params: SamplingParams, history: TokenHistory, vocab: int
         if banned:
             bans.add(row, _in_vocab("bad_words", sorted(banned), vocab))
     if params.logit_bias:
-        bias.add(row, _in_vocab("logit_bias", list(params.logit_bias), vocab), np.array(list(params.logit_bias.values())))
+        bias.add(row, _in_vocab("logit_bias", list(params.logit_bias), vocab),
+                 np.array(list(params.logit_bias.values())))
     if params.repetition_penalty != 1.0 and len(history.tokens):
         repetition.add(row, _in_vocab("the history", np.unique(np.asarray(history.tokens, dtype=np.int64)), vocab),
                        params.repetition_penalty)

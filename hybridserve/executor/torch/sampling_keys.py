@@ -1,8 +1,9 @@
 """The random number behind each sampled token, keyed by (request seed, token position).
 
 Every request has a seed: its own, or one the runner draws for it when it arrives. The
-draw for the token at position p of its sequence is output p of SplitMix64 started from
-that seed, a counter-based generator: it depends on nothing but the pair. So a
+draws for the token at position p of its sequence are outputs 8p + 1.. of SplitMix64
+started from that seed (a few outputs per position: a filtered row may draw more than once), a
+counter-based generator: it depends on nothing but the pair. So a
 request's tokens do not depend on which rows share its batch, on sync or async
 scheduling, on a preemption that recomputes it, or on n-gram drafts (a verify row draws
 with its own position's key, exactly what plain decoding of that position would draw).
@@ -29,10 +30,18 @@ def _mix(z: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
-def uniforms(seeds: Sequence[int], positions: Sequence[int]) -> np.ndarray:
-    """float64 [S] in [0, 1): the draw of each (seed, position) pair, 53 random bits each."""
-    s = np.array(seeds, dtype=np.uint64)
-    p = np.array(positions, dtype=np.uint64)
+# Draws per position (a row may need several: span_sampler.ATTEMPTS + 1 <= this).
+DRAWS_PER_POSITION = 8
+
+
+def uniforms(seeds: Sequence[int], positions: Sequence[int], count: int = 1) -> np.ndarray:
+    """float64 [S, count] in [0, 1), 53 random bits each: draw k of (seed, position) is
+    output DRAWS_PER_POSITION * position + k of SplitMix64 from the seed."""
+    if count > DRAWS_PER_POSITION:
+        raise ValueError(f"at most {DRAWS_PER_POSITION} draws per position")
+    s = np.array(seeds, dtype=np.uint64)[:, None]
+    counter = np.array(positions, dtype=np.uint64)[:, None] * np.uint64(DRAWS_PER_POSITION) + np.arange(
+        count, dtype=np.uint64)
     with np.errstate(over="ignore"):
-        z = _mix(_mix(s) + (p + np.uint64(1)) * _GAMMA)
+        z = _mix(_mix(s) + (counter + np.uint64(1)) * _GAMMA)
     return (z >> np.uint64(11)).astype(np.float64) * 2.0**-53

@@ -1,6 +1,7 @@
 """Drawing tokens from SpanLogits: a general path over whole rows and a fast path over spans.
 
-What both compute, for a row with temperature T > 0, top_k, top_p, min_p and draw u:
+What both compute, for a row with temperature T > 0, top_k, top_p, min_p and draws
+u_0..u_A (A = ATTEMPTS, sampling_keys.py):
 
 - kept: the logits l >= theta, theta the largest of three thresholds (each -inf when its
   filter is off): the k-th largest logit (ties with it stay); the nucleus cut, the
@@ -8,24 +9,28 @@ What both compute, for a row with temperature T > 0, top_k, top_p, min_p and dra
   whose mass reaches top_p (ties with it stay); and max + T * ln(min_p). All three keep
   a prefix of the sorted logits, so applying them in turn (temperature -> top-k -> top-p
   -> min-p) is their intersection.
-- the token: inverse CDF of u over the kept tokens in id order, with weights
-  exp((l - max) / T): the smallest id t with (kept mass up to t) > u * (kept mass).
-  u ~ U[0, 1) makes that an exact draw from the filtered, tempered distribution.
+- the token: for a = 0..A-1, x_a = the inverse CDF of u_a over the whole vocabulary in id
+  order (weights exp((l - max) / T)); the first kept x_a is the token (rejection
+  sampling: a kept draw is a draw from the kept set). If none is kept, the inverse CDF of
+  u_A over the kept tokens. Either way an exact draw from the filtered, tempered
+  distribution; an unfiltered row keeps x_0.
 Greedy rows take the first id of the row's maximum, as argmax does.
 
 The general path (`draw_general`) does this on one whole row in float64, with a full
 sort for top-p: the reference. The fast path (`draw_fast`) reads the span summaries
 (models/span_logits.py) and, mostly, the logits of a few spans only:
 
-- no filter: a span by inverse CDF over the span masses, then a token inside it;
-- filters: the CANDIDATE_SPANS spans with the largest maxima (at least top_k of them)
-  hold every logit above `bound`, the largest maximum of the spans left out, in the
-  row's sorted order. A threshold that lies above `bound` is decided on them (the k-th
-  largest, the nucleus cut; min-p's needs only the row's maximum). Where it cannot be (a
-  nucleus reaching below `bound`, ties of the k-th value with `bound`) it is decided on
-  the whole row (partial sorts of growing length). The draw is over the candidates
-  when theta > bound, else over whole rows: span masses above theta, then a span, then
-  a token (one pass over the row, no sort).
+- x_a: a span by inverse CDF over the span masses, then a token inside it;
+- whether x_a is kept: the CANDIDATE_SPANS spans with the largest maxima (at least
+  top_k of them) hold every logit above `bound`, the largest maximum of the spans left
+  out, in the row's sorted order. A threshold above `bound` is decided on them (the k-th
+  largest, the nucleus cut; min-p's needs only the row's maximum). A nucleus reaching
+  below `bound` keeps every l_x > bound; below it, x is kept iff the mass strictly above
+  l_x is short of top_p's share (one masked pass over the row);
+- after A rejected draws (rare: the kept mass is at least top_p for a nucleus) theta is
+  decided on the whole row where the candidates cannot (partial sorts of growing
+  length), and the draw is over the candidates when theta > bound, else over whole rows
+  (span masses above theta, then a span, then a token).
 The two paths agree up to float rounding (tests/test_span_sampler.py).
 """
 
@@ -41,38 +46,33 @@ CANDIDATE_SPANS = 32
 # 4096 logits per row costs several times a partial one, and nuclei are mostly short.
 NUCLEUS_PREFIXES = (64, 512)
 # The same over a whole row, for a nucleus wider than the candidates.
-WHOLE_ROW_PREFIXES = (4096, 32768)
+WHOLE_ROW_PREFIXES = (512, 4096, 32768)
 NEG_INF = float("-inf")
+# Draws from the whole distribution tried before drawing from the kept set itself.
+ATTEMPTS = 4
 
 
 def draw_fast(sl: SpanLogits, greedy: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
               min_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """The token of each row. A row whose logits are all -inf gets token 0 (the caller
-    reports it)."""
+    """The token of each row; u [S, ATTEMPTS + 1] float64 are each row's draws. A row whose
+    logits are all -inf gets token 0 (the caller reports it)."""
     rows = sl.num_rows
     peak, peak_span = sl.span_max.max(dim=1)  # the first span holding the row's maximum
     alive = peak > NEG_INF
     greedy = greedy & alive
-    base = torch.arange(rows) * sl.padded.shape[1]
-    flat = sl.padded.view(-1)
     tokens = torch.zeros(rows, dtype=torch.long)
     g = greedy.nonzero().squeeze(1)
     if g.numel():
-        values = _span_values(flat, base[g], peak_span[g], sl.span)
+        values = sl.spans()[g, peak_span[g]]
         tokens[g] = peak_span[g] * sl.span + values.max(dim=1).indices
     filtered = alive & ~greedy & ((top_k > 0) | (top_p < 1.0) | (min_p > 0.0))
     r = (alive & ~greedy & ~filtered).nonzero().squeeze(1)
     if r.numel():
-        tokens[r] = _draw_unfiltered(sl, flat, r, base[r], peak[r], u[r])
+        tokens[r] = _draw_unfiltered(sl, r, peak[r], u[r, 0])
     r = filtered.nonzero().squeeze(1)
     if r.numel():
-        tokens[r] = _draw_filtered(sl, flat, r, base[r], peak[r], top_k[r], top_p[r], min_p[r], u[r])
+        tokens[r] = _draw_filtered(sl, r, peak[r], top_k[r], top_p[r], min_p[r], u[r])
     return tokens
-
-
-def _span_values(flat: torch.Tensor, base: torch.Tensor, spans: torch.Tensor, span: int) -> torch.Tensor:
-    """[r, span] logits of span spans[i] of row i (base: each row's offset in flat)."""
-    return flat[(base + spans * span)[:, None] + torch.arange(span)]
 
 
 def _search(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -86,8 +86,7 @@ def _search(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return at
 
 
-def _draw_unfiltered(sl: SpanLogits, flat: torch.Tensor, r: torch.Tensor, base: torch.Tensor, peak: torch.Tensor,
-                     u: torch.Tensor) -> torch.Tensor:
+def _draw_unfiltered(sl: SpanLogits, r: torch.Tensor, peak: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse CDF over the span masses, then over the chosen span's logits."""
     inv_t = sl.inv_temperature[r]
     mass = (torch.exp((sl.span_max[r] - peak[:, None]) * inv_t[:, None]) * sl.span_sum[r]).double()
@@ -98,13 +97,12 @@ def _draw_unfiltered(sl: SpanLogits, flat: torch.Tensor, r: torch.Tensor, base: 
     # Where the target falls inside span j, as a fraction of the span's own mass: the
     # span's logits are weighed again below, so their sum need not equal span_sum exactly.
     frac = ((target - before) / mass.gather(1, j[:, None]).squeeze(1)).clamp(0.0, 1.0)
-    values = _span_values(flat, base, j, sl.span)
+    values = sl.spans()[r, j]
     w = torch.exp((values - sl.span_max[r, j][:, None]) * inv_t[:, None]).double().cumsum(dim=1)
     return j * sl.span + _search(w, frac * w[:, -1])
 
 
-def _candidates(sl: SpanLogits, flat: torch.Tensor, r: torch.Tensor, base: torch.Tensor, num_spans: int
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _candidates(sl: SpanLogits, r: torch.Tensor, num_spans: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(token ids [r, n] in id order, their logits, bound [r]: the largest logit outside them)."""
     span_max = sl.span_max[r]
     total = span_max.shape[1]
@@ -116,66 +114,129 @@ def _candidates(sl: SpanLogits, flat: torch.Tensor, r: torch.Tensor, base: torch
         spans = top.indices[:, :num_spans].sort(dim=1).values
         bound = top.values[:, num_spans]
     ids = (spans[:, :, None] * sl.span + torch.arange(sl.span)).view(len(r), -1)
-    return ids, flat[base[:, None] + ids], bound
+    return ids, sl.spans()[r[:, None], spans].view(len(r), -1), bound
 
 
-def _draw_filtered(sl: SpanLogits, flat: torch.Tensor, r: torch.Tensor, base: torch.Tensor, peak: torch.Tensor,
-                   top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, u: torch.Tensor
-                   ) -> torch.Tensor:
-    """The threshold theta of each row from its candidates where they decide it (whole rows
-    where they cannot), then the draw over the candidates, or over whole rows where the
-    kept set is wider than them."""
+def _draw_filtered(sl: SpanLogits, r: torch.Tensor, peak: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                   min_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Draws from the whole distribution until one is kept, then (rarely) a draw from the
+    kept set: the thresholds from the candidates where they decide them."""
     inv_t = sl.inv_temperature[r]
-    ids, cand, bound = _candidates(sl, flat, r, base, max(CANDIDATE_SPANS, int(top_k.max())))
+    ids, cand, bound = _candidates(sl, r, max(CANDIDATE_SPANS, int(top_k.max())))
     n = cand.shape[1]
-    theta = torch.full((len(r),), NEG_INF)
+    floor = torch.full((len(r),), NEG_INF)  # the k-th largest logit
     has_k = top_k > 0
     if has_k.any():
         kth = cand.topk(min(int(top_k.max()), n), dim=1).values
-        theta = torch.where(has_k, kth.gather(1, (top_k.clamp(1, n) - 1)[:, None]).squeeze(1), theta)
-        tied = (has_k & (theta <= bound)).nonzero().squeeze(1)  # ties with a logit outside the candidates
+        floor = torch.where(has_k, kth.gather(1, (top_k.clamp(1, n) - 1)[:, None]).squeeze(1), floor)
+        tied = (has_k & (floor <= bound)).nonzero().squeeze(1)  # ties with a logit outside the candidates
         if tied.numel():
             whole = sl.padded[r[tied]].topk(int(top_k[tied].max()), dim=1).values
-            theta[tied] = whole.gather(1, (top_k[tied] - 1)[:, None]).squeeze(1)
+            floor[tied] = whole.gather(1, (top_k[tied] - 1)[:, None]).squeeze(1)
+    theta = torch.maximum(floor, peak + torch.log(min_p) / inv_t)  # decided thresholds
+    # Nucleus: the cut where the candidates decide it; elsewhere the mass a kept draw's
+    # higher logits stay short of.
+    open_p = torch.zeros(len(r), dtype=torch.bool)
+    needed = torch.zeros(len(r), dtype=torch.float64)
     p = (top_p < 1.0).nonzero().squeeze(1)
     if p.numel():
-        theta[p] = torch.maximum(theta[p], _top_p_cut(sl, r[p], cand[p], bound[p], theta[p], has_k[p] & (theta[p] > bound[p]),
-                                                      peak[p], inv_t[p], top_p[p]))
-    theta = torch.maximum(theta, peak + torch.log(min_p) / inv_t)
+        needed[p] = top_p[p].double() * _kept_mass(sl, r[p], cand[p], bound[p], floor[p], peak[p], inv_t[p])
+        # Only a row whose candidates above `bound` hold the needed mass has its cut there.
+        c = cand[p]
+        above = torch.exp((c - peak[p, None]) * inv_t[p, None]).masked_fill_(
+            (c <= bound[p, None]) | (c < floor[p, None]), 0.0).double().sum(dim=1)
+        open_p[p] = True
+        q = p[above >= needed[p]]
+        if q.numel():
+            cut, found = _nucleus_cut(cand[q], floor[q], peak[q], inv_t[q], needed[q], NUCLEUS_PREFIXES)
+            decided = found & (cut > bound[q])
+            theta[q] = torch.where(decided, torch.maximum(theta[q], cut), theta[q])
+            open_p[q] = ~decided
     tokens = torch.empty(len(r), dtype=torch.long)
-    inside = theta > bound  # every kept logit is a candidate
-    i = inside.nonzero().squeeze(1)
-    if i.numel():
-        weight = torch.exp((cand[i] - peak[i, None]) * inv_t[i, None]).masked_fill_(cand[i] < theta[i, None], 0.0)
-        cdf = weight.double().cumsum(dim=1)
-        tokens[i] = ids[i].gather(1, _search(cdf, u[i] * cdf[:, -1])[:, None]).squeeze(1)
-    o = (~inside).nonzero().squeeze(1)
+    todo = torch.arange(len(r))
+    for a in range(ATTEMPTS):
+        x = _draw_unfiltered(sl, r[todo], peak[todo], u[todo, a])
+        lx = sl.padded[r[todo], x]
+        kept = lx >= theta[todo]
+        ask = (kept & open_p[todo] & (lx <= bound[todo])).nonzero().squeeze(1)
+        if ask.numel():
+            rows = todo[ask]
+            kept[ask] = _short_of(sl, r[rows], lx[ask], floor[rows], peak[rows], inv_t[rows], needed[rows])
+        tokens[todo[kept]] = x[kept]
+        todo = todo[~kept]
+        if not todo.numel():
+            return tokens
+    # Every draw rejected: decide the open cuts on whole rows, then draw from the kept set.
+    o = todo[open_p[todo]]
     if o.numel():
-        tokens[o] = _draw_above(sl, r[o], peak[o], theta[o], u[o])
+        theta[o] = torch.maximum(theta[o], _whole_row_cut(sl, r[o], floor[o], peak[o], inv_t[o], needed[o]))
+    inside = todo[theta[todo] > bound[todo]]  # every kept logit is a candidate
+    if inside.numel():
+        c = cand[inside]
+        weight = torch.exp((c - peak[inside, None]) * inv_t[inside, None]).masked_fill_(c < theta[inside, None], 0.0)
+        cdf = weight.double().cumsum(dim=1)
+        tokens[inside] = ids[inside].gather(1, _search(cdf, u[inside, ATTEMPTS] * cdf[:, -1])[:, None]).squeeze(1)
+    wide = todo[theta[todo] <= bound[todo]]
+    if wide.numel():
+        tokens[wide] = _draw_above(sl, r[wide], peak[wide], theta[wide], u[wide, ATTEMPTS])
     return tokens
 
 
-def _top_p_cut(sl: SpanLogits, r: torch.Tensor, cand: torch.Tensor, bound: torch.Tensor, floor: torch.Tensor,
-               floor_inside: torch.Tensor, peak: torch.Tensor, inv_t: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """The nucleus cut of rows r (their top-k floor applied first: -inf without top-k). From
-    the candidates where the cut lies above `bound` (their sorted order is the row's there),
-    else from the whole row."""
-    # The mass the nucleus is a share of: the top-k survivors' (a sum over candidates when
-    # they hold them all), else the whole row's, from the span masses.
-    row_mass = (torch.exp((sl.span_max[r] - peak[:, None]) * inv_t[:, None]) * sl.span_sum[r]).double().sum(dim=1)
-    weight = torch.exp((cand - peak[:, None]) * inv_t[:, None]).masked_fill_(cand < floor[:, None], 0.0)
-    mass = torch.where(floor_inside, weight.double().sum(dim=1), row_mass)
-    whole_k = (floor > NEG_INF) & ~floor_inside
-    if whole_k.any():
-        w = sl.padded[r[whole_k]]
-        mass[whole_k] = torch.exp((w - peak[whole_k, None]) * inv_t[whole_k, None]).masked_fill_(
-            w < floor[whole_k, None], 0.0).double().sum(dim=1)
-    needed = top_p.double() * mass
-    cut, found = _nucleus_cut(cand, floor, peak, inv_t, needed, NUCLEUS_PREFIXES)
-    redo = (~found | (cut <= bound)).nonzero().squeeze(1)
-    if redo.numel():
-        cut[redo], _ = _nucleus_cut(sl.padded[r[redo]], floor[redo], peak[redo], inv_t[redo], needed[redo],
-                                    WHOLE_ROW_PREFIXES)
+def _kept_mass(sl: SpanLogits, r: torch.Tensor, cand: torch.Tensor, bound: torch.Tensor, floor: torch.Tensor,
+               peak: torch.Tensor, inv_t: torch.Tensor) -> torch.Tensor:
+    """The mass (relative to exp(max / T)) the nucleus is a share of: the top-k survivors'
+    (a sum over candidates where they hold them all, else over the whole row), or without
+    top-k the whole row's, from the span masses."""
+    mass = (torch.exp((sl.span_max[r] - peak[:, None]) * inv_t[:, None]) * sl.span_sum[r]).double().sum(dim=1)
+    has_k = floor > NEG_INF
+    inside = has_k & (floor > bound)
+    if inside.any():
+        c = cand[inside]
+        mass[inside] = torch.exp((c - peak[inside, None]) * inv_t[inside, None]).masked_fill_(
+            c < floor[inside, None], 0.0).double().sum(dim=1)
+    outside = has_k & ~inside
+    if outside.any():
+        mass[outside] = _mass_above(sl, r[outside], floor[outside], floor[outside], peak[outside], inv_t[outside],
+                                    strict=False)
+    return mass
+
+
+def _short_of(sl: SpanLogits, r: torch.Tensor, level: torch.Tensor, floor: torch.Tensor, peak: torch.Tensor,
+              inv_t: torch.Tensor, needed: torch.Tensor) -> torch.Tensor:
+    """Per row of r: is the mass of its logits above `level` (and >= floor) below `needed`?
+    The spans whose maximum passes `level` bound that mass: at least their maxima's
+    weights, at most their whole masses; only rows the bounds leave open are summed."""
+    span_max = sl.span_max[r]
+    reach = span_max > level[:, None]
+    w_max = torch.exp((span_max - peak[:, None]) * inv_t[:, None]).masked_fill_(~reach, 0.0)
+    lower = w_max.double().sum(dim=1)
+    upper = (w_max * sl.span_sum[r]).double().sum(dim=1)  # a span's mass is relative to its maximum
+    short = upper < needed
+    open_rows = ((lower < needed) & ~short).nonzero().squeeze(1)
+    if open_rows.numel():
+        o = open_rows
+        short[o] = _mass_above(sl, r[o], level[o], floor[o], peak[o], inv_t[o]) < needed[o]
+    return short
+
+
+def _mass_above(sl: SpanLogits, r: torch.Tensor, level: torch.Tensor, floor: torch.Tensor, peak: torch.Tensor,
+                inv_t: torch.Tensor, strict: bool = True) -> torch.Tensor:
+    """Per row of r, the mass of its logits above `level` (>= with strict=False) and >=
+    floor, read from the spans whose maximum reaches that far only."""
+    edge = torch.maximum(level, floor)
+    span_max = sl.span_max[r]
+    reach = (span_max > edge[:, None]) if strict else (span_max >= edge[:, None])
+    row, j = reach.nonzero(as_tuple=True)
+    x = sl.spans()[r[row], j]
+    keep = (x > level[row, None]) if strict else (x >= level[row, None])
+    keep &= x >= floor[row, None]
+    w = torch.exp((x - peak[row, None]) * inv_t[row, None]).masked_fill_(~keep, 0.0).double().sum(dim=1)
+    return torch.zeros(len(r), dtype=torch.float64).index_add_(0, row, w)
+
+
+def _whole_row_cut(sl: SpanLogits, r: torch.Tensor, floor: torch.Tensor, peak: torch.Tensor, inv_t: torch.Tensor,
+                   needed: torch.Tensor) -> torch.Tensor:
+    cut, _ = _nucleus_cut(sl.padded[r], floor, peak, inv_t, needed, WHOLE_ROW_PREFIXES)
     return cut
 
 
@@ -225,8 +286,9 @@ def _nucleus_cut(cand: torch.Tensor, floor: torch.Tensor, peak: torch.Tensor, in
 
 
 def draw_general(logits: torch.Tensor, inv_t: float, greedy: bool, top_k: int, top_p: float, min_p: float,
-                 u: float) -> int:
-    """One row [V], whole, in float64: what draw_fast computes from span summaries."""
+                 u: list[float]) -> int:
+    """One row [V], whole, in float64: what draw_fast computes from span summaries (u: the
+    row's ATTEMPTS + 1 draws)."""
     if greedy:
         return int(logits.max(dim=0).indices)
     x = logits.double()
@@ -243,5 +305,10 @@ def draw_general(logits: torch.Tensor, inv_t: float, greedy: bool, top_k: int, t
             theta = torch.maximum(theta, values[int(drop.to(torch.uint8).argmax()) - 1])
     if min_p > 0.0:
         theta = torch.maximum(theta, peak + torch.log(torch.tensor(min_p, dtype=torch.float64)) / inv_t)
-    cdf = weight.masked_fill_(x < theta, 0.0).cumsum(dim=0)
-    return int(_search(cdf[None], torch.tensor([u * float(cdf[-1])], dtype=torch.float64))[0])
+    cdf = weight.cumsum(dim=0)
+    for a in range(ATTEMPTS):
+        token = int(_search(cdf[None], torch.tensor([u[a] * float(cdf[-1])], dtype=torch.float64))[0])
+        if x[token] >= theta:
+            return token
+    kept = weight.masked_fill(x < theta, 0.0).cumsum(dim=0)
+    return int(_search(kept[None], torch.tensor([u[ATTEMPTS] * float(kept[-1])], dtype=torch.float64))[0])

@@ -506,7 +506,7 @@ def test_fuzzed_requests_never_get_a_5xx_and_leave_the_server_healthy(server) ->
         for op in schema.get_all_operations():
             operation = op.ok()
 
-            @settings(max_examples=30, deadline=None, derandomize=True, database=None,
+            @settings(max_examples=30, deadline=None,
                       suppress_health_check=list(HealthCheck))
             @given(case=st.one_of(*(operation.as_strategy(m) for m in modes)))
             def fuzz(case) -> None:

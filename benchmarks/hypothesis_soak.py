@@ -69,7 +69,8 @@ def pytest_configure(config) -> None:  # type: ignore[no-untyped-def]
 
 def pytest_collection_modifyitems(session, config, items) -> None:  # type: ignore[no-untyped-def]
     """Keep the property tests and give each `scale` times its own max_examples (a test's
-    @settings overrides the profile's max_examples, so the profile alone cannot raise it)."""
+    @settings overrides the profile's max_examples, so the profile alone cannot raise it;
+    the settings a @given test runs with are those @settings stored on it)."""
     if "HYPOTHESIS_SOAK_REPORT" not in os.environ:
         return
     from hypothesis import is_hypothesis_test, settings
@@ -183,7 +184,7 @@ def main() -> int:
 
     elapsed = time.monotonic() - start
     print(f"\n{len(seeds)} rounds in {elapsed / 60:.1f} min, --scale {args.scale}; seeds: {seeds}")
-    # failed counts every failing example, those tried while shrinking too
+    print("(failed counts every failing example, those tried while shrinking too)")
     print(f"{'test':60} {'passed':>8} {'invalid':>8} {'failed':>7}")
     for test in sorted(totals):
         c = totals[test]
@@ -193,6 +194,7 @@ def main() -> int:
     print(f"examples run: {sum(all_counts.values())}; failing tests: {len(failures)}")
     for seed, f in failures:
         print(f"\nFAILED {f['test']} ({f['when']}), --hypothesis-seed={seed}")
+        # the arguments as hypothesis' observations record them (JSON: dict keys become strings)
         print(f"falsifying example: {f['falsifying'] or '(none: not a property failure)'}")
         print(f["error"])
     return 1 if failures else 0

@@ -18,6 +18,7 @@ from hybridserve.engine.async_llm import RequestFailedError  # noqa: E402
 
 MAX_LEN = 256
 TIMEOUT = 60.0
+RESTART_TIMEOUT = 300.0  # the restart builds a fresh executor and loads the model again: slow on a busy machine
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +28,8 @@ def engine() -> AsyncLLM:
     llm.shutdown()
 
 
-def run(coro):  # every test is bounded in time: a hang is a failure, not a stuck suite
-    return asyncio.run(asyncio.wait_for(coro, TIMEOUT))
+def run(coro, timeout: float = TIMEOUT):  # every test is bounded in time: a hang is a failure, not a stuck suite
+    return asyncio.run(asyncio.wait_for(coro, timeout))
 
 
 async def collect(engine: AsyncLLM, prompt, params, rid=None) -> tuple[list, str]:
@@ -37,12 +38,12 @@ async def collect(engine: AsyncLLM, prompt, params, rid=None) -> tuple[list, str
 
 
 async def wait_idle(engine: AsyncLLM) -> None:
-    for _ in range(200):
+    """Poll until nothing runs or waits and no KV block is held (run() bounds the wait)."""
+    while True:
         stats = await engine.get_stats()
         if stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_usage == 0.0:
             return
         await asyncio.sleep(0.02)
-    raise AssertionError(f"engine not idle: {stats}")
 
 
 def test_streams_match_the_blocking_api(engine: AsyncLLM) -> None:
@@ -134,17 +135,15 @@ def test_an_engine_failure_fails_open_requests_then_the_engine_restarts() -> Non
         assert all(isinstance(r, EngineDeadError) for r in results), results
         # Clients learn that the engine failed, never its internal error text.
         assert "restarting" in str(results[0]) and "secret" not in str(results[0])
-        for _ in range(400):  # the rebuilt engine (fresh executor, no fault) takes over
-            if not llm.restarting:
-                break
+        while llm.restarting:  # the rebuilt engine (fresh executor, no fault) takes over; run() bounds the wait
             await asyncio.sleep(0.05)
-        assert not llm.restarting and llm.dead_error is None
+        assert llm.dead_error is None
         _, text = await collect(llm, PROMPTS[1], SamplingParams(max_tokens=12))
         assert text == want
         await wait_idle(llm)
 
     try:
-        run(main())
+        run(main(), RESTART_TIMEOUT)
         assert llm.restart_reasons == ["RuntimeError: device lost at /secret/path"]
     finally:
         llm.shutdown()

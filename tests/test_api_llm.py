@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +10,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from tests import hf_tiny  # noqa: E402
+from tests.hand_clock import HandClock, wait_until  # noqa: E402
 from tests.serving_models import PROMPTS, tiny_serving_dir, vocabulary  # noqa: E402
 
 from hybridserve import LLM, SamplingParams  # noqa: E402
@@ -261,18 +261,20 @@ def test_the_runner_gives_its_step_heap_back_after_a_pause(monkeypatch: pytest.M
 
     made: list[IdleHeapRelease] = []
     releases: list[int] = []
+    IDLE = 0.05  # the hand clock's seconds, also how long the waiter sleeps between looks
+    clock = HandClock()  # stands still during generate: no gap between its steps counts as a pause
 
     def quick(*_args, **_kwargs) -> IdleHeapRelease:
-        made.append(IdleHeapRelease(idle_s=0.3, release=lambda: releases.append(1)))
+        made.append(IdleHeapRelease(idle_s=IDLE, release=lambda: releases.append(1), clock=clock))
         return made[-1]
 
     monkeypatch.setattr(torch_executor, "IdleHeapRelease", quick)
     engine = LLM(str(tiny_serving_dir()), max_model_len=MAX_LEN, dtype="float32", progress=False)
     try:
         engine.generate([[10, 11]], SamplingParams(max_tokens=4), use_tqdm=False)
-        deadline = time.monotonic() + 10
-        while not releases and time.monotonic() < deadline:
-            time.sleep(0.05)
+        assert releases == []
+        clock.advance(IDLE)  # the pause after the last step
+        assert wait_until(lambda: releases != [])
         assert len(made) == 1 and releases == [1]
     finally:
         engine.shutdown()

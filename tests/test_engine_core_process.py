@@ -61,12 +61,12 @@ async def collect(engine: AsyncLLM, prompt, params, rid=None) -> list:
 
 
 async def wait_idle(engine: AsyncLLM) -> list:
-    for _ in range(300):
+    """Poll until no replica runs, queues or holds KV blocks (the caller's run() bounds the wait)."""
+    while True:
         stats = await engine.get_replica_stats()
         if all(s is not None and s.num_running == 0 and s.num_waiting == 0 and s.kv_usage == 0.0 for s in stats):
             return stats
         await asyncio.sleep(0.02)
-    raise AssertionError(f"replicas not idle: {stats}")
 
 
 def test_two_replicas_serve_the_in_process_greedy_tokens(engine: AsyncLLM, ref: LLM) -> None:

@@ -7,7 +7,6 @@ import asyncio
 import json
 import signal
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,8 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from tests.server_proc import running_server  # noqa: E402
+from tests.hand_clock import wait_until  # noqa: E402
+from tests.server_proc import running_server, scrape_metrics  # noqa: E402
 from tests.serving_models import PROMPTS, tiny_serving_dir  # noqa: E402
 
 KEY = "s3cret-key"
@@ -95,10 +95,18 @@ def test_sigterm_ends_open_streams_with_an_error_event_after_the_timeout(server)
                     lines.append(line)
         results[i] = lines
 
+    def taken() -> float:  # requests the engine has: running, waiting or finished
+        m = scrape_metrics(url)
+        return (m["hybridserve_num_requests_running"] + m["hybridserve_num_requests_waiting"]
+                + sum(v for k, v in m.items() if k.startswith("hybridserve_request_finished_total")))
+
+    before = taken()
     threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
     for t in threads:
         t.start()
-    time.sleep(0.5)
+    # SIGTERM once the engine has all three (however long a loaded machine takes to send
+    # them): a stream still connecting then would be refused, not ended by the shutdown.
+    assert wait_until(lambda: taken() - before >= 3, timeout=120)
     proc.send_signal(signal.SIGTERM)
     for t in threads:
         t.join(60)

@@ -73,7 +73,7 @@ def constrained(schema: dict, **kw) -> SamplingParams:
     return SamplingParams(max_tokens=120, structured_output=StructuredOutput("json", json.dumps(schema)), **kw)
 
 
-@settings(max_examples=12, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
 @given(schema=schemas, seed=st.integers(0, 1000))
 def test_every_output_parses_against_its_schema(llm: LLM, schema: dict, seed: int) -> None:
     params = [constrained(schema), constrained(schema, temperature=1.0, seed=seed)]

@@ -60,7 +60,7 @@ def gemma_spec() -> LLM:
     engine.shutdown()
 
 
-@settings(max_examples=3, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
 @given(schema=schemas)
 def test_gemma_outputs_parse_against_random_schemas(gemma_spec: LLM, schema: dict) -> None:
     so = StructuredOutput("json", json.dumps(schema))

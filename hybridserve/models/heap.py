@@ -55,11 +55,15 @@ class IdleHeapRelease:
     """Calls `release` (default release_free_heap) once after each run of steps, when
     `idle_s` seconds have passed since the last `stepped()`. Invariants: never while steps
     keep coming closer than idle_s apart; at most once per idle gap; never after close().
-    The wait runs on a daemon thread started by the first step."""
+    The wait runs on a daemon thread started by the first step. Time is read from `clock`
+    (seconds; a test's own clock makes the invariants independent of thread timing): the
+    waiter sleeps for what the clock says is left, then reads the clock again."""
 
-    def __init__(self, idle_s: float = IDLE_RELEASE_S, release: Callable[[], Any] = release_free_heap) -> None:
+    def __init__(self, idle_s: float = IDLE_RELEASE_S, release: Callable[[], Any] = release_free_heap,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._idle_s = idle_s
         self._release = release
+        self._clock = clock
         self._cond = threading.Condition()
         self._last_step = 0.0
         self._pending = False  # a step ran since the last release
@@ -69,7 +73,7 @@ class IdleHeapRelease:
     def stepped(self) -> None:
         """Record that a step just ended (called by the thread that runs steps)."""
         with self._cond:
-            self._last_step = time.monotonic()
+            self._last_step = self._clock()
             if self._pending:
                 return  # the waiter re-reads the time at its deadline: no wake-up per step
             self._pending = True
@@ -92,7 +96,7 @@ class IdleHeapRelease:
                     if not self._pending:
                         self._cond.wait()
                         continue
-                    remaining = self._last_step + self._idle_s - time.monotonic()
+                    remaining = self._last_step + self._idle_s - self._clock()
                     if remaining <= 0:
                         break
                     self._cond.wait(remaining)

@@ -42,6 +42,9 @@ from hybridserve.core.sched.planner import StepBatch, plan_running, plan_steady_
 from hybridserve.core.sched.queues import make_queue
 from hybridserve.core.sched.stats import SchedulerStats
 
+# _allocate_preempting's answer for a request that waits a step for fenced frees.
+WAITS_FOR_FENCED: BlocksPerGroup = []
+
 EMPTY: list[int] = []
 
 
@@ -194,6 +197,9 @@ class Scheduler:
                 i -= num_before  # req's place in the shrunk running list
             if new_blocks is None:
                 continue  # preempted itself: running shrank, i points at the next one
+            if new_blocks is WAITS_FOR_FENCED:
+                i += 1
+                continue
             sr.new_block_ids = no_block_ids if new_blocks is kv.no_new_blocks else tuple(
                 [b.block_id for b in g] for g in new_blocks)
             sr.num_null_blocks = kv.get_num_null_blocks(req.request_id)
@@ -206,8 +212,9 @@ class Scheduler:
     ) -> tuple[BlocksPerGroup | None, int, int]:
         """Allocate slots for req (at running[index]), preempting victims until they fit.
 
-        Returns the new blocks (None: req was preempted itself), how many requests were
-        preempted, and how many of them stood before req in the running list."""
+        Returns the new blocks (None: req was preempted itself; WAITS_FOR_FENCED: it is
+        not scheduled this step), how many requests were preempted, and how many of them
+        stood before req in the running list."""
         new_blocks = self.kv.allocate_slots(req, num_tokens)
         num_preempted = num_before = 0
         while new_blocks is None:
@@ -216,6 +223,12 @@ class Scheduler:
                 # Waiting requests' loaded blocks kept it from fitting (Admission.release_last_holder).
                 new_blocks = self.kv.allocate_slots(req, num_tokens)
                 continue
+            if victim is req and self.kv.fenced:
+                # Blocks freed behind steps in flight (a victim's, say) come back as those
+                # steps return: req waits for them instead of preempting itself, which
+                # threw its progress away; two requests that took turns at that, each
+                # readmitted beside the other, never finished.
+                return WAITS_FOR_FENCED, num_preempted, num_before
             num_preempted += 1
             if victim is req:
                 self._preempt(req)

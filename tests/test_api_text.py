@@ -11,7 +11,7 @@ from hybridserve.core.errors import RequestError  # noqa: E402
 from hybridserve.core.request import SamplingParams  # noqa: E402
 from hybridserve.core.sched.output import RequestOutput as CoreOutput  # noqa: E402
 from hybridserve.engine.outputs import SequenceState  # noqa: E402
-from hybridserve.engine.tokenizer import Tokenizer, plain_chat_text  # noqa: E402
+from hybridserve.text.tokenizer import Tokenizer, plain_chat_text  # noqa: E402
 
 CORPUS = ["héllo wörld, the cat sat on the mat", "naïve café déjà vu", "the quick brown fox jumps", "日本語のテキスト"]
 
@@ -157,7 +157,7 @@ def test_a_loaded_tokenizer_drops_its_python_vocabulary_and_encodes_as_hf(tmp_pa
 def test_dropping_construction_copies_keeps_a_slow_tokenizer_whole() -> None:
     from types import SimpleNamespace
 
-    from hybridserve.engine.tokenizer import drop_construction_copies
+    from hybridserve.text.tokenizer import drop_construction_copies
 
     slow = SimpleNamespace(_vocab={"a": 0}, _merges=[("a", "a")])  # no Rust backend: the copies are the vocabulary
     assert drop_construction_copies(slow) == []

@@ -18,9 +18,9 @@ from hybridserve.core.errors import ConfigError, RequestError
 from hybridserve.core.kv.spec import group_layers
 from hybridserve.core.sched.config import SchedulerConfig
 from hybridserve.engine.loop import EngineCore
-from hybridserve.engine.structured_output import GrammarBackend
-from hybridserve.engine.tokenizer import Tokenizer
 from hybridserve.models.config import ModelConfig
+from hybridserve.text.structured_output import GrammarBackend
+from hybridserve.text.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int]
 
@@ -267,7 +267,7 @@ def prepare_chat(parts: FrontEnd, messages: Sequence[dict[str, Any]], params: An
     """(prompt text, ids, params) for a conversation (with the tools it offers, rendered by
     the chat template). Without a chat template the plain template applies and
     PLAIN_CHAT_STOPS join the stop strings."""
-    from hybridserve.engine.tokenizer import PLAIN_CHAT_STOPS
+    from hybridserve.text.tokenizer import PLAIN_CHAT_STOPS
 
     if parts.tokenizer is None:
         raise RequestError("chat needs a tokenizer; this model has none", "messages")

@@ -30,7 +30,7 @@ from hybridserve.engine.frontend import (
 )
 from hybridserve.engine.loop import EngineStuckError
 from hybridserve.engine.outputs import GenerationOutput, GenerationTracker, as_sampling_params
-from hybridserve.engine.tokenizer import Tokenizer
+from hybridserve.text.tokenizer import Tokenizer
 
 ParamsArg = SamplingParams | Sequence[SamplingParams] | None
 _MAX_IDLE_STEPS = 100_000

@@ -18,7 +18,7 @@ from hybridserve.core.errors import RequestError
 from hybridserve.core.request import Request, SamplingParams
 from hybridserve.core.sched.output import LogprobInfo
 from hybridserve.core.sched.output import RequestOutput as CoreOutput
-from hybridserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from hybridserve.text.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @dataclass

@@ -15,8 +15,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from hybridserve.core.request import StructuredOutput
 from hybridserve.engine.outputs import CompletionOutput, TokenLogprob
-from hybridserve.engine.tokenizer import Tokenizer
 from hybridserve.entrypoints.tool_calls import ToolCall
+from hybridserve.text.tokenizer import Tokenizer
 
 MAX_N = 128
 MAX_LOGPROBS = 20

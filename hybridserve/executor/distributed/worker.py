@@ -87,8 +87,8 @@ class Worker:
 
         grammar = None
         if self.place.is_last_stage and self.spec.tokenizer_dir is not None:
-            from hybridserve.engine.structured_output import GrammarBackend
-            from hybridserve.engine.tokenizer import Tokenizer
+            from hybridserve.text.structured_output import GrammarBackend
+            from hybridserve.text.tokenizer import Tokenizer
 
             tokenizer = Tokenizer.from_dir(self.spec.tokenizer_dir)
             if tokenizer is not None:

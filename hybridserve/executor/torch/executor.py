@@ -18,7 +18,6 @@ import torch
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.kv.spec import KVCacheConfig, KVCacheSpec, group_layers
 from hybridserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
-from hybridserve.engine.structured_output import GrammarBackend
 from hybridserve.executor.base import Executor
 from hybridserve.executor.torch.kv_cache import TORCH_DTYPES, num_blocks_for_memory
 from hybridserve.executor.torch.model_runner import ModelRunner
@@ -32,6 +31,7 @@ from hybridserve.models.kv_specs import model_kv_layer_specs
 from hybridserve.models.loader import load_model
 from hybridserve.models.mamba_lm import MambaLM
 from hybridserve.models.smoothing import Encode
+from hybridserve.text.structured_output import GrammarBackend
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:

@@ -41,10 +41,10 @@ from hybridserve.executor.torch.requests import BlockTables, RequestState
 from hybridserve.executor.torch.sampler import (SampleRow, inv_temperatures, is_greedy, logprob_info,
                                                 sample_isolated, target_logprobs)
 from hybridserve.executor.torch.spec_decode import NgramDrafter, num_accepted
-from hybridserve.engine.structured_output import GrammarBackend
 from hybridserve.models.decoder import DecoderLM
 from hybridserve.models.kv_specs import layer_index
 from hybridserve.models.mamba_lm import MambaLM
+from hybridserve.text.structured_output import GrammarBackend
 
 
 # Prompt positions whose vocab logits are materialised at a time for prompt logprobs:

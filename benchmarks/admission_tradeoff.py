@@ -24,9 +24,9 @@ import time
 from dataclasses import replace
 
 from hybridserve.core.kv.spec import WindowTail, blocks_per_request
-from hybridserve.executor.sim.presets import get_layout
-from hybridserve.executor.sim.simulation import SimConfig, build_kv_cache_config, run_simulation
-from hybridserve.executor.sim.workload import WorkloadSpec, generate
+from hybridserve.sim.presets import get_layout
+from hybridserve.sim.simulation import SimConfig, build_kv_cache_config, run_simulation
+from hybridserve.sim.workload import WorkloadSpec, generate
 
 B = 8192
 MAX_MODEL_LEN = 32768

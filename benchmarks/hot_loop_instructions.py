@@ -38,8 +38,8 @@ def run_loop(loop: str, size: int) -> None:
         run(size, 128, 256, 256, True, "hybrid-swa")
         return
     from benchmarks.simulate_speed import config
-    from hybridserve.executor.sim.simulation import run_simulation
-    from hybridserve.executor.sim.workload import WorkloadSpec, generate
+    from hybridserve.sim.simulation import run_simulation
+    from hybridserve.sim.workload import WorkloadSpec, generate
 
     items = generate(WorkloadSpec.from_flags(size, "fixed:512", "fixed:256"), seed=0)
     run_simulation(config(loop == "sim-on"), items, progress=False)

@@ -37,7 +37,7 @@ from hybridserve.core.kv.spec import (
     group_layers,
     with_mamba_checkpoints,
 )
-from hybridserve.executor.sim.presets import get_gpu, get_layout
+from hybridserve.sim.presets import get_gpu, get_layout
 
 BS = 16
 SSD_CHUNK = {"bamba-9b-like": 256, "jamba-like": 16}

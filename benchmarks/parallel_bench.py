@@ -127,9 +127,9 @@ def run_config(name: str, num_prompts: int, new_tokens: int) -> dict:
 
 def simulate_pp(single_1t_seconds: float, num_prompts: int, new_tokens: int) -> dict:
     """The simulator's pp2-sync time, its device calibrated on single-1t's measurement."""
-    import hybridserve.executor.sim.presets as presets
-    from hybridserve.executor.sim.simulation import SimConfig, run_simulation
-    from hybridserve.executor.sim.workload import LengthDistribution, WorkloadSpec, generate
+    import hybridserve.sim.presets as presets
+    from hybridserve.sim.simulation import SimConfig, run_simulation
+    from hybridserve.sim.workload import LengthDistribution, WorkloadSpec, generate
 
     raw = json.loads(presets.PRESETS_PATH.read_text())
     raw["model_layouts"]["gemma3-270m-like"] = {

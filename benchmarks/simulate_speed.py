@@ -15,8 +15,8 @@ import argparse
 import statistics
 import time
 
-from hybridserve.executor.sim.simulation import SimConfig, run_simulation
-from hybridserve.executor.sim.workload import WorkloadSpec, generate
+from hybridserve.sim.simulation import SimConfig, run_simulation
+from hybridserve.sim.workload import WorkloadSpec, generate
 
 GOAL_PER_MIN = 20_000
 MAX_DETECTOR_COST = 3.0

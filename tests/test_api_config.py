@@ -136,7 +136,7 @@ def test_default_pool_fits_max_num_seqs_full_requests_within_one_gib() -> None:
 ])
 def test_startup_sizing_and_admission_agree_for_paged_mamba_states(async_scheduling, offload, need) -> None:
     from hybridserve.core.sched.scheduler import Scheduler
-    from hybridserve.executor.sim.presets import get_layout
+    from hybridserve.sim.presets import get_layout
 
     g = group_layers(get_layout("bamba-9b-like").layer_specs(16, "bfloat16"))
     kw = dict(max_model_len=8192, max_num_batched_tokens=8192, async_scheduling=async_scheduling,

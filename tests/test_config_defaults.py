@@ -18,7 +18,7 @@ from hybridserve.core.sched.config import SchedulerConfig
 from hybridserve.core.sched.scheduler import Scheduler
 from hybridserve.entrypoints.engine_flags import add_engine_arguments, engine_config_from_args
 from hybridserve.entrypoints.simulate import build_parser, sim_config_from_args
-from hybridserve.executor.sim.simulation import SimConfig
+from hybridserve.sim.simulation import SimConfig
 from hybridserve.testing import make_kv_cache_config
 
 

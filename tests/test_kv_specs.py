@@ -223,7 +223,7 @@ def test_bamba_9b_state_is_33_attention_pages() -> None:
     cdiv(1,073,920, 33) = 32,544 elements (65,088 bytes, 0.7% padding). 3 attention layers
     -> groups of 3 layers: 1 attention group, 29 Mamba layers in 10 groups (the last of 2),
     each as 33 page groups; a block is 3 pages: 196,608 bytes (it was 3 x 2,147,840)."""
-    from hybridserve.executor.sim.presets import get_layout
+    from hybridserve.sim.presets import get_layout
 
     specs = get_layout("bamba-9b-like").layer_specs(16, "bfloat16")
     assert sorted(i for i, name in enumerate(specs) if name.endswith(".attn")) == [9, 18, 27]
@@ -240,7 +240,7 @@ def test_jamba_like_state_is_5_attention_pages() -> None:
     """Jamba-like: conv 8192 x 3 = 24,576 + SSM 128 x 64 x 16 = 131,072 elements, bf16:
     311,296 bytes = 4.75 pages of 65,536 -> 5 pages of 31,130 elements. 4 attention layers:
     28 Mamba layers in 7 groups of 4, 35 page groups; a block is 4 pages, 262,144 bytes."""
-    from hybridserve.executor.sim.presets import get_layout
+    from hybridserve.sim.presets import get_layout
 
     groups = group_layers(get_layout("jamba-like").layer_specs(16, "bfloat16"))
     s = groups[0].spec
@@ -265,7 +265,7 @@ def test_in_place_mamba_cap_is_one_block_a_page_group(steps: int, drafts: int) -
     547 blocks of 262,144 bytes = 143,392,768 (17,504 per token) against 4 x 65,536 x
     512 + 28 x 311,296 = 142,934,016: 1.003x. Sync and async alike (the positional
     layout needed 1 + k blocks a page group: 28,128 and 36,048 bytes a token for Bamba)."""
-    from hybridserve.executor.sim.presets import get_layout
+    from hybridserve.sim.presets import get_layout
 
     for name, blocks, block_bytes in (("bamba-9b-like", 842, 196_608), ("jamba-like", 547, 262_144)):
         groups = with_mamba_checkpoints(group_layers(get_layout(name).layer_specs(16, "bfloat16")),

@@ -6,8 +6,8 @@ import pytest
 
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.kv.spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
-from hybridserve.executor.sim.cost_model import CostModel, chunked_pairs, full_pairs, sliding_pairs
-from hybridserve.executor.sim.presets import (
+from hybridserve.sim.cost_model import CostModel, chunked_pairs, full_pairs, sliding_pairs
+from hybridserve.sim.presets import (
     EngineOverheads,
     GpuPreset,
     MambaShape,

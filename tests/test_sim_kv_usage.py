@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from hybridserve.executor.sim import recorder
-from hybridserve.executor.sim.simulation import SimConfig, run_simulation
-from hybridserve.executor.sim.workload import WorkloadSpec, generate
+from hybridserve.sim import recorder
+from hybridserve.sim.simulation import SimConfig, run_simulation
+from hybridserve.sim.workload import WorkloadSpec, generate
 
 
 def held_by_set(scheduler) -> list[float]:  # type: ignore[no-untyped-def]

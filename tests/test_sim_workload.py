@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hybridserve.core.errors import ConfigError
-from hybridserve.executor.sim.workload import (
+from hybridserve.sim.workload import (
     LengthDistribution,
     WorkloadError,
     WorkloadSpec,

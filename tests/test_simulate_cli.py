@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from hybridserve.entrypoints.cli import main
-from hybridserve.executor.sim.cost_model import CostModel
-from hybridserve.executor.sim.presets import get_gpu, get_layout, load_presets
+from hybridserve.sim.cost_model import CostModel
+from hybridserve.sim.presets import get_gpu, get_layout, load_presets
 
 SMALL = ["--model-layout", "llama3-8b-like", "--num-requests", "6", "--prompt-len", "fixed:100", "--output-len", "fixed:20"]
 
@@ -160,8 +160,8 @@ def test_detector_counts_the_unsafe_race_and_nothing_in_safe_mode(
 
 def test_pipeline_stages_and_late_arrival(tmp_path: Path) -> None:
     """pp=2, sync: each step crosses both stages (T/2 + hand-off each); time starts at arrival."""
-    from hybridserve.executor.sim.simulation import SimConfig, run_simulation
-    from hybridserve.executor.sim.workload import WorkloadItem
+    from hybridserve.sim.simulation import SimConfig, run_simulation
+    from hybridserve.sim.workload import WorkloadItem
 
     items = [WorkloadItem(0, 64, 3, arrival_time=5.0)]
     cfg = SimConfig(model_layout="llama3-8b-like", async_scheduling=False, pipeline_parallel_size=2, detector=False)
@@ -178,7 +178,7 @@ def test_pipeline_stages_and_late_arrival(tmp_path: Path) -> None:
 def test_the_pool_row_comes_first_and_group_shares_add_up(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The pool's own usage is the sum of its groups' (every block belongs to one group);
     each group row is its share of the used blocks, so the shares add up to 100%."""
-    from hybridserve.executor.sim.report import summary_rows
+    from hybridserve.sim.report import summary_rows
 
     out = tmp_path / "r.json"
     rc, _, err = run_cli(["--num-requests", "40", "--json", str(out)], capsys)
@@ -186,7 +186,7 @@ def test_the_pool_row_comes_first_and_group_shares_add_up(tmp_path: Path, capsys
     r = json.loads(out.read_text())
     assert r["pool_mean_usage"] == pytest.approx(sum(r["kv_mean_usage"]), rel=1e-9)
     assert r["pool_peak_usage"] >= max(r["kv_peak_usage"]) and r["pool_peak_usage"] > 0.5
-    from hybridserve.executor.sim.report import SimReport
+    from hybridserve.sim.report import SimReport
 
     report = SimReport(**{k: v for k, v in r.items() if k != "series"})
     rows = summary_rows(report)

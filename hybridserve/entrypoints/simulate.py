@@ -161,8 +161,8 @@ def _validate(a: argparse.Namespace) -> None:
 
 def sim_config_from_args(a: argparse.Namespace, label: str) -> Any:
     from hybridserve.core.kv.spec import dtype_size
-    from hybridserve.executor.sim.presets import get_gpu, get_layout
-    from hybridserve.executor.sim.simulation import SimConfig
+    from hybridserve.sim.presets import get_gpu, get_layout
+    from hybridserve.sim.simulation import SimConfig
 
     _validate(a)
     layout, gpu = get_layout(a.model_layout), get_gpu(a.gpu)
@@ -183,7 +183,7 @@ def sim_config_from_args(a: argparse.Namespace, label: str) -> Any:
 
 
 def workload_from_args(a: argparse.Namespace) -> list[Any]:
-    from hybridserve.executor.sim.workload import WorkloadSpec, generate, load_trace
+    from hybridserve.sim.workload import WorkloadSpec, generate, load_trace
 
     if a.trace is not None:
         return load_trace(a.trace, default_prefix_len=a.prefix_len or None)
@@ -227,8 +227,8 @@ def _run(a: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from hybridserve.executor.sim.report import plot, print_summary
-    from hybridserve.executor.sim.simulation import run_simulation
+    from hybridserve.sim.report import plot, print_summary
+    from hybridserve.sim.simulation import run_simulation
 
     _check_output_path(a.json, "--json")
     _check_output_path(a.plot, "--plot")

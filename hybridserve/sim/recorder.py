@@ -26,7 +26,7 @@ from hybridserve.core.kv.spec import (
 from hybridserve.core.request import Request
 from hybridserve.core.sched.output import RequestOutput
 from hybridserve.core.sched.scheduler import Scheduler
-from hybridserve.executor.sim.report import SimReport, TimeSeries, percentiles
+from hybridserve.sim.report import SimReport, TimeSeries, percentiles
 
 MAX_KV_SAMPLES = 4096
 # A sample walks every held block; space samples so that, per step, sampling costs about

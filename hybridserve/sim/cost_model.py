@@ -20,7 +20,7 @@ from operator import mul
 from typing import Iterable
 
 from hybridserve.core.kv.spec import dtype_size
-from hybridserve.executor.sim.presets import EngineOverheads, GpuPreset, ModelLayout, load_presets
+from hybridserve.sim.presets import EngineOverheads, GpuPreset, ModelLayout, load_presets
 
 # One (context tokens before the step, new tokens this step) pair per scheduled request.
 BatchEntry = tuple[int, int]

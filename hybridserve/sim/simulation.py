@@ -25,14 +25,14 @@ from hybridserve.core.errors import ConfigError, HybridServeError
 from hybridserve.core.kv.spec import KVCacheConfig
 from hybridserve.core.sched.config import SchedulerConfig
 from hybridserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
-from hybridserve.executor.base import Executor
 from hybridserve.engine.loop import build_engine
-from hybridserve.executor.sim.cost_model import CostModel
+from hybridserve.executor.base import Executor
 from hybridserve.executor.sim.executor import SimExecutor
-from hybridserve.executor.sim.presets import get_gpu, get_layout, load_presets
-from hybridserve.executor.sim.recorder import RunRecorder, config_dict
-from hybridserve.executor.sim.report import SimReport, plot, print_summary
-from hybridserve.executor.sim.workload import WorkloadItem, to_requests
+from hybridserve.sim.cost_model import CostModel
+from hybridserve.sim.presets import get_gpu, get_layout, load_presets
+from hybridserve.sim.recorder import RunRecorder, config_dict
+from hybridserve.sim.report import SimReport, plot, print_summary
+from hybridserve.sim.workload import WorkloadItem, to_requests
 
 __all__ = ["SimConfig", "SimReport", "SimulationError", "TimedExecutor", "build_kv_cache_config", "plot",
            "print_summary", "run_simulation"]

@@ -1,8 +1,17 @@
-"""Imports inside hybridserve run one way: no two modules import each other, directly or
-through others. A cycle means one idea is split across files (and usually hides behind an
-import inside a function), so every import counts here, including those inside functions
-and under TYPE_CHECKING. A module importing its own parent package is not an edge (the
-package's __init__ runs first anyway).
+"""Imports inside hybridserve run one way, in two senses.
+
+Layers: the packages stand in the order LAYERS gives, lowest first, and a module imports
+only its own package and the layers below it, never a layer above or a package beside it
+in its own layer. The engine builds the executors, so it stands above them; the text
+services (tokenizer, grammar) serve both, so they stand below both; the simulator drives
+the engine, so it stands above it.
+
+Cycles: no two modules import each other, directly or through others. A cycle means one
+idea is split across files (and usually hides behind an import inside a function).
+
+Every import counts here, including those inside functions and under TYPE_CHECKING. A
+module importing its own parent package is not an edge (the package's __init__ runs first
+anyway).
 """
 
 from __future__ import annotations
@@ -43,6 +52,47 @@ def import_graph() -> dict[str, set[str]]:
     paths = {_module_name(p): p for p in ROOT.rglob("*.py")}
     names = set(paths)
     return {n: _imported(n, p, ast.parse(p.read_text()), names) for n, p in paths.items()}
+
+
+# The layers, lowest first: the packages (and top-level modules) right under hybridserve,
+# "__init__" for the package itself. Names in one layer do not import each other.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("core",),                        # pure Python: KV cache, requests, the scheduler
+    ("config", "models", "testing"),  # on the core alone: engine arguments, model code, test helpers
+    ("text",),                        # tokenizer, chat prompts, the grammar backend
+    ("executor",),                    # torch, distributed and simulated executors
+    ("engine",),                      # the engine loop and its construction, LLM and AsyncLLM
+    ("sim",),                         # the simulator: the engine on a simulated clock
+    ("entrypoints",),                 # the CLI and the OpenAI server
+    ("__init__",),                    # the public API: from hybridserve import LLM, ...
+)
+LAYER_OF = {name: rank for rank, names in enumerate(LAYERS) for name in names}
+
+
+def package_of(module: str) -> str:
+    """The name right under hybridserve that `module` belongs to ("__init__" for the package)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def layer_of(package: str) -> int:
+    assert package in LAYER_OF, f"hybridserve.{package} is in no layer: add it to LAYERS"
+    return LAYER_OF[package]
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    """One line per import of a module from a layer above its own or from another package
+    in the same layer, naming both modules."""
+    found = []
+    for importer in sorted(graph):
+        own = package_of(importer)
+        for imported in sorted(graph[importer]):
+            other = package_of(imported)
+            if other != own and layer_of(other) >= layer_of(own):
+                where = "above it" if layer_of(other) > layer_of(own) else "beside it"
+                found.append(f"{importer} ({own}, layer {layer_of(own)}) imports {imported} "
+                             f"({other}, layer {layer_of(other)}, {where})")
+    return found
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -102,3 +152,30 @@ def test_graph_sees_imports_inside_functions() -> None:
 
 def test_hybridserve_has_no_import_cycles() -> None:
     assert cycles(import_graph()) == []
+
+
+def test_every_module_has_a_layer() -> None:
+    graph = import_graph()
+    unplaced = sorted({package_of(m) for m in graph} - set(LAYER_OF))
+    assert unplaced == [], f"packages under hybridserve missing from LAYERS: {unplaced}"
+    stale = sorted(set(LAYER_OF) - {package_of(m) for m in graph})
+    assert stale == [], f"LAYERS names packages hybridserve does not have: {stale}"
+
+
+def test_layer_check_finds_planted_upward_and_sideways_imports() -> None:
+    graph = {
+        "hybridserve.executor.torch.runner": {"hybridserve.engine.loop", "hybridserve.text.tokenizer"},
+        "hybridserve.engine.loop": {"hybridserve.executor.base", "hybridserve.core.request"},
+        "hybridserve.models.loader": {"hybridserve.config"},
+        "hybridserve": {"hybridserve.engine.loop"},
+    }
+    assert layer_violations(graph) == [
+        "hybridserve.executor.torch.runner (executor, layer 3) imports hybridserve.engine.loop "
+        "(engine, layer 4, above it)",
+        "hybridserve.models.loader (models, layer 1) imports hybridserve.config (config, layer 1, beside it)",
+    ]
+
+
+def test_hybridserve_imports_only_downward() -> None:
+    violations = layer_violations(import_graph())
+    assert violations == [], "imports against the layer order:\n" + "\n".join(violations)

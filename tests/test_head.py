@@ -278,4 +278,5 @@ def test_span_logits_are_the_logits_and_their_span_summaries(weight: torch.Tenso
     padded = padded.view(rows, -1, SPAN)
     peak = padded.amax(dim=-1)
     torch.testing.assert_close(got.span_max, peak, rtol=0, atol=0)
-    torch.testing.assert_close(got.span_sum, torch.exp((padded - peak[..., None]) * inv_t[:, None, None]).sum(-1))
+    torch.testing.assert_close(got.span_sum, torch.exp((padded - peak[..., None]) * inv_t[:, None, None]).sum(-1),
+                               rtol=1e-5, atol=0.0)  # the compiled kernel sums in its own order

@@ -36,6 +36,7 @@ from hybridserve.models.heap import release_free_heap
 from hybridserve.models.int8 import (FBGEMM, QUANTIZERS, int8_gemm_available, int8_matmul, int8_paths,
                                     quantize_gemm_weight, quantize_int8_rows)
 from hybridserve.models.linear import make_linear
+from hybridserve.models.span_kernel import KERNEL
 from hybridserve.models.span_logits import SPAN, LogitsBuffer, SpanLogits, span_stats
 
 # Vocabulary rows per packed / quantized chunk: small enough that one chunk's logits stay
@@ -215,17 +216,23 @@ class OutputHead:
         # Per chunk while it is in cache; a few rows' whole buffer stays in cache anyway, and
         # one summary over it costs fewer parallel regions than one per chunk.
         per_chunk = self.chunk_rows % SPAN == 0 and hidden.shape[0] > FEW_ROWS
+        fused = KERNEL.get() if per_chunk else None  # the copy and the summaries in one loop
         peaks, masses = [], []
         for start, chunk in zip(range(0, self.vocab_size, self.chunk_rows), self._chunks):
             out = chunk(*x)
             if softcap:
                 out = torch.tanh(out.float() / softcap) * softcap
             stop = start + out.shape[1]
-            padded[:, start:stop].copy_(out)
-            if per_chunk:  # the last chunk's spans take the buffer's -inf padding with them
+            if fused is not None and out.shape[1] % SPAN == 0:
+                peak, mass = fused(padded[:, start:stop], out, inv_t)
+            else:
+                padded[:, start:stop].copy_(out)
+                if not per_chunk:
+                    continue
+                # The last chunk's spans take the buffer's -inf padding with them.
                 peak, mass = span_stats(padded[:, start : stop if stop < self.vocab_size else None], inv_t)
-                peaks.append(peak)
-                masses.append(mass)
+            peaks.append(peak)
+            masses.append(mass)
         if not per_chunk:
             peak, mass = span_stats(padded, inv_t)
             peaks, masses = [peak], [mass]

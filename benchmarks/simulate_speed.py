@@ -6,7 +6,7 @@ race detector off; the detector may cost at most 3x.
 
     python benchmarks/simulate_speed.py [--num-requests 1024] [--repeat 1]
 
-Prints a markdown table (paste into the README).
+Prints a markdown table (for benchmarks/results/simulator_speed.md).
 """
 
 from __future__ import annotations

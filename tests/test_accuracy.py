@@ -105,8 +105,9 @@ def test_tiny_gemma3_default_on_an_avx2_cpu_stays_within_bounds() -> None:
     assert got.max_abs_logprob_diff > 0.0
 
 
-# Gemma 3 270M over the 16 text prompts, 128 tokens. Measured (benchmarks/quant_accuracy.py,
-# README "CPU serving"): agreement / mean |dlp| / max |dlp| = bf16 0.458 / 0.0094 / 0.148,
+# Gemma 3 270M over the 16 text prompts, 128 tokens. Measured (benchmarks/quant_accuracy.py;
+# the latest run in benchmarks/results/quant_accuracy.md, earlier ones in git history):
+# agreement / mean |dlp| / max |dlp| = bf16 0.458 / 0.0094 / 0.148,
 # bf16+int8 head 0.274-0.356 / 0.018-0.026 / 0.203-0.295, bf16+int8 (every linear, smoothed)
 # 0.136-0.188 / 0.035 / 0.346-0.353, bf16+int4 0.072 / 0.071 / 0.47; bounds with headroom.
 GEMMA_BOUNDS = {
@@ -118,10 +119,10 @@ GEMMA_BOUNDS = {
 
 
 # The same where the int8 GEMM takes weights in 63 levels (AVX2 alone: models/int8.py), measured
-# as on such a CPU (benchmarks/quant_accuracy.py under cpu_features.as_avx2_env, README "CPU
-# serving"): float32+int8 (the AVX2 default) 0.081 / 0.090 / 0.54, bf16+int8 0.068 / 0.095 /
-# 0.54, bf16+int8 head 0.183-0.276 / 0.034-0.042 / 0.49-0.61. One bit less per weight roughly
-# doubles the error.
+# as on such a CPU (benchmarks/quant_accuracy.py under cpu_features.as_avx2_env;
+# benchmarks/results/quant_accuracy.md): float32+int8 (the AVX2 default) 0.081 / 0.090 / 0.54,
+# bf16+int8 0.068 / 0.095 / 0.54, bf16+int8 head 0.183-0.276 / 0.034-0.042 / 0.49-0.61. One bit
+# less per weight roughly doubles the error.
 GEMMA_AVX2_BOUNDS = {
     ("bfloat16", "int8-head"): (0.1, 0.06, 0.8),
     ("bfloat16", "int8"): (0.03, 0.13, 1.0),

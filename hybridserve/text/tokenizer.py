@@ -1,7 +1,7 @@
 """Text <-> token ids: the model's Hugging Face tokenizer, chat prompts, incremental detokenizing.
 
 Chat prompts use the tokenizer's chat template when it has one. Otherwise the plain
-template below applies (documented in the README), and chat requests also stop at
+template below applies (documented in docs/usage.md), and chat requests also stop at
 PLAIN_CHAT_STOPS so a base model writes neither the user's next turn nor a second
 reply of its own::
 

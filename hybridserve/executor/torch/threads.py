@@ -3,7 +3,7 @@
 On a quiet machine every core helps (Gemma 3 270M, 2 Sapphire Rapids cores: 2 threads
 ~1.15-1.3x faster than 1). On a machine shared with other busy processes, each parallel
 region waits for whichever of its threads the OS has descheduled, and one thread is
-faster: 1.4-1.9x at load 3-6 from other processes (README, "CPU serving"). Which case
+faster: 1.4-1.9x at load 3-6 from other processes (benchmarks/results/thread_count.md). Which case
 holds is not known in advance and changes while serving, so it is measured.
 """
 

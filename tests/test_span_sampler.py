@@ -13,7 +13,7 @@ from hybridserve.executor.torch.sampler import SampleRow, inv_temperatures  # no
 from hybridserve.executor.torch.sampling_keys import uniforms  # noqa: E402
 from hybridserve.executor.torch import span_sampler  # noqa: E402
 from hybridserve.executor.torch.span_sampler import CANDIDATE_SPANS, draw_fast, draw_general  # noqa: E402
-from hybridserve.models.span_logits import SPAN, span_logits_from  # noqa: E402
+from hybridserve.models.span_logits import SPAN, SpanLogits, span_logits_from  # noqa: E402
 
 COMBOS = [
     dict(temperature=1.0), dict(temperature=0.7, top_p=0.9), dict(temperature=0.7, top_k=40),
@@ -26,17 +26,35 @@ VOCAB = 5000 + 17  # 40 spans, the last padded with -inf
 ROWS = 30
 
 
+def in_pieces(sl: SpanLogits, spans_per_piece: int) -> SpanLogits:
+    """The same logits and summaries held as pieces of spans_per_piece spans (the last
+    shorter), as a chunked head holds them."""
+    pieces = [p.clone() for p in sl.padded.split(spans_per_piece * SPAN, dim=1)]
+    return SpanLogits(vocab_size=sl.vocab_size, inv_temperature=sl.inv_temperature, span_max=sl.span_max.clone(),
+                      span_sum=sl.span_sum.clone(), buffer=sl._buffer, pieces=pieces)
+
+
+def _fast(sl: SpanLogits, params: list[SamplingParams], u: torch.Tensor) -> list[int]:
+    greedy = torch.tensor([p.temperature == 0.0 for p in params])
+    return draw_fast(sl, greedy, torch.tensor([p.top_k for p in params]), torch.tensor([p.top_p for p in params]),
+                     torch.tensor([p.min_p for p in params]), u).tolist()
+
+
 def _draw_both(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[list[int], list[int]]:
+    """(the fast path's tokens, the general path's); the fast path's are the same whether
+    the logits are dense or in pieces (asserted here, for every caller)."""
     rows = [SampleRow(p, seed=i, position=3) for i, p in enumerate(params)]
     sl = span_logits_from(logits, inv_temperatures(rows))
     u = torch.from_numpy(uniforms([r.seed for r in rows], [r.position for r in rows], span_sampler.ATTEMPTS + 1))
+    pieced = in_pieces(sl, spans_per_piece=7)
+    fast = _fast(pieced, params, u)
+    assert not pieced.is_dense  # every draw above read spans only, never whole rows
+    assert _fast(sl, params, u) == fast
     greedy = torch.tensor([p.temperature == 0.0 for p in params])
-    fast = draw_fast(sl, greedy, torch.tensor([p.top_k for p in params]),
-                               torch.tensor([p.top_p for p in params]), torch.tensor([p.min_p for p in params]), u)
     inv_t = sl.inv_temperature.tolist()
     general = [draw_general(logits[i], inv_t[i], bool(greedy[i]), p.top_k, p.top_p, p.min_p, u[i].tolist())
                for i, p in enumerate(params)]
-    return fast.tolist(), general
+    return fast, general
 
 
 @pytest.mark.parametrize("attempts", [span_sampler.ATTEMPTS, 0])  # 0: every row draws from its kept set
@@ -79,3 +97,21 @@ def test_greedy_rows_beside_sampled_rows() -> None:
     fast, general = _draw_both(logits, params)
     assert fast == general
     assert fast[0] == int(logits[0].argmax()) and fast[2] == int(logits[2].argmax())
+
+
+def test_logits_in_pieces_read_as_the_dense_logits() -> None:
+    """Spans, single logits and whole rows read from pieces equal the dense buffer's, and
+    the first dense use copies the pieces into it once."""
+    g = torch.Generator().manual_seed(9)
+    dense = span_logits_from(torch.randn(6, VOCAB, generator=g), torch.ones(6))
+    pieced = in_pieces(dense, spans_per_piece=7)
+    rows = torch.tensor([0, 5, 3, 3, 1])
+    js = torch.tensor([0, 39, 7, 13, 20])  # first span, the padded last one, piece edges (7 | 14)
+    assert torch.equal(pieced.take_spans(rows, js), dense.take_spans(rows, js))
+    assert torch.equal(pieced.take_spans(rows[:, None], js[None, :]), dense.take_spans(rows[:, None], js[None, :]))
+    ids = torch.tensor([0, VOCAB - 1, 7 * SPAN, 7 * SPAN - 1, 2500])
+    assert torch.equal(pieced.at(rows, ids), dense.padded[rows, ids])
+    assert torch.equal(pieced.whole_rows(rows), dense.padded[rows])
+    assert not pieced.is_dense
+    assert torch.equal(pieced.logits, dense.logits) and pieced.is_dense
+    assert bool((pieced.padded[:, VOCAB:] == float("-inf")).all())

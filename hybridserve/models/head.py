@@ -37,7 +37,7 @@ from hybridserve.models.int8 import (FBGEMM, QUANTIZERS, int8_gemm_available, in
                                     quantize_gemm_weight, quantize_int8_rows)
 from hybridserve.models.linear import make_linear
 from hybridserve.models.span_kernel import KERNEL
-from hybridserve.models.span_logits import SPAN, LogitsBuffer, SpanLogits, span_stats
+from hybridserve.models.span_logits import SPAN, LogitsBuffer, SpanLogits, padded_width, span_stats
 
 # Vocabulary rows per packed / quantized chunk: small enough that one chunk's logits stay
 # in a core's L2 for the argmax ([16, 32768] float32 is 2 MB) and packing one adds little
@@ -205,35 +205,41 @@ class OutputHead:
         return torch.stack(indices, dim=1).gather(1, winner[:, None]).squeeze(1).tolist()
 
     def span_logits(self, hidden: torch.Tensor, inv_temperature: torch.Tensor, softcap: float | None) -> SpanLogits:
-        """The logits in the reused float32 buffer, as the chunks' kernels compute them (int8
-        kernels: float32; __call__ rounds them to the model dtype, which sampling has no use
-        for), soft-capped in float32, with each span's summary taken while its chunk is
-        still in cache (models/span_logits.py): one pass over the vocabulary, as greedy()
-        makes."""
+        """The logits as the chunks' kernels compute them (int8 kernels: float32; __call__
+        rounds them to the model dtype, which sampling has no use for), soft-capped in
+        float32, with their span summaries (models/span_logits.py). Above FEW_ROWS rows,
+        each chunk is summarised while it is still in cache (one pass over the vocabulary,
+        as greedy() makes) and kept as a piece of the logits, the last one padded to whole
+        spans: nothing copies the whole vocabulary. A few rows' logits are copied into the
+        reused buffer and summarised at once (they stay in cache anyway, and one summary
+        costs fewer parallel regions than one per chunk), as are chunks that are not whole
+        spans."""
         x = self._input(hidden)
-        padded = self._logits_buffer.rows(hidden.shape[0])
         inv_t = inv_temperature.to(torch.float32)
-        # Per chunk while it is in cache; a few rows' whole buffer stays in cache anyway, and
-        # one summary over it costs fewer parallel regions than one per chunk.
-        per_chunk = self.chunk_rows % SPAN == 0 and hidden.shape[0] > FEW_ROWS
-        fused = KERNEL.get() if per_chunk else None  # the copy and the summaries in one loop
-        peaks, masses = [], []
+        if hidden.shape[0] > FEW_ROWS and self.chunk_rows % SPAN == 0:
+            summarise = KERNEL.get() or span_stats  # the compiled loop, or the general path
+            pad = padded_width(self.vocab_size) - self.vocab_size
+            pieces, peaks, masses = [], [], []
+            for i, chunk in enumerate(self._chunks):
+                out = self._chunk_logits(chunk, x, softcap)
+                if pad and i == len(self._chunks) - 1:
+                    out = torch.nn.functional.pad(out.float(), (0, pad), value=float("-inf"))
+                peak, mass = summarise(out, inv_t)
+                pieces.append(out)
+                peaks.append(peak)
+                masses.append(mass)
+            return SpanLogits(vocab_size=self.vocab_size, inv_temperature=inv_t, span_max=torch.cat(peaks, dim=1),
+                              span_sum=torch.cat(masses, dim=1), buffer=self._logits_buffer, pieces=pieces)
+        padded = self._logits_buffer.rows(hidden.shape[0])
         for start, chunk in zip(range(0, self.vocab_size, self.chunk_rows), self._chunks):
-            out = chunk(*x)
-            if softcap:
-                out = torch.tanh(out.float() / softcap) * softcap
-            stop = start + out.shape[1]
-            if fused is not None and out.shape[1] % SPAN == 0:
-                peak, mass = fused(padded[:, start:stop], out, inv_t)
-            else:
-                padded[:, start:stop].copy_(out)
-                if not per_chunk:
-                    continue
-                # The last chunk's spans take the buffer's -inf padding with them.
-                peak, mass = span_stats(padded[:, start : stop if stop < self.vocab_size else None], inv_t)
-            peaks.append(peak)
-            masses.append(mass)
-        if not per_chunk:
-            peak, mass = span_stats(padded, inv_t)
-            peaks, masses = [peak], [mass]
-        return SpanLogits(padded, self.vocab_size, inv_t, torch.cat(peaks, dim=1), torch.cat(masses, dim=1))
+            out = self._chunk_logits(chunk, x, softcap)
+            padded[:, start : start + out.shape[1]].copy_(out)
+        peak, mass = span_stats(padded, inv_t)
+        return SpanLogits(vocab_size=self.vocab_size, inv_temperature=inv_t, span_max=peak, span_sum=mass,
+                          buffer=self._logits_buffer, padded=padded)
+
+    @staticmethod
+    def _chunk_logits(chunk: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor], x: HeadInput,
+                      softcap: float | None) -> torch.Tensor:
+        out = chunk(*x)
+        return torch.tanh(out.float() / softcap) * softcap if softcap else out

@@ -1,21 +1,22 @@
 """Vocabulary logits with per-span summaries, what sampling reads instead of whole rows.
 
 A row's vocabulary is cut into spans of SPAN consecutive token ids. For each span the
-pass that writes the logits also keeps its maximum and its mass at the row's temperature,
-sum over the span of exp((logit - span max) / T). From those a sampler finds the row's
-maximum, its total mass and which span a draw lands in by reading 1/SPAN of the row, and
-reads the logits themselves only inside the spans it needs (see
+pass that computes the logits also keeps its maximum and its mass at the row's
+temperature, sum over the span of exp((logit - span max) / T). From those a sampler finds
+the row's maximum, its total mass and which span a draw lands in by reading 1/SPAN of the
+row, and reads the logits themselves only inside the spans it needs (see
 executor/torch/span_sampler.py).
 
-The logits live in one float32 buffer per process, reused from step to step: allocating
-a fresh [rows, vocab] tensor each step costs a page fault per 4 KiB, more than the
-sampling itself at 64 rows. Rows are padded to a whole number of spans with -inf, which
-no sampler ever picks.
+The logits are held one of two ways. Dense: one float32 [rows, padded vocab] buffer per
+process, reused from step to step (a fresh tensor of that size each step costs a page
+fault per 4 KiB). In pieces: the output head's chunk outputs as its kernels returned
+them, so a step that only draws never copies the whole vocabulary; spans are read from
+the pieces, and the first dense need (a logits change, logprobs, a rare whole-row search)
+copies the pieces into the buffer once. Padding past the vocabulary is -inf in both,
+which no sampler ever picks.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
@@ -27,36 +28,104 @@ def padded_width(vocab_size: int, span: int = SPAN) -> int:
     return -(-vocab_size // span) * span
 
 
-@dataclass
-class SpanLogits:
-    """Invariants: padded[:, :vocab_size] are the logits, padded[:, vocab_size:] are -inf;
-    span_max[r, j] = max(padded[r, j*span:(j+1)*span]); span_sum[r, j] =
-    sum(exp((padded[r, j*span:(j+1)*span] - span_max[r, j]) * inv_temperature[r])), 0 for a
-    span whose logits are all -inf. Whoever changes logits restores the summaries
-    (refresh_rows / refresh_spans)."""
+class LogitsBuffer:
+    """The process's reusable float32 [rows, padded vocab] buffer, grown to the largest
+    batch seen; its padding columns are -inf from the start and never written."""
 
-    padded: torch.Tensor  # [S, W] float32, W a multiple of span
-    vocab_size: int
-    inv_temperature: torch.Tensor  # [S] float32
-    span_max: torch.Tensor  # [S, W / span]
-    span_sum: torch.Tensor  # [S, W / span]
-    span: int = SPAN
+    def __init__(self, vocab_size: int, span: int = SPAN) -> None:
+        self.vocab_size = vocab_size
+        self.span = span
+        self.width = padded_width(vocab_size, span)
+        self._buf = torch.empty(0, self.width)
+
+    def rows(self, n: int) -> torch.Tensor:
+        if self._buf.shape[0] < n:
+            self._buf = torch.empty(n, self.width)
+            self._buf[:, self.vocab_size:] = float("-inf")
+        return self._buf[:n]
+
+
+class SpanLogits:
+    """Invariants: `padded` [S, W] (W a multiple of span) holds the logits in [:, :vocab_size]
+    and -inf after; span_max[r, j] = max(padded[r, j*span:(j+1)*span]); span_sum[r, j] =
+    sum(exp((padded[r, j*span:(j+1)*span] - span_max[r, j]) * inv_temperature[r])), 0 for
+    a span whose logits are all -inf. Whoever changes logits (through `padded` or
+    `logits`, which make them dense first) restores the summaries (refresh_rows /
+    refresh_spans). Held in pieces, each piece is [S, w] with w a multiple of span, and
+    the pieces side by side are `padded`."""
+
+    def __init__(self, *, vocab_size: int, inv_temperature: torch.Tensor, span_max: torch.Tensor,
+                 span_sum: torch.Tensor, buffer: LogitsBuffer, padded: torch.Tensor | None = None,
+                 pieces: list[torch.Tensor] | None = None) -> None:
+        if (padded is None) == (pieces is None):
+            raise ValueError("SpanLogits holds its logits either dense (padded) or in pieces")
+        self.vocab_size = vocab_size
+        self.inv_temperature = inv_temperature  # [S] float32
+        self.span_max = span_max  # [S, W / span]
+        self.span_sum = span_sum  # [S, W / span]
+        self.span = buffer.span
+        self._buffer = buffer
+        self._padded = padded
+        self._pieces = pieces
+        if pieces is not None:
+            widths = [p.shape[1] // self.span for p in pieces]
+            self._piece_start = torch.tensor([0, *widths]).cumsum(0)  # each piece's first span
+
+    @property
+    def num_rows(self) -> int:
+        return self.span_max.shape[0]
+
+    @property
+    def is_dense(self) -> bool:
+        return self._padded is not None
+
+    @property
+    def padded(self) -> torch.Tensor:
+        """The logits as one dense [S, W] tensor (copied out of the pieces on first use)."""
+        if self._padded is None:
+            assert self._pieces is not None
+            padded = self._buffer.rows(self.num_rows)
+            start = 0
+            for piece in self._pieces:
+                padded[:, start : start + piece.shape[1]].copy_(piece)
+                start += piece.shape[1]
+            self._padded, self._pieces = padded, None
+        return self._padded
 
     @property
     def logits(self) -> torch.Tensor:
         return self.padded[:, : self.vocab_size]
 
-    def take_spans(self, rows: torch.Tensor, js: torch.Tensor) -> torch.Tensor:
-        """[*rows.shape, span]: span js[i] of row rows[i] (shapes broadcast), copied with one
-        index_select of whole spans (cheaper than advanced indexing of the 3-D view)."""
-        rows, js = torch.broadcast_tensors(rows, js)
-        num_spans = self.span_max.shape[1]
-        flat = self.padded.view(-1, self.span).index_select(0, (rows * num_spans + js).reshape(-1))
-        return flat.view(*rows.shape, self.span)
+    def whole_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """A copy of rows [n] of `padded` ([n, W]), without making the rest dense."""
+        if self._padded is not None:
+            return self._padded[rows]
+        assert self._pieces is not None
+        return torch.cat([p[rows] for p in self._pieces], dim=1)
 
-    @property
-    def num_rows(self) -> int:
-        return self.padded.shape[0]
+    def take_spans(self, rows: torch.Tensor, js: torch.Tensor) -> torch.Tensor:
+        """[*rows.shape, span]: span js[i] of row rows[i] (shapes broadcast), copied with
+        index_select of whole spans (cheaper than advanced indexing of a 3-D view)."""
+        rows, js = torch.broadcast_tensors(rows, js)
+        shape = (*rows.shape, self.span)
+        rows, js = rows.reshape(-1), js.reshape(-1)
+        if self._padded is not None:
+            keys = rows * self.span_max.shape[1] + js
+            return self._padded.view(-1, self.span).index_select(0, keys).view(shape)
+        assert self._pieces is not None
+        out = torch.empty(len(rows), self.span)
+        which = torch.bucketize(js, self._piece_start[1:], right=True)  # the piece holding each span
+        for p in which.unique().tolist():
+            at = (which == p).nonzero().squeeze(1)
+            piece = self._pieces[p]
+            local = js[at] - int(self._piece_start[p])
+            keys = rows[at] * (piece.shape[1] // self.span) + local
+            out[at] = piece.reshape(-1, self.span).index_select(0, keys).float()
+        return out.view(shape)
+
+    def at(self, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The logits at (rows[i], ids[i]), [n]."""
+        return self.take_spans(rows, ids // self.span).gather(1, (ids % self.span)[:, None]).squeeze(1)
 
     def refresh_rows(self, rows: torch.Tensor) -> None:
         """Recompute the summaries of whole rows (after a dense change such as a grammar mask)."""
@@ -91,32 +160,16 @@ def span_stats(x: torch.Tensor, inv_temperature: torch.Tensor, span: int = SPAN
     return peak, mass.masked_fill_(peak == float("-inf"), 0.0)
 
 
-class LogitsBuffer:
-    """The process's reusable float32 [rows, padded vocab] buffer, grown to the largest
-    batch seen; its padding columns are -inf from the start and never written."""
-
-    def __init__(self, vocab_size: int, span: int = SPAN) -> None:
-        self.vocab_size = vocab_size
-        self.span = span
-        self.width = padded_width(vocab_size, span)
-        self._buf = torch.empty(0, self.width)
-
-    def rows(self, n: int) -> torch.Tensor:
-        if self._buf.shape[0] < n:
-            self._buf = torch.empty(n, self.width)
-            self._buf[:, self.vocab_size:] = float("-inf")
-        return self._buf[:n]
-
-
 def span_logits_from(logits: torch.Tensor, inv_temperature: torch.Tensor, buffer: LogitsBuffer | None = None
                      ) -> SpanLogits:
     """The general way to SpanLogits: copy finished logits [S, V] into a buffer and summarise
-    them (models without a chunked head; tests). A chunked head fills the buffer and the
-    summaries chunk by chunk instead (models/head.OutputHead.span_logits)."""
+    them (models without a chunked head; tests). A chunked head summarises its chunks as
+    it computes them instead (models/head.OutputHead.span_logits)."""
     rows, vocab = logits.shape
     buffer = buffer if buffer is not None and buffer.vocab_size == vocab else LogitsBuffer(vocab)
     padded = buffer.rows(rows)
     padded[:, :vocab].copy_(logits)
     inv_t = inv_temperature.to(torch.float32)
     peak, mass = span_stats(padded, inv_t, buffer.span)
-    return SpanLogits(padded, vocab, inv_t, peak, mass, buffer.span)
+    return SpanLogits(vocab_size=vocab, inv_temperature=inv_t, span_max=peak, span_sum=mass, buffer=buffer,
+                      padded=padded)

@@ -81,7 +81,9 @@ def sample(logits: SpanLogits | torch.Tensor, rows: list[SampleRow]
     token_list = tokens.tolist()
     if not want:
         return token_list, [None] * len(rows), failed
-    info = target_logprobs(raw_rows if raw_rows is not None else sl.logits[want], tokens[want],
+    if raw_rows is None:
+        raw_rows = sl.whole_rows(torch.tensor(want))[:, : sl.vocab_size]
+    info = target_logprobs(raw_rows, tokens[want],
                            max((rows[i].params.logprobs or 0) for i in want))
     out: list[RowLogprobs] = [None] * len(rows)
     for k, i in enumerate(want):

@@ -86,11 +86,20 @@ def _search(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return at
 
 
-def _draw_unfiltered(sl: SpanLogits, r: torch.Tensor, peak: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse CDF over the span masses, then over the chosen span's logits."""
+def _span_masses(sl: SpanLogits, r: torch.Tensor, peak: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mass, cumulative mass) of each span of rows r [n, spans], float64, relative to
+    exp(max / T)."""
     inv_t = sl.inv_temperature[r]
     mass = (torch.exp((sl.span_max[r] - peak[:, None]) * inv_t[:, None]) * sl.span_sum[r]).double()
-    cdf = mass.cumsum(dim=1)
+    return mass, mass.cumsum(dim=1)
+
+
+def _draw_unfiltered(sl: SpanLogits, r: torch.Tensor, peak: torch.Tensor, u: torch.Tensor,
+                     masses: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Inverse CDF over the span masses (`masses`: _span_masses(sl, r, peak), when the
+    caller has them), then over the chosen span's logits."""
+    inv_t = sl.inv_temperature[r]
+    mass, cdf = masses if masses is not None else _span_masses(sl, r, peak)
     target = u * cdf[:, -1]
     j = _search(cdf, target)
     before = torch.where(j > 0, cdf.gather(1, (j - 1).clamp(min=0)[:, None]).squeeze(1), 0.0)
@@ -131,7 +140,7 @@ def _draw_filtered(sl: SpanLogits, r: torch.Tensor, peak: torch.Tensor, top_k: t
         floor = torch.where(has_k, kth.gather(1, (top_k.clamp(1, n) - 1)[:, None]).squeeze(1), floor)
         tied = (has_k & (floor <= bound)).nonzero().squeeze(1)  # ties with a logit outside the candidates
         if tied.numel():
-            whole = sl.padded[r[tied]].topk(int(top_k[tied].max()), dim=1).values
+            whole = sl.whole_rows(r[tied]).topk(int(top_k[tied].max()), dim=1).values
             floor[tied] = whole.gather(1, (top_k[tied] - 1)[:, None]).squeeze(1)
     theta = torch.maximum(floor, peak + torch.log(min_p) / inv_t)  # decided thresholds
     # Nucleus: the cut where the candidates decide it; elsewhere the mass a kept draw's
@@ -154,9 +163,10 @@ def _draw_filtered(sl: SpanLogits, r: torch.Tensor, peak: torch.Tensor, top_k: t
             open_p[q] = ~decided
     tokens = torch.empty(len(r), dtype=torch.long)
     todo = torch.arange(len(r))
+    mass, cdf = _span_masses(sl, r, peak) if ATTEMPTS else (None, None)  # the same for every attempt
     for a in range(ATTEMPTS):
-        x = _draw_unfiltered(sl, r[todo], peak[todo], u[todo, a])
-        lx = sl.padded[r[todo], x]
+        x = _draw_unfiltered(sl, r[todo], peak[todo], u[todo, a], masses=(mass[todo], cdf[todo]))
+        lx = sl.at(r[todo], x)
         kept = lx >= theta[todo]
         ask = (kept & open_p[todo] & (lx <= bound[todo])).nonzero().squeeze(1)
         if ask.numel():
@@ -236,7 +246,7 @@ def _mass_above(sl: SpanLogits, r: torch.Tensor, level: torch.Tensor, floor: tor
 
 def _whole_row_cut(sl: SpanLogits, r: torch.Tensor, floor: torch.Tensor, peak: torch.Tensor, inv_t: torch.Tensor,
                    needed: torch.Tensor) -> torch.Tensor:
-    cut, _ = _nucleus_cut(sl.padded[r], floor, peak, inv_t, needed, WHOLE_ROW_PREFIXES)
+    cut, _ = _nucleus_cut(sl.whole_rows(r), floor, peak, inv_t, needed, WHOLE_ROW_PREFIXES)
     return cut
 
 
@@ -245,7 +255,7 @@ def _draw_above(sl: SpanLogits, r: torch.Tensor, peak: torch.Tensor, theta: torc
     """Inverse CDF over the logits >= theta of whole rows r: span masses under the threshold,
     a span, then a token inside it."""
     inv_t = sl.inv_temperature[r]
-    spans = sl.padded[r].view(len(r), -1, sl.span)
+    spans = sl.whole_rows(r).view(len(r), -1, sl.span)
     w = torch.sub(spans, peak[:, None, None]).mul_(inv_t[:, None, None]).exp_()
     w.masked_fill_(spans < theta[:, None, None], 0.0)
     mass = w.sum(dim=-1).double()

@@ -68,8 +68,8 @@ class SpanLogits:
         self._padded = padded
         self._pieces = pieces
         if pieces is not None:
-            widths = [p.shape[1] // self.span for p in pieces]
-            self._piece_start = torch.tensor([0, *widths]).cumsum(0)  # each piece's first span
+            self._piece_spans = torch.tensor([p.shape[1] // self.span for p in pieces])
+            self._piece_start = torch.cat([torch.zeros(1, dtype=torch.long), self._piece_spans.cumsum(0)])
 
     @property
     def num_rows(self) -> int:
@@ -101,7 +101,7 @@ class SpanLogits:
         if self._padded is not None:
             return self._padded[rows]
         assert self._pieces is not None
-        return torch.cat([p[rows] for p in self._pieces], dim=1)
+        return torch.cat([p[rows].float() for p in self._pieces], dim=1)
 
     def take_spans(self, rows: torch.Tensor, js: torch.Tensor) -> torch.Tensor:
         """[*rows.shape, span]: span js[i] of row rows[i] (shapes broadcast), copied with
@@ -113,14 +113,17 @@ class SpanLogits:
             keys = rows * self.span_max.shape[1] + js
             return self._padded.view(-1, self.span).index_select(0, keys).view(shape)
         assert self._pieces is not None
-        out = torch.empty(len(rows), self.span)
+        if not len(rows):
+            return torch.empty(shape)
+        # Grouped by piece (one index_select each), then put back in the callers' order.
         which = torch.bucketize(js, self._piece_start[1:], right=True)  # the piece holding each span
-        for p in which.unique().tolist():
-            at = (which == p).nonzero().squeeze(1)
-            piece = self._pieces[p]
-            local = js[at] - int(self._piece_start[p])
-            keys = rows[at] * (piece.shape[1] // self.span) + local
-            out[at] = piece.reshape(-1, self.span).index_select(0, keys).float()
+        order = torch.argsort(which, stable=True)
+        keys = (rows * self._piece_spans[which] + js - self._piece_start[which])[order]
+        counts = torch.bincount(which, minlength=len(self._pieces)).tolist()
+        parts = [piece.reshape(-1, self.span).index_select(0, k)
+                 for piece, k in zip(self._pieces, keys.split(counts)) if k.numel()]
+        out = torch.empty(len(rows), self.span)
+        out[order] = torch.cat(parts).float()
         return out.view(shape)
 
     def at(self, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

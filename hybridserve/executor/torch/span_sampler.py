@@ -94,10 +94,15 @@ def _span_masses(sl: SpanLogits, r: torch.Tensor, peak: torch.Tensor) -> tuple[t
     return mass, mass.cumsum(dim=1)
 
 
-def _draw_unfiltered(sl: SpanLogits, r: torch.Tensor, peak: torch.Tensor, u: torch.Tensor,
-                     masses: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """Inverse CDF over the span masses (`masses`: _span_masses(sl, r, peak), when the
-    caller has them), then over the chosen span's logits."""
+def _draw_unfiltered(sl: SpanLogits, r: torch.Tensor, peak: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF over the span masses, then over the chosen span's logits."""
+    return _draw_with_logit(sl, r, peak, u)[0]
+
+
+def _draw_with_logit(sl: SpanLogits, r: torch.Tensor, peak: torch.Tensor, u: torch.Tensor,
+                     masses: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(_draw_unfiltered's tokens, their logits); `masses`: _span_masses(sl, r, peak), when
+    the caller has them."""
     inv_t = sl.inv_temperature[r]
     mass, cdf = masses if masses is not None else _span_masses(sl, r, peak)
     target = u * cdf[:, -1]
@@ -108,7 +113,8 @@ def _draw_unfiltered(sl: SpanLogits, r: torch.Tensor, peak: torch.Tensor, u: tor
     frac = ((target - before) / mass.gather(1, j[:, None]).squeeze(1)).clamp(0.0, 1.0)
     values = sl.take_spans(r, j)
     w = torch.exp((values - sl.span_max[r, j][:, None]) * inv_t[:, None]).double().cumsum(dim=1)
-    return j * sl.span + _search(w, frac * w[:, -1])
+    within = _search(w, frac * w[:, -1])
+    return j * sl.span + within, values.gather(1, within[:, None]).squeeze(1)
 
 
 def _candidates(sl: SpanLogits, r: torch.Tensor, num_spans: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -165,8 +171,7 @@ def _draw_filtered(sl: SpanLogits, r: torch.Tensor, peak: torch.Tensor, top_k: t
     todo = torch.arange(len(r))
     mass, cdf = _span_masses(sl, r, peak) if ATTEMPTS else (None, None)  # the same for every attempt
     for a in range(ATTEMPTS):
-        x = _draw_unfiltered(sl, r[todo], peak[todo], u[todo, a], masses=(mass[todo], cdf[todo]))
-        lx = sl.at(r[todo], x)
+        x, lx = _draw_with_logit(sl, r[todo], peak[todo], u[todo, a], masses=(mass[todo], cdf[todo]))
         kept = lx >= theta[todo]
         ask = (kept & open_p[todo] & (lx <= bound[todo])).nonzero().squeeze(1)
         if ask.numel():

@@ -10,7 +10,7 @@ Contracts:
   same body shape (404/405 with Allow); an unknown model is 404 model_not_found.
 - Before any route, `HttpGuard` checks the API key (401), the content type (415) and
   the body size (413). A full queue is 429 with Retry-After; n x prompts and the stop
-  strings are capped (400). See server_limits.ServerLimits.
+  strings are capped (400). See limits.ServerLimits.
 - Tokenizing a large prompt runs on a worker thread, so /health and every other
   stream keep being served while it runs.
 - A request that fails inside the engine fails alone (500 / an error event). A failed
@@ -55,11 +55,11 @@ from hybridserve.engine.frontend import (
     prepare_prompt,
 )
 from hybridserve.engine.outputs import CompletionOutput, GenerationOutput, SamplingParams
-from hybridserve.entrypoints import openai_protocol as P
-from hybridserve.entrypoints.http_guard import HttpGuard
-from hybridserve.entrypoints.metrics import CONTENT_TYPE, ReplicaSnapshot, ServerMetrics
-from hybridserve.entrypoints.server_limits import ServerLimits
-from hybridserve.entrypoints.tool_calls import ToolError, forced_call_schema, functions, parse_tool_calls
+from hybridserve.entrypoints.openai import protocol as P
+from hybridserve.entrypoints.openai.guard import HttpGuard
+from hybridserve.entrypoints.openai.limits import ServerLimits
+from hybridserve.entrypoints.openai.metrics import CONTENT_TYPE, ReplicaSnapshot, ServerMetrics
+from hybridserve.entrypoints.openai.tool_calls import ToolError, forced_call_schema, functions, parse_tool_calls
 
 logger = logging.getLogger("hybridserve.server")
 _DONE = object()

@@ -1,4 +1,7 @@
-"""The OpenAI-compatible HTTP server: its app, routes, protocol, limits, metrics and drain.
+"""The OpenAI-compatible HTTP server, a file per responsibility.
 
-The CLI command that starts it (`hybridserve serve`) stays one level up, in entrypoints/.
+app.py builds the FastAPI app and its ServerContext (context.py: the engine handle, the
+limits, admission and drain), which every route module receives: completions.py,
+chat.py, tokenize.py. The CLI command that starts the server (`hybridserve serve`) stays
+one level up, in entrypoints/; nothing here imports the CLI.
 """

@@ -17,7 +17,7 @@ from tests.faults import fail_execute_after  # noqa: E402
 from tests.serving_models import PROMPTS, tiny_model_dir_without_tokenizer, tiny_serving_dir  # noqa: E402
 
 from hybridserve import LLM, AsyncLLM, SamplingParams  # noqa: E402
-from hybridserve.entrypoints.server import build_app  # noqa: E402
+from hybridserve.entrypoints.openai.app import build_app  # noqa: E402
 
 MAX_LEN = 256
 

@@ -17,7 +17,7 @@ pytest.importorskip("fastapi")
 from tests.structured_models import byte_model_dir  # noqa: E402
 
 from hybridserve import AsyncLLM  # noqa: E402
-from hybridserve.entrypoints.server import build_app  # noqa: E402
+from hybridserve.entrypoints.openai.app import build_app  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
           "maximum": 50}}, "required": ["ok", "n"], "additionalProperties": False}

@@ -230,7 +230,7 @@ def test_engine_config_to_stats_and_metrics() -> None:
     """EngineConfig -> drafter sizes in the runner; acceptance in AsyncLLM stats, /metrics
     and the bench summary line."""
     pytest.importorskip("prometheus_client")
-    from hybridserve.entrypoints.metrics import ReplicaSnapshot, ServerMetrics
+    from hybridserve.entrypoints.openai.metrics import ReplicaSnapshot, ServerMetrics
 
     prompts = prompts_for("mistral")
     llm = AsyncLLM(config=EngineConfig(model=str(hf_tiny.tiny_model_dir("mistral")), max_model_len=256,

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from hybridserve.entrypoints.tool_calls import ToolError, forced_call_schema, functions, parse_tool_calls
+from hybridserve.entrypoints.openai.tool_calls import ToolError, forced_call_schema, functions, parse_tool_calls
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "weather of a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8,
@@ -58,7 +58,7 @@ def test_a_named_tool_choice_through_the_server_gives_a_valid_call() -> None:
     from tests.structured_models import byte_model_dir
 
     from hybridserve import AsyncLLM
-    from hybridserve.entrypoints.server import build_app
+    from hybridserve.entrypoints.openai.app import build_app
 
     # float32: the exact path, so the random model's streams (which must close a call within
     # max_tokens) do not move with the CPU's dtype and quantization choice
@@ -102,7 +102,7 @@ def test_a_model_without_a_tool_format_refuses_tools() -> None:
     from tests.serving_models import tiny_serving_dir
 
     from hybridserve import AsyncLLM
-    from hybridserve.entrypoints.server import build_app
+    from hybridserve.entrypoints.openai.app import build_app
 
     engine = AsyncLLM(str(tiny_serving_dir()), max_model_len=256, progress=False)
 

@@ -150,7 +150,7 @@ def _run_serving(a: argparse.Namespace) -> int:
     import httpx
 
     from hybridserve.entrypoints.bench_serving import run_serving_benchmark, summarize
-    from hybridserve.entrypoints.server_limits import api_key_from_env
+    from hybridserve.entrypoints.openai.limits import api_key_from_env
 
     for name, default in SERVING_DEFAULTS.items():
         if getattr(a, name) is None:

@@ -24,7 +24,7 @@ from hybridserve.entrypoints.engine_flags import (
     run_guarded,
     standalone_main,
 )
-from hybridserve.entrypoints.server_limits import API_KEY_ENV, WAITING_PER_SEQ, ServerLimits, api_key_from_env
+from hybridserve.entrypoints.openai.limits import API_KEY_ENV, WAITING_PER_SEQ, ServerLimits, api_key_from_env
 
 PROG = "hybridserve serve"
 DESCRIPTION = "Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions)."
@@ -122,8 +122,8 @@ def _run(a: argparse.Namespace) -> int:
     sock = bind_socket(a.host, a.port)
     try:
         from hybridserve.engine.async_llm import AsyncLLM
-        from hybridserve.entrypoints.draining_server import DrainingServer
-        from hybridserve.entrypoints.server import build_app
+        from hybridserve.entrypoints.openai.draining import DrainingServer
+        from hybridserve.entrypoints.openai.app import build_app
         from hybridserve.models.default_model import DEFAULT_MODEL_NAME
 
         engine = AsyncLLM(config=config, max_restarts=limits.max_engine_restarts, core_process=a.engine_core_process)

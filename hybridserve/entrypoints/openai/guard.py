@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Any, Awaitable, Callable
 
-from hybridserve.entrypoints.server_limits import ServerLimits
+from hybridserve.entrypoints.openai.limits import ServerLimits
 
 Scope = dict[str, Any]
 Message = dict[str, Any]

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from hybridserve.core.request import StructuredOutput
 from hybridserve.engine.outputs import CompletionOutput, TokenLogprob
-from hybridserve.entrypoints.tool_calls import ToolCall
+from hybridserve.entrypoints.openai.tool_calls import ToolCall
 from hybridserve.text.tokenizer import Tokenizer
 
 MAX_N = 128

@@ -3,7 +3,7 @@
 uvicorn alone, on SIGTERM, stops accepting, waits `timeout_graceful_shutdown` for open
 connections, then cancels them: every open stream is cut mid-flight (the client sees a
 protocol error) and each cancelled handler logs a traceback. Here SIGTERM also starts
-the app's drain (OpenAIServer.begin_drain): open requests may finish for
+the app's drain (ServerContext.begin_drain): open requests may finish for
 `shutdown_timeout` seconds, then they are aborted and each stream ends with an error
 event and [DONE] on its own, well inside uvicorn's own deadline, so nothing is cancelled.
 
@@ -30,7 +30,7 @@ class DrainingServer(uvicorn.Server):
     def __init__(self, app: Any, shutdown_timeout: float, **config: Any) -> None:
         super().__init__(uvicorn.Config(app, timeout_graceful_shutdown=int(shutdown_timeout + _CLOSE_GRACE_S) + 1,
                                         **config))
-        self.app_server = app.state.server
+        self.app_context = app.state.context
         self.shutdown_timeout = shutdown_timeout
         self.exit_code = 0
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -58,4 +58,4 @@ class DrainingServer(uvicorn.Server):
 
     def _create_drain_task(self) -> None:
         if self._drain is None:
-            self._drain = asyncio.ensure_future(self.app_server.begin_drain(self.shutdown_timeout))
+            self._drain = asyncio.ensure_future(self.app_context.begin_drain(self.shutdown_timeout))

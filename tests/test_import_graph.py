@@ -179,3 +179,15 @@ def test_layer_check_finds_planted_upward_and_sideways_imports() -> None:
 def test_hybridserve_imports_only_downward() -> None:
     violations = layer_violations(import_graph())
     assert violations == [], "imports against the layer order:\n" + "\n".join(violations)
+
+
+def test_the_server_package_does_not_import_the_command_line() -> None:
+    """entrypoints/openai is the server as a library (the CLI's `serve` builds it, tests
+    build it directly): it never reaches back into the CLI's modules."""
+    graph = import_graph()
+    server = [m for m in graph if m.startswith("hybridserve.entrypoints.openai")]
+    assert len(server) > 5
+    cli = {m for m in graph
+           if m.startswith("hybridserve.entrypoints.") and not m.startswith("hybridserve.entrypoints.openai")}
+    assert "hybridserve.entrypoints.serve" in cli
+    assert {m: sorted(graph[m] & cli) for m in server if graph[m] & cli} == {}

@@ -439,7 +439,7 @@ class OpenAIServer:
         if req.top_logprobs and not req.logprobs:
             raise P.ApiError("top_logprobs needs logprobs=true", param="top_logprobs")
         P.check_logprob_count(req.prompt_logprobs, "prompt_logprobs")
-        messages = [_message(m) for m in req.messages]
+        messages = [_message(m, model=self.model_name) for m in req.messages]
         stop = self.stop_strings(req.stop)
         tools = self.tool_plan(req)
         release = self.admit(req.n)
@@ -586,7 +586,7 @@ class OpenAIServer:
         if (req.prompt is None) == (req.messages is None):
             raise P.ApiError("give either prompt or messages", param="prompt")
         if req.messages is not None:
-            messages = [_message(m) for m in req.messages]
+            messages = [_message(m, model=self.model_name) for m in req.messages]
             ids = await self.tokenize(lambda: tok.chat_prompt(messages)[1],
                                       sum(len(m["content"] or "") for m in messages))
         else:
@@ -632,9 +632,10 @@ class ToolPlan:
     forced: StructuredOutput | None  # tool_choice "required" or named: the reply's constraint
 
 
-def _message(m: P.ChatMessage) -> dict[str, Any]:
+def _message(m: P.ChatMessage, model: str) -> dict[str, Any]:
     """A chat message as the chat template sees it (tool calls and tool results kept)."""
-    out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": _content_text(m)}
+    out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role,
+                           "content": _content_text(m, model=model)}
     for key in ("tool_calls", "tool_call_id", "name"):
         value = getattr(m, key)
         if value is not None:
@@ -642,13 +643,15 @@ def _message(m: P.ChatMessage) -> dict[str, Any]:
     return out
 
 
-def _content_text(m: P.ChatMessage) -> str:
+def _content_text(m: P.ChatMessage, model: str) -> str:
     if m.content is None or isinstance(m.content, str):
         return m.content or ""
     parts = []
     for part in m.content:
         if part.type != "text" or part.text is None:
-            raise P.ApiError(f"only text content parts are supported, got {part.type!r}", param="messages")
+            # Multimodal checkpoints (Gemma 3 4B-27B) are served by their language model only.
+            raise P.ApiError(f"the model `{model}` takes text content parts only here: {part.type!r} parts "
+                             "(images) are not supported yet", param="messages")
         parts.append(part.text)
     return "\n".join(parts)
 

@@ -2,7 +2,10 @@
 
 Models: hidden 64, 4 layers (Gemma3: 6), 4 query / 2 KV heads, float32,
 initializer_range 0.3 (peaky logits, so greedy choices are not near-ties), windows of
-16 so 40-120 token prompts cross them, eos unset so nothing stops early.
+16 so 40-120 token prompts cross them, eos unset so nothing stops early. The families
+added with their own norm placements (OLMo 3, Cohere2, EXAONE 4, Gemma 3 multimodal) get
+random norm weights too (HF initialises them to ones, which would hide a norm weight read
+into the wrong place).
 """
 
 from __future__ import annotations
@@ -46,6 +49,24 @@ def hf_config(kind: str, window: int = WINDOW):
                              "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}},
             **c,
         )
+    if kind == "gemma3_mm":  # the multimodal checkpoint: the gemma3 text model beside a tiny vision tower
+        vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=2, image_size=28, patch_size=14)
+        return tf.Gemma3Config(text_config=hf_config("gemma3", window).to_dict(), vision_config=vision.to_dict(),
+                               mm_tokens_per_image=4)
+    if kind == "olmo3":  # 3 sliding : 1 full, each type its own RoPE
+        return tf.Olmo3Config(sliding_window=window, rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500000.0}}, **c)
+    if kind == "cohere2":  # 3 sliding : 1 full (no RoPE); logit scale a power of two, as Command R7B's
+        c.pop("rms_norm_eps")
+        return tf.Cohere2Config(sliding_window=window, layer_norm_eps=1e-5, logit_scale=0.25,
+                                rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **c)
+    if kind == "exaone4":  # 8 layers "LLLG" twice: full layers without RoPE, Llama 3 RoPE scaling
+        c.update(num_hidden_layers=8)
+        return tf.Exaone4Config(sliding_window=window, sliding_window_pattern=4, rope_parameters={
+            "rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64, "rope_theta": 10000.0}, **c)
     if kind == "llama4":
         # Layers: chunked+dense, chunked+MoE, chunked+dense, NoPE global+MoE. Chunks of 2 * window
         # (two blocks of 16, so chunks are read across blocks and prefix hits land mid-chunk);
@@ -60,7 +81,19 @@ def hf_config(kind: str, window: int = WINDOW):
     raise ValueError(kind)
 
 
-KINDS = ("llama", "mistral", "qwen2", "gemma2", "gemma3")  # llama4 has its own test file
+KINDS = ("llama", "mistral", "qwen2", "gemma2", "gemma3", "gemma3_mm", "olmo3", "cohere2",
+         "exaone4")  # llama4 has its own test file
+_RANDOM_NORMS = ("gemma3_mm", "olmo3", "cohere2", "exaone4")
+
+
+def randomize_norms(model: torch.nn.Module, kind: str) -> None:
+    """Norm weights drawn at random for the kinds in _RANDOM_NORMS (the others keep HF's init)."""
+    if kind not in _RANDOM_NORMS:
+        return
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name and "vision" not in name:
+                param.uniform_(0.5, 1.5)
 
 
 def build_tiny(kind: str, out_dir: Path, seed: int = 0, window: int = WINDOW) -> Path:
@@ -69,6 +102,7 @@ def build_tiny(kind: str, out_dir: Path, seed: int = 0, window: int = WINDOW) ->
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_config(kind, window), dtype=torch.float32)
+    randomize_norms(model, kind)
     model.generation_config.eos_token_id = None
     model.save_pretrained(out_dir)
     return out_dir

@@ -55,6 +55,7 @@ def _variant(name: str, base: object, **changes: object) -> Path:
             setattr(base, key, value)
         torch.manual_seed(1)
         model = AutoModelForCausalLM.from_config(base, dtype=torch.float32)
+        hf_tiny.randomize_norms(model, getattr(base, "model_type", ""))
         root = hf_tiny.tiny_model_dir("llama").parent  # the shared temporary folder
         _VARIANTS[name] = root / name
         model.save_pretrained(_VARIANTS[name])
@@ -70,6 +71,10 @@ def model_dir(kind: str) -> Path:
         return _variant(kind, hf_tiny_mamba.hf_config("bamba"), mamba_n_groups=1)
     if kind == "gemma3_1kv":  # one KV head over 2 ranks: both keep (and cache) it
         return _variant(kind, hf_tiny.hf_config("gemma3"), num_key_value_heads=1)
+    if kind == "olmo3_1kv":  # one KV head over 2 ranks: both hold all of k, whose norm spans the projection
+        return _variant(kind, hf_tiny.hf_config("olmo3"), num_key_value_heads=1)
+    if kind == "cohere2_bias":  # attention biases: the o bias added once inside the parallel block's sum
+        return _variant(kind, hf_tiny.hf_config("cohere2"), attention_bias=True)
     if kind == "mamba2_1group_bias":
         return _variant(kind, hf_tiny_mamba.hf_config("mamba2"), n_groups=1, use_bias=True)
     return hf_tiny.tiny_model_dir(kind)
@@ -136,7 +141,8 @@ def reference(kind: str, stepped: bool = True) -> dict:
     return _REFERENCE[key]
 
 
-@pytest.mark.parametrize("kind", ["mistral", "gemma3", "llama4", "bamba"])
+@pytest.mark.parametrize("kind", ["mistral", "gemma3", "llama4", "bamba", "gemma3_mm", "olmo3", "cohere2", "exaone4",
+                                  "olmo3_1kv"])
 def test_flat_reference_matches_hf(kind: str) -> None:
     """The test backend is right: the unsplit model's logits are HF's, per prompt, in one
     step and over a prefill and decodes."""
@@ -195,7 +201,7 @@ def _check_pipeline(kinds: list[str], world: int, results: list[dict[str, dict]]
         assert sum(r["numel"] for r in stages) == whole + tied_extra
 
 
-PP2_KINDS = ["llama", "qwen2", "gemma3", "llama4", "bamba", "mamba2"]
+PP2_KINDS = ["llama", "qwen2", "gemma3", "llama4", "bamba", "mamba2", "gemma3_mm", "olmo3", "cohere2", "exaone4"]
 
 
 def test_pipeline_two_stages_equal_whole_model() -> None:
@@ -263,7 +269,7 @@ def test_too_many_stages_is_a_config_error_before_loading() -> None:
 # ---------------------------------------------------------------- tensor parallelism
 
 TP_KINDS = ["llama_bias", "mistral", "qwen2", "gemma2", "gemma3", "gemma3_1kv", "llama4", "bamba", "bamba_1group",
-            "mamba2", "mamba2_1group_bias"]
+            "mamba2", "mamba2_1group_bias", "gemma3_mm", "olmo3", "cohere2", "exaone4", "olmo3_1kv", "cohere2_bias"]
 
 
 def tp_rank(rank: int, world: int, kinds: list[str], dirs: list[str]) -> dict[str, dict]:

@@ -376,6 +376,18 @@ def test_other_bad_requests(server, client) -> None:
     wait_idle(url)
 
 
+def test_an_image_part_is_a_400_naming_the_model(server) -> None:
+    """Multimodal checkpoints are served by their language model: an image part is refused
+    with a message a client can act on, not a server error."""
+    parts = [{"type": "text", "text": "what is in this picture?"},
+             {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]
+    r = httpx.post(server["url"] + "/v1/chat/completions", json={"messages": [{"role": "user", "content": parts}]})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "messages" and error["type"] == "invalid_request_error"
+    assert error["message"] == ("the model `tiny` takes text content parts only here: 'image_url' parts (images) "
+                                "are not supported yet")
+
+
 def test_bodies_over_the_limit_are_refused_before_they_are_read(server) -> None:
     url = server["url"]
     big = b'{"prompt": "' + b"a" * (33 << 20) + b'"}'

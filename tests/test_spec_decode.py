@@ -144,7 +144,7 @@ def check_stats(eng: EngineCore) -> None:
     assert st.mean_accepted_length == pytest.approx(1 + st.num_accepted_tokens / st.num_spec_steps)
 
 
-@pytest.mark.parametrize("kind", ["mistral", "gemma3"])
+@pytest.mark.parametrize("kind", ["mistral", "gemma3", "gemma3_mm", "olmo3", "cohere2", "exaone4"])
 @pytest.mark.parametrize("async_scheduling,spec", [(False, 2), (True, 4)], ids=["sync2", "async4"])
 def test_greedy_equals_plain_decoding_and_hf(kind: str, async_scheduling: bool, spec: int) -> None:
     prompts = prompts_for(kind)
@@ -167,7 +167,8 @@ def test_chunked_prefill_with_drafts(kind: str) -> None:
     check_stats(eng)
 
 
-@pytest.mark.parametrize("kind,num_blocks", [("mistral", 7), ("gemma3", 30)])
+@pytest.mark.parametrize("kind,num_blocks", [("mistral", 7), ("gemma3", 30), ("olmo3", 36), ("cohere2", 36),
+                                             ("exaone4", 36)])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_preemption_with_drafts_recomputes_exactly(kind: str, num_blocks: int, async_scheduling: bool) -> None:
     # A pool too small for all three requests: some are preempted (drafts in flight under

@@ -92,6 +92,19 @@ def test_greedy_matches_hf(kind: str, async_scheduling: bool) -> None:
         assert max(abs(a - b) for a, b in zip(got[f"r{i}"][1], want_lp)) < 1e-3
 
 
+@pytest.mark.parametrize("kind", ["gemma3", "gemma3_mm", "olmo3", "cohere2", "exaone4"])
+def test_three_steps_in_flight_match_hf(kind: str) -> None:
+    """Async with 3 steps in flight (2 is the async default above), prefills chunked so
+    chunks and decodes overlap across the three."""
+    eng = make_engine(kind, async_scheduling=True, max_num_batched_tokens=29, max_concurrent_batches=3)
+    try:
+        got = run(eng, PROMPTS)
+        assert eng.max_concurrent_batches == 3
+    finally:
+        eng.shutdown()
+    check_tokens(kind, PROMPTS, got)
+
+
 @pytest.mark.parametrize("kind", hf_tiny.KINDS)
 @pytest.mark.parametrize("window_tail", [False, True], ids=["plain", "window_tail"])
 def test_chunked_prefill_across_window_and_block_boundaries(kind: str, window_tail: bool) -> None:
@@ -115,7 +128,7 @@ def test_chunked_prefill_across_window_and_block_boundaries(kind: str, window_ta
     check_tokens(kind, PROMPTS, got)
 
 
-@pytest.mark.parametrize("kind", ["mistral", "gemma3"])
+@pytest.mark.parametrize("kind", ["mistral", "gemma3", "gemma3_mm", "olmo3", "cohere2", "exaone4"])
 @pytest.mark.parametrize("async_scheduling,window_tail", [(False, False), (True, True)], ids=["sync", "async_tail"])
 def test_prefix_cache_hits(kind: str, async_scheduling: bool, window_tail: bool) -> None:
     base = PROMPTS[3]
@@ -139,7 +152,8 @@ def test_prefix_cache_hits(kind: str, async_scheduling: bool, window_tail: bool)
         assert got["b2"][2] == 80
 
 
-@pytest.mark.parametrize("kind,num_blocks", [("gemma3", 30), ("qwen2", 22), ("mistral", 8)])
+@pytest.mark.parametrize("kind,num_blocks", [("gemma3", 30), ("qwen2", 22), ("mistral", 8), ("gemma3_mm", 30),
+                                             ("olmo3", 30), ("cohere2", 30), ("exaone4", 30)])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_preemption_recomputes_exactly(kind: str, num_blocks: int, async_scheduling: bool) -> None:
     eng = make_engine(kind, async_scheduling=async_scheduling, num_blocks=num_blocks, max_num_batched_tokens=32)

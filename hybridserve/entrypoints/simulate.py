@@ -49,8 +49,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     hw = p.add_argument_group("hardware and model")
     hw.add_argument("--gpu", default="H100", help="H100, H200, A100-80GB or L40S (default: %(default)s)")
     hw.add_argument("--model-layout", default="gemma3-27b-like",
-                    help="gemma3-27b-like, gpt-oss-120b-like, llama4-scout-like, jamba-like (its weights need "
-                         "--gpu H200 or --pipeline-parallel-size 2), bamba-9b-like, llama3-8b-like "
+                    help="gemma3-27b-like, gpt-oss-120b-like, command-r7b-like, llama4-scout-like, jamba-like "
+                         "(its weights need --gpu H200 or --pipeline-parallel-size 2), bamba-9b-like, llama3-8b-like "
                          "(default: %(default)s)")
     hw.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
     hw.add_argument("--num-blocks", type=int, default=None, help="override the KV pool size (blocks, null block included)")

@@ -1,15 +1,16 @@
 """Model configuration read from a Hugging Face `config.json`, normalised across versions.
 
 One `ModelConfig` describes every decoder-only architecture hybridserve runs from an HF
-directory (Llama, Mistral, Qwen2, Gemma2, Gemma3 text, Llama 4 text; the Llama 4 extras
-live in `llama4_config.Llama4Options`). Fields an implementation would
+directory (Llama, Mistral, Qwen2, Gemma2, Gemma3 text and its multimodal checkpoints' text
+model, OLMo 3, Cohere2, EXAONE 4, Llama 4 text; the Llama 4 extras live in
+`llama4_config.Llama4Options`). Fields an implementation would
 otherwise silently ignore are checked here: anything we do not honour raises ConfigError
 naming the field, so a model never runs with wrong numbers.
 
 Config spellings differ across transformers versions; both are accepted:
 - layer kinds: `layer_types` (>= 4.5x / 5.x), or derived from `sliding_window`
   (Mistral), `use_sliding_window` + `max_window_layers` (Qwen2) or
-  `sliding_window_pattern` (Gemma3; Gemma2 alternates);
+  `sliding_window_pattern` (Gemma3, Cohere2, EXAONE 4; Gemma2 alternates);
 - RoPE: `rope_parameters` (5.x, possibly one dict per layer type for Gemma3) or
   `rope_theta` + `rope_scaling` (+ `rope_local_base_freq` for Gemma3 local layers).
 """
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridserve.core.errors import ConfigError
+from hybridserve.models import gemma3_multimodal
 from hybridserve.models.llama4_config import CHUNKED, Llama4Options, llama4_layer_types, parse_llama4_options
 from hybridserve.models.mamba_config import (
     MAMBA,
@@ -42,12 +44,18 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "qwen2",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
+    gemma3_multimodal.ARCHITECTURE: "gemma3",  # its language model only (models/gemma3_multimodal.py)
+    "Olmo3ForCausalLM": "olmo3",
+    "Cohere2ForCausalLM": "cohere2",
+    "Exaone4ForCausalLM": "exaone4",
     "Llama4ForCausalLM": "llama4",
     # State-space models: mixer parsed by models/mamba_config.py, built by models/mamba_loader.py.
     "Mamba2ForCausalLM": "mamba2",
     "BambaForCausalLM": "bamba",
 }
 _GEMMA = ("gemma2", "gemma3")
+# Without layer_types: one full layer after every `pattern - 1` sliding ones.
+_DEFAULT_SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6, "olmo3": 4, "cohere2": 4, "exaone4": 4}
 # HF activation names -> ours. gelu_pytorch_tanh is the tanh approximation of GELU.
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
                 "gelu": "gelu", "gelu_tanh": "gelu_tanh"}
@@ -71,7 +79,7 @@ class ModelConfig:
     """Everything the decoder needs; derived fields are final (no further defaults apply)."""
 
     architecture: str
-    family: str  # llama | mistral | qwen2 | gemma2 | gemma3 | llama4 | mamba2 | bamba
+    family: str  # llama | mistral | qwen2 | gemma2 | gemma3 | olmo3 | cohere2 | exaone4 | llama4 | mamba2 | bamba
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -83,14 +91,18 @@ class ModelConfig:
     activation: str  # silu | gelu_tanh | gelu
     layer_types: tuple[str, ...]  # FULL, SLIDING, CHUNKED or MAMBA (mamba_config.py), one per layer
     sliding_window: int | None
-    rope: dict[str, RopeConfig]  # keyed by layer type
+    rope: dict[str, RopeConfig]  # keyed by layer type; a type left out has no RoPE (Cohere2 / EXAONE 4 full layers)
     max_position_embeddings: int
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
-    qk_norm: bool = False  # Gemma3: RMSNorm over head_dim on q and k before RoPE
+    qk_norm: bool = False  # Gemma3, EXAONE 4: RMSNorm over head_dim on q and k before RoPE
+    qk_norm_over_projection: bool = False  # OLMo 3: that RMSNorm over all heads of q (of k) at once
     gemma_norm: bool = False  # RMSNorm multiplies by (1 + w)
     sandwich_norm: bool = False  # Gemma2/3: norms after attention and around the MLP
+    post_norm: bool = False  # OLMo 3, EXAONE 4: no input norm; attention and MLP outputs normed before the add
+    parallel_block: bool = False  # Cohere2: attention and MLP read one normed input, added to h together
+    logit_scale: float = 1.0  # Cohere2: the logits are multiplied by it
     embed_scale: float = 1.0
     attn_scale: float = 1.0
     attn_softcap: float | None = None
@@ -125,6 +137,8 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
             f"unsupported architecture {archs or raw.get('model_type')!r}; "
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    if arch == gemma3_multimodal.ARCHITECTURE:
+        raw = gemma3_multimodal.text_config(raw)
     family = SUPPORTED_ARCHITECTURES[arch]
     if family == "mamba2":
         return _parse_mamba2(raw, arch)
@@ -135,6 +149,8 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
     hidden = _req_int(raw, "hidden_size")
     num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
     head_dim = int(raw.get("head_dim") or hidden // num_heads)
+    if family == "cohere2":
+        head_dim = hidden // num_heads  # HF's Cohere2Config sets it so, whatever config.json says
     if num_heads % num_kv_heads:
         raise ConfigError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
     _check_unhonoured(raw, family)
@@ -165,7 +181,7 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=_norm_eps(raw, family),
         activation=_ACTIVATIONS[act_name],
         layer_types=layer_types,
         sliding_window=window,
@@ -174,14 +190,18 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
         qkv_bias=True if family == "qwen2" else bias,
         o_bias=bias if family != "qwen2" else False,
         mlp_bias=bool(raw.get("mlp_bias", False)),
-        qk_norm=family == "gemma3",
+        qk_norm=family in ("gemma3", "olmo3", "exaone4"),
+        qk_norm_over_projection=family == "olmo3",
         gemma_norm=gemma,
         sandwich_norm=gemma,
+        post_norm=family in ("olmo3", "exaone4"),
+        parallel_block=family == "cohere2",
+        logit_scale=float(raw.get("logit_scale", 0.0625)) if family == "cohere2" else 1.0,
         embed_scale=math.sqrt(hidden) if gemma else 1.0,
         attn_scale=attn_scale,
         attn_softcap=raw.get("attn_logit_softcapping") if gemma else None,
         final_softcap=raw.get("final_logit_softcapping") if gemma else None,
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma or family == "cohere2")),
         eos_token_id=raw.get("eos_token_id"),
         attention_chunk_size=chunk,
         llama4=llama4,
@@ -229,6 +249,12 @@ def _parse_bamba(raw: dict[str, Any], arch: str) -> ModelConfig:
     )
 
 
+def _norm_eps(raw: dict[str, Any], family: str) -> float:
+    if family == "cohere2":  # a LayerNorm (models/cohere2.py), HF's default eps 1e-5
+        return float(raw.get("layer_norm_eps", 1e-5))
+    return float(raw.get("rms_norm_eps", 1e-6))
+
+
 def _req_int(raw: dict[str, Any], key: str) -> int:
     value = raw.get(key)
     if not isinstance(value, int) or value < 1:
@@ -273,12 +299,36 @@ def _layer_types(raw: dict[str, Any], family: str, num_layers: int) -> tuple[str
     if family == "qwen2":
         max_window_layers = int(raw.get("max_window_layers", num_layers))
         return tuple(SLIDING if window is not None and i >= max_window_layers else FULL for i in range(num_layers))
-    pattern = 2 if family == "gemma2" else int(raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or 6)
-    return tuple(SLIDING if (i + 1) % pattern else FULL for i in range(num_layers))
+    if family in ("olmo3", "cohere2", "exaone4") and window is None:
+        return tuple(FULL for _ in range(num_layers))  # HF: no window, no sliding layer
+    pattern = raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern")
+    if family == "gemma2" or family == "olmo3" or not pattern:
+        pattern = _DEFAULT_SLIDING_PATTERN[family]
+    if isinstance(pattern, str):  # EXAONE 4 spells it as letters, e.g. "LLLG": local, local, local, global
+        if not pattern or set(pattern) - {"L", "G"}:
+            raise ConfigError(f"sliding_window_pattern {pattern!r}: expected letters L (local) and G (global)")
+        return tuple(SLIDING if pattern[i % len(pattern)] == "L" else FULL for i in range(num_layers))
+    return tuple(SLIDING if (i + 1) % int(pattern) else FULL for i in range(num_layers))
 
 
 def _rope_configs(raw: dict[str, Any], family: str, layer_types: set[str]) -> dict[str, RopeConfig]:
+    tables = _rope_tables(raw, family, layer_types)
+    # Cohere2's full layers never rotate; EXAONE 4's do not once the model has a window (HF:
+    # RoPE where sliding_window is None or the layer slides).
+    if family == "cohere2" or (family == "exaone4" and raw.get("sliding_window") is not None):
+        tables.pop(FULL, None)
+    return tables
+
+
+def _rope_tables(raw: dict[str, Any], family: str, layer_types: set[str]) -> dict[str, RopeConfig]:
     params = raw.get("rope_parameters")
+    if family == "olmo3" and not (isinstance(params, dict) and (FULL in params or SLIDING in params)):
+        # transformers < 5 spelling: rope_scaling scales the full layers only (Olmo3Config).
+        full = dict(params or raw.get("rope_scaling") or {})
+        full.setdefault("rope_theta", raw.get("rope_theta", 500_000.0))
+        local = {"rope_theta": full["rope_theta"]}
+        return {FULL: _one_rope(full, "rope_parameters.full_attention"),
+                SLIDING: _one_rope(local, "rope_parameters.sliding_attention")}
     if family == "gemma3":
         if isinstance(params, dict) and (FULL in params or SLIDING in params):
             full = params.get(FULL) or {"rope_theta": 1_000_000.0}

@@ -1,4 +1,5 @@
-"""The decoder-only transformer shared by Llama, Mistral, Qwen2, Gemma2 and Gemma3 text.
+"""The decoder-only transformer shared by Llama, Mistral, Qwen2, Gemma2, Gemma3 text, OLMo 3
+and EXAONE 4 (pre-norm, Gemma's sandwich norms, or OLMo's post-norms: see ModelConfig).
 
 The model computes a flat batch: T tokens of any number of requests, with their
 positions. Attention itself is delegated to an `AttentionBackend` (the runner's paged
@@ -26,6 +27,7 @@ from hybridserve.models.head import OutputHead, ReleaseRows, head_quantization
 from hybridserve.models.heap import release_free_heap
 from hybridserve.models.linear import LayerLinears, Linear, ResidualLinear, make_int8_linear, make_linear
 from hybridserve.models.parallel import PipelineStage, TPGroup, local_config
+from hybridserve.models.projection_norm import ProjectionNorm
 from hybridserve.models.rope import RopeTable, apply_rope_
 from hybridserve.models.span_logits import SpanLogits
 
@@ -68,16 +70,16 @@ class DecoderLayerWeights(nn.Module):
             # Uninitialised (untouched pages cost no memory): the loader assigns or fills each.
             return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
-        self.input_norm = p(cfg.hidden_size)
+        self.input_norm = None if cfg.post_norm else p(cfg.hidden_size)
         self.qkv = p(qkv_out, cfg.hidden_size)
         self.qkv_bias = p(qkv_out) if cfg.qkv_bias else None
         self.o = p(cfg.hidden_size, cfg.num_heads * hd)
         self.o_bias = p(cfg.hidden_size) if cfg.o_bias and row_bias else None
         # q_norm weight repeated per query head, then k_norm per kv head: [H + KVH, D].
         self.qk_norm = p(cfg.num_heads + cfg.num_kv_heads, hd) if cfg.qk_norm else None
-        self.post_attn_norm = p(cfg.hidden_size)
+        self.post_attn_norm = None if cfg.parallel_block else p(cfg.hidden_size)
         self.pre_ffn_norm = p(cfg.hidden_size) if cfg.sandwich_norm else None
-        self.post_ffn_norm = p(cfg.hidden_size) if cfg.sandwich_norm else None
+        self.post_ffn_norm = p(cfg.hidden_size) if cfg.sandwich_norm or cfg.post_norm else None
         self.gate_up = p(2 * cfg.intermediate_size, cfg.hidden_size)
         self.gate_up_bias = p(2 * cfg.intermediate_size) if cfg.mlp_bias else None
         self.down = p(cfg.hidden_size, cfg.intermediate_size)
@@ -223,7 +225,10 @@ class DecoderLM(StagedModel):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, stage: PipelineStage | None = None,
                  tp: TPGroup | None = None) -> None:
         super().__init__()
+        global_cfg = cfg
         cfg = self.init_stage(cfg, dtype, stage, tp)
+        # Sizes of the whole projection, which this rank's heads are a part of.
+        self._projection_norm = ProjectionNorm(global_cfg, self.tp) if cfg.qk_norm_over_projection else None
         self.layers = nn.ModuleList(self._layer_weights(i, dtype) for i in self.layer_ids)
         self._rope: dict[str, RopeTable] = {}
         self._linears: list[LayerLinears] = []
@@ -303,26 +308,32 @@ class DecoderLM(StagedModel):
         if not self._linears:
             self.build_linears(release_weights=False)
         for i, w, lin in zip(self.layer_ids, self.layers, self._linears):
-            x = rms_norm(h, w.input_norm, eps, inv_h)
+            x = h if w.input_norm is None else rms_norm(h, w.input_norm, eps, inv_h)
             qkv = lin.qkv(x)
             # q | k | v per token: after RoPE in place, k and v are adjacent, which is
             # exactly one KV cache slot ([2, KVH, D]).
             qk = qkv[:, : (nq + nkv) * hd].view(T, nq + nkv, hd)
-            if w.qk_norm is not None:
+            if self._projection_norm is not None:
+                self._projection_norm.apply_(qk, w.qk_norm, nq, eps)
+            elif w.qk_norm is not None:
                 torch.mul(rms_norm(qk, None, eps, inv_hd), w.qk_norm, out=qk)
-            cos, sin = rope[cfg.layer_types[i]]
-            apply_rope_(qk, cos, sin)  # q and k share positions: one rotation covers both
+            if cfg.layer_types[i] in rope:  # EXAONE 4's full layers have no RoPE
+                cos, sin = rope[cfg.layer_types[i]]
+                apply_rope_(qk, cos, sin)  # q and k share positions: one rotation covers both
             qkv = qkv.to(self.dtype)  # the KV cache's dtype (a no-op unless int8 layers)
             attn = backend.attention(i, qkv[:, : nq * hd].view(T, nq, hd), qkv[:, nq * hd :].view(T, 2, nkv, hd))
             if cfg.sandwich_norm:
                 h = h + rms_norm(self.reduce(lin.o(attn)), w.post_attn_norm, eps, inv_h)
                 x = rms_norm(h, w.pre_ffn_norm, eps, inv_h)
+            elif cfg.post_norm:  # OLMo: the MLP reads the residual stream itself
+                h = h + rms_norm(self.reduce(lin.o(attn)), w.post_attn_norm, eps, inv_h)
+                x = h
             else:
                 h = self.add_row_parallel(h, attn, lin.o, lin.o_residual)
                 x = rms_norm(h, w.post_attn_norm, eps, inv_h)
             gate, up = lin.gate_up(x).chunk(2, dim=-1)
             y = self._act(gate) * up
-            if cfg.sandwich_norm:
+            if w.post_ffn_norm is not None:
                 h = h + rms_norm(self.reduce(lin.down(y)), w.post_ffn_norm, eps, inv_h)
             else:
                 h = self.add_row_parallel(h, y, lin.down, lin.down_residual)

@@ -8,6 +8,7 @@ would ignore is a checkpoint we would run wrong).
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -15,12 +16,15 @@ import torch
 
 from hybridserve.models.checkpoint import (Weights, fill_ends, open_checkpoint, place_weights, take_gate_up, take_qkv,
                                           take_row_bias)
+from hybridserve.models.cohere2 import Cohere2LM
 from hybridserve.models.config import ModelConfig, load_model_config
 from hybridserve.models.decoder import DecoderLM, LayerSmoothing
+from hybridserve.models.gemma3_multimodal import ARCHITECTURE as GEMMA3_MULTIMODAL
+from hybridserve.models.gemma3_multimodal import TextCheckpoint
 from hybridserve.models.heap import release_free_heap
 from hybridserve.models.int8 import int8_gemm_available
-from hybridserve.models.llama4 import Llama4LM, fill_llama4
-from hybridserve.models.parallel import PipelineStage, TPGroup
+from hybridserve.models.llama4 import Llama4LM, fill_llama4, interleaved_to_half_split
+from hybridserve.models.parallel import PipelineStage, TPGroup, group_rows
 from hybridserve.models.smoothing import Encode, calibration_sequences, file_encoder, smooth
 
 if TYPE_CHECKING:
@@ -42,13 +46,16 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
         from hybridserve.models.mamba_loader import load_mamba_model
 
         return load_mamba_model(model_dir, cfg, device, dtype, stage, tp)
-    w = Weights(open_checkpoint(model_dir), dtype)
+    checkpoint = open_checkpoint(model_dir)
+    if cfg.architecture == GEMMA3_MULTIMODAL:
+        checkpoint = TextCheckpoint(checkpoint)  # its language model, under the causal-LM names
+    w = Weights(checkpoint, dtype)
     if cfg.family == "llama4":  # its own layer layout (MoE, per-layer MLP sizes, RoPE order)
         llama4 = Llama4LM(cfg, dtype, stage, tp)
         fill_llama4(llama4, cfg, w)
         model: DecoderLM = llama4
-    else:
-        model = DecoderLM(cfg, dtype, stage, tp)
+    else:  # Cohere2: its own block (parallel attention + MLP, LayerNorm) on the same weights
+        model = (Cohere2LM if cfg.family == "cohere2" else DecoderLM)(cfg, dtype, stage, tp)
         _fill(model, cfg, w)
     place_weights(model, cfg, w, device)
     model.setup_rope(torch.device(device), cfg.max_position_embeddings)
@@ -64,10 +71,11 @@ def _int8_smoothing(model: DecoderLM, model_dir: Path, quantization: str, encode
                     ) -> list[LayerSmoothing] | None:
     """The smoothing that makes the decoder's linears int8 x int8 under --quantization int8
     (models/smoothing.py), or None where they stay in the model dtype: no int8 GEMM here
-    (models/int8.int8_gemm_available; the head alone is quantized then), not a plain decoder (Llama 4's MoE layers), a
+    (models/int8.int8_gemm_available; the head alone is quantized then), not a plain pre-norm decoder (Llama 4's
+    MoE layers; OLMo's post-norms leave no norm before qkv to carry the factors), a
     model split over processes (the calibration forward needs every layer on one rank), or
     no tokenizer to calibrate with (`encode`, else the directory's tokenizer.json)."""
-    if (quantization != "int8" or type(model) is not DecoderLM or model.tp is not None
+    if (quantization != "int8" or type(model) is not DecoderLM or model.cfg.post_norm or model.tp is not None
             or not (model.stage.is_first and model.stage.is_last)
             or model.final_norm is None or model.final_norm.device.type != "cpu" or not int8_gemm_available()):
         return None
@@ -107,27 +115,43 @@ def _fill(model: DecoderLM, cfg: ModelConfig, w: Weights) -> None:
         t = w.take(name, (size,))
         return 1.0 + t if gemma else t  # Gemma's RMSNorm scales by (1 + w)
 
-    fill_ends(model, cfg, w, "model.embed_tokens.weight", "model.norm.weight", lambda t: 1.0 + t if gemma else t)
+    def final_norm(t: torch.Tensor) -> torch.Tensor:
+        t = 1.0 + t if gemma else t
+        # Cohere2's logit scale is folded into the final norm's weight: logits = (norm(h) * s) W^T.
+        return t * cfg.logit_scale if cfg.logit_scale != 1.0 else t
+
+    fill_ends(model, cfg, w, "model.embed_tokens.weight", "model.norm.weight", final_norm)
     w.keep_layers("model.layers.", model.layer_ids)
     with torch.no_grad():
         for i, layer in zip(model.layer_ids, model.layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
-            layer.input_norm.copy_(norm(p + "input_layernorm.weight", H))
+            if layer.input_norm is not None:
+                layer.input_norm.copy_(norm(p + "input_layernorm.weight", H))
+            qk = _same_rows
+            if cfg.family == "cohere2" and cfg.layer_types[i] in cfg.rope:
+                qk = partial(interleaved_to_half_split, head_dim=hd)  # Cohere rotates pairs (2i, 2i+1): see cohere2.py
             # Assigned, not copied: a tensor in the model dtype stays a view of the mapped file.
-            layer.qkv.data = take_qkv(w, cfg, tp, a)
+            layer.qkv.data = take_qkv(w, cfg, tp, a, qk=qk)
             if layer.qkv_bias is not None:
-                layer.qkv_bias.copy_(take_qkv(w, cfg, tp, a, "bias"))
+                layer.qkv_bias.copy_(take_qkv(w, cfg, tp, a, "bias", qk=qk))
             layer.o.data = tp.shard(w.take(a + "o_proj.weight", (H, nq * hd)), 1)
             if cfg.o_bias:
                 take_row_bias(w, layer.o_bias, a + "o_proj.bias", H)
-            if layer.qk_norm is not None:
+            if layer.qk_norm is not None and cfg.qk_norm_over_projection:
+                # One weight per element of the whole projection: this rank's heads' rows of it.
+                qn = tp.shard(norm(a + "q_norm.weight", nq * hd).view(nq, hd))
+                kn = group_rows(tp, cfg.num_kv_heads, norm(a + "k_norm.weight", cfg.num_kv_heads * hd).view(-1, hd))
+                layer.qk_norm.copy_(torch.cat([qn, kn]))
+            elif layer.qk_norm is not None:
                 qn = norm(a + "q_norm.weight", hd)
                 kn = norm(a + "k_norm.weight", hd)
                 layer.qk_norm.copy_(torch.cat([qn.expand(local.num_heads, hd), kn.expand(local.num_kv_heads, hd)]))
-            layer.post_attn_norm.copy_(norm(p + "post_attention_layernorm.weight", H))
-            if layer.pre_ffn_norm is not None and layer.post_ffn_norm is not None:
+            if layer.post_attn_norm is not None:
+                layer.post_attn_norm.copy_(norm(p + "post_attention_layernorm.weight", H))
+            if layer.pre_ffn_norm is not None:
                 layer.pre_ffn_norm.copy_(norm(p + "pre_feedforward_layernorm.weight", H))
+            if layer.post_ffn_norm is not None:
                 layer.post_ffn_norm.copy_(norm(p + "post_feedforward_layernorm.weight", H))
             m = p + "mlp."
             layer.gate_up.data = take_gate_up(w, tp, m, (I, H))
@@ -136,3 +160,8 @@ def _fill(model: DecoderLM, cfg: ModelConfig, w: Weights) -> None:
                 take_row_bias(w, layer.down_bias, m + "down_proj.bias", H)
             layer.down.data = tp.shard(w.take(m + "down_proj.weight", (H, I)), 1)
             w.release_taken()
+
+
+def _same_rows(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """q/k rows as stored (RoPE in the half-split order the decoder applies)."""
+    return t

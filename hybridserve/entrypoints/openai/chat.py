@@ -39,7 +39,7 @@ async def create_chat_completion(ctx: ServerContext, request: Request, req: P.Ch
     if req.top_logprobs and not req.logprobs:
         raise P.ApiError("top_logprobs needs logprobs=true", param="top_logprobs")
     P.check_logprob_count(req.prompt_logprobs, "prompt_logprobs")
-    messages = [template_message(m) for m in req.messages]
+    messages = [template_message(m, model=ctx.model_name) for m in req.messages]
     stop = stop_strings(limits=ctx.limits, stop=req.stop)
     tools = tool_plan(req, tok=ctx.engine.tokenizer)
     release = ctx.admit(req.n)

@@ -26,7 +26,7 @@ async def tokenize_text(ctx: ServerContext, req: P.TokenizeRequest) -> dict[str,
     if (req.prompt is None) == (req.messages is None):
         raise P.ApiError("give either prompt or messages", param="prompt")
     if req.messages is not None:
-        messages = [template_message(m) for m in req.messages]
+        messages = [template_message(m, model=ctx.model_name) for m in req.messages]
         ids = await tokenized(lambda: tok.chat_prompt(messages)[1], num_chars=content_chars(messages))
     else:
         text = req.prompt

@@ -2,8 +2,8 @@
 
 Bodies are validated in strict mode: "16" is not an integer, true is not a number, and
 NaN or Infinity is no number at all, as with OpenAI. Unknown fields are ignored, except
-features this server does not implement (tools, suffix, ...),
-which are a 400 rather than a silently different result.
+features this server does not implement (suffix, best_of other than n, ...), which are a
+400 rather than a silently different result (check_unsupported).
 """
 
 from __future__ import annotations

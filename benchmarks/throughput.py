@@ -34,6 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hf_baseline import left_padded_generate  # noqa: E402  (this folder is on sys.path)
 
+from hybridserve.core.kv.spec import DEFAULT_BLOCK_SIZE  # noqa: E402
+
 TINY = ("tiny-mistral", "tiny-gemma3", "tiny-llama4", "tiny-mamba2", "tiny-bamba")
 
 
@@ -207,7 +209,7 @@ def main() -> None:
     p.add_argument("--hf-batch-size", type=int, default=8)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     p.add_argument("--kv-cache-memory", default="512MiB")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--prefix-caching", action="store_true", help="off by default: repeats reuse the prompts")

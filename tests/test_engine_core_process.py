@@ -20,11 +20,12 @@ from tests.serving_models import PROMPTS, tiny_serving_dir  # noqa: E402
 
 from hybridserve import LLM, AsyncLLM, EngineDeadError, SamplingParams  # noqa: E402
 from hybridserve.core.errors import ConfigError  # noqa: E402
+from hybridserve.core.kv.spec import DEFAULT_BLOCK_SIZE  # noqa: E402
 
 MAX_LEN = 256
 TIMEOUT = 120.0
 RESTART_TIMEOUT = 300.0  # a restart spawns a fresh core (interpreter, torch, model): slow on a busy machine
-BLOCK = 16  # the default block size
+BLOCK = DEFAULT_BLOCK_SIZE
 
 
 def run(coro, timeout: float = TIMEOUT):  # a hang is a failure, not a stuck suite

@@ -20,14 +20,8 @@ import sys
 import time
 from typing import Any
 
-from hybridserve.entrypoints.engine_flags import (
-    FlagError,
-    add_engine_arguments,
-    engine_config_from_args,
-    one_line_errors,
-    run_guarded,
-    standalone_main,
-)
+from hybridserve.entrypoints.command import FlagError, one_line_errors, run_guarded, standalone_main
+from hybridserve.entrypoints.engine_flags import add_engine_arguments, engine_config_from_args
 
 PROG = "hybridserve bench"
 DESCRIPTION = "Measure output tokens/s, TTFT and TPOT of a model on N prompts x M tokens."

@@ -8,9 +8,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import NoReturn, Sequence
+from typing import Sequence
 
 from hybridserve import __version__
+from hybridserve.entrypoints.command import one_line_errors
 
 # subcommand -> module with add_parser(subparsers) and run(args) -> int
 COMMANDS = {
@@ -21,18 +22,9 @@ COMMANDS = {
 }
 
 
-class _OneLineParser(argparse.ArgumentParser):
-    """Top-level errors (unknown command, ...) as one line on stderr, exit code 2."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _OneLineParser(
-        prog="hybridserve",
-        description="LLM serving engine for hybrid-attention models.",
-    )
+    parser = argparse.ArgumentParser(prog="hybridserve", description="LLM serving engine for hybrid-attention models.")
+    one_line_errors(parser, "hybridserve")  # top-level errors: unknown command, ...
     parser.add_argument("--version", action="version", version=f"hybridserve {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module in COMMANDS.items():

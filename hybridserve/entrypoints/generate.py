@@ -19,14 +19,8 @@ import sys
 import time
 from typing import Any, TextIO
 
-from hybridserve.entrypoints.engine_flags import (
-    FlagError,
-    add_engine_arguments,
-    engine_config_from_args,
-    one_line_errors,
-    run_guarded,
-    standalone_main,
-)
+from hybridserve.entrypoints.command import FlagError, one_line_errors, run_guarded, standalone_main
+from hybridserve.entrypoints.engine_flags import add_engine_arguments, engine_config_from_args
 
 PROG = "hybridserve generate"
 DESCRIPTION = "Generate text for prompts and stream it to stdout."

@@ -16,14 +16,8 @@ import sys
 from typing import Any
 
 from hybridserve.core.errors import ConfigError
-from hybridserve.entrypoints.engine_flags import (
-    FlagError,
-    add_engine_arguments,
-    engine_config_from_args,
-    one_line_errors,
-    run_guarded,
-    standalone_main,
-)
+from hybridserve.entrypoints.command import FlagError, one_line_errors, run_guarded, standalone_main
+from hybridserve.entrypoints.engine_flags import add_engine_arguments, engine_config_from_args
 from hybridserve.entrypoints.openai.limits import API_KEY_ENV, WAITING_PER_SEQ, ServerLimits, api_key_from_env
 
 PROG = "hybridserve serve"

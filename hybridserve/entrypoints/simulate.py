@@ -8,13 +8,16 @@ race detector in the default (safe) mode is an engine bug: the command exits 1.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shlex
 import sys
-from typing import Any, NoReturn, Sequence
+from typing import Any, Sequence
 
-from hybridserve.core.errors import HybridServeError
-from hybridserve.core.kv.spec import DTYPE_BYTES
+from hybridserve.entrypoints.command import FlagError, one_line_errors, run_guarded
+from hybridserve.entrypoints.config_flags import add_field_flag, config_from_args, field_help, flag_fields
+from hybridserve.entrypoints.config_flags import sections as make_sections
+from hybridserve.sim.config import ENGINE, HARDWARE, WORKLOAD, SimConfig
 
 PROG = "hybridserve simulate"
 DESCRIPTION = "Simulate a serving workload for a model layout on a GPU preset (capacity planning)."
@@ -26,15 +29,12 @@ UNSAFE_WARNING = (
 )
 
 
-class FlagError(HybridServeError, ValueError):
-    """A flag value is out of range."""
-
-
-class _OneLineParser(argparse.ArgumentParser):
-    """argparse, but errors are one line (no usage block), exit code 2."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {_hint(message)}\n")
+# SimConfig fields with no flag, and why.
+NOT_FLAGS = {"label": "the command names its runs: run, or A and B with --compare"}
+# SimConfig fields whose flags `_add_arguments` spells by hand: --async / --sync.
+HAND_MADE_FLAGS = ("async_scheduling",)
+# SimConfig fields whose flag is spelled otherwise than the field.
+FLAG_NAMES = {"kv_dtype": "--kv-cache-dtype", "window_tail_allocation": "--window-tail"}
 
 
 def _hint(message: str) -> str:
@@ -45,89 +45,52 @@ def _hint(message: str) -> str:
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
-    BOA = argparse.BooleanOptionalAction
-    hw = p.add_argument_group("hardware and model")
-    hw.add_argument("--gpu", default="H100", help="H100, H200, A100-80GB or L40S (default: %(default)s)")
-    hw.add_argument("--model-layout", default="gemma3-27b-like",
-                    help="gemma3-27b-like, gpt-oss-120b-like, command-r7b-like, llama4-scout-like, jamba-like "
-                         "(its weights need --gpu H200 or --pipeline-parallel-size 2), bamba-9b-like, llama3-8b-like "
-                         "(default: %(default)s)")
-    hw.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: 16)")
-    hw.add_argument("--num-blocks", type=int, default=None, help="override the KV pool size (blocks, null block included)")
-    hw.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                    help="share of GPU memory for weights + KV cache, in (0, 1] (default: 0.9)")
-    hw.add_argument("--kv-cache-dtype", default="bfloat16", choices=sorted(DTYPE_BYTES),
-                    help="KV cache element type (default: bfloat16)")
-    hw.add_argument("--pipeline-parallel-size", type=int, default=1,
-                    help="pipeline stages: the layers split over this many GPUs, as many steps in flight "
-                         "(default: 1)")
-    eng = p.add_argument_group("engine")
-    eng.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens per step (default: 8192)")
-    eng.add_argument("--max-num-seqs", type=int, default=256, help="requests per step (default: 256)")
-    eng.add_argument("--max-model-len", type=int, default=None, help="default: longest request, at least 8192")
-    mode = eng.add_mutually_exclusive_group()
-    mode.add_argument("--async", dest="async_scheduling", action="store_true", default=True,
-                      help="schedule one step ahead of the GPU (default)")
+    groups = make_sections(p, (HARDWARE, ENGINE, WORKLOAD))
+    for field in flag_fields(SimConfig, skip=(*NOT_FLAGS, *HAND_MADE_FLAGS)):
+        names = (FLAG_NAMES[field.name],) if field.name in FLAG_NAMES else ()
+        add_field_flag(groups[field.metadata["section"]], SimConfig, field, *names)
+    mode = groups[ENGINE].add_mutually_exclusive_group()
+    is_async = next(f for f in dataclasses.fields(SimConfig) if f.name == "async_scheduling")
+    mode.add_argument("--async", dest="async_scheduling", action="store_true", default=is_async.default,
+                      help=field_help(is_async))
     mode.add_argument("--sync", dest="async_scheduling", action="store_false",
-                      help="schedule a step only after the previous one returned (default: --async)")
-    eng.add_argument("--num-speculative-tokens", type=int, default=0,
-                     help="draft tokens per decode step (default: 0, off)")
-    eng.add_argument("--acceptance-rate", type=float, default=0.7, help="per-draft acceptance probability (default: 0.7)")
-    eng.add_argument("--enable-prefix-caching", action=BOA, default=True, help="(default: on)")
-    eng.add_argument("--full-sequence-must-fit", action=BOA, default=False,
-                     help="admit a request only if prompt + max_tokens fit by the admission caps (default: off)")
-    eng.add_argument("--window-tail", dest="window_tail_allocation", action=BOA, default=None,
-                     help="sliding-window groups hold only the window and each chunk's tail (default: on)")
-    eng.add_argument("--max-in-flight-tokens", type=int, default=None,
-                     help="override the in-flight allowance (default: concurrent batches * max-num-batched-tokens)")
-    eng.add_argument("--connector", action=BOA, default=False, help="simulated CPU KV offload connector (default: off)")
-    eng.add_argument("--connector-capacity-blocks", type=int, default=4096, help="host-memory blocks of the connector (default: 4096)")
-    eng.add_argument("--connector-max-delay-steps", type=int, default=3,
-                     help="a connector load/store finishes 0..N steps after it starts (default: 3)")
-    eng.add_argument("--connector-failure-rate", type=float, default=0.0, help="probability a loaded block fails (default: 0)")
-    eng.add_argument("--detector", action=BOA, default=True, help="shadow-KV race detector (default: on)")
-    eng.add_argument("--unsafe-optimistic-free", action=BOA, default=False,
-                     help="RESEARCH ONLY: free on the optimistic count (the race the detector catches; default: off)")
-    wl = p.add_argument_group("workload")
-    wl.add_argument("--num-requests", type=int, default=200, help="requests in the workload (default: 200)")
+                      help="schedule a step only after the previous one returned (default: "
+                           f"{'--async' if is_async.default else '--sync'})")
+    wl = groups[WORKLOAD]
+    wl.add_argument("--num-requests", type=int, default=200, help="requests in the workload (default: %(default)s)")
     # Prompts up to 4x the presets' 1,024-token windows, so the window (and --window-tail) matters.
     wl.add_argument("--prompt-len", default="uniform:512:4096",
-                    help="N or fixed:N, uniform:LO:HI or lognormal:MEAN:SIGMA (default: uniform:512:4096)")
-    wl.add_argument("--output-len", default="uniform:32:256", help="as --prompt-len (default: uniform:32:256)")
+                    help="N or fixed:N, uniform:LO:HI or lognormal:MEAN:SIGMA (default: %(default)s)")
+    wl.add_argument("--output-len", default="uniform:32:256", help="as --prompt-len (default: %(default)s)")
     wl.add_argument("--arrival-rate", type=float, default=None, help="Poisson requests/s (default: all at t=0)")
     wl.add_argument("--prefix-groups", type=int, default=0,
-                    help="requests share one of this many prompt prefixes (default: 0, none)")
-    wl.add_argument("--prefix-len", type=int, default=0, help="tokens of each shared prefix (default: 0)")
+                    help="requests share one of this many prompt prefixes (default: %(default)s, none)")
+    wl.add_argument("--prefix-len", type=int, default=0, help="tokens of each shared prefix (default: %(default)s)")
     wl.add_argument("--trace", default=None, metavar="FILE.jsonl",
                     help="JSONL lines {prompt_len, output_len, arrival_time[, prefix_id[, prefix_len]]}")
-    wl.add_argument("--seed", type=int, default=0, help="workload random seed (default: 0)")
     out = p.add_argument_group("output")
     out.add_argument("--json", default=None, metavar="OUT.json", help="also write the report as JSON")
     out.add_argument("--plot", default=None, metavar="OUT.png", help="also plot KV usage and throughput over time")
     out.add_argument("--compare", default=None, metavar="'FLAGS'",
                      help="simulate a second configuration (these flags over the first) on the same workload "
                           "and print both with their ratio, e.g. --compare='--sync'")
-    out.add_argument("--progress", action=BOA, default=None, help="progress bar (default: when stderr is a terminal)")
+    out.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                     help="progress bar (default: when stderr is a terminal)")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `simulate` on the CLI's subparsers; `run(args)` handles the parsed namespace."""
     p = subparsers.add_parser("simulate", help="simulate a serving workload on a GPU preset",
                               description=DESCRIPTION)
-    # One-line errors for bad values in this subcommand, whatever parser class the CLI uses.
-    p.error = lambda message: _one_line_exit(message)  # type: ignore[method-assign]
+    one_line_errors(p, PROG, hint=_hint)
     _add_arguments(p)
     p.set_defaults(func=run)
     return p
 
 
-def _one_line_exit(message: str) -> NoReturn:
-    sys.stderr.write(f"{PROG}: error: {_hint(message)}\n")
-    raise SystemExit(2)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = _OneLineParser(prog=PROG, description=DESCRIPTION)
+def build_parser(prog: str = PROG, add_help: bool = True) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION, add_help=add_help)
+    one_line_errors(p, prog, hint=_hint)
     _add_arguments(p)
     return p
 
@@ -159,27 +122,14 @@ def _validate(a: argparse.Namespace) -> None:
            a.num_speculative_tokens, "< --max-num-batched-tokens")
 
 
-def sim_config_from_args(a: argparse.Namespace, label: str) -> Any:
+def sim_config_from_args(a: argparse.Namespace, label: str) -> SimConfig:
     from hybridserve.core.kv.spec import dtype_size
     from hybridserve.sim.presets import get_gpu, get_layout
-    from hybridserve.sim.simulation import SimConfig
 
     _validate(a)
     layout, gpu = get_layout(a.model_layout), get_gpu(a.gpu)
-    dtype_size(a.kv_cache_dtype)
-    return SimConfig(
-        gpu=gpu.name, model_layout=layout.name, block_size=a.block_size, num_blocks=a.num_blocks,
-        gpu_memory_utilization=a.gpu_memory_utilization, kv_dtype=a.kv_cache_dtype,
-        max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len,
-        async_scheduling=a.async_scheduling, pipeline_parallel_size=a.pipeline_parallel_size,
-        num_speculative_tokens=a.num_speculative_tokens, acceptance_rate=a.acceptance_rate,
-        enable_prefix_caching=a.enable_prefix_caching, full_sequence_must_fit=a.full_sequence_must_fit,
-        max_in_flight_tokens=a.max_in_flight_tokens, window_tail_allocation=a.window_tail_allocation,
-        connector=a.connector,
-        connector_capacity_blocks=a.connector_capacity_blocks, connector_max_delay_steps=a.connector_max_delay_steps,
-        connector_failure_rate=a.connector_failure_rate, detector=a.detector,
-        unsafe_optimistic_free=a.unsafe_optimistic_free, seed=a.seed, label=label,
-    )
+    dtype_size(a.kv_dtype)
+    return config_from_args(SimConfig, a, gpu=gpu.name, model_layout=layout.name, label=label)
 
 
 def workload_from_args(a: argparse.Namespace) -> list[Any]:
@@ -198,8 +148,7 @@ def compare_args(a: argparse.Namespace) -> argparse.Namespace:
         tokens = shlex.split(a.compare)
     except ValueError as e:
         raise FlagError(f"argument --compare: {e}") from None
-    p = _OneLineParser(prog=f"{PROG} --compare", add_help=False)
-    _add_arguments(p)
+    p = build_parser(prog=f"{PROG} --compare", add_help=False)
     p.set_defaults(**vars(a))
     b = p.parse_args(tokens)
     changed = [f for f in WORKLOAD_FLAGS if getattr(b, f) != getattr(a, f)]
@@ -212,14 +161,7 @@ def compare_args(a: argparse.Namespace) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        return _run(args)
-    except HybridServeError as e:
-        sys.stderr.write(f"{PROG}: error: {e}\n")
-        return 2
-    except KeyboardInterrupt:
-        sys.stderr.write(f"{PROG}: interrupted\n")
-        return 130
+    return run_guarded(PROG, lambda: _run(args))
 
 
 def _run(a: argparse.Namespace) -> int:

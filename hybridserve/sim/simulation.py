@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import gc
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from tqdm import tqdm
@@ -28,6 +27,7 @@ from hybridserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from hybridserve.engine.loop import build_engine
 from hybridserve.executor.base import Executor
 from hybridserve.executor.sim.executor import SimExecutor
+from hybridserve.sim.config import SimConfig
 from hybridserve.sim.cost_model import CostModel
 from hybridserve.sim.presets import get_gpu, get_layout, load_presets
 from hybridserve.sim.recorder import RunRecorder, config_dict
@@ -43,63 +43,6 @@ MAX_IDLE_ITERATIONS = 100_000
 
 class SimulationError(HybridServeError, RuntimeError):
     """The simulation could not make progress."""
-
-
-@dataclass(frozen=True)
-class SimConfig:
-    """One configuration to simulate. `max_model_len` None: the longest request, at least
-    SchedulerConfig's default max_model_len."""
-
-    gpu: str = "H100"
-    model_layout: str = "gemma3-27b-like"
-    block_size: int = 16
-    num_blocks: int | None = None
-    gpu_memory_utilization: float = 0.9
-    kv_dtype: str = "bfloat16"
-    # Scheduler settings default to SchedulerConfig's (the one definition).
-    max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens
-    max_num_seqs: int = SchedulerConfig.max_num_seqs
-    max_model_len: int | None = None
-    async_scheduling: bool = SchedulerConfig.async_scheduling
-    pipeline_parallel_size: int = SchedulerConfig.pipeline_parallel_size
-    num_speculative_tokens: int = SchedulerConfig.num_speculative_tokens
-    acceptance_rate: float = 0.7
-    enable_prefix_caching: bool = SchedulerConfig.enable_prefix_caching
-    # Admit a request only if its whole sequence fits by the admission caps now.
-    full_sequence_must_fit: bool = SchedulerConfig.full_sequence_must_fit
-    # None: derived by SchedulerConfig (concurrent batches * max_num_batched_tokens).
-    max_in_flight_tokens: int | None = None
-    # None: on (the simulated executor computes in-chunk attention from the batch).
-    window_tail_allocation: bool | None = SchedulerConfig.window_tail_allocation
-    connector: bool = False
-    connector_capacity_blocks: int = 4096
-    connector_max_delay_steps: int = 3
-    connector_failure_rate: float = 0.0
-    detector: bool = True
-    unsafe_optimistic_free: bool = False
-    seed: int = 0
-    label: str = "run"
-
-    def resolve_max_model_len(self, items: list[WorkloadItem]) -> int:
-        layout = get_layout(self.model_layout)
-        longest_item = max(items, key=lambda it: it.prompt_len + it.output_len)
-        longest = longest_item.prompt_len + longest_item.output_len
-        if self.max_model_len is not None:
-            if self.max_model_len < 2:
-                raise ConfigError(f"--max-model-len must be >= 2, got {self.max_model_len}")
-            for it in items:
-                if it.prompt_len + it.output_len > self.max_model_len:
-                    raise ConfigError(
-                        f"--max-model-len {self.max_model_len} is shorter than {it.describe()}: prompt "
-                        f"{it.prompt_len} + output {it.output_len} tokens"
-                    )
-            return self.max_model_len
-        if longest > layout.max_position_embeddings:
-            raise ConfigError(
-                f"{longest_item.describe()} has {longest} tokens, more than {layout.name}'s "
-                f"{layout.max_position_embeddings} positions"
-            )
-        return max(SchedulerConfig.max_model_len, longest)
 
 
 def build_kv_cache_config(cfg: SimConfig) -> KVCacheConfig:

@@ -11,6 +11,10 @@ from math import prod
 
 from hybridserve.core.errors import ConfigError
 
+# Tokens per KV block when none is chosen: the one definition the engine, the simulator,
+# the executors' pool builders and the test helpers default to.
+DEFAULT_BLOCK_SIZE = 16
+
 DTYPE_BYTES: dict[str, int] = {
     "float32": 4,
     "float16": 2,

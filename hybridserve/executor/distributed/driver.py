@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from hybridserve.core.errors import HybridServeError
-from hybridserve.core.kv.spec import KVCacheConfig, KVCacheSpec
+from hybridserve.core.kv.spec import DEFAULT_BLOCK_SIZE, KVCacheConfig, KVCacheSpec
 from hybridserve.core.sched.output import KVConnectorOutput
 from hybridserve.executor.base import Executor
 from hybridserve.executor.distributed.layout import ParallelLayout
@@ -48,7 +48,7 @@ class DistributedDriver(Executor):
 
         return model_kv_layer_specs(self._model_cfg, block_size, self._kv_dtype)
 
-    def kv_cache_config(self, block_size: int = 16, *, num_blocks: int | None = None,
+    def kv_cache_config(self, block_size: int = DEFAULT_BLOCK_SIZE, *, num_blocks: int | None = None,
                         kv_cache_memory: int | str | None = None) -> KVCacheConfig:
         from hybridserve.executor.torch.executor import build_kv_cache_config
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from hybridserve.core.errors import ConfigError
-from hybridserve.core.kv.spec import KVCacheConfig, KVCacheSpec, group_layers
+from hybridserve.core.kv.spec import DEFAULT_BLOCK_SIZE, KVCacheConfig, KVCacheSpec, group_layers
 from hybridserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from hybridserve.executor.base import Executor
 from hybridserve.executor.torch.kv_cache import TORCH_DTYPES, num_blocks_for_memory
@@ -46,7 +46,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
-def build_kv_cache_config(model_cfg: ModelConfig, block_size: int = 16, *, num_blocks: int | None = None,
+def build_kv_cache_config(model_cfg: ModelConfig, block_size: int = DEFAULT_BLOCK_SIZE, *, num_blocks: int | None = None,
                           kv_cache_memory: int | str | None = None, kv_dtype: str = "float32") -> KVCacheConfig:
     """KVCacheConfig for a model: groups from its layer types, pool from a budget or a count."""
     if (num_blocks is None) == (kv_cache_memory is None):
@@ -108,7 +108,7 @@ class TorchExecutor(Executor):
     def kv_layer_specs(self, block_size: int) -> dict[str, KVCacheSpec]:
         return model_kv_layer_specs(self.model.cfg, block_size, self.kv_dtype)
 
-    def kv_cache_config(self, block_size: int = 16, *, num_blocks: int | None = None,
+    def kv_cache_config(self, block_size: int = DEFAULT_BLOCK_SIZE, *, num_blocks: int | None = None,
                         kv_cache_memory: int | str | None = None) -> KVCacheConfig:
         """The model's KV cache groups and a pool from `num_blocks` or a `kv_cache_memory` budget."""
         return build_kv_cache_config(self.model.cfg, block_size, num_blocks=num_blocks,

@@ -90,6 +90,14 @@ def test_rows_with_different_filters_in_one_batch() -> None:
     assert supports == [{0}, {0}, {0, 1}, {0, 1, 2, 3}]
 
 
+def test_a_top_k_of_the_vocabulary_or_more_is_no_top_k() -> None:
+    """top_k >= the vocabulary keeps every token: the same draws as top_k 0, even past
+    int64 (a request may send any integer)."""
+    unfiltered = draw(SamplingParams(temperature=1.0), n=200)
+    for top_k in (4, 5, 2**63):
+        assert draw(SamplingParams(temperature=1.0, top_k=top_k), n=200) == unfiltered
+
+
 def test_top_k_keeps_ties_with_the_kth_value() -> None:
     logits = torch.tensor([2.0, 1.0, 1.0, -5.0])
     assert set(draw(SamplingParams(temperature=1.0, top_k=2), n=600, logits=logits)) == {0, 1, 2}

@@ -69,7 +69,9 @@ def sample(logits: SpanLogits | torch.Tensor, rows: list[SampleRow]
     failed = _apply_changes(sl, rows, changes) if changes else {}
     params = [r.params for r in rows]
     greedy = torch.tensor([is_greedy(p) for p in params])
-    top_k = torch.tensor([p.top_k for p in params], dtype=torch.long)
+    # A top_k of the vocabulary or more keeps every token: the same as no top_k (0), and
+    # it may not even fit the tensor's int64.
+    top_k = torch.tensor([p.top_k if p.top_k < sl.vocab_size else 0 for p in params], dtype=torch.long)
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
     min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
     u = torch.from_numpy(uniforms([r.seed for r in rows], [r.position for r in rows], ATTEMPTS + 1))

@@ -115,7 +115,7 @@ def test_chunked_prefill_across_window_and_block_boundaries(kind: str, window_ta
     check_tokens(kind, PROMPTS, got)
 
 
-@pytest.mark.parametrize("kind", ["mistral", "gemma3"])
+@pytest.mark.parametrize("kind", ["mistral", "gemma3", "gpt_oss"])
 @pytest.mark.parametrize("async_scheduling,window_tail", [(False, False), (True, True)], ids=["sync", "async_tail"])
 def test_prefix_cache_hits(kind: str, async_scheduling: bool, window_tail: bool) -> None:
     base = PROMPTS[3]
@@ -139,7 +139,7 @@ def test_prefix_cache_hits(kind: str, async_scheduling: bool, window_tail: bool)
         assert got["b2"][2] == 80
 
 
-@pytest.mark.parametrize("kind,num_blocks", [("gemma3", 30), ("qwen2", 22), ("mistral", 8)])
+@pytest.mark.parametrize("kind,num_blocks", [("gemma3", 30), ("qwen2", 22), ("mistral", 8), ("gpt_oss", 24)])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_preemption_recomputes_exactly(kind: str, num_blocks: int, async_scheduling: bool) -> None:
     eng = make_engine(kind, async_scheduling=async_scheduling, num_blocks=num_blocks, max_num_batched_tokens=32)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridserve.core.errors import ConfigError
+from hybridserve.models.gpt_oss_config import GptOssOptions, parse_gpt_oss_options
 from hybridserve.models.llama4_config import CHUNKED, Llama4Options, llama4_layer_types, parse_llama4_options
 from hybridserve.models.mamba_config import (
     MAMBA,
@@ -43,6 +44,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "Llama4ForCausalLM": "llama4",
+    "GptOssForCausalLM": "gpt_oss",  # attention sinks and MoE: models/gpt_oss.py
     # State-space models: mixer parsed by models/mamba_config.py, built by models/mamba_loader.py.
     "Mamba2ForCausalLM": "mamba2",
     "BambaForCausalLM": "bamba",
@@ -51,7 +53,7 @@ _GEMMA = ("gemma2", "gemma3")
 # HF activation names -> ours. gelu_pytorch_tanh is the tanh approximation of GELU.
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
                 "gelu": "gelu", "gelu_tanh": "gelu_tanh"}
-_ROPE_TYPES = ("default", "linear", "llama3")
+_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,14 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # "yarn" (models/yarn.py): the frequency band ramped between kept and divided, and the
+    # cos/sin scale (None: derived from factor, mscale and mscale_all_dim as HF does).
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
 
 
 @dataclass(frozen=True)
@@ -99,6 +109,7 @@ class ModelConfig:
     eos_token_id: int | list[int] | None = None
     attention_chunk_size: int | None = None  # CHUNKED layers: a query at p reads (p // C) * C .. p
     llama4: Llama4Options | None = None  # family "llama4" only
+    gpt_oss: GptOssOptions | None = None  # family "gpt_oss" only
     # State-space models (Mamba2, Bamba): the mixer of every "mamba" layer in layer_types.
     mamba: MambaMixerConfig | None = None
     # Dims of each head RoPE rotates (the first ones); None: all of head_dim (Bamba: half).
@@ -185,6 +196,7 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
         eos_token_id=raw.get("eos_token_id"),
         attention_chunk_size=chunk,
         llama4=llama4,
+        gpt_oss=parse_gpt_oss_options(raw) if family == "gpt_oss" else None,
     )
 
 
@@ -273,7 +285,7 @@ def _layer_types(raw: dict[str, Any], family: str, num_layers: int) -> tuple[str
     if family == "qwen2":
         max_window_layers = int(raw.get("max_window_layers", num_layers))
         return tuple(SLIDING if window is not None and i >= max_window_layers else FULL for i in range(num_layers))
-    pattern = 2 if family == "gemma2" else int(raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or 6)
+    pattern = 2 if family in ("gemma2", "gpt_oss") else int(raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or 6)
     return tuple(SLIDING if (i + 1) % pattern else FULL for i in range(num_layers))
 
 
@@ -323,4 +335,17 @@ def _one_rope(p: dict[str, Any], where: str) -> RopeConfig:
         low_freq_factor=float(p.get("low_freq_factor", 1.0)),
         high_freq_factor=float(p.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(p.get("original_max_position_embeddings", 8192)),
+        **(_yarn_fields(p, where) if rope_type == "yarn" else {}),
     )
+
+
+def _yarn_fields(p: dict[str, Any], where: str) -> dict[str, Any]:
+    if p.get("original_max_position_embeddings") is None:  # YaRN's band depends on it: no default
+        raise ConfigError(f"{where}: rope_type 'yarn' needs original_max_position_embeddings")
+
+    def number(key: str) -> float | None:
+        return None if p.get(key) is None else float(p[key])
+
+    return dict(beta_fast=float(p.get("beta_fast") or 32.0), beta_slow=float(p.get("beta_slow") or 1.0),
+                truncate=bool(p.get("truncate", True)), attention_factor=number("attention_factor"),
+                mscale=number("mscale"), mscale_all_dim=number("mscale_all_dim"))

@@ -18,6 +18,7 @@ from hybridserve.models.checkpoint import (Weights, fill_ends, open_checkpoint, 
 from hybridserve.models.config import ModelConfig, load_model_config
 from hybridserve.models.decoder import DecoderLM, LayerSmoothing
 from hybridserve.models.heap import release_free_heap
+from hybridserve.models.gpt_oss import GptOssLM, fill_gpt_oss
 from hybridserve.models.int8 import int8_gemm_available
 from hybridserve.models.llama4 import Llama4LM, fill_llama4
 from hybridserve.models.parallel import PipelineStage, TPGroup
@@ -47,6 +48,10 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
         llama4 = Llama4LM(cfg, dtype, stage, tp)
         fill_llama4(llama4, cfg, w)
         model: DecoderLM = llama4
+    elif cfg.family == "gpt_oss":  # sinks and a mixture of experts in every layer
+        gpt_oss = GptOssLM(cfg, dtype, stage, tp)
+        fill_gpt_oss(gpt_oss, cfg, w)
+        model = gpt_oss
     else:
         model = DecoderLM(cfg, dtype, stage, tp)
         _fill(model, cfg, w)

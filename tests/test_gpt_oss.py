@@ -98,6 +98,23 @@ def test_published_20b_config() -> None:
         150000.0, "yarn", 32.0, 4096, False)
 
 
+def test_sim_preset_is_the_published_120b() -> None:
+    """The simulator's gpt-oss-120b-like layout has the published 120b's KV shapes, layer by
+    layer (tests/test_simulate_cli.py runs the race detector on it: 0 violations with the
+    rule, > 0 with --unsafe-optimistic-free)."""
+    from hybridserve.sim.presets import get_layout
+
+    published = dict(PUBLISHED_20B, num_hidden_layers=36, num_local_experts=128,
+                     layer_types=["sliding_attention", "full_attention"] * 18)
+    cfg = parse_model_config(published)
+    layout = get_layout("gpt-oss-120b-like")
+    assert (layout.num_layers, layout.hidden_size, layout.num_q_heads, layout.vocab_size,
+            layout.max_position_embeddings) == (36, cfg.hidden_size, cfg.num_heads, cfg.vocab_size,
+                                                cfg.max_position_embeddings)
+    ours = list(model_kv_layer_specs(cfg, 16, "bfloat16").values())
+    assert list(layout.layer_specs(16, "bfloat16").values()) == ours
+
+
 @pytest.mark.parametrize("change,needle", [
     ({"num_experts_per_tok": 5}, "num_experts_per_tok"),
     ({"quantization_config": {"quant_method": "fp8"}}, "quant_method 'fp8'"),

@@ -68,7 +68,8 @@ class FlatBackend:
             allowed &= q // size == k // size
         return allowed
 
-    def attention(self, layer_idx: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    def attention(self, layer_idx: int, q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor | None = None
+                  ) -> torch.Tensor:
         self.layers_called.append(layer_idx)
         T, H, D = q.shape
         group = H // kv.shape[2]  # query head h reads kv head h // group
@@ -86,6 +87,9 @@ class FlatBackend:
                 scores = torch.tanh(scores / self.cfg.attn_softcap) * self.cfg.attn_softcap
             allowed = self._allowed(layer_idx, torch.arange(n, n + c), torch.arange(n + c))
             scores = scores.masked_fill(~allowed, float("-inf"))
-            out[start : start + c] = torch.einsum("hts,shd->thd", scores.softmax(-1), v).reshape(c, H * D)
+            if sinks is not None:  # gpt-oss: one more logit per head in the denominator, its value 0
+                scores = torch.cat((scores, sinks[:, None, None].expand(H, c, 1)), dim=-1)
+            probs = scores.softmax(-1)[..., : n + c]
+            out[start : start + c] = torch.einsum("hts,shd->thd", probs, v).reshape(c, H * D)
             start += c
         return out

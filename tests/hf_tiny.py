@@ -78,11 +78,22 @@ def hf_config(kind: str, window: int = WINDOW):
             attn_temperature_tuning=True, floor_scale=16, attn_scale=0.5, use_qk_norm=True,
             tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, **c,
         )
+    if kind == "gpt_oss":
+        # Alternating sliding / full; YaRN over an original context of 64 (most frequencies
+        # interpolated, cos/sin scaled by 1 + 0.1 ln 4); a clamp limit of 3 that the random
+        # activations cross. Sinks and expert biases are randomised in build_tiny.
+        c.update(intermediate_size=64, max_position_embeddings=256)  # 256 = 4 x 64: YaRN's stated factor
+        return tf.GptOssConfig(
+            head_dim=16, sliding_window=window, num_local_experts=4, num_experts_per_tok=2, swiglu_limit=3.0,
+            tie_word_embeddings=False, rope_parameters={
+                "rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                "truncate": False, "original_max_position_embeddings": 64}, **c,
+        )
     raise ValueError(kind)
 
 
 KINDS = ("llama", "mistral", "qwen2", "gemma2", "gemma3", "gemma3_mm", "olmo3", "cohere2",
-         "exaone4")  # llama4 has its own test file
+         "exaone4", "gpt_oss")  # llama4 has its own test file
 _RANDOM_NORMS = ("gemma3_mm", "olmo3", "cohere2", "exaone4")
 
 
@@ -104,6 +115,11 @@ def build_tiny(kind: str, out_dir: Path, seed: int = 0, window: int = WINDOW) ->
     model = AutoModelForCausalLM.from_config(hf_config(kind, window), dtype=torch.float32)
     randomize_norms(model, kind)
     model.generation_config.eos_token_id = None
+    if kind == "gpt_oss":  # HF starts the expert biases at zero and the sinks small: make them count
+        with torch.no_grad():
+            for name, prm in model.named_parameters():
+                if name.endswith(("experts.gate_up_proj_bias", "experts.down_proj_bias", "sinks")):
+                    prm.normal_(0.0, 1.0)
     model.save_pretrained(out_dir)
     return out_dir
 

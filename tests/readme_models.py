@@ -28,6 +28,7 @@ FAMILY_FACTS: dict[str, tuple[str, frozenset[str]]] = {
     "olmo3": ("sliding window + full, 3:1", frozenset({"async", "spec", "prefix", "pp", "tp"})),
     "cohere2": ("sliding window + full (NoPE), 3:1", frozenset({"async", "spec", "prefix", "pp", "tp"})),
     "exaone4": ("sliding window + full (NoPE), 3:1", frozenset({"async", "spec", "prefix", "pp", "tp"})),
+    "gpt_oss": ("sliding window + full, alternating; sinks, MoE", frozenset({"async", "spec", "prefix", "pp", "tp"})),
     "llama4": ("chunked local + full (NoPE), MoE", frozenset({"async", "spec", "prefix", "pp", "tp"})),
     "mamba2": ("Mamba2", frozenset({"async", "spec", "prefix", "pp", "tp"})),
     "bamba": ("Mamba2 + full attention", frozenset({"async", "spec", "prefix", "pp", "tp"})),

@@ -128,7 +128,7 @@ def test_chunked_prefill_across_window_and_block_boundaries(kind: str, window_ta
     check_tokens(kind, PROMPTS, got)
 
 
-@pytest.mark.parametrize("kind", ["mistral", "gemma3", "gemma3_mm", "olmo3", "cohere2", "exaone4"])
+@pytest.mark.parametrize("kind", ["mistral", "gemma3", "gemma3_mm", "olmo3", "cohere2", "exaone4", "gpt_oss"])
 @pytest.mark.parametrize("async_scheduling,window_tail", [(False, False), (True, True)], ids=["sync", "async_tail"])
 def test_prefix_cache_hits(kind: str, async_scheduling: bool, window_tail: bool) -> None:
     base = PROMPTS[3]
@@ -153,7 +153,8 @@ def test_prefix_cache_hits(kind: str, async_scheduling: bool, window_tail: bool)
 
 
 @pytest.mark.parametrize("kind,num_blocks", [("gemma3", 30), ("qwen2", 22), ("mistral", 8), ("gemma3_mm", 30),
-                                             ("olmo3", 30), ("cohere2", 30), ("exaone4", 30)])
+                                             ("olmo3", 30), ("cohere2", 30), ("exaone4", 30),
+                                             ("gpt_oss", 24)])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_preemption_recomputes_exactly(kind: str, num_blocks: int, async_scheduling: bool) -> None:
     eng = make_engine(kind, async_scheduling=async_scheduling, num_blocks=num_blocks, max_num_batched_tokens=32)

@@ -46,7 +46,9 @@ class Weights:
         self._unread = set(checkpoint.names())
         self._taken: list[str] = []
 
-    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def take(self, name: str, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The tensor `name`, checked to have `shape`, in `dtype` (default: the model's; packed
+        bytes such as MXFP4 blocks are taken as stored with dtype=torch.uint8)."""
         if name not in self._unread:
             raise ConfigError(f"checkpoint is missing tensor {name}")
         self._unread.discard(name)
@@ -54,7 +56,7 @@ class Weights:
         t = self.checkpoint.tensor(name)
         if tuple(t.shape) != shape:
             raise ConfigError(f"tensor {name} has shape {tuple(t.shape)}, expected {shape}")
-        return t.to(self.dtype)
+        return t.to(dtype or self.dtype)
 
     def discard(self, name: str) -> None:
         """A tensor the model does not need (e.g. a tied head stored anyway)."""

@@ -25,6 +25,7 @@ from typing import Any
 
 from hybridserve.core.errors import ConfigError
 from hybridserve.models import gemma3_multimodal
+from hybridserve.models.gpt_oss_config import GptOssOptions, parse_gpt_oss_options
 from hybridserve.models.llama4_config import CHUNKED, Llama4Options, llama4_layer_types, parse_llama4_options
 from hybridserve.models.mamba_config import (
     MAMBA,
@@ -49,17 +50,18 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Cohere2ForCausalLM": "cohere2",
     "Exaone4ForCausalLM": "exaone4",
     "Llama4ForCausalLM": "llama4",
+    "GptOssForCausalLM": "gpt_oss",  # attention sinks and MoE: models/gpt_oss.py
     # State-space models: mixer parsed by models/mamba_config.py, built by models/mamba_loader.py.
     "Mamba2ForCausalLM": "mamba2",
     "BambaForCausalLM": "bamba",
 }
 _GEMMA = ("gemma2", "gemma3")
 # Without layer_types: one full layer after every `pattern - 1` sliding ones.
-_DEFAULT_SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6, "olmo3": 4, "cohere2": 4, "exaone4": 4}
+_DEFAULT_SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6, "olmo3": 4, "cohere2": 4, "exaone4": 4, "gpt_oss": 2}
 # HF activation names -> ours. gelu_pytorch_tanh is the tanh approximation of GELU.
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh",
                 "gelu": "gelu", "gelu_tanh": "gelu_tanh"}
-_ROPE_TYPES = ("default", "linear", "llama3")
+_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,14 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # "yarn" (models/yarn.py): the frequency band ramped between kept and divided, and the
+    # cos/sin scale (None: derived from factor, mscale and mscale_all_dim as HF does).
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
 
 
 @dataclass(frozen=True)
@@ -111,6 +121,7 @@ class ModelConfig:
     eos_token_id: int | list[int] | None = None
     attention_chunk_size: int | None = None  # CHUNKED layers: a query at p reads (p // C) * C .. p
     llama4: Llama4Options | None = None  # family "llama4" only
+    gpt_oss: GptOssOptions | None = None  # family "gpt_oss" only
     # State-space models (Mamba2, Bamba): the mixer of every "mamba" layer in layer_types.
     mamba: MambaMixerConfig | None = None
     # Dims of each head RoPE rotates (the first ones); None: all of head_dim (Bamba: half).
@@ -205,6 +216,7 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
         eos_token_id=raw.get("eos_token_id"),
         attention_chunk_size=chunk,
         llama4=llama4,
+        gpt_oss=parse_gpt_oss_options(raw) if family == "gpt_oss" else None,
     )
 
 
@@ -302,7 +314,7 @@ def _layer_types(raw: dict[str, Any], family: str, num_layers: int) -> tuple[str
     if family in ("olmo3", "cohere2", "exaone4") and window is None:
         return tuple(FULL for _ in range(num_layers))  # HF: no window, no sliding layer
     pattern = raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern")
-    if family == "gemma2" or family == "olmo3" or not pattern:
+    if family in ("gemma2", "olmo3", "gpt_oss") or not pattern:
         pattern = _DEFAULT_SLIDING_PATTERN[family]
     if isinstance(pattern, str):  # EXAONE 4 spells it as letters, e.g. "LLLG": local, local, local, global
         if not pattern or set(pattern) - {"L", "G"}:
@@ -373,4 +385,17 @@ def _one_rope(p: dict[str, Any], where: str) -> RopeConfig:
         low_freq_factor=float(p.get("low_freq_factor", 1.0)),
         high_freq_factor=float(p.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(p.get("original_max_position_embeddings", 8192)),
+        **(_yarn_fields(p, where) if rope_type == "yarn" else {}),
     )
+
+
+def _yarn_fields(p: dict[str, Any], where: str) -> dict[str, Any]:
+    if p.get("original_max_position_embeddings") is None:  # YaRN's band depends on it: no default
+        raise ConfigError(f"{where}: rope_type 'yarn' needs original_max_position_embeddings")
+
+    def number(key: str) -> float | None:
+        return None if p.get(key) is None else float(p[key])
+
+    return dict(beta_fast=float(p.get("beta_fast") or 32.0), beta_slow=float(p.get("beta_slow") or 1.0),
+                truncate=bool(p.get("truncate", True)), attention_factor=number("attention_factor"),
+                mscale=number("mscale"), mscale_all_dim=number("mscale_all_dim"))

@@ -22,6 +22,7 @@ from hybridserve.models.decoder import DecoderLM, LayerSmoothing
 from hybridserve.models.gemma3_multimodal import ARCHITECTURE as GEMMA3_MULTIMODAL
 from hybridserve.models.gemma3_multimodal import TextCheckpoint
 from hybridserve.models.heap import release_free_heap
+from hybridserve.models.gpt_oss import GptOssLM, fill_gpt_oss
 from hybridserve.models.int8 import int8_gemm_available
 from hybridserve.models.llama4 import Llama4LM, fill_llama4, interleaved_to_half_split
 from hybridserve.models.parallel import PipelineStage, TPGroup, group_rows
@@ -54,6 +55,10 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
         llama4 = Llama4LM(cfg, dtype, stage, tp)
         fill_llama4(llama4, cfg, w)
         model: DecoderLM = llama4
+    elif cfg.family == "gpt_oss":  # sinks and a mixture of experts in every layer
+        gpt_oss = GptOssLM(cfg, dtype, stage, tp)
+        fill_gpt_oss(gpt_oss, cfg, w)
+        model = gpt_oss
     else:  # Cohere2: its own block (parallel attention + MLP, LayerNorm) on the same weights
         model = (Cohere2LM if cfg.family == "cohere2" else DecoderLM)(cfg, dtype, stage, tp)
         _fill(model, cfg, w)

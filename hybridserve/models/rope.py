@@ -11,6 +11,7 @@ import math
 import torch
 
 from hybridserve.models.config import RopeConfig
+from hybridserve.models.yarn import yarn_attention_factor, yarn_inverse_frequencies
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -20,6 +21,8 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:
         return inv_freq / rope.factor
     if rope.rope_type == "llama3":
         return _llama3_scale(inv_freq, rope)
+    if rope.rope_type == "yarn":
+        return yarn_inverse_frequencies(rope, head_dim)
     return inv_freq
 
 
@@ -48,6 +51,7 @@ class RopeTable:
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int, device: torch.device,
                  dtype: torch.dtype) -> None:
         self.inv_freq = inverse_frequencies(rope, head_dim)
+        self.scale = yarn_attention_factor(rope) if rope.rope_type == "yarn" else 1.0  # of cos and sin
         self.device = device
         self.dtype = dtype
         self.cos = torch.empty(0, head_dim, device=device, dtype=dtype)
@@ -57,6 +61,8 @@ class RopeTable:
     def _grow(self, size: int) -> None:
         angles = torch.arange(size, dtype=torch.int64).float()[:, None] * self.inv_freq[None, :]
         cos, sin = angles.cos(), angles.sin()
+        if self.scale != 1.0:
+            cos, sin = cos * self.scale, sin * self.scale
         self.cos = torch.cat((cos, cos), dim=-1).to(self.device, self.dtype)
         self.sin = torch.cat((-sin, sin), dim=-1).to(self.device, self.dtype)
 

@@ -143,8 +143,10 @@ class StepAttention:
                 plans=[plan_of[(g, b)] for b in range(len(self.batches))],
             ))
 
-    def attention(self, layer_idx: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        """q [T, H, D], kv [T, 2, KVH, D] -> [T, H*D]; also stores this step's K/V."""
+    def attention(self, layer_idx: int, q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+        """q [T, H, D], kv [T, 2, KVH, D] -> [T, H*D]; also stores this step's K/V. `sinks` [H]:
+        a learned logit per head that joins each softmax's denominator only (gpt-oss)."""
         g, cache = self.layers[layer_idx]  # cache: [num_blocks, bs, 2, KVH, D]
         gp = self.groups[g]
         if gp.slots.numel():
@@ -157,10 +159,10 @@ class StepAttention:
                 cache.view(cache.shape[0], bs, -1).index_put_((gp.slots // bs, gp.slots % bs), src)
         T, H, D = q.shape
         if len(self.batches) == 1 and self.batches[0].row_slice is not None:
-            return self._batch(0, self.batches[0], gp, cache, q, kv).reshape(T, H * D)
+            return self._batch(0, self.batches[0], gp, cache, q, kv, sinks).reshape(T, H * D)
         flat = q.new_empty(T, H * D)
         for b, layout in enumerate(self.batches):
-            out = self._batch(b, layout, gp, cache, q, kv).reshape(layout.B * layout.C, H * D)
+            out = self._batch(b, layout, gp, cache, q, kv, sinks).reshape(layout.B * layout.C, H * D)
             if layout.row_slice is not None:
                 flat[layout.row_slice[0] : layout.row_slice[1]] = out
             else:
@@ -168,7 +170,7 @@ class StepAttention:
         return flat
 
     def _batch(self, b: int, layout: BatchLayout, gp: GroupPlan, cache: torch.Tensor, q: torch.Tensor,
-               kv: torch.Tensor) -> torch.Tensor:
+               kv: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
         """Attention of one padded batch -> [B, C, H, D]."""
         B, C = layout.B, layout.C
         _, H, D = q.shape
@@ -189,12 +191,14 @@ class StepAttention:
             if plan.from_batch:
                 keys = torch.cat((keys, fresh), dim=1)
         assert keys is not None
-        out = self._sdpa(qb.transpose(1, 2), keys[:, :, 0].transpose(1, 2), keys[:, :, 1].transpose(1, 2), plan.mask)
+        out = self._sdpa(qb.transpose(1, 2), keys[:, :, 0].transpose(1, 2), keys[:, :, 1].transpose(1, 2), plan.mask,
+                         sinks)
         return out.transpose(1, 2)
 
-    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """q [B, H, C, D], k/v [B, KVH, N, D], mask [B, 1, C, N] -> [B, H, C, D]."""
-        if self.softcap is None:
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q [B, H, C, D], k/v [B, KVH, N, D], mask [B, 1, C, N], sinks [H] -> [B, H, C, D]."""
+        if self.softcap is None and sinks is None:
             if q.device.type == "cpu" and q.dtype in HALF_DTYPES:
                 # ATen's CPU flash attention is far slower in bfloat16 than in float32 on
                 # CPUs without AMX (see HALF_DTYPES): run it on float32 copies.
@@ -203,18 +207,31 @@ class StepAttention:
             if mask is None:
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
-        # Soft-capping sits between the scores and the softmax: no fused kernel for it.
+        # Soft-capping and sinks sit between the scores and the softmax: no fused kernel for them.
         B, H, C, D = q.shape
         kvh, N = k.shape[1], k.shape[2]
         qg = q.reshape(B, kvh, H // kvh * C, D)  # query heads of one kv head, then positions
         scores = torch.matmul(qg, k.transpose(-1, -2)) * self.scale
-        scores = torch.tanh(scores / self.softcap) * self.softcap
+        if self.softcap is not None:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
         if mask is None:
             causal = torch.ones(C, N, dtype=torch.bool, device=q.device).tril(N - C)
             mask = torch.zeros(C, N, dtype=q.dtype, device=q.device).masked_fill_(~causal, float("-inf"))
         scores = scores.view(B, kvh, H // kvh, C, N) + mask.view(-1, 1, 1, C, N)
-        probs = torch.softmax(scores, dim=-1).view(B, kvh, H // kvh * C, N)
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:
+            probs = softmax_with_sinks(scores, sinks.view(1, kvh, H // kvh, 1, 1))
+        probs = probs.view(B, kvh, H // kvh * C, N)
         return torch.matmul(probs, v).view(B, H, C, D)
+
+
+def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """softmax over the last dim as if one more key, whose score is the (broadcast) sink,
+    were there with a zero value: the sink only enlarges the denominator, so a head may
+    attend to nothing. Computed as HF's gpt-oss does: softmax of [scores, sink], sink dropped."""
+    sink_column = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat((scores, sink_column), dim=-1), dim=-1)[..., :-1]
 
 
 def _partition(counts: np.ndarray, offsets: np.ndarray, device: torch.device) -> list[BatchLayout]:

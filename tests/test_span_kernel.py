@@ -58,3 +58,25 @@ def test_the_switch_keeps_the_general_path(monkeypatch) -> None:
     monkeypatch.setenv("HYBRIDSERVE_NO_COMPILE", "1")
     kernel = span_kernel._Kernel()
     assert kernel.get() is None and kernel.tried
+
+
+def test_a_kernel_that_fails_on_a_call_gives_way_to_the_general_path(caplog) -> None:
+    """A call the compiled kernel cannot serve is answered by span_stats, logged once, and
+    the kernel is not tried again."""
+    calls = []
+
+    def breaks(src, inv_t):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        raise RuntimeError("recompile limit reached")
+
+    kernel = span_kernel._Kernel()
+    kernel.tried, kernel.fn = True, breaks
+    src = torch.randn(5, 4 * SPAN, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    inv_t = torch.full((5,), 0.5)
+    with caplog.at_level("WARNING"):
+        for _ in range(2):
+            peak, mass = kernel.summarise(src, inv_t)
+            want_peak, want_mass = span_stats(src.float(), inv_t)
+            assert torch.equal(peak, want_peak) and torch.equal(mass, want_mass)
+    assert calls == [1] and kernel.get() is None
+    assert caplog.text.count("span summaries turn eager") == 1

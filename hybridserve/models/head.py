@@ -217,14 +217,13 @@ class OutputHead:
         x = self._input(hidden)
         inv_t = inv_temperature.to(torch.float32)
         if hidden.shape[0] > FEW_ROWS and self.chunk_rows % SPAN == 0:
-            summarise = KERNEL.get() or span_stats  # the compiled loop, or the general path
             pad = padded_width(self.vocab_size) - self.vocab_size
             pieces, peaks, masses = [], [], []
             for i, chunk in enumerate(self._chunks):
                 out = self._chunk_logits(chunk, x, softcap)
                 if pad and i == len(self._chunks) - 1:
                     out = torch.nn.functional.pad(out.float(), (0, pad), value=float("-inf"))
-                peak, mass = summarise(out, inv_t)
+                peak, mass = KERNEL.summarise(out, inv_t)  # the compiled loop, or span_stats
                 pieces.append(out)
                 peaks.append(peak)
                 masses.append(mass)

@@ -51,6 +51,21 @@ class _Kernel:
             self.fn = None if os.environ.get(_NO_COMPILE_ENV) == "1" else _build()
         return self.fn
 
+    def summarise(self, src: torch.Tensor, inv_temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(span max, span mass) of src as float32: the compiled kernel where it serves, else
+        span_stats. A kernel that fails on a call (a shape or dtype it cannot compile for,
+        its recompile limit) is dropped for the rest of the process, and the call answered
+        by span_stats: a sampled step never fails for the fast path's sake."""
+        fn = self.get()
+        if fn is not None:
+            try:
+                return fn(src, inv_temperature)
+            except Exception as exc:  # noqa: BLE001 - the general path answers instead
+                log.warning("span summaries turn eager: the compiled kernel failed (%s: %s)", type(exc).__name__,
+                            str(exc).splitlines()[0] if str(exc) else "")
+                self.fn = None
+        return span_stats(src.float(), inv_temperature)
+
 
 def _build() -> Summarise | None:
     try:

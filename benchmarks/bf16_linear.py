@@ -7,7 +7,7 @@ The weights of benchmarks/int8_rows.py's shapes (the decoder's 72 matmuls, the h
 chunks of 32768 rows), rounded to bfloat16, multiplied with bfloat16 activations three
 ways, alternating, median of --repeat passes:
 - `bf16 plain`: `F.linear` in bfloat16 (ATen's own kernel);
-- `bf16 packed`: models/linear.make_linear as on a CPU with native bf16 (oneDNN's packed
+- `bf16 packed`: models/layers/linear.make_linear as on a CPU with native bf16 (oneDNN's packed
   bf16 GEMM; where oneDNN refuses bf16 packing here, `n/a`);
 - `as float32`: make_linear as on a CPU without native bf16 (float32 packed copies of the
   bf16 values, one rounding of the output: what `--dtype bfloat16` runs there).
@@ -28,7 +28,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from common import torch_header  # noqa: E402
-from hybridserve.models.linear import make_linear  # noqa: E402
+from hybridserve.models.layers.linear import make_linear  # noqa: E402
 from int8_rows import HEAD_CHUNKS, LAYERS, SHAPES, step_table  # noqa: E402  (this folder is on sys.path)
 
 COLUMNS = {p: p for p in ("bf16 plain", "bf16 packed", "as float32", "float32")}

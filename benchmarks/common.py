@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from hybridserve.models.cpu_features import CPU_FLAGS_ENV, as_avx2_env, read_cpu_flags
+from hybridserve.models.platform.cpu_features import CPU_FLAGS_ENV, as_avx2_env, read_cpu_flags
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -67,7 +67,7 @@ WORKLOADS = {
     "single1x128": ["-n", "1", "-m", "128"],
 }
 # OpenMP wait settings hybridserve can be run with (--hs-omp): its own default (a short spin,
-# set at import: models/cpu_features.py), sleep at once, libgomp's unset default, spin always.
+# set at import: models/platform/cpu_features.py), sleep at once, libgomp's unset default, spin always.
 OMP_WAITS = {
     "spin": [],
     "passive": ["OMP_WAIT_POLICY=PASSIVE"],
@@ -138,7 +138,7 @@ def isa_env(isa: str) -> list[str]:
     """The `env VAR=value` prefix that runs a command as on a CPU with `isa` (see --isa)."""
     if isa == "native":
         return []
-    from hybridserve.models.cpu_features import as_avx2_env, read_cpu_flags
+    from hybridserve.models.platform.cpu_features import as_avx2_env, read_cpu_flags
 
     return ["env", *(f"{name}={value}" for name, value in as_avx2_env(read_cpu_flags()).items())]
 
@@ -245,7 +245,7 @@ def main() -> int:
     if not (a.kit / "workload.py").is_file():
         p.error(f"no peer kit at {a.kit} (pass --kit)")
 
-    from hybridserve.models.default_model import default_model_path
+    from hybridserve.models.loaders.default_model import default_model_path
 
     hf_dir = default_model_path(progress=True, dtype="float32")
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(a.busy)]
@@ -267,7 +267,7 @@ def drive(a: argparse.Namespace, hf_dir: Path, busy: list[subprocess.Popen]) -> 
         print(f"# CPU: {cpu_description()}\n# commit {commit}; command: {' '.join(sys.argv)}")
         isa = isa_env(a.isa)
         if isa:
-            from hybridserve.models.cpu_features import CPU_FLAGS_ENV
+            from hybridserve.models.platform.cpu_features import CPU_FLAGS_ENV
 
             limits = [setting for setting in isa[1:] if not setting.startswith(f"{CPU_FLAGS_ENV}=")]
             print(f"# run as on an {a.isa.upper()} CPU: {' '.join(limits)}, hybridserve deciding "

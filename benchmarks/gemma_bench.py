@@ -124,7 +124,7 @@ def main() -> None:
     ap.add_argument("--sync", action="store_true", help="also measure sync scheduling")
     args = ap.parse_args()
 
-    from hybridserve.models.default_model import default_model_path
+    from hybridserve.models.loaders.default_model import default_model_path
     from hybridserve.models.config import load_model_config
 
     rows: list[tuple[str, str, str]] = []

@@ -1,4 +1,4 @@
-"""Time of one greedy pass of Gemma 3 270M's int8 head per chunk size (models/head.py).
+"""Time of one greedy pass of Gemma 3 270M's int8 head per chunk size (models/layers/head.py).
 
     python benchmarks/head_chunks.py                     # chunks of 16384 and 32768 rows
     python benchmarks/head_chunks.py --chunks 8192,16384,32768,65536 --rows 1,16,64
@@ -9,7 +9,7 @@ int8` does, once per chunk size, and `OutputHead.greedy` (int8 GEMM per chunk, t
 is timed on random hidden states: the median of --repeat passes. The whole head (168 MB of int8)
 is far larger than the caches, so each pass streams it from memory as a decode step does.
 `--isa avx2` measures in a process run as on a CPU with AVX2 alone (cpu_features.as_avx2_env),
-where the int8 head runs on fbgemm's GEMM (models/int8.int8_paths).
+where the int8 head runs on fbgemm's GEMM (models/layers/int8.int8_paths).
 Prints the CPU flags, load, commit and threads with the figures.
 """
 
@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))  # this checkout's hybridserve, whatever is instal
 import torch  # noqa: E402
 
 from common import rerun_as_avx2, torch_header  # noqa: E402
-from hybridserve.models import head  # noqa: E402
+from hybridserve.models.layers import head  # noqa: E402
 
 VOCAB, HIDDEN = 262144, 640  # Gemma 3 270M
 

@@ -11,14 +11,14 @@ decode step does (far larger than the caches):
   (100 MB of int8, 400 MB of float32);
 - head: 8 chunks of 32768 x 640 vocabulary rows (168 MB of int8, 671 MB of float32).
 Every weight is multiplied once per pass, activations quantized per call, four ways:
-`float32`, oneDNN's packed float32 GEMM (models/linear.py, what --dtype float32 runs);
+`float32`, oneDNN's packed float32 GEMM (models/layers/linear.py, what --dtype float32 runs);
 `packed`, W8A8Linear.general (oneDNN's packed u8 x s8 GEMM); `plain`, W8A8Linear.plain
 (torch._int_mm on the plain weight); `fbgemm`, W8A8Linear.fbgemm (fbgemm's u8 x s8 GEMM).
 The int8 weights take this CPU's levels (127, or 63 on AVX2 alone:
-models/int8.gemm_weight_levels). Prints the median of --repeat passes, alternating the
+models/layers/int8.gemm_weight_levels). Prints the median of --repeat passes, alternating the
 four, with the CPU flags, load, commit and threads. `--isa avx2` runs the measurement in a
 process limited as cpu_features.as_avx2_env says (how the AVX2 choices of
-models/int8.int8_paths were measured on an AVX-512 machine).
+models/layers/int8.int8_paths were measured on an AVX-512 machine).
 
 `--peak` prints instead the multiply-adds per second of each path at PEAK_ROWS rows against
 one head chunk (compute-bound: the rate the CPU's kernels reach at best), and of a plain
@@ -39,12 +39,13 @@ sys.path.insert(0, str(REPO))  # this checkout's hybridserve, whatever is instal
 import torch  # noqa: E402
 
 from common import median_seconds, rerun_as_avx2, torch_header  # noqa: E402
-from hybridserve.models.int8 import W8A8Linear, gemm_weight_levels, int8_gemm_available, quantize_gemm_weight  # noqa: E402
-from hybridserve.models.linear import make_linear  # noqa: E402
+from hybridserve.models.layers.int8 import (W8A8Linear, gemm_weight_levels, int8_gemm_available,  # noqa: E402
+                                           quantize_gemm_weight)
+from hybridserve.models.layers.linear import make_linear  # noqa: E402
 
 LAYERS = 18
 SHAPES = [(1536, 640), (640, 1024), (4096, 640), (640, 2048)]  # [out, in] of qkv, o, gate|up, down
-HEAD_CHUNKS = [(32768, 640)] * 8  # models/head.py's chunks of Gemma 3 270M's 262,144-row head
+HEAD_CHUNKS = [(32768, 640)] * 8  # models/layers/head.py's chunks of Gemma 3 270M's 262,144-row head
 PATHS = ("float32", "packed", "plain", "fbgemm")
 COLUMNS = {"float32": "float32", "packed": "int8 packed", "plain": "int8 plain", "fbgemm": "int8 fbgemm"}
 PEAK_ROWS = 1024

@@ -11,7 +11,7 @@ pool's buffers are zero pages until written, and the block pool hands out blocks
 before until every one has been (its free queue keeps freed blocks for the prefix cache),
 so resident memory grows by the new blocks each generation writes until the whole budget
 has been touched once, then stays flat; and after the pause the step temporaries left in
-the C heap have gone back to the OS (models/heap.IdleHeapRelease).
+the C heap have gone back to the OS (models/platform/heap.IdleHeapRelease).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def vm_rss_mb() -> int:
 def run_one(budget: str, prompts: int, max_tokens: int, generations: int) -> None:
     """One budget in this process: prints one markdown row."""
     from hybridserve import LLM, SamplingParams
-    from hybridserve.models.heap import IDLE_RELEASE_S
+    from hybridserve.models.platform.heap import IDLE_RELEASE_S
 
     llm = LLM(None, progress=False, **({} if budget == "default" else {"kv_cache_memory": budget}))
     rng = random.Random(0)

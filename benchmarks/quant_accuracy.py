@@ -24,7 +24,7 @@ sys.path.insert(0, str(REPO))  # this checkout's hybridserve, whatever is instal
 
 from common import checkout_commit, isa_limits, rerun_as_avx2  # noqa: E402
 from hybridserve.models.accuracy import drift, greedy_streams  # noqa: E402
-from hybridserve.models.cpu_features import read_cpu_flags  # noqa: E402
+from hybridserve.models.platform.cpu_features import read_cpu_flags  # noqa: E402
 
 PROMPTS_FILE = REPO.parent / "shared" / "peers" / "vllm_cpu" / "prompts16.json"
 

@@ -45,7 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from common import checkout_commit  # noqa: E402
-from hybridserve.models.cpu_features import read_cpu_flags  # noqa: E402
+from hybridserve.models.platform.cpu_features import read_cpu_flags  # noqa: E402
 
 _CLIENT = """
 import argparse, sys

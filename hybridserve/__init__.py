@@ -12,7 +12,7 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-from hybridserve.models.cpu_features import prefer_short_omp_spin
+from hybridserve.models.platform.cpu_features import prefer_short_omp_spin
 
 __version__ = "0.1.0"
 

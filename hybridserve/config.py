@@ -31,7 +31,7 @@ from hybridserve.core.sched.config import SchedulerConfig
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when neither kv_cache_memory nor num_blocks is given
 DEFAULT_MAX_MODEL_LEN_CAP = SchedulerConfig.max_model_len  # default max_model_len: min(model context, this)
 MODEL_DTYPES = ("float32", "bfloat16", "float16", "auto")  # auto: bfloat16 on CPUs with native bf16
-QUANTIZATIONS = ("auto", "none", "int8", "int8-head", "int4")  # see models/cpu_features.choose_quantization
+QUANTIZATIONS = ("auto", "none", "int8", "int8-head", "int4")  # see models/platform/cpu_features.choose_quantization
 DISTRIBUTED_BACKENDS = ("mp", "ray")  # how pipeline / tensor parallel workers are started
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40,
@@ -124,7 +124,7 @@ class EngineConfig:
     device: str | None = field(default=None, metadata={
         "section": "model", "help": "cpu, cuda, cuda:N or auto", "default_note": "cpu"})
     # Weights, compute and KV cache (the runner stores K/V as computed); "auto" is resolved
-    # at start from the CPU's flags (models/cpu_features.py).
+    # at start from the CPU's flags (models/platform/cpu_features.py).
     dtype: str = field(default="auto", metadata={
         "section": "model", "choices": MODEL_DTYPES, "help": "weights, compute and KV cache",
         "default_note": "bfloat16 where the CPU multiplies bf16 natively, else float32"})

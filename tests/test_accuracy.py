@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from hybridserve.models.accuracy import Drift, common_prefix, drift
-from hybridserve.models.cpu_features import as_avx2_env, read_cpu_flags
+from hybridserve.models.platform.cpu_features import as_avx2_env, read_cpu_flags
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -57,9 +57,9 @@ def _streams_as_avx2(model: str | None, dtype: str, quantization: str, prompts: 
 
 
 def _narrow_int8_weights() -> bool:
-    """Whether this CPU's int8 GEMM takes weights in 63 levels (AVX2 alone, models/int8.py)."""
+    """Whether this CPU's int8 GEMM takes weights in 63 levels (AVX2 alone, models/layers/int8.py)."""
     pytest.importorskip("torch")
-    from hybridserve.models.int8 import NARROW_WEIGHT_LEVELS, gemm_weight_levels
+    from hybridserve.models.layers.int8 import NARROW_WEIGHT_LEVELS, gemm_weight_levels
 
     return gemm_weight_levels() == NARROW_WEIGHT_LEVELS
 
@@ -118,7 +118,7 @@ GEMMA_BOUNDS = {
 }
 
 
-# The same where the int8 GEMM takes weights in 63 levels (AVX2 alone: models/int8.py), measured
+# The same where the int8 GEMM takes weights in 63 levels (AVX2 alone: models/layers/int8.py), measured
 # as on such a CPU (benchmarks/quant_accuracy.py under cpu_features.as_avx2_env;
 # benchmarks/results/quant_accuracy.md): float32+int8 (the AVX2 default) 0.081 / 0.090 / 0.54,
 # bf16+int8 0.068 / 0.095 / 0.54, bf16+int8 head 0.183-0.276 / 0.034-0.042 / 0.49-0.61. One bit

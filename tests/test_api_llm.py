@@ -254,10 +254,10 @@ def test_a_too_small_pool_fails_before_loading_weights() -> None:
 
 
 def test_the_runner_gives_its_step_heap_back_after_a_pause(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The executor reports every step to an IdleHeapRelease (models/heap.py), so the C
+    """The executor reports every step to an IdleHeapRelease (models/platform/heap.py), so the C
     heap's free pages go back once steps pause, and shutdown stops its thread."""
     import hybridserve.executor.torch.executor as torch_executor
-    from hybridserve.models.heap import IdleHeapRelease
+    from hybridserve.models.platform.heap import IdleHeapRelease
 
     made: list[IdleHeapRelease] = []
     releases: list[int] = []

@@ -18,7 +18,7 @@ from tests.serving_models import PROMPTS, tiny_serving_dir  # noqa: E402
 from hybridserve import LLM, SamplingParams  # noqa: E402
 from hybridserve.entrypoints import cli  # noqa: E402
 from hybridserve.entrypoints.generate import EXAMPLE_PROMPTS  # noqa: E402
-from hybridserve.models import default_model  # noqa: E402
+from hybridserve.models.loaders import default_model  # noqa: E402
 
 MAX_LEN = "256"
 

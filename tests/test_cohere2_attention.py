@@ -21,7 +21,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hybridserve.models.cohere2 import Cohere2LM  # noqa: E402
+from hybridserve.models.arch.cohere2 import Cohere2LM  # noqa: E402
 from hybridserve.models.config import FULL, SLIDING, ModelConfig, RopeConfig  # noqa: E402
 from hybridserve.models.parallel import PipelineStage  # noqa: E402
 from tests.flat_backend import FlatBackend  # noqa: E402

@@ -1,4 +1,4 @@
-"""models/cpu_features.py: the dtype / quantization choice from given CPU flag sets, and the flags' parsing."""
+"""models/platform/cpu_features.py: the dtype / quantization choice from given CPU flag sets, and the flags' parsing."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 
 from hybridserve.config import EngineConfig
 from hybridserve.core.errors import ConfigError
-from hybridserve.models.cpu_features import (
+from hybridserve.models.platform.cpu_features import (
     CPU_FLAGS_ENV,
     as_avx2_env,
     choose_dtype,

@@ -27,8 +27,8 @@ from hybridserve.core.request import SamplingParams  # noqa: E402
 from hybridserve.core.sched.output import NewRequestData, ScheduledRequest, SchedulerOutput  # noqa: E402
 from hybridserve.executor.torch.executor import build_kv_cache_config  # noqa: E402
 from hybridserve.executor.torch.model_runner import ModelRunner  # noqa: E402
-from hybridserve.models.default_model import default_model_path  # noqa: E402
-from hybridserve.models.loader import load_model  # noqa: E402
+from hybridserve.models.loaders.default_model import default_model_path  # noqa: E402
+from hybridserve.models.loaders.loader import load_model  # noqa: E402
 
 pytestmark = pytest.mark.gemma
 

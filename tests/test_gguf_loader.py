@@ -28,10 +28,11 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from hybridserve.core.errors import ConfigError  # noqa: E402
-from hybridserve.models import gguf_loader  # noqa: E402
-from hybridserve.models.default_model import MissingExtraError, default_model_path, resolve_model_path  # noqa: E402
-from hybridserve.models.gguf_arch import llama3_factors  # noqa: E402
-from hybridserve.models.gguf_loader import CONVERSION_MARKER, convert_gguf  # noqa: E402
+from hybridserve.models.loaders import gguf_loader  # noqa: E402
+from hybridserve.models.loaders.default_model import (MissingExtraError, default_model_path,  # noqa: E402
+                                                      resolve_model_path)
+from hybridserve.models.loaders.gguf_arch import llama3_factors  # noqa: E402
+from hybridserve.models.loaders.gguf_loader import CONVERSION_MARKER, convert_gguf  # noqa: E402
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint  # noqa: E402
 
 LLAMA_HEADS, LLAMA_KV_HEADS, LLAMA_HEAD_DIM = 4, 2, 16
@@ -149,7 +150,7 @@ def test_llama_logits_and_tokenizer_match_transformers_gguf_loader(tiny_llama: t
                                            ("\n\n", False), ("\t\t", False), ("< b>", False), ("<a><b>", False),
                                            ("plain", False)])
 def test_markup_tokens_are_single_tags_without_whitespace(text: str, markup: bool) -> None:
-    from hybridserve.models.gguf_loader import is_markup_token
+    from hybridserve.models.loaders.gguf_loader import is_markup_token
 
     assert is_markup_token(text) is markup
 
@@ -175,7 +176,7 @@ def test_unknown_rope_freqs_curve_is_refused(tmp_path: Path) -> None:
 def test_cache_hit_reads_no_header_and_rewrites_nothing(tiny_llama: tuple[Path, dict, Path], monkeypatch) -> None:
     gguf_path, _, converted = tiny_llama
     mtime = (converted / "model.safetensors").stat().st_mtime_ns
-    monkeypatch.setattr("hybridserve.models.gguf_header.read_gguf_header", _must_not_be_called)
+    monkeypatch.setattr("hybridserve.models.loaders.gguf_header.read_gguf_header", _must_not_be_called)
     again = convert_gguf(gguf_path, cache_dir=converted.parent.parent, progress=False)
     assert again == converted and (converted / "model.safetensors").stat().st_mtime_ns == mtime
 
@@ -283,7 +284,7 @@ def gemma_start(tmp_path_factory: pytest.TempPathFactory) -> dict:
         mtime = (first / "model.safetensors").stat().st_mtime_ns
         # The second start must neither assemble nor parse a GGUF.
         patch.setattr(package, "assemble", _must_not_be_called)
-        patch.setattr("hybridserve.models.gguf_header.read_gguf_header", _must_not_be_called)
+        patch.setattr("hybridserve.models.loaders.gguf_header.read_gguf_header", _must_not_be_called)
         second = resolve_model_path(None)
     gguf_path = Path(package.assemble(tmp_path_factory.mktemp("gguf") / package.MODEL_NAME))
     return {"first": first, "second": second, "mtime": mtime, "progress": progress.getvalue(),

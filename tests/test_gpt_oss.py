@@ -32,10 +32,10 @@ from hybridserve.executor.torch.attention import StepAttention  # noqa: E402
 from hybridserve.executor.torch.requests import BlockTables  # noqa: E402
 from hybridserve.executor.torch.spec_decode import NgramDrafter  # noqa: E402
 from hybridserve.models.config import FULL, SLIDING, load_model_config, parse_model_config  # noqa: E402
-from hybridserve.models.gpt_oss import GptOssLM  # noqa: E402
+from hybridserve.models.arch.gpt_oss import GptOssLM  # noqa: E402
 from hybridserve.models.kv_specs import model_kv_layer_specs  # noqa: E402
-from hybridserve.models.loader import load_model  # noqa: E402
-from hybridserve.models.rope import RopeTable  # noqa: E402
+from hybridserve.models.loaders.loader import load_model  # noqa: E402
+from hybridserve.models.layers.rope import RopeTable  # noqa: E402
 from tests import hf_tiny, mxfp4_pack  # noqa: E402
 from tests.flat_backend import FlatBackend  # noqa: E402
 from tests.test_torch_engine import PROMPTS, check_tokens, make_engine, model, run  # noqa: E402

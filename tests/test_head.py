@@ -1,4 +1,4 @@
-"""models/head.py and models/safetensors_map.py: quantizers on hand-derived numbers, the chunked
+"""models/layers/head.py and models/loaders/safetensors_map.py: quantizers on hand-derived numbers, the chunked
 head against plain matmuls, greedy == argmax (ties included), mapped tensors and page release
 (the loader's too)."""
 
@@ -17,7 +17,7 @@ pytest.importorskip("safetensors")
 import torch.nn.functional as F  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from hybridserve.models.head import (  # noqa: E402
+from hybridserve.models.layers.head import (  # noqa: E402
     ARGMAX_SPAN,
     FBGEMM_HEAD_CHUNK_ROWS,
     HEAD_CHUNK_ROWS,
@@ -26,7 +26,7 @@ from hybridserve.models.head import (  # noqa: E402
     quantize_int4_groups,
     row_max,
 )
-from hybridserve.models.int8 import (  # noqa: E402
+from hybridserve.models.layers.int8 import (  # noqa: E402
     FBGEMM,
     PACKED,
     PLAIN,
@@ -37,8 +37,8 @@ from hybridserve.models.int8 import (  # noqa: E402
     quantize_int8_rows,
     quantize_rows_uint8,
 )
-from hybridserve.models.safetensors_map import MappedCheckpoint  # noqa: E402
-from hybridserve.models.span_logits import SPAN  # noqa: E402
+from hybridserve.models.loaders.safetensors_map import MappedCheckpoint  # noqa: E402
+from hybridserve.models.layers.span_logits import SPAN  # noqa: E402
 
 VOCAB = HEAD_CHUNK_ROWS + 7232  # two chunks, the second partial
 HIDDEN = 64
@@ -115,7 +115,7 @@ def test_dense_head_equals_f_linear(weight: torch.Tensor, rows: int) -> None:
 
 
 def test_int8_weight_only_head_equals_matmul_of_its_dequantized_weight(weight: torch.Tensor, monkeypatch) -> None:
-    monkeypatch.setattr("hybridserve.models.head.int8_gemm_available", lambda: False)
+    monkeypatch.setattr("hybridserve.models.layers.head.int8_gemm_available", lambda: False)
     x = _hidden(3)
     values, scale = quantize_int8_rows(weight)
     expected = F.linear(x.bfloat16().float(), values.float() * scale.bfloat16().float()[:, None])
@@ -154,7 +154,7 @@ _GREEDY_CASES = [("none", False), ("int8", False), ("int4", False)] + (
 @pytest.mark.parametrize("quantization,int8_activations", _GREEDY_CASES)
 def test_greedy_is_argmax_of_the_logits(weight: torch.Tensor, quantization: str, int8_activations: bool,
                                         monkeypatch) -> None:
-    monkeypatch.setattr("hybridserve.models.head.int8_gemm_available", lambda: int8_activations)
+    monkeypatch.setattr("hybridserve.models.layers.head.int8_gemm_available", lambda: int8_activations)
     head = OutputHead(weight, quantization)
     x = _hidden(16)
     assert head.greedy(x, None) == head(x).argmax(dim=-1).tolist()
@@ -168,8 +168,8 @@ def test_chunk_rows_follow_the_int8_path(path: str, weight: torch.Tensor, monkey
     # tokens as the argmax of the whole logits.
     if path == FBGEMM and not fbgemm_available():
         pytest.skip("this torch has no fbgemm")
-    monkeypatch.setattr("hybridserve.models.head.int8_gemm_available", lambda: True)
-    monkeypatch.setattr("hybridserve.models.head.int8_paths", lambda: (path, path))
+    monkeypatch.setattr("hybridserve.models.layers.head.int8_gemm_available", lambda: True)
+    monkeypatch.setattr("hybridserve.models.layers.head.int8_paths", lambda: (path, path))
     released: list[tuple[int, int]] = []
     head = OutputHead(weight, "int8", lambda a, b: released.append((a, b)))
     if path == FBGEMM:
@@ -202,7 +202,7 @@ def test_release_rows_per_chunk_only_when_the_source_is_no_longer_read(weight: t
 
 
 def test_the_heads_first_release_gives_back_every_page_read_so_far() -> None:
-    from hybridserve.models.loader import _head_release
+    from hybridserve.models.loaders.loader import _head_release
 
     calls: list[tuple] = []
 

@@ -1,4 +1,4 @@
-"""models/heap.py: the C heap's free pages go back to the OS where glibc can do it."""
+"""models/platform/heap.py: the C heap's free pages go back to the OS where glibc can do it."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import sys
 import threading
 import time
 
-from hybridserve.models.heap import IdleHeapRelease, release_free_heap
+from hybridserve.models.platform.heap import IdleHeapRelease, release_free_heap
 from tests.hand_clock import HandClock, wait_until
 
 

@@ -14,7 +14,7 @@ from tests.serving_models import tiny_serving_dir  # noqa: E402
 
 from hybridserve import LLM, SamplingParams  # noqa: E402
 from hybridserve.core.errors import ConfigError  # noqa: E402
-from hybridserve.models.default_model import resolve_model_path  # noqa: E402
+from hybridserve.models.loaders.default_model import resolve_model_path  # noqa: E402
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

@@ -147,7 +147,7 @@ def test_graph_sees_imports_inside_functions() -> None:
     graph = import_graph()
     # engine/frontend.py imports the torch executor only inside a function (core stays torch-free).
     assert "hybridserve.executor.torch.executor" in graph["hybridserve.engine.frontend"]
-    assert "hybridserve.models.mamba_config" in graph["hybridserve.models.config"]
+    assert "hybridserve.models.arch.mamba_config" in graph["hybridserve.models.config"]
 
 
 def test_hybridserve_has_no_import_cycles() -> None:
@@ -166,13 +166,13 @@ def test_layer_check_finds_planted_upward_and_sideways_imports() -> None:
     graph = {
         "hybridserve.executor.torch.runner": {"hybridserve.engine.loop", "hybridserve.text.tokenizer"},
         "hybridserve.engine.loop": {"hybridserve.executor.base", "hybridserve.core.request"},
-        "hybridserve.models.loader": {"hybridserve.config"},
+        "hybridserve.models.loaders.loader": {"hybridserve.config"},
         "hybridserve": {"hybridserve.engine.loop"},
     }
     assert layer_violations(graph) == [
         "hybridserve.executor.torch.runner (executor, layer 3) imports hybridserve.engine.loop "
         "(engine, layer 4, above it)",
-        "hybridserve.models.loader (models, layer 1) imports hybridserve.config (config, layer 1, beside it)",
+        "hybridserve.models.loaders.loader (models, layer 1) imports hybridserve.config (config, layer 1, beside it)",
     ]
 
 

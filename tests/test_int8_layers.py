@@ -1,6 +1,6 @@
 """int8 x int8 decoder layers: the linear against a matmul of its dequantized operands, the
 smoothing factors and norm folding by hand, smoothed weights computing the same function as
-the originals, and which loads get int8 layers (models/int8.py, smoothing.py, decoder.py)."""
+the originals, and which loads get int8 layers (models/layers/int8.py, smoothing.py, decoder.py)."""
 
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ torch = pytest.importorskip("torch")
 
 import torch.nn.functional as F  # noqa: E402
 
-from hybridserve.models import smoothing  # noqa: E402
-from hybridserve.models.decoder import smoothed_weights  # noqa: E402
-from hybridserve.models.cpu_features import as_avx2_env, read_cpu_flags  # noqa: E402
-from hybridserve.models.int8 import (  # noqa: E402
+from hybridserve.models.layers import smoothing  # noqa: E402
+from hybridserve.models.arch.decoder import smoothed_weights  # noqa: E402
+from hybridserve.models.platform.cpu_features import as_avx2_env, read_cpu_flags  # noqa: E402
+from hybridserve.models.layers.int8 import (  # noqa: E402
     FBGEMM,
     PACKED,
     PLAIN,
@@ -37,8 +37,8 @@ from hybridserve.models.int8 import (  # noqa: E402
     quantize_rows_int8,
     quantize_rows_uint8,
 )
-from hybridserve.models.linear import LayerLinears, make_int8_linear, make_linear  # noqa: E402
-from hybridserve.models.loader import load_model  # noqa: E402
+from hybridserve.models.layers.linear import LayerLinears, make_int8_linear, make_linear  # noqa: E402
+from hybridserve.models.loaders.loader import load_model  # noqa: E402
 from tests import hf_tiny  # noqa: E402
 
 needs_int8_gemm = pytest.mark.skipif(not int8_gemm_available(), reason="no int8 GEMM here (x86 with AVX2 or VNNI)")
@@ -250,7 +250,7 @@ def test_bfloat16_int8_layers_keep_float32_activations_and_bfloat16_kv() -> None
 
 _AVX2_SUMS = """
 import json, torch
-from hybridserve.models.int8 import W8A8Linear, int8_paths, quantize_int8_rows
+from hybridserve.models.layers.int8 import W8A8Linear, int8_paths, quantize_int8_rows
 g = torch.Generator().manual_seed(0)
 sign = lambda *shape: torch.randint(0, 2, shape, generator=g).float() * 2 - 1
 x = 127 * sign(16, 640)  # every activation at an extreme: levels +-127 (uint8 1 and 255), scale 1

@@ -1,4 +1,4 @@
-"""models/linear.py: packed oneDNN matmuls equal F.linear; small weights and float16 stay plain;
+"""models/layers/linear.py: packed oneDNN matmuls equal F.linear; small weights and float16 stay plain;
 bfloat16, native or run as float32, rounds float32 sums once."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridserve.models.linear import PACK_MIN_NUMEL, compute_dtype, make_linear, pack
+from hybridserve.models.layers.linear import PACK_MIN_NUMEL, compute_dtype, make_linear, pack
 
 
 @pytest.mark.parametrize("bias", [False, True])

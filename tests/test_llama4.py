@@ -26,7 +26,7 @@ from hybridserve.executor.torch.kv_cache import PagedKVCache  # noqa: E402
 from hybridserve.executor.torch.requests import BlockTables  # noqa: E402
 from hybridserve.models.config import CHUNKED, FULL, load_model_config, parse_model_config  # noqa: E402
 from hybridserve.models.kv_specs import layer_name, model_kv_layer_specs  # noqa: E402
-from hybridserve.models.llama4 import Llama4LM  # noqa: E402
+from hybridserve.models.arch.llama4 import Llama4LM  # noqa: E402
 from tests import hf_tiny  # noqa: E402
 from tests.test_torch_engine import RecordingExecutor, check_tokens, model, run  # noqa: E402
 
@@ -216,7 +216,7 @@ def test_routed_experts_top2_match_hf_moe_block() -> None:
     import transformers as tf
     from transformers.models.llama4.modeling_llama4 import Llama4TextMoe
 
-    from hybridserve.models.llama4 import Llama4Experts, routed_experts
+    from hybridserve.models.arch.llama4 import Llama4Experts, routed_experts
 
     torch.manual_seed(3)
     hf_cfg = tf.Llama4TextConfig(hidden_size=32, intermediate_size=48, num_local_experts=5, num_experts_per_tok=2)

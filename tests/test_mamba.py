@@ -27,9 +27,9 @@ from hybridserve.executor.torch.executor import TorchExecutor, build_kv_cache_co
 from hybridserve.executor.torch.model_runner import ModelRunner  # noqa: E402
 from hybridserve.models.config import FULL, parse_model_config  # noqa: E402
 from hybridserve.models.kv_specs import model_kv_layer_specs  # noqa: E402
-from hybridserve.models.loader import load_model  # noqa: E402
-from hybridserve.models.mamba_config import MAMBA  # noqa: E402
-from hybridserve.models.mamba_lm import MambaLM  # noqa: E402
+from hybridserve.models.loaders.loader import load_model  # noqa: E402
+from hybridserve.models.arch.mamba_config import MAMBA  # noqa: E402
+from hybridserve.models.arch.mamba_lm import MambaLM  # noqa: E402
 from tests import hf_tiny, hf_tiny_mamba as tiny  # noqa: E402
 
 BS = 16

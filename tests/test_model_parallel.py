@@ -22,7 +22,7 @@ from hybridserve.core.errors import ConfigError
 from hybridserve.core.kv.spec import AttentionSpec, MambaSpec
 from hybridserve.models.config import load_model_config
 from hybridserve.models.kv_specs import model_kv_layer_specs
-from hybridserve.models.loader import load_model
+from hybridserve.models.loaders.loader import load_model
 from hybridserve.models.parallel import (PipelineStage, TPGroup, check_tp, init_model_parallel, stage_layer_ranges,
                                          tp_sizes_that_work)
 from tests import hf_tiny, hf_tiny_mamba

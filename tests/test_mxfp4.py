@@ -1,4 +1,4 @@
-"""MXFP4 unpacking (models/mxfp4.py) against values worked out by hand from the format:
+"""MXFP4 unpacking (models/loaders/mxfp4.py) against values worked out by hand from the format:
 e2m1 nibbles (sign bit 3, magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6), low nibble first, one
 e8m0 scale 2^(s - 127) per 32 values."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hybridserve.core.errors import ConfigError
-from hybridserve.models.mxfp4 import dequantize_mxfp4
+from hybridserve.models.loaders.mxfp4 import dequantize_mxfp4
 from tests import mxfp4_pack
 
 

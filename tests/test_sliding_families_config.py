@@ -10,7 +10,7 @@ pytest.importorskip("safetensors")
 
 from hybridserve.core.errors import ConfigError  # noqa: E402
 from hybridserve.models.config import FULL, SLIDING, parse_model_config  # noqa: E402
-from hybridserve.models.loader import load_model  # noqa: E402
+from hybridserve.models.loaders.loader import load_model  # noqa: E402
 from tests import hf_tiny  # noqa: E402
 from tests.flat_backend import FlatBackend  # noqa: E402
 

@@ -7,8 +7,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hybridserve.models import span_kernel  # noqa: E402
-from hybridserve.models.span_logits import SPAN, span_stats  # noqa: E402
+from hybridserve.models.layers import span_kernel  # noqa: E402
+from hybridserve.models.layers.span_logits import SPAN, span_stats  # noqa: E402
 
 
 def test_a_kernel_in_use_equals_the_general_path(caplog) -> None:

@@ -13,7 +13,7 @@ from hybridserve.executor.torch.sampler import SampleRow, inv_temperatures  # no
 from hybridserve.executor.torch.sampling_keys import uniforms  # noqa: E402
 from hybridserve.executor.torch import span_sampler  # noqa: E402
 from hybridserve.executor.torch.span_sampler import CANDIDATE_SPANS, draw_fast, draw_general  # noqa: E402
-from hybridserve.models.span_logits import SPAN, SpanLogits, span_logits_from  # noqa: E402
+from hybridserve.models.layers.span_logits import SPAN, SpanLogits, span_logits_from  # noqa: E402
 
 COMBOS = [
     dict(temperature=1.0), dict(temperature=0.7, top_p=0.9), dict(temperature=0.7, top_k=40),

@@ -30,8 +30,8 @@ from hybridserve.entrypoints import bench  # noqa: E402
 from hybridserve.executor.torch.executor import TorchExecutor  # noqa: E402
 from tests.ngram_reference import propose_ngram_drafts  # noqa: E402
 from hybridserve.executor.torch.spec_decode import NgramDrafter, lookup, num_accepted  # noqa: E402
-from hybridserve.models.decoder import DecoderLM  # noqa: E402
-from hybridserve.models.loader import load_model  # noqa: E402
+from hybridserve.models.arch.decoder import DecoderLM  # noqa: E402
+from hybridserve.models.loaders.loader import load_model  # noqa: E402
 
 NEW_TOKENS = 24
 _MODELS: dict[str, DecoderLM] = {}

@@ -26,7 +26,7 @@ from hybridserve.core.request import Request, SamplingParams  # noqa: E402
 from hybridserve.core.sched.config import SchedulerConfig  # noqa: E402
 from hybridserve.engine.loop import EngineCore, build_engine  # noqa: E402
 from hybridserve.executor.torch.executor import TorchExecutor  # noqa: E402
-from hybridserve.models.loader import load_model  # noqa: E402
+from hybridserve.models.loaders.loader import load_model  # noqa: E402
 
 NEW_TOKENS = 24
 _MODELS: dict[str, object] = {}

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from tests.test_structured_output import schemas  # noqa: E402
 
 from hybridserve import LLM, SamplingParams, StructuredOutput  # noqa: E402
-from hybridserve.models.default_model import default_model_path  # noqa: E402
+from hybridserve.models.loaders.default_model import default_model_path  # noqa: E402
 
 pytestmark = pytest.mark.gemma
 

@@ -19,8 +19,8 @@ from hybridserve.core.request import Request, SamplingParams  # noqa: E402
 from hybridserve.core.sched.config import SchedulerConfig  # noqa: E402
 from hybridserve.engine.loop import EngineCore, build_engine  # noqa: E402
 from hybridserve.executor.torch.executor import TorchExecutor  # noqa: E402
-from hybridserve.models.decoder import DecoderLM  # noqa: E402
-from hybridserve.models.loader import load_model  # noqa: E402
+from hybridserve.models.arch.decoder import DecoderLM  # noqa: E402
+from hybridserve.models.loaders.loader import load_model  # noqa: E402
 
 NEW_TOKENS = 16
 PROMPTS = hf_tiny.random_prompts(4, 40, 120, seed=7)

@@ -22,7 +22,7 @@ from hybridserve.executor.torch.executor import build_kv_cache_config  # noqa: E
 from hybridserve.executor.torch.model_runner import ModelRunner  # noqa: E402
 from hybridserve.models.config import FULL, SLIDING, load_model_config, parse_model_config  # noqa: E402
 from hybridserve.models.kv_specs import model_kv_layer_specs  # noqa: E402
-from hybridserve.models.loader import load_model  # noqa: E402
+from hybridserve.models.loaders.loader import load_model  # noqa: E402
 from tests import hf_tiny  # noqa: E402
 
 BS = 16

@@ -76,9 +76,9 @@ def build_engine_parts(config: EngineConfig, progress: bool = True) -> EnginePar
     from hybridserve.executor.torch.kv_cache import TORCH_DTYPES
     from hybridserve.executor.torch.spec_decode import NgramDrafter
     from hybridserve.models.config import load_model_config
-    from hybridserve.models.cpu_features import choose_dtype, choose_quantization, describe, read_cpu_flags
-    from hybridserve.models.default_model import resolve_model_path
-    from hybridserve.models.gguf_loader import say
+    from hybridserve.models.platform.cpu_features import choose_dtype, choose_quantization, describe, read_cpu_flags
+    from hybridserve.models.loaders.default_model import resolve_model_path
+    from hybridserve.models.loaders.gguf_loader import say
     from hybridserve.models.kv_specs import model_kv_layer_specs
 
     device = resolve_device(config.device)

@@ -118,7 +118,7 @@ def _run(a: argparse.Namespace) -> int:
         from hybridserve.engine.async_llm import AsyncLLM
         from hybridserve.entrypoints.openai.draining import DrainingServer
         from hybridserve.entrypoints.openai.app import build_app
-        from hybridserve.models.default_model import DEFAULT_MODEL_NAME
+        from hybridserve.models.loaders.default_model import DEFAULT_MODEL_NAME
 
         engine = AsyncLLM(config=config, max_restarts=limits.max_engine_restarts, core_process=a.engine_core_process)
         try:

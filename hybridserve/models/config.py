@@ -24,10 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from hybridserve.core.errors import ConfigError
-from hybridserve.models import gemma3_multimodal
-from hybridserve.models.gpt_oss_config import GptOssOptions, parse_gpt_oss_options
-from hybridserve.models.llama4_config import CHUNKED, Llama4Options, llama4_layer_types, parse_llama4_options
-from hybridserve.models.mamba_config import (
+from hybridserve.models.arch import gemma3_multimodal
+from hybridserve.models.arch.gpt_oss_config import GptOssOptions, parse_gpt_oss_options
+from hybridserve.models.arch.llama4_config import CHUNKED, Llama4Options, llama4_layer_types, parse_llama4_options
+from hybridserve.models.arch.mamba_config import (
     MAMBA,
     MambaMixerConfig,
     bamba_attention_layers,
@@ -45,13 +45,13 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "qwen2",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
-    gemma3_multimodal.ARCHITECTURE: "gemma3",  # its language model only (models/gemma3_multimodal.py)
+    gemma3_multimodal.ARCHITECTURE: "gemma3",  # its language model only (models/arch/gemma3_multimodal.py)
     "Olmo3ForCausalLM": "olmo3",
     "Cohere2ForCausalLM": "cohere2",
     "Exaone4ForCausalLM": "exaone4",
     "Llama4ForCausalLM": "llama4",
-    "GptOssForCausalLM": "gpt_oss",  # attention sinks and MoE: models/gpt_oss.py
-    # State-space models: mixer parsed by models/mamba_config.py, built by models/mamba_loader.py.
+    "GptOssForCausalLM": "gpt_oss",  # attention sinks and MoE: models/arch/gpt_oss.py
+    # State-space models: mixer parsed by models/arch/mamba_config.py, built by models/loaders/mamba_loader.py.
     "Mamba2ForCausalLM": "mamba2",
     "BambaForCausalLM": "bamba",
 }
@@ -74,7 +74,7 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
-    # "yarn" (models/yarn.py): the frequency band ramped between kept and divided, and the
+    # "yarn" (models/layers/yarn.py): the frequency band ramped between kept and divided, and the
     # cos/sin scale (None: derived from factor, mscale and mscale_all_dim as HF does).
     beta_fast: float = 32.0
     beta_slow: float = 1.0
@@ -262,7 +262,7 @@ def _parse_bamba(raw: dict[str, Any], arch: str) -> ModelConfig:
 
 
 def _norm_eps(raw: dict[str, Any], family: str) -> float:
-    if family == "cohere2":  # a LayerNorm (models/cohere2.py), HF's default eps 1e-5
+    if family == "cohere2":  # a LayerNorm (models/arch/cohere2.py), HF's default eps 1e-5
         return float(raw.get("layer_norm_eps", 1e-5))
     return float(raw.get("rms_norm_eps", 1e-6))
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from hybridserve.core.kv.spec import (ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheSpec, MambaSpec,
                                       SlidingWindowSpec)
 from hybridserve.models.config import CHUNKED, SLIDING, ModelConfig
-from hybridserve.models.mamba_config import MAMBA
+from hybridserve.models.arch.mamba_config import MAMBA
 
 
 def layer_name(layer_idx: int) -> str:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from hybridserve.core.errors import ConfigError, RequestError
-from hybridserve.models.heap import release_free_heap
+from hybridserve.models.platform.heap import release_free_heap
 
 PLAIN_CHAT_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
 PLAIN_CHAT_STOPS = ("\nUser:", "\nAssistant:")

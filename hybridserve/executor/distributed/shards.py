@@ -26,7 +26,7 @@ def check_layout(cfg: ModelConfig, layout: ParallelLayout) -> None:
 def load_model_shard(path: str, place: WorkerPlace, tp_group: Any, device: torch.device, dtype: torch.dtype,
                      quantization: str) -> tuple[Any, range]:
     """(this place's model share, the global indices of the layers it computes)."""
-    from hybridserve.models.loader import load_model
+    from hybridserve.models.loaders.loader import load_model
 
     layout = place.layout
     stage = PipelineStage(place.stage, layout.pipeline_parallel_size)

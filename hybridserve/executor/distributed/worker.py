@@ -22,7 +22,7 @@ from hybridserve.core.sched.output import KVConnectorOutput, ModelRunnerOutput, 
 from hybridserve.executor.distributed.layout import ParallelLayout, WorkerPlace
 from hybridserve.executor.distributed.peer_link import PeerLink
 from hybridserve.executor.distributed.stage_runner import StageRunner
-from hybridserve.models.heap import IdleHeapRelease
+from hybridserve.models.platform.heap import IdleHeapRelease
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ class Worker:
         self.runner: StageRunner | None = None
         self.offload: Any = None  # OffloadWorker of this worker's share, with KV offload
         self.traces: list[StepTrace] = []
-        # Step temporaries left in this process's C heap go back once steps pause (models/heap.py).
+        # Step temporaries left in this process's C heap go back once steps pause (models/platform/heap.py).
         self.idle_release = IdleHeapRelease() if self.device.type == "cpu" else None
 
     def init_cache(self, kv_cache_config: KVCacheConfig, offload: tuple[int, int] | None = None) -> int:

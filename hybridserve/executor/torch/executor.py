@@ -25,12 +25,12 @@ from hybridserve.executor.torch.offload import OffloadWorker
 from hybridserve.executor.torch.spec_decode import NgramDrafter
 from hybridserve.executor.torch.threads import ThreadGovernor
 from hybridserve.models.config import ModelConfig
-from hybridserve.models.decoder import DecoderLM
-from hybridserve.models.heap import IdleHeapRelease
+from hybridserve.models.arch.decoder import DecoderLM
+from hybridserve.models.platform.heap import IdleHeapRelease
 from hybridserve.models.kv_specs import model_kv_layer_specs
-from hybridserve.models.loader import load_model
-from hybridserve.models.mamba_lm import MambaLM
-from hybridserve.models.smoothing import Encode
+from hybridserve.models.loaders.loader import load_model
+from hybridserve.models.arch.mamba_lm import MambaLM
+from hybridserve.models.layers.smoothing import Encode
 from hybridserve.text.structured_output import GrammarBackend
 
 
@@ -74,8 +74,8 @@ class TorchExecutor(Executor):
                  encode: Encode | None = None) -> None:
         """drafter: fills the draft slots of speculative decoding (default: n-gram sizes 2..4);
         grammar: compiles structured outputs (None: requests with one are refused);
-        quantization: of a model loaded from a directory (models/cpu_features.py);
-        encode: the tokenizer, for int8's calibration texts (models/smoothing.py)."""
+        quantization: of a model loaded from a directory (models/platform/cpu_features.py);
+        encode: the tokenizer, for int8's calibration texts (models/layers/smoothing.py)."""
         self.device = resolve_device(device)
         if num_threads is not None:
             torch.set_num_threads(num_threads)
@@ -93,7 +93,7 @@ class TorchExecutor(Executor):
         self._offload_args: tuple[int, int] | None = None
         self.offload: OffloadWorker | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch-runner") if use_worker_thread else None
-        # Step temporaries left in the C heap go back to the OS once steps pause (models/heap.py).
+        # Step temporaries left in the C heap go back to the OS once steps pause (models/platform/heap.py).
         self._idle_release = IdleHeapRelease() if self.device.type == "cpu" else None
 
     @property

@@ -42,7 +42,7 @@ from hybridserve.executor.torch.attention import StepAttention
 from hybridserve.executor.torch.kv_cache import MambaPages, PagedKVCache
 from hybridserve.executor.torch.requests import BlockTables
 from hybridserve.models.kv_specs import layer_index
-from hybridserve.models.mamba2 import BoundaryStates, TokenStates
+from hybridserve.models.arch.mamba2 import BoundaryStates, TokenStates
 
 
 class GroupSubset:

@@ -41,9 +41,9 @@ from hybridserve.executor.torch.requests import BlockTables, RequestState
 from hybridserve.executor.torch.sampler import (SampleRow, inv_temperatures, is_greedy, logprob_info,
                                                 sample_isolated, target_logprobs)
 from hybridserve.executor.torch.spec_decode import NgramDrafter, num_accepted
-from hybridserve.models.decoder import DecoderLM
+from hybridserve.models.arch.decoder import DecoderLM
 from hybridserve.models.kv_specs import layer_index
-from hybridserve.models.mamba_lm import MambaLM
+from hybridserve.models.arch.mamba_lm import MambaLM
 from hybridserve.text.structured_output import GrammarBackend
 
 

@@ -24,7 +24,7 @@ from hybridserve.executor.torch.grammar import apply_bitmask
 from hybridserve.executor.torch.logits_controls import TokenHistory, apply_logits_controls
 from hybridserve.executor.torch.sampling_keys import uniforms
 from hybridserve.executor.torch.span_sampler import ATTEMPTS, draw_fast
-from hybridserve.models.span_logits import SpanLogits, span_logits_from
+from hybridserve.models.layers.span_logits import SpanLogits, span_logits_from
 
 # A row's (logprob of its token, top-n alternatives or None), or None without logprobs.
 RowLogprobs = tuple[float, list[tuple[int, float]] | None] | None

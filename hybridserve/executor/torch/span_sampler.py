@@ -18,7 +18,7 @@ Greedy rows take the first id of the row's maximum, as argmax does.
 
 The general path (`draw_general`) does this on one whole row in float64, with a full
 sort for top-p: the reference. The fast path (`draw_fast`) reads the span summaries
-(models/span_logits.py) and, mostly, the logits of a few spans only:
+(models/layers/span_logits.py) and, mostly, the logits of a few spans only:
 
 - x_a: a span by inverse CDF over the span masses, then a token inside it;
 - whether x_a is kept: the CANDIDATE_SPANS spans with the largest maxima (at least
@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridserve.models.span_logits import SpanLogits
+from hybridserve.models.layers.span_logits import SpanLogits
 
 # Spans gathered for a filtered row (and at least its top_k): 32 x 128 = 4096 candidate logits.
 CANDIDATE_SPANS = 32

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridserve.models.mamba_config import MambaMixerConfig
+from hybridserve.models.arch.mamba_config import MambaMixerConfig
 from hybridserve.models.parallel import SharedNormGroups
 
 
@@ -80,7 +80,7 @@ BoundaryStates = dict[int, tuple[torch.Tensor, torch.Tensor]]
 
 
 class Mamba2MixerWeights(nn.Module):
-    """One mixer's parameters (our names; models/mamba_loader.py maps HF names onto them).
+    """One mixer's parameters (our names; models/loaders/mamba_loader.py maps HF names onto them).
 
     Under tensor parallelism `cfg` is the rank's local mixer (its heads, its groups);
     row_bias=False leaves out out_proj's bias (rank 0 adds it for all), and `norm_share`

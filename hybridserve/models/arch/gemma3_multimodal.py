@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from hybridserve.core.errors import ConfigError
-from hybridserve.models.safetensors_map import MappedCheckpoint
+from hybridserve.models.loaders.safetensors_map import MappedCheckpoint
 
 ARCHITECTURE = "Gemma3ForConditionalGeneration"
 

@@ -1,6 +1,6 @@
 """Activation smoothing for the decoder's int8 x int8 linears (SmoothQuant's migration).
 
-int8 activations are quantized per row (models/int8.py), so one large channel in a row
+int8 activations are quantized per row (models/layers/int8.py), so one large channel in a row
 flattens every small one to a few levels. The decoder's inputs have such channels: in
 Gemma 3 270M the largest |x| of a channel reaches 300x the median channel's at qkv's
 input and 340x at down's (the GELU product). Quantizing them as they are, greedy
@@ -35,8 +35,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from hybridserve.models.decoder import DecoderLM, LayerSmoothing
-from hybridserve.models.linear import LayerLinears
+from hybridserve.models.arch.decoder import DecoderLM, LayerSmoothing
+from hybridserve.models.layers.linear import LayerLinears
 
 # Share of the activation's range moved onto the weights. Of 0.4, 0.5, 0.6, 0.75 and 0.85, 0.6 kept
 # Gemma 3 270M's greedy streams closest to float32 (benchmarks/quant_accuracy.py).
@@ -161,7 +161,7 @@ def _fold_into_norm(norm: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 def smooth(model: DecoderLM, sequences: list[list[int]]) -> list[LayerSmoothing]:
     """Calibrate on `sequences`, fold 1/s into the norms in place, and return each layer's
     column factors (the int8 linears multiply the weights by them; down's factors also
-    divide up's rows, see models/decoder.py)."""
+    divide up's rows, see models/arch/decoder.py)."""
     smoothing = []
     for w, m in zip(model.layers, input_maxima(model, sequences)):
         ffn_norm = w.pre_ffn_norm if w.pre_ffn_norm is not None else w.post_attn_norm

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import torch
 
-from hybridserve.models.checkpoint import (Weights, fill_ends, open_checkpoint, place_weights, take_gate_up, take_qkv,
-                                          take_row_bias)
+from hybridserve.models.loaders.checkpoint import (Weights, fill_ends, open_checkpoint, place_weights, take_gate_up,
+                                                  take_qkv, take_row_bias)
 from hybridserve.models.config import ModelConfig
-from hybridserve.models.mamba2 import Mamba2MixerWeights
-from hybridserve.models.mamba_config import MambaMixerConfig
-from hybridserve.models.mamba_lm import MambaLM
+from hybridserve.models.arch.mamba2 import Mamba2MixerWeights
+from hybridserve.models.arch.mamba_config import MambaMixerConfig
+from hybridserve.models.arch.mamba_lm import MambaLM
 from hybridserve.models.parallel import PipelineStage, TPGroup, group_rows
 
 

@@ -8,7 +8,7 @@ benchmarks/results/):
 - bfloat16 halves the bytes every decode step reads (weights and KV); with AVX512-BF16 or
   AMX-BF16 the dot products run natively, so bf16 is faster than float32. Without either,
   bf16 is converted in software and can be slower: float32 stays the default there (a
-  bf16 model named there runs its linears as float32 kernels: models/linear.py).
+  bf16 model named there runs its linears as float32 kernels: models/layers/linear.py).
 - At decode batches of 16-64 the matmuls are compute-bound, and without AMX int8 dot
   products (VNNI) do twice the multiply-adds of bf16 ones per instruction. So on a CPU with
   them a bfloat16 model runs every linear as int8 x int8 (`--quantization int8`, models/
@@ -22,7 +22,7 @@ benchmarks/results/):
   for token.
 - On AVX2 alone (no native bf16, no VNNI) `auto` serves float32 activations with the same
   int8 x int8 linears, the weights narrowed to 63 levels so that AVX2's int16 pair sums
-  cannot saturate (models/int8.py), through fbgemm's int8 GEMM. Measured as on such a CPU
+  cannot saturate (models/layers/int8.py), through fbgemm's int8 GEMM. Measured as on such a CPU
   (`benchmarks/cpu_peers.py --isa avx2`, earlier runs in git history): 1.22-1.33x float32's
   tokens/s at 16 x 64, 64 x 128 and the text prompts, 1.03x for one stream, 27-42% less
   peak memory, at about twice the int8 error of a VNNI CPU (mean |dlogprob| 0.090).
@@ -96,7 +96,7 @@ def choose_dtype(requested: str, device_type: str, flags: frozenset[str] | set[s
 
 def has_int8_gemm(flags: frozenset[str] | set[str]) -> bool:
     """Whether oneDNN's u8 x s8 GEMM runs well here: int8 dot products, or AVX2's
-    vpmaddubsw with weights narrowed to 63 levels (models/int8.gemm_weight_levels)."""
+    vpmaddubsw with weights narrowed to 63 levels (models/layers/int8.gemm_weight_levels)."""
     return has_int8_dot(flags) or "avx2" in flags
 
 

@@ -14,37 +14,37 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from hybridserve.models.checkpoint import (Weights, fill_ends, open_checkpoint, place_weights, take_gate_up, take_qkv,
-                                          take_row_bias)
-from hybridserve.models.cohere2 import Cohere2LM
+from hybridserve.models.loaders.checkpoint import (Weights, fill_ends, open_checkpoint, place_weights, take_gate_up,
+                                                  take_qkv, take_row_bias)
+from hybridserve.models.arch.cohere2 import Cohere2LM
 from hybridserve.models.config import ModelConfig, load_model_config
-from hybridserve.models.decoder import DecoderLM, LayerSmoothing
-from hybridserve.models.gemma3_multimodal import ARCHITECTURE as GEMMA3_MULTIMODAL
-from hybridserve.models.gemma3_multimodal import TextCheckpoint
-from hybridserve.models.heap import release_free_heap
-from hybridserve.models.gpt_oss import GptOssLM, fill_gpt_oss
-from hybridserve.models.int8 import int8_gemm_available
-from hybridserve.models.llama4 import Llama4LM, fill_llama4, interleaved_to_half_split
+from hybridserve.models.arch.decoder import DecoderLM, LayerSmoothing
+from hybridserve.models.arch.gemma3_multimodal import ARCHITECTURE as GEMMA3_MULTIMODAL
+from hybridserve.models.arch.gemma3_multimodal import TextCheckpoint
+from hybridserve.models.platform.heap import release_free_heap
+from hybridserve.models.arch.gpt_oss import GptOssLM, fill_gpt_oss
+from hybridserve.models.layers.int8 import int8_gemm_available
+from hybridserve.models.arch.llama4 import Llama4LM, fill_llama4, interleaved_to_half_split
 from hybridserve.models.parallel import PipelineStage, TPGroup, group_rows
-from hybridserve.models.smoothing import Encode, calibration_sequences, file_encoder, smooth
+from hybridserve.models.layers.smoothing import Encode, calibration_sequences, file_encoder, smooth
 
 if TYPE_CHECKING:
-    from hybridserve.models.mamba_lm import MambaLM
+    from hybridserve.models.arch.mamba_lm import MambaLM
 
 def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32, quantization: str = "none", stage: PipelineStage | None = None,
                tp: TPGroup | None = None, encode: Encode | None = None) -> DecoderLM | MambaLM:
     """Build a DecoderLM (a MambaLM for Mamba2 / Bamba) from an HF directory, weights on `device` in `dtype`,
-    the output head quantized as `quantization` says (none, int8, int4: see models/head.py).
+    the output head quantized as `quantization` says (none, int8, int4: see models/layers/head.py).
     With `stage` and `tp` (models/parallel.py) only that pipeline stage's layers are read, cut
     to that tensor-parallel rank's heads and columns (ConfigError where the sizes do not divide).
-    `encode` (the engine's tokenizer) tokenizes the int8 calibration texts (models/smoothing.py)."""
+    `encode` (the engine's tokenizer) tokenizes the int8 calibration texts (models/layers/smoothing.py)."""
     model_dir = Path(model_dir)
     cfg = load_model_config(model_dir)
     if stage is not None:
         stage.layers(cfg.num_layers)  # ConfigError now, before any weight is read
     if cfg.mamba is not None:
-        from hybridserve.models.mamba_loader import load_mamba_model
+        from hybridserve.models.loaders.mamba_loader import load_mamba_model
 
         return load_mamba_model(model_dir, cfg, device, dtype, stage, tp)
     checkpoint = open_checkpoint(model_dir)
@@ -68,15 +68,15 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
     model.build_linears(quantization=quantization, release_head_rows=_head_release(w, head_name),
                         smoothing=_int8_smoothing(model, model_dir, quantization, encode))
     w.release_all()
-    release_free_heap()  # the fused layers' source copies and packing temporaries (models/heap.py)
+    release_free_heap()  # the fused layers' source copies and packing temporaries (models/platform/heap.py)
     return model.eval()
 
 
 def _int8_smoothing(model: DecoderLM, model_dir: Path, quantization: str, encode: Encode | None
                     ) -> list[LayerSmoothing] | None:
     """The smoothing that makes the decoder's linears int8 x int8 under --quantization int8
-    (models/smoothing.py), or None where they stay in the model dtype: no int8 GEMM here
-    (models/int8.int8_gemm_available; the head alone is quantized then), not a plain pre-norm decoder (Llama 4's
+    (models/layers/smoothing.py), or None where they stay in the model dtype: no int8 GEMM here
+    (models/layers/int8.int8_gemm_available; the head alone is quantized then), not a plain pre-norm decoder (Llama 4's
     MoE layers; OLMo's post-norms leave no norm before qkv to carry the factors), a
     model split over processes (the calibration forward needs every layer on one rank), or
     no tokenizer to calibrate with (`encode`, else the directory's tokenizer.json)."""
@@ -89,7 +89,7 @@ def _int8_smoothing(model: DecoderLM, model_dir: Path, quantization: str, encode
 
 
 def _head_release(w: Weights, head_name: str) -> Callable[[int, int], None]:
-    """What the head gives its rows back through (models/head.py): each chunk's file pages
+    """What the head gives its rows back through (models/layers/head.py): each chunk's file pages
     once the chunk has its own packed or quantized copy (harmless where the head was
     converted or moved anyway). The first call also gives back every other page read so
     far: the layers are packed before the head, and packing read the weights kept as file

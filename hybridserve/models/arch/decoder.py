@@ -23,13 +23,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridserve.models.config import ModelConfig
-from hybridserve.models.head import OutputHead, ReleaseRows, head_quantization
-from hybridserve.models.heap import release_free_heap
-from hybridserve.models.linear import LayerLinears, Linear, ResidualLinear, make_int8_linear, make_linear
+from hybridserve.models.layers.head import OutputHead, ReleaseRows, head_quantization
+from hybridserve.models.platform.heap import release_free_heap
+from hybridserve.models.layers.linear import LayerLinears, Linear, ResidualLinear, make_int8_linear, make_linear
 from hybridserve.models.parallel import PipelineStage, TPGroup, local_config
-from hybridserve.models.projection_norm import ProjectionNorm
-from hybridserve.models.rope import RopeTable, apply_rope_
-from hybridserve.models.span_logits import SpanLogits
+from hybridserve.models.layers.projection_norm import ProjectionNorm
+from hybridserve.models.layers.rope import RopeTable, apply_rope_
+from hybridserve.models.layers.span_logits import SpanLogits
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: torch.Tensor, inv_dim: float) -> torch.Tensor:
@@ -87,7 +87,7 @@ class DecoderLayerWeights(nn.Module):
 
 
 class LayerSmoothing(NamedTuple):
-    """One layer's smoothing for int8 activations (models/smoothing.py): column factors s
+    """One layer's smoothing for int8 activations (models/layers/smoothing.py): column factors s
     that multiply the weight's columns, while the producers of the inputs (the norms, up's
     rows) divide by them."""
 
@@ -130,7 +130,7 @@ WeightSource = Callable[[], "tuple[torch.Tensor, torch.Tensor | None]"]
 def smoothed_weights(w: DecoderLayerWeights, s: LayerSmoothing) -> dict[str, WeightSource]:
     """Per matmul, what makes its smoothed float32 (weight, bias): the columns times the
     layer's factors, up's rows (and bias) divided by down's factors, whose inputs they
-    produce (models/smoothing.py). With the norms already divided, these weights compute
+    produce (models/layers/smoothing.py). With the norms already divided, these weights compute
     the same function as the originals. Made on demand, one at a time, so the load's peak
     grows by one float32 weight, not a float32 model."""
     return {
@@ -142,7 +142,7 @@ def smoothed_weights(w: DecoderLayerWeights, s: LayerSmoothing) -> dict[str, Wei
 
 
 def _int8_layer_linears(w: DecoderLayerWeights, s: LayerSmoothing, release: bool) -> LayerLinears:
-    """The layer's matmuls as int8 x int8 (models/int8.py) on its smoothed weights. They
+    """The layer's matmuls as int8 x int8 (models/layers/int8.py) on its smoothed weights. They
     return float32 (the GEMM's own output): with int8 layers the activations between the
     matmuls stay float32 (see DecoderLM.forward)."""
     made = {}
@@ -255,16 +255,16 @@ class DecoderLM(StagedModel):
         """Bind each matmul to its fastest kernel (call once the weights are final and on
         their device). With release_weights, weights that were packed free their plain
         copy: the model is then for inference only; reload it to change weights. The head
-        is packed or quantized as `quantization` says (see models/head.py); a tied head's
+        is packed or quantized as `quantization` says (see models/layers/head.py); a tied head's
         plain weight stays, as the embedding lookup reads it. With `smoothing` (from
-        models/smoothing.smooth, which has already divided the norms) the layers' matmuls
+        models/layers/smoothing.smooth, which has already divided the norms) the layers' matmuls
         are int8 x int8."""
         self.int8_layers = smoothing is not None
         if smoothing is None:
             self._linears = [_layer_linears(w, release_weights) for w in self.layers]
         else:
             self._linears = [_int8_layer_linears(w, s, release_weights) for w, s in zip(self.layers, smoothing)]
-            release_free_heap()  # the float32 copies quantized above (models/heap.py)
+            release_free_heap()  # the float32 copies quantized above (models/platform/heap.py)
             self._float32_elementwise()
         if self.stage.is_last:
             assert self.lm_head is not None, "weights not loaded"

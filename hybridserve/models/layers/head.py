@@ -12,7 +12,7 @@ parameters) and its bytes set the decode speed, so it gets its own representatio
   nearest). On an x86 CPU with int8 dot products (VNNI / AMX-INT8) or AVX2 the hidden
   states are quantized too, per row (symmetric, 127 levels, stored as uint8 around 128),
   and oneDNN's int8 GEMM multiplies them (`onednn.qlinear_pointwise`; on AVX2 alone
-  fbgemm's, with the weights narrowed to 63 levels: models/int8.py): at a decode batch of
+  fbgemm's, with the weights narrowed to 63 levels: models/layers/int8.py): at a decode batch of
   64 the head is compute-bound, and the int8 dot products run several times faster than
   bf16 ones without AMX (Gemma 3 270M head chunk on one Sapphire Rapids core: 2.9 vs 17 ms
   at 64 rows, 0.6 vs 1.0 ms at 1 row). Elsewhere PyTorch's weight-only int8 kernel
@@ -32,12 +32,12 @@ from typing import Callable
 import torch
 
 from hybridserve.core.errors import ConfigError
-from hybridserve.models.heap import release_free_heap
-from hybridserve.models.int8 import (FBGEMM, QUANTIZERS, int8_gemm_available, int8_matmul, int8_paths,
+from hybridserve.models.platform.heap import release_free_heap
+from hybridserve.models.layers.int8 import (FBGEMM, QUANTIZERS, int8_gemm_available, int8_matmul, int8_paths,
                                     quantize_gemm_weight, quantize_int8_rows)
-from hybridserve.models.linear import make_linear
-from hybridserve.models.span_kernel import KERNEL
-from hybridserve.models.span_logits import SPAN, LogitsBuffer, SpanLogits, padded_width, span_stats
+from hybridserve.models.layers.linear import make_linear
+from hybridserve.models.layers.span_kernel import KERNEL
+from hybridserve.models.layers.span_logits import SPAN, LogitsBuffer, SpanLogits, padded_width, span_stats
 
 # Vocabulary rows per packed / quantized chunk: small enough that one chunk's logits stay
 # in a core's L2 for the argmax ([16, 32768] float32 is 2 MB) and packing one adds little
@@ -46,7 +46,7 @@ from hybridserve.models.span_logits import SPAN, LogitsBuffer, SpanLogits, padde
 # pass 9.9-10.5 ms at 1 row and 15.3-17.2 ms at 16 in chunks of 32768 rows, against
 # 12.7-12.8 and 18.8-20.5 ms in chunks of 16384).
 HEAD_CHUNK_ROWS = 32768
-# Vocabulary rows per chunk on fbgemm's int8 path (AVX2 alone, models/int8.int8_paths).
+# Vocabulary rows per chunk on fbgemm's int8 path (AVX2 alone, models/layers/int8.int8_paths).
 # There [64, 32768] float32 logits (8 MB) made a greedy pass at 64 rows 62.3 ms against 55.9
 # in chunks of 8192 rows (`python benchmarks/head_chunks.py --isa avx2`, 2 EPYC cores, load
 # 0.7; equal at 32 rows, 3-4% slower at 1 and 16). End to end as on AVX2, interleaved
@@ -129,7 +129,7 @@ class OutputHead:
         self.quantization = quantization
         self.vocab_size = weight.shape[0]
         self._int8_activations = quantization == "int8" and weight.device.type == "cpu" and int8_gemm_available()
-        # One int8 path for every row count, the one for many rows (models/int8.int8_paths),
+        # One int8 path for every row count, the one for many rows (models/layers/int8.int8_paths),
         # so the head's weights are held once: with int8 dot products the packed GEMM,
         # faster for the head from a few rows on and about as fast at one
         # (`benchmarks/int8_rows.py`, 2 EPYC cores with VNNI: 5.9 vs 5.3 ms at 1 row, 5.7
@@ -147,7 +147,7 @@ class OutputHead:
                 release_rows(start, stop)
             # The chunk's unpacked values and temporaries are freed now, but glibc keeps
             # such holes resident in the heap: without this the default model's int8 head
-            # cost 20 MB of RSS per 10 MB chunk (see models/heap.py).
+            # cost 20 MB of RSS per 10 MB chunk (see models/platform/heap.py).
             release_free_heap()
 
     def _chunk_kernel(self, w: torch.Tensor) -> tuple[Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor], bool]:
@@ -207,7 +207,7 @@ class OutputHead:
     def span_logits(self, hidden: torch.Tensor, inv_temperature: torch.Tensor, softcap: float | None) -> SpanLogits:
         """The logits as the chunks' kernels compute them (int8 kernels: float32; __call__
         rounds them to the model dtype, which sampling has no use for), soft-capped in
-        float32, with their span summaries (models/span_logits.py). Above FEW_ROWS rows,
+        float32, with their span summaries (models/layers/span_logits.py). Above FEW_ROWS rows,
         each chunk is summarised while it is still in cache (one pass over the vocabulary,
         as greedy() makes) and kept as a piece of the logits, the last one padded to whole
         spans: nothing copies the whole vocabulary. A few rows' logits are copied into the

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-# Token ids per span: the same span as the greedy head's argmax (models/head.ARGMAX_SPAN).
+# Token ids per span: the same span as the greedy head's argmax (models/layers/head.ARGMAX_SPAN).
 SPAN = 128
 
 
@@ -167,7 +167,7 @@ def span_logits_from(logits: torch.Tensor, inv_temperature: torch.Tensor, buffer
                      ) -> SpanLogits:
     """The general way to SpanLogits: copy finished logits [S, V] into a buffer and summarise
     them (models without a chunked head; tests). A chunked head summarises its chunks as
-    it computes them instead (models/head.OutputHead.span_logits)."""
+    it computes them instead (models/layers/head.OutputHead.span_logits)."""
     rows, vocab = logits.shape
     buffer = buffer if buffer is not None and buffer.vocab_size == vocab else LogitsBuffer(vocab)
     padded = buffer.rows(rows)

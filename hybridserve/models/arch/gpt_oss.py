@@ -26,13 +26,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridserve.models.checkpoint import Weights, fill_ends, take_qkv, take_row_bias
+from hybridserve.models.loaders.checkpoint import Weights, fill_ends, take_qkv, take_row_bias
 from hybridserve.models.config import ModelConfig
-from hybridserve.models.decoder import AttentionBackend, DecoderLayerWeights, DecoderLM, rms_norm
-from hybridserve.models.gpt_oss_config import GptOssOptions
-from hybridserve.models.mxfp4 import dequantize_mxfp4
+from hybridserve.models.arch.decoder import AttentionBackend, DecoderLayerWeights, DecoderLM, rms_norm
+from hybridserve.models.arch.gpt_oss_config import GptOssOptions
+from hybridserve.models.loaders.mxfp4 import dequantize_mxfp4
 from hybridserve.models.parallel import PipelineStage, TPGroup
-from hybridserve.models.rope import apply_rope_
+from hybridserve.models.layers.rope import apply_rope_
 
 
 class GptOssExperts(nn.Module):
@@ -154,7 +154,7 @@ def _split_gate_up(t: torch.Tensor, tp: TPGroup) -> torch.Tensor:
 
 def fill_gpt_oss(model: GptOssLM, cfg: ModelConfig, w: Weights) -> None:
     """Copy HF GptOssForCausalLM tensors into `model` (its stage's layers, its rank's share;
-    `cfg` the global config). Expert weights may be plain or MXFP4 (models/mxfp4.py)."""
+    `cfg` the global config). Expert weights may be plain or MXFP4 (models/loaders/mxfp4.py)."""
     opts = cfg.gpt_oss
     assert opts is not None
     H, hd, I, E, nq = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, opts.num_experts, cfg.num_heads

@@ -27,8 +27,8 @@ from typing import Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from hybridserve.models.cpu_features import has_native_bf16, read_cpu_flags
-from hybridserve.models.int8 import W8A8Linear, quantize_gemm_weight
+from hybridserve.models.platform.cpu_features import has_native_bf16, read_cpu_flags
+from hybridserve.models.layers.int8 import W8A8Linear, quantize_gemm_weight
 
 Linear = Callable[[torch.Tensor], torch.Tensor]                        # x -> x W^T + b
 ResidualLinear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (h, x) -> h + x W^T + b
@@ -112,7 +112,7 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, native_bf16: bo
 
 
 class LayerLinears(NamedTuple):
-    """One layer's matmuls as callables (plain or oneDNN-packed, see models/linear.py)."""
+    """One layer's matmuls as callables (plain or oneDNN-packed, see models/layers/linear.py)."""
 
     qkv: Linear
     o: Linear
@@ -124,7 +124,7 @@ class LayerLinears(NamedTuple):
 
 def make_int8_linear(weight: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
                      ) -> tuple[Linear, ResidualLinear]:
-    """(linear, residual_linear) as int8 x int8 (models/int8.py): `weight` [out, in] is
+    """(linear, residual_linear) as int8 x int8 (models/layers/int8.py): `weight` [out, in] is
     quantized per row once, the input per row at every call; bias and residual are added
     in float32 before the result is rounded to `out_dtype`."""
     matmul = W8A8Linear(*quantize_gemm_weight(weight))

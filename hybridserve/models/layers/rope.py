@@ -11,7 +11,7 @@ import math
 import torch
 
 from hybridserve.models.config import RopeConfig
-from hybridserve.models.yarn import yarn_attention_factor, yarn_inverse_frequencies
+from hybridserve.models.layers.yarn import yarn_attention_factor, yarn_inverse_frequencies
 
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int) -> torch.Tensor:

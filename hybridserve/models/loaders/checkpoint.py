@@ -14,10 +14,10 @@ import torch
 from hybridserve.core.errors import ConfigError
 from hybridserve.models.config import ModelConfig
 from hybridserve.models.parallel import TPGroup, group_rows
-from hybridserve.models.safetensors_map import MappedCheckpoint
+from hybridserve.models.loaders.safetensors_map import MappedCheckpoint
 
 if TYPE_CHECKING:
-    from hybridserve.models.decoder import StagedModel
+    from hybridserve.models.arch.decoder import StagedModel
 
 # Buffers some checkpoints carry that hold nothing we need (recomputed from the config).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)

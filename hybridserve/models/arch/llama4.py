@@ -30,12 +30,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridserve.models.checkpoint import Weights, fill_ends, take_gate_up, take_qkv, take_row_bias
+from hybridserve.models.loaders.checkpoint import Weights, fill_ends, take_gate_up, take_qkv, take_row_bias
 from hybridserve.models.config import FULL, ModelConfig
-from hybridserve.models.decoder import AttentionBackend, DecoderLayerWeights, DecoderLM, rms_norm
-from hybridserve.models.llama4_config import Llama4Options
+from hybridserve.models.arch.decoder import AttentionBackend, DecoderLayerWeights, DecoderLM, rms_norm
+from hybridserve.models.arch.llama4_config import Llama4Options
 from hybridserve.models.parallel import PipelineStage, TPGroup
-from hybridserve.models.rope import RopeTable, apply_rope_
+from hybridserve.models.layers.rope import RopeTable, apply_rope_
 
 
 class Llama4Experts(nn.Module):

@@ -19,12 +19,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridserve.models.config import FULL, ModelConfig
-from hybridserve.models.decoder import StagedModel, rms_norm
-from hybridserve.models.mamba2 import Mamba2MixerWeights, MambaStateIO, mamba2_mixer
-from hybridserve.models.mamba_config import MAMBA
+from hybridserve.models.arch.decoder import StagedModel, rms_norm
+from hybridserve.models.arch.mamba2 import Mamba2MixerWeights, MambaStateIO, mamba2_mixer
+from hybridserve.models.arch.mamba_config import MAMBA
 from hybridserve.models.parallel import PipelineStage, SharedNormGroups, TPGroup
-from hybridserve.models.rope import RopeTable, apply_rope_
-from hybridserve.models.span_logits import LogitsBuffer, SpanLogits, span_logits_from
+from hybridserve.models.layers.rope import RopeTable, apply_rope_
+from hybridserve.models.layers.span_logits import LogitsBuffer, SpanLogits, span_logits_from
 
 
 class HybridBackend(Protocol):

@@ -18,7 +18,7 @@ Invariants:
   content hash (the packaged default model) pass it as `cache_key`.
 - Bumping `CONVERTER_VERSION` orphans every old conversion (they are not reused). Version 2:
   a GGUF is converted to the serving dtype (bfloat16 on CPUs with native bf16), which the
-  runner maps from the file as stored (models/safetensors_map.py); version 1 caches were
+  runner maps from the file as stored (models/loaders/safetensors_map.py); version 1 caches were
   always float32 and loaded by copying. Version 3: markup tokens the GGUF lists as
   user-defined (`<start_of_image>`, `[multimodal]`) are special in the tokenizer, as in
   the model's own; version 2 tokenizers let them into text.
@@ -40,7 +40,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from hybridserve.core.errors import ConfigError
-from hybridserve.models.heap import release_free_heap
+from hybridserve.models.platform.heap import release_free_heap
 
 CONVERTER_VERSION = 3
 CACHE_DIR_ENV_VAR = "HYBRIDSERVE_CACHE_DIR"
@@ -125,8 +125,8 @@ def convert_gguf(
     cached = find_converted(path.stem, key, dtype, cache_dir)
     if cached is not None:
         return cached
-    from hybridserve.models.gguf_arch import arch_spec_for
-    from hybridserve.models.gguf_header import read_gguf_header
+    from hybridserve.models.loaders.gguf_arch import arch_spec_for
+    from hybridserve.models.loaders.gguf_header import read_gguf_header
 
     started = time.perf_counter()
     header = read_gguf_header(path)
@@ -214,7 +214,7 @@ def _dequantized_blocks(header: Any, info: Any, spec: Any, hf_name: str, config:
     the output head; one row per token, which fix_tensor leaves as they are) in blocks of
     _DEQUANTIZE_BLOCK_ROWS rows, any other whole (fix_tensor's per-head reordering needs
     all of a Q/K projection's rows)."""
-    from hybridserve.models.gguf_header import dequantize_tensor
+    from hybridserve.models.loaders.gguf_header import dequantize_tensor
 
     rows = info.shape[0]
     if len(info.shape) != 2 or rows != config.get("vocab_size"):

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import numpy as np
 
 from hybridserve.core.errors import ConfigError
-from hybridserve.models.gguf_header import GGUFHeader, dequantize_tensor
+from hybridserve.models.loaders.gguf_header import GGUFHeader, dequantize_tensor
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from typing import Any
 from hybridserve.core.errors import ConfigError
 
 # Checkpoint formats of the expert weights we read: plain tensors (no quantization_config)
-# or MXFP4 blocks and scales (models/mxfp4.py), dequantized at load.
+# or MXFP4 blocks and scales (models/loaders/mxfp4.py), dequantized at load.
 _QUANT_METHODS = (None, "mxfp4")
 
 

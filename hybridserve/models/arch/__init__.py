@@ -1,0 +1,1 @@
+"""Model architectures: the decoder and each family's own blocks and config extras."""

@@ -4,7 +4,9 @@
     outs = LLM("path/to/model").generate(["Hello"], SamplingParams(max_tokens=16))
 
 The names below load lazily, so `import hybridserve` (and the CLI's `simulate`) never
-pays for torch or transformers.
+pays for torch or transformers, and changes nothing in the process. The entry points
+(these names, the `hybridserve` command) set the OpenMP spin torch's threads use before
+they import torch (models/platform/cpu_features.prefer_short_omp_spin).
 """
 
 from __future__ import annotations
@@ -15,8 +17,6 @@ from typing import TYPE_CHECKING, Any
 from hybridserve.models.platform.cpu_features import prefer_short_omp_spin
 
 __version__ = "0.1.0"
-
-prefer_short_omp_spin()  # before anything imports torch (see the function)
 
 _EXPORTS = {
     "LLM": "hybridserve.engine.llm",
@@ -44,4 +44,5 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'hybridserve' has no attribute {name!r}")
+    prefer_short_omp_spin()  # the engine's modules import torch: the spin setting goes first
     return getattr(import_module(module), name)

@@ -123,15 +123,23 @@ def test_cli_rejects_unknown_quantization_in_one_line() -> None:
     assert out.stderr.count("\n") == 1 and "argument --quantization: invalid choice: 'fp8'" in out.stderr
 
 
-def test_import_sets_a_short_openmp_spin_unless_the_user_chose_a_wait() -> None:
-    code = "import os, hybridserve; print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'))"
+def test_the_entry_points_set_a_short_openmp_spin_unless_the_user_chose_a_wait() -> None:
+    """`import hybridserve` alone changes nothing; reaching the engine through the package's
+    names, or the command line, sets the spin before torch loads (and torch is not loaded
+    by the import itself)."""
+    show = "print(os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'), 'torch' in sys.modules)"
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     repo = Path(__file__).resolve().parents[1]
 
-    def imported(**extra: str) -> str:
-        return subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True,
-                              cwd=repo).stdout.strip()
+    def run(code: str, **extra: str) -> str:
+        return subprocess.run([sys.executable, "-c", f"import os, sys, hybridserve; {code}; {show}"],
+                              env={**env, **extra}, capture_output=True, text=True, cwd=repo).stdout.strip()
 
-    assert imported() == "10000 None"
-    assert imported(OMP_WAIT_POLICY="ACTIVE") == "None ACTIVE"
-    assert imported(GOMP_SPINCOUNT="5") == "5 None"
+    assert run("pass") == "None None False"
+    assert run("hybridserve.LLM") == "10000 None True"
+    assert run("hybridserve.LLM", OMP_WAIT_POLICY="ACTIVE") == "None ACTIVE True"
+    assert run("hybridserve.LLM", GOMP_SPINCOUNT="5") == "5 None True"
+    out = subprocess.run([sys.executable, "-c", f"import os, sys\nfrom hybridserve.entrypoints import cli\n"
+                          f"try:\n    cli.main(['--version'])\nexcept SystemExit:\n    pass\n{show}"],
+                         env=env, capture_output=True, text=True, cwd=repo).stdout.strip().splitlines()[-1]
+    assert out.startswith("10000 None")

@@ -12,6 +12,7 @@ from typing import Sequence
 
 from hybridserve import __version__
 from hybridserve.entrypoints.command import one_line_errors
+from hybridserve.models.platform.cpu_features import prefer_short_omp_spin
 
 # subcommand -> module with add_parser(subparsers) and run(args) -> int
 COMMANDS = {
@@ -33,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    prefer_short_omp_spin()  # before any command imports torch
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:

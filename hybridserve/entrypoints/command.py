@@ -16,6 +16,7 @@ import sys
 from typing import Callable, NoReturn
 
 from hybridserve.core.errors import HybridServeError
+from hybridserve.models.platform.cpu_features import prefer_short_omp_spin
 
 
 class FlagError(HybridServeError, ValueError):
@@ -67,6 +68,7 @@ def standalone_main(
     argv: list[str] | None = None,
 ) -> int:
     """`python -m hybridserve.entrypoints.<command>`: the subcommand without the CLI app."""
+    prefer_short_omp_spin()  # before the command imports torch
     p = argparse.ArgumentParser(prog=prog, description=description)
     one_line_errors(p, prog)
     add_arguments(p)

@@ -129,17 +129,14 @@ def prefer_short_omp_spin() -> None:
     sleep between parallel regions, unless the user chose a wait policy or spin count.
 
     Why neither extreme: a decode step is hundreds of small element-wise regions, so
-    threads that sleep at once (OMP_WAIT_POLICY=PASSIVE, spin count 0) pay a futex wake-up
-    per region: RMSNorm of [64, 640] bf16 on 2 threads took 871 us passive vs 87 us
-    spinning and 84 us on one thread. Threads that spin long (libgomp's unset default,
-    300,000 spins) steal time slices on a machine shared with other busy processes: on 2
-    cores at load ~10, Gemma 3 270M 16x32 greedy ran 3.7 tok/s with the default and 33
-    passive. A short spin covers the gap between the ops of one step and then yields; the
-    same RMSNorm with 2 busy processes beside it: 138 us at 10,000 spins, 257 us passive,
-    189 us at 100,000 (Sapphire Rapids, 2 cores; `benchmarks/cpu_peers.py --hs-omp
-    spin,passive,libgomp --busy 2` measures whole runs). libgomp reads the variables once,
-    when torch loads it, hence at `import hybridserve`; Intel's OpenMP (not what torch's
-    wheels link) would ignore them."""
+    threads that sleep at once pay a futex wake-up per region, while threads that spin
+    long (libgomp's unset default) steal time slices from other busy processes on a shared
+    machine; a short spin covers the gap between the ops of one step and then yields
+    (benchmarks/results/omp_spin.md; `benchmarks/cpu_peers.py --hs-omp spin,passive,libgomp
+    --busy 2` measures it). libgomp reads the variables once, when torch loads it, so the
+    entry points call this before they import torch (the lazy names of `hybridserve`, the
+    `hybridserve` command); a process that imported torch first keeps its setting. Intel's
+    OpenMP (not what torch's wheels link) would ignore them."""
     if OMP_WAIT_POLICY in os.environ or GOMP_SPINCOUNT in os.environ:
         return
     os.environ[GOMP_SPINCOUNT] = str(SHORT_SPIN_COUNT)

@@ -37,11 +37,9 @@ import torch.nn.functional as F
 
 from hybridserve.executor.torch.requests import BlockTables
 
-# Dtypes whose CPU attention runs on float32 copies. ATen's CPU flash attention in
-# bfloat16 took 1.98 ms for a decode step's 16 x 4 heads x 256 over 128 keys on 2 AMD EPYC
-# (Zen 5) cores without AMX, against 0.24 ms with the conversions to float32 and back
-# included (`python benchmarks/attention_dtype.py`: 8.1 vs 1.3 ms over 512 keys, equal for
-# a 64-token prefill chunk). In Gemma 3 270M's 16 x 64 profile there it had been 56% of the time.
+# Dtypes whose CPU attention runs on float32 copies: ATen's CPU flash attention in bfloat16
+# is several times slower than the conversions to float32 and back plus float32 attention
+# on CPUs without AMX (`python benchmarks/attention_dtype.py`; benchmarks/results/attention_dtype.md).
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 # Requests with at most this many query tokens share one padded batch.
 SMALL_CHUNK = 16

@@ -71,10 +71,8 @@ def _zeros(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> to
     pool asks for them. The block pool hands out blocks never used before until every one
     has been (its free queue keeps freed blocks findable for the prefix cache), so a new
     server's K/V writes land on untouched pages, and a 4 KB page fault per few tokens
-    cost more than the write itself: as on AVX2 on 2 EPYC cores, a decode step's
-    index_copy_ at 64 requests took 378 us per layer on 4 KB pages and 80 us on 2 MB ones,
-    and Gemma 3 270M ran 64 x 128 at 394-419 tok/s against 379-397 (interleaved runs).
-    Resident memory still grows with the blocks used, 2 MB at a time per slot buffer."""
+    costs more than the write itself (benchmarks/results/kv_pool_huge_pages.md). Resident
+    memory still grows with the blocks used, 2 MB at a time per slot buffer."""
     nbytes = rows * cols * torch.tensor([], dtype=dtype).element_size()
     if device.type != "cpu" or nbytes == 0:
         return torch.zeros(rows, cols, dtype=dtype, device=device)

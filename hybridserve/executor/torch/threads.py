@@ -21,10 +21,9 @@ EXPLORE_EVERY = 64
 # (threads that slept and caches that hold the other count's layout make it an outlier).
 EXPLORE_STEPS = 3
 # Counted steps per count whose median is its cost. A median, not a running average: one
-# step the OS delays (a spike of 2x on this VM's quiet cores) moved an average with weight
-# 0.3 past the other count's and ran a quiet 2-core machine on 1 thread for a dozen steps
-# (Gemma 3 270M 16 x 64: 214 vs 281 tok/s with the count fixed at 2); a load that stays
-# moves the median within 3 steps.
+# step the OS delays moves an average past the other count's and keeps a quiet machine on
+# the slower count for many steps, while a load that stays moves the median within 3
+# steps (benchmarks/results/thread_count.md).
 WINDOW = 5
 
 

@@ -14,8 +14,7 @@ parameters) and its bytes set the decode speed, so it gets its own representatio
   and oneDNN's int8 GEMM multiplies them (`onednn.qlinear_pointwise`; on AVX2 alone
   fbgemm's, with the weights narrowed to 63 levels: models/layers/int8.py): at a decode batch of
   64 the head is compute-bound, and the int8 dot products run several times faster than
-  bf16 ones without AMX (Gemma 3 270M head chunk on one Sapphire Rapids core: 2.9 vs 17 ms
-  at 64 rows, 0.6 vs 1.0 ms at 1 row). Elsewhere PyTorch's weight-only int8 kernel
+  bf16 ones without AMX (`benchmarks/int8_rows.py`). Elsewhere PyTorch's weight-only int8 kernel
   (`_weight_int8pack_mm`) multiplies bfloat16 activations.
 - "int4": unsigned 4-bit values in groups of INT4_GROUP_SIZE along the hidden dimension,
   each group with its own scale and offset (asymmetric min/max), packed for PyTorch's CPU
@@ -42,18 +41,12 @@ from hybridserve.models.layers.span_logits import SPAN, LogitsBuffer, SpanLogits
 # Vocabulary rows per packed / quantized chunk: small enough that one chunk's logits stay
 # in a core's L2 for the argmax ([16, 32768] float32 is 2 MB) and packing one adds little
 # to the load's peak memory, large enough that the GEMM streams its weight at full speed
-# (benchmarks/head_chunks.py, Gemma 3 270M's int8 head on 2 Sapphire Rapids cores: a greedy
-# pass 9.9-10.5 ms at 1 row and 15.3-17.2 ms at 16 in chunks of 32768 rows, against
-# 12.7-12.8 and 18.8-20.5 ms in chunks of 16384).
+# (`benchmarks/head_chunks.py`; benchmarks/results/head_chunks.md).
 HEAD_CHUNK_ROWS = 32768
-# Vocabulary rows per chunk on fbgemm's int8 path (AVX2 alone, models/layers/int8.int8_paths).
-# There [64, 32768] float32 logits (8 MB) made a greedy pass at 64 rows 62.3 ms against 55.9
-# in chunks of 8192 rows (`python benchmarks/head_chunks.py --isa avx2`, 2 EPYC cores, load
-# 0.7; equal at 32 rows, 3-4% slower at 1 and 16). End to end as on AVX2, interleaved
-# runs: Gemma 3 270M ran 64 x 128 at 401-430 tok/s with these chunks against 379-397 with
-# 32768, and 16 x 64 at 362-391 with them and the KV pool's huge pages
-# (executor/torch/kv_cache.py) against 337-353 with neither. With VNNI, 32768 stays faster
-# (6.96 vs 8.29 ms at 16 rows).
+# Vocabulary rows per chunk on fbgemm's int8 path (AVX2 alone, models/layers/int8.int8_paths):
+# there [64, 32768] float32 logits (8 MB) fall out of cache before the argmax reads them,
+# and smaller chunks win at 64 rows; with VNNI, 32768 stays faster
+# (`python benchmarks/head_chunks.py --isa avx2`; benchmarks/results/head_chunks.md).
 FBGEMM_HEAD_CHUNK_ROWS = 8192
 # Columns per span of row_max's first pass: short enough that searching the winning span
 # again costs little, long enough that the span maxima are few.
@@ -97,9 +90,8 @@ def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(max, first index of the max) of each row of x [S, C], as `x.max(dim=-1)`, in two
     passes that vectorise: the maxima of spans of ARGMAX_SPAN columns (amax), then the
     first span holding the row's maximum, searched again. torch's fused value-and-index
-    reduction does not vectorise on CPU: [16, 16384] float32 takes ~300 us with
-    `max(dim)`, ~470 us with `argmax` and ~31 us with `amax` on one Sapphire Rapids core.
-    Ties go to the first index: the first span with the maximum holds it, and `max(dim)`
+    reduction (`max(dim)`, `argmax`) does not vectorise on CPU; `amax` does, about ten
+    times faster (`benchmarks/head_chunks.py` times the greedy pass). Ties go to the first index: the first span with the maximum holds it, and `max(dim)`
     returns the first index within it. The general path (`max(dim)`) takes rows whose
     length is not a multiple of the span."""
     rows, cols = x.shape
@@ -132,8 +124,7 @@ class OutputHead:
         # One int8 path for every row count, the one for many rows (models/layers/int8.int8_paths),
         # so the head's weights are held once: with int8 dot products the packed GEMM,
         # faster for the head from a few rows on and about as fast at one
-        # (`benchmarks/int8_rows.py`, 2 EPYC cores with VNNI: 5.9 vs 5.3 ms at 1 row, 5.7
-        # vs 11.0 at 4, 9.3 vs 16.1 at 16); on AVX2 alone fbgemm's.
+        # (`benchmarks/int8_rows.py`); on AVX2 alone fbgemm's.
         self._int8_path = int8_paths()[1]
         on_fbgemm = self._int8_activations and self._int8_path == FBGEMM
         self.chunk_rows = chunk_rows or (FBGEMM_HEAD_CHUNK_ROWS if on_fbgemm else HEAD_CHUNK_ROWS)

@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.server_proc import running_server  # noqa: E402
+from tests.helpers.server_proc import running_server  # noqa: E402
 
 LAYOUTS = {
     "thread": ("--no-engine-core-process",),

@@ -176,7 +176,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--shutdown-timeout", type=float, default=2.0)
     args = ap.parse_args()
-    from tests.serving_models import WORDS, tiny_serving_dir
+    from tests.helpers.serving_models import WORDS, tiny_serving_dir
 
     model = args.model or str(tiny_serving_dir())
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)

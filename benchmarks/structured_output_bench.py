@@ -33,7 +33,7 @@ def main() -> int:
     from hybridserve import LLM, SamplingParams, StructuredOutput
 
     if args.model is None:
-        from tests.structured_models import byte_model_dir
+        from tests.helpers.structured_models import byte_model_dir
 
         model = str(byte_model_dir())
     else:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from tests.readme_models import supported_models_table
+from tests.helpers.readme_models import supported_models_table
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"

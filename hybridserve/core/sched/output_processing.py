@@ -5,8 +5,8 @@ hashes of the blocks they fill), and the stop check.
 `Scheduler.update_from_output` for the usual rows (one token, no drafts, nothing that
 can stop the request): it settles a run of them in one call, so a step of many decodes
 pays one call, not one per token. The general path (that loop, with `append_tokens`)
-settles every other row; the two agree (tests/test_output_processing.py,
-tests/test_scheduler_short_path.py).
+settles every other row; the two agree (tests/core/test_output_processing.py,
+tests/core/test_scheduler_short_path.py).
 """
 
 from __future__ import annotations

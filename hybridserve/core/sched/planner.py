@@ -5,7 +5,7 @@ token budget left. `plan_running` is the general rule for a running request (chu
 prefill, decode with drafts). `plan_steady_decodes` is its fast path for decodes of one
 token that need no block allocated, freed or cached (most requests of most steps); it
 takes a run of such requests in one call. The two agree wherever the fast path answers
-(tests/test_scheduler_short_path.py).
+(tests/core/test_scheduler_short_path.py).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ sort for top-p: the reference. The fast path (`draw_fast`) reads the span summar
   decided on the whole row where the candidates cannot (partial sorts of growing
   length), and the draw is over the candidates when theta > bound, else over whole rows
   (span masses above theta, then a span, then a token).
-The two paths agree up to float rounding (tests/test_span_sampler.py).
+The two paths agree up to float rounding (tests/executor/test_span_sampler.py).
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ class NgramDrafter:
 
 
 def lookup(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
-    """What the numpy reference (tests/ngram_reference.py, propose_ngram_drafts) returns,
+    """What the numpy reference (tests/helpers/ngram_reference.py, propose_ngram_drafts) returns,
     found on a Python list without copying it to numpy (it runs once per decode request
     per step).
 

@@ -62,7 +62,7 @@ def gemm_weight_levels() -> int:
     127 make pairs of up to 64,770, past 32,767 (measured on AVX2: int32 sums off by 10^5).
     Weights within +-63 keep every pair within 2 x 255 x 63 = 32,130, so the sums stay
     exact, for one bit of weight precision. torch._int_mm (s8 x s8, which oneDNN shifts to
-    u8 x s8) is exact under the same bound (tests/test_int8_layers.py runs both under
+    u8 x s8) is exact under the same bound (tests/models/test_int8_layers.py runs both under
     ONEDNN_MAX_CPU_ISA=AVX2)."""
     return INT8_LEVELS if has_int8_dot(read_cpu_flags()) else NARROW_WEIGHT_LEVELS
 
@@ -186,7 +186,7 @@ def fbgemm_matmul(packed: torch.ScriptObject) -> Int8Matmul:
     its float input itself with one scale and zero point per tensor; given whole levels,
     scale 1 and zero point 128 it stores level + 128, as quantize_rows_uint8 does, so the
     int32 sums and the weight scales applied to them are w8a8_matmul's
-    (tests/test_int8_layers.py compares them bit for bit). The levels come rounded because
+    (tests/models/test_int8_layers.py compares them bit for bit). The levels come rounded because
     fbgemm's own rounding of exact halves differs between its kernels (0.5 went to 1 with
     17 rows and to 0 with 3). Why it exists: on AVX2 alone it is the fastest of the three
     at every row count (see choose_int8_paths)."""
@@ -246,7 +246,7 @@ class W8A8Linear:
     call, the int8 weight rows (`values`, `scale` from quantize_gemm_weight) fixed.
 
     Three paths, which sum the same int32 products and scale them the same way, so they
-    agree bit for bit (tests/test_int8_layers.py): `general`, oneDNN's packed u8 x s8
+    agree bit for bit (tests/models/test_int8_layers.py): `general`, oneDNN's packed u8 x s8
     GEMM (w8a8_matmul); `plain`, torch._int_mm on signed activations and the plain int8
     weight (plain_matmul); `fbgemm`, fbgemm's u8 x s8 GEMM (fbgemm_matmul). Which ones
     serve is a matter of speed on this CPU (int8_paths); only their weights are made at

@@ -16,7 +16,7 @@ benchmarks/results/):
   parameters) and the decoder's linears, whose activations are smoothed first (models/
   smoothing.py). Gemma 3 270M, 16 x 64, 2 cores: 136 tok/s with the int8 head alone,
   205 with every linear int8 (benchmarks/results/quant_accuracy.md). The accuracy against float32 is measured
-  (benchmarks/quant_accuracy.py) and bounded in tests/test_accuracy.py; `int8-head` keeps
+  (benchmarks/quant_accuracy.py) and bounded in tests/models/test_accuracy.py; `int8-head` keeps
   the decoder in bf16 and `none` quantizes nothing. A float32 model named by the user
   (`--dtype float32`) keeps its exact linears: it is the reference that equals HF token
   for token.

@@ -1,0 +1,281 @@
+"""Mamba prefix caching in the simulator: a state checkpoint per block (MambaSpec.block_checkpoints).
+
+The shadow KV checks every state a step starts from (the checkpoint a prefix hit serves
+included) holds the fingerprint of exactly the prefix before it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridserve.core.kv.spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+from hybridserve.executor.sim.shadow_kv import FREED, WRONG
+from tests.helpers.sim_helpers import make_request, reference_output, run_sim
+
+BS = 16
+FULL = FullAttentionSpec(BS, 1, 8)
+SW = SlidingWindowSpec(BS, 1, 8, sliding_window=32)
+MAMBA = MambaSpec(BS, shapes=((4, 4),))
+MML = 1024
+
+
+def shared_prefix_requests(prefix_len: int = 100, n: int = 3, gap: int = 60) -> list:
+    """n requests sharing a prefix_len-token prefix, arriving `gap` steps apart."""
+    prefix = [(j * 7) % 900 + 5 for j in range(prefix_len)]
+    return [(i * gap, make_request(f"r{i}", prefix + [1000 + i * 10 + j for j in range(30)], 12)) for i in range(n)]
+
+
+def check(run, reqs, max_model_len: int = MML) -> None:
+    assert run.violations == []
+    for _, r in reqs:
+        assert run.outputs[r.request_id] == reference_output(r.prompt_token_ids, r.max_tokens, max_model_len)
+    assert run.num_free_blocks == run.num_blocks - 1
+
+
+@pytest.mark.parametrize("specs", [[MAMBA], [FULL, MAMBA], [SW, MAMBA]], ids=["mamba", "full+mamba", "sw+mamba"])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_later_requests_start_from_the_shared_prefix_checkpoint(specs, async_scheduling):
+    reqs = shared_prefix_requests()
+    run = run_sim(specs, reqs, 200, max_model_len=MML, max_num_batched_tokens=40, async_scheduling=async_scheduling)
+    check(run, reqs)
+    stats = run.scheduler.kv.prefix_cache_stats
+    # The 100-token prefix ends mid-block: the last whole-block checkpoint is at 96 tokens.
+    assert stats.hits == 2 * 96
+
+
+def test_without_prefix_caching_mamba_keeps_one_state_block():
+    reqs = shared_prefix_requests()
+    run = run_sim([FULL, MAMBA], reqs, 200, max_model_len=MML, max_num_batched_tokens=40,
+                  enable_prefix_caching=False)
+    check(run, reqs)
+    assert run.scheduler.kv.prefix_cache_stats.hits == 0
+    assert not run.scheduler.kv.coordinator.managers[1].checkpoints
+
+
+@pytest.mark.parametrize("acceptance_rate", [0.3, 0.9])
+def test_spec_decode_rollback_keeps_checkpoints_right(acceptance_rate):
+    """Drafts cross block boundaries and get rejected; multi-turn follow-ups hit the
+    checkpoints written during decoding."""
+    first = [(0, make_request(f"a{i}", [(i * 31 + j) % 800 + 3 for j in range(40)], 60)) for i in range(2)]
+    base = run_sim([FULL, MAMBA], first, 300, max_model_len=MML, num_speculative_tokens=3,
+                   acceptance_rate=acceptance_rate)
+    check(base, first)
+    again = [(0, make_request(f"a{i}", [(i * 31 + j) % 800 + 3 for j in range(40)], 60)) for i in range(2)]
+    follow = [(120, make_request(f"b{i}", r.prompt_token_ids + base.outputs[r.request_id] + [9] * 5, 10))
+              for i, (_, r) in enumerate(again)]
+    run = run_sim([FULL, MAMBA], again + follow, 300, max_model_len=MML, num_speculative_tokens=3,
+                  acceptance_rate=acceptance_rate, concurrent_batches=3)
+    check(run, again + follow)
+    assert run.scheduler.kv.prefix_cache_stats.hits >= 2 * 96  # 100 known tokens -> 6 whole blocks each
+
+
+def test_unsafe_basis_frees_the_state_block_an_in_flight_step_writes():
+    reqs = [(0, make_request(f"r{i}", [(i * 131 + j) % 30_000 + 2 for j in range(300)], 21)) for i in range(4)]
+    run = run_sim([FULL, MAMBA], reqs, 400, max_model_len=MML, max_num_batched_tokens=256, unsafe=True,
+                  strict=False)
+    kinds = {v.kind for v in run.violations}
+    assert FREED in kinds
+    assert any(v.group == 1 for v in run.violations if v.kind in (FREED, WRONG))
+
+
+def _offload_workload(specs, unsafe: bool = False, failure_rate: float = 0.0, *, prompt_len: int = 150,
+                      max_tokens: int = 21, num_evict: int = 6, evict_max_tokens: int = 4, evict_at: int = 30,
+                      turn2_at: int = 200, turn2_extra: int = 30, turn2_max_tokens: int = 15, num_blocks: int = 40,
+                      budget: int = 64, num_conversations: int = 2, **sched_kw):
+    """Turn 1, then unrelated requests that evict it from a small pool, then turn 2
+    (turn 1's prompt + output + more): its Mamba state comes back from host memory.
+    sched_kw: run_sim's scheduling options (async_scheduling, max_num_seqs, policy, ...)."""
+    first = [(0, make_request(f"a{i}", [(i * 131 + j) % 30_000 + 2 for j in range(prompt_len)], max_tokens))
+             for i in range(num_conversations)]
+    evict = [(evict_at, make_request(f"e{i}", [(i * 17 + j) % 999 + 3 for j in range(200)], evict_max_tokens))
+             for i in range(num_evict)]
+    turn2 = [(turn2_at, make_request("t2-" + r.request_id, r.prompt_token_ids
+                                     + reference_output(r.prompt_token_ids, max_tokens, 256) + [7] * turn2_extra,
+                                     turn2_max_tokens))
+             for _, r in first]
+    reqs = first + evict + turn2
+    run = run_sim(specs, reqs, num_blocks, max_model_len=256, max_num_batched_tokens=budget, connector=True,
+                  failure_rate=failure_rate, unsafe=unsafe, strict=not unsafe, **sched_kw)
+    return run, reqs
+
+
+@pytest.mark.parametrize("specs", [[MAMBA], [FULL, MAMBA], [SW, MAMBA]], ids=["mamba", "full+mamba", "sw+mamba"])
+@pytest.mark.parametrize("failure_rate", [0.0, 0.5])
+def test_connector_loads_the_last_checkpoint_of_a_finished_turn(specs, failure_rate):
+    run, reqs = _offload_workload(specs, failure_rate=failure_rate)
+    check(run, reqs, 256)
+    assert run.connector.num_loaded_blocks + run.connector.num_failed_blocks > 0
+    if failure_rate:
+        assert run.scheduler.stats.num_failed_loads > 0
+
+
+def test_unsafe_basis_lets_a_load_overwrite_a_state_being_read():
+    run, _ = _offload_workload([SW, MAMBA], unsafe=True)
+    assert run.violations
+
+
+@pytest.mark.parametrize("specs", [[MAMBA], [FULL, MAMBA]], ids=["mamba", "full+mamba"])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_checkpoint_is_hit_only_once_the_step_writing_it_is_processed(specs, async_scheduling):
+    """Requests sharing a prefix arrive together: a later one must not start from a
+    checkpoint the same (or an in-flight) step is still writing, since a Mamba layer
+    reads every state before writing any (the detector models exactly that)."""
+    reqs = shared_prefix_requests(gap=0, n=4)
+    run = run_sim(specs, reqs, 300, max_model_len=MML, max_num_batched_tokens=256, async_scheduling=async_scheduling)
+    check(run, reqs)
+
+
+def test_mamba_publishes_checkpoints_of_processed_tokens_only():
+    from hybridserve.core.kv.block_pool import BlockPool
+    from hybridserve.core.kv.single_type_managers import make_manager
+
+    m = make_manager(MambaSpec(4, shapes=((2,),), block_checkpoints=True), BlockPool(16), 0, enable_caching=True)
+    req = make_request("r", list(range(20)), 4)
+    req.set_block_hasher(__import__("hybridserve.core.kv.hashing", fromlist=["x"]).make_block_hasher(4))
+    m.allocate_new_blocks("r", 20)
+    m.cache_blocks(req, 20, 9)  # 20 tokens scheduled, 9 processed: checkpoints S4, S8 only
+    assert m.num_cached_blocks["r"] == 2
+    m.cache_blocks(req, 20, 20)
+    assert m.num_cached_blocks["r"] == 5
+
+
+@pytest.mark.parametrize("failure_rate", [0.0, 0.5])
+def test_a_request_waiting_for_its_load_holds_no_more_than_the_caps(failure_rate):
+    """A small token budget makes the windowed caps small; a 200-token host hit must not
+    keep real sliding-window (or Mamba) blocks for its whole span while it loads
+    (run_sim checks every request against the caps after every step). Failed loads
+    start the request over."""
+    # W = 33: at finish (207 processed) the window keeps block 10, which the hit at 192 reads.
+    specs = [SlidingWindowSpec(BS, 1, 8, sliding_window=33), MAMBA]
+    run, reqs = _offload_workload(specs, failure_rate=failure_rate, prompt_len=200, max_tokens=8, num_evict=3,
+                                  evict_max_tokens=2, evict_at=60, turn2_at=400, turn2_extra=9, turn2_max_tokens=5,
+                                  num_blocks=24, budget=16)
+    check(run, reqs, 256)
+    assert run.connector.num_loaded_blocks + run.connector.num_failed_blocks > 0
+
+
+# -- a state cut into pages (MambaSpec.num_pages): sparse checkpoints ------------------------
+PAGED = [MambaSpec(BS, shapes=((4, 4),), num_pages=3, page_index=k) for k in range(3)]
+
+
+def _mamba_managers(run) -> list:
+    return [m for m in run.scheduler.kv.coordinator.managers if isinstance(m.spec, MambaSpec)]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_paged_states_hit_at_the_last_whole_block_of_the_shared_prefix(async_scheduling):
+    """Three page groups decide alike and the pool has blocks to spare, so every boundary
+    gets a best-effort checkpoint: both later requests sharing the 100-token prefix start
+    from S96, which every page group holds (the coordinator demands all of them)."""
+    reqs = shared_prefix_requests()
+    run = run_sim([FULL] + PAGED, reqs, 400, max_model_len=256, max_num_batched_tokens=40,
+                  async_scheduling=async_scheduling)
+    check(run, reqs, 256)
+    assert all(m.spec.running_in_place for m in _mamba_managers(run))
+    assert run.scheduler.kv.prefix_cache_stats.hits == 2 * 96
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_short_pool_skips_checkpoints_and_outputs_stay_right(async_scheduling):
+    """A pool of 24 blocks (the floor kept free: 5% of 23 = 1 block): a request holds 16
+    attention blocks at 256 tokens plus its running state's 3 pages, so checkpoints (3
+    blocks a column) fit only while the attention table is short. Outputs stay right,
+    every checkpoint a later request starts from holds its prefix (the detector), and
+    the later requests hit less than the ample pool's 2 * 96."""
+    reqs = shared_prefix_requests(n=3, gap=0)
+    run = run_sim([FULL] + PAGED, reqs, 24, max_model_len=256, max_num_batched_tokens=40,
+                  async_scheduling=async_scheduling)
+    check(run, reqs, 256)
+    assert run.scheduler.kv.prefix_cache_stats.hits < 2 * 96
+
+
+@pytest.mark.parametrize("acceptance_rate", [0.3, 0.9])
+def test_paged_spec_decode_rollback_keeps_outputs_right(acceptance_rate):
+    first = [(0, make_request(f"a{i}", [(i * 31 + j) % 800 + 3 for j in range(40)], 60)) for i in range(2)]
+    base = run_sim([FULL] + PAGED, first, 600, max_model_len=MML, num_speculative_tokens=3,
+                   acceptance_rate=acceptance_rate)
+    check(base, first)
+    again = [(0, make_request(f"a{i}", [(i * 31 + j) % 800 + 3 for j in range(40)], 60)) for i in range(2)]
+    follow = [(120, make_request(f"b{i}", r.prompt_token_ids + base.outputs[r.request_id] + [9] * 5, 10))
+              for i, (_, r) in enumerate(again)]
+    run = run_sim([FULL] + PAGED, again + follow, 600, max_model_len=MML, num_speculative_tokens=3,
+                  acceptance_rate=acceptance_rate, concurrent_batches=3)
+    check(run, again + follow)
+    # Decoding keeps every boundary (each decode's block is its chunk's tail): the turn
+    # hits the last whole block of its first 100 known tokens.
+    assert run.scheduler.kv.prefix_cache_stats.hits >= 2 * 96
+
+
+@pytest.mark.parametrize("failure_rate", [0.0, 0.5])
+def test_paged_connector_loads_the_last_checkpoint_of_a_finished_turn(failure_rate):
+    run, reqs = _offload_workload([FULL] + PAGED, failure_rate=failure_rate, num_blocks=120)
+    check(run, reqs, 256)
+    assert run.connector.num_loaded_blocks + run.connector.num_failed_blocks > 0
+
+
+# -- injected faults in the in-place layout: the detector must catch them ------------------------
+def test_detector_catches_publishing_the_running_block(monkeypatch):
+    """Fault: publish a checkpoint once the processed count reaches its boundary (not
+    passes it). Sync, chunks of 32: r0's first chunk ends on boundary 32 with R in
+    block 1, so the next allocation publishes R under the 32-token prefix, then moves
+    it on and keeps writing it; r1, sharing 40 tokens, hits it and reads a later state."""
+    from hybridserve.core.kv.single_type_managers import InPlaceMambaManager, SingleTypeKVCacheManager
+
+    def too_early(self, request, num_tokens, num_processed_tokens):  # type: ignore[no-untyped-def]
+        SingleTypeKVCacheManager.cache_blocks(self, request, min(num_tokens, num_processed_tokens),
+                                              num_processed_tokens)
+
+    monkeypatch.setattr(InPlaceMambaManager, "cache_blocks", too_early)
+    prefix = [(j * 7) % 900 + 5 for j in range(40)]
+    reqs = [(i * 40, make_request(f"r{i}", prefix + [1000 + i] * 30, 12)) for i in range(2)]
+    run = run_sim([FULL, MAMBA], reqs, 300, max_model_len=MML, max_num_batched_tokens=32, async_scheduling=False,
+                  strict=False)
+    assert any(v.kind == WRONG and v.group == 1 for v in run.violations)
+
+
+def test_detector_catches_a_runner_that_appends_past_the_running_block(monkeypatch):
+    """Fault: the executor appends an in-place group's deltas instead of inserting them
+    before its last entry, so it reads a fresh checkpoint block as the running state."""
+    from hybridserve.executor.sim.executor import SimExecutor
+
+    init = SimExecutor.initialize
+
+    def appending(self, kv_cache_config):  # type: ignore[no-untyped-def]
+        init(self, kv_cache_config)
+        self._in_place = [False] * len(self._in_place)
+
+    monkeypatch.setattr(SimExecutor, "initialize", appending)
+    reqs = shared_prefix_requests(n=1)
+    run = run_sim([FULL, MAMBA], reqs, 300, max_model_len=MML, max_num_batched_tokens=40, strict=False)
+    assert any(v.group == 1 for v in run.violations)
+
+
+@pytest.mark.parametrize("connector", [False, True])
+def test_the_mirror_fast_path_agrees_with_every_group(monkeypatch, connector):
+    """KVCacheCoordinator.mirror_fast_path computes a request's limits and block count
+    over page 0 of each paged state: the same run (async, drafts, shared prefixes, a pool
+    that runs short, a connector) with it off must schedule exactly alike."""
+    from hybridserve.core.kv.coordinator import KVCacheCoordinator
+
+    def one(fast: bool):  # type: ignore[no-untyped-def]
+        monkeypatch.setattr(KVCacheCoordinator, "mirror_fast_path", fast)
+        reqs = shared_prefix_requests(n=4, gap=15)
+        run = run_sim([FULL] + PAGED, reqs, 40, max_model_len=256, max_num_batched_tokens=40,
+                      num_speculative_tokens=2, connector=connector)
+        check(run, reqs, 256)
+        s = run.scheduler
+        return run.outputs, s.stats.num_steps, s.stats.num_preemptions, s.kv.prefix_cache_stats.hits
+
+    assert one(True) == one(False)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_full_sequence_admission_keeps_growth_free_of_checkpoints(async_scheduling):
+    """full_sequence_must_fit promises no preemption: best-effort checkpoints leave free
+    what admitted requests may still grow by (run_sim checks the running sum against a
+    recount after every step), so a short pool never preempts, and outputs stay right."""
+    reqs = shared_prefix_requests(n=4, gap=5)
+    run = run_sim([FULL] + PAGED, reqs, 60, max_model_len=256, max_num_batched_tokens=40,
+                  async_scheduling=async_scheduling, full_sequence_must_fit=True, connector=True)
+    check(run, reqs, 256)
+    assert run.scheduler.stats.num_preemptions == 0

@@ -1,0 +1,96 @@
+"""Tiny random HF Mamba2ForCausalLM and BambaForCausalLM, and HF greedy as the oracle.
+
+hidden 64, vocab 512, 8 Mamba heads of 16 channels, state 16, 2 groups, kernel 4, SSD
+chunks of 16 (so 40-100 token prompts cross several); Mamba2: 3 layers; Bamba: 4
+layers, layer 1 attention (4 query / 2 KV heads, half of each head rotated).
+initializer_range 0.3 gives peaky logits, so greedy choices are not near-ties.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from tests.helpers import hf_tiny
+
+KINDS = ("mamba2", "bamba")
+CHUNK = 16
+
+
+def hf_config(kind: str):
+    import transformers as tf
+
+    common = dict(vocab_size=512, hidden_size=64, initializer_range=0.3, eos_token_id=None, pad_token_id=0,
+                  bos_token_id=1, tie_word_embeddings=False)
+    if kind == "mamba2":
+        return tf.Mamba2Config(num_heads=8, head_dim=16, state_size=16, n_groups=2, conv_kernel=4,
+                               chunk_size=CHUNK, num_hidden_layers=3, **common)
+    if kind == "bamba":
+        return tf.BambaConfig(intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                              num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_state=16,
+                              mamba_n_groups=2, mamba_d_conv=4, mamba_chunk_size=CHUNK,
+                              max_position_embeddings=2048, **common)
+    raise ValueError(kind)
+
+
+def build_tiny(kind: str, out_dir: Path, seed: int = 0) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config(kind), dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+_DIRS: dict[str, Path] = {}
+_ROOT: list[Path] = []
+_HF: dict[str, object] = {}
+_ORACLE: dict[tuple[str, tuple[int, ...], int], tuple[list[int], list[float]]] = {}
+
+
+def tiny_model_dir(kind: str) -> Path:
+    """Built once per test process, in a temporary directory removed at exit."""
+    if kind not in _DIRS:
+        if not _ROOT:
+            import atexit
+            import shutil
+            import tempfile
+
+            _ROOT.append(Path(tempfile.mkdtemp(prefix="hybridserve_tiny_mamba_")))
+            atexit.register(shutil.rmtree, _ROOT[0], True)
+        _DIRS[kind] = build_tiny(kind, _ROOT[0] / kind)
+    return _DIRS[kind]
+
+
+def load_hf(kind: str):
+    from transformers import AutoModelForCausalLM
+
+    if kind not in _HF:
+        _HF[kind] = AutoModelForCausalLM.from_pretrained(tiny_model_dir(kind), dtype=torch.float32).eval()
+    return _HF[kind]
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """HF's Mamba path runs dozens of tiny ops per token; with 2 intra-op threads on a
+    busy 2-core machine each op waits for the slower thread (measured: 5.5 s -> 0.16 s
+    for 12 tokens). Only float summation order depends on the thread count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def oracle(kind: str, prompt: list[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
+    """HF greedy tokens and logprobs (memoised)."""
+    key = (kind, tuple(prompt), max_new_tokens)
+    if key not in _ORACLE:
+        with one_thread():
+            _ORACLE[key] = hf_tiny.hf_greedy(load_hf(kind), prompt, max_new_tokens)
+    return _ORACLE[key]

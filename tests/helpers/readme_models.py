@@ -1,0 +1,67 @@
+"""The README's supported-models table, generated from the code's one list of architectures.
+
+    PYTHONPATH=. python tests/helpers/readme_models.py     # prints the table to paste into README.md
+
+Rows come from `SUPPORTED_ARCHITECTURES` and the GGUF column from the GGUF converter's
+`ARCH_SPECS`, imported from whichever module under hybridserve/ defines them. What the
+code does not state per architecture (its layer kinds, and which features the test suite
+checks against Hugging Face for it) is written below, once per family;
+tests/test_readme.py fails when an architecture is added without it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+# family -> (layer kinds, features whose greedy output tests/ checks against HF for it).
+# async: sync and async scheduling; spec: n-gram drafts; prefix: prefix-cache hits.
+FAMILY_FACTS: dict[str, tuple[str, frozenset[str]]] = {
+    "llama": ("full attention", frozenset({"async", "pp", "tp"})),
+    "mistral": ("sliding window", frozenset({"async", "spec", "prefix", "pp", "tp"})),
+    "qwen2": ("sliding window + full", frozenset({"async", "pp", "tp"})),
+    "gemma2": ("sliding window + full, alternating", frozenset({"async", "tp"})),
+    "gemma3": ("sliding window + full, 5:1", frozenset({"async", "spec", "prefix", "pp", "tp"})),
+    "olmo3": ("sliding window + full, 3:1", frozenset({"async", "spec", "prefix", "pp", "tp"})),
+    "cohere2": ("sliding window + full (NoPE), 3:1", frozenset({"async", "spec", "prefix", "pp", "tp"})),
+    "exaone4": ("sliding window + full (NoPE), 3:1", frozenset({"async", "spec", "prefix", "pp", "tp"})),
+    "gpt_oss": ("sliding window + full, alternating; sinks, MoE", frozenset({"async", "spec", "prefix", "pp", "tp"})),
+    "llama4": ("chunked local + full (NoPE), MoE", frozenset({"async", "spec", "prefix", "pp", "tp"})),
+    "mamba2": ("Mamba2", frozenset({"async", "spec", "prefix", "pp", "tp"})),
+    "bamba": ("Mamba2 + full attention", frozenset({"async", "spec", "prefix", "pp", "tp"})),
+}
+FEATURES = (("async", "sync / async"), ("spec", "n-gram spec"), ("prefix", "prefix cache"),
+            ("pp", "PP"), ("tp", "TP"))
+
+
+def _defined(name: str):
+    """The value of `name` from the module under hybridserve/ that assigns it at top level."""
+    pattern = re.compile(rf"^{name}\s*[:=]", re.M)
+    for path in sorted((REPO / "hybridserve").rglob("*.py")):
+        if pattern.search(path.read_text()):
+            module = ".".join(path.relative_to(REPO).with_suffix("").parts)
+            return getattr(importlib.import_module(module), name)
+    raise LookupError(f"no module under hybridserve/ defines {name}")
+
+
+def supported_models_table() -> str:
+    """The markdown table, one row per entry of SUPPORTED_ARCHITECTURES, in its order."""
+    archs: dict[str, str] = _defined("SUPPORTED_ARCHITECTURES")
+    gguf = set(_defined("ARCH_SPECS"))
+    head = ["`config.json` architecture", "layers"] + [title for _, title in FEATURES] + ["`.gguf`"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for arch, family in archs.items():
+        if family not in FAMILY_FACTS:
+            raise KeyError(f"{arch} (family {family!r}) has no entry in tests/helpers/readme_models.py FAMILY_FACTS")
+        layers, tested = FAMILY_FACTS[family]
+        cells = [f"`{arch}`", layers] + ["tested" if key in tested else "-" for key, _ in FEATURES]
+        cells.append("yes" if family in gguf else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(supported_models_table(), end="")

@@ -23,7 +23,7 @@ from hybridserve.core.kv.spec import FullAttentionSpec
 from hybridserve.core.request import RequestStatus
 from hybridserve.core.sched.output import KVConnectorOutput
 from hybridserve.testing import NullConnector, fake_runner_output, make_requests, make_scheduler
-from tests.core.test_sim_mamba_checkpoints import FULL, MAMBA, SW, _offload_workload, check
+from tests.helpers.mamba_sim import FULL, MAMBA, SW, check, offload_workload
 
 
 # -- Bamba through the torch runner, against HF ---------------------------------------------
@@ -33,7 +33,7 @@ def test_two_loaded_bamba_turns_do_not_starve_each_other(async_scheduling: bool,
     then neither fits its first chunk beside the other: the second gives its blocks back.
     Pools this short also preempt (as the earlier 40-block preemption test did)."""
     pytest.importorskip("transformers")
-    from tests.executor.test_offload_mamba import bamba_waves  # HF tokens and no leaks are checked there
+    from tests.helpers.mamba_offload_waves import bamba_waves  # HF tokens and no leaks are checked there
 
     stats = bamba_waves(async_scheduling=async_scheduling, num_blocks=num_blocks)
     assert stats.num_released_loads >= 1 and stats.num_preemptions > 0
@@ -63,9 +63,9 @@ STALLED = [
 
 def run_workload(specs: str, num_blocks: int, async_scheduling: bool, prompt_len: int, budget: int,
                  max_num_seqs: int, conversations: int, extra: int, policy: str):  # type: ignore[no-untyped-def]
-    """_offload_workload with a max_model_len of 256: turn 1 of each conversation, an
+    """offload_workload with a max_model_len of 256: turn 1 of each conversation, an
     evicting wave, then turn 2 loading its state from host; checked against the reference."""
-    run, reqs = _offload_workload(SPECS[specs], prompt_len=prompt_len, num_blocks=num_blocks, budget=budget,
+    run, reqs = offload_workload(SPECS[specs], prompt_len=prompt_len, num_blocks=num_blocks, budget=budget,
                                   num_conversations=conversations, turn2_extra=extra,
                                   async_scheduling=async_scheduling, max_num_seqs=max_num_seqs, policy=policy)
     check(run, reqs, 256)  # reference tokens, no race, every block back in the pool

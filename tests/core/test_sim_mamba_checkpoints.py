@@ -8,28 +8,15 @@ from __future__ import annotations
 
 import pytest
 
-from hybridserve.core.kv.spec import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+from hybridserve.core.kv.spec import MambaSpec, SlidingWindowSpec
 from hybridserve.executor.sim.shadow_kv import FREED, WRONG
-from tests.helpers.sim_helpers import make_request, reference_output, run_sim
-
-BS = 16
-FULL = FullAttentionSpec(BS, 1, 8)
-SW = SlidingWindowSpec(BS, 1, 8, sliding_window=32)
-MAMBA = MambaSpec(BS, shapes=((4, 4),))
-MML = 1024
-
+from tests.helpers.mamba_sim import BS, FULL, MAMBA, MML, SW, check, offload_workload
+from tests.helpers.sim_helpers import make_request, run_sim
 
 def shared_prefix_requests(prefix_len: int = 100, n: int = 3, gap: int = 60) -> list:
     """n requests sharing a prefix_len-token prefix, arriving `gap` steps apart."""
     prefix = [(j * 7) % 900 + 5 for j in range(prefix_len)]
     return [(i * gap, make_request(f"r{i}", prefix + [1000 + i * 10 + j for j in range(30)], 12)) for i in range(n)]
-
-
-def check(run, reqs, max_model_len: int = MML) -> None:
-    assert run.violations == []
-    for _, r in reqs:
-        assert run.outputs[r.request_id] == reference_output(r.prompt_token_ids, r.max_tokens, max_model_len)
-    assert run.num_free_blocks == run.num_blocks - 1
 
 
 @pytest.mark.parametrize("specs", [[MAMBA], [FULL, MAMBA], [SW, MAMBA]], ids=["mamba", "full+mamba", "sw+mamba"])
@@ -78,31 +65,10 @@ def test_unsafe_basis_frees_the_state_block_an_in_flight_step_writes():
     assert any(v.group == 1 for v in run.violations if v.kind in (FREED, WRONG))
 
 
-def _offload_workload(specs, unsafe: bool = False, failure_rate: float = 0.0, *, prompt_len: int = 150,
-                      max_tokens: int = 21, num_evict: int = 6, evict_max_tokens: int = 4, evict_at: int = 30,
-                      turn2_at: int = 200, turn2_extra: int = 30, turn2_max_tokens: int = 15, num_blocks: int = 40,
-                      budget: int = 64, num_conversations: int = 2, **sched_kw):
-    """Turn 1, then unrelated requests that evict it from a small pool, then turn 2
-    (turn 1's prompt + output + more): its Mamba state comes back from host memory.
-    sched_kw: run_sim's scheduling options (async_scheduling, max_num_seqs, policy, ...)."""
-    first = [(0, make_request(f"a{i}", [(i * 131 + j) % 30_000 + 2 for j in range(prompt_len)], max_tokens))
-             for i in range(num_conversations)]
-    evict = [(evict_at, make_request(f"e{i}", [(i * 17 + j) % 999 + 3 for j in range(200)], evict_max_tokens))
-             for i in range(num_evict)]
-    turn2 = [(turn2_at, make_request("t2-" + r.request_id, r.prompt_token_ids
-                                     + reference_output(r.prompt_token_ids, max_tokens, 256) + [7] * turn2_extra,
-                                     turn2_max_tokens))
-             for _, r in first]
-    reqs = first + evict + turn2
-    run = run_sim(specs, reqs, num_blocks, max_model_len=256, max_num_batched_tokens=budget, connector=True,
-                  failure_rate=failure_rate, unsafe=unsafe, strict=not unsafe, **sched_kw)
-    return run, reqs
-
-
 @pytest.mark.parametrize("specs", [[MAMBA], [FULL, MAMBA], [SW, MAMBA]], ids=["mamba", "full+mamba", "sw+mamba"])
 @pytest.mark.parametrize("failure_rate", [0.0, 0.5])
 def test_connector_loads_the_last_checkpoint_of_a_finished_turn(specs, failure_rate):
-    run, reqs = _offload_workload(specs, failure_rate=failure_rate)
+    run, reqs = offload_workload(specs, failure_rate=failure_rate)
     check(run, reqs, 256)
     assert run.connector.num_loaded_blocks + run.connector.num_failed_blocks > 0
     if failure_rate:
@@ -110,7 +76,7 @@ def test_connector_loads_the_last_checkpoint_of_a_finished_turn(specs, failure_r
 
 
 def test_unsafe_basis_lets_a_load_overwrite_a_state_being_read():
-    run, _ = _offload_workload([SW, MAMBA], unsafe=True)
+    run, _ = offload_workload([SW, MAMBA], unsafe=True)
     assert run.violations
 
 
@@ -147,7 +113,7 @@ def test_a_request_waiting_for_its_load_holds_no_more_than_the_caps(failure_rate
     start the request over."""
     # W = 33: at finish (207 processed) the window keeps block 10, which the hit at 192 reads.
     specs = [SlidingWindowSpec(BS, 1, 8, sliding_window=33), MAMBA]
-    run, reqs = _offload_workload(specs, failure_rate=failure_rate, prompt_len=200, max_tokens=8, num_evict=3,
+    run, reqs = offload_workload(specs, failure_rate=failure_rate, prompt_len=200, max_tokens=8, num_evict=3,
                                   evict_max_tokens=2, evict_at=60, turn2_at=400, turn2_extra=9, turn2_max_tokens=5,
                                   num_blocks=24, budget=16)
     check(run, reqs, 256)
@@ -208,7 +174,7 @@ def test_paged_spec_decode_rollback_keeps_outputs_right(acceptance_rate):
 
 @pytest.mark.parametrize("failure_rate", [0.0, 0.5])
 def test_paged_connector_loads_the_last_checkpoint_of_a_finished_turn(failure_rate):
-    run, reqs = _offload_workload([FULL] + PAGED, failure_rate=failure_rate, num_blocks=120)
+    run, reqs = offload_workload([FULL] + PAGED, failure_rate=failure_rate, num_blocks=120)
     check(run, reqs, 256)
     assert run.connector.num_loaded_blocks + run.connector.num_failed_blocks > 0
 

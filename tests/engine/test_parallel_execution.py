@@ -23,8 +23,10 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from tests.helpers import hf_tiny, hf_tiny_mamba  # noqa: E402
-from tests.engine.test_spec_decode_hybrid import OracleDrafter  # noqa: E402
+from tests.helpers import hf_tiny  # noqa: E402
+from tests.helpers.oracle_drafter import OracleDrafter  # noqa: E402
+from tests.helpers.parallel_engine import NEW_TOKENS, make_engine, model_dir  # noqa: E402
+from tests.helpers.tiny_models import greedy_tokens  # noqa: E402
 
 from hybridserve.core.errors import ConfigError  # noqa: E402
 from hybridserve.core.request import Request, SamplingParams  # noqa: E402
@@ -33,9 +35,6 @@ from hybridserve.engine.loop import EngineCore, build_engine  # noqa: E402
 from hybridserve.executor.distributed.backends import make_distributed_executor  # noqa: E402
 from hybridserve.executor.distributed.driver import ExecutorFailedError  # noqa: E402
 from hybridserve.executor.distributed.layout import ParallelLayout  # noqa: E402
-
-NEW_TOKENS = 20
-
 
 class TolerantOracleDrafter(OracleDrafter):
     """The oracle drafter, proposing nothing once a request has left HF's continuation
@@ -48,28 +47,8 @@ class TolerantOracleDrafter(OracleDrafter):
         return super().propose(token_ids, num_drafts)
 
 
-def model_dir(kind: str):  # type: ignore[no-untyped-def]
-    return hf_tiny_mamba.tiny_model_dir(kind) if kind == "bamba" else hf_tiny.tiny_model_dir(kind)
-
-
 def oracle(kind: str, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:
-    if kind == "bamba":
-        return hf_tiny_mamba.oracle(kind, prompt, n)[0]
-    return hf_tiny.oracle(kind, prompt, n)[0]
-
-
-def make_engine(kind: str, pp: int, tp: int = 1, *, async_scheduling: bool = False, spec: int = 0,
-                num_blocks: int = 200, drafter: object = None, trace: bool = False, unsafe: bool = False,
-                backend: str = "mp", max_num_batched_tokens: int = 40, max_model_len: int = 256) -> EngineCore:
-    ex = make_distributed_executor(backend, layout=ParallelLayout(pp, tp), model_path=str(model_dir(kind)),
-                                   num_threads=1, drafter=drafter, trace=trace)
-    try:
-        sc = SchedulerConfig(max_model_len=max_model_len, async_scheduling=async_scheduling, pipeline_parallel_size=pp,
-                             max_num_batched_tokens=max_num_batched_tokens, num_speculative_tokens=spec)
-        return build_engine(sc, ex.kv_cache_config(16, num_blocks=num_blocks), ex, unsafe_optimistic_free=unsafe)
-    except BaseException:
-        ex.shutdown()
-        raise
+    return greedy_tokens(kind, prompt, n)
 
 
 def prompts_with_shared_prefix(seed: int = 0) -> list[list[int]]:
@@ -291,7 +270,8 @@ def test_kv_offload_across_workers_loads_from_host_and_matches_hf(kind: str, pp:
     """Each worker keeps its share of every offloaded block (its layers, its heads); a
     load counts as done once every worker has loaded its share, and a block any worker
     failed to load is recomputed. Waves as in test_offload.py: wave 2 comes back from host."""
-    from tests.executor.test_offload import NEW_TOKENS as OFFLOAD_TOKENS, PREFIX, WAVE1, run_waves
+    from tests.helpers.offload_waves import PREFIX, WAVE1, run_waves
+    from tests.helpers.torch_engine import NEW_TOKENS as OFFLOAD_TOKENS
 
     from hybridserve.executor.torch.offload import attach_host_offload
 

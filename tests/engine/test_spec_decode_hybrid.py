@@ -20,7 +20,8 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from tests.helpers import hf_tiny, hf_tiny_mamba  # noqa: E402
+from tests.helpers.oracle_drafter import OracleDrafter  # noqa: E402
+from tests.helpers.tiny_models import greedy_tokens as oracle, model_dir  # noqa: E402
 
 from hybridserve.core.request import Request, SamplingParams  # noqa: E402
 from hybridserve.core.sched.config import SchedulerConfig  # noqa: E402
@@ -30,16 +31,6 @@ from hybridserve.models.loaders.loader import load_model  # noqa: E402
 
 NEW_TOKENS = 24
 _MODELS: dict[str, object] = {}
-
-
-def oracle(kind: str, prompt: list[int], n: int) -> list[int]:
-    if kind == "llama4":
-        return hf_tiny.oracle(kind, prompt, n)[0]
-    return hf_tiny_mamba.oracle(kind, prompt, n)[0]
-
-
-def model_dir(kind: str):  # type: ignore[no-untyped-def]
-    return hf_tiny.tiny_model_dir(kind) if kind == "llama4" else hf_tiny_mamba.tiny_model_dir(kind)
 
 
 def prompts_for(kind: str) -> list[list[int]]:
@@ -55,24 +46,6 @@ def prompts_for(kind: str) -> list[list[int]]:
         pattern = [rng.randint(3, 255) for _ in range(rng.randint(5, 8))]
         out.append([rng.randint(3, 255) for _ in range(7)] + pattern * 4 + pattern[:2])
     return out
-
-
-class OracleDrafter:
-    """Proposes the true greedy continuation, with one draft corrupted on two proposals of three."""
-
-    def __init__(self, sequences: list[list[int]]) -> None:
-        self.sequences = sequences  # prompt + HF greedy output, per prompt
-        self.calls = 0
-
-    def propose(self, token_ids: list[int], num_drafts: int) -> list[int]:
-        n = len(token_ids)
-        full = next(f for f in self.sequences if f[:n] == token_ids)
-        drafts = list(full[n : n + num_drafts])
-        self.calls += 1
-        if drafts and self.calls % 3:
-            j = 0 if self.calls % 3 == 1 else (self.calls // 3) % len(drafts)
-            drafts[j] = (drafts[j] + 1) % 512
-        return drafts
 
 
 def make_engine(kind: str, async_scheduling: bool, spec: int, drafter: object = None,
@@ -158,13 +131,13 @@ def test_a_short_pool_skips_checkpoints_under_verification_and_every_token_is_hf
     blocks + 9 running-state pages + the null block = 26; Mamba2 1 + 1): verify steps
     find no blocks to spare for some boundaries (null entries, no checkpoint there), the
     rollback still lands in the running block, and both turns are HF's tokens."""
-    from tests.models.test_mamba import _count_skipped_checkpoints
+    from tests.helpers.mamba_engine import count_skipped_checkpoints
 
     prompts = prompts_for(kind)
     turn2 = [p + oracle(kind, p, NEW_TOKENS) + [7, 8, 9] for p in prompts]
     sequences = [p + oracle(kind, p, NEW_TOKENS) for p in prompts + turn2]
     eng = make_engine(kind, async_scheduling, spec, OracleDrafter(sequences), num_blocks={"mamba2": 4, "bamba": 30}[kind])
-    skipped = _count_skipped_checkpoints(eng)
+    skipped = count_skipped_checkpoints(eng)
     first = run(eng, prompts, tag="a", shutdown=False)
     second = run(eng, turn2, tag="b")
     for i, p in enumerate(prompts):

@@ -15,7 +15,7 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 
-from tests.engine.test_structured_output import schemas  # noqa: E402
+from tests.helpers.json_schemas import schemas  # noqa: E402
 
 from hybridserve import LLM, SamplingParams, StructuredOutput  # noqa: E402
 from hybridserve.models.loaders.default_model import default_model_path  # noqa: E402

@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from tests.helpers import hf_tiny  # noqa: E402
-from tests.executor.test_torch_engine import PROMPTS, make_engine  # noqa: E402
+from tests.helpers.torch_engine import PROMPTS, make_engine  # noqa: E402
 
 from hybridserve.core.errors import RequestError  # noqa: E402
 from hybridserve.core.request import Request, SamplingParams  # noqa: E402
@@ -129,8 +129,8 @@ def test_bad_prompt_logprobs_are_request_errors(value: object) -> None:
 @pytest.mark.parametrize("kind", ["mamba2", "bamba"])
 def test_prompt_logprobs_of_recurrent_models_match_hf(kind: str) -> None:
     from tests.helpers import hf_tiny_mamba
-    from tests.models.test_mamba import PROMPTS as MAMBA_PROMPTS
-    from tests.models.test_mamba import make_engine as make_mamba_engine
+    from tests.helpers.mamba_engine import PROMPTS as MAMBA_PROMPTS
+    from tests.helpers.mamba_engine import make_engine as make_mamba_engine
 
     # Chunks of 24 tokens: the recurrent state carries the prompt across chunk boundaries.
     eng = make_mamba_engine(kind, async_scheduling=True, max_num_batched_tokens=24)
@@ -148,7 +148,7 @@ def test_prompt_logprobs_of_recurrent_models_match_hf(kind: str) -> None:
 
 
 def test_prompt_logprobs_from_pipeline_and_tensor_parallel_workers_match_hf() -> None:
-    from tests.engine.test_parallel_execution import make_engine as make_parallel_engine
+    from tests.helpers.parallel_engine import make_engine as make_parallel_engine
 
     # The last pipeline stage computes them, each of its 2 tensor-parallel ranks with the
     # (replicated) head on hidden states its ranks reduced together.

@@ -28,7 +28,7 @@ from hybridserve.models.config import CHUNKED, FULL, load_model_config, parse_mo
 from hybridserve.models.kv_specs import layer_name, model_kv_layer_specs  # noqa: E402
 from hybridserve.models.arch.llama4 import Llama4LM  # noqa: E402
 from tests.helpers import hf_tiny  # noqa: E402
-from tests.executor.test_torch_engine import RecordingExecutor, check_tokens, model, run  # noqa: E402
+from tests.helpers.torch_engine import RecordingExecutor, check_tokens, model, run  # noqa: E402
 
 KIND = "llama4"
 BS = 16

@@ -19,31 +19,18 @@ pytest.importorskip("transformers")
 
 from hybridserve.core.errors import ConfigError, RequestError  # noqa: E402
 from hybridserve.core.kv.spec import FullAttentionSpec, MambaSpec, with_mamba_checkpoints  # noqa: E402
-from hybridserve.core.request import Request, SamplingParams  # noqa: E402
+from hybridserve.core.request import SamplingParams  # noqa: E402
 from hybridserve.core.sched.config import SchedulerConfig  # noqa: E402
 from hybridserve.core.sched.output import NewRequestData, ScheduledRequest, SchedulerOutput  # noqa: E402
-from hybridserve.engine.loop import EngineCore, build_engine  # noqa: E402
+from hybridserve.engine.loop import build_engine  # noqa: E402
 from hybridserve.executor.torch.executor import TorchExecutor, build_kv_cache_config  # noqa: E402
 from hybridserve.executor.torch.model_runner import ModelRunner  # noqa: E402
 from hybridserve.models.config import FULL, parse_model_config  # noqa: E402
 from hybridserve.models.kv_specs import model_kv_layer_specs  # noqa: E402
-from hybridserve.models.loaders.loader import load_model  # noqa: E402
 from hybridserve.models.arch.mamba_config import MAMBA  # noqa: E402
-from hybridserve.models.arch.mamba_lm import MambaLM  # noqa: E402
-from tests.helpers import hf_tiny, hf_tiny_mamba as tiny  # noqa: E402
-
-BS = 16
-NEW_TOKENS = 12
-PROMPTS = hf_tiny.random_prompts(4, 40, 100, vocab=512, seed=11)
-_MODELS: dict[str, MambaLM] = {}
-
-
-def model(kind: str) -> MambaLM:
-    if kind not in _MODELS:
-        m = load_model(tiny.tiny_model_dir(kind))
-        assert isinstance(m, MambaLM)
-        _MODELS[kind] = m
-    return _MODELS[kind]
+from tests.helpers import hf_tiny_mamba as tiny  # noqa: E402
+from tests.helpers.mamba_engine import (BS, NEW_TOKENS, PROMPTS, check, count_skipped_checkpoints,  # noqa: E402
+                                        make_engine, model, run)
 
 
 # -- configs and specs -------------------------------------------------------------------
@@ -247,43 +234,6 @@ def test_runner_refuses_a_mid_sequence_start() -> None:
 
 
 # -- end to end through the engine ----------------------------------------------------------
-def make_engine(kind: str, *, async_scheduling: bool, num_blocks: int = 200, max_num_batched_tokens: int = 2048,
-                prefix_caching: bool = True) -> EngineCore:
-    ex = TorchExecutor(model(kind), use_worker_thread=async_scheduling)
-    sc = SchedulerConfig(max_model_len=160, async_scheduling=async_scheduling,
-                         max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=prefix_caching)
-    return build_engine(sc, ex.kv_cache_config(BS, num_blocks=num_blocks), ex)
-
-
-def run(engine: EngineCore, prompts: list[list[int]], tag: str = "r", shutdown: bool = True,
-        **sampling: object) -> dict[str, list]:
-    """{request id: [tokens, logprobs, num_cached]} once every prompt finished."""
-    for i, p in enumerate(prompts):
-        engine.add_request(Request(f"{tag}{i}", p, SamplingParams(max_tokens=NEW_TOKENS, **sampling)))  # type: ignore[arg-type]
-    got: dict[str, list] = {}
-    try:
-        while engine.has_unfinished_requests():
-            _, outs = engine.step()
-            for o in outs:
-                entry = got.setdefault(o.request_id, [[], [], 0])
-                entry[0].extend(o.new_token_ids)
-                if o.logprobs is not None:
-                    entry[1].extend(o.logprobs.token_logprobs)
-                entry[2] = max(entry[2], o.num_cached_tokens)
-    finally:
-        if shutdown:
-            engine.shutdown()
-    return got
-
-
-def check(kind: str, prompts: list[list[int]], got: dict[str, list], tag: str = "r") -> None:
-    for i, p in enumerate(prompts):
-        want, want_lp = tiny.oracle(kind, p, NEW_TOKENS)
-        assert got[f"{tag}{i}"][0] == want, f"{kind} prompt {i} (len {len(p)})"
-        if got[f"{tag}{i}"][1]:
-            assert max(abs(a - b) for a, b in zip(got[f"{tag}{i}"][1], want_lp)) < 1e-3
-
-
 @pytest.mark.parametrize("kind", tiny.KINDS)
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_greedy_matches_hf(kind: str, async_scheduling: bool) -> None:
@@ -393,20 +343,6 @@ def test_paged_bamba_states_hit_the_best_effort_checkpoints(async_scheduling: bo
     assert len(base) == 86 and [got[f"b{i}"][2] for i in range(3)] == [80, 64, 96]
 
 
-def _count_skipped_checkpoints(eng: EngineCore) -> list[int]:
-    """Null entries a running request's table got when its running block moved on (its
-    best-effort checkpoints skipped for want of spare blocks), one count per allocation."""
-    skipped: list[int] = []
-    for m in eng.scheduler.kv.coordinator.in_place:
-        def counting(rid, num_tokens, chunk_start=0, orig=m.allocate_new_blocks, m=m):  # type: ignore[no-untyped-def]
-            moving = rid in m.running
-            new = orig(rid, num_tokens, chunk_start)
-            skipped.append(sum(b.is_null for b in new) if moving else 0)
-            return new
-        m.allocate_new_blocks = counting  # type: ignore[method-assign]
-    return skipped
-
-
 @pytest.mark.parametrize("kind", tiny.KINDS)
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_a_short_pool_skips_checkpoints_and_every_token_is_hf(kind: str, async_scheduling: bool) -> None:
@@ -418,7 +354,7 @@ def test_a_short_pool_skips_checkpoints_and_every_token_is_hf(kind: str, async_s
     num_blocks = {"mamba2": 4, "bamba": 26}[kind]
     base = PROMPTS[3]
     eng = make_engine(kind, async_scheduling=async_scheduling, num_blocks=num_blocks, max_num_batched_tokens=24)
-    skipped = _count_skipped_checkpoints(eng)
+    skipped = count_skipped_checkpoints(eng)
     first = run(eng, [base], tag="a", shutdown=False)
     turn2 = base + first["a0"][0] + [5, 6, 7]
     second = [list(base), base[:50] + [9] * 20, turn2]

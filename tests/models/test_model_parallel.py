@@ -10,7 +10,6 @@ unsplit reference itself is checked against HF transformers' logits first.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Callable
 
 import pytest
@@ -25,9 +24,10 @@ from hybridserve.models.kv_specs import model_kv_layer_specs
 from hybridserve.models.loaders.loader import load_model
 from hybridserve.models.parallel import (PipelineStage, TPGroup, check_tp, init_model_parallel, stage_layer_ranges,
                                          tp_sizes_that_work)
-from tests.helpers import hf_tiny, hf_tiny_mamba
+from tests.helpers import hf_tiny_mamba
 from tests.helpers.dist_ranks import run_ranks
 from tests.helpers.flat_backend import FlatBackend
+from tests.helpers.tiny_models import model_dir
 
 COUNTS = [23, 41]  # two requests' tokens: past the 16-token windows, across a 32-token Llama 4 chunk
 # Tensor parallel shards change the summation order of row-parallel products (float32); the
@@ -41,43 +41,6 @@ TP_LOGITS_ATOL = 1e-4
 def _ids(counts: list[int] = COUNTS, vocab: int = 256) -> torch.Tensor:
     g = torch.Generator().manual_seed(7)
     return torch.randint(3, vocab, (sum(counts),), generator=g)
-
-
-_VARIANTS: dict[str, Path] = {}
-
-
-def _variant(name: str, base: object, **changes: object) -> Path:
-    """A tiny model built from an HF config with some fields changed (biases, group counts)."""
-    if name not in _VARIANTS:
-        from transformers import AutoModelForCausalLM
-
-        for key, value in changes.items():
-            setattr(base, key, value)
-        torch.manual_seed(1)
-        model = AutoModelForCausalLM.from_config(base, dtype=torch.float32)
-        hf_tiny.randomize_norms(model, getattr(base, "model_type", ""))
-        root = hf_tiny.tiny_model_dir("llama").parent  # the shared temporary folder
-        _VARIANTS[name] = root / name
-        model.save_pretrained(_VARIANTS[name])
-    return _VARIANTS[name]
-
-
-def model_dir(kind: str) -> Path:
-    if kind in hf_tiny_mamba.KINDS:
-        return hf_tiny_mamba.tiny_model_dir(kind)
-    if kind == "llama_bias":  # biases of the row-parallel o and down: added once, by rank 0
-        return _variant(kind, hf_tiny.hf_config("llama"), attention_bias=True, mlp_bias=True)
-    if kind == "bamba_1group":  # one Mamba group over 2 ranks: the gated norm sums across ranks
-        return _variant(kind, hf_tiny_mamba.hf_config("bamba"), mamba_n_groups=1)
-    if kind == "gemma3_1kv":  # one KV head over 2 ranks: both keep (and cache) it
-        return _variant(kind, hf_tiny.hf_config("gemma3"), num_key_value_heads=1)
-    if kind == "olmo3_1kv":  # one KV head over 2 ranks: both hold all of k, whose norm spans the projection
-        return _variant(kind, hf_tiny.hf_config("olmo3"), num_key_value_heads=1)
-    if kind == "cohere2_bias":  # attention biases: the o bias added once inside the parallel block's sum
-        return _variant(kind, hf_tiny.hf_config("cohere2"), attention_bias=True)
-    if kind == "mamba2_1group_bias":
-        return _variant(kind, hf_tiny_mamba.hf_config("mamba2"), n_groups=1, use_bias=True)
-    return hf_tiny.tiny_model_dir(kind)
 
 
 def run_steps(model: torch.nn.Module, steps: list[list[int]], receive: Callable[[int], torch.Tensor] | None = None,

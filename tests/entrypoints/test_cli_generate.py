@@ -33,42 +33,42 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
 
 
 @pytest.fixture(scope="module")
-def model_dir() -> str:
+def serving_dir() -> str:
     return str(tiny_serving_dir())
 
 
 @pytest.fixture(scope="module")
-def texts(model_dir: str) -> list[str]:
-    llm = LLM(model_dir, max_model_len=int(MAX_LEN), progress=False)
+def texts(serving_dir: str) -> list[str]:
+    llm = LLM(serving_dir, max_model_len=int(MAX_LEN), progress=False)
     try:
         return [o.text for o in llm.generate(PROMPTS[:3], SamplingParams(max_tokens=10), use_tqdm=False)]
     finally:
         llm.shutdown()
 
 
-def test_generate_prints_each_completion_in_order(model_dir: str, texts: list[str], capsys) -> None:
-    rc, out, err = run_cli(["generate", "--model", model_dir, "--max-model-len", MAX_LEN, "--max-tokens", "10",
+def test_generate_prints_each_completion_in_order(serving_dir: str, texts: list[str], capsys) -> None:
+    rc, out, err = run_cli(["generate", "--model", serving_dir, "--max-model-len", MAX_LEN, "--max-tokens", "10",
                             "--quiet", *PROMPTS[:3]], capsys)
     assert rc == 0, err
     assert out == "\n\n".join(texts) + "\n"
 
 
-def test_generate_reads_prompts_from_stdin_and_echoes(model_dir: str, texts: list[str], capsys, monkeypatch) -> None:
+def test_generate_reads_prompts_from_stdin_and_echoes(serving_dir: str, texts: list[str], capsys, monkeypatch) -> None:
     monkeypatch.setattr(sys, "stdin", io.StringIO(f"{PROMPTS[0]}\n\n{PROMPTS[1]}\n"))
-    rc, out, err = run_cli(["generate", "--model", model_dir, "--max-model-len", MAX_LEN, "--max-tokens", "10",
+    rc, out, err = run_cli(["generate", "--model", serving_dir, "--max-model-len", MAX_LEN, "--max-tokens", "10",
                             "--echo", "--stats", "--quiet"], capsys)
     assert rc == 0, err
     assert out == f"{PROMPTS[0]}{texts[0]}\n\n{PROMPTS[1]}{texts[1]}\n"
     assert "2 prompt(s)" in err and "tok/s" in err
 
 
-def test_generate_chat_uses_the_chat_template(model_dir: str, capsys) -> None:
-    llm = LLM(model_dir, max_model_len=int(MAX_LEN), progress=False)
+def test_generate_chat_uses_the_chat_template(serving_dir: str, capsys) -> None:
+    llm = LLM(serving_dir, max_model_len=int(MAX_LEN), progress=False)
     try:
         want = llm.chat([{"role": "user", "content": "hello cat"}], SamplingParams(max_tokens=6))[0].text
     finally:
         llm.shutdown()
-    rc, out, _ = run_cli(["generate", "--model", model_dir, "--max-model-len", MAX_LEN, "--max-tokens", "6",
+    rc, out, _ = run_cli(["generate", "--model", serving_dir, "--max-model-len", MAX_LEN, "--max-tokens", "6",
                           "--chat", "--quiet", "hello cat"], capsys)
     assert rc == 0 and out == want + "\n"
 
@@ -90,32 +90,32 @@ def _busy_port() -> socket.socket:
     (["--dtype", "int4"], "argument --dtype: invalid choice: 'int4'"),
     (["--max-model-len", "99999"], "max_model_len=99999 exceeds the model's context"),
 ])
-def test_generate_user_errors_are_one_line_and_exit_2(model_dir: str, capsys, args: list[str], message: str) -> None:
-    rc, out, err = run_cli(["generate", "--model", model_dir, "--quiet", *args, "hello"], capsys)
+def test_generate_user_errors_are_one_line_and_exit_2(serving_dir: str, capsys, args: list[str], message: str) -> None:
+    rc, out, err = run_cli(["generate", "--model", serving_dir, "--quiet", *args, "hello"], capsys)
     assert rc == 2 and out == ""
     assert err.startswith("hybridserve generate: error: ") and err.count("\n") == 1, err
     assert message in err and "Traceback" not in err
 
 
-def test_other_one_line_errors(model_dir: str, capsys, monkeypatch, tmp_path: Path) -> None:
+def test_other_one_line_errors(serving_dir: str, capsys, monkeypatch, tmp_path: Path) -> None:
     cases = [
         (["generate", "--model", str(tmp_path / "missing"), "hi"], "model path does not exist"),
-        (["serve", "--model", model_dir, "--port", "70000"], "--port: must be in 0..65535"),
-        (["serve", "--model", model_dir, "--max-body-bytes", "0"], "max_body_bytes must be >= 1, got 0"),
-        (["serve", "--model", model_dir, "--shutdown-timeout", "nan"], "shutdown_timeout must be >= 0 seconds"),
-        (["serve", "--model", model_dir, "--max-waiting-requests", "-1"], "max_waiting_requests must be >= 0"),
-        (["serve", "--model", model_dir, "--api-key", "k", "--max-stop-strings", "0"], "max_stop_strings must be >= 1"),
-        (["bench", "--model", model_dir, "--num-prompts", "0"], "--num-prompts: must be >= 1"),
-        (["bench", "--model", model_dir, "--request-rate", "5"], "--request-rate: applies to a running server only"),
+        (["serve", "--model", serving_dir, "--port", "70000"], "--port: must be in 0..65535"),
+        (["serve", "--model", serving_dir, "--max-body-bytes", "0"], "max_body_bytes must be >= 1, got 0"),
+        (["serve", "--model", serving_dir, "--shutdown-timeout", "nan"], "shutdown_timeout must be >= 0 seconds"),
+        (["serve", "--model", serving_dir, "--max-waiting-requests", "-1"], "max_waiting_requests must be >= 0"),
+        (["serve", "--model", serving_dir, "--api-key", "k", "--max-stop-strings", "0"], "max_stop_strings must be >= 1"),
+        (["bench", "--model", serving_dir, "--num-prompts", "0"], "--num-prompts: must be >= 1"),
+        (["bench", "--model", serving_dir, "--request-rate", "5"], "--request-rate: applies to a running server only"),
         (["bench", "--url", "http://127.0.0.1:9", "--goodput-ttft-ms", "nan"], "--goodput-ttft-ms: must be >= 0 ms"),
         (["nonsense"], "invalid choice: 'nonsense'"),
         # A command-line byte that is not UTF-8 reaches Python as a lone surrogate.
-        (["generate", "--model", model_dir, "--quiet", "ok\udcff"],
+        (["generate", "--model", serving_dir, "--quiet", "ok\udcff"],
          "prompt 0: prompt is not valid Unicode: a lone surrogate U+DCFF (the byte 0xFF, which is not UTF-8)"),
     ]
     busy = _busy_port()
     try:
-        cases.append((["serve", "--model", model_dir, "--port", str(busy.getsockname()[1])], "cannot listen on"))
+        cases.append((["serve", "--model", serving_dir, "--port", str(busy.getsockname()[1])], "cannot listen on"))
         for argv, message in cases:
             rc, _, err = run_cli(argv, capsys)
             assert rc == 2 and err.count("\n") == 1 and message in err, (argv, err)
@@ -123,10 +123,10 @@ def test_other_one_line_errors(model_dir: str, capsys, monkeypatch, tmp_path: Pa
         busy.close()
 
 
-def test_no_prompt_runs_the_examples_echoed(model_dir: str, capsys, monkeypatch) -> None:
+def test_no_prompt_runs_the_examples_echoed(serving_dir: str, capsys, monkeypatch) -> None:
     monkeypatch.setattr(sys, "stdin", io.StringIO(""))
     monkeypatch.setattr(sys.stdin, "isatty", lambda: True)
-    rc, out, err = run_cli(["generate", "--model", model_dir, "--max-model-len", MAX_LEN, "--max-tokens", "3"], capsys)
+    rc, out, err = run_cli(["generate", "--model", serving_dir, "--max-model-len", MAX_LEN, "--max-tokens", "3"], capsys)
     assert rc == 0, err
     blocks = out.split("\n\n")
     assert len(blocks) == len(EXAMPLE_PROMPTS)
@@ -150,9 +150,9 @@ def test_help(command: str, capsys) -> None:
     assert rc == 0 and f"usage: hybridserve {command}" in out and "--model" in out
 
 
-def test_bench_reports_throughput(model_dir: str, capsys, tmp_path: Path) -> None:
+def test_bench_reports_throughput(serving_dir: str, capsys, tmp_path: Path) -> None:
     out_json = tmp_path / "bench.json"
-    rc, out, err = run_cli(["bench", "--model", model_dir, "--max-model-len", MAX_LEN, "--num-prompts", "3",
+    rc, out, err = run_cli(["bench", "--model", serving_dir, "--max-model-len", MAX_LEN, "--num-prompts", "3",
                             "--input-len", "8", "--output-len", "5", "--json", str(out_json)], capsys)
     assert rc == 0, err
     assert "output throughput" in out and "TTFT" in out and "TPOT" in out

@@ -56,19 +56,19 @@ def _long_text() -> str:
 
 
 @pytest.fixture(scope="module")
-def model_dir() -> Path:
+def gemma_dir() -> Path:
     return default_model_path(progress=False)
 
 
 @pytest.fixture(scope="module")
-def hf_model(model_dir: Path):
-    model = transformers.Gemma3ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+def hf_model(gemma_dir: Path):
+    model = transformers.Gemma3ForCausalLM.from_pretrained(str(gemma_dir), dtype=torch.float32)
     return model.eval()
 
 
 @pytest.fixture(scope="module")
-def prompts(model_dir: Path) -> list[list[int]]:
-    tok = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+def prompts(gemma_dir: Path) -> list[list[int]]:
+    tok = transformers.AutoTokenizer.from_pretrained(str(gemma_dir))
     ids = [tok(t)["input_ids"] for t in (*SHORT_PROMPTS, _long_text())]
     assert len(ids[-1]) >= 700, len(ids[-1])
     return ids
@@ -91,10 +91,10 @@ def _single_step(model, prompt: list[int], params: SamplingParams):
     return captured[0], out
 
 
-def test_runner_logits_equal_hf(model_dir: Path, hf_model) -> None:
-    tok = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+def test_runner_logits_equal_hf(gemma_dir: Path, hf_model) -> None:
+    tok = transformers.AutoTokenizer.from_pretrained(str(gemma_dir))
     prompt = tok(LOGITS_PROMPT)["input_ids"]
-    model = load_model(model_dir, "cpu", torch.float32)
+    model = load_model(gemma_dir, "cpu", torch.float32)
     hidden, out = _single_step(model, prompt, SamplingParams(max_tokens=1, logprobs=0, seed=0))
     with torch.inference_mode():
         ours = model.logits(hidden)
@@ -119,13 +119,13 @@ def hf_greedy(hf_model, prompts: list[list[int]]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("window_tail_allocation", [None, False], ids=["window-tail-default-on", "window-tail-off"])
-def test_greedy_streams_equal_hf(model_dir: Path, prompts: list[list[int]], hf_greedy: list[list[int]],
+def test_greedy_streams_equal_hf(gemma_dir: Path, prompts: list[list[int]], hf_greedy: list[list[int]],
                                  window_tail_allocation: bool | None) -> None:
     """Async scheduling, chunked prefill across window and block boundaries, with window-tail
     allocation as this runner defaults it (on) and forced off."""
     from hybridserve import LLM, SamplingParams
 
-    llm = LLM(model=str(model_dir), max_num_batched_tokens=CHUNK_TOKENS, block_size=BLOCK_SIZE,
+    llm = LLM(model=str(gemma_dir), max_num_batched_tokens=CHUNK_TOKENS, block_size=BLOCK_SIZE,
               max_model_len=2048, window_tail_allocation=window_tail_allocation, dtype="float32")
     assert llm.config.async_scheduling
     tail = llm.parts.engine.scheduler.kv.window_tail
@@ -137,13 +137,13 @@ def test_greedy_streams_equal_hf(model_dir: Path, prompts: list[list[int]], hf_g
     assert got == hf_greedy
 
 
-def test_prompt_logprobs_of_a_long_prompt_equal_hf(model_dir: Path, hf_model, prompts: list[list[int]]) -> None:
+def test_prompt_logprobs_of_a_long_prompt_equal_hf(gemma_dir: Path, hf_model, prompts: list[list[int]]) -> None:
     """The 700+ token prompt, prefilled in 256-token chunks across the 512 window: each
     token's logprob given those before it, and the best alternative, as one HF forward."""
     from hybridserve import LLM
 
     prompt = prompts[-1]
-    llm = LLM(model=str(model_dir), max_num_batched_tokens=CHUNK_TOKENS, block_size=BLOCK_SIZE,
+    llm = LLM(model=str(gemma_dir), max_num_batched_tokens=CHUNK_TOKENS, block_size=BLOCK_SIZE,
               max_model_len=2048, dtype="float32", quantization="none")
     try:
         out = llm.generate([list(prompt)], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]

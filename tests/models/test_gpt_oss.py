@@ -38,7 +38,8 @@ from hybridserve.models.loaders.loader import load_model  # noqa: E402
 from hybridserve.models.layers.rope import RopeTable  # noqa: E402
 from tests.helpers import hf_tiny, mxfp4_pack  # noqa: E402
 from tests.helpers.flat_backend import FlatBackend  # noqa: E402
-from tests.executor.test_torch_engine import PROMPTS, check_tokens, make_engine, model, run  # noqa: E402
+from tests.helpers.torch_engine import PROMPTS, check_tokens, make_engine, model, run  # noqa: E402
+from tests.helpers import spec_engine as sd  # noqa: E402
 
 KIND = "gpt_oss"
 
@@ -224,8 +225,6 @@ class KnownAnswerDrafter(NgramDrafter):
 
 @pytest.mark.parametrize("async_scheduling,spec", [(False, 2), (True, 4)], ids=["sync2", "async4"])
 def test_ngram_drafts_with_rejections(async_scheduling: bool, spec: int) -> None:
-    from tests.engine import test_spec_decode as sd
-
     eng = sd.make_engine(KIND, async_scheduling=async_scheduling, spec=spec, drafter=NgramDrafter(1, 3))
     got = sd.run(eng, sd.prompts_for(KIND))
     sd.check_hf(KIND, got)
@@ -235,8 +234,6 @@ def test_ngram_drafts_with_rejections(async_scheduling: bool, spec: int) -> None
 
 @pytest.mark.parametrize("async_scheduling,spec", [(False, 2), (True, 4)], ids=["sync2", "async4"])
 def test_drafts_accepted_then_rejected(async_scheduling: bool, spec: int) -> None:
-    from tests.engine import test_spec_decode as sd
-
     prompts = sd.prompts_for(KIND)
     answers = tuple((tuple(p), tuple(hf_tiny.oracle(KIND, p, sd.NEW_TOKENS)[0])) for p in prompts)
     eng = sd.make_engine(KIND, async_scheduling=async_scheduling, spec=spec, drafter=KnownAnswerDrafter(answers=answers))

@@ -96,8 +96,9 @@ def build_engine_parts(config: EngineConfig, progress: bool = True) -> EnginePar
     say(progress, describe(dtype, quantization, flags))  # after the checks: an error stays one line
     # Async scheduling overlaps the next step's scheduling with this one's execution. On a
     # GPU a worker thread lets the host run ahead of the kernels; on CPU the model's own
-    # threads use every core and a second Python thread only steals them (measured: Gemma 3
-    # 270M 17% slower), so the step runs inline and the overlap is the scheduler's alone.
+    # threads use every core and a second Python thread only steals them (slower end to end:
+    # benchmarks/gemma_bench.py, benchmarks/results/cpu_threads.md), so the step runs inline
+    # and the overlap is the scheduler's alone.
     grammar = grammar_backend(tokenizer, model_cfg)
     executor: Any
     if config.is_multiprocess:

@@ -1,10 +1,9 @@
 """How many threads a step runs with: the count measured fastest on the CPU this process gets.
 
-On a quiet machine every core helps (Gemma 3 270M, 2 Sapphire Rapids cores: 2 threads
-~1.15-1.3x faster than 1). On a machine shared with other busy processes, each parallel
-region waits for whichever of its threads the OS has descheduled, and one thread is
-faster: 1.4-1.9x at load 3-6 from other processes (benchmarks/results/thread_count.md). Which case
-holds is not known in advance and changes while serving, so it is measured.
+On a quiet machine every core helps. On a machine shared with other busy processes, each
+parallel region waits for whichever of its threads the OS has descheduled, and one thread
+is faster (`benchmarks/cpu_peers.py --busy N`; benchmarks/results/cpu_threads.md). Which
+case holds is not known in advance and changes while serving, so it is measured.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ EXPLORE_STEPS = 3
 # Counted steps per count whose median is its cost. A median, not a running average: one
 # step the OS delays moves an average past the other count's and keeps a quiet machine on
 # the slower count for many steps, while a load that stays moves the median within 3
-# steps (benchmarks/results/thread_count.md).
+# steps (benchmarks/results/thread_count.md, cpu_threads.md).
 WINDOW = 5
 
 

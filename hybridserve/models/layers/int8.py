@@ -13,8 +13,7 @@ input itself, for every row count on AVX2 alone (int8_paths).
 
 Why int8 activations at all: without AMX, a decode batch of 16-64 rows makes the matmuls
 compute-bound, and VNNI's int8 dot products do twice the multiply-adds per instruction of
-AVX512-BF16's. Gemma 3 270M on one Sapphire Rapids core, 16 rows: all 18 layers' matmuls
-take 70 ms per step in bfloat16 and 23 ms in int8 x int8. On AVX2 alone the int8 products
+AVX512-BF16's (benchmarks/int8_rows.py, benchmarks/results/cpu_kernels.md). On AVX2 alone the int8 products
 (vpmaddubsw) still do four times the multiply-adds per instruction of float32 FMAs, and a
 step reads a quarter of float32's bytes.
 
@@ -207,12 +206,9 @@ def choose_int8_paths(flags: frozenset[str] | set[str], fbgemm: bool) -> tuple[s
     these flags, `fbgemm` saying whether torch has fbgemm (fbgemm_available).
 
     With int8 dot products: plain (torch._int_mm on the plain weight) for one row, packed
-    (oneDNN's packed GEMM) for more. The packed GEMM costs about 30 us per call whatever its
-    size (a 64 x 64 weight takes as long as a 640 x 1024 one), much of a one-row product
-    on a decoder-sized weight; from 2 rows on the plain path is no faster
-    (`python benchmarks/int8_rows.py`, Gemma 3 270M's 72 decoder matmuls, 2 Sapphire
-    Rapids cores, 4 runs, load ~1: one row 8.9-13.2 ms per step against 11.2-16.7 packed;
-    2 rows 12.0-19.0 vs 11.2-16.9, 16 rows 20.1-27.4 vs 20.1-26.6).
+    (oneDNN's packed GEMM) for more. The packed GEMM has a fixed cost per call whatever its
+    size, much of a one-row product on a decoder-sized weight; from 2 rows on the plain
+    path is no faster (`python benchmarks/int8_rows.py`, benchmarks/results/cpu_kernels.md).
 
     On AVX2 alone: fbgemm at every row count. There oneDNN's packed u8 x s8 GEMM is no
     faster than float32 up to 16 rows and torch._int_mm only somewhat faster, while

@@ -1,21 +1,20 @@
 """Linear layers for inference: plain `F.linear`, or oneDNN with weights packed once on CPU.
 
 PyTorch's CPU `F.linear` goes through MKL, which on AMD CPUs (and at the small row
-counts of decode steps anywhere) reaches a fraction of the machine's bandwidth: on the
-2-core EPYC we test on, Gemma 3's 262k x 640 output head takes ~400 ms for 16 rows
-through MKL and ~100 ms through oneDNN with the weight pre-packed into its blocked
-layout. Packing costs a copy per weight at load; small weights (the tiny test models)
-stay on the plain path, where oneDNN's per-call overhead would dominate.
+counts of decode steps anywhere) reaches a fraction of the machine's bandwidth; oneDNN
+with the weight pre-packed into its blocked layout reads it at full speed
+(benchmarks/head_chunks.py, benchmarks/results/cpu_kernels.md). Packing costs a copy per
+weight at load; small weights (the tiny test models) stay on the plain path, where
+oneDNN's per-call overhead would dominate.
 
 Results differ from `F.linear` only by float summation order (~1e-6 relative).
 
 bfloat16 weights on a CPU that does not multiply bf16 natively (no AVX512-BF16 or AMX)
 are packed as float32 copies of their bf16 values, and each call runs the float32 kernel
 on the input's values and rounds the result to bf16 once. That is the arithmetic of a
-native bf16 GEMM (exact products, float32 sums, one rounding) at float32's speed: on 2
-Zen 1 cores (AVX2), Gemma 3 270M's decoder matmuls of a 16-row step took 303 ms as plain
-bf16 `F.linear` and 77 ms so, its head 494 and 97 ms (`benchmarks/bf16_linear.py`). At one
-row bf16's half-size reads win (21 vs 30 ms for the decoder), the cost of this one path.
+native bf16 GEMM (exact products, float32 sums, one rounding) at float32's speed, several
+times software bf16's from a few rows on; at one row bf16's half-size reads win, the cost
+of this one path (`benchmarks/bf16_linear.py`, benchmarks/results/cpu_kernels.md).
 Such weights take float32's memory; `--dtype auto` does not pick bf16 on these CPUs.
 """
 

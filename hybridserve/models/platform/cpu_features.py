@@ -3,31 +3,27 @@
 Pure Python over a set of /proc/cpuinfo flag names, so tests pass flag sets in and the
 engine decides before importing torch or loading weights.
 
-Why these rules (measured on a 2-core Sapphire Rapids without AMX, Gemma 3 270M, see
-benchmarks/results/):
+Why these rules (figures: benchmarks/results/cpu_kernels.md and cpu_peers.md):
 - bfloat16 halves the bytes every decode step reads (weights and KV); with AVX512-BF16 or
   AMX-BF16 the dot products run natively, so bf16 is faster than float32. Without either,
   bf16 is converted in software and can be slower: float32 stays the default there (a
   bf16 model named there runs its linears as float32 kernels: models/layers/linear.py).
 - At decode batches of 16-64 the matmuls are compute-bound, and without AMX int8 dot
   products (VNNI) do twice the multiply-adds of bf16 ones per instruction. So on a CPU with
-  them a bfloat16 model runs every linear as int8 x int8 (`--quantization int8`, models/
-  int8.py): the output head (most of a large-vocabulary model: 168M of Gemma 3 270M's 270M
-  parameters) and the decoder's linears, whose activations are smoothed first (models/
-  smoothing.py). Gemma 3 270M, 16 x 64, 2 cores: 136 tok/s with the int8 head alone,
-  205 with every linear int8 (benchmarks/results/quant_accuracy.md). The accuracy against float32 is measured
-  (benchmarks/quant_accuracy.py) and bounded in tests/models/test_accuracy.py; `int8-head` keeps
-  the decoder in bf16 and `none` quantizes nothing. A float32 model named by the user
-  (`--dtype float32`) keeps its exact linears: it is the reference that equals HF token
-  for token.
+  them a bfloat16 model runs every linear as int8 x int8 (`--quantization int8`,
+  models/layers/int8.py): the output head (most of a large-vocabulary model) and the
+  decoder's linears, whose activations are smoothed first (models/layers/smoothing.py),
+  faster than the int8 head alone (benchmarks/cpu_peers.py). The accuracy against float32
+  is measured (benchmarks/quant_accuracy.py) and bounded in tests/models/test_accuracy.py;
+  `int8-head` keeps the decoder in bf16 and `none` quantizes nothing. A float32 model named
+  by the user (`--dtype float32`) keeps its exact linears: it is the reference that equals
+  HF token for token.
 - On AVX2 alone (no native bf16, no VNNI) `auto` serves float32 activations with the same
   int8 x int8 linears, the weights narrowed to 63 levels so that AVX2's int16 pair sums
-  cannot saturate (models/layers/int8.py), through fbgemm's int8 GEMM. Measured as on such a CPU
-  (`benchmarks/cpu_peers.py --isa avx2`, earlier runs in git history): 1.22-1.33x float32's
-  tokens/s at 16 x 64, 64 x 128 and the text prompts, 1.03x for one stream, 27-42% less
-  peak memory, at about twice the int8 error of a VNNI CPU (mean |dlogprob| 0.090).
-  Weight-only int8 (PyTorch's kernel) re-reads the weight per row and is slower than bf16
-  from a batch of 16: not chosen automatically.
+  cannot saturate (models/layers/int8.py), through fbgemm's int8 GEMM: faster than float32
+  and smaller, at about twice the int8 error of a VNNI CPU (`benchmarks/cpu_peers.py
+  --isa avx2`, benchmarks/quant_accuracy.py). Weight-only int8 (PyTorch's kernel) re-reads
+  the weight per row, slower than bf16 at decode batches: not chosen automatically.
 """
 
 from __future__ import annotations

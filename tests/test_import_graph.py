@@ -191,3 +191,14 @@ def test_the_server_package_does_not_import_the_command_line() -> None:
            if m.startswith("hybridserve.entrypoints.") and not m.startswith("hybridserve.entrypoints.openai")}
     assert "hybridserve.entrypoints.serve" in cli
     assert {m: sorted(graph[m] & cli) for m in server if graph[m] & cli} == {}
+
+
+def test_models_platform_is_the_lowest_part_of_models() -> None:
+    """models/platform (CPU features, the heap) is what the rest of models, and text,
+    stand on: it imports nothing else of hybridserve but core."""
+    graph = import_graph()
+    platform = [m for m in graph if m.startswith("hybridserve.models.platform")]
+    assert len(platform) >= 2
+    upward = {m: sorted(d for d in graph[m] if not d.startswith(("hybridserve.models.platform", "hybridserve.core")))
+              for m in platform}
+    assert {m: deps for m, deps in upward.items() if deps} == {}

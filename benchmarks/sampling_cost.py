@@ -62,6 +62,9 @@ def main() -> None:
 
     print(torch_header(args.threads, ("avx", "amx")))
     llm = LLM(args.model, progress=False, enable_prefix_caching=False)
+    from hybridserve.models.layers.span_kernel import KERNEL
+
+    KERNEL.get()  # built before timing (a server builds it in the background on its first sampled request)
     vocab = llm.parts.model_config.vocab_size
     print(f"# model {args.model or 'default'}; vocab {vocab}; {args.new_tokens} new tokens per request")
     print("\n| rows | mode | output tok/s (median) | vs greedy |\n|---:|---|---:|---:|")

@@ -31,9 +31,9 @@ SERVING_DEFAULTS = {"request_rate": float("inf"), "goodput_ttft_ms": 1000.0, "go
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     w = p.add_argument_group("workload")
-    w.add_argument("--num-prompts", type=int, default=16, help="requests in the measured run (default: 16)")
-    w.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (default: 128)")
-    w.add_argument("--output-len", type=int, default=64, help="new tokens per request (default: 64)")
+    w.add_argument("--num-prompts", type=int, default=16, help="requests in the measured run (default: %(default)s)")
+    w.add_argument("--input-len", type=int, default=128, help="prompt tokens per request (default: %(default)s)")
+    w.add_argument("--output-len", type=int, default=64, help="new tokens per request (default: %(default)s)")
     w.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                    help="run two short requests first, untimed (default: on)")
     w.add_argument("--json", default=None, metavar="OUT.json", help="also write the results as JSON")

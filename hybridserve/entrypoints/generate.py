@@ -19,6 +19,7 @@ import sys
 import time
 from typing import Any, TextIO
 
+from hybridserve.core.request import SamplingParams
 from hybridserve.entrypoints.command import FlagError, one_line_errors, run_guarded, standalone_main
 from hybridserve.entrypoints.engine_flags import add_engine_arguments, engine_config_from_args
 
@@ -29,13 +30,17 @@ DESCRIPTION = "Generate text for prompts and stream it to stdout."
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", nargs="*", help="prompts (default: one per line of stdin, else built-in examples)")
     s = p.add_argument_group("sampling")
-    s.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt (default: 64)")
-    s.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: 0)")
-    s.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the most likely tokens whose "
-                   "probabilities add up to P, in (0, 1] (default: 1, off)")
-    s.add_argument("--top-k", type=int, default=0, help="keep only the K most likely tokens; 0 disables it (default: 0)")
-    s.add_argument("--min-p", type=float, default=0.0, help="drop tokens less likely than P x the most likely one, "
-                   "in [0, 1] (default: 0, off)")
+    # A generate run shows more text than a request's default max_tokens; the filters
+    # default to SamplingParams' own (off), greedy included.
+    s.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt (default: %(default)s)")
+    s.add_argument("--temperature", type=float, default=SamplingParams.temperature,
+                   help="0 is greedy (default: %(default)s)")
+    s.add_argument("--top-p", type=float, default=SamplingParams.top_p, help="nucleus sampling: keep the most likely "
+                   "tokens whose probabilities add up to P, in (0, 1]; 1 is off (default: %(default)s)")
+    s.add_argument("--top-k", type=int, default=SamplingParams.top_k,
+                   help="keep only the K most likely tokens; 0 is off (default: %(default)s)")
+    s.add_argument("--min-p", type=float, default=SamplingParams.min_p, help="drop tokens less likely than P x the "
+                   "most likely one, in [0, 1]; 0 is off (default: %(default)s)")
     s.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable; default: none)")
     s.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     o = p.add_argument_group("output")
@@ -109,7 +114,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(a: argparse.Namespace) -> int:
     from hybridserve.engine.llm import LLM
-    from hybridserve.core.request import SamplingParams
 
     prompts, examples = read_prompts(a, sys.stdin)
     if examples and not a.quiet:

@@ -30,12 +30,12 @@ _LIMITS = ServerLimits()  # the one definition of every default below
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     d = _LIMITS
     s = p.add_argument_group("server")
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    s.add_argument("--port", type=int, default=8000, help="TCP port, 0 for any free one (default: 8000)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port, 0 for any free one (default: %(default)s)")
     s.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the --model value, or gemma3-270m)")
     s.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"],
-                   help="server log level (default: warning)")
+                   help="server log level (default: %(default)s)")
     s.add_argument("--access-log", action=argparse.BooleanOptionalAction, default=False,
                    help="log one line per HTTP request (default: off)")
     s.add_argument("--engine-core-process", action=argparse.BooleanOptionalAction, default=True,

@@ -1,11 +1,10 @@
 """Activation smoothing for the decoder's int8 x int8 linears (SmoothQuant's migration).
 
 int8 activations are quantized per row (models/layers/int8.py), so one large channel in a row
-flattens every small one to a few levels. The decoder's inputs have such channels: in
-Gemma 3 270M the largest |x| of a channel reaches 300x the median channel's at qkv's
-input and 340x at down's (the GELU product). Quantizing them as they are, greedy
-streams over the 16 text prompts kept 6% of float32's tokens (common prefixes), against
-36% with only the head in int8.
+flattens every small one to a few levels. The decoder's inputs have such channels (at
+qkv's input and at down's, the GELU product, hundreds of times the median channel's), and
+quantizing them as they are loses most of float32's greedy tokens
+(`benchmarks/quant_accuracy.py`; benchmarks/results/quant_accuracy.md).
 
 Smoothing divides input channel j of a linear by s_j and multiplies the weight's column j
 by s_j: x W^T is unchanged in exact arithmetic, while part of the activation's range

@@ -10,8 +10,8 @@ step has just freed much, never per decode step.
 
 Serving leaves such holes too. After glibc has freed one large block it raises its mmap
 threshold (up to 32 MB), so later large step temporaries (KV gathers, MLP activations)
-come from the heap and stay resident after the last step: 170-270 MB after a 64-request
-burst of Gemma 3 270M on 2 Zen 1 cores. IdleHeapRelease gives them back once steps have
+come from the heap and stay resident after the last step (`benchmarks/pool_rss.py`;
+benchmarks/results/cpu_memory.md). IdleHeapRelease gives them back once steps have
 stopped for IDLE_RELEASE_S; doing it per step would make every step fault its
 temporaries in again, after an idle gap only the next burst's first step pays.
 

@@ -46,8 +46,9 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
-def build_kv_cache_config(model_cfg: ModelConfig, block_size: int = DEFAULT_BLOCK_SIZE, *, num_blocks: int | None = None,
-                          kv_cache_memory: int | str | None = None, kv_dtype: str = "float32") -> KVCacheConfig:
+def build_kv_cache_config(model_cfg: ModelConfig, block_size: int = DEFAULT_BLOCK_SIZE, *,
+                          num_blocks: int | None = None, kv_cache_memory: int | str | None = None,
+                          kv_dtype: str = "float32") -> KVCacheConfig:
     """KVCacheConfig for a model: groups from its layer types, pool from a budget or a count."""
     if (num_blocks is None) == (kv_cache_memory is None):
         raise ConfigError("give exactly one of num_blocks or kv_cache_memory")

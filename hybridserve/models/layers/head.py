@@ -12,10 +12,10 @@ parameters) and its bytes set the decode speed, so it gets its own representatio
   nearest). On an x86 CPU with int8 dot products (VNNI / AMX-INT8) or AVX2 the hidden
   states are quantized too, per row (symmetric, 127 levels, stored as uint8 around 128),
   and oneDNN's int8 GEMM multiplies them (`onednn.qlinear_pointwise`; on AVX2 alone
-  fbgemm's, with the weights narrowed to 63 levels: models/layers/int8.py): at a decode batch of
-  64 the head is compute-bound, and the int8 dot products run several times faster than
-  bf16 ones without AMX (`benchmarks/int8_rows.py`). Elsewhere PyTorch's weight-only int8 kernel
-  (`_weight_int8pack_mm`) multiplies bfloat16 activations.
+  fbgemm's, with the weights narrowed to 63 levels: models/layers/int8.py): at a decode
+  batch of 64 the head is compute-bound, and the int8 dot products run several times
+  faster than bf16 ones without AMX (`benchmarks/int8_rows.py`). Elsewhere PyTorch's
+  weight-only int8 kernel (`_weight_int8pack_mm`) multiplies bfloat16 activations.
 - "int4": unsigned 4-bit values in groups of INT4_GROUP_SIZE along the hidden dimension,
   each group with its own scale and offset (asymmetric min/max), packed for PyTorch's CPU
   int4 kernel (`_weight_int4pack_mm_for_cpu`).
@@ -31,12 +31,12 @@ from typing import Callable
 import torch
 
 from hybridserve.core.errors import ConfigError
-from hybridserve.models.platform.heap import release_free_heap
 from hybridserve.models.layers.int8 import (FBGEMM, QUANTIZERS, int8_gemm_available, int8_matmul, int8_paths,
-                                    quantize_gemm_weight, quantize_int8_rows)
+                                           quantize_gemm_weight, quantize_int8_rows)
 from hybridserve.models.layers.linear import make_linear
 from hybridserve.models.layers.span_kernel import KERNEL
 from hybridserve.models.layers.span_logits import SPAN, LogitsBuffer, SpanLogits, padded_width, span_stats
+from hybridserve.models.platform.heap import release_free_heap
 
 # Vocabulary rows per packed / quantized chunk: small enough that one chunk's logits stay
 # in a core's L2 for the argmax ([16, 32768] float32 is 2 MB) and packing one adds little
@@ -91,8 +91,9 @@ def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     passes that vectorise: the maxima of spans of ARGMAX_SPAN columns (amax), then the
     first span holding the row's maximum, searched again. torch's fused value-and-index
     reduction (`max(dim)`, `argmax`) does not vectorise on CPU; `amax` does, about ten
-    times faster (`benchmarks/head_chunks.py` times the greedy pass). Ties go to the first index: the first span with the maximum holds it, and `max(dim)`
-    returns the first index within it. The general path (`max(dim)`) takes rows whose
+    times faster (`benchmarks/head_chunks.py` times the greedy pass). Ties go to the first
+    index: the first span with the maximum holds it, and `max(dim)` returns the first
+    index within it. The general path (`max(dim)`) takes rows whose
     length is not a multiple of the span."""
     rows, cols = x.shape
     if cols % ARGMAX_SPAN:

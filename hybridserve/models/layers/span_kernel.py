@@ -6,10 +6,10 @@ at 64 rows they cost a sampled step about as much as the rest of its sampling.
 torch.compile (inductor's C++ backend) makes them loops over each row of the chunk while
 the row is in cache, with no temporaries.
 
-The kernel is built on first use and checked once against span_stats (models/
-span_logits.py, the general path) on a made-up chunk with -inf spans; no compiler, a
-failed build or any mismatch keeps the eager path for the life of the process. Set
-HYBRIDSERVE_NO_COMPILE=1 to keep it without trying.
+The kernel is built on first use and checked once against span_stats
+(models/layers/span_logits.py, the general path) on a made-up chunk with -inf spans; no
+compiler, a failed build or any mismatch keeps the eager path for the life of the
+process. Set HYBRIDSERVE_NO_COMPILE=1 to keep it without trying.
 """
 
 from __future__ import annotations

@@ -26,6 +26,8 @@ from typing import Any
 from hybridserve.core.errors import ConfigError
 from hybridserve.models.arch import gemma3_multimodal
 from hybridserve.models.arch.gpt_oss_config import GptOssOptions, parse_gpt_oss_options
+from hybridserve.models.arch.lfm2_config import (ShortConvConfig, lfm2_intermediate_size, lfm2_layer_types,
+                                                 parse_short_conv)
 from hybridserve.models.arch.llama4_config import CHUNKED, Llama4Options, llama4_layer_types, parse_llama4_options
 from hybridserve.models.arch.mamba_config import (
     MAMBA,
@@ -54,6 +56,8 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     # State-space models: mixer parsed by models/arch/mamba_config.py, built by models/loaders/mamba_loader.py.
     "Mamba2ForCausalLM": "mamba2",
     "BambaForCausalLM": "bamba",
+    # Short convolution layers + attention: models/arch/lfm2_config.py, models/loaders/lfm2_loader.py.
+    "Lfm2ForCausalLM": "lfm2",
 }
 _GEMMA = ("gemma2", "gemma3")
 # Without layer_types: one full layer after every `pattern - 1` sliding ones.
@@ -89,7 +93,8 @@ class ModelConfig:
     """Everything the decoder needs; derived fields are final (no further defaults apply)."""
 
     architecture: str
-    family: str  # llama | mistral | qwen2 | gemma2 | gemma3 | olmo3 | cohere2 | exaone4 | llama4 | mamba2 | bamba
+    # llama | mistral | qwen2 | gemma2 | gemma3 | olmo3 | cohere2 | exaone4 | llama4 | mamba2 | bamba | lfm2
+    family: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -99,7 +104,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     activation: str  # silu | gelu_tanh | gelu
-    layer_types: tuple[str, ...]  # FULL, SLIDING, CHUNKED or MAMBA (mamba_config.py), one per layer
+    layer_types: tuple[str, ...]  # FULL, SLIDING, CHUNKED, MAMBA or SHORT_CONV (arch/*_config.py), one per layer
     sliding_window: int | None
     rope: dict[str, RopeConfig]  # keyed by layer type; a type left out has no RoPE (Cohere2 / EXAONE 4 full layers)
     max_position_embeddings: int
@@ -124,6 +129,8 @@ class ModelConfig:
     gpt_oss: GptOssOptions | None = None  # family "gpt_oss" only
     # State-space models (Mamba2, Bamba): the mixer of every "mamba" layer in layer_types.
     mamba: MambaMixerConfig | None = None
+    # LFM2: the short convolution of every "conv" layer in layer_types (lfm2_config.py).
+    short_conv: ShortConvConfig | None = None
     # Dims of each head RoPE rotates (the first ones); None: all of head_dim (Bamba: half).
     rotary_dim: int | None = None
 
@@ -155,6 +162,8 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
         return _parse_mamba2(raw, arch)
     if family == "bamba":
         return _parse_bamba(raw, arch)
+    if family == "lfm2":
+        return _parse_lfm2(raw, arch)
     num_layers = _req_int(raw, "num_hidden_layers")
     num_heads = _req_int(raw, "num_attention_heads")
     hidden = _req_int(raw, "hidden_size")
@@ -235,17 +244,22 @@ def _parse_mamba2(raw: dict[str, Any], arch: str) -> ModelConfig:
     )
 
 
+def _hybrid_attention_heads(raw: dict[str, Any], hidden: int) -> tuple[int, int, int]:
+    """(query heads, KV heads, head_dim) of a recurrent hybrid's attention layers."""
+    num_heads = _req_int(raw, "num_attention_heads")
+    num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
+    if num_heads % num_kv_heads:
+        raise ConfigError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
+    return num_heads, num_kv_heads, int(raw.get("head_dim") or hidden // num_heads)
+
+
 def _parse_bamba(raw: dict[str, Any], arch: str) -> ModelConfig:
     """Mamba2 mixers with a few full-attention layers, a SwiGLU MLP after every layer."""
     mixer = parse_bamba_mixer(raw)
     hidden = _req_int(raw, "hidden_size")
     num_layers = _req_int(raw, "num_hidden_layers")
     attn_layers = bamba_attention_layers(raw, num_layers)
-    num_heads = _req_int(raw, "num_attention_heads")
-    num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
-    if num_heads % num_kv_heads:
-        raise ConfigError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
-    head_dim = int(raw.get("head_dim") or hidden // num_heads)
+    num_heads, num_kv_heads, head_dim = _hybrid_attention_heads(raw, hidden)
     rope_raw = dict(raw.get("rope_parameters") or {"rope_theta": raw.get("rope_theta", 10_000.0)})
     # HF's Bamba rotates half of each head whatever the config says (hard-coded there).
     rope_raw.pop("partial_rotary_factor", None)
@@ -258,6 +272,26 @@ def _parse_bamba(raw: dict[str, Any], arch: str) -> ModelConfig:
         max_position_embeddings=int(raw.get("max_position_embeddings") or 8192),
         attn_scale=head_dim**-0.5, tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         eos_token_id=raw.get("eos_token_id"), mamba=mixer, rotary_dim=head_dim // 2,
+    )
+
+
+def _parse_lfm2(raw: dict[str, Any], arch: str) -> ModelConfig:
+    """Short convolution layers and GQA attention (q / k RMSNorm per head, RoPE), a SwiGLU
+    MLP after every layer."""
+    hidden = _req_int(raw, "hidden_size")
+    num_layers = _req_int(raw, "num_hidden_layers")
+    num_heads, num_kv_heads, head_dim = _hybrid_attention_heads(raw, hidden)
+    rope_raw = dict(raw.get("rope_parameters") or {"rope_theta": raw.get("rope_theta", 1_000_000.0)})
+    return ModelConfig(
+        architecture=arch, family="lfm2", vocab_size=_req_int(raw, "vocab_size"), hidden_size=hidden,
+        intermediate_size=lfm2_intermediate_size(raw), num_layers=num_layers, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, rms_norm_eps=float(raw.get("norm_eps", 1e-5)),
+        activation="silu", layer_types=lfm2_layer_types(raw, num_layers), sliding_window=None,
+        rope={FULL: _one_rope(rope_raw, "rope_parameters")},
+        max_position_embeddings=int(raw.get("max_position_embeddings") or 128_000), qk_norm=True,
+        attn_scale=head_dim**-0.5,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", raw.get("tie_embedding", True))),
+        eos_token_id=raw.get("eos_token_id"), short_conv=parse_short_conv(raw, hidden),
     )
 
 

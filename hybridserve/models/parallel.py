@@ -163,6 +163,8 @@ def _sharded_sizes(cfg: ModelConfig) -> list[int]:
         sizes.append(cfg.llama4.intermediate_size_mlp)
     if cfg.mamba is not None:
         sizes.append(cfg.mamba.num_heads)
+    if cfg.short_conv is not None:
+        sizes.append(cfg.short_conv.channels)
     return sizes
 
 
@@ -180,6 +182,8 @@ def check_tp(cfg: ModelConfig, size: int) -> None:
         what.append(f"dense MLP intermediate size {cfg.llama4.intermediate_size_mlp}")
     if cfg.mamba is not None:
         what.append(f"Mamba heads {cfg.mamba.num_heads} and groups {cfg.mamba.n_groups} (split or shared)")
+    if cfg.short_conv is not None:
+        what.append(f"short convolution channels {cfg.short_conv.channels}")
     works = ", ".join(map(str, tp_sizes_that_work(cfg)))
     raise ConfigError(f"tensor_parallel_size {size} does not divide the model's {', '.join(what)}; "
                       f"sizes that work: {works}")
@@ -198,6 +202,8 @@ def local_config(cfg: ModelConfig, tp: TPGroup | None) -> ModelConfig:
     if cfg.mamba is not None:
         m = cfg.mamba
         changes["mamba"] = replace(m, num_heads=m.num_heads // t, n_groups=_local_groups(m.n_groups, t))
+    if cfg.short_conv is not None:
+        changes["short_conv"] = replace(cfg.short_conv, channels=cfg.short_conv.channels // t)
     return replace(cfg, **changes)
 
 

@@ -22,10 +22,11 @@ from tests.helpers.offload_waves import assert_nothing_leaks  # noqa: E402
 
 from hybridserve.core.errors import ConfigError  # noqa: E402
 
-# Pools small enough that the filler evicts wave 1 from the device; Bamba's with room for
-# the best-effort checkpoints (a column costs 9 blocks: 3 layers of 3 pages), so wave 1's
+# Pools small enough that the filler evicts wave 1 from the device; Bamba's and LFM2's with room for
+# the best-effort checkpoints (a column costs 9 blocks: 3 layers of 3 pages; LFM2: 3 layers of 1), so wave 1's
 # last whole checkpoint is kept and stored.
-POOL = {"mamba2": {False: 8, True: 10}, "bamba": {False: 64, True: 64}}  # Bamba: a state is 3 pages
+POOL = {"mamba2": {False: 8, True: 10}, "bamba": {False: 64, True: 64},  # Bamba: a state is 3 pages
+        "lfm2": {False: 40, True: 40}}
 
 
 @pytest.mark.parametrize("kind", tiny.KINDS)

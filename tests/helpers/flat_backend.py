@@ -9,31 +9,39 @@ from __future__ import annotations
 
 import torch
 
+from hybridserve.core.kv.spec import MambaSpec
 from hybridserve.models.config import CHUNKED, SLIDING, ModelConfig
+from hybridserve.models.kv_specs import layer_index, model_kv_layer_specs
 
 
 class FlatMambaStates:
-    """MambaStateIO over the kept states (zeros for a request's first chunk)."""
+    """MambaStateIO over the kept states (zeros for a request's first chunk); each
+    recurrent layer's state parts have its MambaSpec's shapes."""
 
-    def __init__(self, cfg: ModelConfig, num_requests: int) -> None:
-        assert cfg.mamba is not None
-        self.conv_shape, self.ssm_shape = cfg.mamba.state_shapes
+    def __init__(self, shapes: dict[int, tuple[tuple[int, ...], ...]], num_requests: int) -> None:
+        self.shapes = shapes  # recurrent layer index -> its state parts' shapes
         self.num_requests = num_requests
-        self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.kept: dict[int, list[torch.Tensor]] = {}
         self.counts: list[int] = []
         self.verify: list[int] = []
         self.checkpoints: dict[int, list[int]] = {}
         self.layers_written: list[int] = []
 
-    def read(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, layer_idx: int) -> list[torch.Tensor]:
         R = self.num_requests
-        conv, ssm = self.kept.get(layer_idx, (torch.zeros(R, *self.conv_shape), torch.zeros(R, *self.ssm_shape)))
-        return conv.clone(), ssm.clone()
+        parts = self.kept.get(layer_idx) or [torch.zeros(R, *shape) for shape in self.shapes[layer_idx]]
+        return [part.clone() for part in parts]
 
-    def write(self, layer_idx: int, conv: torch.Tensor, ssm: torch.Tensor, token_states: object = None,
+    def write(self, layer_idx: int, states: list[torch.Tensor], token_states: object = None,
               boundary_states: object = None) -> None:
-        self.kept[layer_idx] = (conv.clone(), ssm.clone())
+        self.kept[layer_idx] = [part.clone() for part in states]
         self.layers_written.append(layer_idx)
+
+
+def recurrent_state_shapes(cfg: ModelConfig) -> dict[int, tuple[tuple[int, ...], ...]]:
+    """Layer index -> state part shapes, for every layer whose KV spec is a MambaSpec."""
+    specs = model_kv_layer_specs(cfg, block_size=16)
+    return {layer_index(name): spec.shapes for name, spec in specs.items() if isinstance(spec, MambaSpec)}
 
 
 class FlatBackend:
@@ -45,7 +53,8 @@ class FlatBackend:
         self.num_requests = num_requests
         self.lengths = [0] * num_requests  # tokens each request has had before this step
         self.kv: dict[int, list[torch.Tensor | None]] = {}
-        self.mamba = FlatMambaStates(cfg, num_requests) if cfg.mamba is not None else None
+        shapes = recurrent_state_shapes(cfg)
+        self.mamba = FlatMambaStates(shapes, num_requests) if shapes else None
         self.layers_called: list[int] = []
         self.counts: list[int] = []
 

@@ -1,8 +1,10 @@
-"""Tiny random HF Mamba2ForCausalLM and BambaForCausalLM, and HF greedy as the oracle.
+"""Tiny random HF Mamba2ForCausalLM, BambaForCausalLM and Lfm2ForCausalLM, and HF greedy as the oracle.
 
 hidden 64, vocab 512, 8 Mamba heads of 16 channels, state 16, 2 groups, kernel 4, SSD
 chunks of 16 (so 40-100 token prompts cross several); Mamba2: 3 layers; Bamba: 4
-layers, layer 1 attention (4 query / 2 KV heads, half of each head rotated).
+layers, layer 1 attention (4 query / 2 KV heads, half of each head rotated). LFM2: 4
+layers, layer 1 attention (4 query / 2 KV heads, q / k norms), the others short
+convolutions of kernel 3, MLP 128 wide, tied head, norms drawn at random.
 initializer_range 0.3 gives peaky logits, so greedy choices are not near-ties.
 """
 
@@ -16,7 +18,7 @@ import torch
 
 from tests.helpers import hf_tiny
 
-KINDS = ("mamba2", "bamba")
+KINDS = ("mamba2", "bamba", "lfm2")
 CHUNK = 16
 
 
@@ -33,6 +35,12 @@ def hf_config(kind: str):
                               num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_state=16,
                               mamba_n_groups=2, mamba_d_conv=4, mamba_chunk_size=CHUNK,
                               max_position_embeddings=2048, **common)
+    if kind == "lfm2":
+        # intermediate 192 -> 2/3 = 128 (block_auto_adjust_ff_dim), a multiple of 32.
+        return tf.Lfm2Config(intermediate_size=192, block_multiple_of=32, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=2, conv_L_cache=3,
+                             layer_types=["conv", "full_attention", "conv", "conv"], max_position_embeddings=2048,
+                             **{**common, "tie_word_embeddings": True})
     raise ValueError(kind)
 
 
@@ -41,6 +49,11 @@ def build_tiny(kind: str, out_dir: Path, seed: int = 0) -> Path:
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_config(kind), dtype=torch.float32)
+    if kind == "lfm2":  # HF starts norms at 1: a q / k or operator / ffn norm swap would not show
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.uniform_(0.5, 1.5)
     model.generation_config.eos_token_id = None
     model.save_pretrained(out_dir)
     return out_dir

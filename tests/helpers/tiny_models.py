@@ -14,8 +14,9 @@ from tests.helpers import hf_tiny, hf_tiny_mamba
 _VARIANTS: dict[str, Path] = {}
 
 
-def _variant(name: str, base: object, **changes: object) -> Path:
-    """A tiny model built from an HF config with some fields changed (biases, group counts)."""
+def _variant(name: str, base: object, random_biases: bool = False, **changes: object) -> Path:
+    """A tiny model built from an HF config with some fields changed (biases, group counts);
+    random_biases draws the biases HF's init leaves at zero."""
     if name not in _VARIANTS:
         import torch
         from transformers import AutoModelForCausalLM
@@ -25,6 +26,11 @@ def _variant(name: str, base: object, **changes: object) -> Path:
         torch.manual_seed(1)
         model = AutoModelForCausalLM.from_config(base, dtype=torch.float32)
         hf_tiny.randomize_norms(model, getattr(base, "model_type", ""))
+        if random_biases:
+            with torch.no_grad():
+                for param_name, param in model.named_parameters():
+                    if param_name.endswith("bias"):
+                        param.uniform_(-0.5, 0.5)
         root = hf_tiny.tiny_model_dir("llama").parent  # the shared temporary folder
         _VARIANTS[name] = root / name
         model.save_pretrained(_VARIANTS[name])
@@ -44,6 +50,8 @@ def model_dir(kind: str) -> Path:
         return _variant(kind, hf_tiny.hf_config("olmo3"), num_key_value_heads=1)
     if kind == "cohere2_bias":  # attention biases: the o bias added once inside the parallel block's sum
         return _variant(kind, hf_tiny.hf_config("cohere2"), attention_bias=True)
+    if kind == "lfm2_bias":  # convolution biases: in_proj and conv cut by channel, out_proj's added once
+        return _variant(kind, hf_tiny_mamba.hf_config("lfm2"), random_biases=True, conv_bias=True)
     if kind == "mamba2_1group_bias":
         return _variant(kind, hf_tiny_mamba.hf_config("mamba2"), n_groups=1, use_bias=True)
     return hf_tiny.tiny_model_dir(kind)

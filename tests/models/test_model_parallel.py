@@ -26,7 +26,7 @@ from hybridserve.models.parallel import (PipelineStage, TPGroup, check_tp, init_
                                          tp_sizes_that_work)
 from tests.helpers import hf_tiny_mamba
 from tests.helpers.dist_ranks import run_ranks
-from tests.helpers.flat_backend import FlatBackend
+from tests.helpers.flat_backend import FlatBackend, recurrent_state_shapes
 from tests.helpers.tiny_models import model_dir
 
 COUNTS = [23, 41]  # two requests' tokens: past the 16-token windows, across a 32-token Llama 4 chunk
@@ -105,7 +105,7 @@ def reference(kind: str, stepped: bool = True) -> dict:
 
 
 @pytest.mark.parametrize("kind", ["mistral", "gemma3", "llama4", "bamba", "gemma3_mm", "olmo3", "cohere2", "exaone4",
-                                  "olmo3_1kv", "gpt_oss"])
+                                  "olmo3_1kv", "gpt_oss", "lfm2_bias"])
 def test_flat_reference_matches_hf(kind: str) -> None:
     """The test backend is right: the unsplit model's logits are HF's, per prompt, in one
     step and over a prefill and decodes."""
@@ -151,8 +151,9 @@ def _check_pipeline(kinds: list[str], world: int, results: list[dict[str, dict]]
         for s, (res, layers) in enumerate(zip(stages, ranges)):
             assert res["layer_ids"] == list(layers)
             # Global layer indices reach the backend: attention and Mamba layers of this stage only.
-            assert res["attention_calls"] == [i for i in layers if cfg.layer_types[i] != "mamba"] * len(STEPS)
-            assert res["mamba_writes"] == [i for i in layers if cfg.layer_types[i] == "mamba"] * len(STEPS)
+            recurrent = recurrent_state_shapes(cfg)  # Mamba and short convolution layers
+            assert res["attention_calls"] == [i for i in layers if i not in recurrent] * len(STEPS)
+            assert res["mamba_writes"] == [i for i in layers if i in recurrent] * len(STEPS)
             assert res["has_embed"] == (s == 0) and res["has_head"] == (s == world - 1)
         ref = reference(kind)
         assert torch.equal(stages[-1]["logits"], ref["logits"]), kind
@@ -165,7 +166,7 @@ def _check_pipeline(kinds: list[str], world: int, results: list[dict[str, dict]]
 
 
 PP2_KINDS = ["llama", "qwen2", "gemma3", "llama4", "bamba", "mamba2", "gemma3_mm", "olmo3", "cohere2", "exaone4",
-             "gpt_oss"]
+             "gpt_oss", "lfm2"]
 
 
 def test_pipeline_two_stages_equal_whole_model() -> None:
@@ -234,7 +235,7 @@ def test_too_many_stages_is_a_config_error_before_loading() -> None:
 
 TP_KINDS = ["llama_bias", "mistral", "qwen2", "gemma2", "gemma3", "gemma3_1kv", "llama4", "bamba", "bamba_1group",
             "mamba2", "mamba2_1group_bias", "gemma3_mm", "olmo3", "cohere2", "exaone4", "olmo3_1kv", "cohere2_bias",
-            "gpt_oss"]
+            "gpt_oss", "lfm2_bias"]
 
 
 def tp_rank(rank: int, world: int, kinds: list[str], dirs: list[str]) -> dict[str, dict]:
@@ -276,6 +277,8 @@ def test_tensor_parallel_two_ranks_equal_whole_model() -> None:
             groups = max(m.n_groups // 2, 1)  # one group is kept whole by both ranks
             conv = (m.intermediate_size // 2 + 2 * groups * m.state_size, m.conv_kernel - 1)
             assert a["mamba_shapes"] == [(conv, (m.num_heads // 2, m.head_dim, m.state_size))]
+        if cfg.short_conv is not None:  # each rank convolves half the channels
+            assert a["mamba_shapes"] == [((cfg.hidden_size // 2, cfg.short_conv.kernel - 1),)]
 
 
 def test_local_config_halves_heads_and_columns() -> None:

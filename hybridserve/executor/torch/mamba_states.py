@@ -12,7 +12,8 @@ state lives depends on the layout (MambaSpec):
       a checkpoint block (best-effort: may be null), b == s the state read, b == e the final
 
     step: request r computes tokens s..e-1 (bs 16, s 40, e 72)
-      read   block (s-1)//bs = 2            -> conv [conv_dim, K-1], SSM [H, P, N]  (zeros if s == 0)
+      read   block (s-1)//bs = 2            -> the state's parts (Mamba2: conv [conv_dim, K-1],
+                                                SSM [H, P, N]; a short conv: conv only), zeros if s == 0
       mixer  advances both past the chunk, keeping the states at boundaries 48 and 64
       write  S48 -> block 2, S64 -> block 3, S72 -> block (e-1)//bs = 4
              (sparse checkpoints: block 3 may be the null block; S64 is then not kept)
@@ -31,6 +32,7 @@ Why the states are always right:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -116,10 +118,10 @@ def _boundary_copies(layout: MambaLayout, tables: BlockTables, rows: np.ndarray,
     return torch.from_numpy(sel).to(device), ids
 
 
-def _write_copies(pages: MambaPages, copies: tuple[torch.Tensor, dict[int, torch.Tensor]], conv: torch.Tensor,
-                  ssm: torch.Tensor) -> None:
+def _write_copies(pages: MambaPages, copies: tuple[torch.Tensor, dict[int, torch.Tensor]],
+                  states: Sequence[torch.Tensor]) -> None:
     sel, ids = copies
-    pages.write(_page_ids(ids, pages.page_groups), conv[sel], ssm[sel])
+    pages.write(_page_ids(ids, pages.page_groups), *(part[sel] for part in states))
 
 
 @dataclass
@@ -213,23 +215,23 @@ class StepMambaStates:
         assert pages is not None, f"layer {layer_idx} is not a Mamba layer"
         return pages
 
-    def read(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, layer_idx: int) -> list[torch.Tensor]:
         pages = self._pages(layer_idx)
-        conv, ssm = pages.read(_page_ids(self.read_ids, pages.page_groups))
+        states = pages.read(_page_ids(self.read_ids, pages.page_groups))
         if self.fresh is not None:
-            conv[self.fresh] = 0
-            ssm[self.fresh] = 0
+            for part in states:
+                part[self.fresh] = 0
         if self.at_start is not None:
             # No state of this step is read from these checkpoint blocks.
-            _write_copies(pages, self.at_start, conv, ssm)
-        return conv, ssm
+            _write_copies(pages, self.at_start, states)
+        return states
 
-    def write(self, layer_idx: int, conv: torch.Tensor, ssm: torch.Tensor,
-              token_states: TokenStates | None = None, boundary_states: BoundaryStates | None = None) -> None:
+    def write(self, layer_idx: int, states: Sequence[torch.Tensor], token_states: TokenStates | None = None,
+              boundary_states: BoundaryStates | None = None) -> None:
         pages = self._pages(layer_idx)
-        pages.write(_page_ids(self.write_ids, pages.page_groups), conv, ssm)
+        pages.write(_page_ids(self.write_ids, pages.page_groups), *states)
         if self.at_end is not None:
-            _write_copies(pages, self.at_end, conv, ssm)
+            _write_copies(pages, self.at_end, states)
         if token_states is not None:
             self.token_states[layer_idx] = token_states
         if self.checkpoints:
@@ -237,9 +239,9 @@ class StepMambaStates:
             assert self.kept is not None
             if not bool(self.kept.any()):
                 return
-            conv_at = torch.cat([boundary_states[r][0] for r in self.checkpoints])[self.kept]
-            ssm_at = torch.cat([boundary_states[r][1] for r in self.checkpoints])[self.kept]
-            pages.write(_page_ids(self.checkpoint_ids, pages.page_groups), conv_at, ssm_at)
+            parts = zip(*(boundary_states[r] for r in self.checkpoints))  # per part, each request's [J, ...]
+            pages.write(_page_ids(self.checkpoint_ids, pages.page_groups),
+                        *(torch.cat(part)[self.kept] for part in parts))
 
     def commit(self, num_valid: list[int]) -> None:
         """After verification: verify request `self.verify[v]` keeps its first
@@ -275,10 +277,10 @@ class StepMambaStates:
                     picks.append((v, n - 1, [int(self.write_ids[g][r]) for g in pages.page_groups]))
             if not picks:
                 continue
-            dev = ts.conv.device
+            dev = ts.states[0].device
             v_idx = torch.tensor([p[0] for p in picks], device=dev)
             j_idx = torch.tensor([p[1] for p in picks], device=dev)
-            pages.write(torch.tensor([p[2] for p in picks], device=dev), ts.conv[v_idx, j_idx], ts.ssm[v_idx, j_idx])
+            pages.write(torch.tensor([p[2] for p in picks], device=dev), *(part[v_idx, j_idx] for part in ts.states))
 
 
 @dataclass

@@ -36,7 +36,10 @@ from hybridserve.models.parallel import SharedNormGroups
 
 
 class MambaStateIO(Protocol):
-    """The runner's per-step access to each request's Mamba states (see mamba_states.py)."""
+    """The runner's per-step access to each request's recurrent states (see mamba_states.py).
+
+    A layer's state is a tuple of parts, in its MambaSpec's `shapes` order: (conv, SSM) for
+    a Mamba2 mixer, (conv,) for a short convolution; every part is [R, *shape]."""
 
     counts: list[int]  # tokens of each request in the flat batch, in batch order
     # Requests whose chunk is a decode plus draft tokens: their state after every token
@@ -47,14 +50,14 @@ class MambaStateIO(Protocol):
     # the token counts j (0 < j < its count) after which its state is kept (BoundaryStates).
     checkpoints: dict[int, list[int]]
 
-    def read(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(conv [R, conv_dim, K-1], ssm [R, H, P, N]) of every request: fresh copies,
-        zeros for requests that start this step."""
+    def read(self, layer_idx: int) -> list[torch.Tensor]:
+        """Each state part of every request (Mamba2: conv [R, conv_dim, K-1], ssm [R, H, P, N]):
+        fresh copies, zeros for requests that start this step."""
         ...
 
-    def write(self, layer_idx: int, conv: torch.Tensor, ssm: torch.Tensor,
-              token_states: TokenStates | None = None, boundary_states: BoundaryStates | None = None) -> None:
-        """Store the states after this step (and the verify requests' per-token states,
+    def write(self, layer_idx: int, states: Sequence[torch.Tensor], token_states: TokenStates | None = None,
+              boundary_states: BoundaryStates | None = None) -> None:
+        """Store the state parts after this step (and the verify requests' per-token states,
         and the prefill chunks' states at the requested boundaries)."""
         ...
 
@@ -70,13 +73,13 @@ class TokenStates:
     """
 
     reqs: list[int]  # request indices (into the step's requests)
-    conv: torch.Tensor  # [V, n, conv_dim, K-1], n = the longest verify chunk
-    ssm: torch.Tensor  # [V, n, H, P, N]
+    # Per state part [V, n, *shape], n = the longest verify chunk (Mamba2: conv, then SSM).
+    states: tuple[torch.Tensor, ...]
 
 
-# Request index -> (conv [J, conv_dim, K-1], SSM [J, H, P, N]): its states after each of
-# the J token counts MambaStateIO.checkpoints asked for, in that order.
-BoundaryStates = dict[int, tuple[torch.Tensor, torch.Tensor]]
+# Request index -> its state parts after each of the J token counts MambaStateIO.checkpoints
+# asked for, in that order, each [J, *shape] (Mamba2: conv, then SSM).
+BoundaryStates = dict[int, tuple[torch.Tensor, ...]]
 
 
 class Mamba2MixerWeights(nn.Module):
@@ -185,7 +188,7 @@ def _verify(w: Mamba2MixerWeights, cfg: MambaMixerConfig, xbc: torch.Tensor, dt:
             conv_steps[a, j], ssm_steps[a, j] = c_a, s_a
     conv_state[sel] = conv
     ssm_state[sel] = ssm
-    return TokenStates(reqs, conv_steps, ssm_steps)
+    return TokenStates(reqs, (conv_steps, ssm_steps))
 
 
 def _gated_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, cfg: MambaMixerConfig,

@@ -112,17 +112,21 @@ class MambaLM(StagedModel):
                 out, token_states, boundary_states = mamba2_mixer(w.mixer, mixer_cfg, x, conv, ssm, io.counts,
                                                                   io.verify, io.checkpoints)
                 h = h + self.reduce(out)
-                io.write(i, conv, ssm, token_states, boundary_states)
+                io.write(i, (conv, ssm), token_states, boundary_states)
             else:
                 assert w.attn is not None and rope is not None
                 h = h + self.reduce(self._attention(i, w.attn, x, rope, backend))
             if w.gate_up is not None:
-                x = rms_norm(h, w.pre_ff_norm, eps, inv_h)
-                gate, up = F.linear(x, w.gate_up).chunk(2, dim=-1)
-                down = w.down
-                h = self.add_row_parallel(h, F.silu(gate) * up, lambda y: F.linear(y, down),
-                                          lambda r, y: torch.addmm(r, y, down.t()))
+                h = self.add_swiglu_mlp(h, w.pre_ff_norm, w.gate_up, w.down)
         return self.stage_output(h)
+
+    def add_swiglu_mlp(self, h: torch.Tensor, norm: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+                       ) -> torch.Tensor:
+        """h + down(silu(gate) * up) of norm(h): gate_up the fused rows, down row-parallel."""
+        x = rms_norm(h, norm, self._eps, 1.0 / self.cfg.hidden_size)
+        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+        return self.add_row_parallel(h, F.silu(gate) * up, lambda y: F.linear(y, down),
+                                     lambda r, y: torch.addmm(r, y, down.t()))
 
     def _attention(self, i: int, w: AttentionWeights, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                    backend: HybridBackend) -> torch.Tensor:

@@ -1,13 +1,13 @@
 """Reading an HF checkpoint directory into a model: the mapped safetensors files, tensors
 taken by name with shape checks and dtype conversion, and the final placement. Shared by
-the decoder loader (loader.py) and the Mamba loader (mamba_loader.py); imports neither.
+the decoder loader (loader.py) and the recurrent loaders (mamba_loader.py, lfm2_loader.py); imports none.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -140,6 +140,17 @@ def take_row_bias(w: Weights, param: torch.Tensor | None, name: str, size: int) 
     if param is not None:
         with torch.no_grad():
             param.copy_(t)
+
+
+def load_staged(model: StagedModel, model_dir: Path, cfg: ModelConfig, device: str | torch.device,
+                dtype: torch.dtype, fill: Callable[[Any, ModelConfig, Weights], None]) -> Any:
+    """A recurrent model's load: `fill(model, cfg, w)` from the checkpoint, placed on `device`,
+    its constants set up (`model.setup`), in eval mode."""
+    w = Weights(open_checkpoint(model_dir), dtype)
+    fill(model, cfg, w)
+    place_weights(model, cfg, w, device)
+    model.setup(torch.device(device))  # type: ignore[operator]
+    return model.eval()
 
 
 def place_weights(model: torch.nn.Module, cfg: ModelConfig, w: Weights, device: str | torch.device) -> None:

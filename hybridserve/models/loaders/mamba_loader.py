@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from hybridserve.models.loaders.checkpoint import (Weights, fill_ends, open_checkpoint, place_weights, take_gate_up,
-                                                  take_qkv, take_row_bias)
+from hybridserve.models.loaders.checkpoint import (Weights, fill_ends, load_staged, take_gate_up, take_qkv,
+                                                  take_row_bias)
 from hybridserve.models.config import ModelConfig
 from hybridserve.models.arch.mamba2 import Mamba2MixerWeights
 from hybridserve.models.arch.mamba_config import MambaMixerConfig
@@ -29,12 +29,7 @@ from hybridserve.models.parallel import PipelineStage, TPGroup, group_rows
 
 def load_mamba_model(model_dir: Path, cfg: ModelConfig, device: str | torch.device, dtype: torch.dtype,
                      stage: PipelineStage | None = None, tp: TPGroup | None = None) -> MambaLM:
-    model = MambaLM(cfg, dtype, stage, tp)
-    w = Weights(open_checkpoint(model_dir), dtype)
-    _fill(model, cfg, w)
-    place_weights(model, cfg, w, device)
-    model.setup(torch.device(device))
-    return model.eval()
+    return load_staged(MambaLM(cfg, dtype, stage, tp), model_dir, cfg, device, dtype, _fill)
 
 
 def _shard_xbc(t: torch.Tensor, mc: MambaMixerConfig, tp: TPGroup) -> torch.Tensor:

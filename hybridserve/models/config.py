@@ -26,6 +26,7 @@ from typing import Any
 from hybridserve.core.errors import ConfigError
 from hybridserve.models.arch import gemma3_multimodal
 from hybridserve.models.arch.gpt_oss_config import GptOssOptions, parse_gpt_oss_options
+from hybridserve.models.arch.jamba_config import JambaOptions, jamba_layer_types, parse_jamba_options
 from hybridserve.models.arch.lfm2_config import (ShortConvConfig, lfm2_intermediate_size, lfm2_layer_types,
                                                  parse_short_conv)
 from hybridserve.models.arch.llama4_config import CHUNKED, Llama4Options, llama4_layer_types, parse_llama4_options
@@ -58,6 +59,8 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "BambaForCausalLM": "bamba",
     # Short convolution layers + attention: models/arch/lfm2_config.py, models/loaders/lfm2_loader.py.
     "Lfm2ForCausalLM": "lfm2",
+    # Mamba1 + attention without RoPE + MoE: models/arch/jamba_config.py, models/loaders/jamba_loader.py.
+    "JambaForCausalLM": "jamba",
 }
 _GEMMA = ("gemma2", "gemma3")
 # Without layer_types: one full layer after every `pattern - 1` sliding ones.
@@ -93,7 +96,7 @@ class ModelConfig:
     """Everything the decoder needs; derived fields are final (no further defaults apply)."""
 
     architecture: str
-    # llama | mistral | qwen2 | gemma2 | gemma3 | olmo3 | cohere2 | exaone4 | llama4 | mamba2 | bamba | lfm2
+    # llama | mistral | qwen2 | gemma2 | gemma3 | olmo3 | cohere2 | exaone4 | llama4 | mamba2 | bamba | lfm2 | jamba
     family: str
     vocab_size: int
     hidden_size: int
@@ -131,6 +134,8 @@ class ModelConfig:
     mamba: MambaMixerConfig | None = None
     # LFM2: the short convolution of every "conv" layer in layer_types (lfm2_config.py).
     short_conv: ShortConvConfig | None = None
+    # Jamba: the Mamba1 mixer of every "mamba1" layer and the expert layers (jamba_config.py).
+    jamba: JambaOptions | None = None
     # Dims of each head RoPE rotates (the first ones); None: all of head_dim (Bamba: half).
     rotary_dim: int | None = None
 
@@ -164,6 +169,8 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
         return _parse_bamba(raw, arch)
     if family == "lfm2":
         return _parse_lfm2(raw, arch)
+    if family == "jamba":
+        return _parse_jamba(raw, arch)
     num_layers = _req_int(raw, "num_hidden_layers")
     num_heads = _req_int(raw, "num_attention_heads")
     hidden = _req_int(raw, "hidden_size")
@@ -292,6 +299,23 @@ def _parse_lfm2(raw: dict[str, Any], arch: str) -> ModelConfig:
         attn_scale=head_dim**-0.5,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", raw.get("tie_embedding", True))),
         eos_token_id=raw.get("eos_token_id"), short_conv=parse_short_conv(raw, hidden),
+    )
+
+
+def _parse_jamba(raw: dict[str, Any], arch: str) -> ModelConfig:
+    """Mamba1 mixers with a few attention layers (no RoPE: the rope table is empty), a SwiGLU
+    MLP or a mixture of experts after every layer."""
+    hidden = _req_int(raw, "hidden_size")
+    num_layers = _req_int(raw, "num_hidden_layers")
+    num_heads, num_kv_heads, head_dim = _hybrid_attention_heads(raw, hidden)
+    return ModelConfig(
+        architecture=arch, family="jamba", vocab_size=_req_int(raw, "vocab_size"), hidden_size=hidden,
+        intermediate_size=_req_int(raw, "intermediate_size"), num_layers=num_layers, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        activation="silu", layer_types=jamba_layer_types(raw, num_layers), sliding_window=None, rope={},
+        max_position_embeddings=int(raw.get("max_position_embeddings") or 262_144), attn_scale=head_dim**-0.5,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), eos_token_id=raw.get("eos_token_id"),
+        jamba=parse_jamba_options(raw, hidden, num_layers),
     )
 
 

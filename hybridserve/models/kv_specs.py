@@ -9,6 +9,7 @@ from __future__ import annotations
 from hybridserve.core.kv.spec import (ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheSpec, MambaSpec,
                                       SlidingWindowSpec)
 from hybridserve.models.config import CHUNKED, SLIDING, ModelConfig
+from hybridserve.models.arch.jamba_config import MAMBA1
 from hybridserve.models.arch.lfm2_config import SHORT_CONV
 from hybridserve.models.arch.mamba_config import MAMBA
 
@@ -26,7 +27,8 @@ def model_kv_layer_specs(cfg: ModelConfig, block_size: int, dtype: str = "float3
     """{layer name: spec}: sliding layers get SlidingWindowSpec(window), chunked-local layers
     ChunkedLocalAttentionSpec(chunk size; ConfigError unless a multiple of block_size), Mamba
     layers a MambaSpec (one state per request: conv state and SSM state), short convolution layers
-    one too (its conv state only), the rest full attention."""
+    one too (its conv state only), and Mamba1 layers (conv state and per-channel SSM state);
+    the rest full attention."""
     specs: dict[str, KVCacheSpec] = {}
     for i, kind in enumerate(cfg.layer_types):
         if kind == MAMBA:
@@ -35,6 +37,9 @@ def model_kv_layer_specs(cfg: ModelConfig, block_size: int, dtype: str = "float3
         elif kind == SHORT_CONV:
             assert cfg.short_conv is not None
             specs[layer_name(i)] = MambaSpec(block_size=block_size, shapes=cfg.short_conv.state_shapes, dtype=dtype)
+        elif kind == MAMBA1:
+            assert cfg.jamba is not None
+            specs[layer_name(i)] = MambaSpec(block_size=block_size, shapes=cfg.jamba.mixer.state_shapes, dtype=dtype)
         elif kind == SLIDING:
             assert cfg.sliding_window is not None
             specs[layer_name(i)] = SlidingWindowSpec(

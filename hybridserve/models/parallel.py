@@ -165,6 +165,8 @@ def _sharded_sizes(cfg: ModelConfig) -> list[int]:
         sizes.append(cfg.mamba.num_heads)
     if cfg.short_conv is not None:
         sizes.append(cfg.short_conv.channels)
+    if cfg.jamba is not None:
+        sizes.append(cfg.jamba.mixer.intermediate_size)
     return sizes
 
 
@@ -184,6 +186,8 @@ def check_tp(cfg: ModelConfig, size: int) -> None:
         what.append(f"Mamba heads {cfg.mamba.num_heads} and groups {cfg.mamba.n_groups} (split or shared)")
     if cfg.short_conv is not None:
         what.append(f"short convolution channels {cfg.short_conv.channels}")
+    if cfg.jamba is not None:
+        what.append(f"Mamba1 channels {cfg.jamba.mixer.intermediate_size}")
     works = ", ".join(map(str, tp_sizes_that_work(cfg)))
     raise ConfigError(f"tensor_parallel_size {size} does not divide the model's {', '.join(what)}; "
                       f"sizes that work: {works}")
@@ -204,6 +208,9 @@ def local_config(cfg: ModelConfig, tp: TPGroup | None) -> ModelConfig:
         changes["mamba"] = replace(m, num_heads=m.num_heads // t, n_groups=_local_groups(m.n_groups, t))
     if cfg.short_conv is not None:
         changes["short_conv"] = replace(cfg.short_conv, channels=cfg.short_conv.channels // t)
+    if cfg.jamba is not None:
+        mixer = cfg.jamba.mixer
+        changes["jamba"] = replace(cfg.jamba, mixer=replace(mixer, intermediate_size=mixer.intermediate_size // t))
     return replace(cfg, **changes)
 
 

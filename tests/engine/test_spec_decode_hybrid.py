@@ -1,4 +1,4 @@
-"""Speculative decoding on chunked-local (Llama 4) and recurrent (Mamba2, Bamba, LFM2) models.
+"""Speculative decoding on chunked-local (Llama 4) and recurrent (Mamba2, Bamba, LFM2, Jamba) models.
 
 A rejected draft must leave no trace: chunked-local layers overwrite its K/V later, and
 Mamba layers roll their conv and SSM states (LFM2's short convolutions their conv
@@ -78,7 +78,7 @@ def run(engine: EngineCore, prompts: list[list[int]], tag: str = "r", shutdown: 
     return got
 
 
-@pytest.mark.parametrize("kind", ["llama4", "mamba2", "bamba", "lfm2"])
+@pytest.mark.parametrize("kind", ["llama4", "mamba2", "bamba", "lfm2", "jamba"])
 @pytest.mark.parametrize("async_scheduling,spec", [(False, 3), (True, 4)], ids=["sync3", "async4"])
 def test_accepted_and_rejected_drafts_leave_hf_greedy_output(kind: str, async_scheduling: bool, spec: int) -> None:
     prompts = prompts_for(kind)
@@ -94,7 +94,7 @@ def test_accepted_and_rejected_drafts_leave_hf_greedy_output(kind: str, async_sc
     assert eng.scheduler.kv.pool.num_free_blocks == eng.scheduler.kv.pool.num_blocks - 1
 
 
-@pytest.mark.parametrize("kind", ["llama4", "bamba", "lfm2"])
+@pytest.mark.parametrize("kind", ["llama4", "bamba", "lfm2", "jamba"])
 def test_ngram_drafts_on_repetitive_prompts_keep_hf_output(kind: str) -> None:
     prompts = prompts_for(kind)
     eng = make_engine(kind, True, 3)
@@ -103,7 +103,7 @@ def test_ngram_drafts_on_repetitive_prompts_keep_hf_output(kind: str) -> None:
         assert got[f"r{i}"] == oracle(kind, p, NEW_TOKENS), f"{kind} prompt {i}"
 
 
-@pytest.mark.parametrize("kind", ["mamba2", "bamba", "lfm2"])
+@pytest.mark.parametrize("kind", ["mamba2", "bamba", "lfm2", "jamba"])
 @pytest.mark.parametrize("async_scheduling,spec", [(False, 3), (True, 4)], ids=["sync3", "async4"])
 def test_next_turn_starts_from_states_checkpointed_during_verification(kind: str, async_scheduling: bool,
                                                                        spec: int) -> None:

@@ -26,7 +26,7 @@ from hybridserve.core.errors import ConfigError  # noqa: E402
 # the best-effort checkpoints (a column costs 9 blocks: 3 layers of 3 pages; LFM2: 3 layers of 1), so wave 1's
 # last whole checkpoint is kept and stored.
 POOL = {"mamba2": {False: 8, True: 10}, "bamba": {False: 64, True: 64},  # Bamba: a state is 3 pages
-        "lfm2": {False: 40, True: 40}}
+        "lfm2": {False: 40, True: 40}, "jamba": {False: 64, True: 64}}  # Jamba: as Bamba
 
 
 @pytest.mark.parametrize("kind", tiny.KINDS)

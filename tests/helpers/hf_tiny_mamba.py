@@ -1,10 +1,13 @@
-"""Tiny random HF Mamba2ForCausalLM, BambaForCausalLM and Lfm2ForCausalLM, and HF greedy as the oracle.
+"""Tiny random HF Mamba2ForCausalLM, BambaForCausalLM, Lfm2ForCausalLM and JambaForCausalLM,
+and HF greedy as the oracle.
 
 hidden 64, vocab 512, 8 Mamba heads of 16 channels, state 16, 2 groups, kernel 4, SSD
 chunks of 16 (so 40-100 token prompts cross several); Mamba2: 3 layers; Bamba: 4
 layers, layer 1 attention (4 query / 2 KV heads, half of each head rotated). LFM2: 4
 layers, layer 1 attention (4 query / 2 KV heads, q / k norms), the others short
-convolutions of kernel 3, MLP 128 wide, tied head, norms drawn at random.
+convolutions of kernel 3, MLP 128 wide, tied head, norms drawn at random. Jamba: 4
+layers, layer 1 attention without RoPE, the others Mamba1 (128 channels, state 16, dt
+rank 8, kernel 4); layers 1 and 3 route over 4 experts (top 2), MLPs 96 wide.
 initializer_range 0.3 gives peaky logits, so greedy choices are not near-ties.
 """
 
@@ -18,7 +21,7 @@ import torch
 
 from tests.helpers import hf_tiny
 
-KINDS = ("mamba2", "bamba", "lfm2")
+KINDS = ("mamba2", "bamba", "lfm2", "jamba")
 CHUNK = 16
 
 
@@ -41,6 +44,11 @@ def hf_config(kind: str):
                              num_attention_heads=4, num_key_value_heads=2, conv_L_cache=3,
                              layer_types=["conv", "full_attention", "conv", "conv"], max_position_embeddings=2048,
                              **{**common, "tie_word_embeddings": True})
+    if kind == "jamba":
+        return tf.JambaConfig(intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                              attn_layer_period=4, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                              num_experts=4, num_experts_per_tok=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2,
+                              mamba_dt_rank=8, max_position_embeddings=2048, **common)
     raise ValueError(kind)
 
 
@@ -49,7 +57,7 @@ def build_tiny(kind: str, out_dir: Path, seed: int = 0) -> Path:
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_config(kind), dtype=torch.float32)
-    if kind == "lfm2":  # HF starts norms at 1: a q / k or operator / ffn norm swap would not show
+    if kind in ("lfm2", "jamba"):  # HF starts norms at 1: a swap of two norms would not show
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if "norm" in name:

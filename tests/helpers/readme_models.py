@@ -33,6 +33,7 @@ FAMILY_FACTS: dict[str, tuple[str, frozenset[str]]] = {
     "mamba2": ("Mamba2", frozenset({"async", "spec", "prefix", "pp", "tp"})),
     "bamba": ("Mamba2 + full attention", frozenset({"async", "spec", "prefix", "pp", "tp"})),
     "lfm2": ("short convolution + full attention", frozenset({"async", "spec", "prefix", "pp", "tp"})),
+    "jamba": ("Mamba1 + full attention (NoPE), MoE", frozenset({"async", "spec", "prefix", "pp", "tp"})),
 }
 FEATURES = (("async", "sync / async"), ("spec", "n-gram spec"), ("prefix", "prefix cache"),
             ("pp", "PP"), ("tp", "TP"))

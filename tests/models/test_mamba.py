@@ -251,18 +251,18 @@ def test_chunked_prefill_across_ssd_chunk_and_block_boundaries(kind: str) -> Non
     check(kind, PROMPTS, got)
 
 
-@pytest.mark.parametrize("kind", ["bamba", "lfm2"])
+@pytest.mark.parametrize("kind", ["bamba", "lfm2", "jamba"])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("prefix_caching", [False, True], ids=["recompute", "cached"])
 def test_preemption_resumes_from_zero_or_a_checkpoint(kind: str, async_scheduling: bool,
                                                       prefix_caching: bool) -> None:
     # The attention group grows with the sequence; a small pool forces preemptions.
-    # 9 of Bamba's 26 blocks are each request's running Mamba states (3 layers of 3 pages),
+    # 9 of Bamba's (and Jamba's) 26 blocks are each request's running Mamba states (3 layers of 3 pages),
     # 3 of LFM2's 16 its conv states (3 layers, one page each), with prefix caching too
     # (the state stays in place; checkpoints are best-effort). Without it a resumed request
     # restarts at 0; with it, it resumes from its own last cached checkpoint, if one was
     # kept and not evicted meanwhile.
-    num_blocks = {"bamba": 26, "lfm2": 16}[kind]
+    num_blocks = {"bamba": 26, "lfm2": 16, "jamba": 26}[kind]
     eng = make_engine(kind, async_scheduling=async_scheduling, num_blocks=num_blocks,
                       max_num_batched_tokens=32, prefix_caching=prefix_caching)
     got = run(eng, PROMPTS)
@@ -350,11 +350,11 @@ def test_paged_bamba_states_hit_the_best_effort_checkpoints(async_scheduling: bo
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_a_short_pool_skips_checkpoints_and_every_token_is_hf(kind: str, async_scheduling: bool) -> None:
     """Pools near the admission minimum (one max-length request of 160 tokens: Bamba 10
-    attention blocks + 9 running-state pages, 20 blocks with the null block; LFM2 10 + 3
+    attention blocks + 9 running-state pages, 20 blocks with the null block (Jamba alike); LFM2 10 + 3
     one-page conv states, 14; Mamba2 one group of 3 layers, 1 block, 2) with the prefix-hit
     workload: best-effort checkpoints are skipped (null entries), hits get fewer, and every
     token is still HF's. The second wave starts only from checkpoints that exist."""
-    num_blocks = {"mamba2": 4, "bamba": 26, "lfm2": 18}[kind]
+    num_blocks = {"mamba2": 4, "bamba": 26, "lfm2": 18, "jamba": 26}[kind]
     base = PROMPTS[3]
     eng = make_engine(kind, async_scheduling=async_scheduling, num_blocks=num_blocks, max_num_batched_tokens=24)
     skipped = count_skipped_checkpoints(eng)

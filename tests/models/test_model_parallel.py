@@ -105,7 +105,7 @@ def reference(kind: str, stepped: bool = True) -> dict:
 
 
 @pytest.mark.parametrize("kind", ["mistral", "gemma3", "llama4", "bamba", "gemma3_mm", "olmo3", "cohere2", "exaone4",
-                                  "olmo3_1kv", "gpt_oss", "lfm2_bias"])
+                                  "olmo3_1kv", "gpt_oss", "lfm2_bias", "jamba"])
 def test_flat_reference_matches_hf(kind: str) -> None:
     """The test backend is right: the unsplit model's logits are HF's, per prompt, in one
     step and over a prefill and decodes."""
@@ -166,7 +166,7 @@ def _check_pipeline(kinds: list[str], world: int, results: list[dict[str, dict]]
 
 
 PP2_KINDS = ["llama", "qwen2", "gemma3", "llama4", "bamba", "mamba2", "gemma3_mm", "olmo3", "cohere2", "exaone4",
-             "gpt_oss", "lfm2"]
+             "gpt_oss", "lfm2", "jamba"]
 
 
 def test_pipeline_two_stages_equal_whole_model() -> None:
@@ -235,7 +235,7 @@ def test_too_many_stages_is_a_config_error_before_loading() -> None:
 
 TP_KINDS = ["llama_bias", "mistral", "qwen2", "gemma2", "gemma3", "gemma3_1kv", "llama4", "bamba", "bamba_1group",
             "mamba2", "mamba2_1group_bias", "gemma3_mm", "olmo3", "cohere2", "exaone4", "olmo3_1kv", "cohere2_bias",
-            "gpt_oss", "lfm2_bias"]
+            "gpt_oss", "lfm2_bias", "jamba"]
 
 
 def tp_rank(rank: int, world: int, kinds: list[str], dirs: list[str]) -> dict[str, dict]:
@@ -279,6 +279,10 @@ def test_tensor_parallel_two_ranks_equal_whole_model() -> None:
             assert a["mamba_shapes"] == [(conv, (m.num_heads // 2, m.head_dim, m.state_size))]
         if cfg.short_conv is not None:  # each rank convolves half the channels
             assert a["mamba_shapes"] == [((cfg.hidden_size // 2, cfg.short_conv.kernel - 1),)]
+        if cfg.jamba is not None:  # each rank holds half the Mamba1 channels, each its own N-vector
+            mc = cfg.jamba.mixer
+            assert a["mamba_shapes"] == [((mc.intermediate_size // 2, mc.conv_kernel - 1),
+                                          (mc.intermediate_size // 2, mc.state_size))]
 
 
 def test_local_config_halves_heads_and_columns() -> None:

@@ -21,7 +21,6 @@ from hybridserve.models.arch.mamba_lm import AttentionWeights, HybridBackend, Ma
 from hybridserve.models.arch.short_conv import ShortConvWeights, short_conv_mixer
 from hybridserve.models.config import FULL, ModelConfig
 from hybridserve.models.layers.rope import apply_rope_
-from hybridserve.models.parallel import PipelineStage, TPGroup
 
 
 class Lfm2LayerWeights(nn.Module):
@@ -49,15 +48,9 @@ class Lfm2LM(MambaLM):
     """forward(ids, positions, max_position, backend) -> final hidden; logits(h) -> vocab logits.
     Built from the global config; `cfg` is the rank's local view (see DecoderLM)."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, stage: PipelineStage | None = None,
-                 tp: TPGroup | None = None) -> None:
-        nn.Module.__init__(self)  # not MambaLM's: no Mamba2 mixer here
+    def _layer_weights(self, cfg: ModelConfig, local: ModelConfig, layer_idx: int, dtype: torch.dtype) -> nn.Module:
         assert cfg.short_conv is not None, "Lfm2LM needs an LFM2 config"
-        local = self.init_stage(cfg, dtype, stage, tp)
-        self.layers = nn.ModuleList(Lfm2LayerWeights(local, local.layer_types[i], dtype, self.row_bias)
-                                    for i in self.layer_ids)
-        self._rope = None
-        self._logits_buffer = None
+        return Lfm2LayerWeights(local, local.layer_types[layer_idx], dtype, self.row_bias)
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, max_position: int,
                 backend: HybridBackend, hidden_in: torch.Tensor | None = None) -> torch.Tensor:

@@ -76,16 +76,20 @@ class MambaLM(StagedModel):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, stage: PipelineStage | None = None,
                  tp: TPGroup | None = None) -> None:
         super().__init__()
+        local = self.init_stage(cfg, dtype, stage, tp)
+        self.layers = nn.ModuleList(self._layer_weights(cfg, local, i, dtype) for i in self.layer_ids)
+        self._rope: RopeTable | None = None
+        self._logits_buffer: LogitsBuffer | None = None
+
+    def _layer_weights(self, cfg: ModelConfig, local: ModelConfig, layer_idx: int, dtype: torch.dtype) -> nn.Module:
+        """Layer `layer_idx`'s parameters, from the global config and the rank's (a hook: LFM2
+        and Jamba build their own layers)."""
         mixer = cfg.mamba
         assert mixer is not None, "MambaLM needs a Mamba2 / Bamba config"
-        local = self.init_stage(cfg, dtype, stage, tp)
         share = None
         if self.tp is not None and self.tp.size > mixer.n_groups:  # groups span ranks
             share = SharedNormGroups(self.tp, mixer.n_groups, mixer.intermediate_size // mixer.n_groups)
-        self.layers = nn.ModuleList(MambaLayerWeights(local, local.layer_types[i], dtype, self.row_bias, share)
-                                    for i in self.layer_ids)
-        self._rope: RopeTable | None = None
-        self._logits_buffer: LogitsBuffer | None = None
+        return MambaLayerWeights(local, local.layer_types[layer_idx], dtype, self.row_bias, share)
 
     def setup(self, device: torch.device) -> None:
         """Constants on the model's device (call after moving the weights)."""

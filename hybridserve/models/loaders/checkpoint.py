@@ -126,6 +126,13 @@ def take_qkv(w: Weights, cfg: ModelConfig, tp: TPGroup, prefix: str, suffix: str
                       group_rows(tp, nkv, w.take(prefix + "v_proj." + suffix, (nkv * hd, *tail)))])
 
 
+def take_attention(w: Weights, cfg: ModelConfig, tp: TPGroup, prefix: str, o_name: str = "o_proj"
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the fused q | k | v rows, the o projection's columns) of this rank's heads, no biases."""
+    o = w.take(prefix + o_name + ".weight", (cfg.hidden_size, cfg.num_heads * cfg.head_dim))
+    return take_qkv(w, cfg, tp, prefix), tp.shard(o, 1)
+
+
 def take_gate_up(w: Weights, tp: TPGroup, prefix: str, shape: tuple[int, ...], suffix: str = "weight"
                  ) -> torch.Tensor:
     """The fused gate | up rows of this rank's intermediate columns (`shape`: one of them, global)."""

@@ -21,7 +21,7 @@ import torch
 from hybridserve.models.arch.lfm2 import Lfm2LM
 from hybridserve.models.arch.short_conv import ShortConvWeights
 from hybridserve.models.config import ModelConfig
-from hybridserve.models.loaders.checkpoint import Weights, fill_ends, load_staged, take_qkv, take_row_bias
+from hybridserve.models.loaders.checkpoint import Weights, fill_ends, load_staged, take_attention, take_row_bias
 from hybridserve.models.parallel import PipelineStage, TPGroup
 
 
@@ -64,8 +64,9 @@ def _fill(model: Lfm2LM, cfg: ModelConfig, w: Weights) -> None:
                 _fill_conv(layer.conv, cfg, w, p + "conv.", tp)
             if layer.attn is not None and layer.q_norm is not None and layer.k_norm is not None:
                 a = p + "self_attn."
-                layer.attn.qkv.copy_(take_qkv(w, cfg, tp, a))
-                layer.attn.o.copy_(tp.shard(w.take(a + "out_proj.weight", (H, cfg.num_heads * hd)), 1))
+                qkv, o = take_attention(w, cfg, tp, a, o_name="out_proj")
+                layer.attn.qkv.copy_(qkv)
+                layer.attn.o.copy_(o)
                 layer.q_norm.copy_(w.take(a + "q_layernorm.weight", (hd,)))
                 layer.k_norm.copy_(w.take(a + "k_layernorm.weight", (hd,)))
             f = p + "feed_forward."

@@ -34,9 +34,9 @@ if TYPE_CHECKING:
 def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32, quantization: str = "none", stage: PipelineStage | None = None,
                tp: TPGroup | None = None, encode: Encode | None = None) -> DecoderLM | MambaLM:
-    """Build a DecoderLM (a MambaLM for Mamba2 / Bamba, an Lfm2LM for LFM2) from an HF directory, weights
-    on `device` in `dtype`, the output head quantized as `quantization` says (none, int8, int4: see
-    models/layers/head.py).
+    """Build a DecoderLM (a MambaLM for Mamba2 / Bamba, an Lfm2LM for LFM2, a JambaLM for Jamba) from an
+    HF directory, weights on `device` in `dtype`, the output head quantized as `quantization` says
+    (none, int8, int4: see models/layers/head.py).
     With `stage` and `tp` (models/parallel.py) only that pipeline stage's layers are read, cut
     to that tensor-parallel rank's heads and columns (ConfigError where the sizes do not divide).
     `encode` (the engine's tokenizer) tokenizes the int8 calibration texts (models/layers/smoothing.py)."""
@@ -52,6 +52,10 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
         from hybridserve.models.loaders.lfm2_loader import load_lfm2_model
 
         return load_lfm2_model(model_dir, cfg, device, dtype, stage, tp)
+    if cfg.jamba is not None:
+        from hybridserve.models.loaders.jamba_loader import load_jamba_model
+
+        return load_jamba_model(model_dir, cfg, device, dtype, stage, tp)
     checkpoint = open_checkpoint(model_dir)
     if cfg.architecture == GEMMA3_MULTIMODAL:
         checkpoint = TextCheckpoint(checkpoint)  # its language model, under the causal-LM names

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from hybridserve.models.loaders.checkpoint import (Weights, fill_ends, load_staged, take_gate_up, take_qkv,
+from hybridserve.models.loaders.checkpoint import (Weights, fill_ends, load_staged, take_attention, take_gate_up,
                                                   take_row_bias)
 from hybridserve.models.config import ModelConfig
 from hybridserve.models.arch.mamba2 import Mamba2MixerWeights
@@ -80,9 +80,9 @@ def _fill(model: MambaLM, cfg: ModelConfig, w: Weights) -> None:
             if layer.mixer is not None:
                 _fill_mixer(layer.mixer, cfg, w, p + ("mixer." if mamba2 else "mamba."), tp)
             if layer.attn is not None:
-                a = p + "self_attn."
-                layer.attn.qkv.copy_(take_qkv(w, cfg, tp, a))
-                layer.attn.o.copy_(tp.shard(w.take(a + "o_proj.weight", (H, cfg.num_heads * cfg.head_dim)), 1))
+                qkv, o = take_attention(w, cfg, tp, p + "self_attn.")
+                layer.attn.qkv.copy_(qkv)
+                layer.attn.o.copy_(o)
             if layer.gate_up is not None and layer.down is not None and layer.pre_ff_norm is not None:
                 f = p + "feed_forward."
                 layer.pre_ff_norm.copy_(w.take(p + "pre_ff_layernorm.weight", (H,)))

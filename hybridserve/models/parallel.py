@@ -163,6 +163,9 @@ def _sharded_sizes(cfg: ModelConfig) -> list[int]:
         sizes.append(cfg.llama4.intermediate_size_mlp)
     if cfg.mamba is not None:
         sizes.append(cfg.mamba.num_heads)
+    if cfg.gated_deltanet is not None and cfg.qwen3_next_moe is not None:
+        moe = cfg.qwen3_next_moe
+        sizes += [cfg.gated_deltanet.num_k_heads, moe.moe_intermediate_size, moe.shared_intermediate_size]
     return sizes
 
 
@@ -180,6 +183,10 @@ def check_tp(cfg: ModelConfig, size: int) -> None:
         what.append(f"dense MLP intermediate size {cfg.llama4.intermediate_size_mlp}")
     if cfg.mamba is not None:
         what.append(f"Mamba heads {cfg.mamba.num_heads} and groups {cfg.mamba.n_groups} (split or shared)")
+    if cfg.gated_deltanet is not None and cfg.qwen3_next_moe is not None:
+        moe = cfg.qwen3_next_moe
+        what.append(f"Gated DeltaNet key heads {cfg.gated_deltanet.num_k_heads}, expert and shared-expert "
+                    f"intermediate sizes {moe.moe_intermediate_size} and {moe.shared_intermediate_size}")
     works = ", ".join(map(str, tp_sizes_that_work(cfg)))
     raise ConfigError(f"tensor_parallel_size {size} does not divide the model's {', '.join(what)}; "
                       f"sizes that work: {works}")
@@ -198,6 +205,11 @@ def local_config(cfg: ModelConfig, tp: TPGroup | None) -> ModelConfig:
     if cfg.mamba is not None:
         m = cfg.mamba
         changes["mamba"] = replace(m, num_heads=m.num_heads // t, n_groups=_local_groups(m.n_groups, t))
+    if cfg.gated_deltanet is not None and cfg.qwen3_next_moe is not None:  # a rank: its key heads' value heads
+        d, moe = cfg.gated_deltanet, cfg.qwen3_next_moe
+        changes["gated_deltanet"] = replace(d, num_k_heads=d.num_k_heads // t, num_v_heads=d.num_v_heads // t)
+        changes["qwen3_next_moe"] = replace(moe, moe_intermediate_size=moe.moe_intermediate_size // t,
+                                            shared_intermediate_size=moe.shared_intermediate_size // t)
     return replace(cfg, **changes)
 
 

@@ -1,8 +1,12 @@
-"""Tiny random HF Mamba2ForCausalLM and BambaForCausalLM, and HF greedy as the oracle.
+"""Tiny random HF Mamba2ForCausalLM, BambaForCausalLM and Qwen3NextForCausalLM, and HF
+greedy as the oracle.
 
 hidden 64, vocab 512, 8 Mamba heads of 16 channels, state 16, 2 groups, kernel 4, SSD
 chunks of 16 (so 40-100 token prompts cross several); Mamba2: 3 layers; Bamba: 4
 layers, layer 1 attention (4 query / 2 KV heads, half of each head rotated).
+Qwen3-Next: 4 layers, Gated DeltaNet (2 key heads, 4 value heads, dims 16, kernel 4) and
+gated attention (4 query / 2 KV heads of 16, a quarter rotated) alternating; 4 experts,
+top 2, a shared expert; layer 2 a dense MLP; norms drawn at random.
 initializer_range 0.3 gives peaky logits, so greedy choices are not near-ties.
 """
 
@@ -16,7 +20,7 @@ import torch
 
 from tests.helpers import hf_tiny
 
-KINDS = ("mamba2", "bamba")
+KINDS = ("mamba2", "bamba", "qwen3_next")
 CHUNK = 16
 
 
@@ -33,6 +37,13 @@ def hf_config(kind: str):
                               num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_state=16,
                               mamba_n_groups=2, mamba_d_conv=4, mamba_chunk_size=CHUNK,
                               max_position_embeddings=2048, **common)
+    if kind == "qwen3_next":
+        return tf.Qwen3NextConfig(intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                                  linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                                  linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+                                  moe_intermediate_size=32, shared_expert_intermediate_size=32, mlp_only_layers=[2],
+                                  full_attention_interval=2, max_position_embeddings=2048, **common)
     raise ValueError(kind)
 
 
@@ -41,6 +52,11 @@ def build_tiny(kind: str, out_dir: Path, seed: int = 0) -> Path:
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_config(kind), dtype=torch.float32)
+    if kind == "qwen3_next":  # HF starts its (1 + w) norms at 0 and the gated norm at 1: make them count
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.uniform_(-0.5, 0.5)
     model.generation_config.eos_token_id = None
     model.save_pretrained(out_dir)
     return out_dir

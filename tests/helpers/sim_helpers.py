@@ -149,3 +149,18 @@ def check_in_place_table(m: InPlaceMambaManager, blocks: list, req: Request | No
 
 def make_request(rid: str, prompt: list[int], max_tokens: int) -> Request:
     return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def check_preset_detector(unsafe: bool, items: list, **sim_config: object) -> None:
+    """A preset run of `items` (run_simulation with SimConfig(**sim_config)) finishes every
+    request; the race detector reports 0 violations under the rule, > 0 with the unsafe
+    optimistic free."""
+    from hybridserve.sim.simulation import SimConfig, run_simulation
+
+    config = SimConfig(unsafe_optimistic_free=unsafe, **sim_config)  # type: ignore[arg-type]
+    result = run_simulation(config, items, progress=False)
+    assert result.num_finished == len(items)
+    if unsafe:
+        assert result.violations > 0
+    else:
+        assert result.violations == 0

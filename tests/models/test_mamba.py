@@ -348,10 +348,11 @@ def test_paged_bamba_states_hit_the_best_effort_checkpoints(async_scheduling: bo
 def test_a_short_pool_skips_checkpoints_and_every_token_is_hf(kind: str, async_scheduling: bool) -> None:
     """Pools near the admission minimum (one max-length request of 160 tokens: Bamba 10
     attention blocks + 9 running-state pages, 20 blocks with the null block; Mamba2 one
-    group of 3 layers, 1 block, 2) with the prefix-hit workload: best-effort checkpoints
+    group of 3 layers, 1 block, 2; Qwen3-Next 10 attention blocks + 2 running-state pages
+    (2 Gated DeltaNet layers per group, 2 pages a state), 13) with the prefix-hit workload: best-effort checkpoints
     are skipped (null entries), hits get fewer, and every token is still HF's. The second
     wave starts only from checkpoints that exist."""
-    num_blocks = {"mamba2": 4, "bamba": 26}[kind]
+    num_blocks = {"mamba2": 4, "bamba": 26, "qwen3_next": 16}[kind]
     base = PROMPTS[3]
     eng = make_engine(kind, async_scheduling=async_scheduling, num_blocks=num_blocks, max_num_batched_tokens=24)
     skipped = count_skipped_checkpoints(eng)

@@ -34,7 +34,8 @@ if TYPE_CHECKING:
 def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32, quantization: str = "none", stage: PipelineStage | None = None,
                tp: TPGroup | None = None, encode: Encode | None = None) -> DecoderLM | MambaLM:
-    """Build a DecoderLM (a MambaLM for Mamba2 / Bamba) from an HF directory, weights on `device` in `dtype`,
+    """Build a DecoderLM (a MambaLM for Mamba2 / Bamba, its subclass Qwen3NextLM for Qwen3-Next)
+    from an HF directory, weights on `device` in `dtype`,
     the output head quantized as `quantization` says (none, int8, int4: see models/layers/head.py).
     With `stage` and `tp` (models/parallel.py) only that pipeline stage's layers are read, cut
     to that tensor-parallel rank's heads and columns (ConfigError where the sizes do not divide).
@@ -43,6 +44,10 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
     cfg = load_model_config(model_dir)
     if stage is not None:
         stage.layers(cfg.num_layers)  # ConfigError now, before any weight is read
+    if cfg.gated_deltanet is not None:
+        from hybridserve.models.loaders.qwen3_next_loader import load_qwen3_next_model
+
+        return load_qwen3_next_model(model_dir, cfg, device, dtype, stage, tp)
     if cfg.mamba is not None:
         from hybridserve.models.loaders.mamba_loader import load_mamba_model
 

@@ -38,6 +38,7 @@ from hybridserve.models.arch.qwen3_next_config import (
     LINEAR,
     GatedDeltaNetConfig,
     Qwen3NextMoE,
+    dense_feed_forward,
     parse_gated_deltanet,
     parse_qwen3_next_moe,
     qwen3_next_layer_types,
@@ -45,7 +46,8 @@ from hybridserve.models.arch.qwen3_next_config import (
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
-__all__ = ["CHUNKED", "FULL", "LINEAR", "SLIDING", "ModelConfig", "RopeConfig", "load_model_config", "parse_model_config"]
+__all__ = ["CHUNKED", "FULL", "LINEAR", "SLIDING", "ModelConfig", "RopeConfig", "load_model_config",
+           "parse_model_config"]
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
@@ -64,6 +66,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "BambaForCausalLM": "bamba",
     # Gated DeltaNet + gated attention + MoE: models/arch/qwen3_next_config.py and qwen3_next.py.
     "Qwen3NextForCausalLM": "qwen3_next",
+    "Qwen3_5ForCausalLM": "qwen3_5",  # Qwen3-Next's layers with a dense MLP in each (text only)
 }
 _GEMMA = ("gemma2", "gemma3")
 # Without layer_types: one full layer after every `pattern - 1` sliding ones.
@@ -168,8 +171,8 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
         return _parse_mamba2(raw, arch)
     if family == "bamba":
         return _parse_bamba(raw, arch)
-    if family == "qwen3_next":
-        return _parse_qwen3_next(raw, arch)
+    if family in ("qwen3_next", "qwen3_5"):
+        return _parse_qwen3_next(raw, arch, family)
     num_layers = _req_int(raw, "num_hidden_layers")
     num_heads = _req_int(raw, "num_attention_heads")
     hidden = _req_int(raw, "hidden_size")
@@ -281,9 +284,11 @@ def _attention_heads(raw: dict[str, Any], hidden: int) -> tuple[int, int, int]:
     return num_heads, num_kv_heads, int(raw.get("head_dim") or hidden // num_heads)
 
 
-def _parse_qwen3_next(raw: dict[str, Any], arch: str) -> ModelConfig:
+def _parse_qwen3_next(raw: dict[str, Any], arch: str, family: str) -> ModelConfig:
     """Gated DeltaNet layers and gated full-attention layers (q/k norms, partial RoPE), all
-    norms (1 + w), every feed-forward a mixture of experts or (mlp_only_layers) dense."""
+    norms (1 + w), every feed-forward a mixture of experts or (mlp_only_layers; Qwen3.5) dense.
+    Qwen3.5's multimodal RoPE sections (mrope_section) rotate a text position as plain RoPE
+    does: a text token's three position components are equal."""
     hidden = _req_int(raw, "hidden_size")
     num_layers = _req_int(raw, "num_hidden_layers")
     num_heads, num_kv_heads, head_dim = _attention_heads(raw, hidden)
@@ -293,7 +298,7 @@ def _parse_qwen3_next(raw: dict[str, Any], arch: str) -> ModelConfig:
     if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
         raise ConfigError(f"partial_rotary_factor {factor} gives {rotary_dim} rotary dims of a head of {head_dim}")
     return ModelConfig(
-        architecture=arch, family="qwen3_next", vocab_size=_req_int(raw, "vocab_size"), hidden_size=hidden,
+        architecture=arch, family=family, vocab_size=_req_int(raw, "vocab_size"), hidden_size=hidden,
         intermediate_size=_req_int(raw, "intermediate_size"), num_layers=num_layers, num_heads=num_heads,
         num_kv_heads=num_kv_heads, head_dim=head_dim, rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         activation="silu", layer_types=qwen3_next_layer_types(raw, num_layers), sliding_window=None,
@@ -301,7 +306,8 @@ def _parse_qwen3_next(raw: dict[str, Any], arch: str) -> ModelConfig:
         max_position_embeddings=int(raw.get("max_position_embeddings") or 32768), qk_norm=True, gemma_norm=True,
         attn_scale=head_dim**-0.5, tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         eos_token_id=raw.get("eos_token_id"), rotary_dim=rotary_dim, gated_deltanet=parse_gated_deltanet(raw),
-        qwen3_next_moe=parse_qwen3_next_moe(raw, num_layers),
+        qwen3_next_moe=(parse_qwen3_next_moe(raw, num_layers) if family == "qwen3_next"
+                        else dense_feed_forward(num_layers)),
     )
 
 

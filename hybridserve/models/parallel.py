@@ -165,7 +165,9 @@ def _sharded_sizes(cfg: ModelConfig) -> list[int]:
         sizes.append(cfg.mamba.num_heads)
     if cfg.gated_deltanet is not None and cfg.qwen3_next_moe is not None:
         moe = cfg.qwen3_next_moe
-        sizes += [cfg.gated_deltanet.num_k_heads, moe.moe_intermediate_size, moe.shared_intermediate_size]
+        sizes.append(cfg.gated_deltanet.num_k_heads)
+        if moe.num_experts:
+            sizes += [moe.moe_intermediate_size, moe.shared_intermediate_size]
     return sizes
 
 
@@ -185,8 +187,9 @@ def check_tp(cfg: ModelConfig, size: int) -> None:
         what.append(f"Mamba heads {cfg.mamba.num_heads} and groups {cfg.mamba.n_groups} (split or shared)")
     if cfg.gated_deltanet is not None and cfg.qwen3_next_moe is not None:
         moe = cfg.qwen3_next_moe
-        what.append(f"Gated DeltaNet key heads {cfg.gated_deltanet.num_k_heads}, expert and shared-expert "
-                    f"intermediate sizes {moe.moe_intermediate_size} and {moe.shared_intermediate_size}")
+        what.append(f"Gated DeltaNet key heads {cfg.gated_deltanet.num_k_heads}" + (
+            f", expert and shared-expert intermediate sizes {moe.moe_intermediate_size} and "
+            f"{moe.shared_intermediate_size}" if moe.num_experts else ""))
     works = ", ".join(map(str, tp_sizes_that_work(cfg)))
     raise ConfigError(f"tensor_parallel_size {size} does not divide the model's {', '.join(what)}; "
                       f"sizes that work: {works}")

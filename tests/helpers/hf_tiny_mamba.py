@@ -6,7 +6,8 @@ chunks of 16 (so 40-100 token prompts cross several); Mamba2: 3 layers; Bamba: 4
 layers, layer 1 attention (4 query / 2 KV heads, half of each head rotated).
 Qwen3-Next: 4 layers, Gated DeltaNet (2 key heads, 4 value heads, dims 16, kernel 4) and
 gated attention (4 query / 2 KV heads of 16, a quarter rotated) alternating; 4 experts,
-top 2, a shared expert; layer 2 a dense MLP; norms drawn at random.
+top 2, a shared expert; layer 2 a dense MLP; norms drawn at random. "qwen3_5" (not in
+KINDS: tests/models/test_qwen3_next.py runs it) is the same with a dense MLP of 96 in each layer.
 initializer_range 0.3 gives peaky logits, so greedy choices are not near-ties.
 """
 
@@ -21,6 +22,7 @@ import torch
 from tests.helpers import hf_tiny
 
 KINDS = ("mamba2", "bamba", "qwen3_next")
+EXTRA_KINDS = ("qwen3_5",)  # built and checked like KINDS, outside their shared matrices
 CHUNK = 16
 
 
@@ -37,6 +39,12 @@ def hf_config(kind: str):
                               num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_state=16,
                               mamba_n_groups=2, mamba_d_conv=4, mamba_chunk_size=CHUNK,
                               max_position_embeddings=2048, **common)
+    if kind == "qwen3_5":  # Qwen3-Next's layers, a dense MLP in each
+        return tf.Qwen3_5TextConfig(intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                                    linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                                    linear_conv_kernel_dim=4, full_attention_interval=2, max_position_embeddings=2048,
+                                    **common)
     if kind == "qwen3_next":
         return tf.Qwen3NextConfig(intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                                   num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
@@ -52,7 +60,7 @@ def build_tiny(kind: str, out_dir: Path, seed: int = 0) -> Path:
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_config(kind), dtype=torch.float32)
-    if kind == "qwen3_next":  # HF starts its (1 + w) norms at 0 and the gated norm at 1: make them count
+    if kind in ("qwen3_next", "qwen3_5"):  # HF starts its (1 + w) norms at 0, the gated norm at 1: make them count
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if "norm" in name:

@@ -33,6 +33,7 @@ FAMILY_FACTS: dict[str, tuple[str, frozenset[str]]] = {
     "mamba2": ("Mamba2", frozenset({"async", "spec", "prefix", "pp", "tp"})),
     "bamba": ("Mamba2 + full attention", frozenset({"async", "spec", "prefix", "pp", "tp"})),
     "qwen3_next": ("Gated DeltaNet + gated full, 3:1; MoE", frozenset({"async", "spec", "prefix", "pp", "tp"})),
+    "qwen3_5": ("Gated DeltaNet + gated full, 3:1", frozenset({"async", "prefix", "tp"})),
 }
 FEATURES = (("async", "sync / async"), ("spec", "n-gram spec"), ("prefix", "prefix cache"),
             ("pp", "PP"), ("tp", "TP"))

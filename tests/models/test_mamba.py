@@ -1,4 +1,4 @@
-"""Mamba2 and Bamba on the PyTorch runner, against HF transformers' plain-PyTorch path.
+"""Mamba2, Bamba and Qwen3-Next on the PyTorch runner, against HF transformers' plain-PyTorch path.
 
 Tiny random models (tests/helpers/hf_tiny_mamba.py: SSD chunks of 16, blocks of 16); prompts of
 40-100 tokens cross both. Greedy tokens must equal HF's in sync and async mode, with
@@ -242,6 +242,16 @@ def test_greedy_matches_hf(kind: str, async_scheduling: bool) -> None:
 
 
 @pytest.mark.parametrize("kind", tiny.KINDS)
+def test_three_steps_in_flight_match_hf(kind: str) -> None:
+    """Async with 3 steps in flight (2 is the async default above): a request's next chunk
+    is scheduled while its two previous ones may still be running, each reading the state
+    the one before it wrote (steps run in dispatch order)."""
+    eng = make_engine(kind, async_scheduling=True, max_num_batched_tokens=29, max_concurrent_batches=3)
+    assert eng.max_concurrent_batches == 3
+    check(kind, PROMPTS, run(eng, PROMPTS))
+
+
+@pytest.mark.parametrize("kind", tiny.KINDS)
 def test_chunked_prefill_across_ssd_chunk_and_block_boundaries(kind: str) -> None:
     # A budget of 23: chunk ends fall at every offset inside SSD chunks and blocks of 16,
     # and decodes share steps with other requests' prefill chunks.
@@ -251,20 +261,22 @@ def test_chunked_prefill_across_ssd_chunk_and_block_boundaries(kind: str) -> Non
     check(kind, PROMPTS, got)
 
 
+@pytest.mark.parametrize("kind,num_blocks", [("bamba", 26), ("qwen3_next", 14)])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("prefix_caching", [False, True], ids=["recompute", "cached"])
-def test_preemption_resumes_from_zero_or_a_checkpoint(async_scheduling: bool, prefix_caching: bool) -> None:
-    # Bamba's attention group grows with the sequence; a small pool forces preemptions.
-    # 9 of 26 blocks are each request's running Mamba states (3 layers of 3 pages), with
+def test_preemption_resumes_from_zero_or_a_checkpoint(kind: str, num_blocks: int, async_scheduling: bool,
+                                                      prefix_caching: bool) -> None:
+    # The attention group grows with the sequence; a small pool forces preemptions.
+    # Bamba: 9 of 26 blocks are each request's running Mamba states (3 layers of 3 pages);
+    # Qwen3-Next: 2 of 14 (2 Gated DeltaNet layers a group, 2 pages a state). So with
     # prefix caching too (the state stays in place; checkpoints are best-effort). Without
     # it a resumed request restarts at 0; with it, it resumes from its own last cached
     # checkpoint, if one was kept and not evicted meanwhile.
-    num_blocks = 26
-    eng = make_engine("bamba", async_scheduling=async_scheduling, num_blocks=num_blocks,
+    eng = make_engine(kind, async_scheduling=async_scheduling, num_blocks=num_blocks,
                       max_num_batched_tokens=32, prefix_caching=prefix_caching)
     got = run(eng, PROMPTS)
     assert eng.scheduler.stats.num_preemptions > 0
-    check("bamba", PROMPTS, got)
+    check(kind, PROMPTS, got)
 
 
 def test_reused_state_blocks_start_from_zero() -> None:

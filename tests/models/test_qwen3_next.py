@@ -130,3 +130,20 @@ def test_chunked_delta_rule_equals_the_recurrence(length: int, chunk: int, save_
     torch.testing.assert_close(state.double(), states[-1], atol=1e-5, rtol=1e-5)
     for j, kept in zip(save_at, saved, strict=True):  # the state after j tokens
         torch.testing.assert_close(kept.double(), states[j - 1], atol=1e-5, rtol=1e-5)
+
+
+# -- Qwen3_5ForCausalLM: the same layers, a dense MLP in each ---------------------------------
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_qwen3_5_greedy_and_prefix_hits_match_hf(async_scheduling: bool) -> None:
+    """Its separate in_proj_qkv / z / b / a and dense MLPs: HF's tokens and logprobs, prefills
+    in chunks of 24, then a second wave that starts from checkpointed states."""
+    from tests.helpers.mamba_engine import BS, NEW_TOKENS, PROMPTS, check, make_engine, model, run
+
+    assert model("qwen3_5").cfg.qwen3_next_moe.dense_layers == frozenset(range(4))  # type: ignore[union-attr]
+    eng = make_engine("qwen3_5", async_scheduling=async_scheduling, max_num_batched_tokens=24)
+    first = run(eng, PROMPTS[:2], tag="a", shutdown=False, logprobs=0)
+    check("qwen3_5", PROMPTS[:2], first, tag="a")
+    turn2 = [PROMPTS[0] + first["a0"][0] + [5, 6, 7]]
+    got = run(eng, turn2, tag="b")
+    check("qwen3_5", turn2, got, tag="b")
+    assert got["b0"][2] == (len(PROMPTS[0]) + NEW_TOKENS - 1) // BS * BS

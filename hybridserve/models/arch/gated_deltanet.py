@@ -14,9 +14,9 @@ by Hv/Hk value heads, kernel K)::
     o = S^T q
     out = out_proj(rmsnorm_per_head(o) * norm_w * silu(z))
 
-Decodes (one token per request) run that step batched over requests. Longer chunks run
-the chunked form from the request's saved state (delta_rule_scan); a decode with drafts
-(verify) runs it in chunks of one token, keeping the state after each.
+Decodes (one token per request) run that step batched over requests, and so do verify
+chunks (a decode with drafts), token by token, keeping the state after each. Longer chunks
+run the chunked form from the request's saved state (delta_rule_scan).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from torch import nn
 from hybridserve.models.arch.mamba2 import BoundaryStates, TokenStates
 from hybridserve.models.arch.qwen3_next_config import GatedDeltaNetConfig
 from hybridserve.models.arch.scan_chunks import chunk_layout
+from hybridserve.models.arch.verify_steps import verify_token_by_token
 
 _L2_EPS = 1e-6  # l2norm of q and k: x * rsqrt(sum(x^2) + eps), as the reference kernels do
 
@@ -76,20 +77,19 @@ def gated_deltanet_mixer(w: GatedDeltaNetWeights, cfg: GatedDeltaNetConfig, h: t
         verify_set = set(verify)
         decodes: list[int] = []
         decode_rows: list[int] = []
-        per_token: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        verify_rows: list[int] = []
         start = 0
         for r, c in enumerate(counts):
-            if c == 1 and r not in verify_set:
+            if r in verify_set:
+                verify_rows.append(start)
+            elif c == 1:
                 decodes.append(r)
                 decode_rows.append(start)
             else:
-                # A verify chunk keeps the state after every token but its last (the final state).
-                save_at = list(range(1, c)) if r in verify_set else (checkpoints or {}).get(r, [])
                 rows = slice(start, start + c)
-                y[rows], saved = _prefill(w, cfg, qkv[rows], g[rows], beta[rows], conv_state[r], state[r], save_at)
-                if r in verify_set:
-                    per_token[r] = saved if saved is not None else (conv_state[r:r], state[r:r])
-                elif saved is not None:
+                y[rows], saved = _prefill(w, cfg, qkv[rows], g[rows], beta[rows], conv_state[r], state[r],
+                                          (checkpoints or {}).get(r, []))
+                if saved is not None:
                     boundary_states[r] = saved
             start += c
         if decodes:
@@ -100,22 +100,14 @@ def gated_deltanet_mixer(w: GatedDeltaNetWeights, cfg: GatedDeltaNetConfig, h: t
             conv_state[sel] = conv
             state[sel] = st
         if verify:
-            token_states = _token_states(list(verify), counts, per_token, conv_state, state)
+            def step(tok: torch.Tensor, conv: torch.Tensor, st: torch.Tensor) -> torch.Tensor:
+                return _decode(w, cfg, qkv[tok], g[tok], beta[tok], conv, st)
+
+            reqs = list(verify)
+            token_states = TokenStates(reqs, *verify_token_by_token(step, conv_state, state, y, reqs, verify_rows,
+                                                                    [counts[r] for r in reqs]))
     out = _gated_norm(y, z, w.norm, cfg.norm_eps).reshape(T, cfg.value_dim).to(h.dtype)
     return F.linear(out, w.out_proj), token_states, boundary_states
-
-
-def _token_states(verify: list[int], counts: list[int], per_token: dict[int, tuple[torch.Tensor, torch.Tensor]],
-                  conv_state: torch.Tensor, state: torch.Tensor) -> TokenStates:
-    """TokenStates of the verify requests: S[j] after token j, S[count-1] the final state."""
-    n = max(counts[r] for r in verify)
-    conv_steps = conv_state.new_zeros(len(verify), n, *conv_state.shape[1:])
-    steps = state.new_zeros(len(verify), n, *state.shape[1:])
-    for v, r in enumerate(verify):
-        c = counts[r]
-        conv_steps[v, : c - 1], steps[v, : c - 1] = per_token[r]
-        conv_steps[v, c - 1], steps[v, c - 1] = conv_state[r], state[r]
-    return TokenStates(verify, conv_steps, steps)
 
 
 def _gated_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

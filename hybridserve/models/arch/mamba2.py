@@ -32,6 +32,7 @@ from torch import nn
 
 from hybridserve.models.arch.mamba_config import MambaMixerConfig
 from hybridserve.models.arch.scan_chunks import chunk_layout
+from hybridserve.models.arch.verify_steps import verify_token_by_token
 from hybridserve.models.parallel import SharedNormGroups
 
 
@@ -166,26 +167,10 @@ def _verify(w: Mamba2MixerWeights, cfg: MambaMixerConfig, xbc: torch.Tensor, dt:
             rows: list[int], counts: list[int]) -> TokenStates:
     """Decode + drafts: the recurrence token by token (batched over the verify requests),
     writing y and keeping the state after every token; states end after the whole chunk."""
-    n = max(counts)
-    sel = torch.tensor(reqs, device=xbc.device)
-    conv, ssm = conv_state[sel], ssm_state[sel]
-    conv_steps = conv.new_empty(len(reqs), n, *conv.shape[1:])
-    ssm_steps = ssm.new_empty(len(reqs), n, *ssm.shape[1:])
-    for j in range(n):
-        act = [v for v, c in enumerate(counts) if c > j]
-        tok = torch.tensor([rows[v] + j for v in act], device=xbc.device)
-        if len(act) == len(reqs):
-            y[tok] = _decode(w, cfg, xbc[tok], dt[tok], conv, ssm)
-            conv_steps[:, j], ssm_steps[:, j] = conv, ssm
-        else:  # shorter chunks are done: advance only the others
-            a = torch.tensor(act, device=xbc.device)
-            c_a, s_a = conv[a], ssm[a]
-            y[tok] = _decode(w, cfg, xbc[tok], dt[tok], c_a, s_a)
-            conv[a], ssm[a] = c_a, s_a
-            conv_steps[a, j], ssm_steps[a, j] = c_a, s_a
-    conv_state[sel] = conv
-    ssm_state[sel] = ssm
-    return TokenStates(reqs, conv_steps, ssm_steps)
+    def step(tok: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor) -> torch.Tensor:
+        return _decode(w, cfg, xbc[tok], dt[tok], conv, ssm)
+
+    return TokenStates(reqs, *verify_token_by_token(step, conv_state, ssm_state, y, reqs, rows, counts))
 
 
 def _gated_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, cfg: MambaMixerConfig,

@@ -13,7 +13,8 @@ Hk: each key head serves Hv / Hk value heads), kernel K::
     recurrent state  [Hv, dk, dv]
 
 The other layers are gated full attention; every layer's feed-forward is a sparse mixture
-of experts with a sigmoid-gated shared expert, or a dense SwiGLU MLP (mlp_only_layers).
+of experts with a sigmoid-gated shared expert, or a dense SwiGLU MLP (mlp_only_layers, and
+every layer of Qwen3.5's dense `Qwen3_5ForCausalLM`, which shares the rest).
 """
 
 from __future__ import annotations
@@ -112,6 +113,12 @@ def qwen3_next_layer_types(raw: dict[str, Any], num_layers: int) -> tuple[str, .
     if bad:
         raise ConfigError(f"unsupported layer type(s) {bad} in layer_types")
     return tuple(given)
+
+
+def dense_feed_forward(num_layers: int) -> Qwen3NextMoE:
+    """Qwen3.5's dense models: a SwiGLU MLP (intermediate_size) in every layer, no experts."""
+    return Qwen3NextMoE(num_experts=0, top_k=0, moe_intermediate_size=0, shared_intermediate_size=0,
+                        norm_topk_prob=False, dense_layers=frozenset(range(num_layers)))
 
 
 def parse_qwen3_next_moe(raw: dict[str, Any], num_layers: int) -> Qwen3NextMoE:

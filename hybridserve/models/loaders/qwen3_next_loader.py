@@ -1,14 +1,15 @@
-"""Load an HF Qwen3NextForCausalLM directory into a Qwen3NextLM.
+"""Load an HF Qwen3NextForCausalLM (or Qwen3_5ForCausalLM) directory into a Qwen3NextLM.
 
 HF names (layer i, under model.layers.i.)::
 
     input_layernorm, post_attention_layernorm                     (1 + w) norms: stored as 1 + w
     linear_attn.in_proj_qkvz  rows per key head: [q dk | k dk | v rep*dv | z rep*dv]  (rep = Hv/Hk)
     linear_attn.in_proj_ba    rows per key head: [b rep | a rep]
+                              (Qwen3.5: in_proj_qkv [q | k | v], in_proj_z, in_proj_b, in_proj_a)
     linear_attn.conv1d.weight [conv_dim, 1, K] over [q | k | v], dt_bias, A_log, norm, out_proj
     self_attn.q_proj          rows per head: [query hd | gate hd];  k_proj, v_proj, q_norm, k_norm, o_proj
     mlp.gate, mlp.experts.e.{gate,up,down}_proj, mlp.shared_expert.{gate,up,down}_proj,
-    mlp.shared_expert_gate    (or mlp.{gate,up,down}_proj in mlp_only_layers)
+    mlp.shared_expert_gate    (or mlp.{gate,up,down}_proj in mlp_only_layers and in Qwen3.5)
 
 As in loader.py, every tensor must be present with its shape and none may be left over
 (the multi-token-prediction `mtp.*` weights, which HF ignores too, are dropped); a pipeline
@@ -50,13 +51,18 @@ def _fill_mixer(m: GatedDeltaNetWeights, cfg: ModelConfig, w: Weights, prefix: s
     mc = cfg.gated_deltanet
     assert mc is not None
     Hk, Hv, dk, dv, H = mc.num_k_heads, mc.num_v_heads, mc.head_k_dim, mc.head_v_dim, cfg.hidden_size
-    rep = Hv // Hk
-    qkvz = tp.shard(w.take(prefix + "in_proj_qkvz.weight", (2 * mc.key_dim + 2 * mc.value_dim, H))
-                    .view(Hk, 2 * dk + 2 * rep * dv, H))
-    q, k, v, z = qkvz.split([dk, dk, rep * dv, rep * dv], dim=1)
-    ba = tp.shard(w.take(prefix + "in_proj_ba.weight", (2 * Hv, H)).view(Hk, 2 * rep, H))
-    b, a = ba.split([rep, rep], dim=1)
-    m.in_proj.copy_(torch.cat([t.reshape(-1, H) for t in (q, k, v, z, b, a)]))
+    if cfg.family == "qwen3_5":  # separate projections, heads in order: cut each by heads
+        q, k, v = w.take(prefix + "in_proj_qkv.weight", (mc.conv_dim, H)).split([mc.key_dim, mc.key_dim, mc.value_dim])
+        parts = [q, k, v, w.take(prefix + "in_proj_z.weight", (mc.value_dim, H)),
+                 w.take(prefix + "in_proj_b.weight", (Hv, H)), w.take(prefix + "in_proj_a.weight", (Hv, H))]
+        m.in_proj.copy_(torch.cat([tp.shard(t) for t in parts]))
+    else:  # rows grouped per key head: a rank takes whole groups, then splits them
+        rep = Hv // Hk
+        qkvz = tp.shard(w.take(prefix + "in_proj_qkvz.weight", (2 * mc.key_dim + 2 * mc.value_dim, H))
+                        .view(Hk, 2 * dk + 2 * rep * dv, H))
+        ba = tp.shard(w.take(prefix + "in_proj_ba.weight", (2 * Hv, H)).view(Hk, 2 * rep, H))
+        parts = [*qkvz.split([dk, dk, rep * dv, rep * dv], dim=1), *ba.split([rep, rep], dim=1)]
+        m.in_proj.copy_(torch.cat([t.reshape(-1, H) for t in parts]))
     conv = w.take(prefix + "conv1d.weight", (mc.conv_dim, 1, mc.conv_kernel))[:, 0]
     cq, ck, cv = conv.split([mc.key_dim, mc.key_dim, mc.value_dim])
     m.conv_w.copy_(torch.cat([tp.shard(cq), tp.shard(ck), tp.shard(cv)]))

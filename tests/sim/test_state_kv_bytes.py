@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from hybridserve.core.kv.spec import FullAttentionSpec, MambaSpec
+from hybridserve.config import EngineConfig, resolve_engine_settings
+from hybridserve.core.errors import ConfigError
+from hybridserve.core.kv.spec import FullAttentionSpec, MambaSpec, group_layers
 from hybridserve.sim.state_kv_bytes import engine_bytes, mainstream_bytes, need_bytes
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "state_kv_bytes.py"
@@ -104,3 +106,20 @@ def test_the_script_builds_the_gated_deltanet_layers_from_the_config() -> None:
     assert need_bytes(specs, 8192, 8192) == 240_844_800
     assert engine_bytes(specs, 8192, 2, batched_tokens=8192).per_token(8192) == 29_472
 
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_engine_bytes_are_what_the_engine_sizes_its_pool_by(async_scheduling: bool) -> None:
+    """config.resolve_engine_settings admits a pool of 1 + 614 blocks for Qwen3-Next-80B
+    at L = 8,192 (614 = 29,472 x 8,192 / 393,216, the figure above) and refuses one less."""
+    groups = group_layers(qwen3_next_80b())
+
+    def resolve(num_blocks: int):  # type: ignore[no-untyped-def]
+        cfg = EngineConfig(max_model_len=8192, max_num_batched_tokens=8192, async_scheduling=async_scheduling,
+                           num_blocks=num_blocks)
+        return resolve_engine_settings(cfg, groups, 8192, window_tail=False)
+
+    assert engine_bytes(qwen3_next_80b(), 8192, 2 if async_scheduling else 1, batched_tokens=8192).total == 614 * 393_216
+    assert resolve(615).kv_cache_config.bytes_per_block == 393_216
+    with pytest.raises(ConfigError, match="num_blocks=614 is too small"):
+        resolve(614)

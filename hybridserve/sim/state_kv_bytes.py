@@ -16,9 +16,9 @@ flight k * batched tokens:
   attention block grows to `align * cdiv(state, align * attention bytes a token)` tokens
   (align = the attention kernel's block alignment, 16), every state page is padded to
   that attention page, layers are grouped by the smallest count as here, and a state
-  group holds `1 + drafts` pages a request without prefix caching ("none" mode) or
-  `2 + drafts` with it ("align" mode: the running state and the last checkpoint).
-  Steps in flight do not change it.
+  group holds 1 page a request without prefix caching ("none" mode) or 2 with it
+  ("align" mode: the running state and the last checkpoint), each plus one per draft
+  token with speculative decoding (not modelled here). Steps in flight do not change it.
 """
 
 from __future__ import annotations
@@ -59,8 +59,7 @@ def engine_bytes(specs: dict[str, KVCacheSpec], max_model_len: int, steps: int, 
     return KVBytes(bytes_per_block(groups) * blocks, groups[0].spec.block_size)
 
 
-def mainstream_bytes(specs: dict[str, KVCacheSpec], max_model_len: int, *, prefix_caching: bool,
-                     num_drafts: int = 0, align: int = MAINSTREAM_BLOCK_ALIGNMENT) -> KVBytes:
+def mainstream_bytes(specs: dict[str, KVCacheSpec], max_model_len: int, *, prefix_caching: bool) -> KVBytes:
     """The mainstream engine's hybrid rule (module docstring); a model without attention
     layers keeps the state as its page."""
     counts: dict[KVCacheSpec, int] = {}
@@ -73,9 +72,10 @@ def mainstream_bytes(specs: dict[str, KVCacheSpec], max_model_len: int, *, prefi
     page = state_page
     if attention:
         token_bytes = max(s.page_size_bytes // s.block_size for s in attention)
+        align = MAINSTREAM_BLOCK_ALIGNMENT
         block_size = max(block_size, align * cdiv(state_page, align * token_bytes))
         page = block_size * token_bytes
-    state_blocks = (2 if prefix_caching else 1) + num_drafts
+    state_blocks = 2 if prefix_caching else 1
     blocks = 0
     for spec, n in counts.items():
         per_request = (state_blocks if isinstance(spec, MambaSpec) else

@@ -104,6 +104,46 @@ def test_one_steps_pieces_make_one_delta() -> None:
     assert delta_of([]) == {}
 
 
+def _call(call_id: str | None, city: str) -> dict:
+    return {"id": call_id, "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": city})}}
+
+
+# One turn of two calls with a preamble and reasoning; results in the other order.
+TWO_CALLS = [{"role": "user", "content": "weather in oslo?"},
+             {"role": "assistant", "content": "Checking.", "reasoning_content": "need weather",
+              "tool_calls": [_call("a", "oslo"), _call("b", "oslo")]},
+             {"role": "tool", "tool_call_id": "b", "content": "ok"},
+             {"role": "tool", "tool_call_id": "a", "content": "sunny"}]
+
+
+def test_a_turn_of_several_calls_becomes_one_call_a_turn() -> None:
+    from hybridserve.entrypoints.openai import protocol as P
+    from hybridserve.entrypoints.openai.harmony_history import harmony_messages
+    from hybridserve.entrypoints.openai.messages import template_message
+
+    history = [*TWO_CALLS[:3], {"role": "tool", "tool_call_id": "zzz", "content": "?"}, TWO_CALLS[3],
+               {"role": "user", "content": "and rome?"}]
+    history[1] = {**history[1], "tool_calls": [_call("a", "oslo"), _call("b", "rome"), _call(None, "lima")]}
+    sources = [P.ChatMessage.model_validate(m) for m in history]
+    got = harmony_messages([template_message(m, model="oss") for m in sources], sources=sources)
+
+    def call(call_id: str | None, city: str) -> dict:
+        return {"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": {"city": city}}}
+
+    assert got == [
+        {"role": "user", "content": "weather in oslo?"},
+        # the reasoning is kept, the preamble dropped (the template takes one of them)
+        {"role": "assistant", "content": "", "thinking": "need weather", "tool_calls": [call("a", "oslo")]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "a"},
+        {"role": "assistant", "content": "", "tool_calls": [call("b", "rome")]},
+        {"role": "tool", "content": "ok", "tool_call_id": "b"},
+        {"role": "assistant", "content": "", "tool_calls": [call(None, "lima")]},
+        {"role": "tool", "content": "?", "tool_call_id": "zzz"},  # answers no call: after the last
+        {"role": "user", "content": "and rome?"},
+    ]
+
+
 # -- through the server -------------------------------------------------------------
 def _events(r) -> list[dict]:
     return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
@@ -135,7 +175,7 @@ def test_chat_completions_with_a_harmony_model() -> None:
                {"role": "assistant", "content": None, "reasoning_content": "need weather", "tool_calls": [
                    {"id": "call_1", "type": "function",
                     "function": {"name": "get_weather", "arguments": '{"city": "oslo"}'}}]},
-               {"role": "tool", "tool_call_id": "call_1", "content": '"sunny"'}]
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
 
     async def main() -> list:
         transport = httpx.ASGITransport(app=build_app(engine, "oss"))
@@ -152,7 +192,7 @@ def test_chat_completions_with_a_harmony_model() -> None:
                 await post({"messages": [*history[:3], {**history[2], "tool_calls": [
                     {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{oslo"}}]}]}),
                 await post({"messages": ask, "response_format": {"type": "json_object"}}),
-                await client.post("/tokenize", json={"messages": history}),
+                await client.post("/tokenize", json={"messages": TWO_CALLS}),
             ]
 
     try:
@@ -212,10 +252,15 @@ def test_chat_completions_with_a_harmony_model() -> None:
         '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"sunny"<|end|>'
         "<|start|>assistant")
 
-    # /tokenize renders a history as chat does (here without tools or an effort)
+    # /tokenize renders a history as chat does: two calls of one turn, each with its result
     tok = Tokenizer.from_dir(harmony_model_dir())
+    call = '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "oslo"}<|call|>'
+    result = "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>{}<|end|>"
     assert tokenized.json()["tokens"] == tok.encode(
-        prompts[4].replace("Reasoning: high Tools: get_weather", "Reasoning: medium"), add_special_tokens=False)
+        "<|start|>system<|message|>Reasoning: medium<|end|><|start|>user<|message|>weather in oslo?<|end|>"
+        "<|start|>assistant<|channel|>analysis<|message|>need weather<|end|>"
+        + call + result.format('"sunny"') + call + result.format('"ok"') + "<|start|>assistant",
+        add_special_tokens=False)
 
     # bad input: 400s naming the field, before the engine
     for r, param, words in ((bad_effort, "reasoning_effort", "'low', 'medium' or 'high'"),

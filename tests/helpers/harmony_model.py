@@ -6,10 +6,12 @@ The model is hf_tiny's gpt_oss (vocab 256). The tokenizer is a WordLevel one ove
 joined by single spaces. generation_config.json lists `<|return|>` and `<|call|>` as EOS,
 as gpt-oss's does, so the engine stops at either.
 
-CHAT_TEMPLATE is written here in harmony's shape (a small stand-in for the checkpoint's):
-reasoning effort in the system message, the conversation's system message as the
-developer message, an earlier reply's thinking and calls (arguments as JSON via tojson),
-tool results addressed from `functions.NAME`, and `<|start|>assistant` to reply.
+CHAT_TEMPLATE is written here in harmony's shape, a small stand-in for the checkpoint's
+that reads what gpt-oss's reads: reasoning effort in the system message, the system
+message as the developer message, an earlier turn's `thinking` and its one call (the
+first; arguments an object, written with tojson; content and thinking together refused),
+tool results (tojson) from `functions.NAME` of the latest call, and `<|start|>assistant`
+to reply.
 
 `script_replies(engine, replies)` makes the executor's sampled tokens those of the given
 replies, one reply per engine request in the order the requests first sample: the model
@@ -31,7 +33,7 @@ SPECIALS = ["<|pad|>", "<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "
 WORDS = ["system", "developer", "user", "assistant", "analysis", "final", "commentary", "json", "Reasoning:",
          "low", "medium", "high", "Tools:", "to=functions.get_weather", "to=assistant", "functions.get_weather",
          "get_weather", "think", "about", "it", "hello", "world", "need", "weather", "sunny", "be", "brief",
-         "in", "oslo?", '{"city":', '"oslo"}', '"sunny"', "It", "is", "ok", "Checking."]
+         "in", "oslo?", '{"city":', '"oslo"}', '"sunny"', "It", "is", '"ok"', "Checking."]
 CHAT_TEMPLATE = (
     "<|start|>system<|message|>Reasoning: {{ reasoning_effort | default('medium') }}"
     "{% if tools %} Tools:{% for t in tools %} {{ t.function.name }}{% endfor %}{% endif %}<|end|>"
@@ -40,13 +42,14 @@ CHAT_TEMPLATE = (
     "{% if m.role == 'system' %}<|start|>developer<|message|>{{ m.content }}<|end|>"
     "{% elif m.role == 'user' %}<|start|>user<|message|>{{ m.content }}<|end|>"
     "{% elif m.role == 'assistant' and m.tool_calls %}"
+    "{% if m.content and m.thinking %}{{ raise_exception('a call turn takes content or thinking') }}{% endif %}"
     "{% if m.thinking %}<|start|>assistant<|channel|>analysis<|message|>{{ m.thinking }}<|end|>{% endif %}"
-    "{% for c in m.tool_calls %}{% set ns.call = c.function.name %}"
-    "<|start|>assistant to=functions.{{ c.function.name }}<|channel|>commentary json<|message|>"
-    "{{ c.function.arguments | tojson }}<|call|>{% endfor %}"
+    "{% set c = m.tool_calls[0].function %}{% set ns.call = c.name %}"
+    "<|start|>assistant to=functions.{{ c.name }}<|channel|>commentary json<|message|>{{ c.arguments | tojson }}"
+    "<|call|>"
     "{% elif m.role == 'assistant' %}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>"
     "{% elif m.role == 'tool' %}<|start|>functions.{{ ns.call }} to=assistant<|channel|>commentary<|message|>"
-    "{{ m.content }}<|end|>"
+    "{{ m.content | tojson }}<|end|>"
     "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
 )

@@ -27,8 +27,8 @@ from hybridserve.engine.outputs import GenerationOutput, SamplingParams
 from hybridserve.entrypoints.openai import protocol as P
 from hybridserve.entrypoints.openai.context import ServerContext
 from hybridserve.entrypoints.openai.errors import shutdown_error
-from hybridserve.entrypoints.openai.harmony_chat import (HarmonyStream, check_harmony_request, harmony_choice,
-                                                         harmony_messages)
+from hybridserve.entrypoints.openai.harmony_chat import HarmonyStream, check_harmony_request, harmony_choice
+from hybridserve.entrypoints.openai.harmony_history import harmony_messages
 from hybridserve.entrypoints.openai.messages import content_chars, template_message
 from hybridserve.entrypoints.openai.prepare import sampling_params, stop_strings, tokenized, warm_grammar
 from hybridserve.entrypoints.openai.streams import SSEResponse, collect, merge, sse_events, until_disconnect

@@ -1,10 +1,6 @@
-"""Chat with a harmony model (gpt-oss): its conversation as its chat template reads it,
-and its reply as the mainstream OpenAI-compatible server returns it.
+"""Chat with a harmony model (gpt-oss): what its requests may ask, and its reply as the
+mainstream OpenAI-compatible server returns it (its conversation: harmony_history.py).
 
-- The prompt is the checkpoint's own chat template (it writes harmony); an earlier
-  assistant turn's `reasoning_content` reaches it as `thinking` and its tool calls'
-  arguments as objects, which is how that template reads them; `reasoning_effort` is a
-  template variable (chat.py passes it for every model).
 - The reply is read from its token ids (text/harmony.py): `content` is the final (and
   preamble) text, `reasoning_content` the analysis text, `tool_calls` the calls, with
   their arguments as the model wrote them (JSON text); a reply that ended in a call has
@@ -18,7 +14,6 @@ and its reply as the mainstream OpenAI-compatible server returns it.
 
 from __future__ import annotations
 
-import json
 from typing import Any, Sequence
 
 from hybridserve.engine.outputs import CompletionOutput
@@ -39,33 +34,6 @@ def check_harmony_request(req: P.ChatRequest) -> None:
         param = "response_format" if req.response_format is not None else "structured_outputs"
         raise P.ApiError("structured outputs are not supported with this model's chat format (harmony)",
                          param=param)
-
-
-def harmony_messages(messages: list[dict[str, Any]], sources: list[P.ChatMessage]) -> list[dict[str, Any]]:
-    """Template messages (messages.template_message) as a harmony chat template reads them."""
-    return [_harmony_message(m, source=src, index=i) for i, (m, src) in enumerate(zip(messages, sources))]
-
-
-def _harmony_message(message: dict[str, Any], source: P.ChatMessage, index: int) -> dict[str, Any]:
-    out = dict(message)
-    if source.reasoning_content:
-        out["thinking"] = source.reasoning_content
-    if source.tool_calls:
-        out["tool_calls"] = [_call_with_object_arguments(call, index, k) for k, call in enumerate(source.tool_calls)]
-    return out
-
-
-def _call_with_object_arguments(call: dict[str, Any], index: int, k: int) -> dict[str, Any]:
-    fn = call.get("function")
-    args = fn.get("arguments") if isinstance(fn, dict) else None
-    if not isinstance(args, str):
-        return call
-    try:
-        value = json.loads(args)
-    except ValueError:
-        raise P.ApiError(f"messages.{index}.tool_calls.{k}.function.arguments is not JSON text",
-                         param="messages") from None
-    return {**call, "function": {**fn, "arguments": value}}
 
 
 def harmony_finish_reason(reply_has_calls: bool, reason: str | None) -> str | None:

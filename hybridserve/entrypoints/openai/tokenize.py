@@ -14,7 +14,7 @@ from hybridserve.engine.frontend import check_in_vocabulary
 from hybridserve.entrypoints.openai import protocol as P
 from hybridserve.entrypoints.openai.context import ServerContext
 from hybridserve.entrypoints.openai.errors import checked
-from hybridserve.entrypoints.openai.harmony_chat import harmony_messages
+from hybridserve.entrypoints.openai.harmony_history import harmony_messages
 from hybridserve.entrypoints.openai.messages import content_chars, template_message
 from hybridserve.entrypoints.openai.prepare import tokenized
 from hybridserve.text.tokenizer import Tokenizer

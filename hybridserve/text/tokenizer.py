@@ -127,20 +127,27 @@ class Tokenizer:
             text = self._token_text[token_id] = self.decode([token_id], skip_special_tokens=False)
         return text
 
+    def special_token_id(self, text: str) -> int | None:
+        """The id of the added (special) token spelled `text`; None when there is no such token."""
+        return self.hf.get_added_vocab().get(text)
+
     @property
     def supports_tools(self) -> bool:
         """Whether the chat template renders a request's tools (it reads a `tools` variable)."""
         return self.chat_template is not None and "tools" in self.chat_template
 
-    def chat_prompt(self, messages: Sequence[dict[str, Any]], tools: list[Any] | None = None) -> tuple[str, list[int]]:
-        """(prompt text, token ids) for a conversation, ready for the assistant's reply."""
+    def chat_prompt(self, messages: Sequence[dict[str, Any]], tools: list[Any] | None = None,
+                    template_vars: dict[str, Any] | None = None) -> tuple[str, list[int]]:
+        """(prompt text, token ids) for a conversation, ready for the assistant's reply;
+        `template_vars`: further variables the chat template may read (reasoning_effort)."""
         if not messages:
             raise RequestError("messages must not be empty")
         if self.chat_template is not None:
             try:
                 with self._encode_lock:
                     text = self.hf.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True,
-                                                       chat_template=self.chat_template, tools=tools or None)
+                                                       chat_template=self.chat_template, tools=tools or None,
+                                                       **(template_vars or {}))
             except Exception as exc:  # jinja raises its own errors (TemplateError, raise_exception)
                 raise RequestError(f"the model's chat template rejected the messages: {exc}") from None
             return text, self.encode(text, add_special_tokens=False, param="messages")

@@ -18,12 +18,14 @@ check that every stored tensor is used covers the text model only.
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from hybridserve.core.errors import ConfigError
-from hybridserve.models.loaders.safetensors_map import MappedCheckpoint
+
+if TYPE_CHECKING:  # config.py reads this module's config half in processes that never load torch
+    import torch
+
+    from hybridserve.models.loaders.safetensors_map import MappedCheckpoint
 
 ARCHITECTURE = "Gemma3ForConditionalGeneration"
 

@@ -25,6 +25,7 @@ from hybridserve.core.errors import ConfigError
 if TYPE_CHECKING:  # config.py reads this module's config half in processes that never load torch
     import torch
 
+    from hybridserve.models.loaders.file_rows import FileRows
     from hybridserve.models.loaders.safetensors_map import MappedCheckpoint
 
 ARCHITECTURE = "Gemma3ForConditionalGeneration"
@@ -87,6 +88,9 @@ class TextCheckpoint:
 
     def release(self, name: str, rows: tuple[int, int] | None = None) -> None:
         self._inner.release(self._stored[name], rows)
+
+    def row_reader(self, name: str) -> FileRows:
+        return self._inner.row_reader(self._stored[name])
 
 
 def _renamed(name: str) -> str | None:

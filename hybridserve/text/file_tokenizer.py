@@ -64,25 +64,42 @@ class FileTokenizer:
     chat_template: str | None = None
 
     def __init__(self, path: Path) -> None:
-        from tokenizers import Tokenizer as RustTokenizer
-
         self.name_or_path = str(path)
         self._path = path
-        try:
-            self.backend_tokenizer = RustTokenizer.from_file(str(path / "tokenizer.json"))
-        except Exception as exc:  # the Rust library raises its own exception type
-            raise ConfigError(f"cannot load the tokenizer in {path}: {exc}") from None
+        self._backend: Any = None
+        self._size: int | None = None
         config = _read_config(path)
         self.bos_token_id = self._token_id(config.get("bos_token"))
         self.eos_token_id = self._token_id(config.get("eos_token"))
         self._full: Any = None
+
+    @property
+    def backend_tokenizer(self) -> Any:
+        """The Rust tokenizer, read from the file again after `release`."""
+        if self._backend is None:
+            from tokenizers import Tokenizer as RustTokenizer
+
+            try:
+                self._backend = RustTokenizer.from_file(str(self._path / "tokenizer.json"))
+            except Exception as exc:  # the Rust library raises its own exception type
+                raise ConfigError(f"cannot load the tokenizer in {self._path}: {exc}") from None
+            self._backend.no_truncation()  # as text/tokenizer.Tokenizer sets a backend it keeps
+            self._backend.no_padding()
+        return self._backend
+
+    def release(self) -> None:
+        """Drop the Rust tokenizer (~100 MB for Gemma 3's) until it is used again: for a
+        process that tokenized what it needed at start (the engine core process)."""
+        self._backend = None
 
     def _token_id(self, value: Any) -> int | None:
         content = _token_content(value)
         return None if content is None else self.backend_tokenizer.token_to_id(content)
 
     def __len__(self) -> int:
-        return int(self.backend_tokenizer.get_vocab_size(with_added_tokens=True))
+        if self._size is None:  # kept: asking a released tokenizer its size would read it again
+            self._size = int(self.backend_tokenizer.get_vocab_size(with_added_tokens=True))
+        return self._size
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
@@ -95,7 +112,11 @@ class FileTokenizer:
         builds from a transformers tokenizer (its backend's JSON and EOS)."""
         from llguidance import LLTokenizer
 
-        return LLTokenizer(self.backend_tokenizer.to_str(), n_vocab=n_vocab, eos_token=self.eos_token_id)
+        released = self._backend is None
+        built = LLTokenizer(self.backend_tokenizer.to_str(), n_vocab=n_vocab, eos_token=self.eos_token_id)
+        if released:  # read again for this alone: llguidance's tokenizer holds its own copy
+            self.release()
+        return built
 
     def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
         """transformers' rendering, loaded on first use (only a --chat-template given for a

@@ -60,7 +60,8 @@ class Tokenizer:
         if backend is not None:
             backend.no_truncation()
             backend.no_padding()
-            self._decode_ids = lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)
+            # Looked up at each call, not kept: a FileTokenizer may drop its backend (release).
+            self._decode_ids = lambda ids, skip: hf_tokenizer.backend_tokenizer.decode(ids, skip_special_tokens=skip)
         else:
             decoder = copy.deepcopy(hf_tokenizer)
             self._decode_ids = lambda ids, skip: decoder.decode(ids, skip_special_tokens=skip,

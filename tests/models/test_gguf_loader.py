@@ -398,3 +398,23 @@ def test_converted_tokenizer_with_a_chat_template_is_transformers(tiny_llama: tu
     tokenizer = Tokenizer.from_dir(folder)
     assert isinstance(tokenizer.hf, transformers.PreTrainedTokenizerBase)
     assert tokenizer.chat_prompt([{"role": "user", "content": "hello"}])[0] == "hello"
+
+
+def test_a_released_converted_tokenizer_reads_its_file_again(tiny_llama: tuple[Path, dict, Path]) -> None:
+    """The engine core drops its tokenizer after load (engine/core_process.release_tokenizer);
+    what still needs it (a constrained request's llguidance tokenizer) reads the file again."""
+    from hybridserve.engine.core_process import release_tokenizer
+    from hybridserve.text.structured_output import GrammarBackend
+    from hybridserve.text.tokenizer import Tokenizer
+
+    ours = Tokenizer.from_dir(tiny_llama[2])
+    grammar = GrammarBackend(ours.hf, len(ours))  # built before the release, as in the core
+    before = ours.encode("hello world"), ours.decode([268, 273, 270], skip_special_tokens=True)
+    release_tokenizer(ours)
+    assert ours.hf._backend is None
+    assert (ours.encode("hello world"), ours.decode([268, 273, 270], skip_special_tokens=True)) == before
+    release_tokenizer(ours)
+    assert grammar.ll_tokenizer is not None and len(ours) == len(transformers.AutoTokenizer.from_pretrained(
+        tiny_llama[2]))
+    assert ours.hf._backend is None  # read for llguidance's tokenizer alone, dropped again
+    release_tokenizer(Tokenizer(transformers.AutoTokenizer.from_pretrained(tiny_llama[2])))  # nothing to drop

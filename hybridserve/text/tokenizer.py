@@ -26,6 +26,7 @@ from typing import Any, Sequence
 
 from hybridserve.core.errors import ConfigError, RequestError
 from hybridserve.models.platform.heap import release_free_heap
+from hybridserve.text.file_tokenizer import FileTokenizer, serves_without_transformers
 
 PLAIN_CHAT_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
 PLAIN_CHAT_STOPS = ("\nUser:", "\nAssistant:")
@@ -59,7 +60,8 @@ class Tokenizer:
         if backend is not None:
             backend.no_truncation()
             backend.no_padding()
-            self._decode_ids = lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)
+            # Looked up at each call, not kept: a FileTokenizer may drop its backend (release).
+            self._decode_ids = lambda ids, skip: hf_tokenizer.backend_tokenizer.decode(ids, skip_special_tokens=skip)
         else:
             decoder = copy.deepcopy(hf_tokenizer)
             self._decode_ids = lambda ids, skip: decoder.decode(ids, skip_special_tokens=skip,
@@ -71,6 +73,10 @@ class Tokenizer:
         path = Path(path)
         if not any((path / name).is_file() for name in _TOKENIZER_FILES):
             return None
+        if serves_without_transformers(path):  # a converted GGUF's: no transformers, no torch
+            tokenizer = cls(FileTokenizer(path))
+            release_free_heap()  # the parse of tokenizer.json leaves hundreds of MB of freed heap
+            return tokenizer
         try:
             from transformers import AutoTokenizer
         except ImportError:

@@ -72,8 +72,7 @@ def test_gguf_greedy_tokens_equal_hf(kind: str, mxfp4: bool, tmp_path: Path) -> 
     assert cfg.family == kind and cfg.layer_types == load_model_config(tmp_path / "hf").layer_types
     assert cfg.rope == load_model_config(tmp_path / "hf").rope
     got = run(make_engine_for(load_model(converted), async_scheduling=False), PROMPTS)
-    reference = transformers.AutoModelForCausalLM.from_pretrained(
-        tmp_path / "hf", dtype=torch.float32, attn_implementation="eager").eval()
+    reference = hf_tiny.load_hf(tmp_path / "hf")
     for i, prompt in enumerate(PROMPTS):
         want, _ = hf_tiny.hf_greedy(reference, prompt, NEW_TOKENS)
         assert got[f"r{i}"][0] == want, f"{kind} prompt {i}"
@@ -152,3 +151,16 @@ def test_olmo2_file_without_window_is_refused_by_name(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="OLMo 2") as error:
         convert_gguf(tmp_path / "olmo2.gguf", cache_dir=tmp_path / "cache", progress=False)
     assert "\n" not in str(error.value)
+
+
+def test_olmo3_with_yarn_from_its_hf_directory_equals_hf(tmp_path: Path) -> None:
+    """OLMo 3's published configs scale the full layers' RoPE with YaRN; the HF directory path
+    (not only the GGUF one) must run it as HF does."""
+    folder = hf_tiny.build_tiny("olmo3", tmp_path / "hf", **CONFIG_CHANGES["olmo3"])
+    cfg = load_model_config(folder)
+    assert (cfg.rope[FULL].rope_type, cfg.rope[FULL].attention_factor, cfg.rope[SLIDING].rope_type) == (
+        "yarn", 1.25, "default")
+    got = run(make_engine_for(load_model(folder), async_scheduling=False), PROMPTS)
+    reference = hf_tiny.load_hf(folder)
+    for i, prompt in enumerate(PROMPTS):
+        assert got[f"r{i}"][0] == hf_tiny.hf_greedy(reference, prompt, NEW_TOKENS)[0], f"prompt {i}"

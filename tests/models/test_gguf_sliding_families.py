@@ -5,8 +5,9 @@ model the file was written from.
 Each tiny model is GGUF-expressible: gpt-oss with llama.cpp's fixed SwiGLU clamp (7); OLMo 3
 with one RoPE base and YaRN on its full layers (as the published configs); EXAONE 4 with Llama 3
 scaling over an 8192-token original context (the curve llama.cpp's rope_freqs reader assumes).
-gpt-oss also runs with MXFP4 expert matrices (its real files' type), whose values the HF model
-is given exactly; the MXFP4 block layout itself is checked against values worked out by hand.
+gpt-oss also runs with MXFP4 expert matrices (its real files' type, kept packed in the cache),
+whose values the HF model is given exactly; ggml's MXFP4 block layout is checked against values
+worked out by hand, and its repacking into HF's layout against the HF-layout packer.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ transformers = pytest.importorskip("transformers")
 from hybridserve.core.errors import ConfigError  # noqa: E402
 from hybridserve.models.config import FULL, SLIDING, load_model_config  # noqa: E402
 from hybridserve.models.loaders.gguf_rope_freqs import llama3_factors  # noqa: E402
+from hybridserve.models.loaders.gguf_gpt_oss import hf_mxfp4  # noqa: E402
 from hybridserve.models.loaders.gguf_header import dequantize_tensor, read_gguf_header  # noqa: E402
 from hybridserve.models.loaders.gguf_loader import convert_gguf  # noqa: E402
 from hybridserve.models.loaders.loader import load_model  # noqa: E402
@@ -71,6 +73,14 @@ def test_gguf_greedy_tokens_equal_hf(kind: str, mxfp4: bool, tmp_path: Path) -> 
     cfg = load_model_config(converted)
     assert cfg.family == kind and cfg.layer_types == load_model_config(tmp_path / "hf").layer_types
     assert cfg.rope == load_model_config(tmp_path / "hf").rope
+    if mxfp4:  # kept packed in the cache, as a HF MXFP4 checkpoint holds them
+        from safetensors import safe_open
+
+        with safe_open(str(converted / "model.safetensors"), "pt") as weights:
+            names = set(weights.keys())
+            assert weights.get_tensor("model.layers.1.mlp.experts.down_proj_blocks").dtype == torch.uint8
+        assert "model.layers.0.mlp.experts.gate_up_proj_scales" in names
+        assert "model.layers.0.mlp.experts.gate_up_proj" not in names and cfg.gpt_oss.mxfp4
     got = run(make_engine_for(load_model(converted), async_scheduling=False), PROMPTS)
     reference = hf_tiny.load_hf(tmp_path / "hf")
     for i, prompt in enumerate(PROMPTS):
@@ -116,6 +126,11 @@ def test_mxfp4_gguf_blocks_unpack_to_hand_computed_values(tmp_path: Path) -> Non
     header = _mxfp4_file(tmp_path / "mx.gguf", packed.reshape(2, 3, 34))
     assert header.tensors[0].shape == (2, 3, 64)
     np.testing.assert_array_equal(dequantize_tensor(header, header.tensors[0]), expected)
+    # Kept packed, the same codes in HF's layout (byte k: values 2k and 2k + 1) and the same scales.
+    hf_blocks, hf_scales = mxfp4_pack.pack(codes, exps)
+    blocks, scales = hf_mxfp4(packed.reshape(2, 3, 34))
+    np.testing.assert_array_equal(blocks, hf_blocks.numpy())
+    np.testing.assert_array_equal(scales, hf_scales.numpy())
     # One value by hand: code 0b1101 (-3) in a block with exponent -1 is -1.5.
     byte = np.array([[127 - 1] + [0x0D] + [0] * 15], np.uint8)
     assert mxfp4_pack.values(torch.tensor([[[13] + [0] * 31]]), torch.tensor([[-1]]))[0, 0].item() == -1.5

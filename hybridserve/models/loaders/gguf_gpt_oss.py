@@ -9,9 +9,10 @@ Tensors (E experts, I = expert intermediate size, H = hidden; shapes in numpy or
   odd ones, and down as [E, I, H] (x @ W). llama.cpp writes `ffn_gate_exps` and
   `ffn_up_exps` [E, I, H] (or, fused, `ffn_gate_up_exps` [E, 2I, H]: the gate rows, then the
   up rows), `ffn_down_exps` [E, H, I], and biases `ffn_{gate,up}_exps.bias` [E, I] (fused
-  [E, 2I]), `ffn_down_exps.bias` [E, H]. Real files store the expert matrices as ggml MXFP4
-  (gguf_header.py dequantizes them with the gguf package's kernel; tests check it against
-  values worked out from the format).
+  [E, 2I]), `ffn_down_exps.bias` [E, H]. Real files store the expert matrices as ggml MXFP4;
+  those are kept packed, their nibbles reordered into HF's MXFP4 layout (`hf_mxfp4`), and
+  dequantized when the model loads (models/arch/gpt_oss.py), as a HF MXFP4 checkpoint is.
+  Expert matrices of any other type are dequantized into the cache like every other tensor.
 
 Config facts the file does not hold are llama.cpp's fixed ones for gpt-oss (`GPT_OSS_DEFAULTS`):
 the SwiGLU clamp and slope, and YaRN without truncation of its frequency band (gpt-oss's
@@ -41,6 +42,8 @@ class GptOssDefaults:
 
 
 GPT_OSS_DEFAULTS = GptOssDefaults()
+MXFP4_GGML_TYPE = 39  # ggml's type number for MXFP4 (gguf.GGMLQuantizationType.MXFP4)
+MXFP4_BLOCK = 32  # values per e8m0 scale
 
 
 def _gpt_oss_config(header: GGUFHeader) -> dict[str, Any]:
@@ -60,6 +63,8 @@ def _gpt_oss_config(header: GGUFHeader) -> dict[str, Any]:
         layer_types=layer_types(sliding_layer_flags(header, d.sliding_window_pattern)),
         rope_theta=float(header.arch_value("rope.freq_base", 150_000.0)), rope_scaling=config.get("rope_scaling"),
     )
+    if any(info.ggml_type == MXFP4_GGML_TYPE for info in header.tensors if "_exps." in info.name):
+        config["quantization_config"] = {"quant_method": "mxfp4"}  # the experts are kept packed (see _EXPERT_MERGES)
     return config
 
 
@@ -85,7 +90,43 @@ def _transposed_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     return (shape[0], shape[2], shape[1])
 
 
+def hf_mxfp4(stored: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ggml MXFP4 rows [..., G * 17] -> HF's (blocks [..., G, 16], scales [..., G]).
+
+    A ggml block is its e8m0 scale byte, then 16 bytes where byte j holds value j (low nibble)
+    and value j + 16 (high nibble); HF's byte k holds values 2k and 2k + 1. Same scale byte.
+    """
+    blocks = stored.reshape(*stored.shape[:-1], -1, 1 + MXFP4_BLOCK // 2)
+    nibbles = blocks[..., 1:]
+    codes = np.concatenate((nibbles & 0x0F, nibbles >> 4), axis=-1)  # the block's 32 values in order
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), np.ascontiguousarray(blocks[..., 0])
+
+
+def _packed_gate_up(gate: np.ndarray, up: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Gate and up rows [E, I, ...] interleaved into HF's [E, 2I, ...] (gate at even rows)."""
+    (gate_blocks, gate_scales), (up_blocks, up_scales) = hf_mxfp4(gate), hf_mxfp4(up)
+    return _interleave_rows(gate_blocks, up_blocks), _interleave_rows(gate_scales, up_scales)
+
+
+def _interleave_rows(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    return np.stack((gate, up), axis=2).reshape(gate.shape[0], 2 * gate.shape[1], *gate.shape[2:])
+
+
+def _packed_shapes(rows: int, cols: int, experts: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    return (experts, rows, cols // MXFP4_BLOCK, MXFP4_BLOCK // 2), (experts, rows, cols // MXFP4_BLOCK)
+
+
+_PACKED = dict(packed_type=MXFP4_GGML_TYPE, packed_parts=("blocks", "scales"))
 _EXPERT_MERGES = (
+    # MXFP4 expert matrices stay packed, in HF's MXFP4 layout (models/loaders/mxfp4.py);
+    # rows are output features in both formats, so nothing is transposed.
+    BlockMerge("mlp.experts.gate_up_proj", ("ffn_gate_exps.weight", "ffn_up_exps.weight"),
+               shape=lambda g, u: _packed_shapes(2 * g[1], g[2], g[0]), build=_packed_gate_up, **_PACKED),
+    BlockMerge("mlp.experts.gate_up_proj", ("ffn_gate_up_exps.weight",),
+               shape=lambda f: _packed_shapes(f[1], f[2], f[0]),
+               build=lambda fused: _packed_gate_up(*np.split(fused, 2, axis=1)), **_PACKED),
+    BlockMerge("mlp.experts.down_proj", ("ffn_down_exps.weight",),
+               shape=lambda d: _packed_shapes(d[1], d[2], d[0]), build=hf_mxfp4, **_PACKED),
     BlockMerge("mlp.experts.gate_up_proj", ("ffn_gate_exps.weight", "ffn_up_exps.weight"),
                shape=lambda g, u: (g[0], g[2], 2 * g[1]), build=_gate_up_from_split),
     BlockMerge("mlp.experts.gate_up_proj", ("ffn_gate_up_exps.weight",),

@@ -53,8 +53,9 @@ _TOKENIZER_TYPES = {"gemma3": "gemma3_text"}
 # Rows dequantized at a time from a vocabulary-sized tensor: Gemma 3's 262k x 640 embedding
 # is 671 MB in float32, and gguf's numpy dequantizer makes temporaries of a similar size.
 _DEQUANTIZE_BLOCK_ROWS = 32768
-_NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.int16}  # bfloat16: its raw bits
-_SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+# bfloat16: its raw bits; uint8: packed quantized bytes (gpt-oss's MXFP4 experts) kept as they are.
+_NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.int16, "uint8": np.uint8}
+_SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "uint8": "U8"}
 
 
 def say(progress: bool, message: str) -> None:
@@ -185,12 +186,12 @@ def _convert_tensors(header: Any, spec: Any, config: dict[str, Any], path: Path,
     from tqdm import tqdm
 
     planned = spec.plan(header)
-    element_bytes = np.dtype(_NUMPY_DTYPES[dtype]).itemsize
     entries: dict[str, Any] = {}
     offset = 0
     for tensor in planned:
-        size = int(np.prod(tensor.shape, dtype=np.int64)) * element_bytes
-        entries[tensor.hf_name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(tensor.shape),
+        stored = "uint8" if tensor.part is not None else dtype  # packed parts keep their bytes
+        size = int(np.prod(tensor.shape, dtype=np.int64)) * np.dtype(_NUMPY_DTYPES[stored]).itemsize
+        entries[tensor.hf_name] = {"dtype": _SAFETENSORS_DTYPES[stored], "shape": list(tensor.shape),
                                    "data_offsets": [offset, offset + size]}
         offset += size
     # The "pt" format tag is what transformers requires to load the file.
@@ -203,9 +204,19 @@ def _convert_tensors(header: Any, spec: Any, config: dict[str, Any], path: Path,
     ) as bar:
         file.write(len(header_bytes).to_bytes(8, "little") + header_bytes)
         for tensor in planned:
-            for block in _dequantized_blocks(header, tensor, spec, config):
-                file.write(memoryview(_in_dtype(block, dtype)).cast("B"))
+            if tensor.part is not None:
+                file.write(memoryview(np.ascontiguousarray(_packed_part(header, tensor), np.uint8)).cast("B"))
+            else:
+                for block in _dequantized_blocks(header, tensor, spec, config):
+                    file.write(memoryview(_in_dtype(block, dtype)).cast("B"))
             bar.update(sum(int(np.prod(info.shape, dtype=np.int64)) for info in tensor.sources))
+
+
+def _packed_part(header: Any, tensor: Any) -> np.ndarray:
+    """One part of a packed merge (gguf_spec.BlockMerge), built from its sources' stored bytes."""
+    from hybridserve.models.loaders.gguf_header import tensor_bytes
+
+    return tensor.merge.build(*(tensor_bytes(header, info) for info in tensor.sources))[tensor.part]
 
 
 def _dequantized_blocks(header: Any, tensor: Any, spec: Any, config: dict[str, Any]) -> Iterator[np.ndarray]:

@@ -41,25 +41,35 @@ class BlockMerge:
     """One HF tensor of layer N built from GGUF tensors of blk.N (gpt-oss's experts, which
     llama.cpp splits, transposes or fuses differently from HF).
 
-    `sources` are names inside blk.N. ("ffn_gate_exps.weight"); `build` takes their float32
-    values in that order and returns an array of `shape(*their shapes)`.
+    `sources` are names inside blk.N. ("ffn_gate_exps.weight"). Unpacked (`packed_parts`
+    empty): `build` takes their float32 values in that order and returns an array of
+    `shape(*their shapes)`. Packed: every source must be stored as ggml type `packed_type`;
+    `build` takes their stored bytes (gguf_header.tensor_bytes) and returns one uint8 array
+    per part, written as `<hf_name>_<part>` with the shapes `shape` returns, bytes unchanged.
     """
 
     hf_name: str  # inside model.layers.N.
     sources: tuple[str, ...]
-    shape: Callable[..., tuple[int, ...]]
-    build: Callable[..., np.ndarray]
+    shape: Callable[..., Any]
+    build: Callable[..., Any]
+    packed_type: int | None = None
+    packed_parts: tuple[str, ...] = ()
+
+    def applies(self, sources: tuple[GGUFTensorInfo, ...]) -> bool:
+        return self.packed_type is None or all(info.ggml_type == self.packed_type for info in sources)
 
 
 @dataclass(frozen=True)
 class PlannedTensor:
     """One tensor of the HF checkpoint: its name and shape, the GGUF tensors it is read from,
-    and the merge that builds it (None: the one source, with ArchSpec.fix_tensor applied)."""
+    and the merge that builds it (None: the one source, with ArchSpec.fix_tensor applied);
+    `part` indexes a packed merge's outputs, stored as uint8 whatever the checkpoint's dtype."""
 
     hf_name: str
     shape: tuple[int, ...]
     sources: tuple[GGUFTensorInfo, ...]
     merge: BlockMerge | None = None
+    part: int | None = None
 
 
 @dataclass(frozen=True)
@@ -101,24 +111,32 @@ class ArchSpec:
         raise ConfigError(f"GGUF tensor {gguf_name} is unknown for architecture {self.gguf_arch}")
 
     def plan(self, header: GGUFHeader) -> list[PlannedTensor]:
-        """Every tensor of the HF checkpoint, in the GGUF's order (a merge where its first
-        source is); ConfigError for a GGUF tensor no name or merge accounts for."""
+        """Every tensor of the HF checkpoint, in the GGUF's order (a merge's where its first
+        source is). Per layer the first applicable merge of each HF name wins and claims its
+        sources. ConfigError for a GGUF tensor no name or merge accounts for."""
         present = {info.name: info for info in header.tensors}
-        by_first: dict[str, PlannedTensor] = {}
+        at_first_source: dict[str, list[PlannedTensor]] = {}
         claimed: set[str] = set()
         for layer in sorted({int(n.split(".")[1]) for n in present if n.startswith("blk.")}):
+            built: set[str] = set()
             for merge in self.block_merges:
                 names = [f"blk.{layer}.{source}" for source in merge.sources]
-                if any(n in claimed for n in names) or not all(n in present for n in names):
+                if merge.hf_name in built or not all(n in present for n in names):
                     continue
                 sources = tuple(present[n] for n in names)
-                shape = merge.shape(*(info.shape for info in sources))
-                by_first[names[0]] = PlannedTensor(f"model.layers.{layer}.{merge.hf_name}", shape, sources, merge)
+                if not merge.applies(sources):
+                    continue
+                built.add(merge.hf_name)
                 claimed.update(names)
-        planned = []
+                name, shape = f"model.layers.{layer}.{merge.hf_name}", merge.shape(*(i.shape for i in sources))
+                at_first_source.setdefault(names[0], []).extend(
+                    [PlannedTensor(f"{name}_{part}", shape[k], sources, merge, k)
+                     for k, part in enumerate(merge.packed_parts)]
+                    or [PlannedTensor(name, shape, sources, merge)])
+        planned: list[PlannedTensor] = []
         for info in header.tensors:
-            if info.name in by_first:
-                planned.append(by_first[info.name])
+            if info.name in at_first_source:
+                planned.extend(at_first_source[info.name])
             elif info.name not in claimed and (name := self.hf_name(info.name)) is not None:
                 planned.append(PlannedTensor(name, info.shape, (info,)))
         return planned

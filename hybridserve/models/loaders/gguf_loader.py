@@ -209,7 +209,8 @@ def _convert_tensors(header: Any, spec: Any, config: dict[str, Any], path: Path,
             else:
                 for block in _dequantized_blocks(header, tensor, spec, config):
                     file.write(memoryview(_in_dtype(block, dtype)).cast("B"))
-            bar.update(sum(int(np.prod(info.shape, dtype=np.int64)) for info in tensor.sources))
+            if tensor.part in (None, 0):  # a packed merge's parts share their sources: count them once
+                bar.update(sum(int(np.prod(info.shape, dtype=np.int64)) for info in tensor.sources))
 
 
 def _packed_part(header: Any, tensor: Any) -> np.ndarray:

@@ -89,7 +89,7 @@ class ArchSpec:
     unpermute_qk: bool
     build_config: Callable[[GGUFHeader], dict[str, Any]]
     consumed_tensors: frozenset[str] = field(default_factory=frozenset)  # read into the config instead
-    block_merges: tuple[BlockMerge, ...] = ()  # tried in order; one applies when all its sources exist
+    block_merges: tuple[BlockMerge, ...] = ()  # see plan: per HF name, the first that applies
 
     def hf_name(self, gguf_name: str) -> str | None:
         """HF parameter name for a GGUF tensor, None for one folded into the config.
@@ -117,7 +117,8 @@ class ArchSpec:
         present = {info.name: info for info in header.tensors}
         at_first_source: dict[str, list[PlannedTensor]] = {}
         claimed: set[str] = set()
-        for layer in sorted({int(n.split(".")[1]) for n in present if n.startswith("blk.")}):
+        layers = {int(n.split(".")[1]) for n in present if n.startswith("blk.") and n.split(".")[1].isdigit()}
+        for layer in sorted(layers):
             built: set[str] = set()
             for merge in self.block_merges:
                 names = [f"blk.{layer}.{source}" for source in merge.sources]

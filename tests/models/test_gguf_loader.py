@@ -33,7 +33,7 @@ from hybridserve.core.errors import ConfigError  # noqa: E402
 from hybridserve.models.loaders import gguf_loader  # noqa: E402
 from hybridserve.models.loaders.default_model import (MissingExtraError, default_model_path,  # noqa: E402
                                                       resolve_model_path)
-from hybridserve.models.loaders.gguf_arch import llama3_factors  # noqa: E402
+from hybridserve.models.loaders.gguf_rope_freqs import llama3_factors  # noqa: E402
 from hybridserve.models.loaders.gguf_loader import CONVERSION_MARKER, convert_gguf  # noqa: E402
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint  # noqa: E402
 

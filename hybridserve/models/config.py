@@ -37,10 +37,20 @@ from hybridserve.models.arch.mamba_config import (
     parse_bamba_mixer,
     parse_mamba2_mixer,
 )
+from hybridserve.models.arch.qwen3_next_config import (
+    LINEAR,
+    GatedDeltaNetConfig,
+    Qwen3NextMoE,
+    dense_feed_forward,
+    parse_gated_deltanet,
+    parse_qwen3_next_moe,
+    qwen3_next_layer_types,
+)
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
-__all__ = ["CHUNKED", "FULL", "SLIDING", "ModelConfig", "RopeConfig", "load_model_config", "parse_model_config"]
+__all__ = ["CHUNKED", "FULL", "LINEAR", "SLIDING", "ModelConfig", "RopeConfig", "load_model_config",
+           "parse_model_config"]
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
@@ -61,6 +71,9 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Lfm2ForCausalLM": "lfm2",
     # Mamba1 + attention without RoPE + MoE: models/arch/jamba_config.py, models/loaders/jamba_loader.py.
     "JambaForCausalLM": "jamba",
+    # Gated DeltaNet + gated attention + MoE: models/arch/qwen3_next_config.py and qwen3_next.py.
+    "Qwen3NextForCausalLM": "qwen3_next",
+    "Qwen3_5ForCausalLM": "qwen3_5",  # Qwen3-Next's layers with a dense MLP in each (text only)
 }
 _GEMMA = ("gemma2", "gemma3")
 # Without layer_types: one full layer after every `pattern - 1` sliding ones.
@@ -107,7 +120,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     activation: str  # silu | gelu_tanh | gelu
-    layer_types: tuple[str, ...]  # FULL, SLIDING, CHUNKED, MAMBA or SHORT_CONV (arch/*_config.py), one per layer
+    layer_types: tuple[str, ...]  # FULL, SLIDING, CHUNKED, MAMBA, SHORT_CONV, MAMBA1 or LINEAR (arch/*_config.py)
     sliding_window: int | None
     rope: dict[str, RopeConfig]  # keyed by layer type; a type left out has no RoPE (Cohere2 / EXAONE 4 full layers)
     max_position_embeddings: int
@@ -138,6 +151,9 @@ class ModelConfig:
     jamba: JambaOptions | None = None
     # Dims of each head RoPE rotates (the first ones); None: all of head_dim (Bamba: half).
     rotary_dim: int | None = None
+    # Qwen3-Next: the Gated DeltaNet of every LINEAR layer, and the feed-forward of every layer.
+    gated_deltanet: GatedDeltaNetConfig | None = None
+    qwen3_next_moe: Qwen3NextMoE | None = None
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
@@ -171,6 +187,8 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
         return _parse_lfm2(raw, arch)
     if family == "jamba":
         return _parse_jamba(raw, arch)
+    if family in ("qwen3_next", "qwen3_5"):
+        return _parse_qwen3_next(raw, arch, family)
     num_layers = _req_int(raw, "num_hidden_layers")
     num_heads = _req_int(raw, "num_attention_heads")
     hidden = _req_int(raw, "hidden_size")
@@ -251,22 +269,13 @@ def _parse_mamba2(raw: dict[str, Any], arch: str) -> ModelConfig:
     )
 
 
-def _hybrid_attention_heads(raw: dict[str, Any], hidden: int) -> tuple[int, int, int]:
-    """(query heads, KV heads, head_dim) of a recurrent hybrid's attention layers."""
-    num_heads = _req_int(raw, "num_attention_heads")
-    num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
-    if num_heads % num_kv_heads:
-        raise ConfigError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
-    return num_heads, num_kv_heads, int(raw.get("head_dim") or hidden // num_heads)
-
-
 def _parse_bamba(raw: dict[str, Any], arch: str) -> ModelConfig:
     """Mamba2 mixers with a few full-attention layers, a SwiGLU MLP after every layer."""
     mixer = parse_bamba_mixer(raw)
     hidden = _req_int(raw, "hidden_size")
     num_layers = _req_int(raw, "num_hidden_layers")
     attn_layers = bamba_attention_layers(raw, num_layers)
-    num_heads, num_kv_heads, head_dim = _hybrid_attention_heads(raw, hidden)
+    num_heads, num_kv_heads, head_dim = _attention_heads(raw, hidden)
     rope_raw = dict(raw.get("rope_parameters") or {"rope_theta": raw.get("rope_theta", 10_000.0)})
     # HF's Bamba rotates half of each head whatever the config says (hard-coded there).
     rope_raw.pop("partial_rotary_factor", None)
@@ -287,7 +296,7 @@ def _parse_lfm2(raw: dict[str, Any], arch: str) -> ModelConfig:
     MLP after every layer."""
     hidden = _req_int(raw, "hidden_size")
     num_layers = _req_int(raw, "num_hidden_layers")
-    num_heads, num_kv_heads, head_dim = _hybrid_attention_heads(raw, hidden)
+    num_heads, num_kv_heads, head_dim = _attention_heads(raw, hidden)
     rope_raw = dict(raw.get("rope_parameters") or {"rope_theta": raw.get("rope_theta", 1_000_000.0)})
     return ModelConfig(
         architecture=arch, family="lfm2", vocab_size=_req_int(raw, "vocab_size"), hidden_size=hidden,
@@ -307,7 +316,7 @@ def _parse_jamba(raw: dict[str, Any], arch: str) -> ModelConfig:
     MLP or a mixture of experts after every layer."""
     hidden = _req_int(raw, "hidden_size")
     num_layers = _req_int(raw, "num_hidden_layers")
-    num_heads, num_kv_heads, head_dim = _hybrid_attention_heads(raw, hidden)
+    num_heads, num_kv_heads, head_dim = _attention_heads(raw, hidden)
     return ModelConfig(
         architecture=arch, family="jamba", vocab_size=_req_int(raw, "vocab_size"), hidden_size=hidden,
         intermediate_size=_req_int(raw, "intermediate_size"), num_layers=num_layers, num_heads=num_heads,
@@ -316,6 +325,42 @@ def _parse_jamba(raw: dict[str, Any], arch: str) -> ModelConfig:
         max_position_embeddings=int(raw.get("max_position_embeddings") or 262_144), attn_scale=head_dim**-0.5,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), eos_token_id=raw.get("eos_token_id"),
         jamba=parse_jamba_options(raw, hidden, num_layers),
+    )
+
+
+def _attention_heads(raw: dict[str, Any], hidden: int) -> tuple[int, int, int]:
+    """(query heads, KV heads, head_dim) of a hybrid's attention layers."""
+    num_heads = _req_int(raw, "num_attention_heads")
+    num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
+    if num_heads % num_kv_heads:
+        raise ConfigError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
+    return num_heads, num_kv_heads, int(raw.get("head_dim") or hidden // num_heads)
+
+
+def _parse_qwen3_next(raw: dict[str, Any], arch: str, family: str) -> ModelConfig:
+    """Gated DeltaNet layers and gated full-attention layers (q/k norms, partial RoPE), all
+    norms (1 + w), every feed-forward a mixture of experts or (mlp_only_layers; Qwen3.5) dense.
+    Qwen3.5's multimodal RoPE sections (mrope_section) rotate a text position as plain RoPE
+    does: a text token's three position components are equal."""
+    hidden = _req_int(raw, "hidden_size")
+    num_layers = _req_int(raw, "num_hidden_layers")
+    num_heads, num_kv_heads, head_dim = _attention_heads(raw, hidden)
+    rope_raw = dict(raw.get("rope_parameters") or {"rope_theta": raw.get("rope_theta", 10_000.0)})
+    factor = rope_raw.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25))
+    rotary_dim = int(head_dim * float(factor))
+    if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+        raise ConfigError(f"partial_rotary_factor {factor} gives {rotary_dim} rotary dims of a head of {head_dim}")
+    return ModelConfig(
+        architecture=arch, family=family, vocab_size=_req_int(raw, "vocab_size"), hidden_size=hidden,
+        intermediate_size=_req_int(raw, "intermediate_size"), num_layers=num_layers, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        activation="silu", layer_types=qwen3_next_layer_types(raw, num_layers), sliding_window=None,
+        rope={FULL: _one_rope(rope_raw, "rope_parameters")},
+        max_position_embeddings=int(raw.get("max_position_embeddings") or 32768), qk_norm=True, gemma_norm=True,
+        attn_scale=head_dim**-0.5, tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        eos_token_id=raw.get("eos_token_id"), rotary_dim=rotary_dim, gated_deltanet=parse_gated_deltanet(raw),
+        qwen3_next_moe=(parse_qwen3_next_moe(raw, num_layers) if family == "qwen3_next"
+                        else dense_feed_forward(num_layers)),
     )
 
 

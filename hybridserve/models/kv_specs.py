@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from hybridserve.core.kv.spec import (ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheSpec, MambaSpec,
                                       SlidingWindowSpec)
-from hybridserve.models.config import CHUNKED, SLIDING, ModelConfig
+from hybridserve.models.config import CHUNKED, LINEAR, SLIDING, ModelConfig
 from hybridserve.models.arch.jamba_config import MAMBA1
 from hybridserve.models.arch.lfm2_config import SHORT_CONV
 from hybridserve.models.arch.mamba_config import MAMBA
@@ -27,8 +27,8 @@ def model_kv_layer_specs(cfg: ModelConfig, block_size: int, dtype: str = "float3
     """{layer name: spec}: sliding layers get SlidingWindowSpec(window), chunked-local layers
     ChunkedLocalAttentionSpec(chunk size; ConfigError unless a multiple of block_size), Mamba
     layers a MambaSpec (one state per request: conv state and SSM state), short convolution layers
-    one too (its conv state only), and Mamba1 layers (conv state and per-channel SSM state);
-    the rest full attention."""
+    one too (its conv state only), Mamba1 layers (conv state and per-channel SSM state) and Gated
+    DeltaNet layers (conv state and recurrent state); the rest full attention."""
     specs: dict[str, KVCacheSpec] = {}
     for i, kind in enumerate(cfg.layer_types):
         if kind == MAMBA:
@@ -40,6 +40,10 @@ def model_kv_layer_specs(cfg: ModelConfig, block_size: int, dtype: str = "float3
         elif kind == MAMBA1:
             assert cfg.jamba is not None
             specs[layer_name(i)] = MambaSpec(block_size=block_size, shapes=cfg.jamba.mixer.state_shapes, dtype=dtype)
+        elif kind == LINEAR:  # Gated DeltaNet: a conv and a recurrent state, paged as Mamba's
+            assert cfg.gated_deltanet is not None
+            specs[layer_name(i)] = MambaSpec(block_size=block_size, shapes=cfg.gated_deltanet.state_shapes,
+                                             dtype=dtype)
         elif kind == SLIDING:
             assert cfg.sliding_window is not None
             specs[layer_name(i)] = SlidingWindowSpec(

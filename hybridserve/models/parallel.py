@@ -167,6 +167,11 @@ def _sharded_sizes(cfg: ModelConfig) -> list[int]:
         sizes.append(cfg.short_conv.channels)
     if cfg.jamba is not None:
         sizes.append(cfg.jamba.mixer.intermediate_size)
+    if cfg.gated_deltanet is not None and cfg.qwen3_next_moe is not None:
+        moe = cfg.qwen3_next_moe
+        sizes.append(cfg.gated_deltanet.num_k_heads)
+        if moe.num_experts:
+            sizes += [moe.moe_intermediate_size, moe.shared_intermediate_size]
     return sizes
 
 
@@ -188,6 +193,11 @@ def check_tp(cfg: ModelConfig, size: int) -> None:
         what.append(f"short convolution channels {cfg.short_conv.channels}")
     if cfg.jamba is not None:
         what.append(f"Mamba1 channels {cfg.jamba.mixer.intermediate_size}")
+    if cfg.gated_deltanet is not None and cfg.qwen3_next_moe is not None:
+        moe = cfg.qwen3_next_moe
+        what.append(f"Gated DeltaNet key heads {cfg.gated_deltanet.num_k_heads}" + (
+            f", expert and shared-expert intermediate sizes {moe.moe_intermediate_size} and "
+            f"{moe.shared_intermediate_size}" if moe.num_experts else ""))
     works = ", ".join(map(str, tp_sizes_that_work(cfg)))
     raise ConfigError(f"tensor_parallel_size {size} does not divide the model's {', '.join(what)}; "
                       f"sizes that work: {works}")
@@ -211,6 +221,11 @@ def local_config(cfg: ModelConfig, tp: TPGroup | None) -> ModelConfig:
     if cfg.jamba is not None:
         mixer = cfg.jamba.mixer
         changes["jamba"] = replace(cfg.jamba, mixer=replace(mixer, intermediate_size=mixer.intermediate_size // t))
+    if cfg.gated_deltanet is not None and cfg.qwen3_next_moe is not None:  # a rank: its key heads' value heads
+        d, moe = cfg.gated_deltanet, cfg.qwen3_next_moe
+        changes["gated_deltanet"] = replace(d, num_k_heads=d.num_k_heads // t, num_v_heads=d.num_v_heads // t)
+        changes["qwen3_next_moe"] = replace(moe, moe_intermediate_size=moe.moe_intermediate_size // t,
+                                            shared_intermediate_size=moe.shared_intermediate_size // t)
     return replace(cfg, **changes)
 
 

@@ -107,12 +107,23 @@ def randomize_norms(model: torch.nn.Module, kind: str) -> None:
                 param.uniform_(0.5, 1.5)
 
 
-def build_tiny(kind: str, out_dir: Path, seed: int = 0, window: int = WINDOW) -> Path:
-    """Write a tiny random `kind` model to out_dir with save_pretrained; returns out_dir."""
+def build_tiny(kind: str, out_dir: Path, seed: int = 0, window: int = WINDOW, **config_changes: object) -> Path:
+    """Write a tiny random `kind` model to out_dir with save_pretrained; returns out_dir.
+    `config_changes` replace fields of hf_config(kind)."""
+    model = tiny_model(kind, seed=seed, window=window, **config_changes)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+def tiny_model(kind: str, seed: int = 0, window: int = WINDOW, **config_changes: object):
+    """The random model build_tiny saves (see there)."""
     from transformers import AutoModelForCausalLM
 
+    config = hf_config(kind, window)
+    if config_changes:
+        config = type(config).from_dict({**config.to_dict(), **config_changes})
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(kind, window), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     randomize_norms(model, kind)
     model.generation_config.eos_token_id = None
     if kind == "gpt_oss":  # HF starts the expert biases at zero and the sinks small: make them count
@@ -120,8 +131,7 @@ def build_tiny(kind: str, out_dir: Path, seed: int = 0, window: int = WINDOW) ->
             for name, prm in model.named_parameters():
                 if name.endswith(("experts.gate_up_proj_bias", "experts.down_proj_bias", "sinks")):
                     prm.normal_(0.0, 1.0)
-    model.save_pretrained(out_dir)
-    return out_dir
+    return model
 
 
 def load_hf(model_dir: Path):

@@ -1,10 +1,14 @@
-"""Tiny random HF Mamba2ForCausalLM, BambaForCausalLM, Lfm2ForCausalLM and JambaForCausalLM,
-and HF greedy as the oracle.
+"""Tiny random HF Mamba2ForCausalLM, BambaForCausalLM, Qwen3NextForCausalLM, Lfm2ForCausalLM
+and JambaForCausalLM, and HF greedy as the oracle.
 
 hidden 64, vocab 512, 8 Mamba heads of 16 channels, state 16, 2 groups, kernel 4, SSD
 chunks of 16 (so 40-100 token prompts cross several); Mamba2: 3 layers; Bamba: 4
-layers, layer 1 attention (4 query / 2 KV heads, half of each head rotated). LFM2: 4
-layers, layer 1 attention (4 query / 2 KV heads, q / k norms), the others short
+layers, layer 1 attention (4 query / 2 KV heads, half of each head rotated).
+Qwen3-Next: 4 layers, Gated DeltaNet (2 key heads, 4 value heads, dims 16, kernel 4) and
+gated attention (4 query / 2 KV heads of 16, a quarter rotated) alternating; 4 experts,
+top 2, a shared expert; layer 2 a dense MLP; norms drawn at random. "qwen3_5" (not in
+KINDS: tests/models/test_qwen3_next.py runs it) is the same with a dense MLP of 96 in each layer.
+LFM2: 4 layers, layer 1 attention (4 query / 2 KV heads, q / k norms), the others short
 convolutions of kernel 3, MLP 128 wide, tied head, norms drawn at random. Jamba: 4
 layers, layer 1 attention without RoPE, the others Mamba1 (128 channels, state 16, dt
 rank 8, kernel 4); layers 1 and 3 route over 4 experts (top 2), MLPs 96 wide.
@@ -21,7 +25,8 @@ import torch
 
 from tests.helpers import hf_tiny
 
-KINDS = ("mamba2", "bamba", "lfm2", "jamba")
+KINDS = ("mamba2", "bamba", "qwen3_next", "lfm2", "jamba")
+EXTRA_KINDS = ("qwen3_5",)  # built and checked like KINDS, outside their shared matrices
 CHUNK = 16
 
 
@@ -38,6 +43,19 @@ def hf_config(kind: str):
                               num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_state=16,
                               mamba_n_groups=2, mamba_d_conv=4, mamba_chunk_size=CHUNK,
                               max_position_embeddings=2048, **common)
+    if kind == "qwen3_5":  # Qwen3-Next's layers, a dense MLP in each
+        return tf.Qwen3_5TextConfig(intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                                    linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                                    linear_conv_kernel_dim=4, full_attention_interval=2, max_position_embeddings=2048,
+                                    **common)
+    if kind == "qwen3_next":
+        return tf.Qwen3NextConfig(intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                                  linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                                  linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+                                  moe_intermediate_size=32, shared_expert_intermediate_size=32, mlp_only_layers=[2],
+                                  full_attention_interval=2, max_position_embeddings=2048, **common)
     if kind == "lfm2":
         # intermediate 192 -> 2/3 = 128 (block_auto_adjust_ff_dim), a multiple of 32.
         return tf.Lfm2Config(intermediate_size=192, block_multiple_of=32, num_hidden_layers=4,
@@ -52,16 +70,23 @@ def hf_config(kind: str):
     raise ValueError(kind)
 
 
+# Where the norms are drawn from instead of HF's constant start: Qwen3-Next's (1 + w) norms
+# start at 0 and its gated norm at 1, LFM2's and Jamba's at 1, so a swap of two norms
+# would not show.
+NORM_DRAWS = {"qwen3_next": (-0.5, 0.5), "qwen3_5": (-0.5, 0.5), "lfm2": (0.5, 1.5), "jamba": (0.5, 1.5)}
+
+
 def build_tiny(kind: str, out_dir: Path, seed: int = 0) -> Path:
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_config(kind), dtype=torch.float32)
-    if kind in ("lfm2", "jamba"):  # HF starts norms at 1: a swap of two norms would not show
+    norms = NORM_DRAWS.get(kind)
+    if norms is not None:
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if "norm" in name:
-                    param.uniform_(0.5, 1.5)
+                    param.uniform_(*norms)
     model.generation_config.eos_token_id = None
     model.save_pretrained(out_dir)
     return out_dir

@@ -3,7 +3,7 @@
     PYTHONPATH=. python tests/helpers/readme_models.py     # prints the table to paste into README.md
 
 Rows come from `SUPPORTED_ARCHITECTURES` and the GGUF column from the GGUF converter's
-`ARCH_SPECS`, imported from whichever module under hybridserve/ defines them. What the
+`ARCH_SPECS` (the family each spec's files become), imported from whichever module under hybridserve/ defines them. What the
 code does not state per architecture (its layer kinds, and which features the test suite
 checks against Hugging Face for it) is written below, once per family;
 tests/test_readme.py fails when an architecture is added without it.
@@ -32,6 +32,8 @@ FAMILY_FACTS: dict[str, tuple[str, frozenset[str]]] = {
     "llama4": ("chunked local + full (NoPE), MoE", frozenset({"async", "spec", "prefix", "pp", "tp"})),
     "mamba2": ("Mamba2", frozenset({"async", "spec", "prefix", "pp", "tp"})),
     "bamba": ("Mamba2 + full attention", frozenset({"async", "spec", "prefix", "pp", "tp"})),
+    "qwen3_next": ("Gated DeltaNet + gated full, 3:1; MoE", frozenset({"async", "spec", "prefix", "pp", "tp"})),
+    "qwen3_5": ("Gated DeltaNet + gated full, 3:1", frozenset({"async", "prefix", "tp"})),
     "lfm2": ("short convolution + full attention", frozenset({"async", "spec", "prefix", "pp", "tp"})),
     "jamba": ("Mamba1 + full attention (NoPE), MoE", frozenset({"async", "spec", "prefix", "pp", "tp"})),
 }
@@ -52,7 +54,7 @@ def _defined(name: str):
 def supported_models_table() -> str:
     """The markdown table, one row per entry of SUPPORTED_ARCHITECTURES, in its order."""
     archs: dict[str, str] = _defined("SUPPORTED_ARCHITECTURES")
-    gguf = set(_defined("ARCH_SPECS"))
+    gguf = {spec.family for spec in _defined("ARCH_SPECS").values()}
     head = ["`config.json` architecture", "layers"] + [title for _, title in FEATURES] + ["`.gguf`"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for arch, family in archs.items():

@@ -34,11 +34,17 @@ class RecordingExecutor(TorchExecutor):
         return super().execute(scheduler_output)
 
 
-def make_engine(kind: str, *, async_scheduling: bool, num_blocks: int = 400, max_num_batched_tokens: int = 2048,
-                max_model_len: int = 160, prefix_caching: bool = True, **cfg: object) -> EngineCore:
+def make_engine(kind: str, **options: object) -> EngineCore:
+    """make_engine_for the shared tiny `kind` model."""
+    return make_engine_for(model(kind), **options)  # type: ignore[arg-type]
+
+
+def make_engine_for(lm: DecoderLM, *, async_scheduling: bool, num_blocks: int = 400,
+                    max_num_batched_tokens: int = 2048, max_model_len: int = 160, prefix_caching: bool = True,
+                    **cfg: object) -> EngineCore:
     """Engine built like the frontend builds it: window-tail allocation follows the executor
     (on for TorchExecutor) unless `window_tail_allocation` says otherwise."""
-    ex = RecordingExecutor(model(kind), use_worker_thread=async_scheduling)
+    ex = RecordingExecutor(lm, use_worker_thread=async_scheduling)
     sc = SchedulerConfig(max_model_len=max_model_len, async_scheduling=async_scheduling,
                          max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=prefix_caching,
                          **cfg)  # type: ignore[arg-type]

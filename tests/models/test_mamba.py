@@ -1,4 +1,4 @@
-"""Mamba2 and Bamba on the PyTorch runner, against HF transformers' plain-PyTorch path.
+"""Mamba2, Bamba and Qwen3-Next on the PyTorch runner, against HF transformers' plain-PyTorch path.
 
 Tiny random models (tests/helpers/hf_tiny_mamba.py: SSD chunks of 16, blocks of 16); prompts of
 40-100 tokens cross both. Greedy tokens must equal HF's in sync and async mode, with
@@ -242,6 +242,16 @@ def test_greedy_matches_hf(kind: str, async_scheduling: bool) -> None:
 
 
 @pytest.mark.parametrize("kind", tiny.KINDS)
+def test_three_steps_in_flight_match_hf(kind: str) -> None:
+    """Async with 3 steps in flight (2 is the async default above): a request's next chunk
+    is scheduled while its two previous ones may still be running, each reading the state
+    the one before it wrote (steps run in dispatch order)."""
+    eng = make_engine(kind, async_scheduling=True, max_num_batched_tokens=29, max_concurrent_batches=3)
+    assert eng.max_concurrent_batches == 3
+    check(kind, PROMPTS, run(eng, PROMPTS))
+
+
+@pytest.mark.parametrize("kind", tiny.KINDS)
 def test_chunked_prefill_across_ssd_chunk_and_block_boundaries(kind: str) -> None:
     # A budget of 23: chunk ends fall at every offset inside SSD chunks and blocks of 16,
     # and decodes share steps with other requests' prefill chunks.
@@ -251,18 +261,18 @@ def test_chunked_prefill_across_ssd_chunk_and_block_boundaries(kind: str) -> Non
     check(kind, PROMPTS, got)
 
 
-@pytest.mark.parametrize("kind", ["bamba", "lfm2", "jamba"])
+@pytest.mark.parametrize("kind,num_blocks", [("bamba", 26), ("qwen3_next", 14), ("lfm2", 16), ("jamba", 26)])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("prefix_caching", [False, True], ids=["recompute", "cached"])
-def test_preemption_resumes_from_zero_or_a_checkpoint(kind: str, async_scheduling: bool,
+def test_preemption_resumes_from_zero_or_a_checkpoint(kind: str, num_blocks: int, async_scheduling: bool,
                                                       prefix_caching: bool) -> None:
     # The attention group grows with the sequence; a small pool forces preemptions.
-    # 9 of Bamba's (and Jamba's) 26 blocks are each request's running Mamba states (3 layers of 3 pages),
-    # 3 of LFM2's 16 its conv states (3 layers, one page each), with prefix caching too
-    # (the state stays in place; checkpoints are best-effort). Without it a resumed request
+    # Bamba (and Jamba): 9 of 26 blocks are each request's running Mamba states (3 layers of
+    # 3 pages); Qwen3-Next: 2 of 14 (2 Gated DeltaNet layers a group, 2 pages a state); LFM2:
+    # 3 of 16 its conv states (3 layers, one page each). So with prefix caching too (the
+    # state stays in place; checkpoints are best-effort). Without it a resumed request
     # restarts at 0; with it, it resumes from its own last cached checkpoint, if one was
     # kept and not evicted meanwhile.
-    num_blocks = {"bamba": 26, "lfm2": 16, "jamba": 26}[kind]
     eng = make_engine(kind, async_scheduling=async_scheduling, num_blocks=num_blocks,
                       max_num_batched_tokens=32, prefix_caching=prefix_caching)
     got = run(eng, PROMPTS)
@@ -350,11 +360,13 @@ def test_paged_bamba_states_hit_the_best_effort_checkpoints(async_scheduling: bo
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_a_short_pool_skips_checkpoints_and_every_token_is_hf(kind: str, async_scheduling: bool) -> None:
     """Pools near the admission minimum (one max-length request of 160 tokens: Bamba 10
-    attention blocks + 9 running-state pages, 20 blocks with the null block (Jamba alike); LFM2 10 + 3
-    one-page conv states, 14; Mamba2 one group of 3 layers, 1 block, 2) with the prefix-hit
-    workload: best-effort checkpoints are skipped (null entries), hits get fewer, and every
-    token is still HF's. The second wave starts only from checkpoints that exist."""
-    num_blocks = {"mamba2": 4, "bamba": 26, "lfm2": 18, "jamba": 26}[kind]
+    attention blocks + 9 running-state pages, 20 blocks with the null block (Jamba alike);
+    Mamba2 one group of 3 layers, 1 block, 2; Qwen3-Next 10 attention blocks + 2
+    running-state pages (2 Gated DeltaNet layers per group, 2 pages a state), 13; LFM2 10 + 3
+    one-page conv states, 14) with the prefix-hit workload: best-effort checkpoints are
+    skipped (null entries), hits get fewer, and every token is still HF's. The second wave
+    starts only from checkpoints that exist."""
+    num_blocks = {"mamba2": 4, "bamba": 26, "qwen3_next": 16, "lfm2": 18, "jamba": 26}[kind]
     base = PROMPTS[3]
     eng = make_engine(kind, async_scheduling=async_scheduling, num_blocks=num_blocks, max_num_batched_tokens=24)
     skipped = count_skipped_checkpoints(eng)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridserve.core.errors import ConfigError
+from hybridserve.models.arch.layer_types import checked_layer_types
 
 SHORT_CONV = "conv"  # layer type of a short convolution layer (HF's name in layer_types)
 _ATTENTION = "full_attention"
@@ -57,12 +58,7 @@ def lfm2_layer_types(raw: dict[str, Any], num_layers: int) -> tuple[str, ...]:
     when neither is given: every layer attention)."""
     given = raw.get("layer_types")
     if given is not None:
-        if len(given) != num_layers:
-            raise ConfigError(f"layer_types has {len(given)} entries for {num_layers} layers")
-        bad = sorted({t for t in given if t not in (SHORT_CONV, _ATTENTION)})
-        if bad:
-            raise ConfigError(f"unsupported layer type(s) {bad} in layer_types (LFM2: conv, full_attention)")
-        return tuple(given)
+        return checked_layer_types(given, num_layers, (SHORT_CONV, _ATTENTION))
     idxs = raw.get("full_attn_idxs")
     attention = set(range(num_layers) if idxs is None else idxs)
     if any(not isinstance(i, int) or not 0 <= i < num_layers for i in attention):

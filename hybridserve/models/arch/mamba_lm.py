@@ -82,8 +82,8 @@ class MambaLM(StagedModel):
         self._logits_buffer: LogitsBuffer | None = None
 
     def _layer_weights(self, cfg: ModelConfig, local: ModelConfig, layer_idx: int, dtype: torch.dtype) -> nn.Module:
-        """Layer `layer_idx`'s parameters, from the global config and the rank's (a hook: LFM2
-        and Jamba build their own layers)."""
+        """Layer `layer_idx`'s parameters, from the global config and the rank's (a hook: Qwen3-Next,
+        LFM2 and Jamba build their own layers)."""
         mixer = cfg.mamba
         assert mixer is not None, "MambaLM needs a Mamba2 / Bamba config"
         share = None

@@ -1,6 +1,7 @@
 """Reading an HF checkpoint directory into a model: the mapped safetensors files, tensors
 taken by name with shape checks and dtype conversion, and the final placement. Shared by
-the decoder loader (loader.py) and the recurrent loaders (mamba_loader.py, lfm2_loader.py); imports none.
+the decoder loader (loader.py) and the recurrent loaders (mamba_loader.py, qwen3_next_loader.py,
+lfm2_loader.py, jamba_loader.py); imports none.
 """
 
 from __future__ import annotations

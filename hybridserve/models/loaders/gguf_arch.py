@@ -3,6 +3,8 @@
 For each supported `general.architecture` this module states: how GGUF tensor names map to HF
 parameter names, which tensors need a numeric fix-up, and how the HF `config.json` is built from
 the metadata. Facts a GGUF does not store come from one place per family (`GEMMA3_DEFAULTS`).
+Gemma 3 and Llama are here; the sliding-window families are in gguf_sliding.py (Cohere2,
+OLMo 3, EXAONE 4) and gguf_gpt_oss.py, on the shared machinery of gguf_spec.py.
 
 Fix-ups, matching what llama.cpp's converter did to the HF weights and what transformers' own
 GGUF loader undoes:
@@ -16,14 +18,15 @@ GGUF loader undoes:
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
-from typing import Any, Callable
-
-import numpy as np
+from dataclasses import dataclass
+from typing import Any
 
 from hybridserve.core.errors import ConfigError
-from hybridserve.models.loaders.gguf_header import GGUFHeader, dequantize_tensor
+from hybridserve.models.loaders.gguf_gpt_oss import GPT_OSS_SPEC
+from hybridserve.models.loaders.gguf_header import GGUFHeader
+from hybridserve.models.loaders.gguf_rope_freqs import ROPE_FREQS_TENSOR, rope_freqs_scaling
+from hybridserve.models.loaders.gguf_sliding import COHERE2_SPEC, EXAONE4_SPEC, OLMO2_SPEC
+from hybridserve.models.loaders.gguf_spec import COMMON_BLOCK_NAMES, POST_NORM_BLOCK_NAMES, ArchSpec, common_config
 
 
 @dataclass(frozen=True)
@@ -54,126 +57,9 @@ class Gemma3ArchitectureDefaults:
 
 GEMMA3_DEFAULTS = Gemma3ArchitectureDefaults()
 
-# GGUF block tensor stem (inside blk.N.) -> HF name inside model.layers.N.
-_COMMON_BLOCK_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-}
-_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-
-
-@dataclass(frozen=True)
-class ArchSpec:
-    """How one GGUF architecture becomes an HF checkpoint.
-
-    Invariant: every HF module named in `norm_modules` is an RMSNorm whose GGUF weight carries
-    `norm_weight_offset` on top of the HF weight.
-    """
-
-    gguf_arch: str
-    block_names: dict[str, str]
-    norm_modules: frozenset[str]
-    norm_weight_offset: float
-    unpermute_qk: bool
-    build_config: Callable[[GGUFHeader], dict[str, Any]]
-    consumed_tensors: frozenset[str] = field(default_factory=frozenset)  # read into the config instead
-
-    def hf_name(self, gguf_name: str) -> str | None:
-        """HF parameter name for a GGUF tensor, None for one folded into the config.
-
-        Raises ConfigError for a tensor this architecture does not know: loading a model with a
-        weight silently dropped would produce garbage.
-        """
-        stem, _, suffix = gguf_name.rpartition(".")
-        if gguf_name in self.consumed_tensors:
-            return None
-        if stem in _GLOBAL_NAMES and suffix in ("weight", "bias"):
-            return f"{_GLOBAL_NAMES[stem]}.{suffix}"
-        parts = stem.split(".")
-        if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in self.block_names:
-            return f"model.layers.{parts[1]}.{self.block_names[parts[2]]}.{suffix}"
-        raise ConfigError(f"GGUF tensor {gguf_name} is unknown for architecture {self.gguf_arch}")
-
-    def fix_tensor(self, hf_name: str, values: np.ndarray, config: dict[str, Any]) -> np.ndarray:
-        """Undo llama.cpp's conversion changes on one float32 tensor (see module docstring)."""
-        module = hf_name.rpartition(".")[0]
-        if module.rpartition(".")[2] in self.norm_modules or module in self.norm_modules:
-            return values - np.float32(self.norm_weight_offset)
-        if self.unpermute_qk and module.endswith(("self_attn.q_proj", "self_attn.k_proj")):
-            is_q = module.endswith("q_proj")
-            heads = config["num_attention_heads"] if is_q else config["num_key_value_heads"]
-            return unpermute_rope_rows(values, heads)
-        return values
-
-
-def unpermute_rope_rows(values: np.ndarray, num_heads: int) -> np.ndarray:
-    """Reverse llama.cpp's Q/K row interleaving for one projection (weight or bias).
-
-    Per head, llama.cpp reorders HF rows [r0..r(d/2-1) | s0..s(d/2-1)] into pairs
-    (r0, s0, r1, s1, ...); this restores the halves.
-    """
-    rows = values.shape[0]
-    if rows % (2 * num_heads):
-        raise ConfigError(f"cannot split {rows} Q/K rows into {num_heads} heads of even size")
-    pairs = values.reshape(num_heads, rows // num_heads // 2, 2, *values.shape[1:])
-    return np.ascontiguousarray(pairs.swapaxes(1, 2)).reshape(values.shape)
-
-
-def _float32_value(value: float) -> float:
-    """Metadata floats are float32; write their shortest round-trip form (1e-06, not 9.9999e-07)."""
-    return float(str(np.float32(value)))
-
-
-def _tensor_rows(header: GGUFHeader, name: str) -> int | None:
-    return next((t.shape[0] for t in header.tensors if t.name == name), None)
-
-
-def _common_config(header: GGUFHeader) -> dict[str, Any]:
-    """Config fields every llama.cpp decoder architecture stores the same way."""
-    def required(key: str) -> Any:
-        value = header.arch_value(key)
-        if value is None:
-            raise ConfigError(f"{header.path} lacks the metadata key {header.architecture}.{key}")
-        return value
-
-    heads = int(required("attention.head_count"))
-    meta = header.metadata
-    vocab = _tensor_rows(header, "token_embd.weight") or header.string_array_lengths.get("tokenizer.ggml.tokens")
-    config: dict[str, Any] = {
-        "hidden_size": int(required("embedding_length")),
-        "intermediate_size": int(required("feed_forward_length")),
-        "num_hidden_layers": int(required("block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(header.arch_value("attention.head_count_kv", heads)),
-        "max_position_embeddings": int(header.arch_value("context_length", 4096)),
-        "rms_norm_eps": _float32_value(header.arch_value("attention.layer_norm_rms_epsilon", 1e-6)),
-        "vocab_size": int(vocab) if vocab else None,
-        "tie_word_embeddings": _tensor_rows(header, "output.weight") is None,
-        "attention_bias": _tensor_rows(header, "blk.0.attn_q.bias") is not None,
-        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
-        "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
-        "unk_token_id": meta.get("tokenizer.ggml.unknown_token_id"),
-    }
-    if config["vocab_size"] is None:
-        raise ConfigError(f"{header.path} has neither token_embd.weight nor a vocabulary")
-    scaling_type = header.arch_value("rope.scaling.type")
-    if scaling_type == "linear":
-        config["rope_scaling"] = {"rope_type": "linear", "factor": float(header.arch_value("rope.scaling.factor"))}
-    elif scaling_type not in (None, "none"):
-        raise ConfigError(f"{header.path} uses RoPE scaling {scaling_type!r}, which is not supported")
-    return config
-
-
 def _gemma3_config(header: GGUFHeader) -> dict[str, Any]:
     d = GEMMA3_DEFAULTS
-    config = _common_config(header)
+    config = common_config(header)
     head_dim = int(header.arch_value("attention.key_length", d.head_dim))
     layers = config["num_hidden_layers"]
     pattern = int(header.arch_value("attention.sliding_window_pattern", d.sliding_window_pattern))
@@ -199,7 +85,7 @@ def _gemma3_config(header: GGUFHeader) -> dict[str, Any]:
 
 
 def _llama_config(header: GGUFHeader) -> dict[str, Any]:
-    config = _common_config(header)
+    config = common_config(header)
     head_dim = header.arch_value("attention.key_length") or header.arch_value("rope.dimension_count")
     config.update(
         architectures=["LlamaForCausalLM"],
@@ -209,58 +95,16 @@ def _llama_config(header: GGUFHeader) -> dict[str, Any]:
         mlp_bias=False,
         rope_theta=float(header.arch_value("rope.freq_base", 10_000.0)),
     )
-    rope_freqs = next((t for t in header.tensors if t.name == "rope_freqs.weight"), None)
-    if rope_freqs is not None:
-        factors = dequantize_tensor(header, rope_freqs)
-        config["rope_scaling"] = llama3_rope_scaling(factors, config["rope_theta"], config["head_dim"])
-    config.setdefault("rope_scaling", None)
+    from_tensor = rope_freqs_scaling(header, config["rope_theta"], config["head_dim"])
+    config["rope_scaling"] = from_tensor or config.get("rope_scaling")
     return config
-
-
-def llama3_factors(theta: float, head_dim: int, scaling: dict[str, Any]) -> np.ndarray:
-    """Per-frequency divisors of Llama 3 RoPE scaling, as llama.cpp stores them in rope_freqs."""
-    inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    wavelen = 2 * math.pi / inv_freq
-    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
-    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-    smooth = (original / wavelen - low) / (high - low)
-    medium = 1.0 / ((1 - smooth) / factor + smooth)
-    return np.where(wavelen < original / high, 1.0, np.where(wavelen > original / low, factor, medium))
-
-
-def llama3_rope_scaling(factors: np.ndarray, theta: float, head_dim: int) -> dict[str, Any] | None:
-    """HF `rope_scaling` reproducing a GGUF `rope_freqs` tensor, None when it scales nothing.
-
-    Llama 3.1 and 3.2 used low/high frequency factors 1 and 4 over an 8192-token original
-    context; only `factor` (the largest divisor) varies, so it is read from the tensor and the
-    whole curve is checked before it is trusted.
-    """
-    if np.allclose(factors, 1.0):
-        return None
-    scaling = {
-        "rope_type": "llama3",
-        "factor": _float32_value(float(factors.max())),
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    }
-    expected = llama3_factors(theta, head_dim, scaling)
-    if factors.shape != expected.shape or not np.allclose(expected, factors, rtol=1e-4):
-        raise ConfigError("the GGUF's rope_freqs tensor matches no known Llama 3 RoPE scaling")
-    return scaling
 
 
 ARCH_SPECS: dict[str, ArchSpec] = {
     "gemma3": ArchSpec(
         gguf_arch="gemma3",
-        block_names={
-            **_COMMON_BLOCK_NAMES,
-            "attn_q_norm": "self_attn.q_norm",
-            "attn_k_norm": "self_attn.k_norm",
-            "post_attention_norm": "post_attention_layernorm",
-            "ffn_norm": "pre_feedforward_layernorm",
-            "post_ffw_norm": "post_feedforward_layernorm",
-        },
+        family="gemma3",
+        block_names={**COMMON_BLOCK_NAMES, **POST_NORM_BLOCK_NAMES, "ffn_norm": "pre_feedforward_layernorm"},
         norm_modules=frozenset({
             "input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
             "post_feedforward_layernorm", "q_norm", "k_norm", "model.norm",
@@ -271,13 +115,15 @@ ARCH_SPECS: dict[str, ArchSpec] = {
     ),
     "llama": ArchSpec(
         gguf_arch="llama",
-        block_names={**_COMMON_BLOCK_NAMES, "ffn_norm": "post_attention_layernorm"},
+        family="llama",
+        block_names={**COMMON_BLOCK_NAMES, "ffn_norm": "post_attention_layernorm"},
         norm_modules=frozenset(),  # Llama's RMSNorm multiplies by w itself: nothing folded in
         norm_weight_offset=0.0,
         unpermute_qk=True,
         build_config=_llama_config,
-        consumed_tensors=frozenset({"rope_freqs.weight"}),
+        consumed_tensors=frozenset({ROPE_FREQS_TENSOR}),
     ),
+    **{spec.gguf_arch: spec for spec in (GPT_OSS_SPEC, COHERE2_SPEC, OLMO2_SPEC, EXAONE4_SPEC)},
 }
 
 

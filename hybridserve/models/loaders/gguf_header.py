@@ -189,18 +189,23 @@ def _parse_header(path: Path, blob: np.ndarray) -> GGUFHeader:
     return GGUFHeader(path, version, metadata, string_array_lengths, tuple(tensors))
 
 
+def tensor_bytes(header: GGUFHeader, info: GGUFTensorInfo) -> np.ndarray:
+    """The tensor `info` as stored, uint8 of shape (*info.shape[:-1], bytes per row), mapped."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block_size, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(info.ggml_type)]
+    blob = np.memmap(header.path, mode="r", dtype=np.uint8, offset=info.data_offset, shape=(info.byte_count,))
+    return blob.reshape(*info.shape[:-1], info.shape[-1] // block_size * block_bytes)
+
+
 def dequantize_tensor(header: GGUFHeader, info: GGUFTensorInfo, rows: tuple[int, int] | None = None) -> np.ndarray:
     """The tensor `info` as a float32 array of shape `info.shape`, via `gguf.quants.dequantize`;
     with `rows` = (start, stop) only those indices of its first dimension."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     ggml_type = GGMLQuantizationType(info.ggml_type)
-    block_size, block_bytes = GGML_QUANT_SIZES[ggml_type]
-    blob = np.memmap(header.path, mode="r", dtype=np.uint8, offset=info.data_offset, shape=(info.byte_count,))
-    # dequantize() wants the raw bytes with rows intact: (..., bytes per row).
-    row_bytes = info.shape[-1] // block_size * block_bytes
-    raw = blob.reshape(*info.shape[:-1], row_bytes)
+    raw = tensor_bytes(header, info)  # dequantize() wants the raw bytes with rows intact
     shape = info.shape
     if rows is not None:
         raw = raw[rows[0]:rows[1]]

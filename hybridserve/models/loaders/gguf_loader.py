@@ -53,8 +53,9 @@ _TOKENIZER_TYPES = {"gemma3": "gemma3_text"}
 # Rows dequantized at a time from a vocabulary-sized tensor: Gemma 3's 262k x 640 embedding
 # is 671 MB in float32, and gguf's numpy dequantizer makes temporaries of a similar size.
 _DEQUANTIZE_BLOCK_ROWS = 32768
-_NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.int16}  # bfloat16: its raw bits
-_SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
+# bfloat16: its raw bits; uint8: packed quantized bytes (gpt-oss's MXFP4 experts) kept as they are.
+_NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.int16, "uint8": np.uint8}
+_SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "uint8": "U8"}
 
 
 def say(progress: bool, message: str) -> None:
@@ -184,14 +185,14 @@ def _convert_tensors(header: Any, spec: Any, config: dict[str, Any], path: Path,
     safetensors' writer made the default model's first start peak at 1.88 GB of RSS."""
     from tqdm import tqdm
 
-    mapped = [(name, info) for info in header.tensors if (name := spec.hf_name(info.name)) is not None]
-    element_bytes = np.dtype(_NUMPY_DTYPES[dtype]).itemsize
+    planned = spec.plan(header)
     entries: dict[str, Any] = {}
     offset = 0
-    for name, info in mapped:
-        size = int(np.prod(info.shape, dtype=np.int64)) * element_bytes
-        entries[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(info.shape),
-                         "data_offsets": [offset, offset + size]}
+    for tensor in planned:
+        stored = "uint8" if tensor.part is not None else dtype  # packed parts keep their bytes
+        size = int(np.prod(tensor.shape, dtype=np.int64)) * np.dtype(_NUMPY_DTYPES[stored]).itemsize
+        entries[tensor.hf_name] = {"dtype": _SAFETENSORS_DTYPES[stored], "shape": list(tensor.shape),
+                                   "data_offsets": [offset, offset + size]}
         offset += size
     # The "pt" format tag is what transformers requires to load the file.
     header_bytes = json.dumps({"__metadata__": {"format": "pt"}, **entries}, separators=(",", ":")).encode()
@@ -202,20 +203,36 @@ def _convert_tensors(header: Any, spec: Any, config: dict[str, Any], path: Path,
         disable=not progress, file=sys.stderr, leave=False,
     ) as bar:
         file.write(len(header_bytes).to_bytes(8, "little") + header_bytes)
-        for name, info in mapped:
-            for block in _dequantized_blocks(header, info, spec, name, config):
-                file.write(memoryview(_in_dtype(block, dtype)).cast("B"))
-            bar.update(int(np.prod(info.shape, dtype=np.int64)))
+        for tensor in planned:
+            if tensor.part is not None:
+                file.write(memoryview(np.ascontiguousarray(_packed_part(header, tensor), np.uint8)).cast("B"))
+            else:
+                for block in _dequantized_blocks(header, tensor, spec, config):
+                    file.write(memoryview(_in_dtype(block, dtype)).cast("B"))
+            if tensor.part in (None, 0):  # a packed merge's parts share their sources: count them once
+                bar.update(sum(int(np.prod(info.shape, dtype=np.int64)) for info in tensor.sources))
 
 
-def _dequantized_blocks(header: Any, info: Any, spec: Any, hf_name: str, config: dict[str, Any]
-                        ) -> Iterator[np.ndarray]:
-    """One tensor as float32 with its fix-ups undone: a vocabulary-sized one (the embedding,
-    the output head; one row per token, which fix_tensor leaves as they are) in blocks of
-    _DEQUANTIZE_BLOCK_ROWS rows, any other whole (fix_tensor's per-head reordering needs
-    all of a Q/K projection's rows)."""
+def _packed_part(header: Any, tensor: Any) -> np.ndarray:
+    """One part of a packed merge (gguf_spec.BlockMerge), built from its sources' stored bytes."""
+    from hybridserve.models.loaders.gguf_header import tensor_bytes
+
+    return tensor.merge.build(*(tensor_bytes(header, info) for info in tensor.sources))[tensor.part]
+
+
+def _dequantized_blocks(header: Any, tensor: Any, spec: Any, config: dict[str, Any]) -> Iterator[np.ndarray]:
+    """One planned tensor (gguf_spec.PlannedTensor) as float32 with llama.cpp's changes undone:
+    a merge built from its sources; a vocabulary-sized one (the embedding, the output head;
+    one row per token, which fix_tensor leaves as they are) in blocks of
+    _DEQUANTIZE_BLOCK_ROWS rows; any other whole (fix_tensor's per-head reordering needs all
+    of a Q/K projection's rows)."""
     from hybridserve.models.loaders.gguf_header import dequantize_tensor
 
+    if tensor.merge is not None:
+        built = tensor.merge.build(*(dequantize_tensor(header, info) for info in tensor.sources))
+        yield np.ascontiguousarray(built, np.float32)
+        return
+    info, hf_name = tensor.sources[0], tensor.hf_name
     rows = info.shape[0]
     if len(info.shape) != 2 or rows != config.get("vocab_size"):
         yield np.ascontiguousarray(spec.fix_tensor(hf_name, dequantize_tensor(header, info), config), np.float32)

@@ -34,6 +34,8 @@ from hybridserve.models.arch.mamba_config import (
     parse_bamba_mixer,
     parse_mamba2_mixer,
 )
+from hybridserve.models.arch.mamba_hybrid_config import (HybridOptions, granite_layer_kinds, granite_uses_rope,
+                                                         parse_granite_options)
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
@@ -54,6 +56,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     # State-space models: mixer parsed by models/arch/mamba_config.py, built by models/loaders/mamba_loader.py.
     "Mamba2ForCausalLM": "mamba2",
     "BambaForCausalLM": "bamba",
+    "GraniteMoeHybridForCausalLM": "granite_hybrid",  # Bamba's layer with experts and scales: mamba_hybrid_config.py
 }
 _GEMMA = ("gemma2", "gemma3")
 # Without layer_types: one full layer after every `pattern - 1` sliding ones.
@@ -89,7 +92,7 @@ class ModelConfig:
     """Everything the decoder needs; derived fields are final (no further defaults apply)."""
 
     architecture: str
-    family: str  # llama | mistral | qwen2 | gemma2 | gemma3 | olmo3 | cohere2 | exaone4 | llama4 | mamba2 | bamba
+    family: str  # llama | mistral | ... | mamba2 | bamba | granite_hybrid (SUPPORTED_ARCHITECTURES' values)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -126,6 +129,8 @@ class ModelConfig:
     mamba: MambaMixerConfig | None = None
     # Dims of each head RoPE rotates (the first ones); None: all of head_dim (Bamba: half).
     rotary_dim: int | None = None
+    # Mamba2 hybrids past Bamba (Granite 4.0-H, Nemotron-H): their scales, experts and MLP form.
+    hybrid: HybridOptions | None = None
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
@@ -153,7 +158,7 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
     family = SUPPORTED_ARCHITECTURES[arch]
     if family == "mamba2":
         return _parse_mamba2(raw, arch)
-    if family == "bamba":
+    if family in ("bamba", "granite_hybrid"):
         return _parse_bamba(raw, arch)
     num_layers = _req_int(raw, "num_hidden_layers")
     num_heads = _req_int(raw, "num_attention_heads")
@@ -236,11 +241,17 @@ def _parse_mamba2(raw: dict[str, Any], arch: str) -> ModelConfig:
 
 
 def _parse_bamba(raw: dict[str, Any], arch: str) -> ModelConfig:
-    """Mamba2 mixers with a few full-attention layers, a SwiGLU MLP after every layer."""
+    """Mamba2 mixers with a few full-attention layers, a SwiGLU MLP after every layer; Granite
+    4.0-H (the same mixer fields) adds its scales and experts and lists its layer kinds."""
     mixer = parse_bamba_mixer(raw)
     hidden = _req_int(raw, "hidden_size")
     num_layers = _req_int(raw, "num_hidden_layers")
-    attn_layers = bamba_attention_layers(raw, num_layers)
+    granite = SUPPORTED_ARCHITECTURES[arch] == "granite_hybrid"
+    if granite:
+        layer_types = granite_layer_kinds(raw, num_layers)
+    else:
+        attn_layers = bamba_attention_layers(raw, num_layers)
+        layer_types = tuple(FULL if i in attn_layers else MAMBA for i in range(num_layers))
     num_heads = _req_int(raw, "num_attention_heads")
     num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
     if num_heads % num_kv_heads:
@@ -249,15 +260,22 @@ def _parse_bamba(raw: dict[str, Any], arch: str) -> ModelConfig:
     rope_raw = dict(raw.get("rope_parameters") or {"rope_theta": raw.get("rope_theta", 10_000.0)})
     # HF's Bamba rotates half of each head whatever the config says (hard-coded there).
     rope_raw.pop("partial_rotary_factor", None)
+    rope = {FULL: _one_rope(rope_raw, "rope_parameters")}
+    extra: dict[str, Any] = dict(rotary_dim=head_dim // 2, attn_scale=head_dim**-0.5)
+    if granite:
+        options = parse_granite_options(raw)
+        rope = rope if granite_uses_rope(raw) else {}
+        extra = dict(hybrid=options, embed_scale=float(raw.get("embedding_multiplier") or 1.0),
+                     attn_scale=float(raw.get("attention_multiplier") or 1.0))
     return ModelConfig(
-        architecture=arch, family="bamba", vocab_size=_req_int(raw, "vocab_size"), hidden_size=hidden,
-        intermediate_size=_req_int(raw, "intermediate_size"), num_layers=num_layers, num_heads=num_heads,
-        num_kv_heads=num_kv_heads, head_dim=head_dim, rms_norm_eps=mixer.norm_eps, activation="silu",
-        layer_types=tuple(FULL if i in attn_layers else MAMBA for i in range(num_layers)), sliding_window=None,
-        rope={FULL: _one_rope(rope_raw, "rope_parameters")},
+        architecture=arch, family=SUPPORTED_ARCHITECTURES[arch], vocab_size=_req_int(raw, "vocab_size"),
+        hidden_size=hidden, intermediate_size=_req_int(raw, "shared_intermediate_size" if granite else
+                                                       "intermediate_size"),
+        num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        rms_norm_eps=mixer.norm_eps, activation="silu", layer_types=layer_types, sliding_window=None, rope=rope,
         max_position_embeddings=int(raw.get("max_position_embeddings") or 8192),
-        attn_scale=head_dim**-0.5, tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        eos_token_id=raw.get("eos_token_id"), mamba=mixer, rotary_dim=head_dim // 2,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), eos_token_id=raw.get("eos_token_id"),
+        mamba=mixer, **extra,
     )
 
 

@@ -1,8 +1,11 @@
-"""Tiny random HF Mamba2ForCausalLM and BambaForCausalLM, and HF greedy as the oracle.
+"""Tiny random HF Mamba2ForCausalLM, BambaForCausalLM and GraniteMoeHybridForCausalLM, and HF
+greedy as the oracle.
 
 hidden 64, vocab 512, 8 Mamba heads of 16 channels, state 16, 2 groups, kernel 4, SSD
 chunks of 16 (so 40-100 token prompts cross several); Mamba2: 3 layers; Bamba: 4
-layers, layer 1 attention (4 query / 2 KV heads, half of each head rotated).
+layers, layer 1 attention (4 query / 2 KV heads, half of each head rotated); Granite 4.0-H:
+Bamba's layout without RoPE (as its checkpoints), 4 experts of 32 (top 2) beside a shared
+MLP of 64, and every multiplier away from 1.
 initializer_range 0.3 gives peaky logits, so greedy choices are not near-ties.
 """
 
@@ -16,7 +19,7 @@ import torch
 
 from tests.helpers import hf_tiny
 
-KINDS = ("mamba2", "bamba")
+KINDS = ("mamba2", "bamba", "granite")
 CHUNK = 16
 
 
@@ -33,6 +36,14 @@ def hf_config(kind: str):
                               num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_state=16,
                               mamba_n_groups=2, mamba_d_conv=4, mamba_chunk_size=CHUNK,
                               max_position_embeddings=2048, **common)
+    if kind == "granite":
+        return tf.GraniteMoeHybridConfig(
+            intermediate_size=32, shared_intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            layer_types=["mamba", "attention", "mamba", "mamba"], position_embedding_type="nope",
+            embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0,
+            mamba_n_heads=8, mamba_d_state=16, mamba_n_groups=2, mamba_d_conv=4, mamba_chunk_size=CHUNK,
+            max_position_embeddings=2048, **common)
     raise ValueError(kind)
 
 

@@ -28,10 +28,11 @@ def model(kind: str) -> MambaLM:
 
 
 def make_engine(kind: str, *, async_scheduling: bool, num_blocks: int = 200, max_num_batched_tokens: int = 2048,
-                prefix_caching: bool = True) -> EngineCore:
+                prefix_caching: bool = True, **cfg: object) -> EngineCore:
     ex = TorchExecutor(model(kind), use_worker_thread=async_scheduling)
     sc = SchedulerConfig(max_model_len=160, async_scheduling=async_scheduling,
-                         max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=prefix_caching)
+                         max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=prefix_caching,
+                         **cfg)  # type: ignore[arg-type]
     return build_engine(sc, ex.kv_cache_config(BS, num_blocks=num_blocks), ex)
 
 

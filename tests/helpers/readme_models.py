@@ -32,6 +32,7 @@ FAMILY_FACTS: dict[str, tuple[str, frozenset[str]]] = {
     "llama4": ("chunked local + full (NoPE), MoE", frozenset({"async", "spec", "prefix", "pp", "tp"})),
     "mamba2": ("Mamba2", frozenset({"async", "spec", "prefix", "pp", "tp"})),
     "bamba": ("Mamba2 + full attention", frozenset({"async", "spec", "prefix", "pp", "tp"})),
+    "granite_hybrid": ("Mamba2 + full attention, MoE", frozenset({"async", "spec", "prefix", "pp", "tp"})),
 }
 FEATURES = (("async", "sync / async"), ("spec", "n-gram spec"), ("prefix", "prefix cache"),
             ("pp", "PP"), ("tp", "TP"))

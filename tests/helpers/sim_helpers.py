@@ -149,3 +149,15 @@ def check_in_place_table(m: InPlaceMambaManager, blocks: list, req: Request | No
 
 def make_request(rid: str, prompt: list[int], max_tokens: int) -> Request:
     return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def check_detector_on_layout(layout: str, items: list, unsafe: bool, max_num_batched_tokens: int) -> None:
+    """A preset through the simulator with the race detector: every item finishes, with 0
+    violations under the free-on-processed-tokens rule and > 0 under the unsafe optimistic free."""
+    from hybridserve.sim.simulation import SimConfig, run_simulation
+
+    cfg = SimConfig(model_layout=layout, gpu="H100", max_num_batched_tokens=max_num_batched_tokens,
+                    unsafe_optimistic_free=unsafe)
+    result = run_simulation(cfg, items, progress=False)
+    assert result.num_finished == len(items)
+    assert (result.violations > 0) if unsafe else (result.violations == 0)

@@ -242,6 +242,15 @@ def test_greedy_matches_hf(kind: str, async_scheduling: bool) -> None:
 
 
 @pytest.mark.parametrize("kind", tiny.KINDS)
+def test_three_steps_in_flight_match_hf(kind: str) -> None:
+    """Async with 3 steps in flight (2 is the async default): a step reads states that the
+    two before it are still writing, chunked prefills and decodes overlapping."""
+    eng = make_engine(kind, async_scheduling=True, max_num_batched_tokens=29, max_concurrent_batches=3)
+    assert eng.max_concurrent_batches == 3
+    check(kind, PROMPTS, run(eng, PROMPTS))
+
+
+@pytest.mark.parametrize("kind", tiny.KINDS)
 def test_chunked_prefill_across_ssd_chunk_and_block_boundaries(kind: str) -> None:
     # A budget of 23: chunk ends fall at every offset inside SSD chunks and blocks of 16,
     # and decodes share steps with other requests' prefill chunks.
@@ -351,7 +360,7 @@ def test_a_short_pool_skips_checkpoints_and_every_token_is_hf(kind: str, async_s
     group of 3 layers, 1 block, 2) with the prefix-hit workload: best-effort checkpoints
     are skipped (null entries), hits get fewer, and every token is still HF's. The second
     wave starts only from checkpoints that exist."""
-    num_blocks = {"mamba2": 4, "bamba": 26}[kind]
+    num_blocks = {"mamba2": 4, "bamba": 26, "granite": 26}[kind]
     base = PROMPTS[3]
     eng = make_engine(kind, async_scheduling=async_scheduling, num_blocks=num_blocks, max_num_batched_tokens=24)
     skipped = count_skipped_checkpoints(eng)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from hybridserve.sim.presets import get_layout
-from hybridserve.sim.simulation import SimConfig, run_simulation
 from hybridserve.sim.workload import WorkloadItem
+from tests.helpers.sim_helpers import check_detector_on_layout
 
 
 def test_layout_is_command_r7b() -> None:
@@ -24,11 +24,4 @@ def test_detector_on_command_r7b(unsafe: bool) -> None:
     # Prompts past the 4096-token window, prefilled in 512-token chunks with two steps in flight:
     # out-of-window blocks become free while a step that read them may still be running.
     items = [WorkloadItem(index=i, prompt_len=5000 + 300 * i, output_len=4, arrival_time=0.0) for i in range(3)]
-    cfg = SimConfig(model_layout="command-r7b-like", gpu="H100", max_num_batched_tokens=512,
-                    unsafe_optimistic_free=unsafe)
-    result = run_simulation(cfg, items, progress=False)
-    assert result.num_finished == 3
-    if unsafe:
-        assert result.violations > 0
-    else:
-        assert result.violations == 0
+    check_detector_on_layout("command-r7b-like", items, unsafe, max_num_batched_tokens=512)

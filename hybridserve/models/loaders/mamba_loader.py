@@ -1,4 +1,4 @@
-"""Load an HF Mamba2ForCausalLM or BambaForCausalLM directory into a MambaLM.
+"""Load an HF Mamba2ForCausalLM, BambaForCausalLM or GraniteMoeHybridForCausalLM directory into a MambaLM.
 
 HF names per architecture (layer i)::
 
@@ -6,6 +6,9 @@ HF names per architecture (layer i)::
     Bamba:  model.embed_tokens, model.layers.i.input_layernorm, model.layers.i.mamba.* or
             .self_attn.{q,k,v,o}_proj, .pre_ff_layernorm, .feed_forward.{gate,up,down}_proj,
             model.final_layernorm
+    Granite 4.0-H: Bamba's, but model.norm, .post_attention_layernorm, .shared_mlp.input_linear
+            ([gate | up] in one) and .output_linear, .block_sparse_moe.router.layer,
+            .block_sparse_moe.input_linear [E, 2I, H] and .output_linear [E, H, I]
     mixer:  in_proj, conv1d (weight [conv_dim, 1, K]), dt_bias, A_log, D, norm, out_proj
 
 As in loader.py, every tensor must be present with its shape, and none may be left over;
@@ -23,7 +26,7 @@ from hybridserve.models.loaders.checkpoint import (Weights, fill_ends, open_chec
 from hybridserve.models.config import ModelConfig
 from hybridserve.models.arch.mamba2 import Mamba2MixerWeights
 from hybridserve.models.arch.mamba_config import MambaMixerConfig
-from hybridserve.models.arch.mamba_lm import MambaLM
+from hybridserve.models.arch.mamba_lm import MambaLayerWeights, MambaLM
 from hybridserve.models.parallel import PipelineStage, TPGroup, group_rows
 
 
@@ -75,8 +78,9 @@ def _fill(model: MambaLM, cfg: ModelConfig, w: Weights) -> None:
     mamba2 = cfg.family == "mamba2"
     root = "backbone." if mamba2 else "model."
     tp = model.tp or TPGroup()
+    final_norm = {"mamba2": "norm_f", "granite_hybrid": "norm"}.get(cfg.family, "final_layernorm")
     fill_ends(model, cfg, w, root + ("embeddings.weight" if mamba2 else "embed_tokens.weight"),
-              root + ("norm_f.weight" if mamba2 else "final_layernorm.weight"))
+              root + final_norm + ".weight")
     w.keep_layers(root + "layers.", model.layer_ids)
     with torch.no_grad():
         for i, layer in zip(model.layer_ids, model.layers):
@@ -88,8 +92,32 @@ def _fill(model: MambaLM, cfg: ModelConfig, w: Weights) -> None:
                 a = p + "self_attn."
                 layer.attn.qkv.copy_(take_qkv(w, cfg, tp, a))
                 layer.attn.o.copy_(tp.shard(w.take(a + "o_proj.weight", (H, cfg.num_heads * cfg.head_dim)), 1))
-            if layer.gate_up is not None and layer.down is not None and layer.pre_ff_norm is not None:
+            if cfg.family == "granite_hybrid":
+                _fill_granite_ffn(layer, cfg, w, p, tp)
+            elif layer.gate_up is not None and layer.down is not None and layer.pre_ff_norm is not None:
                 f = p + "feed_forward."
                 layer.pre_ff_norm.copy_(w.take(p + "pre_ff_layernorm.weight", (H,)))
                 layer.gate_up.copy_(take_gate_up(w, tp, f, (I, H)))
                 layer.down.copy_(tp.shard(w.take(f + "down_proj.weight", (H, I)), 1))
+
+
+def _split_gate_up(t: torch.Tensor, tp: TPGroup, dim: int) -> torch.Tensor:
+    """[gate | up] along `dim` -> this rank's columns of each, still gate then up."""
+    gate, up = t.chunk(2, dim=dim)
+    return torch.cat([tp.shard(gate, dim), tp.shard(up, dim)], dim=dim)
+
+
+def _fill_granite_ffn(layer: MambaLayerWeights, cfg: ModelConfig, w: Weights, p: str, tp: TPGroup) -> None:
+    """Granite 4.0-H's shared MLP and routed experts (intermediate columns cut per rank)."""
+    assert layer.pre_ff_norm is not None and layer.gate_up is not None and layer.down is not None
+    H, I = cfg.hidden_size, cfg.intermediate_size
+    layer.pre_ff_norm.copy_(w.take(p + "post_attention_layernorm.weight", (H,)))
+    layer.gate_up.copy_(_split_gate_up(w.take(p + "shared_mlp.input_linear.weight", (2 * I, H)), tp, 0))
+    layer.down.copy_(tp.shard(w.take(p + "shared_mlp.output_linear.weight", (H, I)), 1))
+    ex, opts = layer.experts, cfg.hybrid
+    if ex is None or opts is None:
+        return
+    E, EI, m = opts.num_experts, opts.expert_intermediate_size, p + "block_sparse_moe."
+    ex.router.copy_(w.take(m + "router.layer.weight", (E, H)))
+    ex.gate_up.copy_(_split_gate_up(w.take(m + "input_linear.weight", (E, 2 * EI, H)), tp, 1))
+    ex.down.copy_(tp.shard(w.take(m + "output_linear.weight", (E, H, EI)), 2))

@@ -1,0 +1,94 @@
+"""What the Mamba2 hybrids beyond Bamba add to its layer: Granite 4.0-H
+(GraniteMoeHybridForCausalLM) scales and experts, Nemotron-H (NemotronHForCausalLM) layer
+pattern and squared-ReLU MLP.
+
+Pure Python (no torch), parsed by `models/config.py` into `ModelConfig.hybrid`; the layer
+these options shape is in `models/arch/mamba_lm.py`::
+
+    Granite 4.0-H layer:  h += r * (mixer or attention)(norm(h))
+                          h += r * (shared_mlp(x) + experts(x)),  x = post_attention_norm(h)
+    Nemotron-H layer:     h += (mixer or attention or relu2 MLP)(norm(h))    one block per layer
+
+with r the residual multiplier; Granite also scales the embedding and divides the logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hybridserve.core.errors import ConfigError
+from hybridserve.models.arch.mamba_config import MAMBA
+
+# Layer kind of a Nemotron-H layer that is only an MLP (no state, no KV: no cache spec).
+MLP_ONLY = "mlp"
+SWIGLU = "swiglu"  # act(gate) * up, gate and up one fused projection
+RELU2 = "relu2"  # relu(up)^2, no gate
+
+
+@dataclass(frozen=True)
+class HybridOptions:
+    """Per-model numbers of the layer above; the defaults leave Bamba's layer unchanged."""
+
+    residual_multiplier: float = 1.0  # r: every block's output is scaled before its add
+    logits_divisor: float = 1.0  # the logits are divided by it (Granite's logits_scaling)
+    num_experts: int = 0  # routed experts beside the dense (shared) MLP; 0: none
+    experts_per_tok: int = 0  # top-k of the router; the k weights are a softmax over their logits
+    expert_intermediate_size: int = 0  # each expert's gate (and up) width
+    mlp: str = SWIGLU  # the MLP's form: SWIGLU or RELU2
+
+
+def _count(raw: dict[str, Any], key: str, default: int) -> int:
+    value = raw.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f"config.json: {key} must be a non-negative integer, got {value!r}")
+    return value
+
+
+def _positive_float(raw: dict[str, Any], key: str) -> float:
+    value = raw.get(key)
+    value = 1.0 if value is None else value
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        raise ConfigError(f"config.json: {key} must be a positive number, got {value!r}")
+    return float(value)
+
+
+# Granite writes its layer kinds as HF 5 does ("linear_attention") or as its own files do ("mamba").
+_GRANITE_KINDS = {"mamba": MAMBA, "linear_attention": MAMBA, "attention": "full_attention",
+                  "full_attention": "full_attention"}
+
+
+def granite_layer_kinds(raw: dict[str, Any], num_layers: int) -> tuple[str, ...]:
+    """Granite 4.0-H's `layer_types` (every layer a mixer when absent, as HF defaults)."""
+    given = raw.get("layer_types") or raw.get("layers_block_type") or ["mamba"] * num_layers
+    if len(given) != num_layers:
+        raise ConfigError(f"layer_types has {len(given)} entries for {num_layers} layers")
+    bad = sorted({k for k in given if k not in _GRANITE_KINDS}, key=str)
+    if bad:
+        raise ConfigError(f"unsupported layer type(s) {bad} in layer_types (mamba or attention)")
+    return tuple(_GRANITE_KINDS[k] for k in given)
+
+
+def parse_granite_options(raw: dict[str, Any]) -> HybridOptions:
+    """Granite 4.0-H's multipliers and experts; ConfigError on what we do not implement."""
+    if raw.get("attention_bias"):
+        raise ConfigError("attention_bias=true is not supported for GraniteMoeHybrid")
+    experts = _count(raw, "num_local_experts", 8)
+    top_k = _count(raw, "num_experts_per_tok", 2) if experts else 0
+    if experts and not 1 <= top_k <= experts:
+        raise ConfigError(f"num_experts_per_tok {top_k} must be in 1..num_local_experts ({experts})")
+    if experts and not raw.get("intermediate_size", 11008):
+        raise ConfigError("intermediate_size (each expert's) must be positive with num_local_experts > 0")
+    return HybridOptions(
+        residual_multiplier=_positive_float(raw, "residual_multiplier"),
+        logits_divisor=_positive_float(raw, "logits_scaling"), num_experts=experts, experts_per_tok=top_k,
+        expert_intermediate_size=_count(raw, "intermediate_size", 11008) if experts else 0,
+    )
+
+
+def granite_uses_rope(raw: dict[str, Any]) -> bool:
+    """Whether the attention layers rotate (HF's position_embedding_type "rope"; None or "nope": no)."""
+    kind = raw.get("position_embedding_type")
+    if kind not in (None, "nope", "rope"):
+        raise ConfigError(f"position_embedding_type {kind!r} is not supported (rope or nope)")
+    return kind == "rope"

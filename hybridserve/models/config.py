@@ -33,9 +33,11 @@ from hybridserve.models.arch.mamba_config import (
     bamba_attention_layers,
     parse_bamba_mixer,
     parse_mamba2_mixer,
+    parse_nemotron_h_mixer,
 )
 from hybridserve.models.arch.mamba_hybrid_config import (HybridOptions, granite_layer_kinds, granite_uses_rope,
-                                                         parse_granite_options)
+                                                         nemotron_h_layer_kinds, parse_granite_options,
+                                                         parse_nemotron_h_options)
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
@@ -57,6 +59,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Mamba2ForCausalLM": "mamba2",
     "BambaForCausalLM": "bamba",
     "GraniteMoeHybridForCausalLM": "granite_hybrid",  # Bamba's layer with experts and scales: mamba_hybrid_config.py
+    "NemotronHForCausalLM": "nemotron_h",  # Mamba2, attention or MLP layers by pattern: mamba_hybrid_config.py
 }
 _GEMMA = ("gemma2", "gemma3")
 # Without layer_types: one full layer after every `pattern - 1` sliding ones.
@@ -101,7 +104,7 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    activation: str  # silu | gelu_tanh | gelu
+    activation: str  # silu | gelu_tanh | gelu | relu2 (Nemotron-H: relu(x)^2)
     layer_types: tuple[str, ...]  # FULL, SLIDING, CHUNKED or MAMBA (mamba_config.py), one per layer
     sliding_window: int | None
     rope: dict[str, RopeConfig]  # keyed by layer type; a type left out has no RoPE (Cohere2 / EXAONE 4 full layers)
@@ -160,6 +163,8 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
         return _parse_mamba2(raw, arch)
     if family in ("bamba", "granite_hybrid"):
         return _parse_bamba(raw, arch)
+    if family == "nemotron_h":
+        return _parse_nemotron_h(raw, arch)
     num_layers = _req_int(raw, "num_hidden_layers")
     num_heads = _req_int(raw, "num_attention_heads")
     hidden = _req_int(raw, "hidden_size")
@@ -276,6 +281,29 @@ def _parse_bamba(raw: dict[str, Any], arch: str) -> ModelConfig:
         max_position_embeddings=int(raw.get("max_position_embeddings") or 8192),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), eos_token_id=raw.get("eos_token_id"),
         mamba=mixer, **extra,
+    )
+
+
+def _parse_nemotron_h(raw: dict[str, Any], arch: str) -> ModelConfig:
+    """One block per layer by pattern: a Mamba2 mixer, attention without RoPE, or a
+    squared-ReLU MLP, each as h += block(norm(h))."""
+    mixer = parse_nemotron_h_mixer(raw)
+    layer_types = nemotron_h_layer_kinds(raw)
+    hidden = _req_int(raw, "hidden_size")
+    num_heads = _req_int(raw, "num_attention_heads")
+    num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
+    if num_heads % num_kv_heads:
+        raise ConfigError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
+    # Older Nemotron-H files name it attention_head_dim.
+    head_dim = int(raw.get("head_dim") or raw.get("attention_head_dim") or hidden // num_heads)
+    return ModelConfig(
+        architecture=arch, family="nemotron_h", vocab_size=_req_int(raw, "vocab_size"), hidden_size=hidden,
+        intermediate_size=_req_int(raw, "intermediate_size"), num_layers=len(layer_types), num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, rms_norm_eps=mixer.norm_eps, activation="relu2",
+        layer_types=layer_types, sliding_window=None, rope={},
+        max_position_embeddings=int(raw.get("max_position_embeddings") or 4096), attn_scale=head_dim**-0.5,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), eos_token_id=raw.get("eos_token_id"),
+        mamba=mixer, hybrid=parse_nemotron_h_options(raw),
     )
 
 

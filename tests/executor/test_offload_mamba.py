@@ -26,7 +26,8 @@ from hybridserve.core.errors import ConfigError  # noqa: E402
 # the best-effort checkpoints (a column costs 9 blocks: 3 layers of 3 pages), so wave 1's
 # last whole checkpoint is kept and stored.
 # Bamba: a state is 3 pages; Granite 4.0-H has Bamba's mixer and layout.
-POOL = {"mamba2": {False: 8, True: 10}, "bamba": {False: 64, True: 64}, "granite": {False: 64, True: 64}}
+POOL = {"mamba2": {False: 8, True: 10}, "bamba": {False: 64, True: 64}, "granite": {False: 64, True: 64},
+        "nemotron_h": {False: 48, True: 48}}
 
 
 @pytest.mark.parametrize("kind", tiny.KINDS)

@@ -5,7 +5,8 @@ hidden 64, vocab 512, 8 Mamba heads of 16 channels, state 16, 2 groups, kernel 4
 chunks of 16 (so 40-100 token prompts cross several); Mamba2: 3 layers; Bamba: 4
 layers, layer 1 attention (4 query / 2 KV heads, half of each head rotated); Granite 4.0-H:
 Bamba's layout without RoPE (as its checkpoints), 4 experts of 32 (top 2) beside a shared
-MLP of 64, and every multiplier away from 1.
+MLP of 64, and every multiplier away from 1; Nemotron-H: 5 layers "M-*M-" (Mamba2, MLP of
+128, attention without RoPE, Mamba2, MLP).
 initializer_range 0.3 gives peaky logits, so greedy choices are not near-ties.
 """
 
@@ -19,7 +20,7 @@ import torch
 
 from tests.helpers import hf_tiny
 
-KINDS = ("mamba2", "bamba", "granite")
+KINDS = ("mamba2", "bamba", "granite", "nemotron_h")
 CHUNK = 16
 
 
@@ -44,6 +45,11 @@ def hf_config(kind: str):
             embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0,
             mamba_n_heads=8, mamba_d_state=16, mamba_n_groups=2, mamba_d_conv=4, mamba_chunk_size=CHUNK,
             max_position_embeddings=2048, **common)
+    if kind == "nemotron_h":
+        return tf.NemotronHConfig(
+            hybrid_override_pattern="M-*M-", intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, conv_kernel=4,
+            chunk_size=CHUNK, max_position_embeddings=2048, **common)
     raise ValueError(kind)
 
 

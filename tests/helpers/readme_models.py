@@ -33,6 +33,8 @@ FAMILY_FACTS: dict[str, tuple[str, frozenset[str]]] = {
     "mamba2": ("Mamba2", frozenset({"async", "spec", "prefix", "pp", "tp"})),
     "bamba": ("Mamba2 + full attention", frozenset({"async", "spec", "prefix", "pp", "tp"})),
     "granite_hybrid": ("Mamba2 + full attention, MoE", frozenset({"async", "spec", "prefix", "pp", "tp"})),
+    "nemotron_h": ("Mamba2 + full attention (NoPE) + MLP-only, by pattern",
+                   frozenset({"async", "spec", "prefix", "pp", "tp"})),
 }
 FEATURES = (("async", "sync / async"), ("spec", "n-gram spec"), ("prefix", "prefix cache"),
             ("pp", "PP"), ("tp", "TP"))

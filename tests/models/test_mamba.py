@@ -260,20 +260,22 @@ def test_chunked_prefill_across_ssd_chunk_and_block_boundaries(kind: str) -> Non
     check(kind, PROMPTS, got)
 
 
+@pytest.mark.parametrize("kind", ["bamba", "granite", "nemotron_h"])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("prefix_caching", [False, True], ids=["recompute", "cached"])
-def test_preemption_resumes_from_zero_or_a_checkpoint(async_scheduling: bool, prefix_caching: bool) -> None:
-    # Bamba's attention group grows with the sequence; a small pool forces preemptions.
-    # 9 of 26 blocks are each request's running Mamba states (3 layers of 3 pages), with
-    # prefix caching too (the state stays in place; checkpoints are best-effort). Without
-    # it a resumed request restarts at 0; with it, it resumes from its own last cached
-    # checkpoint, if one was kept and not evicted meanwhile.
-    num_blocks = 26
-    eng = make_engine("bamba", async_scheduling=async_scheduling, num_blocks=num_blocks,
+def test_preemption_resumes_from_zero_or_a_checkpoint(kind: str, async_scheduling: bool, prefix_caching: bool) -> None:
+    # The attention group grows with the sequence; a small pool forces preemptions.
+    # Bamba: 9 of 26 blocks are each request's running Mamba states (3 layers of 3 pages),
+    # with prefix caching too (the state stays in place; checkpoints are best-effort);
+    # Granite 4.0-H has Bamba's layout, Nemotron-H 2 Mamba layers (6 pages). Without
+    # prefix caching a resumed request restarts at 0; with it, it resumes from its own last
+    # cached checkpoint, if one was kept and not evicted meanwhile.
+    num_blocks = {"bamba": 26, "granite": 26, "nemotron_h": 20}[kind]
+    eng = make_engine(kind, async_scheduling=async_scheduling, num_blocks=num_blocks,
                       max_num_batched_tokens=32, prefix_caching=prefix_caching)
     got = run(eng, PROMPTS)
     assert eng.scheduler.stats.num_preemptions > 0
-    check("bamba", PROMPTS, got)
+    check(kind, PROMPTS, got)
 
 
 def test_reused_state_blocks_start_from_zero() -> None:
@@ -360,7 +362,7 @@ def test_a_short_pool_skips_checkpoints_and_every_token_is_hf(kind: str, async_s
     group of 3 layers, 1 block, 2) with the prefix-hit workload: best-effort checkpoints
     are skipped (null entries), hits get fewer, and every token is still HF's. The second
     wave starts only from checkpoints that exist."""
-    num_blocks = {"mamba2": 4, "bamba": 26, "granite": 26}[kind]
+    num_blocks = {"mamba2": 4, "bamba": 26, "granite": 26, "nemotron_h": 22}[kind]
     base = PROMPTS[3]
     eng = make_engine(kind, async_scheduling=async_scheduling, num_blocks=num_blocks, max_num_batched_tokens=24)
     skipped = count_skipped_checkpoints(eng)

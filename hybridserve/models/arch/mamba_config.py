@@ -130,6 +130,28 @@ def parse_bamba_mixer(raw: dict[str, Any]) -> MambaMixerConfig:
     return mixer
 
 
+def parse_nemotron_h_mixer(raw: dict[str, Any]) -> MambaMixerConfig:
+    """The mixer of a NemotronHForCausalLM config.json: its own field names, the gated norm's
+    epsilon the model's layer_norm_epsilon, and H * P free of hidden_size * expand (HF sizes
+    the mixer by heads alone)."""
+    act = raw.get("mamba_hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ConfigError(f"unsupported mamba_hidden_act {act!r} for a Mamba2 mixer (silu only)")
+    lo, hi = _time_step_limit(raw)
+    mixer = MambaMixerConfig(
+        num_heads=_int(raw, "mamba_num_heads", 128), head_dim=_int(raw, "mamba_head_dim", 64),
+        state_size=_int(raw, "ssm_state_size", 128), n_groups=_int(raw, "n_groups", 8),
+        conv_kernel=_int(raw, "conv_kernel", 4), chunk_size=_int(raw, "chunk_size", 128),
+        norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)), conv_bias=bool(raw.get("use_conv_bias", True)),
+        proj_bias=bool(raw.get("use_bias", False)), dt_min=lo, dt_max=hi,
+    )
+    if mixer.num_heads % mixer.n_groups:
+        raise ConfigError(f"mamba heads {mixer.num_heads} are not a multiple of n_groups {mixer.n_groups}")
+    if mixer.conv_kernel < 2:
+        raise ConfigError(f"conv kernel must be >= 2, got {mixer.conv_kernel}")
+    return mixer
+
+
 def bamba_attention_layers(raw: dict[str, Any], num_layers: int) -> frozenset[int]:
     """Indices of Bamba's attention layers (every other layer is a mixer); ConfigError if out of range."""
     for key in ("attention_bias", "mlp_bias"):

@@ -36,6 +36,8 @@ class HybridOptions:
     experts_per_tok: int = 0  # top-k of the router; the k weights are a softmax over their logits
     expert_intermediate_size: int = 0  # each expert's gate (and up) width
     mlp: str = SWIGLU  # the MLP's form: SWIGLU or RELU2
+    # Nemotron-H: the MLP is a layer of its own (MLP_ONLY), not a second block after each layer's mixer.
+    mlp_layers: bool = False
 
 
 def _count(raw: dict[str, Any], key: str, default: int) -> int:
@@ -92,3 +94,35 @@ def granite_uses_rope(raw: dict[str, Any]) -> bool:
     if kind not in (None, "nope", "rope"):
         raise ConfigError(f"position_embedding_type {kind!r} is not supported (rope or nope)")
     return kind == "rope"
+
+
+# Nemotron-H's layer kinds: its pattern's characters, or the names its layer list uses.
+_NEMOTRON_KINDS = {"M": MAMBA, "mamba": MAMBA, "linear_attention": MAMBA, "*": "full_attention",
+                   "attention": "full_attention", "full_attention": "full_attention", "-": MLP_ONLY, "mlp": MLP_ONLY}
+_NEMOTRON_MOE = ("E", "moe")
+
+
+def nemotron_h_layer_kinds(raw: dict[str, Any]) -> tuple[str, ...]:
+    """Nemotron-H's layers from `layers_block_type` (or `layer_types`), else from
+    `hybrid_override_pattern` (M Mamba2, * attention, - MLP); their count is the model's, as
+    in HF (which ignores num_hidden_layers)."""
+    given = raw.get("layers_block_type") or raw.get("layer_types") or raw.get("hybrid_override_pattern")
+    if not given or not isinstance(given, (list, str)):
+        raise ConfigError("NemotronH needs layers_block_type or hybrid_override_pattern")
+    if any(k in _NEMOTRON_MOE for k in given):
+        raise ConfigError("NemotronH mixture-of-experts layers (moe / 'E') are not supported")
+    bad = sorted({str(k) for k in given if k not in _NEMOTRON_KINDS})
+    if bad:
+        raise ConfigError(f"unsupported NemotronH layer kind(s) {bad} (M / mamba, * / attention, - / mlp)")
+    return tuple(_NEMOTRON_KINDS[k] for k in given)
+
+
+def parse_nemotron_h_options(raw: dict[str, Any]) -> HybridOptions:
+    """Nemotron-H's squared-ReLU MLP layers; ConfigError on what we do not implement."""
+    act = raw.get("mlp_hidden_act", "relu2")
+    if act != "relu2":
+        raise ConfigError(f"unsupported mlp_hidden_act {act!r} for NemotronH (relu2 only)")
+    for key in ("mlp_bias", "attention_bias"):
+        if raw.get(key):
+            raise ConfigError(f"{key}=true is not supported for NemotronH")
+    return HybridOptions(mlp=RELU2, mlp_layers=True)

@@ -5,6 +5,7 @@ Bamba layer:   h += mixer(norm(h)) or attention(norm(h));  h += mlp(pre_ff_norm(
 Granite 4.0-H: Bamba's, each add scaled by the residual multiplier, the routed experts'
                sum beside the MLP, the embedding scaled and the logits divided
                (models/arch/mamba_hybrid_config.py)
+Nemotron-H:    h += mixer(norm(h)) or attention(norm(h)) or relu2_mlp(norm(h)), one per layer
 
 The step backend gives attention (the runner's paged attention, for Bamba's attention
 layers) and `mamba` (a MambaStateIO: each request's conv and SSM state of each Mamba
@@ -25,7 +26,7 @@ from hybridserve.models.config import FULL, ModelConfig
 from hybridserve.models.arch.decoder import StagedModel, rms_norm
 from hybridserve.models.arch.mamba2 import Mamba2MixerWeights, MambaStateIO, mamba2_mixer
 from hybridserve.models.arch.mamba_config import MAMBA
-from hybridserve.models.arch.mamba_hybrid_config import HybridOptions
+from hybridserve.models.arch.mamba_hybrid_config import MLP_ONLY, HybridOptions
 from hybridserve.models.arch.routed_experts import RoutedExperts, routed_experts
 from hybridserve.models.parallel import PipelineStage, SharedNormGroups, TPGroup
 from hybridserve.models.layers.rope import RopeTable, apply_rope_
@@ -68,11 +69,14 @@ class MambaLayerWeights(nn.Module):
         self.mixer = (Mamba2MixerWeights(cfg.mamba, cfg.hidden_size, dtype, row_bias, norm_share)
                       if kind == MAMBA else None)
         self.attn = AttentionWeights(cfg, dtype) if kind == FULL else None
-        has_mlp = cfg.intermediate_size > 0
+        opts = cfg.hybrid
+        mlp_layers = opts is not None and opts.mlp_layers
+        has_mlp = cfg.intermediate_size > 0 and not mlp_layers  # a SwiGLU MLP after the mixer
         self.pre_ff_norm = p(cfg.hidden_size) if has_mlp else None
         self.gate_up = p(2 * cfg.intermediate_size, cfg.hidden_size) if has_mlp else None
-        self.down = p(cfg.hidden_size, cfg.intermediate_size) if has_mlp else None
-        opts = cfg.hybrid
+        # Nemotron-H's MLP layer: relu(x up^T)^2 down^T, its only block.
+        self.up = p(cfg.intermediate_size, cfg.hidden_size) if kind == MLP_ONLY else None
+        self.down = p(cfg.hidden_size, cfg.intermediate_size) if has_mlp or kind == MLP_ONLY else None
         self.experts = (RoutedExperts(opts.num_experts, cfg.hidden_size, opts.expert_intermediate_size, dtype)
                         if opts is not None and opts.num_experts else None)
 
@@ -123,9 +127,11 @@ class MambaLM(StagedModel):
                 out, token_states, boundary_states = mamba2_mixer(w.mixer, mixer_cfg, x, conv, ssm, io.counts,
                                                                   io.verify, io.checkpoints)
                 io.write(i, conv, ssm, token_states, boundary_states)
-            else:
-                assert w.attn is not None
+            elif w.attn is not None:
                 out = self._attention(i, w.attn, x, rope, backend)
+            else:
+                assert w.up is not None and w.down is not None
+                out = F.linear(torch.square(F.relu(F.linear(x, w.up))), w.down)
             out = self.reduce(out)
             h = h + out * self.opts.residual_multiplier if scaled else h + out
             if w.gate_up is not None:

@@ -1,4 +1,5 @@
-"""Load an HF Mamba2ForCausalLM, BambaForCausalLM or GraniteMoeHybridForCausalLM directory into a MambaLM.
+"""Load an HF Mamba2ForCausalLM, BambaForCausalLM, GraniteMoeHybridForCausalLM or NemotronHForCausalLM
+directory into a MambaLM.
 
 HF names per architecture (layer i)::
 
@@ -6,6 +7,8 @@ HF names per architecture (layer i)::
     Bamba:  model.embed_tokens, model.layers.i.input_layernorm, model.layers.i.mamba.* or
             .self_attn.{q,k,v,o}_proj, .pre_ff_layernorm, .feed_forward.{gate,up,down}_proj,
             model.final_layernorm
+    Nemotron-H: backbone.embeddings, backbone.layers.i.norm, backbone.layers.i.mixer.* (a mixer's,
+            attention's {q,k,v,o}_proj or the MLP's up_proj, down_proj), backbone.norm_f
     Granite 4.0-H: Bamba's, but model.norm, .post_attention_layernorm, .shared_mlp.input_linear
             ([gate | up] in one) and .output_linear, .block_sparse_moe.router.layer,
             .block_sparse_moe.input_linear [E, 2I, H] and .output_linear [E, H, I]
@@ -75,21 +78,24 @@ def _fill_mixer(m: Mamba2MixerWeights, cfg: ModelConfig, w: Weights, prefix: str
 def _fill(model: MambaLM, cfg: ModelConfig, w: Weights) -> None:
     """HF tensors into `model` (its stage's layers, its rank's share); `cfg` the global config."""
     H, I = cfg.hidden_size, cfg.intermediate_size
-    mamba2 = cfg.family == "mamba2"
-    root = "backbone." if mamba2 else "model."
+    backbone = cfg.family in ("mamba2", "nemotron_h")  # their names: backbone., mixer. for every block
+    root = "backbone." if backbone else "model."
     tp = model.tp or TPGroup()
-    final_norm = {"mamba2": "norm_f", "granite_hybrid": "norm"}.get(cfg.family, "final_layernorm")
-    fill_ends(model, cfg, w, root + ("embeddings.weight" if mamba2 else "embed_tokens.weight"),
+    final_norm = "norm_f" if backbone else "norm" if cfg.family == "granite_hybrid" else "final_layernorm"
+    fill_ends(model, cfg, w, root + ("embeddings.weight" if backbone else "embed_tokens.weight"),
               root + final_norm + ".weight")
     w.keep_layers(root + "layers.", model.layer_ids)
     with torch.no_grad():
         for i, layer in zip(model.layer_ids, model.layers):
             p = f"{root}layers.{i}."
-            layer.norm.copy_(w.take(p + ("norm.weight" if mamba2 else "input_layernorm.weight"), (H,)))
+            layer.norm.copy_(w.take(p + ("norm.weight" if backbone else "input_layernorm.weight"), (H,)))
             if layer.mixer is not None:
-                _fill_mixer(layer.mixer, cfg, w, p + ("mixer." if mamba2 else "mamba."), tp)
+                _fill_mixer(layer.mixer, cfg, w, p + ("mixer." if backbone else "mamba."), tp)
+            if layer.up is not None and layer.down is not None:  # Nemotron-H's MLP layer
+                layer.up.copy_(tp.shard(w.take(p + "mixer.up_proj.weight", (I, H))))
+                layer.down.copy_(tp.shard(w.take(p + "mixer.down_proj.weight", (H, I)), 1))
             if layer.attn is not None:
-                a = p + "self_attn."
+                a = p + ("mixer." if backbone else "self_attn.")
                 layer.attn.qkv.copy_(take_qkv(w, cfg, tp, a))
                 layer.attn.o.copy_(tp.shard(w.take(a + "o_proj.weight", (H, cfg.num_heads * cfg.head_dim)), 1))
             if cfg.family == "granite_hybrid":

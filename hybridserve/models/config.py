@@ -32,12 +32,13 @@ from hybridserve.models.arch.mamba_config import (
     MambaMixerConfig,
     bamba_attention_layers,
     parse_bamba_mixer,
+    parse_falcon_h1_mixer,
     parse_mamba2_mixer,
     parse_nemotron_h_mixer,
 )
 from hybridserve.models.arch.mamba_hybrid_config import (HybridOptions, granite_layer_kinds, granite_uses_rope,
-                                                         nemotron_h_layer_kinds, parse_granite_options,
-                                                         parse_nemotron_h_options)
+                                                         nemotron_h_layer_kinds, parse_falcon_h1_scales,
+                                                         parse_granite_options, parse_nemotron_h_options)
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
@@ -60,6 +61,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "BambaForCausalLM": "bamba",
     "GraniteMoeHybridForCausalLM": "granite_hybrid",  # Bamba's layer with experts and scales: mamba_hybrid_config.py
     "NemotronHForCausalLM": "nemotron_h",  # Mamba2, attention or MLP layers by pattern: mamba_hybrid_config.py
+    "FalconH1ForCausalLM": "falcon_h1",  # Mamba2 beside attention in every layer: models/arch/falcon_h1.py
 }
 _GEMMA = ("gemma2", "gemma3")
 # Without layer_types: one full layer after every `pattern - 1` sliding ones.
@@ -165,6 +167,8 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
         return _parse_bamba(raw, arch)
     if family == "nemotron_h":
         return _parse_nemotron_h(raw, arch)
+    if family == "falcon_h1":
+        return _parse_falcon_h1(raw, arch)
     num_layers = _req_int(raw, "num_hidden_layers")
     num_heads = _req_int(raw, "num_attention_heads")
     hidden = _req_int(raw, "hidden_size")
@@ -304,6 +308,33 @@ def _parse_nemotron_h(raw: dict[str, Any], arch: str) -> ModelConfig:
         max_position_embeddings=int(raw.get("max_position_embeddings") or 4096), attn_scale=head_dim**-0.5,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), eos_token_id=raw.get("eos_token_id"),
         mamba=mixer, hybrid=parse_nemotron_h_options(raw),
+    )
+
+
+def _parse_falcon_h1(raw: dict[str, Any], arch: str) -> ModelConfig:
+    """N decoder layers as 2N cache layers: 2j full attention (RoPE on all of each head), 2j + 1
+    the Mamba2 mixer beside it (HybridOptions.falcon); num_layers counts the 2N."""
+    mixer = parse_falcon_h1_mixer(raw)
+    scales = parse_falcon_h1_scales(raw)
+    hidden = _req_int(raw, "hidden_size")
+    num_layers = _req_int(raw, "num_hidden_layers")
+    num_heads = _req_int(raw, "num_attention_heads")
+    num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
+    if num_heads % num_kv_heads:
+        raise ConfigError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
+    head_dim = int(raw.get("head_dim") or hidden // num_heads)
+    rope_raw = raw.get("rope_parameters") or {"rope_theta": raw.get("rope_theta", 10_000.0)}
+    return ModelConfig(
+        architecture=arch, family="falcon_h1", vocab_size=_req_int(raw, "vocab_size"), hidden_size=hidden,
+        intermediate_size=_req_int(raw, "intermediate_size"), num_layers=2 * num_layers, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, rms_norm_eps=mixer.norm_eps, activation="silu",
+        layer_types=(FULL, MAMBA) * num_layers, sliding_window=None,
+        rope={FULL: _one_rope(rope_raw, "rope_parameters")},
+        max_position_embeddings=int(raw.get("max_position_embeddings") or 8192), attn_scale=head_dim**-0.5,
+        embed_scale=float(raw.get("embedding_multiplier") or 1.0),
+        logit_scale=float(raw.get("lm_head_multiplier") or 1.0),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), eos_token_id=raw.get("eos_token_id"),
+        mamba=mixer, hybrid=HybridOptions(falcon=scales),
     )
 
 

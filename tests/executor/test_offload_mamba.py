@@ -27,7 +27,7 @@ from hybridserve.core.errors import ConfigError  # noqa: E402
 # last whole checkpoint is kept and stored.
 # Bamba: a state is 3 pages; Granite 4.0-H has Bamba's mixer and layout.
 POOL = {"mamba2": {False: 8, True: 10}, "bamba": {False: 64, True: 64}, "granite": {False: 64, True: 64},
-        "nemotron_h": {False: 48, True: 48}}
+        "nemotron_h": {False: 48, True: 48}, "falcon_h1": {False: 32, True: 32}}
 
 
 @pytest.mark.parametrize("kind", tiny.KINDS)

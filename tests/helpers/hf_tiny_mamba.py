@@ -6,7 +6,9 @@ chunks of 16 (so 40-100 token prompts cross several); Mamba2: 3 layers; Bamba: 4
 layers, layer 1 attention (4 query / 2 KV heads, half of each head rotated); Granite 4.0-H:
 Bamba's layout without RoPE (as its checkpoints), 4 experts of 32 (top 2) beside a shared
 MLP of 64, and every multiplier away from 1; Nemotron-H: 5 layers "M-*M-" (Mamba2, MLP of
-128, attention without RoPE, Mamba2, MLP).
+128, attention without RoPE, Mamba2, MLP); Falcon-H1: 2 layers of attention (RoPE) beside a
+mixer with its gated RMSNorm (norm before gate), every multiplier away from 1 (4 cache layers,
+so a pipeline of 2 stages holds one whole layer each).
 initializer_range 0.3 gives peaky logits, so greedy choices are not near-ties.
 """
 
@@ -20,7 +22,10 @@ import torch
 
 from tests.helpers import hf_tiny
 
-KINDS = ("mamba2", "bamba", "granite", "nemotron_h")
+KINDS = ("mamba2", "bamba", "granite", "nemotron_h", "falcon_h1")
+# One kind per distinct mixer and state layout, for the hand-run state checks: Granite 4.0-H
+# and Nemotron-H run Bamba's mixer, Falcon-H1 its own gate and layer pairs.
+MIXER_KINDS = ("mamba2", "bamba", "falcon_h1")
 CHUNK = 16
 
 
@@ -50,6 +55,14 @@ def hf_config(kind: str):
             hybrid_override_pattern="M-*M-", intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, conv_kernel=4,
             chunk_size=CHUNK, max_position_embeddings=2048, **common)
+    if kind == "falcon_h1":
+        return tf.FalconH1Config(
+            intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            mamba_d_ssm=128, mamba_n_heads=8, mamba_d_state=16, mamba_n_groups=2, mamba_d_conv=4,
+            mamba_chunk_size=CHUNK, mamba_rms_norm=True, max_position_embeddings=2048, embedding_multiplier=2.0,
+            lm_head_multiplier=0.5, mlp_multipliers=[0.8, 1.2], key_multiplier=0.7, attention_in_multiplier=1.3,
+            attention_out_multiplier=0.9, ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.3], ssm_in_multiplier=0.75,
+            ssm_out_multiplier=1.25, **common)
     raise ValueError(kind)
 
 

@@ -35,6 +35,7 @@ FAMILY_FACTS: dict[str, tuple[str, frozenset[str]]] = {
     "granite_hybrid": ("Mamba2 + full attention, MoE", frozenset({"async", "spec", "prefix", "pp", "tp"})),
     "nemotron_h": ("Mamba2 + full attention (NoPE) + MLP-only, by pattern",
                    frozenset({"async", "spec", "prefix", "pp", "tp"})),
+    "falcon_h1": ("Mamba2 beside full attention in every layer", frozenset({"async", "spec", "prefix", "pp", "tp"})),
 }
 FEATURES = (("async", "sync / async"), ("spec", "n-gram spec"), ("prefix", "prefix cache"),
             ("pp", "PP"), ("tp", "TP"))

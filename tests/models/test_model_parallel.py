@@ -105,7 +105,8 @@ def reference(kind: str, stepped: bool = True) -> dict:
 
 
 @pytest.mark.parametrize("kind", ["mistral", "gemma3", "llama4", "bamba", "gemma3_mm", "olmo3", "cohere2", "exaone4",
-                                  "olmo3_1kv", "gpt_oss", "granite", "granite_rope_dense", "nemotron_h"])
+                                  "olmo3_1kv", "gpt_oss", "granite", "granite_rope_dense", "nemotron_h",
+                                  "falcon_h1", "falcon_h1_gate_only"])
 def test_flat_reference_matches_hf(kind: str) -> None:
     """The test backend is right: the unsplit model's logits are HF's, per prompt, in one
     step and over a prefill and decodes."""
@@ -166,8 +167,8 @@ def _check_pipeline(kinds: list[str], world: int, results: list[dict[str, dict]]
         assert sum(r["numel"] for r in stages) == whole + tied_extra
 
 
-PP2_KINDS = ["llama", "qwen2", "gemma3", "llama4", "bamba", "mamba2", "granite", "nemotron_h", "gemma3_mm", "olmo3",
-             "cohere2", "exaone4", "gpt_oss"]
+PP2_KINDS = ["llama", "qwen2", "gemma3", "llama4", "bamba", "mamba2", "granite", "nemotron_h", "falcon_h1",
+             "gemma3_mm", "olmo3", "cohere2", "exaone4", "gpt_oss"]
 
 
 def test_pipeline_two_stages_equal_whole_model() -> None:
@@ -236,7 +237,7 @@ def test_too_many_stages_is_a_config_error_before_loading() -> None:
 
 TP_KINDS = ["llama_bias", "mistral", "qwen2", "gemma2", "gemma3", "gemma3_1kv", "llama4", "bamba", "bamba_1group",
             "mamba2", "mamba2_1group_bias", "gemma3_mm", "olmo3", "cohere2", "exaone4", "olmo3_1kv", "cohere2_bias",
-            "gpt_oss", "granite", "granite_rope_dense", "nemotron_h"]
+            "gpt_oss", "granite", "granite_rope_dense", "nemotron_h", "falcon_h1", "falcon_h1_gate_only"]
 
 
 def tp_rank(rank: int, world: int, kinds: list[str], dirs: list[str]) -> dict[str, dict]:

@@ -8,6 +8,7 @@ these options shape is in `models/arch/mamba_lm.py`::
     Granite 4.0-H layer:  h += r * (mixer or attention)(norm(h))
                           h += r * (shared_mlp(x) + experts(x)),  x = post_attention_norm(h)
     Nemotron-H layer:     h += (mixer or attention or relu2 MLP)(norm(h))    one block per layer
+    Falcon-H1 layer:      x = norm(h);  h += mixer(x) + attention(x);  h += mlp(pre_ff_norm(h))
 
 with r the residual multiplier; Granite also scales the embedding and divides the logits.
 """
@@ -27,6 +28,22 @@ RELU2 = "relu2"  # relu(up)^2, no gate
 
 
 @dataclass(frozen=True)
+class FalconH1Scales:
+    """Falcon-H1's multipliers. Each scales a weight's input or output, so the loader folds it
+    into that weight (models/loaders/falcon_h1_loader.py); embedding and lm_head multipliers
+    are ModelConfig.embed_scale and logit_scale."""
+
+    key: float = 1.0  # k after k_proj
+    attention_in: float = 1.0  # the attention's input (q, k and v)
+    attention_out: float = 1.0  # after o_proj
+    ssm_in: float = 1.0  # the mixer's input
+    ssm_out: float = 1.0  # after out_proj
+    ssm: tuple[float, ...] = (1.0,) * 5  # in_proj's outputs z, x, B, C, dt
+    mlp_gate: float = 1.0  # gate_proj's output, before the activation
+    mlp_down: float = 1.0  # after down_proj
+
+
+@dataclass(frozen=True)
 class HybridOptions:
     """Per-model numbers of the layer above; the defaults leave Bamba's layer unchanged."""
 
@@ -38,6 +55,9 @@ class HybridOptions:
     mlp: str = SWIGLU  # the MLP's form: SWIGLU or RELU2
     # Nemotron-H: the MLP is a layer of its own (MLP_ONLY), not a second block after each layer's mixer.
     mlp_layers: bool = False
+    # Falcon-H1: layer 2j is decoder layer j's attention, 2j + 1 its mixer (one cache each), run
+    # side by side on one normed input; the MLP follows the pair.
+    falcon: FalconH1Scales | None = None
 
 
 def _count(raw: dict[str, Any], key: str, default: int) -> int:
@@ -126,3 +146,27 @@ def parse_nemotron_h_options(raw: dict[str, Any]) -> HybridOptions:
         if raw.get(key):
             raise ConfigError(f"{key}=true is not supported for NemotronH")
     return HybridOptions(mlp=RELU2, mlp_layers=True)
+
+
+def _floats(raw: dict[str, Any], key: str, count: int) -> tuple[float, ...]:
+    value = raw.get(key) or [1.0] * count
+    if not isinstance(value, list) or len(value) != count or not all(isinstance(v, (int, float)) for v in value):
+        raise ConfigError(f"config.json: {key} must be a list of {count} numbers, got {value!r}")
+    return tuple(float(v) for v in value)
+
+
+def parse_falcon_h1_scales(raw: dict[str, Any]) -> FalconH1Scales:
+    """Falcon-H1's multipliers; ConfigError on biases (none implemented)."""
+    for key in ("attention_bias", "mlp_bias", "projectors_bias"):
+        if raw.get(key):
+            raise ConfigError(f"{key}=true is not supported for FalconH1")
+    gate, down = _floats(raw, "mlp_multipliers", 2)
+
+    def one(key: str) -> float:
+        value = raw.get(key)
+        return 1.0 if value is None else float(value)
+
+    return FalconH1Scales(key=one("key_multiplier"), attention_in=one("attention_in_multiplier"),
+                          attention_out=one("attention_out_multiplier"), ssm_in=one("ssm_in_multiplier"),
+                          ssm_out=one("ssm_out_multiplier"), ssm=_floats(raw, "ssm_multipliers", 5), mlp_gate=gate,
+                          mlp_down=down)

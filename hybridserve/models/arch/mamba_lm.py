@@ -6,6 +6,7 @@ Granite 4.0-H: Bamba's, each add scaled by the residual multiplier, the routed e
                sum beside the MLP, the embedding scaled and the logits divided
                (models/arch/mamba_hybrid_config.py)
 Nemotron-H:    h += mixer(norm(h)) or attention(norm(h)) or relu2_mlp(norm(h)), one per layer
+Falcon-H1:     mixer and attention side by side (models/arch/falcon_h1.py)
 
 The step backend gives attention (the runner's paged attention, for Bamba's attention
 layers) and `mamba` (a MambaStateIO: each request's conv and SSM state of each Mamba
@@ -164,6 +165,8 @@ class MambaLM(StagedModel):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         assert self.lm_head is not None, "weights not loaded"
         logits = F.linear(hidden, self.lm_head)
+        if self.cfg.logit_scale != 1.0:  # Falcon-H1's lm_head_multiplier
+            logits = logits * self.cfg.logit_scale
         return logits / self.opts.logits_divisor if self.opts.logits_divisor != 1.0 else logits
 
     def greedy_tokens(self, hidden: torch.Tensor) -> list[int]:

@@ -20,7 +20,9 @@ a pipeline stage reads its layers only, a tensor-parallel rank cuts each to its 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -28,16 +30,18 @@ from hybridserve.models.loaders.checkpoint import (Weights, fill_ends, open_chec
                                                   take_qkv, take_row_bias)
 from hybridserve.models.config import ModelConfig
 from hybridserve.models.arch.mamba2 import Mamba2MixerWeights
-from hybridserve.models.arch.mamba_config import MambaMixerConfig
+from hybridserve.models.arch.mamba_config import GATE_ONLY, MambaMixerConfig
 from hybridserve.models.arch.mamba_lm import MambaLayerWeights, MambaLM
 from hybridserve.models.parallel import PipelineStage, TPGroup, group_rows
 
 
 def load_mamba_model(model_dir: Path, cfg: ModelConfig, device: str | torch.device, dtype: torch.dtype,
-                     stage: PipelineStage | None = None, tp: TPGroup | None = None) -> MambaLM:
-    model = MambaLM(cfg, dtype, stage, tp)
+                     stage: PipelineStage | None = None, tp: TPGroup | None = None, build: type[MambaLM] = MambaLM,
+                     fill: Callable[[Any, ModelConfig, Weights], None] | None = None) -> MambaLM:
+    """`build` and `fill`: another layer layout's model class and its fill (Falcon-H1's)."""
+    model = build(cfg, dtype, stage, tp)
     w = Weights(open_checkpoint(model_dir), dtype)
-    _fill(model, cfg, w)
+    (fill or _fill)(model, cfg, w)
     place_weights(model, cfg, w, device)
     model.setup(torch.device(device))
     return model.eval()
@@ -56,20 +60,25 @@ def _shard_in_proj(t: torch.Tensor, mc: MambaMixerConfig, tp: TPGroup) -> torch.
     return torch.cat([tp.shard(z), _shard_xbc(xbc, mc, tp), tp.shard(dt)])
 
 
-def _fill_mixer(m: Mamba2MixerWeights, cfg: ModelConfig, w: Weights, prefix: str, tp: TPGroup) -> None:
-    """`cfg` global: each tensor is checked at its full shape, then cut to this rank's heads."""
+def fill_mixer(m: Mamba2MixerWeights, cfg: ModelConfig, w: Weights, prefix: str, tp: TPGroup,
+               in_scale: torch.Tensor | None = None, out_scale: float = 1.0) -> None:
+    """`cfg` global: each tensor is checked at its full shape, then cut to this rank's heads.
+    in_scale [in_proj_size] scales in_proj's rows, out_scale out_proj (Falcon-H1's multipliers)."""
     mc = cfg.mamba
     assert mc is not None
     H, hidden = mc.num_heads, cfg.hidden_size
-    m.in_proj.copy_(_shard_in_proj(w.take(prefix + "in_proj.weight", (mc.in_proj_size, hidden)), mc, tp))
+    in_proj = w.take(prefix + "in_proj.weight", (mc.in_proj_size, hidden))
+    m.in_proj.copy_(_shard_in_proj(in_proj if in_scale is None else in_proj * in_scale[:, None], mc, tp))
     m.conv_w.copy_(_shard_xbc(w.take(prefix + "conv1d.weight", (mc.conv_dim, 1, mc.conv_kernel))[:, 0], mc, tp))
     if m.conv_b is not None:
         m.conv_b.copy_(_shard_xbc(w.take(prefix + "conv1d.bias", (mc.conv_dim,)), mc, tp))
     m.dt_bias.copy_(tp.shard(w.take(prefix + "dt_bias", (H,))))
     m.A.copy_(-torch.exp(tp.shard(w.take(prefix + "A_log", (H,))).float()))
     m.D.copy_(tp.shard(w.take(prefix + "D", (H,))))
-    m.norm.copy_(tp.shard(w.take(prefix + "norm.weight", (mc.intermediate_size,))))
-    m.out_proj.copy_(tp.shard(w.take(prefix + "out_proj.weight", (hidden, mc.intermediate_size)), 1))
+    if mc.gate != GATE_ONLY:
+        m.norm.copy_(tp.shard(w.take(prefix + "norm.weight", (mc.intermediate_size,))))
+    out_proj = w.take(prefix + "out_proj.weight", (hidden, mc.intermediate_size))
+    m.out_proj.copy_(tp.shard(out_proj * out_scale if out_scale != 1.0 else out_proj, 1))
     if m.in_proj_bias is not None:
         m.in_proj_bias.copy_(_shard_in_proj(w.take(prefix + "in_proj.bias", (mc.in_proj_size,)), mc, tp))
         take_row_bias(w, m.out_proj_bias, prefix + "out_proj.bias", hidden)
@@ -90,7 +99,7 @@ def _fill(model: MambaLM, cfg: ModelConfig, w: Weights) -> None:
             p = f"{root}layers.{i}."
             layer.norm.copy_(w.take(p + ("norm.weight" if backbone else "input_layernorm.weight"), (H,)))
             if layer.mixer is not None:
-                _fill_mixer(layer.mixer, cfg, w, p + ("mixer." if backbone else "mamba."), tp)
+                fill_mixer(layer.mixer, cfg, w, p + ("mixer." if backbone else "mamba."), tp)
             if layer.up is not None and layer.down is not None:  # Nemotron-H's MLP layer
                 layer.up.copy_(tp.shard(w.take(p + "mixer.up_proj.weight", (I, H))))
                 layer.down.copy_(tp.shard(w.take(p + "mixer.down_proj.weight", (H, I)), 1))

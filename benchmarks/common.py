@@ -61,3 +61,27 @@ def rerun_as_avx2() -> int | None:
         print(f"{os.path.basename(sys.argv[0])}: --isa avx2 needs an x86 CPU with AVX2", file=sys.stderr)
         return 2
     return subprocess.run([sys.executable, *sys.argv], env={**os.environ, **as_avx2_env(read_cpu_flags())}).returncode
+
+
+def tree_status_kib(pid: int, field: str) -> int:
+    """Sum of /proc/PID/status's `field` (VmRSS, VmHWM: kB) over `pid` and its descendants
+    still running."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        todo += children.get(p, [])
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith(field + ":"):
+                    total += int(line.split()[1])
+        except OSError:
+            pass
+    return total

@@ -37,6 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # this checkout's hybridserve, whatever is installed
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import tree_status_kib  # noqa: E402
 from cpu_peers import cpu_description  # noqa: E402  (the CPU model and flags, as every CPU figure states them)
 
 CONFIGS = {
@@ -58,25 +59,7 @@ def prompts(n: int = NUM_PROMPTS, seed: int = 0, vocab: int = 262144) -> list[li
 
 def tree_peak_rss_kib(pid: int) -> int:
     """Sum of VmHWM over `pid` and its descendants still running."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        todo += children.get(p, [])
-        try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    total += int(line.split()[1])
-        except OSError:
-            pass
-    return total
+    return tree_status_kib(pid, "VmHWM")
 
 
 def run_config(name: str, num_prompts: int, new_tokens: int) -> dict:

@@ -264,16 +264,17 @@ def check_messages(messages: Any) -> None:
 
 
 def prepare_chat(parts: FrontEnd, messages: Sequence[dict[str, Any]], params: Any,
-                 tools: list[Any] | None = None) -> tuple[str, list[int], Any]:
-    """(prompt text, ids, params) for a conversation (with the tools it offers, rendered by
-    the chat template). Without a chat template the plain template applies and
-    PLAIN_CHAT_STOPS join the stop strings."""
+                 tools: list[Any] | None = None, template_vars: dict[str, Any] | None = None
+                 ) -> tuple[str, list[int], Any]:
+    """(prompt text, ids, params) for a conversation (with the tools it offers and the
+    further template variables, rendered by the chat template). Without a chat template
+    the plain template applies and PLAIN_CHAT_STOPS join the stop strings."""
     from hybridserve.text.tokenizer import PLAIN_CHAT_STOPS
 
     if parts.tokenizer is None:
         raise RequestError("chat needs a tokenizer; this model has none", "messages")
     check_messages(messages)
-    text, ids = parts.tokenizer.chat_prompt(messages, tools)
+    text, ids = parts.tokenizer.chat_prompt(messages, tools, template_vars)
     check_prompt_ids(ids, parts.max_model_len, parts.vocab_size)
     if not parts.tokenizer.has_chat_template:
         extra = tuple(s for s in PLAIN_CHAT_STOPS if s not in params.stop)

@@ -39,10 +39,20 @@ from hybridserve.models.arch.mamba_config import (
 from hybridserve.models.arch.mamba_hybrid_config import (HybridOptions, granite_layer_kinds, granite_uses_rope,
                                                          nemotron_h_layer_kinds, parse_falcon_h1_scales,
                                                          parse_granite_options, parse_nemotron_h_options)
+from hybridserve.models.arch.qwen3_next_config import (
+    LINEAR,
+    GatedDeltaNetConfig,
+    Qwen3NextMoE,
+    dense_feed_forward,
+    parse_gated_deltanet,
+    parse_qwen3_next_moe,
+    qwen3_next_layer_types,
+)
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
-__all__ = ["CHUNKED", "FULL", "SLIDING", "ModelConfig", "RopeConfig", "load_model_config", "parse_model_config"]
+__all__ = ["CHUNKED", "FULL", "LINEAR", "SLIDING", "ModelConfig", "RopeConfig", "load_model_config",
+           "parse_model_config"]
 
 SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "llama",
@@ -62,6 +72,9 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "GraniteMoeHybridForCausalLM": "granite_hybrid",  # Bamba's layer with experts and scales: mamba_hybrid_config.py
     "NemotronHForCausalLM": "nemotron_h",  # Mamba2, attention or MLP layers by pattern: mamba_hybrid_config.py
     "FalconH1ForCausalLM": "falcon_h1",  # Mamba2 beside attention in every layer: models/arch/falcon_h1.py
+    # Gated DeltaNet + gated attention + MoE: models/arch/qwen3_next_config.py and qwen3_next.py.
+    "Qwen3NextForCausalLM": "qwen3_next",
+    "Qwen3_5ForCausalLM": "qwen3_5",  # Qwen3-Next's layers with a dense MLP in each (text only)
 }
 _GEMMA = ("gemma2", "gemma3")
 # Without layer_types: one full layer after every `pattern - 1` sliding ones.
@@ -107,7 +120,9 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     activation: str  # silu | gelu_tanh | gelu | relu2 (Nemotron-H: relu(x)^2)
-    layer_types: tuple[str, ...]  # FULL, SLIDING, CHUNKED or MAMBA (mamba_config.py), one per layer
+    # FULL, SLIDING, CHUNKED, MAMBA (mamba_config.py), LINEAR (qwen3_next_config.py) or MLP_ONLY
+    # (mamba_hybrid_config.py), one per layer
+    layer_types: tuple[str, ...]
     sliding_window: int | None
     rope: dict[str, RopeConfig]  # keyed by layer type; a type left out has no RoPE (Cohere2 / EXAONE 4 full layers)
     max_position_embeddings: int
@@ -136,6 +151,9 @@ class ModelConfig:
     rotary_dim: int | None = None
     # Mamba2 hybrids past Bamba (Granite 4.0-H, Nemotron-H): their scales, experts and MLP form.
     hybrid: HybridOptions | None = None
+    # Qwen3-Next: the Gated DeltaNet of every LINEAR layer, and the feed-forward of every layer.
+    gated_deltanet: GatedDeltaNetConfig | None = None
+    qwen3_next_moe: Qwen3NextMoE | None = None
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
@@ -169,6 +187,8 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
         return _parse_nemotron_h(raw, arch)
     if family == "falcon_h1":
         return _parse_falcon_h1(raw, arch)
+    if family in ("qwen3_next", "qwen3_5"):
+        return _parse_qwen3_next(raw, arch, family)
     num_layers = _req_int(raw, "num_hidden_layers")
     num_heads = _req_int(raw, "num_attention_heads")
     hidden = _req_int(raw, "hidden_size")
@@ -261,11 +281,7 @@ def _parse_bamba(raw: dict[str, Any], arch: str) -> ModelConfig:
     else:
         attn_layers = bamba_attention_layers(raw, num_layers)
         layer_types = tuple(FULL if i in attn_layers else MAMBA for i in range(num_layers))
-    num_heads = _req_int(raw, "num_attention_heads")
-    num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
-    if num_heads % num_kv_heads:
-        raise ConfigError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
-    head_dim = int(raw.get("head_dim") or hidden // num_heads)
+    num_heads, num_kv_heads, head_dim = _attention_heads(raw, hidden)
     rope_raw = dict(raw.get("rope_parameters") or {"rope_theta": raw.get("rope_theta", 10_000.0)})
     # HF's Bamba rotates half of each head whatever the config says (hard-coded there).
     rope_raw.pop("partial_rotary_factor", None)
@@ -294,12 +310,9 @@ def _parse_nemotron_h(raw: dict[str, Any], arch: str) -> ModelConfig:
     mixer = parse_nemotron_h_mixer(raw)
     layer_types = nemotron_h_layer_kinds(raw)
     hidden = _req_int(raw, "hidden_size")
-    num_heads = _req_int(raw, "num_attention_heads")
-    num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
-    if num_heads % num_kv_heads:
-        raise ConfigError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
-    # Older Nemotron-H files name it attention_head_dim.
-    head_dim = int(raw.get("head_dim") or raw.get("attention_head_dim") or hidden // num_heads)
+    # Older Nemotron-H files name head_dim attention_head_dim.
+    named_head_dim = {"head_dim": raw.get("head_dim") or raw.get("attention_head_dim")}
+    num_heads, num_kv_heads, head_dim = _attention_heads({**raw, **named_head_dim}, hidden)
     return ModelConfig(
         architecture=arch, family="nemotron_h", vocab_size=_req_int(raw, "vocab_size"), hidden_size=hidden,
         intermediate_size=_req_int(raw, "intermediate_size"), num_layers=len(layer_types), num_heads=num_heads,
@@ -318,11 +331,7 @@ def _parse_falcon_h1(raw: dict[str, Any], arch: str) -> ModelConfig:
     scales = parse_falcon_h1_scales(raw)
     hidden = _req_int(raw, "hidden_size")
     num_layers = _req_int(raw, "num_hidden_layers")
-    num_heads = _req_int(raw, "num_attention_heads")
-    num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
-    if num_heads % num_kv_heads:
-        raise ConfigError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
-    head_dim = int(raw.get("head_dim") or hidden // num_heads)
+    num_heads, num_kv_heads, head_dim = _attention_heads(raw, hidden)
     rope_raw = raw.get("rope_parameters") or {"rope_theta": raw.get("rope_theta", 10_000.0)}
     return ModelConfig(
         architecture=arch, family="falcon_h1", vocab_size=_req_int(raw, "vocab_size"), hidden_size=hidden,
@@ -335,6 +344,42 @@ def _parse_falcon_h1(raw: dict[str, Any], arch: str) -> ModelConfig:
         logit_scale=float(raw.get("lm_head_multiplier") or 1.0),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), eos_token_id=raw.get("eos_token_id"),
         mamba=mixer, hybrid=HybridOptions(falcon=scales),
+    )
+
+
+def _attention_heads(raw: dict[str, Any], hidden: int) -> tuple[int, int, int]:
+    """(query heads, KV heads, head_dim) of a hybrid's attention layers."""
+    num_heads = _req_int(raw, "num_attention_heads")
+    num_kv_heads = int(raw.get("num_key_value_heads") or num_heads)
+    if num_heads % num_kv_heads:
+        raise ConfigError(f"num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
+    return num_heads, num_kv_heads, int(raw.get("head_dim") or hidden // num_heads)
+
+
+def _parse_qwen3_next(raw: dict[str, Any], arch: str, family: str) -> ModelConfig:
+    """Gated DeltaNet layers and gated full-attention layers (q/k norms, partial RoPE), all
+    norms (1 + w), every feed-forward a mixture of experts or (mlp_only_layers; Qwen3.5) dense.
+    Qwen3.5's multimodal RoPE sections (mrope_section) rotate a text position as plain RoPE
+    does: a text token's three position components are equal."""
+    hidden = _req_int(raw, "hidden_size")
+    num_layers = _req_int(raw, "num_hidden_layers")
+    num_heads, num_kv_heads, head_dim = _attention_heads(raw, hidden)
+    rope_raw = dict(raw.get("rope_parameters") or {"rope_theta": raw.get("rope_theta", 10_000.0)})
+    factor = rope_raw.pop("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25))
+    rotary_dim = int(head_dim * float(factor))
+    if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+        raise ConfigError(f"partial_rotary_factor {factor} gives {rotary_dim} rotary dims of a head of {head_dim}")
+    return ModelConfig(
+        architecture=arch, family=family, vocab_size=_req_int(raw, "vocab_size"), hidden_size=hidden,
+        intermediate_size=_req_int(raw, "intermediate_size"), num_layers=num_layers, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        activation="silu", layer_types=qwen3_next_layer_types(raw, num_layers), sliding_window=None,
+        rope={FULL: _one_rope(rope_raw, "rope_parameters")},
+        max_position_embeddings=int(raw.get("max_position_embeddings") or 32768), qk_norm=True, gemma_norm=True,
+        attn_scale=head_dim**-0.5, tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        eos_token_id=raw.get("eos_token_id"), rotary_dim=rotary_dim, gated_deltanet=parse_gated_deltanet(raw),
+        qwen3_next_moe=(parse_qwen3_next_moe(raw, num_layers) if family == "qwen3_next"
+                        else dense_feed_forward(num_layers)),
     )
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from hybridserve.core.kv.spec import (ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheSpec, MambaSpec,
                                       SlidingWindowSpec)
-from hybridserve.models.config import CHUNKED, SLIDING, ModelConfig
+from hybridserve.models.config import CHUNKED, LINEAR, SLIDING, ModelConfig
 from hybridserve.models.arch.mamba_config import MAMBA
 from hybridserve.models.arch.mamba_hybrid_config import MLP_ONLY
 
@@ -25,8 +25,8 @@ def layer_index(name: str) -> int:
 def model_kv_layer_specs(cfg: ModelConfig, block_size: int, dtype: str = "float32") -> dict[str, KVCacheSpec]:
     """{layer name: spec}: sliding layers get SlidingWindowSpec(window), chunked-local layers
     ChunkedLocalAttentionSpec(chunk size; ConfigError unless a multiple of block_size), Mamba
-    layers a MambaSpec (one state per request: conv state and SSM state), MLP-only layers
-    (Nemotron-H) nothing, the rest full attention."""
+    layers a MambaSpec (one state per request: conv state and SSM state; Gated DeltaNet layers
+    alike, conv and recurrent state), MLP-only layers (Nemotron-H) nothing, the rest full attention."""
     specs: dict[str, KVCacheSpec] = {}
     for i, kind in enumerate(cfg.layer_types):
         if kind == MLP_ONLY:
@@ -34,6 +34,10 @@ def model_kv_layer_specs(cfg: ModelConfig, block_size: int, dtype: str = "float3
         if kind == MAMBA:
             assert cfg.mamba is not None
             specs[layer_name(i)] = MambaSpec(block_size=block_size, shapes=cfg.mamba.state_shapes, dtype=dtype)
+        elif kind == LINEAR:  # Gated DeltaNet: a conv and a recurrent state, paged as Mamba's
+            assert cfg.gated_deltanet is not None
+            specs[layer_name(i)] = MambaSpec(block_size=block_size, shapes=cfg.gated_deltanet.state_shapes,
+                                             dtype=dtype)
         elif kind == SLIDING:
             assert cfg.sliding_window is not None
             specs[layer_name(i)] = SlidingWindowSpec(

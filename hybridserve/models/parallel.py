@@ -165,6 +165,11 @@ def _sharded_sizes(cfg: ModelConfig) -> list[int]:
         sizes.append(cfg.mamba.num_heads)
     if cfg.hybrid is not None and cfg.hybrid.num_experts:
         sizes.append(cfg.hybrid.expert_intermediate_size)
+    if cfg.gated_deltanet is not None and cfg.qwen3_next_moe is not None:
+        moe = cfg.qwen3_next_moe
+        sizes.append(cfg.gated_deltanet.num_k_heads)
+        if moe.num_experts:
+            sizes += [moe.moe_intermediate_size, moe.shared_intermediate_size]
     return sizes
 
 
@@ -184,6 +189,11 @@ def check_tp(cfg: ModelConfig, size: int) -> None:
         what.append(f"expert intermediate size {cfg.hybrid.expert_intermediate_size}")
     if cfg.mamba is not None:
         what.append(f"Mamba heads {cfg.mamba.num_heads} and groups {cfg.mamba.n_groups} (split or shared)")
+    if cfg.gated_deltanet is not None and cfg.qwen3_next_moe is not None:
+        moe = cfg.qwen3_next_moe
+        what.append(f"Gated DeltaNet key heads {cfg.gated_deltanet.num_k_heads}" + (
+            f", expert and shared-expert intermediate sizes {moe.moe_intermediate_size} and "
+            f"{moe.shared_intermediate_size}" if moe.num_experts else ""))
     works = ", ".join(map(str, tp_sizes_that_work(cfg)))
     raise ConfigError(f"tensor_parallel_size {size} does not divide the model's {', '.join(what)}; "
                       f"sizes that work: {works}")
@@ -204,6 +214,11 @@ def local_config(cfg: ModelConfig, tp: TPGroup | None) -> ModelConfig:
         changes["mamba"] = replace(m, num_heads=m.num_heads // t, n_groups=_local_groups(m.n_groups, t))
     if cfg.hybrid is not None:
         changes["hybrid"] = replace(cfg.hybrid, expert_intermediate_size=cfg.hybrid.expert_intermediate_size // t)
+    if cfg.gated_deltanet is not None and cfg.qwen3_next_moe is not None:  # a rank: its key heads' value heads
+        d, moe = cfg.gated_deltanet, cfg.qwen3_next_moe
+        changes["gated_deltanet"] = replace(d, num_k_heads=d.num_k_heads // t, num_v_heads=d.num_v_heads // t)
+        changes["qwen3_next_moe"] = replace(moe, moe_intermediate_size=moe.moe_intermediate_size // t,
+                                            shared_intermediate_size=moe.shared_intermediate_size // t)
     return replace(cfg, **changes)
 
 

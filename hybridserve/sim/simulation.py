@@ -46,6 +46,9 @@ class SimulationError(HybridServeError, RuntimeError):
 
 
 def build_kv_cache_config(cfg: SimConfig) -> KVCacheConfig:
+    """The pool the engine would build: one state block a Mamba layer whatever the drafts
+    (a verify chunk's per-token states stay outside the pool, as the torch runner's
+    TokenStates do), so no `num_speculative_blocks`."""
     layout = get_layout(cfg.model_layout)
     return layout.kv_cache_config(
         get_gpu(cfg.gpu),
@@ -53,7 +56,6 @@ def build_kv_cache_config(cfg: SimConfig) -> KVCacheConfig:
         cfg.num_blocks,
         cfg.gpu_memory_utilization,
         dtype=cfg.kv_dtype,
-        num_speculative_blocks=cfg.num_speculative_tokens,
         pipeline_parallel_size=cfg.pipeline_parallel_size,
     )
 

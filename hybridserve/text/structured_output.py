@@ -50,6 +50,17 @@ _LL_TOKENIZERS: dict[tuple[str, int, int], Any] = {}
 _LL_LOCK = threading.Lock()
 
 
+def _ll_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
+    """llguidance's tokenizer: text/file_tokenizer.FileTokenizer builds its own (it is no
+    transformers tokenizer, and llguidance.hf imports transformers); others through llguidance.hf."""
+    own = getattr(tokenizer, "llguidance_tokenizer", None)
+    if own is not None:
+        return own(vocab_size)
+    import llguidance.hf
+
+    return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+
+
 class GrammarBackend:
     """llguidance bound to one model's tokenizer and vocabulary size."""
 
@@ -68,11 +79,11 @@ class GrammarBackend:
         with _LL_LOCK:
             if self._key not in _LL_TOKENIZERS:
                 try:
-                    import llguidance.hf
+                    import llguidance  # noqa: F401  (installed?)
                 except ImportError:
                     raise ConfigError("structured outputs need llguidance: pip install 'hybridserve[serve]'") from None
                 try:
-                    _LL_TOKENIZERS[self._key] = llguidance.hf.from_tokenizer(self.hf_tokenizer, n_vocab=self.vocab_size)
+                    _LL_TOKENIZERS[self._key] = _ll_tokenizer(self.hf_tokenizer, self.vocab_size)
                 except (ValueError, TypeError, AttributeError) as exc:
                     raise RequestError(f"structured outputs: the grammar engine cannot read this model's tokenizer "
                                        f"({exc})", "structured_output") from None

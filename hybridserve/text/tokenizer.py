@@ -26,6 +26,7 @@ from typing import Any, Sequence
 
 from hybridserve.core.errors import ConfigError, RequestError
 from hybridserve.models.platform.heap import release_free_heap
+from hybridserve.text.file_tokenizer import FileTokenizer, serves_without_transformers
 
 PLAIN_CHAT_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
 PLAIN_CHAT_STOPS = ("\nUser:", "\nAssistant:")
@@ -59,7 +60,8 @@ class Tokenizer:
         if backend is not None:
             backend.no_truncation()
             backend.no_padding()
-            self._decode_ids = lambda ids, skip: backend.decode(ids, skip_special_tokens=skip)
+            # Looked up at each call, not kept: a FileTokenizer may drop its backend (release).
+            self._decode_ids = lambda ids, skip: hf_tokenizer.backend_tokenizer.decode(ids, skip_special_tokens=skip)
         else:
             decoder = copy.deepcopy(hf_tokenizer)
             self._decode_ids = lambda ids, skip: decoder.decode(ids, skip_special_tokens=skip,
@@ -71,6 +73,10 @@ class Tokenizer:
         path = Path(path)
         if not any((path / name).is_file() for name in _TOKENIZER_FILES):
             return None
+        if serves_without_transformers(path):  # a converted GGUF's: no transformers, no torch
+            tokenizer = cls(FileTokenizer(path))
+            release_free_heap()  # the parse of tokenizer.json leaves hundreds of MB of freed heap
+            return tokenizer
         try:
             from transformers import AutoTokenizer
         except ImportError:
@@ -127,20 +133,27 @@ class Tokenizer:
             text = self._token_text[token_id] = self.decode([token_id], skip_special_tokens=False)
         return text
 
+    def special_token_id(self, text: str) -> int | None:
+        """The id of the added (special) token spelled `text`; None when there is no such token."""
+        return self.hf.get_added_vocab().get(text)
+
     @property
     def supports_tools(self) -> bool:
         """Whether the chat template renders a request's tools (it reads a `tools` variable)."""
         return self.chat_template is not None and "tools" in self.chat_template
 
-    def chat_prompt(self, messages: Sequence[dict[str, Any]], tools: list[Any] | None = None) -> tuple[str, list[int]]:
-        """(prompt text, token ids) for a conversation, ready for the assistant's reply."""
+    def chat_prompt(self, messages: Sequence[dict[str, Any]], tools: list[Any] | None = None,
+                    template_vars: dict[str, Any] | None = None) -> tuple[str, list[int]]:
+        """(prompt text, token ids) for a conversation, ready for the assistant's reply;
+        `template_vars`: further variables the chat template may read (reasoning_effort)."""
         if not messages:
             raise RequestError("messages must not be empty")
         if self.chat_template is not None:
             try:
                 with self._encode_lock:
                     text = self.hf.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True,
-                                                       chat_template=self.chat_template, tools=tools or None)
+                                                       chat_template=self.chat_template, tools=tools or None,
+                                                       **(template_vars or {}))
             except Exception as exc:  # jinja raises its own errors (TemplateError, raise_exception)
                 raise RequestError(f"the model's chat template rejected the messages: {exc}") from None
             return text, self.encode(text, add_special_tokens=False, param="messages")

@@ -56,6 +56,50 @@ def test_spec_decode_rollback_keeps_checkpoints_right(acceptance_rate):
     assert run.scheduler.kv.prefix_cache_stats.hits >= 2 * 96  # 100 known tokens -> 6 whole blocks each
 
 
+def three_steps_three_drafts(prefix_caching: bool, unsafe: bool = False):  # type: ignore[no-untyped-def]
+    """Six 90-token prompts in a 60-block pool, k = 3 steps and d = 3 drafts in flight; the
+    Mamba cap the run was held to (run_sim checks every step that no request holds more
+    real Mamba blocks than it; in place: R last, besides it only best-effort checkpoints
+    of recent steps)."""
+    reqs = [(i * 3, make_request(f"r{i}", [(i * 131 + j) % 30_000 + 2 for j in range(90)], 40)) for i in range(6)]
+    run = run_sim([FULL, MAMBA], reqs, 60, max_model_len=256, max_num_batched_tokens=32, concurrent_batches=3,
+                  num_speculative_tokens=3, acceptance_rate=0.5, enable_prefix_caching=prefix_caching,
+                  unsafe=unsafe, strict=not unsafe)
+    sched = run.scheduler
+    cap = sched.kv.coordinator.managers[1].spec.max_admission_blocks_per_request(
+        sched.config.max_in_flight_tokens, 256, sched.kv.window_tail)
+    return run, reqs, cap
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["one-block", "in-place"])
+def test_one_state_block_serves_three_steps_and_three_drafts_in_flight(prefix_caching):
+    """A request's Mamba cap is 1 block, not 1 + k or 1 + d: steps run in order, so each
+    reads the state its predecessor wrote in place, and a verify chunk's per-token states
+    stay outside the pool. The detector finds no stale or freed state read."""
+    run, reqs, cap = three_steps_three_drafts(prefix_caching)
+    assert cap == 1
+    check(run, reqs, 256)
+
+
+def test_one_state_block_in_place_needs_the_processed_basis():
+    """The same run with blocks pruned on the scheduled count instead of the processed one
+    (the unsafe switch): the detector reports the Mamba group (the one-block layout
+    prunes nothing, so the switch cannot matter there)."""
+    run, _, cap = three_steps_three_drafts(prefix_caching=True, unsafe=True)
+    assert cap == 1 and any(v.group == 1 for v in run.violations)
+
+
+def test_the_simulator_sizes_states_as_the_engine_with_drafts() -> None:
+    """`hybridserve simulate --num-speculative-tokens 3` without prefix caching: a Mamba
+    layer keeps one state block a request, as the torch engine's (its verify chunks keep
+    per-token states outside the pool); before, the simulator reserved 1 + 3."""
+    from hybridserve.sim.simulation import SimConfig, build_kv_cache_config
+
+    cfg = SimConfig(model_layout="jamba-like", gpu="H200", num_speculative_tokens=3, enable_prefix_caching=False)
+    states = [g.spec for g in build_kv_cache_config(cfg).groups if isinstance(g.spec, MambaSpec)]
+    assert states and all(s.max_admission_blocks_per_request(8192, 8192) == 1 for s in states)
+
+
 def test_unsafe_basis_frees_the_state_block_an_in_flight_step_writes():
     reqs = [(0, make_request(f"r{i}", [(i * 131 + j) % 30_000 + 2 for j in range(300)], 21)) for i in range(4)]
     run = run_sim([FULL, MAMBA], reqs, 400, max_model_len=MML, max_num_batched_tokens=256, unsafe=True,

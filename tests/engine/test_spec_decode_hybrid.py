@@ -1,4 +1,4 @@
-"""Speculative decoding on chunked-local (Llama 4) and Mamba (Mamba2, Bamba) models.
+"""Speculative decoding on chunked-local (Llama 4) and recurrent (Mamba2, Bamba, Qwen3-Next) models.
 
 A rejected draft must leave no trace: chunked-local layers overwrite its K/V later, and
 Mamba layers roll their conv and SSM states back to the last accepted token
@@ -77,7 +77,7 @@ def run(engine: EngineCore, prompts: list[list[int]], tag: str = "r", shutdown: 
     return got
 
 
-@pytest.mark.parametrize("kind", ["llama4", "mamba2", "bamba", "granite", "nemotron_h", "falcon_h1"])
+@pytest.mark.parametrize("kind", ["llama4", "mamba2", "bamba", "granite", "nemotron_h", "falcon_h1", "qwen3_next"])
 @pytest.mark.parametrize("async_scheduling,spec", [(False, 3), (True, 4)], ids=["sync3", "async4"])
 def test_accepted_and_rejected_drafts_leave_hf_greedy_output(kind: str, async_scheduling: bool, spec: int) -> None:
     prompts = prompts_for(kind)
@@ -93,7 +93,7 @@ def test_accepted_and_rejected_drafts_leave_hf_greedy_output(kind: str, async_sc
     assert eng.scheduler.kv.pool.num_free_blocks == eng.scheduler.kv.pool.num_blocks - 1
 
 
-@pytest.mark.parametrize("kind", ["llama4", "bamba"])
+@pytest.mark.parametrize("kind", ["llama4", "bamba", "qwen3_next"])
 def test_ngram_drafts_on_repetitive_prompts_keep_hf_output(kind: str) -> None:
     prompts = prompts_for(kind)
     eng = make_engine(kind, True, 3)
@@ -102,7 +102,7 @@ def test_ngram_drafts_on_repetitive_prompts_keep_hf_output(kind: str) -> None:
         assert got[f"r{i}"] == oracle(kind, p, NEW_TOKENS), f"{kind} prompt {i}"
 
 
-@pytest.mark.parametrize("kind", ["mamba2", "bamba", "granite", "nemotron_h", "falcon_h1"])
+@pytest.mark.parametrize("kind", ["mamba2", "bamba", "granite", "nemotron_h", "falcon_h1", "qwen3_next"])
 @pytest.mark.parametrize("async_scheduling,spec", [(False, 3), (True, 4)], ids=["sync3", "async4"])
 def test_next_turn_starts_from_states_checkpointed_during_verification(kind: str, async_scheduling: bool,
                                                                        spec: int) -> None:
@@ -123,12 +123,16 @@ def test_next_turn_starts_from_states_checkpointed_during_verification(kind: str
         assert cached[f"b{i}"] == (len(p) + NEW_TOKENS - 1) // 16 * 16 > len(p) // 16 * 16
 
 
-@pytest.mark.parametrize("kind", ["mamba2", "bamba"])
+SHORT_POOL = {"mamba2": 4, "bamba": 30, "qwen3_next": 22}
+
+
+@pytest.mark.parametrize("kind", ["mamba2", "bamba", "qwen3_next"])
 @pytest.mark.parametrize("async_scheduling,spec", [(False, 3), (True, 4)], ids=["sync3", "async4"])
 def test_a_short_pool_skips_checkpoints_under_verification_and_every_token_is_hf(kind: str, async_scheduling: bool,
                                                                                   spec: int) -> None:
     """Pools a few blocks above the admission minimum (256 tokens: Bamba 16 attention
-    blocks + 9 running-state pages + the null block = 26; Mamba2 1 + 1): verify steps
+    blocks + 9 running-state pages + the null block = 26; Mamba2 1 + 1; Qwen3-Next 16 + 2 + 1
+    = 19): verify steps
     find no blocks to spare for some boundaries (null entries, no checkpoint there), the
     rollback still lands in the running block, and both turns are HF's tokens."""
     from tests.helpers.mamba_engine import count_skipped_checkpoints
@@ -136,7 +140,7 @@ def test_a_short_pool_skips_checkpoints_under_verification_and_every_token_is_hf
     prompts = prompts_for(kind)
     turn2 = [p + oracle(kind, p, NEW_TOKENS) + [7, 8, 9] for p in prompts]
     sequences = [p + oracle(kind, p, NEW_TOKENS) for p in prompts + turn2]
-    eng = make_engine(kind, async_scheduling, spec, OracleDrafter(sequences), num_blocks={"mamba2": 4, "bamba": 30}[kind])
+    eng = make_engine(kind, async_scheduling, spec, OracleDrafter(sequences), num_blocks=SHORT_POOL[kind])
     skipped = count_skipped_checkpoints(eng)
     first = run(eng, prompts, tag="a", shutdown=False)
     second = run(eng, turn2, tag="b")

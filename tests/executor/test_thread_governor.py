@@ -5,7 +5,9 @@ steps (the first not counted), then 1 thread for 3 steps, then runs the cheaper,
 re-measures the other once the bucket has taken 64 steps since that count's last counted
 step, or once the running count's median has passed the other's (5 steps or more after
 the other's last counted step). A re-measurement that beats the running count is
-followed by one of the running count, and the two fresh medians decide.
+followed by one of the running count, and the two fresh medians decide. A bucket of 256
+tokens or more runs 2 threads and measures 1 thread first only once a smaller bucket runs
+1 thread, or after 64 steps.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from typing import Callable
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridserve.executor.torch.threads import EXPLORE_EVERY, EXPLORE_STEPS, WINDOW, ThreadGovernor
+from hybridserve.executor.torch.threads import (EXPLORE_EVERY, EXPLORE_STEPS, LARGE_STEP_TOKENS, WINDOW,
+                                                ThreadGovernor)
 
 
 def run(governor: ThreadGovernor, steps: int, seconds: Callable[[int, int], float], tokens: int = 16) -> list[int]:
@@ -30,7 +33,7 @@ def run(governor: ThreadGovernor, steps: int, seconds: Callable[[int, int], floa
 
 
 def test_the_schedule_constants_the_hand_derivations_assume() -> None:
-    assert (EXPLORE_EVERY, EXPLORE_STEPS, WINDOW) == (64, 3, 5)
+    assert (EXPLORE_EVERY, EXPLORE_STEPS, WINDOW, LARGE_STEP_TOKENS) == (64, 3, 5, 256)
 
 
 def test_one_core_never_switches() -> None:
@@ -138,3 +141,23 @@ def test_the_running_count_changes_only_when_a_measurement_starts_or_ends(times:
         if key in last and last[key][0] != t:
             assert last[key][1] or starts
         last[key] = (t, was_exploring and bucket.exploring is None)
+
+
+def test_prefill_on_a_quiet_machine_never_measures_one_thread_in_its_first_64_steps() -> None:
+    # 2048-token steps (prefill chunks), no decode measured yet, 1 thread would be slower:
+    # every core for bucket steps 1-64, then the scheduled first measurement of 1 thread
+    # at steps 65-67 (choose sees 64 observed steps at step 65).
+    chosen = run(ThreadGovernor(2), 80, lambda i, t: 1.0 if t == 2 else 2.0, tokens=2048)
+    assert [i for i, t in enumerate(chosen, start=1) if t == 1] == [65, 66, 67]
+
+
+def test_prefill_measures_one_thread_once_decode_runs_it() -> None:
+    g = ThreadGovernor(2)
+    first = run(g, 4, lambda i, t: 1.0, tokens=2048)
+    # Decodes of 16 tokens find 1 thread faster after 6 steps (2 measured at 1-3, 1 at 4-6).
+    run(g, 6, lambda i, t: 1.0 if t == 2 else 0.5, tokens=16)
+    # The prefill bucket then measures 1 thread at once (3 steps, the first not counted),
+    # and with 1 thread faster there too it runs 1 thread.
+    later = run(g, 5, lambda i, t: 1.0 if t == 2 else 0.5, tokens=2048)
+    assert first == [2, 2, 2, 2]
+    assert later == [1, 1, 1, 1, 1]

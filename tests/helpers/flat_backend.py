@@ -16,8 +16,9 @@ class FlatMambaStates:
     """MambaStateIO over the kept states (zeros for a request's first chunk)."""
 
     def __init__(self, cfg: ModelConfig, num_requests: int) -> None:
-        assert cfg.mamba is not None
-        self.conv_shape, self.ssm_shape = cfg.mamba.state_shapes
+        mixer = cfg.mamba or cfg.gated_deltanet  # Mamba2, or Qwen3-Next's Gated DeltaNet
+        assert mixer is not None
+        self.conv_shape, self.ssm_shape = mixer.state_shapes
         self.num_requests = num_requests
         self.kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.counts: list[int] = []
@@ -45,7 +46,8 @@ class FlatBackend:
         self.num_requests = num_requests
         self.lengths = [0] * num_requests  # tokens each request has had before this step
         self.kv: dict[int, list[torch.Tensor | None]] = {}
-        self.mamba = FlatMambaStates(cfg, num_requests) if cfg.mamba is not None else None
+        recurrent = cfg.mamba is not None or cfg.gated_deltanet is not None
+        self.mamba = FlatMambaStates(cfg, num_requests) if recurrent else None
         self.layers_called: list[int] = []
         self.counts: list[int] = []
 

@@ -1,5 +1,5 @@
-"""Tiny random HF Mamba2ForCausalLM, BambaForCausalLM and GraniteMoeHybridForCausalLM, and HF
-greedy as the oracle.
+"""Tiny random HF Mamba2ForCausalLM, BambaForCausalLM, GraniteMoeHybridForCausalLM,
+NemotronHForCausalLM, FalconH1ForCausalLM and Qwen3NextForCausalLM, and HF greedy as the oracle.
 
 hidden 64, vocab 512, 8 Mamba heads of 16 channels, state 16, 2 groups, kernel 4, SSD
 chunks of 16 (so 40-100 token prompts cross several); Mamba2: 3 layers; Bamba: 4
@@ -9,6 +9,10 @@ MLP of 64, and every multiplier away from 1; Nemotron-H: 5 layers "M-*M-" (Mamba
 128, attention without RoPE, Mamba2, MLP); Falcon-H1: 2 layers of attention (RoPE) beside a
 mixer with its gated RMSNorm (norm before gate), every multiplier away from 1 (4 cache layers,
 so a pipeline of 2 stages holds one whole layer each).
+Qwen3-Next: 4 layers, Gated DeltaNet (2 key heads, 4 value heads, dims 16, kernel 4) and
+gated attention (4 query / 2 KV heads of 16, a quarter rotated) alternating; 4 experts,
+top 2, a shared expert; layer 2 a dense MLP; norms drawn at random. "qwen3_5" (not in
+KINDS: tests/models/test_qwen3_next.py runs it) is the same with a dense MLP of 96 in each layer.
 initializer_range 0.3 gives peaky logits, so greedy choices are not near-ties.
 """
 
@@ -22,10 +26,12 @@ import torch
 
 from tests.helpers import hf_tiny
 
-KINDS = ("mamba2", "bamba", "granite", "nemotron_h", "falcon_h1")
+KINDS = ("mamba2", "bamba", "granite", "nemotron_h", "falcon_h1", "qwen3_next")
+EXTRA_KINDS = ("qwen3_5",)  # built and checked like KINDS, outside their shared matrices
 # One kind per distinct mixer and state layout, for the hand-run state checks: Granite 4.0-H
-# and Nemotron-H run Bamba's mixer, Falcon-H1 its own gate and layer pairs.
-MIXER_KINDS = ("mamba2", "bamba", "falcon_h1")
+# and Nemotron-H run Bamba's mixer, Falcon-H1 its own gate and layer pairs, Qwen3-Next the
+# Gated DeltaNet.
+MIXER_KINDS = ("mamba2", "bamba", "falcon_h1", "qwen3_next")
 CHUNK = 16
 
 
@@ -63,6 +69,19 @@ def hf_config(kind: str):
             lm_head_multiplier=0.5, mlp_multipliers=[0.8, 1.2], key_multiplier=0.7, attention_in_multiplier=1.3,
             attention_out_multiplier=0.9, ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.3], ssm_in_multiplier=0.75,
             ssm_out_multiplier=1.25, **common)
+    if kind == "qwen3_5":  # Qwen3-Next's layers, a dense MLP in each
+        return tf.Qwen3_5TextConfig(intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                                    num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                                    linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                                    linear_conv_kernel_dim=4, full_attention_interval=2, max_position_embeddings=2048,
+                                    **common)
+    if kind == "qwen3_next":
+        return tf.Qwen3NextConfig(intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                                  linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                                  linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+                                  moe_intermediate_size=32, shared_expert_intermediate_size=32, mlp_only_layers=[2],
+                                  full_attention_interval=2, max_position_embeddings=2048, **common)
     raise ValueError(kind)
 
 
@@ -71,6 +90,11 @@ def build_tiny(kind: str, out_dir: Path, seed: int = 0) -> Path:
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(hf_config(kind), dtype=torch.float32)
+    if kind in ("qwen3_next", "qwen3_5"):  # HF starts its (1 + w) norms at 0, the gated norm at 1: make them count
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.uniform_(-0.5, 0.5)
     model.generation_config.eos_token_id = None
     model.save_pretrained(out_dir)
     return out_dir

@@ -1,4 +1,4 @@
-"""EngineCore + Scheduler + TorchExecutor on the tiny Mamba2 and Bamba models (hf_tiny_mamba),
+"""EngineCore + Scheduler + TorchExecutor on the tiny recurrent models (hf_tiny_mamba),
 their tokens checked against HF transformers' greedy ones."""
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ def model(kind: str) -> MambaLM:
 
 def make_engine(kind: str, *, async_scheduling: bool, num_blocks: int = 200, max_num_batched_tokens: int = 2048,
                 prefix_caching: bool = True, **cfg: object) -> EngineCore:
+    """cfg: further SchedulerConfig fields (max_concurrent_batches, ...)."""
     ex = TorchExecutor(model(kind), use_worker_thread=async_scheduling)
     sc = SchedulerConfig(max_model_len=160, async_scheduling=async_scheduling,
                          max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=prefix_caching,

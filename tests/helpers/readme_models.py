@@ -36,6 +36,8 @@ FAMILY_FACTS: dict[str, tuple[str, frozenset[str]]] = {
     "nemotron_h": ("Mamba2 + full attention (NoPE) + MLP-only, by pattern",
                    frozenset({"async", "spec", "prefix", "pp", "tp"})),
     "falcon_h1": ("Mamba2 beside full attention in every layer", frozenset({"async", "spec", "prefix", "pp", "tp"})),
+    "qwen3_next": ("Gated DeltaNet + gated full, 3:1; MoE", frozenset({"async", "spec", "prefix", "pp", "tp"})),
+    "qwen3_5": ("Gated DeltaNet + gated full, 3:1", frozenset({"async", "prefix", "tp"})),
 }
 FEATURES = (("async", "sync / async"), ("spec", "n-gram spec"), ("prefix", "prefix cache"),
             ("pp", "PP"), ("tp", "TP"))

@@ -117,6 +117,7 @@ def run_sim(
         # The running sum best-effort checkpoints leave free equals the recount.
         holders = [r for rid, r in sched.requests.items() if kv.holds_blocks(rid)]
         assert kv.total_outstanding == kv.outstanding_blocks(holders)
+        check_block_accounting(kv)
         step += 1
         if step > 50_000:
             raise RuntimeError(
@@ -128,6 +129,21 @@ def run_sim(
                 f" fenced {len(kv.fenced)} inflight {[(r.request_id, r.num_in_flight_tokens) for r in sched.running]}"
                 f" queue {len(engine.queue)}")
     return SimRun(outputs, ex.violations, sched.kv.pool.num_free_blocks, num_blocks, sched, conn, reasons)
+
+
+def check_block_accounting(kv) -> None:  # type: ignore[no-untyped-def]
+    """No block leaks mid-run: every reference a block carries is a table entry or a fenced
+    free (a finished request's blocks awaiting the step in flight), and the pool's free
+    count is exactly the blocks nobody references."""
+    pool = kv.pool
+    refs = in_use = 0
+    for b in pool.blocks[1:]:
+        refs += b.ref_cnt
+        in_use += b.ref_cnt > 0
+    held = sum(1 for m in kv.coordinator.managers for table in m.req_to_blocks.values() for b in table if not b.is_null)
+    fenced = sum(1 for _, _, blocks in kv.fenced for b in blocks if not b.is_null)
+    assert refs == held + fenced, f"{refs} block references, {held} table entries + {fenced} fenced"
+    assert pool.num_free_blocks == pool.num_blocks - 1 - in_use
 
 
 def check_in_place_table(m: InPlaceMambaManager, blocks: list, req: Request | None, max_in_flight: int) -> None:
@@ -151,13 +167,16 @@ def make_request(rid: str, prompt: list[int], max_tokens: int) -> Request:
     return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
 
 
-def check_detector_on_layout(layout: str, items: list, unsafe: bool, max_num_batched_tokens: int) -> None:
-    """A preset through the simulator with the race detector: every item finishes, with 0
-    violations under the free-on-processed-tokens rule and > 0 under the unsafe optimistic free."""
+def check_preset_detector(unsafe: bool, items: list, **sim_config: object) -> None:
+    """A preset run of `items` (run_simulation with SimConfig(**sim_config)) finishes every
+    request; the race detector reports 0 violations under the rule, > 0 with the unsafe
+    optimistic free."""
     from hybridserve.sim.simulation import SimConfig, run_simulation
 
-    cfg = SimConfig(model_layout=layout, gpu="H100", max_num_batched_tokens=max_num_batched_tokens,
-                    unsafe_optimistic_free=unsafe)
-    result = run_simulation(cfg, items, progress=False)
+    config = SimConfig(unsafe_optimistic_free=unsafe, **sim_config)  # type: ignore[arg-type]
+    result = run_simulation(config, items, progress=False)
     assert result.num_finished == len(items)
-    assert (result.violations > 0) if unsafe else (result.violations == 0)
+    if unsafe:
+        assert result.violations > 0
+    else:
+        assert result.violations == 0

@@ -32,7 +32,7 @@ def _variant(name: str, base: object, **changes: object) -> Path:
 
 
 def model_dir(kind: str) -> Path:
-    if kind in hf_tiny_mamba.KINDS:
+    if kind in hf_tiny_mamba.KINDS + hf_tiny_mamba.EXTRA_KINDS:
         return hf_tiny_mamba.tiny_model_dir(kind)
     if kind == "llama_bias":  # biases of the row-parallel o and down: added once, by rank 0
         return _variant(kind, hf_tiny.hf_config("llama"), attention_bias=True, mlp_bias=True)
@@ -56,6 +56,6 @@ def model_dir(kind: str) -> Path:
 
 def greedy_tokens(kind: str, prompt: list[int], n: int) -> list[int]:
     """HF's greedy continuation of `prompt` on the tiny `kind` model (memoised)."""
-    if kind in hf_tiny_mamba.KINDS:
+    if kind in hf_tiny_mamba.KINDS + hf_tiny_mamba.EXTRA_KINDS:
         return hf_tiny_mamba.oracle(kind, prompt, n)[0]
     return hf_tiny.oracle(kind, prompt, n)[0]

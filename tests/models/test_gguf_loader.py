@@ -16,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -345,3 +347,74 @@ def test_default_model_logits_and_tokenizer_match_transformers(gemma_start: dict
     assert {5, 255999, 256000} <= specials and 108 not in specials
     assert our_tokenizer.decode([9259, 255999, 1902, 256000, 108], skip_special_tokens=True) == "Hello world\n\n"
     assert their_tokenizer.added_tokens_decoder[255999].special is False  # what transformers alone builds
+    _assert_file_tokenizer_matches(gemma_start["first"], our_tokenizer, [2, 9259, 255999, 1902, 256000, 108, 1])
+
+
+# ---------------------------------------------- the converted tokenizer without transformers
+
+_TOKENIZER_TEXTS = ["hello world", "the  hello", "héllo\nwo", "", " leading space", "émoji 🤖 日本語",
+                    "<start_of_turn>user", "<s>hello</s>"]
+
+
+def _assert_file_tokenizer_matches(converted: Path, theirs: transformers.PreTrainedTokenizerBase, ids: list[int]) -> None:
+    """Tokenizer.from_dir of a conversion reads tokenizer.json without transformers and
+    encodes, decodes and names its special tokens as `theirs`, transformers' tokenizer of
+    the folder."""
+    from hybridserve.text.file_tokenizer import FileTokenizer
+    from hybridserve.text.tokenizer import Tokenizer
+
+    ours = Tokenizer.from_dir(converted)
+    assert isinstance(ours.hf, FileTokenizer)
+    for text in _TOKENIZER_TEXTS:
+        for special in (True, False):
+            assert ours.encode(text, add_special_tokens=special) == theirs.encode(text, add_special_tokens=special)
+    for skip in (True, False):
+        assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
+    assert (ours.eos_token_id, ours.bos_token_id, len(ours)) == (theirs.eos_token_id, theirs.bos_token_id,
+                                                                 len(theirs))
+
+
+def test_converted_tokenizer_without_transformers_matches_it(tiny_llama: tuple[Path, dict, Path]) -> None:
+    _assert_file_tokenizer_matches(tiny_llama[2], transformers.AutoTokenizer.from_pretrained(tiny_llama[2]),
+                                   [1, 268, 273, 2, 270, 262, 271, 2])
+
+
+def test_converted_tokenizer_imports_neither_transformers_nor_torch(tiny_llama: tuple[Path, dict, Path]) -> None:
+    script = ("import sys; from hybridserve.text.tokenizer import Tokenizer; "
+              f"t = Tokenizer.from_dir({str(tiny_llama[2])!r}); print(t.encode('hello world'), "
+              "sorted({'transformers', 'torch'} & set(sys.modules)))")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["[1,", "268,", "273,", "270,", "262,", "271]", "[]"]
+
+
+def test_converted_tokenizer_with_a_chat_template_is_transformers(tiny_llama: tuple[Path, dict, Path],
+                                                                   tmp_path: Path) -> None:
+    from hybridserve.text.tokenizer import Tokenizer
+
+    folder = tmp_path / "with_template"
+    shutil.copytree(tiny_llama[2], folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": "{{ messages[0].content }}"}))
+    tokenizer = Tokenizer.from_dir(folder)
+    assert isinstance(tokenizer.hf, transformers.PreTrainedTokenizerBase)
+    assert tokenizer.chat_prompt([{"role": "user", "content": "hello"}])[0] == "hello"
+
+
+def test_a_released_converted_tokenizer_reads_its_file_again(tiny_llama: tuple[Path, dict, Path]) -> None:
+    """The engine core drops its tokenizer after load (engine/core_process.release_tokenizer);
+    what still needs it (a constrained request's llguidance tokenizer) reads the file again."""
+    from hybridserve.engine.core_process import release_tokenizer
+    from hybridserve.text.structured_output import GrammarBackend
+    from hybridserve.text.tokenizer import Tokenizer
+
+    ours = Tokenizer.from_dir(tiny_llama[2])
+    grammar = GrammarBackend(ours.hf, len(ours))  # built before the release, as in the core
+    before = ours.encode("hello world"), ours.decode([268, 273, 270], skip_special_tokens=True)
+    release_tokenizer(ours)
+    assert ours.hf._backend is None
+    assert (ours.encode("hello world"), ours.decode([268, 273, 270], skip_special_tokens=True)) == before
+    release_tokenizer(ours)
+    assert grammar.ll_tokenizer is not None and len(ours) == len(transformers.AutoTokenizer.from_pretrained(
+        tiny_llama[2]))
+    assert ours.hf._backend is None  # read for llguidance's tokenizer alone, dropped again
+    release_tokenizer(Tokenizer(transformers.AutoTokenizer.from_pretrained(tiny_llama[2])))  # nothing to drop

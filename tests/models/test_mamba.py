@@ -1,4 +1,4 @@
-"""Mamba2 and Bamba on the PyTorch runner, against HF transformers' plain-PyTorch path.
+"""Mamba2, Bamba and Qwen3-Next on the PyTorch runner, against HF transformers' plain-PyTorch path.
 
 Tiny random models (tests/helpers/hf_tiny_mamba.py: SSD chunks of 16, blocks of 16); prompts of
 40-100 tokens cross both. Greedy tokens must equal HF's in sync and async mode, with
@@ -243,8 +243,9 @@ def test_greedy_matches_hf(kind: str, async_scheduling: bool) -> None:
 
 @pytest.mark.parametrize("kind", tiny.KINDS)
 def test_three_steps_in_flight_match_hf(kind: str) -> None:
-    """Async with 3 steps in flight (2 is the async default): a step reads states that the
-    two before it are still writing, chunked prefills and decodes overlapping."""
+    """Async with 3 steps in flight (2 is the async default above): a request's next chunk
+    is scheduled while its two previous ones may still be running, each reading the state
+    the one before it wrote (steps run in dispatch order)."""
     eng = make_engine(kind, async_scheduling=True, max_num_batched_tokens=29, max_concurrent_batches=3)
     assert eng.max_concurrent_batches == 3
     check(kind, PROMPTS, run(eng, PROMPTS))
@@ -260,18 +261,19 @@ def test_chunked_prefill_across_ssd_chunk_and_block_boundaries(kind: str) -> Non
     check(kind, PROMPTS, got)
 
 
-@pytest.mark.parametrize("kind", ["bamba", "granite", "nemotron_h", "falcon_h1"])
+@pytest.mark.parametrize("kind,num_blocks", [("bamba", 26), ("granite", 26), ("nemotron_h", 20), ("falcon_h1", 16),
+                                             ("qwen3_next", 14)])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("prefix_caching", [False, True], ids=["recompute", "cached"])
-def test_preemption_resumes_from_zero_or_a_checkpoint(kind: str, async_scheduling: bool, prefix_caching: bool) -> None:
+def test_preemption_resumes_from_zero_or_a_checkpoint(kind: str, num_blocks: int, async_scheduling: bool,
+                                                      prefix_caching: bool) -> None:
     # The attention group grows with the sequence; a small pool forces preemptions.
-    # Bamba: 9 of 26 blocks are each request's running Mamba states (3 layers of 3 pages),
-    # with prefix caching too (the state stays in place; checkpoints are best-effort);
+    # Bamba: 9 of 26 blocks are each request's running Mamba states (3 layers of 3 pages);
     # Granite 4.0-H has Bamba's layout, Nemotron-H 2 Mamba layers (6 pages), Falcon-H1 2
-    # attention and 2 Mamba layers in groups of 2. Without
-    # prefix caching a resumed request restarts at 0; with it, it resumes from its own last
-    # cached checkpoint, if one was kept and not evicted meanwhile.
-    num_blocks = {"bamba": 26, "granite": 26, "nemotron_h": 20, "falcon_h1": 16}[kind]
+    # attention and 2 Mamba layers in groups of 2; Qwen3-Next: 2 of 14 (2 Gated DeltaNet
+    # layers a group, 2 pages a state). So with prefix caching too (the state stays in place;
+    # checkpoints are best-effort). Without it a resumed request restarts at 0; with it, it
+    # resumes from its own last cached checkpoint, if one was kept and not evicted meanwhile.
     eng = make_engine(kind, async_scheduling=async_scheduling, num_blocks=num_blocks,
                       max_num_batched_tokens=32, prefix_caching=prefix_caching)
     got = run(eng, PROMPTS)
@@ -360,10 +362,11 @@ def test_paged_bamba_states_hit_the_best_effort_checkpoints(async_scheduling: bo
 def test_a_short_pool_skips_checkpoints_and_every_token_is_hf(kind: str, async_scheduling: bool) -> None:
     """Pools near the admission minimum (one max-length request of 160 tokens: Bamba 10
     attention blocks + 9 running-state pages, 20 blocks with the null block; Mamba2 one
-    group of 3 layers, 1 block, 2) with the prefix-hit workload: best-effort checkpoints
+    group of 3 layers, 1 block, 2; Qwen3-Next 10 attention blocks + 2 running-state pages
+    (2 Gated DeltaNet layers per group, 2 pages a state), 13) with the prefix-hit workload: best-effort checkpoints
     are skipped (null entries), hits get fewer, and every token is still HF's. The second
     wave starts only from checkpoints that exist."""
-    num_blocks = {"mamba2": 4, "bamba": 26, "granite": 26, "nemotron_h": 22, "falcon_h1": 18}[kind]
+    num_blocks = {"mamba2": 4, "bamba": 26, "granite": 26, "nemotron_h": 22, "falcon_h1": 18, "qwen3_next": 16}[kind]
     base = PROMPTS[3]
     eng = make_engine(kind, async_scheduling=async_scheduling, num_blocks=num_blocks, max_num_batched_tokens=24)
     skipped = count_skipped_checkpoints(eng)

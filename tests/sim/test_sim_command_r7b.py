@@ -8,7 +8,7 @@ import pytest
 
 from hybridserve.sim.presets import get_layout
 from hybridserve.sim.workload import WorkloadItem
-from tests.helpers.sim_helpers import check_detector_on_layout
+from tests.helpers.sim_helpers import check_preset_detector
 
 
 def test_layout_is_command_r7b() -> None:
@@ -24,4 +24,4 @@ def test_detector_on_command_r7b(unsafe: bool) -> None:
     # Prompts past the 4096-token window, prefilled in 512-token chunks with two steps in flight:
     # out-of-window blocks become free while a step that read them may still be running.
     items = [WorkloadItem(index=i, prompt_len=5000 + 300 * i, output_len=4, arrival_time=0.0) for i in range(3)]
-    check_detector_on_layout("command-r7b-like", items, unsafe, max_num_batched_tokens=512)
+    check_preset_detector(unsafe, items, model_layout="command-r7b-like", gpu="H100", max_num_batched_tokens=512)

@@ -10,7 +10,7 @@ import pytest
 from hybridserve.core.kv.spec import FullAttentionSpec, MambaSpec
 from hybridserve.sim.presets import get_layout
 from hybridserve.sim.workload import WorkloadItem
-from tests.helpers.sim_helpers import check_detector_on_layout
+from tests.helpers.sim_helpers import check_preset_detector
 
 
 def test_granite_4_h_layout() -> None:
@@ -45,4 +45,4 @@ def test_detector_on_mamba2_hybrids(layout: str, unsafe: bool) -> None:
     # the state the step before it writes, and the attention blocks of finished requests
     # are freed while a step that read them may still run.
     items = [WorkloadItem(index=i, prompt_len=3000 + 300 * i, output_len=4, arrival_time=0.0) for i in range(4)]
-    check_detector_on_layout(layout, items, unsafe, max_num_batched_tokens=512)
+    check_preset_detector(unsafe, items, model_layout=layout, gpu="H100", max_num_batched_tokens=512)

@@ -189,7 +189,9 @@ class MambaSpec(KVCacheSpec):
     Two layouts of a request's table:
 
     - `block_checkpoints=False`: 1 + num_speculative_blocks state blocks, whatever the
-      length; column 0 carries the state. No prefix hits are possible.
+      length; column 0 carries the state. No prefix hits are possible. The engine and
+      the simulator pass num_speculative_blocks=0: a verify chunk's per-token states
+      stay outside the pool (the torch runner's TokenStates), so drafts need no block.
     - `block_checkpoints=True` (prefix caching on, see `with_mamba_checkpoints`): the
       table is positional like attention's, and block i holds the state after the
       tokens up to the end of block i; the running state lives in the block of the last

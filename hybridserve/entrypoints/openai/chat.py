@@ -5,7 +5,9 @@ Invariants:
 - A stream opens with one role chunk per choice; a choice's first chunk with content
   carries `prompt_logprobs` when asked for.
 - With tools, a call is only known whole: a choice's reply is held back and sent parsed,
-  as content and tool_calls, when the choice finishes (streamed or not).
+  as content and tool_calls, when the choice finishes (streamed or not). A harmony
+  model's reply (gpt-oss) is read from its tokens instead, and streams as it comes
+  (harmony_chat.py).
 - The request is admitted (or refused with 429) before its conversation is rendered and
   tokenized; whatever fails after admission releases its room.
 """
@@ -25,6 +27,8 @@ from hybridserve.engine.outputs import GenerationOutput, SamplingParams
 from hybridserve.entrypoints.openai import protocol as P
 from hybridserve.entrypoints.openai.context import ServerContext
 from hybridserve.entrypoints.openai.errors import shutdown_error
+from hybridserve.entrypoints.openai.harmony_chat import HarmonyStream, check_harmony_request, harmony_choice
+from hybridserve.entrypoints.openai.harmony_history import harmony_messages
 from hybridserve.entrypoints.openai.messages import content_chars, template_message
 from hybridserve.entrypoints.openai.prepare import sampling_params, stop_strings, tokenized, warm_grammar
 from hybridserve.entrypoints.openai.streams import SSEResponse, collect, merge, sse_events, until_disconnect
@@ -39,15 +43,21 @@ async def create_chat_completion(ctx: ServerContext, request: Request, req: P.Ch
     if req.top_logprobs and not req.logprobs:
         raise P.ApiError("top_logprobs needs logprobs=true", param="top_logprobs")
     P.check_logprob_count(req.prompt_logprobs, "prompt_logprobs")
+    if ctx.harmony is not None:
+        check_harmony_request(req)
     messages = [template_message(m, model=ctx.model_name) for m in req.messages]
+    if ctx.harmony is not None:
+        messages = harmony_messages(messages, sources=req.messages)
+    template_vars = None if req.reasoning_effort is None else {"reasoning_effort": req.reasoning_effort}
     stop = stop_strings(limits=ctx.limits, stop=req.stop)
     tools = tool_plan(req, tok=ctx.engine.tokenizer)
     release = ctx.admit(req.n)
     try:
         base = SamplingParams(stop=stop)  # the chat helper may add the plain template's stop
         offered = req.tools if tools is not None else None
-        text, ids, base = await tokenized(lambda: prepare_chat(ctx.engine.parts, messages, base, offered),
-                                          num_chars=content_chars(messages))
+        text, ids, base = await tokenized(
+            lambda: prepare_chat(ctx.engine.parts, messages, base, offered, template_vars),
+            num_chars=content_chars(messages))
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top_n = req.top_logprobs or 0
         forced = tools.forced if tools is not None else None
@@ -95,8 +105,13 @@ async def _whole(ctx: ServerContext, gen: Any, head: dict, prompt_tokens: int, t
     finals = await collect(ctx, [gen], prompts=prompts)
     choices = []
     for (_, ci), out in sorted(finals.items()):
-        calls = parse_tool_calls(out.text, tools.names) if tools is not None else None
-        choice = P.chat_choice(out, ci, _logprobs(ctx, out.logprobs, top_n=top_n), calls)
+        logprobs = _logprobs(ctx, out.logprobs, top_n=top_n)
+        if ctx.harmony is not None:
+            choice = harmony_choice(ctx.engine.tokenizer, ctx.harmony, out, index=ci, logprobs=logprobs,
+                                    prompt_token_ids=prompts[0].prompt_token_ids)
+        else:
+            calls = parse_tool_calls(out.text, tools.names) if tools is not None else None
+            choice = P.chat_choice(out, ci, logprobs, calls)
         choices.append(_with_prompt_logprobs(ctx, choice, prompt=prompts[0]))
     completion_tokens = sum(len(out.token_ids) for out in finals.values())
     return JSONResponse({**head, "object": "chat.completion", "choices": choices,
@@ -108,6 +123,7 @@ async def _chunks(ctx: ServerContext, gen: Any, head: dict, req: P.ChatRequest, 
     head = {**head, "object": "chat.completion.chunk"}
     completion_tokens = 0
     started: set[int] = set()
+    harmony = None if ctx.harmony is None else HarmonyStream(ctx.engine.tokenizer, ctx.harmony)
     for i in range(req.n):
         delta = {"role": "assistant", "content": ""}
         yield {**head, "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]}
@@ -117,17 +133,21 @@ async def _chunks(ctx: ServerContext, gen: Any, head: dict, req: P.ChatRequest, 
                 if ctx.ended_by_shutdown(c):
                     raise shutdown_error()
                 completion_tokens += len(c.delta_token_ids)
-                if tools is not None:
+                if harmony is not None:
+                    delta, reason = harmony.delta(c, prompt_token_ids=out.prompt_token_ids)
+                elif tools is not None:
                     # Held back until the choice finishes: a call is only known whole.
                     if c.finished:
                         choice = P.chat_tool_delta(c, parse_tool_calls(c.text, tools.names))
                         yield {**head, "choices": [_with_prompt_logprobs(ctx, choice, prompt=out)]}
                     continue
-                if not c.delta_text and not c.finished:
+                else:
+                    delta = {"content": c.delta_text} if c.delta_text else {}
+                    reason = P.finish_reason(c.finish_reason)
+                if not delta and not c.finished:
                     continue
-                choice = {"index": c.index, "delta": {"content": c.delta_text} if c.delta_text else {},
-                          "logprobs": _logprobs(ctx, c.delta_logprobs, top_n=top_n),
-                          "finish_reason": P.finish_reason(c.finish_reason)}
+                choice = {"index": c.index, "delta": delta, "logprobs": _logprobs(ctx, c.delta_logprobs, top_n=top_n),
+                          "finish_reason": reason}
                 if c.index not in started:  # the choice's first chunk with content
                     started.add(c.index)
                     choice = _with_prompt_logprobs(ctx, choice, prompt=out)

@@ -26,6 +26,7 @@ from hybridserve.entrypoints.openai.errors import RETRY_AFTER_S
 from hybridserve.entrypoints.openai.limits import ServerLimits
 from hybridserve.entrypoints.openai.metrics import ServerMetrics
 from hybridserve.entrypoints.openai.protocol import ApiError
+from hybridserve.text.harmony import HarmonyTokens
 
 logger = logging.getLogger("hybridserve.server")
 
@@ -37,6 +38,8 @@ class ServerContext:
         self.model_name = model_name
         self.metrics = metrics
         self.limits = limits or ServerLimits()
+        # The harmony control tokens of a gpt-oss-style model (its replies are read from them).
+        self.harmony = HarmonyTokens.of(engine.tokenizer)
         self.created = int(time.time())
         self.num_admitted = 0
         self.live_request_ids: set[str] = set()

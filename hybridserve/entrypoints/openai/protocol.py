@@ -105,6 +105,8 @@ class ChatMessage(_Body):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+    # An earlier reply's reasoning, as the server returned it (harmony models read it back).
+    reasoning_content: str | None = None
 
 
 class ChatRequest(_Sampling):
@@ -115,6 +117,8 @@ class ChatRequest(_Sampling):
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
+    # Passed to the chat template (gpt-oss's writes it into its system message).
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
 
 
 class TokenizeRequest(_Body):

@@ -14,6 +14,7 @@ from hybridserve.engine.frontend import check_in_vocabulary
 from hybridserve.entrypoints.openai import protocol as P
 from hybridserve.entrypoints.openai.context import ServerContext
 from hybridserve.entrypoints.openai.errors import checked
+from hybridserve.entrypoints.openai.harmony_history import harmony_messages
 from hybridserve.entrypoints.openai.messages import content_chars, template_message
 from hybridserve.entrypoints.openai.prepare import tokenized
 from hybridserve.text.tokenizer import Tokenizer
@@ -27,6 +28,8 @@ async def tokenize_text(ctx: ServerContext, req: P.TokenizeRequest) -> dict[str,
         raise P.ApiError("give either prompt or messages", param="prompt")
     if req.messages is not None:
         messages = [template_message(m, model=ctx.model_name) for m in req.messages]
+        if ctx.harmony is not None:  # rendered as chat renders it
+            messages = harmony_messages(messages, sources=req.messages)
         ids = await tokenized(lambda: tok.chat_prompt(messages)[1], num_chars=content_chars(messages))
     else:
         text = req.prompt

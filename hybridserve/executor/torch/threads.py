@@ -24,6 +24,11 @@ EXPLORE_STEPS = 3
 # the slower count for many steps, while a load that stays moves the median within 3
 # steps (benchmarks/results/thread_count.md, cpu_threads.md).
 WINDOW = 5
+# Steps of at least this many tokens are prefill chunks (decode steps have one token per
+# running request): measuring a slower count on one costs seconds of time to first token,
+# so such a bucket measures another count only when a decode-sized bucket runs it (the
+# load favours it) or once it has taken EXPLORE_EVERY steps.
+LARGE_STEP_TOKENS = 256
 
 
 @dataclass
@@ -55,7 +60,9 @@ class ThreadGovernor:
     spells (every count slower for a few seconds) move a quiet machine to 1 thread for up
     to 17 steps of a 128-token stream, and a trial version that compared the fresh times
     with a window still holding such a spell kept it there for 57. A candidate never
-    measured in a bucket is measured first (the largest first).
+    measured in a bucket is measured first (the largest first), except that a bucket of
+    LARGE_STEP_TOKENS or more runs every core and measures a smaller count first only
+    when a smaller bucket runs that count, or after EXPLORE_EVERY steps.
 
     Invariants: `choose` returns a member of `candidates`; with one candidate it always
     returns it; `observe` counts only steps run with the count `choose` returned and skips
@@ -75,20 +82,24 @@ class ThreadGovernor:
 
     def choose(self, num_tokens: int) -> int:
         """The thread count to run a step of `num_tokens` tokens with."""
-        b = self._buckets.setdefault(self._bucket(num_tokens), _Bucket())
-        threads = self._pick(b)
+        key = self._bucket(num_tokens)
+        b = self._buckets.setdefault(key, _Bucket())
+        threads = self._pick(b, key)
         self._switched = threads != self._last
         self._last = threads
         return threads
 
-    def _pick(self, b: _Bucket) -> int:
+    def _pick(self, b: _Bucket, key: int) -> int:
         if len(self.candidates) == 1:
             return self.candidates[0]
         if b.exploring is not None:
             return b.exploring
-        for c in self.candidates:
-            if c not in b.times:
+        unmeasured = [c for c in self.candidates if c not in b.times]
+        for c in unmeasured:
+            if not self._defer_first_measurement(b, key, c):
                 return self._explore(b, c)
+        if unmeasured:  # a large bucket waiting to measure a smaller count: every core
+            return self.candidates[0]
         if b.best is None:  # every count measured once, back to back
             b.best = min(self.candidates, key=lambda c: self._cost(b, c))
         running = self._cost(b, b.best)
@@ -101,6 +112,13 @@ class ThreadGovernor:
             if since >= EXPLORE_EVERY or (since >= WINDOW and running > self._cost(b, c)):
                 return self._explore(b, c)
         return b.best
+
+    def _defer_first_measurement(self, b: _Bucket, key: int, threads: int) -> bool:
+        """Whether a large bucket waits before measuring `threads` for the first time."""
+        if key < self._bucket(LARGE_STEP_TOKENS) or threads == self.candidates[0] or b.steps >= EXPLORE_EVERY:
+            return False
+        small = self._bucket(LARGE_STEP_TOKENS)
+        return not any(other.best == threads for k, other in self._buckets.items() if k < small)
 
     @staticmethod
     def _explore(b: _Bucket, threads: int) -> int:
@@ -125,9 +143,12 @@ class ThreadGovernor:
     def _decide(self, b: _Bucket, measured: int) -> None:
         """After `measured`'s measurement: whether the bucket runs another count from now on."""
         challenger, b.challenger = b.challenger, None
-        if b.stale or b.best is None:
-            # No step of the measurement counted (each followed a change of count), or the
-            # first measurements are not done: _pick decides once every count has times.
+        if b.stale:
+            return  # no step of the measurement counted (each followed a change of count)
+        if b.best is None:
+            # The first measurements: once every count has times, the cheapest runs.
+            if all(c in b.times for c in self.candidates):
+                b.best = min(self.candidates, key=lambda c: self._cost(b, c))
             return
         if measured != b.best and self._cost(b, measured) < self._cost(b, b.best):
             # Before switching, measure the running count again: its window may hold a slow

@@ -178,6 +178,9 @@ class StagedModel(nn.Module):
         self.final_norm = (nn.Parameter(torch.zeros(cfg.hidden_size, dtype=dtype), requires_grad=False)
                            if self.stage.is_last else None)
         self.lm_head: torch.Tensor | None = None  # set by the loader on the last stage (tied: the embedding)
+        # Set by the loader where `embed` is a view of the checkpoint file: the same rows read
+        # from the file (models/loaders/file_rows.py), so that lookups map no file pages.
+        self.embed_rows: Callable[[torch.Tensor], torch.Tensor] | None = None
         return cfg
 
     @property
@@ -193,7 +196,7 @@ class StagedModel(nn.Module):
                 raise ValueError(f"pipeline stage {self.stage.rank} needs hidden_in from the previous stage")
             return hidden_in
         assert input_ids is not None
-        h = F.embedding(input_ids, self.embed)
+        h = self.embed_rows(input_ids) if self.embed_rows is not None else F.embedding(input_ids, self.embed)
         return h * self._embed_scale if self.cfg.embed_scale != 1.0 else h
 
     def stage_output(self, h: torch.Tensor) -> torch.Tensor:

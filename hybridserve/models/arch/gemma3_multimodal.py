@@ -18,12 +18,15 @@ check that every stored tensor is used covers the text model only.
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from hybridserve.core.errors import ConfigError
-from hybridserve.models.loaders.safetensors_map import MappedCheckpoint
+
+if TYPE_CHECKING:  # config.py reads this module's config half in processes that never load torch
+    import torch
+
+    from hybridserve.models.loaders.file_rows import FileRows
+    from hybridserve.models.loaders.safetensors_map import MappedCheckpoint
 
 ARCHITECTURE = "Gemma3ForConditionalGeneration"
 
@@ -85,6 +88,9 @@ class TextCheckpoint:
 
     def release(self, name: str, rows: tuple[int, int] | None = None) -> None:
         self._inner.release(self._stored[name], rows)
+
+    def row_reader(self, name: str) -> FileRows:
+        return self._inner.row_reader(self._stored[name])
 
 
 def _renamed(name: str) -> str | None:

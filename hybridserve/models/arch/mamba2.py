@@ -24,7 +24,6 @@ prefill is cut into chunks does not change the tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from math import gcd
 from typing import Protocol, Sequence
 
 import torch
@@ -32,6 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridserve.models.arch.mamba_config import GATE_ONLY, GATE_THEN_NORM, MambaMixerConfig
+from hybridserve.models.arch.scan_chunks import chunk_layout
+from hybridserve.models.arch.verify_steps import verify_token_by_token
 from hybridserve.models.parallel import SharedNormGroups
 
 
@@ -166,26 +167,10 @@ def _verify(w: Mamba2MixerWeights, cfg: MambaMixerConfig, xbc: torch.Tensor, dt:
             rows: list[int], counts: list[int]) -> TokenStates:
     """Decode + drafts: the recurrence token by token (batched over the verify requests),
     writing y and keeping the state after every token; states end after the whole chunk."""
-    n = max(counts)
-    sel = torch.tensor(reqs, device=xbc.device)
-    conv, ssm = conv_state[sel], ssm_state[sel]
-    conv_steps = conv.new_empty(len(reqs), n, *conv.shape[1:])
-    ssm_steps = ssm.new_empty(len(reqs), n, *ssm.shape[1:])
-    for j in range(n):
-        act = [v for v, c in enumerate(counts) if c > j]
-        tok = torch.tensor([rows[v] + j for v in act], device=xbc.device)
-        if len(act) == len(reqs):
-            y[tok] = _decode(w, cfg, xbc[tok], dt[tok], conv, ssm)
-            conv_steps[:, j], ssm_steps[:, j] = conv, ssm
-        else:  # shorter chunks are done: advance only the others
-            a = torch.tensor(act, device=xbc.device)
-            c_a, s_a = conv[a], ssm[a]
-            y[tok] = _decode(w, cfg, xbc[tok], dt[tok], c_a, s_a)
-            conv[a], ssm[a] = c_a, s_a
-            conv_steps[a, j], ssm_steps[a, j] = c_a, s_a
-    conv_state[sel] = conv
-    ssm_state[sel] = ssm
-    return TokenStates(reqs, conv_steps, ssm_steps)
+    def step(tok: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor) -> torch.Tensor:
+        return _decode(w, cfg, xbc[tok], dt[tok], conv, ssm)
+
+    return TokenStates(reqs, *verify_token_by_token(step, conv_state, ssm_state, y, reqs, rows, counts))
 
 
 def _gated_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, cfg: MambaMixerConfig,
@@ -290,22 +275,13 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
                        + exp(a_{first..l}) C_l . S_c                         (state entering it)
                    S_{c+1} = exp(a_{whole chunk}) S_c + sum_s exp(a_{s+1..last}) dt_s x_s (outer) B_s
 
-    States are only known between chunks, so with save_at (evenly spaced counts, block
-    boundaries) Q shrinks to divide their spacing and pad tokens go in front too, until
-    every count is a chunk start::
-
-        save_at 5, 21 (spacing 16), Q 16:  pad 11 | 5 tokens | 16 tokens | rest
-        entering states:                   S_0      S_5        S_21
+    States are only known between chunks: with save_at, chunk_layout (scan_chunks.py)
+    shrinks Q and pads the front (dt = 0 there too) until every count is a chunk start.
     """
     L, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
-    Q, front = chunk_size, 0
-    if save_at:
-        for a, b in zip(save_at, save_at[1:]):
-            Q = gcd(Q, b - a)
-        front = -save_at[0] % Q
-    nc = -(-(front + L) // Q)
-    pad = nc * Q - L - front
+    layout = chunk_layout(L, chunk_size, save_at)
+    Q, front, pad, nc = layout.size, layout.front, layout.back, layout.count
     rep = H // G
     Bh = B.repeat_interleave(rep, dim=1)  # [L, H, N]
     Ch = C.repeat_interleave(rep, dim=1)
@@ -334,5 +310,5 @@ def ssd_scan(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor
         s = s * chunk_decay[c][:, None, None] + chunk_states[c]
     state.copy_(s)
     y = y + torch.einsum("clhn,chpn->clhp", Ch, entering) * torch.exp(a_cum).transpose(1, 2)[..., None]
-    saved = entering[[(front + j) // Q for j in save_at]] if save_at else entering[:0]
+    saved = entering[[layout.chunk_of(j) for j in save_at]] if save_at else entering[:0]
     return y.reshape(nc * Q, H, P)[front : front + L], saved

@@ -21,7 +21,8 @@ from pathlib import Path
 from types import ModuleType
 
 from hybridserve.core.errors import ConfigError
-from hybridserve.models.loaders.gguf_loader import cache_root, convert_gguf, find_converted, has_gguf_magic, say
+from hybridserve.models.loaders.gguf_loader import (SUPPORTED_DTYPES, cache_root, convert_gguf, find_converted,
+                                                    has_gguf_magic, say)
 from hybridserve.models.loaders.hub import looks_like_repo_id, resolve_hub_model
 
 DEFAULT_MODEL_NAME = "gemma3-270m"
@@ -136,3 +137,20 @@ def resolve_model_path(model: str | os.PathLike[str] | None, progress: bool = Tr
     if not has_gguf_magic(path):
         raise ConfigError(f"{path} is not a model: not a GGUF file and not a Hugging Face directory")
     return convert_gguf(path, dtype=dtype, progress=progress)
+
+
+def tokenizer_dir_at_hand(model: str | os.PathLike[str] | None) -> Path | None:
+    """A directory holding the tokenizer of --model `model` that exists now, with nothing to
+    convert or download: a local HF folder, or a cached conversion of the default model in any
+    dtype (the conversion writes the same tokenizer files whatever the dtype); None otherwise.
+    For a process that needs only the tokenizer and would rather not wait for the model."""
+    if model is None or str(model) == DEFAULT_MODEL_NAME:
+        try:
+            package = _model_package()
+        except MissingExtraError:
+            return None
+        found = (find_converted(Path(package.MODEL_NAME).stem, default_cache_key(package), dtype)
+                 for dtype in SUPPORTED_DTYPES)
+        return next((path for path in found if path is not None), None)
+    path = Path(model).expanduser()
+    return path if path.is_dir() and (path / "config.json").is_file() else None

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from hybridserve.models.loaders.file_rows import file_rows_available
+from hybridserve.models.loaders.safetensors_map import MappedCheckpoint
 from hybridserve.models.loaders.checkpoint import (Weights, fill_ends, open_checkpoint, place_weights, take_gate_up,
                                                   take_qkv, take_row_bias)
 from hybridserve.models.arch.cohere2 import Cohere2LM
@@ -31,10 +33,14 @@ from hybridserve.models.layers.smoothing import Encode, calibration_sequences, f
 if TYPE_CHECKING:
     from hybridserve.models.arch.mamba_lm import MambaLM
 
+_EMBED_NAME = "model.embed_tokens.weight"
+
+
 def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32, quantization: str = "none", stage: PipelineStage | None = None,
                tp: TPGroup | None = None, encode: Encode | None = None) -> DecoderLM | MambaLM:
-    """Build a DecoderLM (a MambaLM for Mamba2 / Bamba) from an HF directory, weights on `device` in `dtype`,
+    """Build a DecoderLM (a MambaLM for Mamba2 / Bamba, its subclass Qwen3NextLM for Qwen3-Next)
+    from an HF directory, weights on `device` in `dtype`,
     the output head quantized as `quantization` says (none, int8, int4: see models/layers/head.py).
     With `stage` and `tp` (models/parallel.py) only that pipeline stage's layers are read, cut
     to that tensor-parallel rank's heads and columns (ConfigError where the sizes do not divide).
@@ -47,6 +53,10 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
         from hybridserve.models.loaders.falcon_h1_loader import load_falcon_h1_model
 
         return load_falcon_h1_model(model_dir, cfg, device, dtype, stage, tp)
+    if cfg.gated_deltanet is not None:
+        from hybridserve.models.loaders.qwen3_next_loader import load_qwen3_next_model
+
+        return load_qwen3_next_model(model_dir, cfg, device, dtype, stage, tp)
     if cfg.mamba is not None:
         from hybridserve.models.loaders.mamba_loader import load_mamba_model
 
@@ -68,12 +78,23 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
         _fill(model, cfg, w)
     place_weights(model, cfg, w, device)
     model.setup_rope(torch.device(device), cfg.max_position_embeddings)
-    head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    head_name = _EMBED_NAME if cfg.tie_word_embeddings else "lm_head.weight"
     model.build_linears(quantization=quantization, release_head_rows=_head_release(w, head_name),
                         smoothing=_int8_smoothing(model, model_dir, quantization, encode))
     w.release_all()
+    _read_embedding_from_file(model, checkpoint)
     release_free_heap()  # the fused layers' source copies and packing temporaries (models/platform/heap.py)
     return model.eval()
+
+
+def _read_embedding_from_file(model: DecoderLM, checkpoint: MappedCheckpoint | TextCheckpoint) -> None:
+    """Where the embedding is a view of the mapped checkpoint (stored in the model dtype, on
+    CPU), look its rows up with pread instead (models/loaders/file_rows.py)."""
+    if model.embed is None or _EMBED_NAME not in checkpoint.names() or not file_rows_available():
+        return
+    stored = checkpoint.tensor(_EMBED_NAME)
+    if model.embed.data_ptr() == stored.data_ptr() and model.embed.dtype == stored.dtype:
+        model.embed_rows = checkpoint.row_reader(_EMBED_NAME)
 
 
 def _int8_smoothing(model: DecoderLM, model_dir: Path, quantization: str, encode: Encode | None
@@ -129,7 +150,7 @@ def _fill(model: DecoderLM, cfg: ModelConfig, w: Weights) -> None:
         # Cohere2's logit scale is folded into the final norm's weight: logits = (norm(h) * s) W^T.
         return t * cfg.logit_scale if cfg.logit_scale != 1.0 else t
 
-    fill_ends(model, cfg, w, "model.embed_tokens.weight", "model.norm.weight", final_norm)
+    fill_ends(model, cfg, w, _EMBED_NAME, "model.norm.weight", final_norm)
     w.keep_layers("model.layers.", model.layer_ids)
     with torch.no_grad():
         for i, layer in zip(model.layer_ids, model.layers):

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from hybridserve.core.errors import ConfigError
+from hybridserve.models.loaders.file_rows import FileRows
 
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -64,6 +65,12 @@ class MappedFile:
         assert self._bytes is not None
         return self._bytes[begin:end].view(dtype).view(shape)
 
+    def row_reader(self, name: str) -> FileRows:
+        """`name`'s rows (a 2-D tensor) read from the file at each lookup (file_rows.py)."""
+        dtype, shape, begin, _ = self.entries[name]
+        rows, cols = shape
+        return FileRows(self.path, begin, (rows, cols), dtype)
+
     def release(self, name: str, rows: tuple[int, int] | None = None) -> None:
         """Give back the resident pages of `name`'s bytes, or of its rows [start, stop) (they
         are re-read from the file if touched again; the mapping is private and never written,
@@ -96,3 +103,6 @@ class MappedCheckpoint:
 
     def release(self, name: str, rows: tuple[int, int] | None = None) -> None:
         self._owner[name].release(name, rows)
+
+    def row_reader(self, name: str) -> FileRows:
+        return self._owner[name].row_reader(name)

@@ -1,0 +1,136 @@
+"""Where a decode step's time goes: the share outside the weight matmuls, at 1, 16 and 64 rows.
+
+    python benchmarks/step_share.py                       # the default model, 1, 16 and 64 rows
+    python benchmarks/step_share.py --rows 16 --steps 24 --threads 2
+
+The goal this answers (issue 40): time outside the matmuls at most 20% of a decode step,
+on every CPU. For R rows, R prompts of random ids (--prompt-len each) are generated
+greedily, --steps decode steps each; every step runs R rows, one token each. Steps
+alternate between two kinds, in the same run, so both see the same machine:
+- timed: the engine's whole step (ModelRunner.execute: inputs, the model, attention, KV
+  writes, the head, sampling), wall clock;
+- traced: the same kind of step run under a dispatch mode that times each weight matmul
+  (aten.mm / addmm / _int_mm, oneDNN's and fbgemm's int8 linears, oneDNN's packed linear)
+  as it runs, inside the real step: the matmuls alone at the kernels' rates, on the
+  activations and caches the step really has. Attention's batched products (bmm) are not
+  weight matmuls and count as outside.
+Printed per row count: the medians of the step and of its matmuls (ms), and the share
+outside = 1 - matmuls / step. A fixed thread count (--threads) keeps the thread governor
+from switching counts between the two kinds of steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # this checkout's hybridserve, whatever is installed
+
+from common import torch_header  # noqa: E402
+
+# Ops that multiply activations by a weight matrix, by (namespace, op name).
+WEIGHT_MATMULS = {
+    ("aten", "mm"), ("aten", "addmm"), ("aten", "_int_mm"), ("aten", "linear"),
+    ("onednn", "qlinear_pointwise"), ("mkldnn", "_linear_pointwise"),
+    ("quantized", "linear_with_input_q_dq_qweight_dq_output_fp32"), ("quantized", "linear_dynamic"),
+}
+
+
+def matmul_timer():  # type: ignore[no-untyped-def]
+    """A dispatch mode whose `seconds` sums the wall time of the weight matmuls run under it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class MatmulTimer(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seconds = 0.0
+            self.calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            kwargs = kwargs or {}
+            packet = func._overloadpacket
+            if (packet._qualified_op_name.split("::")[0], packet.__name__) not in WEIGHT_MATMULS:
+                return func(*args, **kwargs)
+            start = time.perf_counter()
+            out = func(*args, **kwargs)
+            self.seconds += time.perf_counter() - start
+            self.calls += 1
+            return out
+
+    return MatmulTimer()
+
+
+class StepRecorder:
+    """Wraps a ModelRunner's execute: decode steps of exactly `rows` tokens alternate
+    between timed and traced (see the module docstring); other steps run as they are."""
+
+    def __init__(self, runner, rows: int) -> None:  # type: ignore[no-untyped-def]
+        self.runner, self.rows = runner, rows
+        self.inner = runner.execute
+        self.step_seconds: list[float] = []
+        self.matmul_seconds: list[float] = []
+        self.matmul_calls: list[int] = []
+        self._traced_next = False
+        runner.execute = self.execute
+
+    def execute(self, so):  # type: ignore[no-untyped-def]
+        if so.total_num_scheduled_tokens != self.rows or len(so.requests) != self.rows:
+            return self.inner(so)
+        self._traced_next = not self._traced_next
+        if self._traced_next:
+            start = time.perf_counter()
+            out = self.inner(so)
+            self.step_seconds.append(time.perf_counter() - start)
+            return out
+        with matmul_timer() as timer:
+            out = self.inner(so)
+        self.matmul_seconds.append(timer.seconds)
+        self.matmul_calls.append(timer.calls)
+        return out
+
+    def restore(self) -> None:
+        self.runner.execute = self.inner
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="a model path (default: the embedded Gemma 3 270M)")
+    p.add_argument("--rows", default="1,16,64", help="comma list of batch sizes")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--steps", type=int, default=32, help="decode steps per row count (half timed, half traced)")
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+
+    from hybridserve import LLM, SamplingParams
+
+    print(torch_header(args.threads, ("avx", "amx")))
+    llm = LLM(args.model, progress=False, enable_prefix_caching=False, num_threads=args.threads)
+    runner = llm.parts.engine.executor.runner
+    vocab = llm.parts.model_config.vocab_size
+    print(f"# model {args.model or 'default'}; {args.prompt_len}-token prompts; {args.steps} decode steps per row count")
+    print("\n| rows | step ms (median) | weight matmuls ms | matmul calls | outside the matmuls |\n"
+          "|---:|---:|---:|---:|---:|")
+    rng = random.Random(0)
+    for rows in [int(r) for r in args.rows.split(",")]:
+        batch = [[rng.randrange(5, vocab) for _ in range(args.prompt_len)] for _ in range(rows)]
+        params = SamplingParams(max_tokens=args.steps + 1, ignore_eos=True, temperature=0.0)
+        llm.generate(batch, params, use_tqdm=False)  # warm-up: the same shapes once
+        recorder = StepRecorder(runner, rows)
+        try:
+            llm.generate(batch, params, use_tqdm=False)
+        finally:
+            recorder.restore()
+        step = statistics.median(recorder.step_seconds)
+        mm = statistics.median(recorder.matmul_seconds)
+        print(f"| {rows} | {step * 1e3:.1f} | {mm * 1e3:.1f} | {statistics.median(recorder.matmul_calls):.0f} | "
+              f"{1 - mm / step:.0%} |", flush=True)
+    llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()

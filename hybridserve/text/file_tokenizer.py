@@ -1,0 +1,128 @@
+"""A converted GGUF's tokenizer served by the Rust `tokenizers` library alone, without transformers.
+
+Why: transformers 5 builds a model-specific fast tokenizer by parsing tokenizer.json into
+Python dicts and lists and building the Rust tokenizer again from them. For Gemma 3 (262k
+tokens, 515k merges) that costs a transient of about half a GB of RSS and, with transformers
+imported (which imports torch), 150 MB held; in the HTTP server process, which otherwise
+never needs torch, it costs the whole of torch besides. Reading tokenizer.json with
+`tokenizers.Tokenizer.from_file` alone holds the Rust tokenizer and nothing else.
+
+When it is exact: a directory that this project's GGUF conversion wrote
+(gguf_loader.CONVERSION_MARKER). Its tokenizer.json is what transformers' own tokenizer
+class saved from its Rust backend, so the backend read back from it encodes and decodes as
+that class does (tests/models/test_gguf_loader.py compares them). Where the directory has a
+chat template, transformers renders it, so such directories take the transformers path;
+a template given later (--chat-template) loads transformers on first use.
+
+FileTokenizer offers the part of a transformers fast tokenizer's interface the engine
+reads (text/tokenizer.Tokenizer, text/structured_output.GrammarBackend).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from hybridserve.core.errors import ConfigError
+from hybridserve.models.loaders.gguf_loader import CONVERSION_MARKER
+
+_CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+
+
+def serves_without_transformers(path: Path) -> bool:
+    """Whether `path` holds a tokenizer FileTokenizer reads exactly (module docstring)."""
+    if not ((path / CONVERSION_MARKER).is_file() and (path / "tokenizer.json").is_file()):
+        return False
+    if any((path / name).is_file() for name in _CHAT_TEMPLATE_FILES):
+        return False
+    return "chat_template" not in _read_config(path)
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    config_path = path / "tokenizer_config.json"
+    if not config_path.is_file():
+        return {}
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {config_path}: {exc}") from None
+    return config if isinstance(config, dict) else {}
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token as tokenizer_config.json states it: a string or {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+class FileTokenizer:
+    """tokenizer.json's Rust tokenizer with bos/eos from tokenizer_config.json. Invariant:
+    encode and decode are the backend's own, as a transformers fast tokenizer's are."""
+
+    chat_template: str | None = None
+
+    def __init__(self, path: Path) -> None:
+        self.name_or_path = str(path)
+        self._path = path
+        self._backend: Any = None
+        self._size: int | None = None
+        config = _read_config(path)
+        self.bos_token_id = self._token_id(config.get("bos_token"))
+        self.eos_token_id = self._token_id(config.get("eos_token"))
+        self._full: Any = None
+
+    @property
+    def backend_tokenizer(self) -> Any:
+        """The Rust tokenizer, read from the file again after `release`."""
+        if self._backend is None:
+            from tokenizers import Tokenizer as RustTokenizer
+
+            try:
+                self._backend = RustTokenizer.from_file(str(self._path / "tokenizer.json"))
+            except Exception as exc:  # the Rust library raises its own exception type
+                raise ConfigError(f"cannot load the tokenizer in {self._path}: {exc}") from None
+            self._backend.no_truncation()  # as text/tokenizer.Tokenizer sets a backend it keeps
+            self._backend.no_padding()
+        return self._backend
+
+    def release(self) -> None:
+        """Drop the Rust tokenizer (~100 MB for Gemma 3's) until it is used again: for a
+        process that tokenized what it needed at start (the engine core process)."""
+        self._backend = None
+
+    def _token_id(self, value: Any) -> int | None:
+        content = _token_content(value)
+        return None if content is None else self.backend_tokenizer.token_to_id(content)
+
+    def __len__(self) -> int:
+        if self._size is None:  # kept: asking a released tokenizer its size would read it again
+            self._size = int(self.backend_tokenizer.get_vocab_size(with_added_tokens=True))
+        return self._size
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        return str(self.backend_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+
+    def llguidance_tokenizer(self, n_vocab: int) -> Any:
+        """llguidance's tokenizer for this vocabulary: what `llguidance.hf.from_tokenizer`
+        builds from a transformers tokenizer (its backend's JSON and EOS)."""
+        from llguidance import LLTokenizer
+
+        released = self._backend is None
+        built = LLTokenizer(self.backend_tokenizer.to_str(), n_vocab=n_vocab, eos_token=self.eos_token_id)
+        if released:  # read again for this alone: llguidance's tokenizer holds its own copy
+            self.release()
+        return built
+
+    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
+        """transformers' rendering, loaded on first use (only a --chat-template given for a
+        converted GGUF without one reaches here)."""
+        if self._full is None:
+            from transformers import AutoTokenizer
+
+            self._full = AutoTokenizer.from_pretrained(self.name_or_path)
+        return self._full.apply_chat_template(*args, **kwargs)

@@ -24,8 +24,8 @@ from hybridserve.sim.state_kv_bytes import engine_bytes, mainstream_bytes, need_
 
 DTYPE = "bfloat16"
 
-# (label, state kind, config.json fields): ibm-ai-platform/Bamba-9B, Qwen/Qwen3-Next-80B-A3B-Instruct,
-# LiquidAI/LFM2-1.2B, ai21labs/Jamba-v0.1.
+# (label, state kind, config.json fields): ibm-ai-platform/Bamba-9B, ibm-granite/granite-4.0-h-tiny,
+# nvidia/Nemotron-H-8B-Base-8K, Qwen/Qwen3-Next-80B-A3B-Instruct, LiquidAI/LFM2-1.2B, ai21labs/Jamba-v0.1.
 MODELS: list[tuple[str, str, dict[str, Any]]] = [
     ("Bamba-9B", "Mamba-2 (conv, SSM)", {
         "architectures": ["BambaForCausalLM"], "model_type": "bamba", "vocab_size": 128256, "hidden_size": 4096,
@@ -33,9 +33,27 @@ MODELS: list[tuple[str, str, dict[str, Any]]] = [
         "attn_layer_indices": [9, 18, 27], "mamba_n_heads": 128, "mamba_d_head": 64, "mamba_d_state": 128,
         "mamba_n_groups": 1, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 256,
         "rms_norm_eps": 1e-5, "rope_theta": 10000.0}),
+    ("Granite-4.0-H-Tiny", "Mamba-2 (conv, SSM)", {
+        "architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid", "vocab_size": 100352,
+        "hidden_size": 1536, "intermediate_size": 512, "shared_intermediate_size": 1024, "num_hidden_layers": 40,
+        "num_attention_heads": 12, "num_key_value_heads": 4,
+        "layer_types": ["attention" if i in (5, 15, 25, 35) else "mamba" for i in range(40)],
+        "num_local_experts": 64, "num_experts_per_tok": 6, "position_embedding_type": "nope",
+        "mamba_n_heads": 48, "mamba_d_head": 64, "mamba_d_state": 128, "mamba_n_groups": 1, "mamba_d_conv": 4,
+        "mamba_expand": 2, "mamba_chunk_size": 256, "rms_norm_eps": 1e-5}),
+    ("Nemotron-H-8B", "Mamba-2 (conv, SSM); MLP-only layers", {
+        "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "vocab_size": 131072,
+        "hidden_size": 4096, "intermediate_size": 21504,
+        "hybrid_override_pattern": "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+        "num_attention_heads": 32, "num_key_value_heads": 8, "attention_head_dim": 128, "mamba_num_heads": 128,
+        "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 8, "conv_kernel": 4, "chunk_size": 128,
+        "layer_norm_epsilon": 1e-5}),
     ("Qwen3-Next-80B-A3B", "Gated DeltaNet (conv, recurrent)", {
-        "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "num_hidden_layers": 48,
-        "full_attention_interval": 4, "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16,
+        "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "vocab_size": 151936,
+        "hidden_size": 2048, "intermediate_size": 5120, "num_hidden_layers": 48, "full_attention_interval": 4,
+        "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "partial_rotary_factor": 0.25,
+        "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512, "linear_num_key_heads": 16,
         "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
         "linear_conv_kernel_dim": 4}),
     ("LFM2-1.2B", "short convolution (conv)", {
@@ -50,18 +68,6 @@ MODELS: list[tuple[str, str, dict[str, Any]]] = [
 
 
 # -- families the engine does not parse yet: (attention layers, (kv heads, head dim), state shapes) --
-def _gated_deltanet(raw: dict[str, Any]) -> tuple[set[int], tuple[int, int], tuple[tuple[int, ...], ...]]:
-    """Every `full_attention_interval`-th layer attends; the others keep a conv state over
-    q, k and v (2 * key heads * key dim + value heads * value dim channels, kernel - 1
-    inputs) and a recurrent state of value heads x key dim x value dim."""
-    n, every = raw["num_hidden_layers"], raw["full_attention_interval"]
-    nk, nv = raw["linear_num_key_heads"], raw["linear_num_value_heads"]
-    dk, dv = raw["linear_key_head_dim"], raw["linear_value_head_dim"]
-    conv = (2 * nk * dk + nv * dv, raw["linear_conv_kernel_dim"] - 1)
-    return ({i for i in range(n) if (i + 1) % every == 0}, (raw["num_key_value_heads"], raw["head_dim"]),
-            (conv, (nv, dk, dv)))
-
-
 def _short_conv(raw: dict[str, Any]) -> tuple[set[int], tuple[int, int], tuple[tuple[int, ...], ...]]:
     """Layers in full_attn_idxs attend; the others keep the last L_cache - 1 inputs of
     hidden_size channels (a conv state only)."""
@@ -81,7 +87,7 @@ def _mamba1(raw: dict[str, Any]) -> tuple[set[int], tuple[int, int], tuple[tuple
 
 
 UNPARSED: dict[str, Callable[[dict[str, Any]], tuple[set[int], tuple[int, int], tuple[tuple[int, ...], ...]]]] = {
-    "qwen3_next": _gated_deltanet, "lfm2": _short_conv, "jamba": _mamba1}
+    "lfm2": _short_conv, "jamba": _mamba1}
 
 
 def layer_specs(raw: dict[str, Any], block_size: int = DEFAULT_BLOCK_SIZE) -> dict[str, KVCacheSpec]:

@@ -77,7 +77,7 @@ def run(engine: EngineCore, prompts: list[list[int]], tag: str = "r", shutdown: 
     return got
 
 
-@pytest.mark.parametrize("kind", ["llama4", "mamba2", "bamba", "qwen3_next"])
+@pytest.mark.parametrize("kind", ["llama4", "mamba2", "bamba", "granite", "nemotron_h", "falcon_h1", "qwen3_next"])
 @pytest.mark.parametrize("async_scheduling,spec", [(False, 3), (True, 4)], ids=["sync3", "async4"])
 def test_accepted_and_rejected_drafts_leave_hf_greedy_output(kind: str, async_scheduling: bool, spec: int) -> None:
     prompts = prompts_for(kind)
@@ -102,7 +102,7 @@ def test_ngram_drafts_on_repetitive_prompts_keep_hf_output(kind: str) -> None:
         assert got[f"r{i}"] == oracle(kind, p, NEW_TOKENS), f"{kind} prompt {i}"
 
 
-@pytest.mark.parametrize("kind", ["mamba2", "bamba", "qwen3_next"])
+@pytest.mark.parametrize("kind", ["mamba2", "bamba", "granite", "nemotron_h", "falcon_h1", "qwen3_next"])
 @pytest.mark.parametrize("async_scheduling,spec", [(False, 3), (True, 4)], ids=["sync3", "async4"])
 def test_next_turn_starts_from_states_checkpointed_during_verification(kind: str, async_scheduling: bool,
                                                                        spec: int) -> None:

@@ -126,7 +126,7 @@ def test_bad_prompt_logprobs_are_request_errors(value: object) -> None:
         SamplingParams(prompt_logprobs=value)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("kind", ["mamba2", "bamba", "qwen3_next"])
+@pytest.mark.parametrize("kind", ["mamba2", "bamba", "granite", "nemotron_h", "falcon_h1", "qwen3_next"])
 def test_prompt_logprobs_of_recurrent_models_match_hf(kind: str) -> None:
     from tests.helpers import hf_tiny_mamba
     from tests.helpers.mamba_engine import PROMPTS as MAMBA_PROMPTS

@@ -32,6 +32,10 @@ FAMILY_FACTS: dict[str, tuple[str, frozenset[str]]] = {
     "llama4": ("chunked local + full (NoPE), MoE", frozenset({"async", "spec", "prefix", "pp", "tp"})),
     "mamba2": ("Mamba2", frozenset({"async", "spec", "prefix", "pp", "tp"})),
     "bamba": ("Mamba2 + full attention", frozenset({"async", "spec", "prefix", "pp", "tp"})),
+    "granite_hybrid": ("Mamba2 + full attention, MoE", frozenset({"async", "spec", "prefix", "pp", "tp"})),
+    "nemotron_h": ("Mamba2 + full attention (NoPE) + MLP-only, by pattern",
+                   frozenset({"async", "spec", "prefix", "pp", "tp"})),
+    "falcon_h1": ("Mamba2 beside full attention in every layer", frozenset({"async", "spec", "prefix", "pp", "tp"})),
     "qwen3_next": ("Gated DeltaNet + gated full, 3:1; MoE", frozenset({"async", "spec", "prefix", "pp", "tp"})),
     "qwen3_5": ("Gated DeltaNet + gated full, 3:1", frozenset({"async", "prefix", "tp"})),
 }

@@ -94,17 +94,35 @@ def test_a_model_without_attention_keeps_the_state_as_its_page() -> None:
     assert mainstream_bytes(specs, 1024, prefix_caching=True).total == 2_432
 
 
-def test_the_script_builds_the_gated_deltanet_layers_from_the_config() -> None:
-    """benchmarks/state_kv_bytes.py reads Qwen3-Next's config.json fields into layers that
-    cost what the specs derived above cost (whether the engine parses the family or not)."""
+def _script():  # type: ignore[no-untyped-def]
+    """benchmarks/state_kv_bytes.py as a module."""
     spec = importlib.util.spec_from_file_location("state_kv_bytes_script", SCRIPT)
     assert spec is not None and spec.loader is not None
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
+    return script
+
+
+def test_the_script_builds_the_gated_deltanet_layers_from_the_config() -> None:
+    """benchmarks/state_kv_bytes.py reads Qwen3-Next's config.json fields into layers that
+    cost what the specs derived above cost (whether the engine parses the family or not)."""
+    script = _script()
     raw = next(r for label, _, r in script.MODELS if label == "Qwen3-Next-80B-A3B")
     specs = script.layer_specs(raw)
     assert need_bytes(specs, 8192, 8192) == 240_844_800
     assert engine_bytes(specs, 8192, 2, batched_tokens=8192).per_token(8192) == 29_472
+
+
+def test_the_script_gives_nemotron_h_mlp_layers_no_state() -> None:
+    """Nemotron-H-8B by its config.json: 4 attention layers of 8 KV heads x 128 (K and V,
+    bf16: 16,384 B a token) and 24 Mamba-2 states of (10,240 x 3 + 128 x 64 x 128) x 2 B =
+    2,158,592 B each; its 24 MLP-only layers add nothing. Need at 8K: 16,384 + 24 x
+    2,158,592 / 8,192 = 22,708 B a token."""
+    script = _script()
+    raw = next(r for label, _, r in script.MODELS if label == "Nemotron-H-8B")
+    specs = script.layer_specs(raw)
+    assert len(specs) == 28
+    assert need_bytes(specs, 8192, 8192) == 22_708 * 8192
 
 
 

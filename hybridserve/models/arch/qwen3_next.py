@@ -22,6 +22,7 @@ from torch import nn
 
 from hybridserve.models.arch.decoder import StagedModel, rms_norm
 from hybridserve.models.arch.gated_deltanet import GatedDeltaNetWeights, gated_deltanet_mixer
+from hybridserve.models.arch.mamba_hybrid_config import HybridOptions
 from hybridserve.models.arch.mamba_lm import HybridBackend, MambaLM
 from hybridserve.models.arch.qwen3_next_config import LINEAR, GatedDeltaNetConfig, Qwen3NextMoE
 from hybridserve.models.config import ModelConfig
@@ -133,6 +134,7 @@ class Qwen3NextLM(MambaLM):
         self.layers = nn.ModuleList(Qwen3NextLayerWeights(local, i, dtype) for i in self.layer_ids)
         self._rope = None
         self._logits_buffer = None
+        self.opts = HybridOptions()  # MambaLM's logits read it: no Granite / Falcon-H1 scales here
 
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, max_position: int,
                 backend: HybridBackend, hidden_in: torch.Tensor | None = None) -> torch.Tensor:

@@ -21,8 +21,8 @@ from hybridserve.sim.state_kv_bytes import engine_bytes, mainstream_bytes, need_
 
 DTYPE = "bfloat16"
 
-# (label, state kind, config.json fields): ibm-ai-platform/Bamba-9B, Qwen/Qwen3-Next-80B-A3B-Instruct,
-# LiquidAI/LFM2-1.2B, ai21labs/Jamba-v0.1.
+# (label, state kind, config.json fields): ibm-ai-platform/Bamba-9B, ibm-granite/granite-4.0-h-tiny,
+# nvidia/Nemotron-H-8B-Base-8K, Qwen/Qwen3-Next-80B-A3B-Instruct, LiquidAI/LFM2-1.2B, ai21labs/Jamba-v0.1.
 MODELS: list[tuple[str, str, dict[str, Any]]] = [
     ("Bamba-9B", "Mamba-2 (conv, SSM)", {
         "architectures": ["BambaForCausalLM"], "model_type": "bamba", "vocab_size": 128256, "hidden_size": 4096,
@@ -30,6 +30,21 @@ MODELS: list[tuple[str, str, dict[str, Any]]] = [
         "attn_layer_indices": [9, 18, 27], "mamba_n_heads": 128, "mamba_d_head": 64, "mamba_d_state": 128,
         "mamba_n_groups": 1, "mamba_d_conv": 4, "mamba_expand": 2, "mamba_chunk_size": 256,
         "rms_norm_eps": 1e-5, "rope_theta": 10000.0}),
+    ("Granite-4.0-H-Tiny", "Mamba-2 (conv, SSM)", {
+        "architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid", "vocab_size": 100352,
+        "hidden_size": 1536, "intermediate_size": 512, "shared_intermediate_size": 1024, "num_hidden_layers": 40,
+        "num_attention_heads": 12, "num_key_value_heads": 4,
+        "layer_types": ["attention" if i in (5, 15, 25, 35) else "mamba" for i in range(40)],
+        "num_local_experts": 64, "num_experts_per_tok": 6, "position_embedding_type": "nope",
+        "mamba_n_heads": 48, "mamba_d_head": 64, "mamba_d_state": 128, "mamba_n_groups": 1, "mamba_d_conv": 4,
+        "mamba_expand": 2, "mamba_chunk_size": 256, "rms_norm_eps": 1e-5}),
+    ("Nemotron-H-8B", "Mamba-2 (conv, SSM); MLP-only layers", {
+        "architectures": ["NemotronHForCausalLM"], "model_type": "nemotron_h", "vocab_size": 131072,
+        "hidden_size": 4096, "intermediate_size": 21504,
+        "hybrid_override_pattern": "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-",
+        "num_attention_heads": 32, "num_key_value_heads": 8, "attention_head_dim": 128, "mamba_num_heads": 128,
+        "mamba_head_dim": 64, "ssm_state_size": 128, "n_groups": 8, "conv_kernel": 4, "chunk_size": 128,
+        "layer_norm_epsilon": 1e-5}),
     ("Qwen3-Next-80B-A3B", "Gated DeltaNet (conv, recurrent)", {
         "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "decoder_sparse_step": 1,
         "full_attention_interval": 4, "head_dim": 256, "hidden_act": "silu", "hidden_size": 2048,

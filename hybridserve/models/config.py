@@ -35,8 +35,13 @@ from hybridserve.models.arch.mamba_config import (
     MambaMixerConfig,
     bamba_attention_layers,
     parse_bamba_mixer,
+    parse_falcon_h1_mixer,
     parse_mamba2_mixer,
+    parse_nemotron_h_mixer,
 )
+from hybridserve.models.arch.mamba_hybrid_config import (HybridOptions, granite_layer_kinds, granite_uses_rope,
+                                                         nemotron_h_layer_kinds, parse_falcon_h1_scales,
+                                                         parse_granite_options, parse_nemotron_h_options)
 from hybridserve.models.arch.qwen3_next_config import (
     LINEAR,
     GatedDeltaNetConfig,
@@ -71,6 +76,9 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Lfm2ForCausalLM": "lfm2",
     # Mamba1 + attention without RoPE + MoE: models/arch/jamba_config.py, models/loaders/jamba_loader.py.
     "JambaForCausalLM": "jamba",
+    "GraniteMoeHybridForCausalLM": "granite_hybrid",  # Bamba's layer with experts and scales: mamba_hybrid_config.py
+    "NemotronHForCausalLM": "nemotron_h",  # Mamba2, attention or MLP layers by pattern: mamba_hybrid_config.py
+    "FalconH1ForCausalLM": "falcon_h1",  # Mamba2 beside attention in every layer: models/arch/falcon_h1.py
     # Gated DeltaNet + gated attention + MoE: models/arch/qwen3_next_config.py and qwen3_next.py.
     "Qwen3NextForCausalLM": "qwen3_next",
     "Qwen3_5ForCausalLM": "qwen3_5",  # Qwen3-Next's layers with a dense MLP in each (text only)
@@ -109,8 +117,7 @@ class ModelConfig:
     """Everything the decoder needs; derived fields are final (no further defaults apply)."""
 
     architecture: str
-    # llama | mistral | qwen2 | gemma2 | gemma3 | olmo3 | cohere2 | exaone4 | llama4 | mamba2 | bamba | lfm2 | jamba
-    family: str
+    family: str  # llama | mistral | ... | mamba2 | bamba | lfm2 | jamba (SUPPORTED_ARCHITECTURES' values)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -119,8 +126,10 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     rms_norm_eps: float
-    activation: str  # silu | gelu_tanh | gelu
-    layer_types: tuple[str, ...]  # FULL, SLIDING, CHUNKED, MAMBA, SHORT_CONV, MAMBA1 or LINEAR (arch/*_config.py)
+    activation: str  # silu | gelu_tanh | gelu | relu2 (Nemotron-H: relu(x)^2)
+    # FULL, SLIDING, CHUNKED, MAMBA (mamba_config.py), SHORT_CONV (lfm2_config.py), MAMBA1
+    # (jamba_config.py), LINEAR (qwen3_next_config.py) or MLP_ONLY (mamba_hybrid_config.py), one per layer
+    layer_types: tuple[str, ...]
     sliding_window: int | None
     rope: dict[str, RopeConfig]  # keyed by layer type; a type left out has no RoPE (Cohere2 / EXAONE 4 full layers)
     max_position_embeddings: int
@@ -151,6 +160,8 @@ class ModelConfig:
     jamba: JambaOptions | None = None
     # Dims of each head RoPE rotates (the first ones); None: all of head_dim (Bamba: half).
     rotary_dim: int | None = None
+    # Mamba2 hybrids past Bamba (Granite 4.0-H, Nemotron-H): their scales, experts and MLP form.
+    hybrid: HybridOptions | None = None
     # Qwen3-Next: the Gated DeltaNet of every LINEAR layer, and the feed-forward of every layer.
     gated_deltanet: GatedDeltaNetConfig | None = None
     qwen3_next_moe: Qwen3NextMoE | None = None
@@ -181,12 +192,16 @@ def parse_model_config(raw: dict[str, Any]) -> ModelConfig:
     family = SUPPORTED_ARCHITECTURES[arch]
     if family == "mamba2":
         return _parse_mamba2(raw, arch)
-    if family == "bamba":
+    if family in ("bamba", "granite_hybrid"):
         return _parse_bamba(raw, arch)
     if family == "lfm2":
         return _parse_lfm2(raw, arch)
     if family == "jamba":
         return _parse_jamba(raw, arch)
+    if family == "nemotron_h":
+        return _parse_nemotron_h(raw, arch)
+    if family == "falcon_h1":
+        return _parse_falcon_h1(raw, arch)
     if family in ("qwen3_next", "qwen3_5"):
         return _parse_qwen3_next(raw, arch, family)
     num_layers = _req_int(raw, "num_hidden_layers")
@@ -270,24 +285,80 @@ def _parse_mamba2(raw: dict[str, Any], arch: str) -> ModelConfig:
 
 
 def _parse_bamba(raw: dict[str, Any], arch: str) -> ModelConfig:
-    """Mamba2 mixers with a few full-attention layers, a SwiGLU MLP after every layer."""
+    """Mamba2 mixers with a few full-attention layers, a SwiGLU MLP after every layer; Granite
+    4.0-H (the same mixer fields) adds its scales and experts and lists its layer kinds."""
     mixer = parse_bamba_mixer(raw)
     hidden = _req_int(raw, "hidden_size")
     num_layers = _req_int(raw, "num_hidden_layers")
-    attn_layers = bamba_attention_layers(raw, num_layers)
+    granite = SUPPORTED_ARCHITECTURES[arch] == "granite_hybrid"
+    if granite:
+        layer_types = granite_layer_kinds(raw, num_layers)
+    else:
+        attn_layers = bamba_attention_layers(raw, num_layers)
+        layer_types = tuple(FULL if i in attn_layers else MAMBA for i in range(num_layers))
     num_heads, num_kv_heads, head_dim = _attention_heads(raw, hidden)
     rope_raw = dict(raw.get("rope_parameters") or {"rope_theta": raw.get("rope_theta", 10_000.0)})
     # HF's Bamba rotates half of each head whatever the config says (hard-coded there).
     rope_raw.pop("partial_rotary_factor", None)
+    rope = {FULL: _one_rope(rope_raw, "rope_parameters")}
+    extra: dict[str, Any] = dict(rotary_dim=head_dim // 2, attn_scale=head_dim**-0.5)
+    if granite:
+        options = parse_granite_options(raw)
+        rope = rope if granite_uses_rope(raw) else {}
+        extra = dict(hybrid=options, embed_scale=float(raw.get("embedding_multiplier") or 1.0),
+                     attn_scale=float(raw.get("attention_multiplier") or 1.0))
     return ModelConfig(
-        architecture=arch, family="bamba", vocab_size=_req_int(raw, "vocab_size"), hidden_size=hidden,
-        intermediate_size=_req_int(raw, "intermediate_size"), num_layers=num_layers, num_heads=num_heads,
-        num_kv_heads=num_kv_heads, head_dim=head_dim, rms_norm_eps=mixer.norm_eps, activation="silu",
-        layer_types=tuple(FULL if i in attn_layers else MAMBA for i in range(num_layers)), sliding_window=None,
-        rope={FULL: _one_rope(rope_raw, "rope_parameters")},
+        architecture=arch, family=SUPPORTED_ARCHITECTURES[arch], vocab_size=_req_int(raw, "vocab_size"),
+        hidden_size=hidden, intermediate_size=_req_int(raw, "shared_intermediate_size" if granite else
+                                                       "intermediate_size"),
+        num_layers=num_layers, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        rms_norm_eps=mixer.norm_eps, activation="silu", layer_types=layer_types, sliding_window=None, rope=rope,
         max_position_embeddings=int(raw.get("max_position_embeddings") or 8192),
-        attn_scale=head_dim**-0.5, tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        eos_token_id=raw.get("eos_token_id"), mamba=mixer, rotary_dim=head_dim // 2,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), eos_token_id=raw.get("eos_token_id"),
+        mamba=mixer, **extra,
+    )
+
+
+def _parse_nemotron_h(raw: dict[str, Any], arch: str) -> ModelConfig:
+    """One block per layer by pattern: a Mamba2 mixer, attention without RoPE, or a
+    squared-ReLU MLP, each as h += block(norm(h))."""
+    mixer = parse_nemotron_h_mixer(raw)
+    layer_types = nemotron_h_layer_kinds(raw)
+    hidden = _req_int(raw, "hidden_size")
+    # Older Nemotron-H files name head_dim attention_head_dim.
+    named_head_dim = {"head_dim": raw.get("head_dim") or raw.get("attention_head_dim")}
+    num_heads, num_kv_heads, head_dim = _attention_heads({**raw, **named_head_dim}, hidden)
+    return ModelConfig(
+        architecture=arch, family="nemotron_h", vocab_size=_req_int(raw, "vocab_size"), hidden_size=hidden,
+        intermediate_size=_req_int(raw, "intermediate_size"), num_layers=len(layer_types), num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, rms_norm_eps=mixer.norm_eps, activation="relu2",
+        layer_types=layer_types, sliding_window=None, rope={},
+        max_position_embeddings=int(raw.get("max_position_embeddings") or 4096), attn_scale=head_dim**-0.5,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), eos_token_id=raw.get("eos_token_id"),
+        mamba=mixer, hybrid=parse_nemotron_h_options(raw),
+    )
+
+
+def _parse_falcon_h1(raw: dict[str, Any], arch: str) -> ModelConfig:
+    """N decoder layers as 2N cache layers: 2j full attention (RoPE on all of each head), 2j + 1
+    the Mamba2 mixer beside it (HybridOptions.falcon); num_layers counts the 2N."""
+    mixer = parse_falcon_h1_mixer(raw)
+    scales = parse_falcon_h1_scales(raw)
+    hidden = _req_int(raw, "hidden_size")
+    num_layers = _req_int(raw, "num_hidden_layers")
+    num_heads, num_kv_heads, head_dim = _attention_heads(raw, hidden)
+    rope_raw = raw.get("rope_parameters") or {"rope_theta": raw.get("rope_theta", 10_000.0)}
+    return ModelConfig(
+        architecture=arch, family="falcon_h1", vocab_size=_req_int(raw, "vocab_size"), hidden_size=hidden,
+        intermediate_size=_req_int(raw, "intermediate_size"), num_layers=2 * num_layers, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, head_dim=head_dim, rms_norm_eps=mixer.norm_eps, activation="silu",
+        layer_types=(FULL, MAMBA) * num_layers, sliding_window=None,
+        rope={FULL: _one_rope(rope_raw, "rope_parameters")},
+        max_position_embeddings=int(raw.get("max_position_embeddings") or 8192), attn_scale=head_dim**-0.5,
+        embed_scale=float(raw.get("embedding_multiplier") or 1.0),
+        logit_scale=float(raw.get("lm_head_multiplier") or 1.0),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)), eos_token_id=raw.get("eos_token_id"),
+        mamba=mixer, hybrid=HybridOptions(falcon=scales),
     )
 
 

@@ -12,6 +12,7 @@ from hybridserve.models.config import CHUNKED, LINEAR, SLIDING, ModelConfig
 from hybridserve.models.arch.jamba_config import MAMBA1
 from hybridserve.models.arch.lfm2_config import SHORT_CONV
 from hybridserve.models.arch.mamba_config import MAMBA
+from hybridserve.models.arch.mamba_hybrid_config import MLP_ONLY
 
 
 def layer_name(layer_idx: int) -> str:
@@ -28,9 +29,12 @@ def model_kv_layer_specs(cfg: ModelConfig, block_size: int, dtype: str = "float3
     ChunkedLocalAttentionSpec(chunk size; ConfigError unless a multiple of block_size), Mamba
     layers a MambaSpec (one state per request: conv state and SSM state), short convolution layers
     one too (its conv state only), Mamba1 layers (conv state and per-channel SSM state) and Gated
-    DeltaNet layers (conv state and recurrent state); the rest full attention."""
+    DeltaNet layers (conv state and recurrent state); MLP-only layers (Nemotron-H) nothing; the
+    rest full attention."""
     specs: dict[str, KVCacheSpec] = {}
     for i, kind in enumerate(cfg.layer_types):
+        if kind == MLP_ONLY:
+            continue
         if kind == MAMBA:
             assert cfg.mamba is not None
             specs[layer_name(i)] = MambaSpec(block_size=block_size, shapes=cfg.mamba.state_shapes, dtype=dtype)
@@ -61,3 +65,8 @@ def model_kv_layer_specs(cfg: ModelConfig, block_size: int, dtype: str = "float3
                 block_size=block_size, num_kv_heads=cfg.num_kv_heads, head_size=cfg.head_dim, dtype=dtype
             )
     return specs
+
+
+def cached_layers(cfg: ModelConfig, layers: range | None = None) -> set[int]:
+    """The layers (of `layers`, default all) that have a KV cache spec: every one but MLP-only layers."""
+    return {i for i in (range(cfg.num_layers) if layers is None else layers) if cfg.layer_types[i] != MLP_ONLY}

@@ -167,6 +167,8 @@ def _sharded_sizes(cfg: ModelConfig) -> list[int]:
         sizes.append(cfg.short_conv.channels)
     if cfg.jamba is not None:
         sizes.append(cfg.jamba.mixer.intermediate_size)
+    if cfg.hybrid is not None and cfg.hybrid.num_experts:
+        sizes.append(cfg.hybrid.expert_intermediate_size)
     if cfg.gated_deltanet is not None and cfg.qwen3_next_moe is not None:
         moe = cfg.qwen3_next_moe
         sizes.append(cfg.gated_deltanet.num_k_heads)
@@ -187,6 +189,8 @@ def check_tp(cfg: ModelConfig, size: int) -> None:
             f"MLP intermediate size {cfg.intermediate_size}"]
     if cfg.llama4 is not None:
         what.append(f"dense MLP intermediate size {cfg.llama4.intermediate_size_mlp}")
+    if cfg.hybrid is not None and cfg.hybrid.num_experts:
+        what.append(f"expert intermediate size {cfg.hybrid.expert_intermediate_size}")
     if cfg.mamba is not None:
         what.append(f"Mamba heads {cfg.mamba.num_heads} and groups {cfg.mamba.n_groups} (split or shared)")
     if cfg.short_conv is not None:
@@ -221,6 +225,8 @@ def local_config(cfg: ModelConfig, tp: TPGroup | None) -> ModelConfig:
     if cfg.jamba is not None:
         mixer = cfg.jamba.mixer
         changes["jamba"] = replace(cfg.jamba, mixer=replace(mixer, intermediate_size=mixer.intermediate_size // t))
+    if cfg.hybrid is not None:
+        changes["hybrid"] = replace(cfg.hybrid, expert_intermediate_size=cfg.hybrid.expert_intermediate_size // t)
     if cfg.gated_deltanet is not None and cfg.qwen3_next_moe is not None:  # a rank: its key heads' value heads
         d, moe = cfg.gated_deltanet, cfg.qwen3_next_moe
         changes["gated_deltanet"] = replace(d, num_k_heads=d.num_k_heads // t, num_v_heads=d.num_v_heads // t)

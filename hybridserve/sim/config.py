@@ -32,8 +32,8 @@ class SimConfig:
     model_layout: str = field(default="gemma3-27b-like", metadata={
         "section": HARDWARE,
         "help": "gemma3-27b-like, gpt-oss-120b-like, command-r7b-like, llama4-scout-like, jamba-like (its "
-                "weights need --gpu H200 or --pipeline-parallel-size 2), bamba-9b-like, qwen3-next-80b-like "
-                "(--pipeline-parallel-size 2 on an H200), llama3-8b-like"})
+                "weights need --gpu H200 or --pipeline-parallel-size 2), bamba-9b-like, granite-4.0-h-like, "
+                "nemotron-h-like, qwen3-next-80b-like (--pipeline-parallel-size 2 on an H200), llama3-8b-like"})
     block_size: int = field(default=DEFAULT_BLOCK_SIZE, metadata={"section": HARDWARE, "help": "tokens per KV block"})
     num_blocks: int | None = field(default=None, metadata={
         "section": HARDWARE, "help": "override the KV pool size (blocks, null block included)",

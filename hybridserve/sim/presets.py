@@ -30,7 +30,8 @@ from hybridserve.core.kv.spec import (
 )
 
 PRESETS_PATH = Path(__file__).with_name("presets.json")
-LAYER_KINDS = ("full", "sliding", "chunked", "mamba")
+# "mlp": a layer that is only an MLP (Nemotron-H's): no KV cache, no state.
+LAYER_KINDS = ("full", "sliding", "chunked", "mamba", "mlp")
 GB = 1e9
 
 
@@ -125,14 +126,15 @@ class ModelLayout:
     def layer_specs(
         self, block_size: int, dtype: str = "bfloat16", num_speculative_blocks: int = 0
     ) -> dict[str, KVCacheSpec]:
-        """Spec of every layer, keyed by layer name (`layers.{i}.attn` / `layers.{i}.mamba`)."""
+        """Spec of every layer but MLP-only ones, keyed by layer name (`layers.{i}.attn` / `layers.{i}.mamba`)."""
         if block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {block_size}")
         # Specs are frozen and hashable: build one per kind and reuse it.
-        specs = {k: self.spec_for(k, block_size, dtype, num_speculative_blocks) for k in set(self.layer_kinds)}
+        specs = {k: self.spec_for(k, block_size, dtype, num_speculative_blocks)
+                 for k in set(self.layer_kinds) - {"mlp"}}
         return {
             f"layers.{i}.{'mamba' if kind == 'mamba' else 'attn'}": specs[kind]
-            for i, kind in enumerate(self.layer_kinds)
+            for i, kind in enumerate(self.layer_kinds) if kind != "mlp"
         }
 
     def kv_cache_config(

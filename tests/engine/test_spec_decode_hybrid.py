@@ -1,5 +1,5 @@
-"""Speculative decoding on chunked-local (Llama 4) and recurrent (Mamba2, Bamba, Qwen3-Next, LFM2, Jamba)
-models.
+"""Speculative decoding on chunked-local (Llama 4) and recurrent (Mamba2, Bamba, Granite 4.0-H,
+Nemotron-H, Falcon-H1, Qwen3-Next, LFM2, Jamba) models.
 
 A rejected draft must leave no trace: chunked-local layers overwrite its K/V later, and
 Mamba layers roll their conv and SSM states (LFM2's short convolutions their conv
@@ -22,6 +22,7 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
+from tests.helpers.hf_tiny_mamba import KINDS  # noqa: E402
 from tests.helpers.oracle_drafter import OracleDrafter  # noqa: E402
 from tests.helpers.tiny_models import greedy_tokens as oracle, model_dir  # noqa: E402
 
@@ -79,7 +80,7 @@ def run(engine: EngineCore, prompts: list[list[int]], tag: str = "r", shutdown: 
     return got
 
 
-@pytest.mark.parametrize("kind", ["llama4", "mamba2", "bamba", "qwen3_next", "lfm2", "jamba"])
+@pytest.mark.parametrize("kind", ["llama4", *KINDS])
 @pytest.mark.parametrize("async_scheduling,spec", [(False, 3), (True, 4)], ids=["sync3", "async4"])
 def test_accepted_and_rejected_drafts_leave_hf_greedy_output(kind: str, async_scheduling: bool, spec: int) -> None:
     prompts = prompts_for(kind)
@@ -104,7 +105,7 @@ def test_ngram_drafts_on_repetitive_prompts_keep_hf_output(kind: str) -> None:
         assert got[f"r{i}"] == oracle(kind, p, NEW_TOKENS), f"{kind} prompt {i}"
 
 
-@pytest.mark.parametrize("kind", ["mamba2", "bamba", "qwen3_next", "lfm2", "jamba"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("async_scheduling,spec", [(False, 3), (True, 4)], ids=["sync3", "async4"])
 def test_next_turn_starts_from_states_checkpointed_during_verification(kind: str, async_scheduling: bool,
                                                                        spec: int) -> None:

@@ -25,10 +25,11 @@ from hybridserve.core.errors import ConfigError  # noqa: E402
 # Pools small enough that the filler evicts wave 1 from the device; Bamba's and LFM2's with room for
 # the best-effort checkpoints (a column costs 9 blocks: 3 layers of 3 pages; LFM2: 3 layers of 1), so wave 1's
 # last whole checkpoint is kept and stored.
-# Qwen3-Next's (2 pages a state, 2 layers a group) evicts wave 1 at 28 with checkpoints to spare.
-POOL = {"mamba2": {False: 8, True: 10}, "bamba": {False: 64, True: 64},  # Bamba: a state is 3 pages
-        "qwen3_next": {False: 28, True: 28},
-        "lfm2": {False: 40, True: 40}, "jamba": {False: 64, True: 64}}  # Jamba: as Bamba
+# Bamba: a state is 3 pages; Granite 4.0-H and Jamba have Bamba's layout. Qwen3-Next's (2
+# pages a state, 2 layers a group) evicts wave 1 at 28 with checkpoints to spare.
+POOL = {"mamba2": {False: 8, True: 10}, "bamba": {False: 64, True: 64}, "granite": {False: 64, True: 64},
+        "nemotron_h": {False: 48, True: 48}, "falcon_h1": {False: 32, True: 32}, "qwen3_next": {False: 28, True: 28},
+        "lfm2": {False: 40, True: 40}, "jamba": {False: 64, True: 64}}
 
 
 @pytest.mark.parametrize("kind", tiny.KINDS)

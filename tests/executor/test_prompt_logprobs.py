@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from tests.helpers import hf_tiny  # noqa: E402
+from tests.helpers import hf_tiny, hf_tiny_mamba  # noqa: E402
 from tests.helpers.torch_engine import PROMPTS, make_engine  # noqa: E402
 
 from hybridserve.core.errors import RequestError  # noqa: E402
@@ -126,9 +126,8 @@ def test_bad_prompt_logprobs_are_request_errors(value: object) -> None:
         SamplingParams(prompt_logprobs=value)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("kind", ["mamba2", "bamba", "qwen3_next", "lfm2", "jamba"])
+@pytest.mark.parametrize("kind", hf_tiny_mamba.KINDS)
 def test_prompt_logprobs_of_recurrent_models_match_hf(kind: str) -> None:
-    from tests.helpers import hf_tiny_mamba
     from tests.helpers.mamba_engine import PROMPTS as MAMBA_PROMPTS
     from tests.helpers.mamba_engine import make_engine as make_mamba_engine
 

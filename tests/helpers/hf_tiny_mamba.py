@@ -1,9 +1,15 @@
-"""Tiny random HF Mamba2ForCausalLM, BambaForCausalLM, Qwen3NextForCausalLM, Lfm2ForCausalLM
-and JambaForCausalLM, and HF greedy as the oracle.
+"""Tiny random HF Mamba2ForCausalLM, BambaForCausalLM, GraniteMoeHybridForCausalLM,
+NemotronHForCausalLM, FalconH1ForCausalLM, Qwen3NextForCausalLM, Lfm2ForCausalLM and
+JambaForCausalLM, and HF greedy as the oracle.
 
 hidden 64, vocab 512, 8 Mamba heads of 16 channels, state 16, 2 groups, kernel 4, SSD
 chunks of 16 (so 40-100 token prompts cross several); Mamba2: 3 layers; Bamba: 4
-layers, layer 1 attention (4 query / 2 KV heads, half of each head rotated).
+layers, layer 1 attention (4 query / 2 KV heads, half of each head rotated); Granite 4.0-H:
+Bamba's layout without RoPE (as its checkpoints), 4 experts of 32 (top 2) beside a shared
+MLP of 64, and every multiplier away from 1; Nemotron-H: 5 layers "M-*M-" (Mamba2, MLP of
+128, attention without RoPE, Mamba2, MLP); Falcon-H1: 2 layers of attention (RoPE) beside a
+mixer with its gated RMSNorm (norm before gate), every multiplier away from 1 (4 cache layers,
+so a pipeline of 2 stages holds one whole layer each).
 Qwen3-Next: 4 layers, Gated DeltaNet (2 key heads, 4 value heads, dims 16, kernel 4) and
 gated attention (4 query / 2 KV heads of 16, a quarter rotated) alternating; 4 experts,
 top 2, a shared expert; layer 2 a dense MLP; norms drawn at random. "qwen3_5" (not in
@@ -25,8 +31,12 @@ import torch
 
 from tests.helpers import hf_tiny
 
-KINDS = ("mamba2", "bamba", "qwen3_next", "lfm2", "jamba")
+KINDS = ("mamba2", "bamba", "granite", "nemotron_h", "falcon_h1", "qwen3_next", "lfm2", "jamba")
 EXTRA_KINDS = ("qwen3_5",)  # built and checked like KINDS, outside their shared matrices
+# One kind per distinct mixer and state layout, for the hand-run state checks: Granite 4.0-H
+# and Nemotron-H run Bamba's mixer, Falcon-H1 its own gate and layer pairs, Qwen3-Next the
+# Gated DeltaNet, LFM2 the short convolution (one state part), Jamba Mamba1.
+MIXER_KINDS = ("mamba2", "bamba", "falcon_h1", "qwen3_next", "lfm2", "jamba")
 CHUNK = 16
 
 
@@ -43,6 +53,27 @@ def hf_config(kind: str):
                               num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_state=16,
                               mamba_n_groups=2, mamba_d_conv=4, mamba_chunk_size=CHUNK,
                               max_position_embeddings=2048, **common)
+    if kind == "granite":
+        return tf.GraniteMoeHybridConfig(
+            intermediate_size=32, shared_intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+            layer_types=["mamba", "attention", "mamba", "mamba"], position_embedding_type="nope",
+            embedding_multiplier=4.0, residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=2.0,
+            mamba_n_heads=8, mamba_d_state=16, mamba_n_groups=2, mamba_d_conv=4, mamba_chunk_size=CHUNK,
+            max_position_embeddings=2048, **common)
+    if kind == "nemotron_h":
+        return tf.NemotronHConfig(
+            hybrid_override_pattern="M-*M-", intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, conv_kernel=4,
+            chunk_size=CHUNK, max_position_embeddings=2048, **common)
+    if kind == "falcon_h1":
+        return tf.FalconH1Config(
+            intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            mamba_d_ssm=128, mamba_n_heads=8, mamba_d_state=16, mamba_n_groups=2, mamba_d_conv=4,
+            mamba_chunk_size=CHUNK, mamba_rms_norm=True, max_position_embeddings=2048, embedding_multiplier=2.0,
+            lm_head_multiplier=0.5, mlp_multipliers=[0.8, 1.2], key_multiplier=0.7, attention_in_multiplier=1.3,
+            attention_out_multiplier=0.9, ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.3], ssm_in_multiplier=0.75,
+            ssm_out_multiplier=1.25, **common)
     if kind == "qwen3_5":  # Qwen3-Next's layers, a dense MLP in each
         return tf.Qwen3_5TextConfig(intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
                                     num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,

@@ -44,6 +44,11 @@ def model_dir(kind: str) -> Path:
         return _variant(kind, hf_tiny.hf_config("llama"), attention_bias=True, mlp_bias=True)
     if kind == "bamba_1group":  # one Mamba group over 2 ranks: the gated norm sums across ranks
         return _variant(kind, hf_tiny_mamba.hf_config("bamba"), mamba_n_groups=1)
+    if kind == "granite_rope_dense":  # Granite 4.0-H without experts, its attention rotated (all of each head)
+        return _variant(kind, hf_tiny_mamba.hf_config("granite"), num_local_experts=0, position_embedding_type="rope",
+                        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    if kind == "falcon_h1_gate_only":  # Falcon-H1 without the mixer's RMSNorm: y * silu(z) alone
+        return _variant(kind, hf_tiny_mamba.hf_config("falcon_h1"), mamba_rms_norm=False)
     if kind == "gemma3_1kv":  # one KV head over 2 ranks: both keep (and cache) it
         return _variant(kind, hf_tiny.hf_config("gemma3"), num_key_value_heads=1)
     if kind == "olmo3_1kv":  # one KV head over 2 ranks: both hold all of k, whose norm spans the projection

@@ -141,7 +141,7 @@ def _close(a: list[torch.Tensor], b: list[torch.Tensor]) -> None:
         assert (x - y).abs().max() <= 1e-4 * x.abs().max()
 
 
-@pytest.mark.parametrize("kind", tiny.KINDS)
+@pytest.mark.parametrize("kind", tiny.MIXER_KINDS)
 def test_block_checkpoints_hold_the_state_after_each_boundary(kind: str) -> None:
     """With prefix caching, block i holds the state after 16(i+1) tokens: the chunks
     (37, 11 ending at 48, the rest, then decodes) cross boundaries inside chunks, at a chunk's end and in a
@@ -156,7 +156,7 @@ def test_block_checkpoints_hold_the_state_after_each_boundary(kind: str) -> None
     _close(_states(_hand_run(kind, seq, [len(seq)], 0).runner), _states(run.runner, (run.done - 1) // BS))
 
 
-@pytest.mark.parametrize("kind", tiny.KINDS)
+@pytest.mark.parametrize("kind", tiny.MIXER_KINDS)
 def test_chunked_prefill_states_equal_unchunked(kind: str) -> None:
     prompt = PROMPTS[1]
     whole = _hand_run(kind, prompt, [len(prompt)], 0).runner
@@ -261,18 +261,20 @@ def test_chunked_prefill_across_ssd_chunk_and_block_boundaries(kind: str) -> Non
     check(kind, PROMPTS, got)
 
 
-@pytest.mark.parametrize("kind,num_blocks", [("bamba", 26), ("qwen3_next", 14), ("lfm2", 16), ("jamba", 26)])
+@pytest.mark.parametrize("kind,num_blocks", [("bamba", 26), ("granite", 26), ("nemotron_h", 20), ("falcon_h1", 16),
+                                             ("qwen3_next", 14), ("lfm2", 16), ("jamba", 26)])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("prefix_caching", [False, True], ids=["recompute", "cached"])
 def test_preemption_resumes_from_zero_or_a_checkpoint(kind: str, num_blocks: int, async_scheduling: bool,
                                                       prefix_caching: bool) -> None:
     # The attention group grows with the sequence; a small pool forces preemptions.
     # Bamba (and Jamba): 9 of 26 blocks are each request's running Mamba states (3 layers of
-    # 3 pages); Qwen3-Next: 2 of 14 (2 Gated DeltaNet layers a group, 2 pages a state); LFM2:
-    # 3 of 16 its conv states (3 layers, one page each). So with prefix caching too (the
-    # state stays in place; checkpoints are best-effort). Without it a resumed request
-    # restarts at 0; with it, it resumes from its own last cached checkpoint, if one was
-    # kept and not evicted meanwhile.
+    # 3 pages); Granite 4.0-H has Bamba's layout, Nemotron-H 2 Mamba layers (6 pages), Falcon-H1
+    # 2 attention and 2 Mamba layers in groups of 2; Qwen3-Next: 2 of 14 (2 Gated DeltaNet
+    # layers a group, 2 pages a state); LFM2: 3 of 16 its conv states (3 layers, one page
+    # each). So with prefix caching too (the state stays in place; checkpoints are
+    # best-effort). Without it a resumed request restarts at 0; with it, it resumes from its
+    # own last cached checkpoint, if one was kept and not evicted meanwhile.
     eng = make_engine(kind, async_scheduling=async_scheduling, num_blocks=num_blocks,
                       max_num_batched_tokens=32, prefix_caching=prefix_caching)
     got = run(eng, PROMPTS)
@@ -366,7 +368,8 @@ def test_a_short_pool_skips_checkpoints_and_every_token_is_hf(kind: str, async_s
     one-page conv states, 14) with the prefix-hit workload: best-effort checkpoints are
     skipped (null entries), hits get fewer, and every token is still HF's. The second wave
     starts only from checkpoints that exist."""
-    num_blocks = {"mamba2": 4, "bamba": 26, "qwen3_next": 16, "lfm2": 18, "jamba": 26}[kind]
+    num_blocks = {"mamba2": 4, "bamba": 26, "granite": 26, "nemotron_h": 22, "falcon_h1": 18, "qwen3_next": 16,
+                  "lfm2": 18, "jamba": 26}[kind]
     base = PROMPTS[3]
     eng = make_engine(kind, async_scheduling=async_scheduling, num_blocks=num_blocks, max_num_batched_tokens=24)
     skipped = count_skipped_checkpoints(eng)

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.kv.spec import AttentionSpec, MambaSpec
 from hybridserve.models.config import load_model_config
-from hybridserve.models.kv_specs import model_kv_layer_specs
+from hybridserve.models.kv_specs import cached_layers, model_kv_layer_specs
 from hybridserve.models.loaders.loader import load_model
 from hybridserve.models.parallel import (PipelineStage, TPGroup, check_tp, init_model_parallel, stage_layer_ranges,
                                          tp_sizes_that_work)
@@ -110,7 +110,8 @@ FLOAT32_NOISE = {"qwen3_next": 5e-4, "qwen3_5": 5e-4}
 
 
 @pytest.mark.parametrize("kind", ["mistral", "gemma3", "llama4", "bamba", "gemma3_mm", "olmo3", "cohere2", "exaone4",
-                                  "olmo3_1kv", "gpt_oss", "qwen3_next", "lfm2_bias", "jamba"])
+                                  "olmo3_1kv", "gpt_oss", "granite", "granite_rope_dense", "nemotron_h",
+                                  "falcon_h1", "falcon_h1_gate_only", "qwen3_next", "lfm2_bias", "jamba"])
 def test_flat_reference_matches_hf(kind: str) -> None:
     """The test backend is right: the unsplit model's logits are HF's, per prompt, in one
     step and over a prefill and decodes."""
@@ -156,9 +157,11 @@ def _check_pipeline(kinds: list[str], world: int, results: list[dict[str, dict]]
         assert len(stages) == world
         for s, (res, layers) in enumerate(zip(stages, ranges)):
             assert res["layer_ids"] == list(layers)
-            # Global layer indices reach the backend: attention and Mamba layers of this stage only.
+            # Global layer indices reach the backend: attention and recurrent layers of this stage
+            # only (Nemotron-H's MLP layers, without a cache spec, call neither).
             recurrent = recurrent_state_shapes(cfg)  # every layer with a state per request
-            assert res["attention_calls"] == [i for i in layers if i not in recurrent] * len(STEPS)
+            attention = sorted(i for i in cached_layers(cfg, layers) if i not in recurrent)
+            assert res["attention_calls"] == attention * len(STEPS)
             assert res["mamba_writes"] == [i for i in layers if i in recurrent] * len(STEPS)
             assert res["has_embed"] == (s == 0) and res["has_head"] == (s == world - 1)
         ref = reference(kind)
@@ -171,8 +174,8 @@ def _check_pipeline(kinds: list[str], world: int, results: list[dict[str, dict]]
         assert sum(r["numel"] for r in stages) == whole + tied_extra
 
 
-PP2_KINDS = ["llama", "qwen2", "gemma3", "llama4", "bamba", "mamba2", "gemma3_mm", "olmo3", "cohere2", "exaone4",
-             "gpt_oss", "qwen3_next", "lfm2", "jamba"]
+PP2_KINDS = ["llama", "qwen2", "gemma3", "llama4", "bamba", "mamba2", "granite", "nemotron_h", "falcon_h1",
+             "gemma3_mm", "olmo3", "cohere2", "exaone4", "gpt_oss", "qwen3_next", "lfm2", "jamba"]
 
 
 def test_pipeline_two_stages_equal_whole_model() -> None:
@@ -241,7 +244,8 @@ def test_too_many_stages_is_a_config_error_before_loading() -> None:
 
 TP_KINDS = ["llama_bias", "mistral", "qwen2", "gemma2", "gemma3", "gemma3_1kv", "llama4", "bamba", "bamba_1group",
             "mamba2", "mamba2_1group_bias", "gemma3_mm", "olmo3", "cohere2", "exaone4", "olmo3_1kv", "cohere2_bias",
-            "gpt_oss", "qwen3_next", "qwen3_5", "lfm2_bias", "jamba"]
+            "gpt_oss", "granite", "granite_rope_dense", "nemotron_h", "falcon_h1", "falcon_h1_gate_only",
+            "qwen3_next", "qwen3_5", "lfm2_bias", "jamba"]
 
 
 def tp_rank(rank: int, world: int, kinds: list[str], dirs: list[str]) -> dict[str, dict]:

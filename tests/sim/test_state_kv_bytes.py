@@ -94,22 +94,40 @@ def test_a_model_without_attention_keeps_the_state_as_its_page() -> None:
     assert mainstream_bytes(specs, 1024, prefix_caching=True).total == 2_432
 
 
+def _script():  # type: ignore[no-untyped-def]
+    """benchmarks/state_kv_bytes.py as a module."""
+    spec = importlib.util.spec_from_file_location("state_kv_bytes_script", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
 def test_the_script_reads_each_model_through_the_engines_parser() -> None:
     """benchmarks/state_kv_bytes.py parses each config.json with the engine's own parser into
     layers that cost what was derived by hand: Qwen3-Next and LFM2 as above; Jamba-v0.1 has
     4 attention layers of 8 KV heads of 4,096 / 32 = 128 (2 * 8 * 128 * 2 = 4,096 bytes a
     token each) and 28 Mamba-1 layers of conv 8,192 x 3 + SSM 8,192 x 16 in bf16 (311,296
     bytes each): at 8,192, 4 x 4,096 x 8,192 + 28 x 311,296 = 142,934,016 bytes."""
-    spec = importlib.util.spec_from_file_location("state_kv_bytes_script", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = _script()
     specs = {label: script.layer_specs(raw) for label, _, raw in script.MODELS}
     assert need_bytes(specs["Qwen3-Next-80B-A3B"], 8192, 8192) == 240_844_800
     assert engine_bytes(specs["Qwen3-Next-80B-A3B"], 8192, 2, batched_tokens=8192).per_token(8192) == 29_472
     assert need_bytes(specs["LFM2-1.2B"], 8192, 8192) == 100_745_216
     assert engine_bytes(specs["LFM2-1.2B"], 8192, 2, batched_tokens=8192).total == 101_056_512
     assert need_bytes(specs["Jamba-v0.1"], 8192, 8192) == 142_934_016
+
+
+def test_the_script_gives_nemotron_h_mlp_layers_no_state() -> None:
+    """Nemotron-H-8B by its config.json: 4 attention layers of 8 KV heads x 128 (K and V,
+    bf16: 16,384 B a token) and 24 Mamba-2 states of (10,240 x 3 + 128 x 64 x 128) x 2 B =
+    2,158,592 B each; its 24 MLP-only layers add nothing. Need at 8K: 16,384 + 24 x
+    2,158,592 / 8,192 = 22,708 B a token."""
+    script = _script()
+    raw = next(r for label, _, r in script.MODELS if label == "Nemotron-H-8B")
+    specs = script.layer_specs(raw)
+    assert len(specs) == 28
+    assert need_bytes(specs, 8192, 8192) == 22_708 * 8192
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])

@@ -42,7 +42,7 @@ from hybridserve.executor.torch.sampler import (SampleRow, inv_temperatures, is_
                                                 sample_isolated, target_logprobs)
 from hybridserve.executor.torch.spec_decode import NgramDrafter, num_accepted
 from hybridserve.models.arch.decoder import DecoderLM
-from hybridserve.models.kv_specs import layer_index
+from hybridserve.models.kv_specs import cached_layers, layer_index
 from hybridserve.models.arch.mamba_lm import MambaLM
 from hybridserve.text.structured_output import GrammarBackend
 
@@ -86,7 +86,7 @@ class ModelRunner:
         self.drafter = drafter if drafter is not None else NgramDrafter()
         self.device = device
         self.kv = PagedKVCache(kv_cache_config, device)
-        expected = set(range(model.cfg.num_layers) if layers is None else layers)
+        expected = cached_layers(model.cfg, layers)
         got = {layer_index(n) for n in self.kv.layer_group}
         if got != expected:
             raise ConfigError(f"KV cache config covers layers {sorted(got)}, the model has {sorted(expected)}")

@@ -13,29 +13,14 @@ by heads, mixers by channels, MLPs and experts by intermediate columns.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hybridserve.models.arch.decoder import rms_norm
 from hybridserve.models.arch.jamba_config import MAMBA1
 from hybridserve.models.arch.mamba1 import Mamba1MixerWeights, mamba1_mixer
 from hybridserve.models.arch.mamba_lm import AttentionWeights, HybridBackend, MambaLM
+from hybridserve.models.arch.routed_experts import RoutedExperts, routed_experts
 from hybridserve.models.config import FULL, ModelConfig
-
-
-class JambaExperts(nn.Module):
-    """A mixture of experts: the router (replicated) and each expert's fused gate | up rows
-    and down columns (this rank's intermediate columns)."""
-
-    def __init__(self, cfg: ModelConfig, num_experts: int, dtype: torch.dtype) -> None:
-        super().__init__()
-
-        def p(*shape: int) -> nn.Parameter:
-            return nn.Parameter(torch.zeros(*shape, dtype=dtype), requires_grad=False)
-
-        self.router = p(num_experts, cfg.hidden_size)
-        self.gate_up = p(num_experts, 2 * cfg.intermediate_size, cfg.hidden_size)
-        self.down = p(num_experts, cfg.hidden_size, cfg.intermediate_size)
 
 
 class JambaLayerWeights(nn.Module):
@@ -56,7 +41,8 @@ class JambaLayerWeights(nn.Module):
         self.attn = AttentionWeights(cfg, dtype) if kind == FULL else None
         self.pre_ff_norm = p(cfg.hidden_size)
         moe = layer_idx in opts.expert_layers
-        self.experts = JambaExperts(cfg, opts.num_experts, dtype) if moe else None
+        self.experts = (RoutedExperts(opts.num_experts, cfg.hidden_size, cfg.intermediate_size, dtype)
+                        if moe else None)
         self.gate_up = None if moe else p(2 * cfg.intermediate_size, cfg.hidden_size)
         self.down = None if moe else p(cfg.hidden_size, cfg.intermediate_size)
 
@@ -91,34 +77,11 @@ class JambaLM(MambaLM):
                 io.write(i, (conv, ssm), token_states, boundary_states)
             else:
                 assert w.attn is not None
-                h = h + self.reduce(self._attention_without_rope(i, w.attn, x, backend))
+                h = h + self.reduce(self._attention(i, w.attn, x, None, backend))  # no RoPE
             if w.experts is not None:
-                h = h + self.reduce(self._experts(w.experts, rms_norm(h, w.pre_ff_norm, eps, inv_h)))
+                x = rms_norm(h, w.pre_ff_norm, eps, inv_h)
+                h = h + self.reduce(routed_experts(x, w.experts, cfg.jamba.top_k, renormalize=False))
             else:
                 assert w.gate_up is not None and w.down is not None
                 h = self.add_swiglu_mlp(h, w.pre_ff_norm, w.gate_up, w.down)
         return self.stage_output(h)
-
-    def _attention_without_rope(self, i: int, w: AttentionWeights, x: torch.Tensor,
-                                backend: HybridBackend) -> torch.Tensor:
-        cfg = self.cfg
-        nq, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        T = x.shape[0]
-        qkv = F.linear(x, w.qkv)
-        attn = backend.attention(i, qkv[:, : nq * hd].view(T, nq, hd), qkv[:, nq * hd :].view(T, 2, nkv, hd))
-        return F.linear(attn, w.o)
-
-    def _experts(self, e: JambaExperts, x: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] (normed) -> sum over each token's top-k experts of weight * expert(x)
-        (a partial sum under tensor parallelism: each rank holds part of every expert)."""
-        opts = self.cfg.jamba
-        assert opts is not None
-        probs = F.linear(x, e.router).float().softmax(dim=-1)
-        top_w, top_i = torch.topk(probs, opts.top_k, dim=-1)
-        out = torch.zeros_like(x)
-        for expert in top_i.unique().tolist():
-            rows, slot = torch.where(top_i == expert)
-            gate, up = F.linear(x[rows], e.gate_up[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, e.down[expert]) * top_w[rows, slot, None].to(x.dtype)
-            out.index_add_(0, rows, y)
-        return out

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridserve.models.arch.mamba_config import MambaMixerConfig
+from hybridserve.models.arch.mamba_config import GATE_ONLY, GATE_THEN_NORM, MambaMixerConfig
 from hybridserve.models.arch.scan_chunks import chunk_layout
 from hybridserve.models.arch.verify_steps import verify_token_by_token
 from hybridserve.models.parallel import SharedNormGroups
@@ -179,14 +179,20 @@ def _verify(w: Mamba2MixerWeights, cfg: MambaMixerConfig, xbc: torch.Tensor, dt:
 
 def _gated_norm(y: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, cfg: MambaMixerConfig,
                 share: SharedNormGroups | None = None) -> torch.Tensor:
-    """RMSNorm of y * silu(z) within each of the n_groups channel groups, times weight
-    (the gate applies before the norm, as HF's Mamba2 does: norm_before_gate=False).
+    """The mixer's output before out_proj, as cfg.gate says: RMSNorm of y * silu(z) within each
+    of the n_groups channel groups, times weight (HF's Mamba2: norm_before_gate=False); or
+    the norm of y first, then the gate (Falcon-H1); or the gate alone (no norm).
     With `share`, this rank holds part of one group and the mean square is the group's."""
-    g = (y * F.silu(z.float())).view(y.shape[0], cfg.n_groups, -1)
+    gate = F.silu(z.float())
+    if cfg.gate == GATE_ONLY:
+        return (y * gate).to(weight.dtype)
+    g = (y * gate if cfg.gate == GATE_THEN_NORM else y).view(y.shape[0], cfg.n_groups, -1)
     square = g.pow(2)
     mean_square = square.mean(-1, keepdim=True) if share is None else share.mean_square(square.sum(-1, keepdim=True))
     g = g * torch.rsqrt(mean_square + cfg.norm_eps)
-    return weight * g.view(y.shape).to(weight.dtype)
+    if cfg.gate == GATE_THEN_NORM:
+        return weight * g.view(y.shape).to(weight.dtype)
+    return ((weight * g.view(y.shape)) * gate).to(weight.dtype)
 
 
 def _dt(dt: torch.Tensor, w: Mamba2MixerWeights, cfg: MambaMixerConfig) -> torch.Tensor:

@@ -22,6 +22,10 @@ from typing import Any
 from hybridserve.core.errors import ConfigError
 
 MAMBA = "mamba"  # layer type of a Mamba2 mixer layer (HF calls it "linear_attention")
+# Where the gate silu(z) meets the mixer's output y (per channel group, with the norm weight):
+GATE_THEN_NORM = "gate_then_norm"  # rmsnorm(y * silu(z)) * w: Mamba2, Bamba, Granite 4.0-H, Nemotron-H
+NORM_THEN_GATE = "norm_then_gate"  # rmsnorm(y) * w * silu(z): Falcon-H1 with mamba_norm_before_gate
+GATE_ONLY = "gate_only"  # y * silu(z), no norm: Falcon-H1 without mamba_rms_norm
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,7 @@ class MambaMixerConfig:
     proj_bias: bool = False  # in_proj / out_proj
     dt_min: float = 0.0  # time_step_limit: dt is clamped to [dt_min, dt_max] after softplus
     dt_max: float = math.inf
+    gate: str = GATE_THEN_NORM
 
     @property
     def intermediate_size(self) -> int:
@@ -127,6 +132,55 @@ def parse_bamba_mixer(raw: dict[str, Any]) -> MambaMixerConfig:
         dt_min=lo, dt_max=hi,
     )
     _check_common(raw, mixer, hidden, expand)
+    return mixer
+
+
+def parse_nemotron_h_mixer(raw: dict[str, Any]) -> MambaMixerConfig:
+    """The mixer of a NemotronHForCausalLM config.json: its own field names, the gated norm's
+    epsilon the model's layer_norm_epsilon, and H * P free of hidden_size * expand (HF sizes
+    the mixer by heads alone)."""
+    act = raw.get("mamba_hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ConfigError(f"unsupported mamba_hidden_act {act!r} for a Mamba2 mixer (silu only)")
+    lo, hi = _time_step_limit(raw)
+    mixer = MambaMixerConfig(
+        num_heads=_int(raw, "mamba_num_heads", 128), head_dim=_int(raw, "mamba_head_dim", 64),
+        state_size=_int(raw, "ssm_state_size", 128), n_groups=_int(raw, "n_groups", 8),
+        conv_kernel=_int(raw, "conv_kernel", 4), chunk_size=_int(raw, "chunk_size", 128),
+        norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)), conv_bias=bool(raw.get("use_conv_bias", True)),
+        proj_bias=bool(raw.get("use_bias", False)), dt_min=lo, dt_max=hi,
+    )
+    if mixer.num_heads % mixer.n_groups:
+        raise ConfigError(f"mamba heads {mixer.num_heads} are not a multiple of n_groups {mixer.n_groups}")
+    if mixer.conv_kernel < 2:
+        raise ConfigError(f"conv kernel must be >= 2, got {mixer.conv_kernel}")
+    return mixer
+
+
+def parse_falcon_h1_mixer(raw: dict[str, Any]) -> MambaMixerConfig:
+    """The mixer of a FalconH1ForCausalLM config.json: Bamba's fields, its width mamba_d_ssm
+    (else hidden_size * mamba_expand), and its gate / norm choice."""
+    hidden = _int(raw, "hidden_size")
+    n_heads = _int(raw, "mamba_n_heads", 128)
+    width = raw.get("mamba_d_ssm") or hidden * _int(raw, "mamba_expand", 2)
+    d_head = raw.get("mamba_d_head", "auto")
+    if raw.get("mamba_proj_bias"):
+        raise ConfigError("mamba_proj_bias=true is not supported for FalconH1")
+    gate = GATE_ONLY
+    if raw.get("mamba_rms_norm", False):
+        gate = NORM_THEN_GATE if raw.get("mamba_norm_before_gate", True) else GATE_THEN_NORM
+    lo, hi = _time_step_limit(raw)
+    mixer = MambaMixerConfig(
+        num_heads=n_heads, head_dim=width // n_heads if d_head in (None, "auto") else _int(raw, "mamba_d_head"),
+        state_size=_int(raw, "mamba_d_state", 256), n_groups=_int(raw, "mamba_n_groups", 1),
+        conv_kernel=_int(raw, "mamba_d_conv", 4), chunk_size=_int(raw, "mamba_chunk_size", 256),
+        norm_eps=float(raw.get("rms_norm_eps", 1e-5)), conv_bias=bool(raw.get("mamba_conv_bias", True)),
+        dt_min=lo, dt_max=hi, gate=gate,
+    )
+    if mixer.intermediate_size != width:
+        raise ConfigError(f"mamba_n_heads * mamba_d_head = {mixer.intermediate_size} differs from the mixer "
+                          f"width {width} (mamba_d_ssm)")
+    _check_common(raw, mixer, mixer.intermediate_size, 1)
     return mixer
 
 

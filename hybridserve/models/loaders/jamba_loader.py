@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from hybridserve.models.arch.jamba import JambaExperts, JambaLM
+from hybridserve.models.arch.jamba import JambaLM
+from hybridserve.models.arch.routed_experts import RoutedExperts
 from hybridserve.models.arch.mamba1 import Mamba1MixerWeights
 from hybridserve.models.config import ModelConfig
 from hybridserve.models.loaders.checkpoint import (Weights, fill_ends, load_staged, take_attention, take_gate_up,
@@ -58,7 +59,7 @@ def _fill_mixer(m: Mamba1MixerWeights, cfg: ModelConfig, w: Weights, prefix: str
         take_row_bias(w, m.out_proj_bias, prefix + "out_proj.bias", hidden)
 
 
-def _fill_experts(e: JambaExperts, cfg: ModelConfig, w: Weights, prefix: str, tp: TPGroup) -> None:
+def _fill_experts(e: RoutedExperts, cfg: ModelConfig, w: Weights, prefix: str, tp: TPGroup) -> None:
     H, I = cfg.hidden_size, cfg.intermediate_size
     e.router.copy_(w.take(prefix + "router.weight", (e.router.shape[0], H)))
     for k in range(e.router.shape[0]):

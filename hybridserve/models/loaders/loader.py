@@ -49,6 +49,10 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
     cfg = load_model_config(model_dir)
     if stage is not None:
         stage.layers(cfg.num_layers)  # ConfigError now, before any weight is read
+    if cfg.family == "falcon_h1":  # a mixer beside attention in every layer: two cache layers each
+        from hybridserve.models.loaders.falcon_h1_loader import load_falcon_h1_model
+
+        return load_falcon_h1_model(model_dir, cfg, device, dtype, stage, tp)
     if cfg.gated_deltanet is not None:
         from hybridserve.models.loaders.qwen3_next_loader import load_qwen3_next_model
 

@@ -19,7 +19,10 @@ another's prefix cache):
 - poisson-R: Poisson arrivals at R requests/s (--rates), temperature 1.0.
 Servers: `hybridserve serve` (its defaults), `vllm serve` (bf16, its CPU defaults with no
 reserved core, 2 GiB of KV), and llama.cpp's server (llama-cpp-python's, on --gguf)
-where --llamacpp-python is given. Printed per workload and server: output tok/s per
+where --llamacpp-python is given (a venv with llama-cpp-python[server] built with
+CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_AMX_INT8=OFF
+-DGGML_CPU_REPACK=OFF": its AMX/repacked build crashes on a streamed completion, as the
+offline peer kit's --extra-bufts off avoids; it serves one request at a time). Printed per workload and server: output tok/s per
 round, TTFT and TPOT median and p99 (of the last round), the server's peak RSS (process
 tree, sampled every 0.2 s), and hybridserve's ratio to vLLM; then the offline engine on
 the same batch and sampling (LLM.generate of --num-prompts random prompts), the serving
@@ -48,8 +51,18 @@ from common import checkout_commit  # noqa: E402
 from hybridserve.models.platform.cpu_features import read_cpu_flags  # noqa: E402
 
 _CLIENT = """
-import argparse, sys
+import argparse, os, sys, uuid
 from vllm.benchmarks import serve
+from vllm.benchmarks.lib import endpoint_request_func as requests
+if os.environ.get("UUID_REQUEST_IDS"):
+    # llama-cpp-python's server answers 400 (empty body) to an x-request-id that is not a
+    # UUID, and the client names requests "bench-<hex>-<i>": send the same ids as UUIDs.
+    set_headers = requests._update_headers_common
+    def _uuid_headers(headers, request_func_input):
+        set_headers(headers, request_func_input)
+        if "x-request-id" in headers:
+            headers["x-request-id"] = str(uuid.uuid5(uuid.NAMESPACE_URL, headers["x-request-id"]))
+    requests._update_headers_common = _uuid_headers
 p = argparse.ArgumentParser()
 serve.add_cli_args(p)
 serve.main(p.parse_args(sys.argv[1:]))
@@ -130,6 +143,11 @@ def server_command(name: str, a: argparse.Namespace, port: int) -> tuple[list[st
              str(os.cpu_count() or 2), "--n_ctx", "4096", "--host", "127.0.0.1", "--port", str(port)], env)
 
 
+def last_line(path: str) -> str:
+    lines = Path(path).read_text(errors="replace").strip().splitlines()
+    return lines[-1] if lines else ""
+
+
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -143,7 +161,8 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise RuntimeError(f"the server did not answer {url}/v1/models within {timeout:.0f} s")
 
 
-def run_client(a: argparse.Namespace, url: str, rate: str, sampling: list[str], out_dir: Path, seed: int) -> dict:
+def run_client(a: argparse.Namespace, server: str, url: str, rate: str, sampling: list[str], out_dir: Path,
+               seed: int) -> dict:
     driver = out_dir / "client.py"
     driver.write_text(_CLIENT)
     result = out_dir / "result.json"
@@ -154,10 +173,13 @@ def run_client(a: argparse.Namespace, url: str, rate: str, sampling: list[str], 
            "--request-rate", rate, "--ignore-eos", "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl",
            "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(out_dir), "--result-filename",
            result.name, *sampling]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", **({"UUID_REQUEST_IDS": "1"} if server == "llamacpp" else {}))
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode or not result.exists():
         raise RuntimeError(f"the client failed: {done.stderr.strip().splitlines()[-1:] or done.returncode}")
     r = json.loads(result.read_text())
+    if not r.get("completed"):
+        raise RuntimeError(f"every request failed: {(r.get('errors') or ['?'])[0]!r}")
     return {"tok_s": r["output_throughput"], "failed": r.get("failed", 0), "ttft_p50": r["median_ttft_ms"],
             "ttft_p99": r["p99_ttft_ms"], "tpot_p50": r["median_tpot_ms"], "tpot_p99": r["p99_tpot_ms"]}
 
@@ -219,15 +241,18 @@ def main() -> int:
                 url = f"http://127.0.0.1:{port}"
                 try:
                     wait_ready(url, proc, 600)
-                    run_client(a, url, "inf", ["--temperature", "1.0"], Path(tmp), seed=999)  # warm-up
+                    try:  # warm-up; a server that refuses it is reported by the timed runs
+                        run_client(a, name, url, "inf", ["--temperature", "1.0"], Path(tmp), seed=999)
+                    except RuntimeError:
+                        pass
                     peak = PeakRss(proc.pid)
                     for w, (wname, (rate, sampling)) in enumerate(loads.items()):
                         # Prompts of their own for each workload and round (the same for every
                         # server), so no run reads another's prefix cache.
                         try:
-                            r = run_client(a, url, rate, sampling, Path(tmp), seed=100 * rnd + w)
+                            r = run_client(a, name, url, rate, sampling, Path(tmp), seed=100 * rnd + w)
                         except RuntimeError as exc:
-                            r = {"error": str(exc)}
+                            r = {"error": f"{exc}; the server's last log line: {last_line(log.name)!r}"}
                         results.setdefault((wname, name), []).append(r)
                         print(f"round {rnd} {name} {wname}: {r}", file=sys.stderr, flush=True)
                     rss[name] = max(rss.get(name, 0), peak.stop())

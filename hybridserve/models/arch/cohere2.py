@@ -7,8 +7,8 @@
 - LayerNorm, not RMSNorm: (x - mean) / sqrt(var + eps) * w, no bias (HF's Cohere2LayerNorm,
   in float32), for the layers and the final norm.
 - Sliding layers rotate q/k with RoPE over interleaved pairs (2i, 2i+1); the loader reorders
-  their q/k rows to the half split (llama4.interleaved_to_half_split: q.k is unchanged by one
-  permutation of head_dim applied to both). Full layers have no RoPE at all: their
+  their q/k rows to the half split (loaders/llama4_loader.interleaved_to_half_split: q.k
+  is unchanged by one permutation of head_dim applied to both). Full layers have no RoPE at all: their
   `rope` entry is absent (config.py), so positions reach them only through the causal mask.
 
 The logit scale (logits * logit_scale) is folded into the final norm's weight by the loader.

@@ -26,7 +26,8 @@ from hybridserve.models.arch.gemma3_multimodal import TextCheckpoint
 from hybridserve.models.platform.heap import release_free_heap
 from hybridserve.models.arch.gpt_oss import GptOssLM, fill_gpt_oss
 from hybridserve.models.layers.int8 import int8_gemm_available
-from hybridserve.models.arch.llama4 import Llama4LM, fill_llama4, interleaved_to_half_split
+from hybridserve.models.arch.llama4 import Llama4LM
+from hybridserve.models.loaders.llama4_loader import fill_llama4, interleaved_to_half_split
 from hybridserve.models.parallel import PipelineStage, TPGroup, group_rows
 from hybridserve.models.layers.smoothing import Encode, calibration_sequences, file_encoder, smooth
 

@@ -122,3 +122,30 @@ def test_missing_key_or_unknown_tensor_is_named(case: str, change: tuple[str, st
     with pytest.raises(ConfigError, match=needle) as error:
         _convert(content, tmp_path)
     assert "\n" not in str(error.value)
+
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_stacked_jamba_experts_load_as_per_expert_ones(tp_size: int, tmp_path: Path) -> None:
+    """jamba_loader's two expert layouts (the Hub's per-expert tensors, and transformers' own
+    stacked ones a converted GGUF holds) fill the same weights, whole and as each
+    tensor-parallel rank's share."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from hybridserve.models.parallel import TPGroup
+
+    per_expert = hf_tiny_mamba.tiny_model_dir("jamba")
+    stacked = tmp_path / "stacked"
+    stacked.mkdir()
+    shutil.copy(per_expert / "config.json", stacked / "config.json")
+    state = hf_tiny_mamba.load_hf("jamba").state_dict()
+    assert state["model.layers.1.feed_forward.experts.gate_up_proj"].shape == (4, 192, 64)  # [E, 2F, D]
+    save_file({name: tensor.contiguous() for name, tensor in state.items()}, str(stacked / "model.safetensors"))
+    for rank in range(tp_size):
+        want = load_model(per_expert, tp=TPGroup(rank, tp_size)).state_dict()
+        got = load_model(stacked, tp=TPGroup(rank, tp_size)).state_dict()
+        assert want.keys() == got.keys()
+        for name in want:
+            assert torch.equal(want[name], got[name]), (rank, name)

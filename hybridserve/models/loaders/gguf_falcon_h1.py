@@ -29,8 +29,9 @@ from typing import Any
 
 from hybridserve.core.errors import ConfigError
 from hybridserve.models.loaders.gguf_header import GGUFHeader
-from hybridserve.models.loaders.gguf_hybrid_spec import HybridArchSpec, flat, mixer_merges, renamed, reshaped
-from hybridserve.models.loaders.gguf_spec import COMMON_BLOCK_NAMES, common_config, float32_value, required, tensor_rows
+from hybridserve.models.loaders.gguf_hybrid_spec import (FEED_FORWARD_BLOCK_NAMES, HybridArchSpec, flat, mixer_merges,
+                                                         renamed, reshaped)
+from hybridserve.models.loaders.gguf_spec import common_config, float32_value, required, tensor_rows
 
 FOLDED_MULTIPLIERS: dict[str, Any] = {
     "embedding_multiplier": 1.0, "lm_head_multiplier": 1.0, "attention_in_multiplier": 1.0,
@@ -45,8 +46,9 @@ def _refuse_unfolded(header: GGUFHeader) -> None:
     metadata (`mlp_gate_multiplier`, `ssm.has_mup`, ...): their weights are not known to hold
     them folded, so they are refused rather than run with the multipliers possibly lost."""
     prefix = f"{header.architecture}."
-    unfolded = sorted(key for key in header.metadata
-                      if key.startswith(prefix) and key.endswith(("multiplier", "has_mup")))
+    # (rope.scaling.yarn_log_multiplier is llama.cpp's own key, not one of them)
+    unfolded = sorted(key for key in header.metadata if key.startswith(prefix) and not key.startswith(f"{prefix}rope.")
+                      and key.endswith(("multiplier", "has_mup")))
     if unfolded:
         raise ConfigError(f"{header.path} carries {unfolded[0]}, a key of Falcon-H1's converter before "
                           f"llama.cpp's; reconvert the model with llama.cpp's convert_hf_to_gguf.py")
@@ -65,7 +67,8 @@ def _falcon_h1_config(header: GGUFHeader) -> dict[str, Any]:
         architectures=["FalconH1ForCausalLM"], model_type="falcon_h1", hidden_act="silu",
         head_dim=int(header.arch_value("attention.key_length")
                      or config["hidden_size"] // config["num_attention_heads"]),
-        rope_theta=float(header.arch_value("rope.freq_base", ROPE_THETA_WITHOUT_KEY)),
+        # float32 in the file: the shortest form gives back the published 1e11, not 99999997952
+        rope_theta=float32_value(header.arch_value("rope.freq_base", ROPE_THETA_WITHOUT_KEY)),
         rope_scaling=config.get("rope_scaling"),
         mamba_d_ssm=width, mamba_n_heads=heads, mamba_d_head=width // heads,
         mamba_d_state=int(required(header, "ssm.state_size")), mamba_n_groups=int(required(header, "ssm.group_count")),
@@ -83,7 +86,7 @@ _MIXER = "mamba."
 FALCON_H1_SPEC = HybridArchSpec(
     gguf_arch="falcon-h1", family="falcon_h1",
     block_names={
-        **{k: v.replace("mlp.", "feed_forward.") for k, v in COMMON_BLOCK_NAMES.items()},
+        **FEED_FORWARD_BLOCK_NAMES,
         "ffn_norm": "pre_ff_layernorm", "ssm_in": f"{_MIXER}in_proj", "ssm_conv1d": f"{_MIXER}conv1d",
         "ssm_out": f"{_MIXER}out_proj",
     },

@@ -18,10 +18,12 @@ from typing import Callable
 
 import numpy as np
 
-from hybridserve.models.loaders.gguf_spec import ArchSpec, BlockMerge
+from hybridserve.models.loaders.gguf_spec import COMMON_BLOCK_NAMES, ArchSpec, BlockMerge
 
 Shape = tuple[int, ...]
 OUTPUT_NORM_TENSOR = "output_norm.weight"
+# Llama's block names with the MLP where Falcon-H1 and Jamba keep it (feed_forward., not mlp.).
+FEED_FORWARD_BLOCK_NAMES = {stem: hf.replace("mlp.", "feed_forward.") for stem, hf in COMMON_BLOCK_NAMES.items()}
 
 
 @dataclass(frozen=True)

@@ -31,9 +31,8 @@ import numpy as np
 
 from hybridserve.core.errors import ConfigError
 from hybridserve.models.loaders.gguf_header import GGUFHeader
-from hybridserve.models.loaders.gguf_hybrid_spec import HybridArchSpec, mixer_merges, renamed
-from hybridserve.models.loaders.gguf_spec import (COMMON_BLOCK_NAMES, BlockMerge, common_config, float32_value,
-                                                  required, tensor_rows)
+from hybridserve.models.loaders.gguf_hybrid_spec import FEED_FORWARD_BLOCK_NAMES, HybridArchSpec, mixer_merges, renamed
+from hybridserve.models.loaders.gguf_spec import BlockMerge, common_config, float32_value, required, tensor_rows
 
 _KV_HEADS = "attention.head_count_kv"
 
@@ -94,7 +93,8 @@ def _jamba_config(header: GGUFHeader) -> dict[str, Any]:
         num_experts=int(required(header, "expert_count")) if experts else 1,
         num_experts_per_tok=int(required(header, "expert_used_count")) if experts else 1,
         mamba_expand=width // hidden, mamba_d_state=int(required(header, "ssm.state_size")),
-        mamba_d_conv=int(required(header, "ssm.conv_kernel")), mamba_dt_rank=int(required(header, "ssm.time_step_rank")),
+        mamba_d_conv=int(required(header, "ssm.conv_kernel")),
+        mamba_dt_rank=int(required(header, "ssm.time_step_rank")),
         mamba_conv_bias=tensor_rows(header, f"blk.{mamba_layer}.ssm_conv1d.bias") is not None,
         mamba_proj_bias=tensor_rows(header, f"blk.{mamba_layer}.ssm_in.bias") is not None,
         rms_norm_eps=float32_value(required(header, "attention.layer_norm_rms_epsilon")),
@@ -113,7 +113,7 @@ _EXPERT_MERGES = (
 JAMBA_SPEC = HybridArchSpec(
     gguf_arch="jamba", family="jamba",
     block_names={
-        **{k: v.replace("mlp.", "feed_forward.") for k, v in COMMON_BLOCK_NAMES.items()},
+        **FEED_FORWARD_BLOCK_NAMES,
         "ffn_norm": "pre_ff_layernorm", "ffn_gate_inp": "feed_forward.router",
         **{f"ssm_{stem}": f"{_MIXER}{hf}" for stem, hf in (
             ("in", "in_proj"), ("conv1d", "conv1d"), ("x", "x_proj"), ("dt", "dt_proj"), ("out", "out_proj"),

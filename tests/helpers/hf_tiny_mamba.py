@@ -107,11 +107,15 @@ def hf_config(kind: str):
 NORM_DRAWS = {"qwen3_next": (-0.5, 0.5), "qwen3_5": (-0.5, 0.5), "lfm2": (0.5, 1.5), "jamba": (0.5, 1.5)}
 
 
-def build_tiny(kind: str, out_dir: Path, seed: int = 0) -> Path:
+def build_tiny(kind: str, out_dir: Path, seed: int = 0, **config_changes: object) -> Path:
+    """`config_changes`: HF config fields set over hf_config(kind)'s."""
     from transformers import AutoModelForCausalLM
 
+    config = hf_config(kind)
+    for key, value in config_changes.items():
+        setattr(config, key, value)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf_config(kind), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     norms = NORM_DRAWS.get(kind)
     if norms is not None:
         with torch.no_grad():

@@ -59,6 +59,10 @@ class Weights:
             raise ConfigError(f"tensor {name} has shape {tuple(t.shape)}, expected {shape}")
         return t.to(dtype or self.dtype)
 
+    def has(self, name: str) -> bool:
+        """Whether `name` is in the checkpoint and not taken yet (a choice between two layouts)."""
+        return name in self._unread
+
     def discard(self, name: str) -> None:
         """A tensor the model does not need (e.g. a tied head stored anyway)."""
         self._unread.discard(name)

@@ -22,7 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridserve.core.errors import ConfigError
+from hybridserve.models.loaders.gguf_falcon_h1 import FALCON_H1_SPEC
 from hybridserve.models.loaders.gguf_gpt_oss import GPT_OSS_SPEC
+from hybridserve.models.loaders.gguf_jamba import JAMBA_SPEC
 from hybridserve.models.loaders.gguf_header import GGUFHeader
 from hybridserve.models.loaders.gguf_rope_freqs import ROPE_FREQS_TENSOR, rope_freqs_scaling
 from hybridserve.models.loaders.gguf_sliding import COHERE2_SPEC, EXAONE4_SPEC, OLMO2_SPEC
@@ -124,6 +126,7 @@ ARCH_SPECS: dict[str, ArchSpec] = {
         consumed_tensors=frozenset({ROPE_FREQS_TENSOR}),
     ),
     **{spec.gguf_arch: spec for spec in (GPT_OSS_SPEC, COHERE2_SPEC, OLMO2_SPEC, EXAONE4_SPEC)},
+    **{spec.gguf_arch: spec for spec in (FALCON_H1_SPEC, JAMBA_SPEC)},
 }
 
 

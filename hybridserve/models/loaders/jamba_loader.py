@@ -8,7 +8,9 @@ HF names (layer i)::
                      A_log [I, N], D, out_proj, dt_layernorm, b_layernorm, c_layernorm}
     attention:       .self_attn.{q,k,v,o}_proj
     MLP:             .feed_forward.{gate,up,down}_proj, or on expert layers .feed_forward.router and
-                     .feed_forward.experts.e.{gate,up,down}_proj
+                     .feed_forward.experts.e.{gate,up,down}_proj (the Hub's checkpoints), or stacked as
+                     transformers holds them: .feed_forward.experts.gate_up_proj [E, 2F, D] (gate rows
+                     first) and .down_proj [E, D, F] (what a converted GGUF holds, gguf_jamba.py)
 
 As in loader.py, every tensor must be present with its shape, and none may be left over;
 a pipeline stage reads its layers only, a tensor-parallel rank cuts each to its share
@@ -61,8 +63,16 @@ def _fill_mixer(m: Mamba1MixerWeights, cfg: ModelConfig, w: Weights, prefix: str
 
 def _fill_experts(e: RoutedExperts, cfg: ModelConfig, w: Weights, prefix: str, tp: TPGroup) -> None:
     H, I = cfg.hidden_size, cfg.intermediate_size
-    e.router.copy_(w.take(prefix + "router.weight", (e.router.shape[0], H)))
-    for k in range(e.router.shape[0]):
+    E = e.router.shape[0]
+    e.router.copy_(w.take(prefix + "router.weight", (E, H)))
+    if w.has(prefix + "experts.gate_up_proj"):
+        gate_up = w.take(prefix + "experts.gate_up_proj", (E, 2 * I, H))
+        down = w.take(prefix + "experts.down_proj", (E, H, I))
+        for k in range(E):
+            e.gate_up[k].copy_(torch.cat([tp.shard(t) for t in gate_up[k].chunk(2)]))
+            e.down[k].copy_(tp.shard(down[k], 1))
+        return
+    for k in range(E):
         x = f"{prefix}experts.{k}."
         e.gate_up[k].copy_(take_gate_up(w, tp, x, (I, H)))
         e.down[k].copy_(tp.shard(w.take(x + "down_proj.weight", (H, I)), 1))

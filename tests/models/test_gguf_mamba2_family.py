@@ -137,6 +137,9 @@ def test_gguf_checkpoint_is_hf_and_greedy_tokens_equal_hf(kind: str, family: str
     ("mamba2", {"key_changes": {"ssm.group_count": 3}}, "8 SSM heads do not split into 3 groups"),
     ("granite", {"extra_tensors": {"blk.0.ssm_x.weight": np.zeros((4, 4), np.float32)}}, r"blk\.0\.ssm_x\.weight"),
     ("nemotron_h", {"key_changes": {"ssm.inner_size": None}}, r"nemotron_h\.ssm\.inner_size"),
+    ("nemotron_h", {"key_changes": {"feed_forward_length": [128] * 5}}, "layer 2 has both KV heads and an MLP"),
+    # Bamba's files (granitehybrid, RoPE on, half of each head rotated) are not Granite 4.0-H.
+    ("granite", {"key_changes": {"rope.scaling.finetuned": True, "rope.dimension_count": 8}}, "partial rotary"),
 ])
 def test_a_broken_file_is_refused_by_name(kind: str, broken: dict, needle: str, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=needle) as error:

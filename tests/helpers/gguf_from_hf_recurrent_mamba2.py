@@ -1,5 +1,5 @@
-"""GGUF files written from the tiny HF Mamba2, Granite 4.0-H and Nemotron-H models
-(hf_tiny_mamba kinds "mamba2", "granite", "nemotron_h") the way llama.cpp's converter
+"""GGUF files written from the tiny HF Mamba2, Granite 4.0-H, Bamba and Nemotron-H models
+(hf_tiny_mamba kinds "mamba2", "granite", "bamba", "nemotron_h") the way llama.cpp's converter
 (convert_hf_to_gguf.py: Mamba2Model, GraniteHybridModel, NemotronHModel) writes them. Names
 come from gguf-py's own HF -> GGUF map (`gguf.get_tensor_name_map`, the converter's
 `map_tensor_name`); layouts, values and keys are stated here from the converter, never taken
@@ -25,9 +25,11 @@ feed_forward_length = HF's intermediate_size), `attention.head_count_kv` as a pe
 array (0 off attention layers), `rope.scaling.finetuned` false and context 2**20 (no RoPE:
 the converter writes it so for every hybrid Granite, keeping RoPE for Bamba; a Granite model
 with RoPE is written here with the switch on, as llama.cpp's runtime reads it), the same
-ssm.* keys; Granite's multipliers as attention.scale, embedding_scale, residual_scale,
-logit_scale, expert_count / expert_used_count / expert_shared_feed_forward_length;
-Nemotron-H's key/value length and `feed_forward_length` per layer (0 off MLP layers).
+ssm.* keys; Bamba (granitehybrid too) with the switch on, `rope.dimension_count` its
+`attn_rotary_emb` (half of each head; HF 5 configs hold it as partial_rotary_factor 0.5),
+its context, no multipliers and no expert keys; Granite's multipliers as attention.scale,
+embedding_scale, residual_scale, logit_scale, expert_count / expert_used_count /
+expert_shared_feed_forward_length; Nemotron-H's key/value length and `feed_forward_length` per layer (0 off MLP layers).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import numpy as np
 
 from tests.helpers.gguf_from_hf import _byte_vocabulary
 
-GGUF_ARCH = {"mamba2": "mamba2", "granite": "granitehybrid", "nemotron_h": "nemotron_h"}
+GGUF_ARCH = {"mamba2": "mamba2", "granite": "granitehybrid", "bamba": "granitehybrid", "nemotron_h": "nemotron_h"}
 NO_ROPE_CONTEXT = 2**20  # what the converter writes as the context of a model without RoPE
 
 
@@ -51,11 +53,11 @@ def llama_permute(rows: np.ndarray, heads: int) -> np.ndarray:
 def _gguf_tensors(kind: str, config: Any, state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     import gguf
 
-    arch = gguf.MODEL_ARCH.GRANITE_HYBRID if kind == "granite" else \
+    arch = gguf.MODEL_ARCH.GRANITE_HYBRID if kind in ("granite", "bamba") else \
         gguf.MODEL_ARCH.NEMOTRON_H if kind == "nemotron_h" else gguf.MODEL_ARCH.MAMBA2
     layers = len(config.layers_block_type) if kind == "nemotron_h" else config.num_hidden_layers
     names = gguf.get_tensor_name_map(arch, layers)
-    groups = config.mamba_n_groups if kind == "granite" else config.n_groups
+    groups = config.mamba_n_groups if kind in ("granite", "bamba") else config.n_groups
     shared = "ffn_{}_shexp" if getattr(config, "num_local_experts", 0) else "ffn_{}"  # Granite's shared MLP
     out: dict[str, np.ndarray] = {}
     for name, values in state.items():
@@ -94,6 +96,8 @@ def _layer_kinds(kind: str, config: Any) -> list[str]:
         return list(config.layers_block_type)
     if kind == "granite":
         return list(config.layer_types)
+    if kind == "bamba":
+        return ["attention" if i in config.attn_layer_indices else "mamba" for i in range(config.num_hidden_layers)]
     return ["mamba"] * config.num_hidden_layers
 
 
@@ -103,7 +107,7 @@ def _ssm_keys(kind: str, config: Any) -> dict[str, Any]:
         inner, heads, groups, state, kernel, eps = (config.expand * config.hidden_size, config.num_heads,
                                                     config.n_groups, config.state_size, config.conv_kernel,
                                                     config.layer_norm_epsilon)
-    elif kind == "granite":
+    elif kind in ("granite", "bamba"):
         inner, heads, groups, state, kernel, eps = (config.mamba_expand * config.hidden_size, config.mamba_n_heads,
                                                     config.mamba_n_groups, config.mamba_d_state, config.mamba_d_conv,
                                                     config.rms_norm_eps)
@@ -119,11 +123,14 @@ def _model_keys(kind: str, config: Any, kinds: list[str]) -> dict[str, Any]:
     """Head counts, widths and scales (see the module docstring)."""
     if kind == "mamba2":
         return {"feed_forward_length": 0, "attention.head_count": 0}
-    rotates = getattr(config, "position_embedding_type", None) == "rope"
+    rotates = kind == "bamba" or getattr(config, "position_embedding_type", None) == "rope"
+    head_dim = config.hidden_size // config.num_attention_heads
+    rope = getattr(config, "rope_parameters", None) or {}
+    rotated = int(head_dim * rope.get("partial_rotary_factor", 1.0))  # Bamba's attn_rotary_emb
     keys = {"feed_forward_length": config.intermediate_size, "attention.head_count": config.num_attention_heads,
             "attention.head_count_kv": [config.num_key_value_heads if k in ("attention", "full_attention") else 0
                                         for k in kinds],
-            "rope.freq_base": 10000.0, "rope.dimension_count": config.hidden_size // config.num_attention_heads,
+            "rope.freq_base": 10000.0, "rope.dimension_count": rotated,
             "rope.scaling.finetuned": rotates}
     if rotates:
         keys["context_length"] = config.max_position_embeddings
@@ -132,7 +139,7 @@ def _model_keys(kind: str, config: Any, kinds: list[str]) -> dict[str, Any]:
                      "residual_scale": config.residual_multiplier, "logit_scale": config.logits_scaling,
                      "expert_count": config.num_local_experts, "expert_used_count": config.num_experts_per_tok,
                      "expert_shared_feed_forward_length": config.shared_intermediate_size})
-    else:
+    elif kind == "nemotron_h":
         keys.update({"attention.key_length": config.head_dim, "attention.value_length": config.head_dim,
                      "feed_forward_length": [config.intermediate_size if k == "mlp" else 0 for k in kinds]})
     return keys

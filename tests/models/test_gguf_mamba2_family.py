@@ -1,4 +1,4 @@
-"""GGUF files of pure Mamba2, Granite 4.0-H and Nemotron-H, written as llama.cpp's converter
+"""GGUF files of pure Mamba2, Granite 4.0-H, Bamba and Nemotron-H, written as llama.cpp's converter
 writes them (tests/helpers/gguf_from_hf_recurrent_mamba2.py) from the tiny HF models of
 hf_tiny_mamba, converted and served: the converted checkpoint holds HF's own tensors under
 HF's own names (so Q/K rows restored even where no RoPE would show a wrong order), and greedy
@@ -35,9 +35,11 @@ from tests.helpers.torch_engine import step_until_done  # noqa: E402
 NARROW_NEMOTRON = "nemotron_h_heads_of_12"
 # (tiny model, the family its file is written as): the three kinds, Granite without experts
 # and with RoPE (its dense MLP as ffn_gate / ffn_up / ffn_down, its Q/K order visible in the
-# tokens), Mamba2 with projection biases and one group, the narrow Nemotron-H mixer.
+# tokens), Bamba (granitehybrid too, half of each head rotated), Mamba2 with projection biases
+# and one group, the narrow Nemotron-H mixer.
 CASES = [("mamba2", "mamba2"), ("granite", "granite"), ("nemotron_h", "nemotron_h"),
-         ("granite_rope_dense", "granite"), ("mamba2_1group_bias", "mamba2"), (NARROW_NEMOTRON, "nemotron_h")]
+         ("granite_rope_dense", "granite"), ("bamba", "bamba"), ("mamba2_1group_bias", "mamba2"),
+         (NARROW_NEMOTRON, "nemotron_h")]
 # What each file's keys must become in the HF config (the tiny models' numbers).
 CONFIG_FACTS = {
     "granite": {"layer_types": ["mamba", "attention", "mamba", "mamba"], "embedding_multiplier": 4.0,
@@ -52,6 +54,8 @@ CONFIG_FACTS = {
     "mamba2": {"num_heads": 8, "head_dim": 16, "n_groups": 2, "expand": 2, "use_conv_bias": True,
                "use_bias": False},
     "mamba2_1group_bias": {"n_groups": 1, "use_bias": True},
+    "bamba": {"architectures": ["BambaForCausalLM"], "attn_layer_indices": [1], "attn_rotary_emb": 8,
+              "intermediate_size": 128, "mamba_n_heads": 8, "max_position_embeddings": 2048},
     NARROW_NEMOTRON: {"mamba_num_heads": 8, "mamba_head_dim": 12},
 }
 _BUILT: dict[str, Path] = {}
@@ -138,8 +142,8 @@ def test_gguf_checkpoint_is_hf_and_greedy_tokens_equal_hf(kind: str, family: str
     ("granite", {"extra_tensors": {"blk.0.ssm_x.weight": np.zeros((4, 4), np.float32)}}, r"blk\.0\.ssm_x\.weight"),
     ("nemotron_h", {"key_changes": {"ssm.inner_size": None}}, r"nemotron_h\.ssm\.inner_size"),
     ("nemotron_h", {"key_changes": {"feed_forward_length": [128] * 5}}, "layer 2 has both KV heads and an MLP"),
-    # Bamba's files (granitehybrid, RoPE on, half of each head rotated) are not Granite 4.0-H.
-    ("granite", {"key_changes": {"rope.scaling.finetuned": True, "rope.dimension_count": 8}}, "partial rotary"),
+    # Bamba rotates half of each head, Granite 4.0-H all of it: a quarter is neither.
+    ("bamba", {"key_changes": {"rope.dimension_count": 4}}, "RoPE over 4 of 16 head dims"),
 ])
 def test_a_broken_file_is_refused_by_name(kind: str, broken: dict, needle: str, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=needle) as error:

@@ -24,6 +24,7 @@ import numpy as np
 
 from hybridserve.core.errors import ConfigError
 from hybridserve.models.loaders.gguf_header import GGUFHeader
+from hybridserve.models.loaders.gguf_layer_arrays import block_stems
 from hybridserve.models.loaders.gguf_spec import BlockMerge, required
 
 
@@ -68,11 +69,6 @@ class Mamba2Sizes:
         return self.num_heads * self.head_dim
 
 
-def block_stems(header: GGUFHeader) -> set[str]:
-    """Tensor names inside blk.N., over every layer ("ssm_in.bias")."""
-    return {info.name.split(".", 2)[-1] for info in header.tensors if info.name.startswith("blk.")}
-
-
 def mamba2_sizes(header: GGUFHeader) -> Mamba2Sizes:
     """The mixer sizes from the `ssm.*` keys; ConfigError naming a missing key or sizes that
     do not split into whole heads and groups."""
@@ -90,3 +86,11 @@ def mamba2_sizes(header: GGUFHeader) -> Mamba2Sizes:
         n_groups=groups, conv_kernel=int(required(header, "ssm.conv_kernel")),
         conv_bias="ssm_conv1d.bias" in names, proj_bias="ssm_in.bias" in names,
     )
+
+
+def mamba2_expand(header: GGUFHeader, sizes: Mamba2Sizes, hidden: int) -> int:
+    """HF's `expand` (inner size / hidden size), for the configs that size the mixer by it."""
+    if sizes.inner_size % hidden:
+        raise ConfigError(f"{header.path}: SSM inner size {sizes.inner_size} is not a multiple of the "
+                          f"hidden size {hidden}")
+    return sizes.inner_size // hidden

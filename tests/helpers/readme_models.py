@@ -58,7 +58,8 @@ def _defined(name: str):
 def supported_models_table() -> str:
     """The markdown table, one row per entry of SUPPORTED_ARCHITECTURES, in its order."""
     archs: dict[str, str] = _defined("SUPPORTED_ARCHITECTURES")
-    gguf = {spec.family for spec in _defined("ARCH_SPECS").values()}
+    # A spec converting files of several families (granitehybrid: Granite 4.0-H and Bamba) lists them.
+    gguf = {family for spec in _defined("ARCH_SPECS").values() for family in getattr(spec, "families", (spec.family,))}
     head = ["`config.json` architecture", "layers"] + [title for _, title in FEATURES] + ["`.gguf`"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for arch, family in archs.items():

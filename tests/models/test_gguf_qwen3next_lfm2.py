@@ -1,5 +1,5 @@
-"""GGUF files of Qwen3-Next written as llama.cpp's converter writes them
-(tests/helpers/gguf_from_hf_recurrent_qwen3next.py), converted and served.
+"""GGUF files of Qwen3-Next and LFM2 written as llama.cpp's converter writes them
+(tests/helpers/gguf_from_hf_recurrent_{qwen3next,lfm2}.py), converted and served.
 
 The converted directory is an HF checkpoint: transformers loads it with no key missing or
 left over, and every tensor equals the tiny model's it was written from (bit for bit, but
@@ -7,8 +7,8 @@ for what the converter stores transformed: Qwen3-Next's 1 + w norms and -exp(A_l
 within a float32 rounding). Greedy tokens equal HF's on the original model. Qwen3-Next is
 read both as current converters split its q/k/v/z projection and as older ones stored it
 whole. A file missing a key or carrying a tensor the architecture does not have is refused
-by name. Headers with the published models' keys and shapes (Qwen3-Next-80B-A3B) give
-their configs and HF tensor shapes, derived by hand.
+by name. Headers with the published models' keys and shapes (Qwen3-Next-80B-A3B, LFM2-1.2B)
+give their configs and HF tensor shapes, derived by hand.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 
 from hybridserve.core.errors import ConfigError  # noqa: E402
+from hybridserve.models.arch.lfm2_config import SHORT_CONV  # noqa: E402
 from hybridserve.models.config import FULL, LINEAR, load_model_config, parse_model_config  # noqa: E402
 from hybridserve.models.loaders.gguf_arch import ARCH_SPECS  # noqa: E402
 from hybridserve.models.loaders.gguf_header import GGUFHeader, GGUFTensorInfo  # noqa: E402
@@ -30,10 +31,11 @@ from hybridserve.models.loaders.gguf_loader import convert_gguf  # noqa: E402
 from hybridserve.models.loaders.loader import load_model  # noqa: E402
 from tests.helpers import hf_tiny_mamba as tiny  # noqa: E402
 from tests.helpers import mamba_engine  # noqa: E402
+from tests.helpers.gguf_from_hf_recurrent_lfm2 import write_lfm2_gguf  # noqa: E402
 from tests.helpers.gguf_from_hf_recurrent_qwen3next import write_qwen3next_gguf  # noqa: E402
 
-CASES = [("qwen3_next", False), ("qwen3_next", True)]
-IDS = ["qwen3next", "qwen3next-whole-qkvz"]
+CASES = [("qwen3_next", False), ("qwen3_next", True), ("lfm2", False)]
+IDS = ["qwen3next", "qwen3next-whole-qkvz", "lfm2"]
 # Tensors the converter stores transformed (1 + w, -exp(A_log)): equal within a rounding.
 TRANSFORMED = ("norm.weight", "A_log")
 CONFIG_FIELDS = ("layer_types", "head_dim", "num_heads", "num_kv_heads", "intermediate_size", "rms_norm_eps",
@@ -42,7 +44,10 @@ CONFIG_FIELDS = ("layer_types", "head_dim", "num_heads", "num_kv_heads", "interm
 
 
 def _write(kind: str, path: Path, whole_qkvz: bool = False, extra: dict[str, np.ndarray] | None = None) -> Path:
-    write_qwen3next_gguf(tiny.tiny_model_dir(kind), path, legacy_qkvz=whole_qkvz, extra_tensors=extra)
+    if kind == "lfm2":
+        write_lfm2_gguf(tiny.tiny_model_dir(kind), path, extra_tensors=extra)
+    else:
+        write_qwen3next_gguf(tiny.tiny_model_dir(kind), path, legacy_qkvz=whole_qkvz, extra_tensors=extra)
     return path
 
 
@@ -82,7 +87,8 @@ def test_gguf_greedy_tokens_equal_hf(kind: str, whole_qkvz: bool, tmp_path: Path
         del mamba_engine._MODELS[key]
 
 
-@pytest.mark.parametrize("arch, kv_heads, missing", [("qwen3next", 2, "ssm.group_count")], ids=["qwen3next"])
+@pytest.mark.parametrize("arch, kv_heads, missing", [("qwen3next", 2, "ssm.group_count"),
+                                                     ("lfm2", [0, 2], "shortconv.l_cache")], ids=["qwen3next", "lfm2"])
 def test_file_without_a_required_key_is_refused_by_name(arch: str, kv_heads: object, missing: str,
                                                         tmp_path: Path) -> None:
     """Every key a decoder has, none of the architecture's own."""
@@ -101,7 +107,8 @@ def test_file_without_a_required_key_is_refused_by_name(arch: str, kv_heads: obj
     assert "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("kind, stranger", [("qwen3_next", "blk.0.ssm_x.weight")], ids=["qwen3next"])
+@pytest.mark.parametrize("kind, stranger", [("qwen3_next", "blk.0.ssm_x.weight"),
+                                             ("lfm2", "blk.2.shortconv.x_proj.weight")], ids=["qwen3next", "lfm2"])
 def test_unknown_tensor_is_refused_by_name(kind: str, stranger: str, tmp_path: Path) -> None:
     path = _write(kind, tmp_path / f"{kind}.gguf", extra={stranger: np.zeros((4, 64), np.float32)})
     with pytest.raises(ConfigError, match=stranger.replace(".", r"\.")):
@@ -151,3 +158,24 @@ def test_qwen3next_80b_file_plans_the_published_model() -> None:
         "mlp.experts.gate_up_proj": (512, 1024, 2048), "mlp.experts.down_proj": (512, 2048, 512),
         "mlp.shared_expert_gate.weight": (1, 2048), "mlp.gate.weight": (512, 2048)}
 
+
+def test_lfm2_1_2b_file_plans_the_published_model() -> None:
+    """LFM2-1.2B's keys as the converter writes them: 16 layers, attention at 2, 5, 8, 10,
+    12, 14 (8 KV heads; 0 for the convolutions), the MLP width already adjusted (8192)."""
+    attention = {2, 5, 8, 10, 12, 14}
+    keys = {"block_count": 16, "context_length": 128000, "embedding_length": 2048, "feed_forward_length": 8192,
+            "attention.head_count": 32, "attention.head_count_kv": np.array([8 if i in attention else 0
+                                                                              for i in range(16)], np.uint32),
+            "attention.layer_norm_rms_epsilon": 1e-5, "rope.freq_base": 1e6, "shortconv.l_cache": 3}
+    shapes = {"token_embd.weight": (65536, 2048), "token_embd_norm.weight": (2048,),
+              "blk.0.shortconv.conv.weight": (2048, 3), "blk.0.shortconv.in_proj.weight": (6144, 2048),
+              "blk.0.attn_norm.weight": (2048,)}
+    header = _header("lfm2", keys, shapes)
+    cfg = parse_model_config(ARCH_SPECS["lfm2"].build_config(header))
+    assert cfg.layer_types == tuple(FULL if i in attention else SHORT_CONV for i in range(16))
+    assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size) == (32, 8, 64, 8192)
+    assert (cfg.short_conv.channels, cfg.short_conv.kernel, cfg.short_conv.bias) == (2048, 3, False)
+    assert _planned(header, 0) == {"conv.conv.weight": (2048, 1, 3), "conv.in_proj.weight": (6144, 2048),
+                                   "operator_norm.weight": (2048,)}
+    names = [t.hf_name for t in ARCH_SPECS["lfm2"].plan(header)]
+    assert "model.embedding_norm.weight" in names

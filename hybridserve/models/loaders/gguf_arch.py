@@ -24,6 +24,7 @@ from typing import Any
 from hybridserve.core.errors import ConfigError
 from hybridserve.models.loaders.gguf_gpt_oss import GPT_OSS_SPEC
 from hybridserve.models.loaders.gguf_header import GGUFHeader
+from hybridserve.models.loaders.gguf_lfm2 import LFM2_SPEC
 from hybridserve.models.loaders.gguf_qwen3next import QWEN3NEXT_SPEC
 from hybridserve.models.loaders.gguf_rope_freqs import ROPE_FREQS_TENSOR, rope_freqs_scaling
 from hybridserve.models.loaders.gguf_sliding import COHERE2_SPEC, EXAONE4_SPEC, OLMO2_SPEC
@@ -125,7 +126,7 @@ ARCH_SPECS: dict[str, ArchSpec] = {
         consumed_tensors=frozenset({ROPE_FREQS_TENSOR}),
     ),
     **{spec.gguf_arch: spec for spec in (GPT_OSS_SPEC, COHERE2_SPEC, OLMO2_SPEC, EXAONE4_SPEC)},
-    **{spec.gguf_arch: spec for spec in (QWEN3NEXT_SPEC,)},
+    **{spec.gguf_arch: spec for spec in (QWEN3NEXT_SPEC, LFM2_SPEC)},
 }
 
 

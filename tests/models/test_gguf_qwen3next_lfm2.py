@@ -147,6 +147,10 @@ def test_qwen3next_80b_file_plans_the_published_model() -> None:
     header = _header("qwen3next", keys, shapes)
     cfg = parse_model_config(ARCH_SPECS["qwen3next"].build_config(header))
     assert cfg.layer_types == (LINEAR, LINEAR, LINEAR, FULL) * 12
+    # Newer files may say which layers are recurrent, one flag per layer, instead.
+    flags = {**keys, "attention.recurrent_layers": np.array([i % 8 != 7 for i in range(48)])}
+    flagged = ARCH_SPECS["qwen3next"].build_config(_header("qwen3next", flags, shapes))["layer_types"]
+    assert flagged == ([LINEAR] * 7 + [FULL]) * 6
     assert (cfg.head_dim, cfg.rotary_dim, cfg.vocab_size, cfg.tie_word_embeddings) == (256, 64, 151936, False)
     assert cfg.gated_deltanet.state_shapes == ((2 * 16 * 128 + 32 * 128, 3), (32, 128, 128))
     moe = cfg.qwen3_next_moe

@@ -62,7 +62,8 @@ def _lfm2_config(header: GGUFHeader) -> dict[str, Any]:
         block_auto_adjust_ff_dim=False, conv_L_cache=int(required(header, "shortconv.l_cache")),
         conv_bias=bool(conv_layers) and tensor_rows(header, f"blk.{conv_layers[0]}.shortconv.in_proj.bias") is not None,
         layer_types=[SHORT_CONV if not count else "full_attention" for count in per_layer],
-        rope_parameters={"rope_type": "default", "rope_theta": float(header.arch_value("rope.freq_base", 1_000_000.0)),
+        # llama.cpp's RoPE base for a file without rope.freq_base (converters always write it)
+        rope_parameters={"rope_type": "default", "rope_theta": float(header.arch_value("rope.freq_base", 10_000.0)),
                          **(config.pop("rope_scaling", None) or {})},
     )
     return config

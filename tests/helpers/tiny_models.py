@@ -2,7 +2,7 @@
 
 `model_dir(kind)`: the decoder kinds of hf_tiny (llama4 included), the recurrent kinds
 of hf_tiny_mamba, and a few variants with some HF config fields changed (biases, group
-and KV-head counts) for the tensor-parallel tests. Each is built once per test process.
+and KV-head counts) or saved another way (stacked experts) for the tensor-parallel tests. Each is built once per test process.
 """
 
 from __future__ import annotations
@@ -37,6 +37,20 @@ def _variant(name: str, base: object, random_biases: bool = False, **changes: ob
     return _VARIANTS[name]
 
 
+def _saved_as_held(name: str, kind: str) -> Path:
+    """The tiny recurrent `kind` model saved under its parameters' in-memory names and shapes
+    (transformers saves stacked experts per expert; a converted GGUF keeps them stacked)."""
+    if name not in _VARIANTS:
+        from safetensors.torch import save_file
+
+        model = hf_tiny_mamba.load_hf(kind)
+        _VARIANTS[name] = hf_tiny.tiny_model_dir("llama").parent / name  # the shared temporary folder
+        model.config.save_pretrained(_VARIANTS[name])
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+                  str(_VARIANTS[name] / "model.safetensors"), metadata={"format": "pt"})
+    return _VARIANTS[name]
+
+
 def model_dir(kind: str) -> Path:
     if kind in hf_tiny_mamba.KINDS + hf_tiny_mamba.EXTRA_KINDS:
         return hf_tiny_mamba.tiny_model_dir(kind)
@@ -57,6 +71,8 @@ def model_dir(kind: str) -> Path:
         return _variant(kind, hf_tiny.hf_config("cohere2"), attention_bias=True)
     if kind == "lfm2_bias":  # convolution biases: in_proj and conv cut by channel, out_proj's added once
         return _variant(kind, hf_tiny_mamba.hf_config("lfm2"), random_biases=True, conv_bias=True)
+    if kind == "qwen3_next_stacked":  # experts as mlp.experts.gate_up_proj / down_proj, cut per rank
+        return _saved_as_held(kind, "qwen3_next")
     if kind == "mamba2_1group_bias":
         return _variant(kind, hf_tiny_mamba.hf_config("mamba2"), n_groups=1, use_bias=True)
     return hf_tiny.tiny_model_dir(kind)

@@ -27,6 +27,8 @@ from hybridserve.models.loaders.gguf_gpt_oss import GPT_OSS_SPEC
 from hybridserve.models.loaders.gguf_jamba import JAMBA_SPEC
 from hybridserve.models.loaders.gguf_header import GGUFHeader
 from hybridserve.models.loaders.gguf_mamba2_family import MAMBA2_FAMILY_SPECS
+from hybridserve.models.loaders.gguf_lfm2 import LFM2_SPEC
+from hybridserve.models.loaders.gguf_qwen3next import QWEN3NEXT_SPEC
 from hybridserve.models.loaders.gguf_rope_freqs import ROPE_FREQS_TENSOR, rope_freqs_scaling
 from hybridserve.models.loaders.gguf_sliding import COHERE2_SPEC, EXAONE4_SPEC, OLMO2_SPEC
 from hybridserve.models.loaders.gguf_spec import COMMON_BLOCK_NAMES, POST_NORM_BLOCK_NAMES, ArchSpec, common_config
@@ -129,6 +131,7 @@ ARCH_SPECS: dict[str, ArchSpec] = {
     **{spec.gguf_arch: spec for spec in (GPT_OSS_SPEC, COHERE2_SPEC, OLMO2_SPEC, EXAONE4_SPEC)},
     **{spec.gguf_arch: spec for spec in (FALCON_H1_SPEC, JAMBA_SPEC)},
     **{spec.gguf_arch: spec for spec in MAMBA2_FAMILY_SPECS},
+    **{spec.gguf_arch: spec for spec in (QWEN3NEXT_SPEC, LFM2_SPEC)},
 }
 
 

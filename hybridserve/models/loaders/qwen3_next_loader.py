@@ -8,7 +8,9 @@ HF names (layer i, under model.layers.i.)::
                               (Qwen3.5: in_proj_qkv [q | k | v], in_proj_z, in_proj_b, in_proj_a)
     linear_attn.conv1d.weight [conv_dim, 1, K] over [q | k | v], dt_bias, A_log, norm, out_proj
     self_attn.q_proj          rows per head: [query hd | gate hd];  k_proj, v_proj, q_norm, k_norm, o_proj
-    mlp.gate, mlp.experts.e.{gate,up,down}_proj, mlp.shared_expert.{gate,up,down}_proj,
+    mlp.gate, mlp.experts.e.{gate,up,down}_proj (or stacked: mlp.experts.gate_up_proj [E, 2I, H],
+                              gate rows first, and mlp.experts.down_proj [E, H, I]),
+                              mlp.shared_expert.{gate,up,down}_proj,
     mlp.shared_expert_gate    (or mlp.{gate,up,down}_proj in mlp_only_layers and in Qwen3.5)
 
 As in loader.py, every tensor must be present with its shape and none may be left over
@@ -82,11 +84,20 @@ def _fill_moe(m: MoEWeights, cfg: ModelConfig, w: Weights, prefix: str, tp: TPGr
     moe = cfg.qwen3_next_moe
     assert moe is not None
     H, I, Is = cfg.hidden_size, moe.moe_intermediate_size, moe.shared_intermediate_size
-    m.router.copy_(w.take(prefix + "gate.weight", (moe.num_experts, H)))
-    for e in range(moe.num_experts):
-        ex = f"{prefix}experts.{e}."
-        m.gate_up[e].copy_(take_gate_up(w, tp, ex, (I, H)))
-        m.down[e].copy_(tp.shard(w.take(ex + "down_proj.weight", (H, I)), 1))
+    E = moe.num_experts
+    m.router.copy_(w.take(prefix + "gate.weight", (E, H)))
+    stacked = prefix + "experts.gate_up_proj"
+    if stacked in w.checkpoint.names():  # transformers' own layout (a converted GGUF's too)
+        gate_up = w.take(stacked, (E, 2 * I, H))
+        down = w.take(prefix + "experts.down_proj", (E, H, I))
+        for e in range(E):
+            m.gate_up[e].copy_(torch.cat([tp.shard(gate_up[e, :I]), tp.shard(gate_up[e, I:])]))
+            m.down[e].copy_(tp.shard(down[e], 1))
+    else:
+        for e in range(E):
+            ex = f"{prefix}experts.{e}."
+            m.gate_up[e].copy_(take_gate_up(w, tp, ex, (I, H)))
+            m.down[e].copy_(tp.shard(w.take(ex + "down_proj.weight", (H, I)), 1))
     m.shared_gate_up.copy_(take_gate_up(w, tp, prefix + "shared_expert.", (Is, H)))
     m.shared_down.copy_(tp.shard(w.take(prefix + "shared_expert.down_proj.weight", (H, Is)), 1))
     m.shared_gate.copy_(w.take(prefix + "shared_expert_gate.weight", (1, H)))

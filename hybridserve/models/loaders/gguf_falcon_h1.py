@@ -29,9 +29,8 @@ from typing import Any
 
 from hybridserve.core.errors import ConfigError
 from hybridserve.models.loaders.gguf_header import GGUFHeader
-from hybridserve.models.loaders.gguf_hybrid_spec import (FEED_FORWARD_BLOCK_NAMES, HybridArchSpec, flat, mixer_merges,
-                                                         renamed, reshaped)
-from hybridserve.models.loaders.gguf_spec import common_config, float32_value, required, tensor_rows
+from hybridserve.models.loaders.gguf_hybrid_spec import FEED_FORWARD_BLOCK_NAMES, HybridArchSpec, flat, mixer_merges
+from hybridserve.models.loaders.gguf_spec import common_config, float32_value, renamed, required, reshaped, tensor_rows
 
 FOLDED_MULTIPLIERS: dict[str, Any] = {
     "embedding_multiplier": 1.0, "lm_head_multiplier": 1.0, "attention_in_multiplier": 1.0,

@@ -18,9 +18,9 @@ from typing import Callable
 
 import numpy as np
 
-from hybridserve.models.loaders.gguf_spec import COMMON_BLOCK_NAMES, ArchSpec, BlockMerge
+from hybridserve.models.loaders.gguf_spec import (COMMON_BLOCK_NAMES, ArchSpec, BlockMerge, Shape, a_log_from_a, reshaped,
+                                                  unsqueezed_conv)
 
-Shape = tuple[int, ...]
 OUTPUT_NORM_TENSOR = "output_norm.weight"
 # Llama's block names with the MLP where Falcon-H1 and Jamba keep it (feed_forward., not mlp.).
 FEED_FORWARD_BLOCK_NAMES = {stem: hf.replace("mlp.", "feed_forward.") for stem, hf in COMMON_BLOCK_NAMES.items()}
@@ -39,24 +39,6 @@ class HybridArchSpec(ArchSpec):
         return super().hf_name(gguf_name)
 
 
-def reshaped(hf_name: str, source: str, hf_shape: Callable[[Shape], Shape],
-             values: Callable[[np.ndarray], np.ndarray] = lambda v: v) -> BlockMerge:
-    """HF `hf_name` (inside model.layers.N.) from the one GGUF tensor `source` (inside blk.N.):
-    `values` applied, then reshaped to `hf_shape(source shape)`."""
-    return BlockMerge(hf_name, (source,), shape=hf_shape,
-                      build=lambda v: np.ascontiguousarray(values(v)).reshape(hf_shape(v.shape)))
-
-
-def renamed(hf_name: str, source: str) -> BlockMerge:
-    """A tensor stored as HF stores it, under a name the block map cannot place (a bare one)."""
-    return reshaped(hf_name, source, hf_shape=lambda s: s)
-
-
-def a_log_from_a(a: np.ndarray) -> np.ndarray:
-    """HF's A_log from llama.cpp's A = -exp(A_log)."""
-    return np.log(-a.astype(np.float64)).astype(np.float32)
-
-
 def flat(shape: Shape) -> Shape:
     return (int(np.prod(shape)),)
 
@@ -67,5 +49,5 @@ def mixer_merges(mixer: str, state_shape: Callable[[Shape], Shape]) -> tuple[Blo
     return (
         reshaped(f"{mixer}A_log", "ssm_a", hf_shape=state_shape, values=a_log_from_a),
         reshaped(f"{mixer}D", "ssm_d", hf_shape=lambda s: (s[0],)),
-        reshaped(f"{mixer}conv1d.weight", "ssm_conv1d.weight", hf_shape=lambda s: (s[0], 1, s[1])),
+        unsqueezed_conv(f"{mixer}conv1d.weight", "ssm_conv1d.weight"),
     )

@@ -31,8 +31,8 @@ import numpy as np
 
 from hybridserve.core.errors import ConfigError
 from hybridserve.models.loaders.gguf_header import GGUFHeader
-from hybridserve.models.loaders.gguf_hybrid_spec import FEED_FORWARD_BLOCK_NAMES, HybridArchSpec, mixer_merges, renamed
-from hybridserve.models.loaders.gguf_spec import BlockMerge, common_config, float32_value, required, tensor_rows
+from hybridserve.models.loaders.gguf_hybrid_spec import FEED_FORWARD_BLOCK_NAMES, HybridArchSpec, mixer_merges
+from hybridserve.models.loaders.gguf_spec import BlockMerge, common_config, float32_value, renamed, required, tensor_rows
 
 _KV_HEADS = "attention.head_count_kv"
 

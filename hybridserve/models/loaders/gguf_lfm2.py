@@ -25,7 +25,8 @@ import numpy as np
 from hybridserve.core.errors import ConfigError
 from hybridserve.models.arch.lfm2_config import SHORT_CONV
 from hybridserve.models.loaders.gguf_header import GGUFHeader
-from hybridserve.models.loaders.gguf_spec import ArchSpec, BlockMerge, common_config, required, tensor_rows
+from hybridserve.models.loaders.gguf_spec import (ArchSpec, common_config, renamed, required, tensor_rows,
+                                                  unsqueezed_conv)
 
 _EMBEDDING_NORM = "token_embd_norm"  # the final norm (HF model.embedding_norm)
 
@@ -69,16 +70,11 @@ def _lfm2_config(header: GGUFHeader) -> dict[str, Any]:
     return config
 
 
-def _renamed(hf_name: str, source: str) -> BlockMerge:
-    return BlockMerge(hf_name, (source,), shape=lambda s: s, build=lambda w: w)
-
-
 # The short convolution's tensors have a four-part GGUF name (blk.N.shortconv.<part>).
 _SHORT_CONV_MERGES = (
-    BlockMerge("conv.conv.weight", ("shortconv.conv.weight",),
-               shape=lambda s: (s[0], 1, s[1]), build=lambda w: w[:, None, :]),
-    _renamed("conv.conv.bias", "shortconv.conv.bias"),
-    *(_renamed(f"conv.{projection}.{suffix}", f"shortconv.{projection}.{suffix}")
+    unsqueezed_conv("conv.conv.weight", "shortconv.conv.weight"),
+    renamed("conv.conv.bias", "shortconv.conv.bias"),
+    *(renamed(f"conv.{projection}.{suffix}", f"shortconv.{projection}.{suffix}")
       for projection in ("in_proj", "out_proj") for suffix in ("weight", "bias")),
 )
 

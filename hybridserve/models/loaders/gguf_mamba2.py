@@ -25,7 +25,7 @@ import numpy as np
 from hybridserve.core.errors import ConfigError
 from hybridserve.models.loaders.gguf_header import GGUFHeader
 from hybridserve.models.loaders.gguf_layer_arrays import block_stems
-from hybridserve.models.loaders.gguf_spec import BlockMerge, required
+from hybridserve.models.loaders.gguf_spec import BlockMerge, a_log_from_a, renamed, required, reshaped, unsqueezed_conv
 
 
 def mamba2_block_names(mixer: str) -> dict[str, str]:
@@ -33,22 +33,14 @@ def mamba2_block_names(mixer: str) -> dict[str, str]:
     return {"ssm_in": f"{mixer}.in_proj", "ssm_out": f"{mixer}.out_proj", "ssm_conv1d": f"{mixer}.conv1d"}
 
 
-def _a_log(a: np.ndarray) -> np.ndarray:
-    if np.any(a >= 0):
-        raise ConfigError("ssm_a holds a non-negative value: it must be -exp(A_log)")
-    return np.log(-a).reshape(-1)
-
-
 def mamba2_merges(mixer: str) -> tuple[BlockMerge, ...]:
     """The mixer tensors whose layout or value llama.cpp changed, rebuilt as HF's."""
     return (
-        BlockMerge(f"{mixer}.conv1d.weight", ("ssm_conv1d.weight",),
-                   shape=lambda w: (w[0], 1, w[1]), build=lambda w: w[:, None, :]),
-        BlockMerge(f"{mixer}.dt_bias", ("ssm_dt.bias",), shape=lambda b: b, build=lambda b: b),
-        BlockMerge(f"{mixer}.A_log", ("ssm_a",), shape=lambda a: (a[0],), build=_a_log),
-        BlockMerge(f"{mixer}.D", ("ssm_d",), shape=lambda d: (d[0],), build=lambda d: d.reshape(-1)),
-        BlockMerge(f"{mixer}.norm.weight", ("ssm_norm.weight",),
-                   shape=lambda n: (int(np.prod(n)),), build=lambda n: n.reshape(-1)),
+        unsqueezed_conv(f"{mixer}.conv1d.weight", "ssm_conv1d.weight"),
+        renamed(f"{mixer}.dt_bias", "ssm_dt.bias"),
+        reshaped(f"{mixer}.A_log", "ssm_a", hf_shape=lambda a: (a[0],), values=a_log_from_a),
+        reshaped(f"{mixer}.D", "ssm_d", hf_shape=lambda d: (d[0],)),
+        reshaped(f"{mixer}.norm.weight", "ssm_norm.weight", hf_shape=lambda n: (int(np.prod(n)),)),
     )
 
 

@@ -35,7 +35,8 @@ from hybridserve.core.errors import ConfigError
 from hybridserve.models.arch.qwen3_next_config import LINEAR
 from hybridserve.models.loaders.gguf_header import GGUFHeader
 from hybridserve.models.loaders.gguf_spec import (COMMON_BLOCK_NAMES, ArchSpec, BlockMerge, PlannedTensor,
-                                                  common_config, required, tensor_rows)
+                                                  a_log_from_a, common_config, renamed, required, reshaped,
+                                                  tensor_rows, unsqueezed_conv)
 
 FULL_ATTENTION_INTERVAL = 4  # llama.cpp's default for a file with neither layer key
 NORM_WEIGHT_OFFSET = 1.0  # GGUF weight = HF weight + 1 for the (1 + w) norms
@@ -107,26 +108,17 @@ def _qwen3next_config(header: GGUFHeader) -> dict[str, Any]:
     return config
 
 
-def _same(values: np.ndarray) -> np.ndarray:
-    return values
-
-
-def _same_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
-    return shape
-
-
 # Tensors renamed or reshaped whatever the file's head counts (see the module docstring).
 _FIXED_MERGES = (
-    BlockMerge("linear_attn.conv1d.weight", ("ssm_conv1d.weight",),
-               shape=lambda s: (s[0], 1, s[1]), build=lambda w: w[:, None, :]),
-    BlockMerge("linear_attn.A_log", ("ssm_a",), shape=_same_shape, build=lambda a: np.log(-a)),
-    BlockMerge("linear_attn.dt_bias", ("ssm_dt.bias",), shape=_same_shape, build=_same),
+    unsqueezed_conv("linear_attn.conv1d.weight", "ssm_conv1d.weight"),
+    reshaped("linear_attn.A_log", "ssm_a", hf_shape=lambda s: s, values=a_log_from_a),
+    renamed("linear_attn.dt_bias", "ssm_dt.bias"),
     BlockMerge("mlp.shared_expert_gate.weight", ("ffn_gate_inp_shexp.weight",),
                shape=lambda s: (1, s[-1]), build=lambda w: w.reshape(1, -1)),
     BlockMerge("mlp.experts.gate_up_proj", ("ffn_gate_exps.weight", "ffn_up_exps.weight"),
                shape=lambda g, u: (g[0], g[1] + u[1], g[2]), build=lambda g, u: np.concatenate((g, u), axis=1)),
-    BlockMerge("mlp.experts.gate_up_proj", ("ffn_gate_up_exps.weight",), shape=_same_shape, build=_same),
-    BlockMerge("mlp.experts.down_proj", ("ffn_down_exps.weight",), shape=_same_shape, build=_same),
+    renamed("mlp.experts.gate_up_proj", "ffn_gate_up_exps.weight"),
+    renamed("mlp.experts.down_proj", "ffn_down_exps.weight"),
 )
 
 

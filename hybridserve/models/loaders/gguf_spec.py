@@ -158,6 +158,36 @@ class ArchSpec:
 _BARE_PARAMETERS = frozenset({"self_attn.sinks"})
 
 
+Shape = tuple[int, ...]
+
+
+def reshaped(hf_name: str, source: str, hf_shape: Callable[[Shape], Shape],
+             values: Callable[[np.ndarray], np.ndarray] = lambda v: v) -> BlockMerge:
+    """HF `hf_name` (inside model.layers.N.) from the one GGUF tensor `source` (inside blk.N.):
+    `values` applied, then reshaped to `hf_shape(source shape)`."""
+    return BlockMerge(hf_name, (source,), shape=hf_shape,
+                      build=lambda v: np.ascontiguousarray(values(v)).reshape(hf_shape(v.shape)))
+
+
+def renamed(hf_name: str, source: str) -> BlockMerge:
+    """A tensor stored as HF stores it, under a name the block map cannot place (a bare one, or
+    one of more than three parts)."""
+    return reshaped(hf_name, source, hf_shape=lambda s: s)
+
+
+def unsqueezed_conv(hf_name: str, source: str) -> BlockMerge:
+    """A depthwise conv weight: llama.cpp squeezes HF's [C, 1, K] to [C, K]."""
+    return reshaped(hf_name, source, hf_shape=lambda s: (s[0], 1, s[1]))
+
+
+def a_log_from_a(a: np.ndarray) -> np.ndarray:
+    """HF's A_log from llama.cpp's A = -exp(A_log) (computed in float64: A is tiny or huge at
+    the ends); ConfigError for a value that cannot be -exp of anything."""
+    if np.any(a >= 0):
+        raise ConfigError("ssm_a holds a non-negative value: it must be -exp(A_log)")
+    return np.log(-a.astype(np.float64)).astype(np.float32)
+
+
 def unpermute_rope_rows(values: np.ndarray, num_heads: int) -> np.ndarray:
     """Reverse llama.cpp's Q/K row interleaving for one projection (weight or bias).
 

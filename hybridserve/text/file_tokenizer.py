@@ -107,6 +107,12 @@ class FileTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return str(self.backend_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 
+    def get_added_vocab(self) -> dict[str, int]:
+        """{added token's text: id}, as a transformers tokenizer's get_added_vocab (the
+        special token ids text/tokenizer.Tokenizer.special_token_id looks up)."""
+        decoder = self.backend_tokenizer.get_added_tokens_decoder()
+        return {token.content: token_id for token_id, token in decoder.items()}
+
     def llguidance_tokenizer(self, n_vocab: int) -> Any:
         """llguidance's tokenizer for this vocabulary: what `llguidance.hf.from_tokenizer`
         builds from a transformers tokenizer (its backend's JSON and EOS)."""

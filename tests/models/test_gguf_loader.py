@@ -372,6 +372,10 @@ def _assert_file_tokenizer_matches(converted: Path, theirs: transformers.PreTrai
         assert ours.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
     assert (ours.eos_token_id, ours.bos_token_id, len(ours)) == (theirs.eos_token_id, theirs.bos_token_id,
                                                                  len(theirs))
+    assert ours.hf.get_added_vocab() == theirs.get_added_vocab()
+    for name, token_id in theirs.get_added_vocab().items():
+        assert ours.special_token_id(name) == token_id
+    assert ours.special_token_id("<|no such token|>") is None
 
 
 def test_converted_tokenizer_without_transformers_matches_it(tiny_llama: tuple[Path, dict, Path]) -> None:

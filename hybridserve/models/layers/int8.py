@@ -305,7 +305,8 @@ class W8A8Linear:
 
     def _kernel_for(self, path: str) -> Int8Matmul:
         if path not in self._kernels:  # a path that does not serve here (tests, benchmarks)
-            values = _plain_values(self._path, self._layouts[self._path])
+            built = next(iter(self._layouts))  # the layout made at load
+            values = _plain_values(built, self._layouts[built])
             self._layouts[path] = _layout(path, values, self._scale)
             self._kernels[path] = _kernel(path, self._layouts[path], self._scale)
         return self._kernels[path]

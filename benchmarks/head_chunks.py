@@ -9,7 +9,7 @@ int8` does, once per chunk size, and `OutputHead.greedy` (int8 GEMM per chunk, t
 is timed on random hidden states: the median of --repeat passes. The whole head (168 MB of int8)
 is far larger than the caches, so each pass streams it from memory as a decode step does.
 `--isa avx2` measures in a process run as on a CPU with AVX2 alone (cpu_features.as_avx2_env),
-where the int8 head runs on fbgemm's GEMM (models/layers/int8.int8_paths).
+where the int8 head runs on fbgemm's GEMM (models/layers/int8.int8_path).
 Prints the CPU flags, load, commit and threads with the figures.
 """
 

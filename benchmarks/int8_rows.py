@@ -18,7 +18,7 @@ The int8 weights take this CPU's levels (127, or 63 on AVX2 alone:
 models/layers/int8.gemm_weight_levels). Prints the median of --repeat passes, alternating the
 four, with the CPU flags, load, commit and threads. `--isa avx2` runs the measurement in a
 process limited as cpu_features.as_avx2_env says (how the AVX2 choices of
-models/layers/int8.int8_paths were measured on an AVX-512 machine).
+models/layers/int8.int8_path were measured on an AVX-512 machine).
 
 `--peak` prints instead the multiply-adds per second of each path at PEAK_ROWS rows against
 one head chunk (compute-bound: the rate the CPU's kernels reach at best), and of a plain

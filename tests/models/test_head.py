@@ -169,14 +169,15 @@ def test_chunk_rows_follow_the_int8_path(path: str, weight: torch.Tensor, monkey
     if path == FBGEMM and not fbgemm_available():
         pytest.skip("this torch has no fbgemm")
     monkeypatch.setattr("hybridserve.models.layers.head.int8_gemm_available", lambda: True)
-    monkeypatch.setattr("hybridserve.models.layers.head.int8_paths", lambda: (path, path))
+    monkeypatch.setattr("hybridserve.models.layers.head.int8_path", lambda: path)
     released: list[tuple[int, int]] = []
     head = OutputHead(weight, "int8", lambda a, b: released.append((a, b)))
     if path == FBGEMM:
         assert head.chunk_rows == FBGEMM_HEAD_CHUNK_ROWS == 8192
-        assert released == [(0, 8192), (8192, 16384), (16384, 24576), (24576, 32768), (32768, VOCAB)]
+        assert released == _int8_releases([(0, 8192), (8192, 16384), (16384, 24576), (24576, 32768), (32768, VOCAB)])
     else:
-        assert head.chunk_rows == HEAD_CHUNK_ROWS and released == [(0, HEAD_CHUNK_ROWS), (HEAD_CHUNK_ROWS, VOCAB)]
+        assert head.chunk_rows == HEAD_CHUNK_ROWS
+        assert released == _int8_releases([(0, HEAD_CHUNK_ROWS), (HEAD_CHUNK_ROWS, VOCAB)])
     x = _hidden(16)
     assert head.greedy(x, None) == head(x).argmax(dim=-1).tolist()
     assert OutputHead(weight, "none").chunk_rows == HEAD_CHUNK_ROWS  # not int8: the general size
@@ -192,10 +193,24 @@ def test_greedy_ties_pick_the_first_index_across_and_within_chunks() -> None:
         assert head.greedy(x.to(head.out_dtype), None) == [3, HEAD_CHUNK_ROWS + 2]
 
 
+def _int8_releases(chunks: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """What an int8 head gives back, in order: each chunk's blocks of QUANTIZE_BLOCK_ROWS
+    rows as the quantizer reads them, then the whole chunk once it is packed."""
+    out = []
+    for start, stop in chunks:
+        out += [(b, min(b + QUANTIZE_BLOCK_ROWS, stop)) for b in range(start, stop, QUANTIZE_BLOCK_ROWS)]
+        out.append((start, stop))
+    return out
+
+
 def test_release_rows_per_chunk_only_when_the_source_is_no_longer_read(weight: torch.Tensor) -> None:
+    # An int8 head holds at most one block of source rows beside its chunk's int8 copies:
+    # 64 blocks of 512 rows in the first chunk, 14 and a partial one of 64 rows in the second.
     released: list[tuple[int, int]] = []
     OutputHead(weight, "int8", lambda a, b: released.append((a, b)), chunk_rows=HEAD_CHUNK_ROWS)
-    assert released == [(0, HEAD_CHUNK_ROWS), (HEAD_CHUNK_ROWS, VOCAB)]
+    assert QUANTIZE_BLOCK_ROWS == 512 and len(released) == 64 + 1 + 15 + 1
+    assert released[63:66] == [(32256, 32768), (0, 32768), (32768, 33280)] and released[-2] == (39936, 40000)
+    assert released == _int8_releases([(0, HEAD_CHUNK_ROWS), (HEAD_CHUNK_ROWS, VOCAB)])
     released.clear()
     OutputHead(weight[:100], "none", lambda a, b: released.append((a, b)))  # too small to pack: read as is
     assert released == []

@@ -28,10 +28,11 @@ from hybridserve.models.layers.int8 import (  # noqa: E402
     PACKED,
     PLAIN,
     W8A8Linear,
-    choose_int8_paths,
+    choose_int8_path,
     fbgemm_available,
     gemm_weight_levels,
     int8_gemm_available,
+    int8_path,
     quantize_gemm_weight,
     quantize_int8_rows,
     quantize_rows_int8,
@@ -101,13 +102,26 @@ def test_the_fbgemm_path_agrees_with_the_packed_gemm_bit_for_bit(rows: int, k: i
     assert torch.equal(linear.fbgemm(x), linear.packed(*quantize_rows_uint8(x)))
 
 
-def test_int8_paths_by_cpu_flags() -> None:
+def test_one_int8_path_per_cpu_by_its_flags() -> None:
     vnni, amx, avx2 = {"avx2", "avx512f", "avx512_vnni"}, {"avx2", "amx_int8"}, {"avx2", "fma"}
-    assert choose_int8_paths(vnni, fbgemm=True) == (PLAIN, PACKED)
-    assert choose_int8_paths(amx, fbgemm=True) == (PLAIN, PACKED)
-    assert choose_int8_paths({"avx2", "avx_vnni"}, fbgemm=False) == (PLAIN, PACKED)
-    assert choose_int8_paths(avx2, fbgemm=True) == (FBGEMM, FBGEMM)
-    assert choose_int8_paths(avx2, fbgemm=False) == (PLAIN, PLAIN)
+    assert choose_int8_path(vnni, fbgemm=True) == PACKED
+    assert choose_int8_path(amx, fbgemm=True) == PACKED
+    assert choose_int8_path({"avx2", "avx_vnni"}, fbgemm=False) == PACKED
+    assert choose_int8_path(avx2, fbgemm=True) == FBGEMM
+    assert choose_int8_path(avx2, fbgemm=False) == PLAIN
+
+
+@needs_int8_gemm
+def test_an_int8_linear_holds_its_weight_once_whatever_the_row_count() -> None:
+    # One layout serves 1 and 64 rows; another path's layout is made only when asked for,
+    # from the one held, and gives the same product.
+    g = torch.Generator().manual_seed(5)
+    linear = W8A8Linear(*quantize_gemm_weight(torch.randn(96, 64, generator=g)))
+    one, many = torch.randn(1, 64, generator=g), torch.randn(64, 64, generator=g)
+    one_out, many_out = linear(one), linear(many)
+    assert linear.weight_layouts == 1
+    assert torch.equal(linear.plain(one), one_out) and torch.equal(linear.general(many), many_out)
+    assert linear.weight_layouts == (2 if int8_path() in (PLAIN, PACKED) else 3)
 
 
 def test_signed_and_unsigned_activation_levels_are_the_same_levels() -> None:
@@ -250,7 +264,7 @@ def test_bfloat16_int8_layers_keep_float32_activations_and_bfloat16_kv() -> None
 
 _AVX2_SUMS = """
 import json, torch
-from hybridserve.models.layers.int8 import W8A8Linear, int8_paths, quantize_int8_rows
+from hybridserve.models.layers.int8 import W8A8Linear, int8_path, quantize_int8_rows
 g = torch.Generator().manual_seed(0)
 sign = lambda *shape: torch.randint(0, 2, shape, generator=g).float() * 2 - 1
 x = 127 * sign(16, 640)  # every activation at an extreme: levels +-127 (uint8 1 and 255), scale 1
@@ -258,11 +272,12 @@ exact = {}
 for levels in (63, 127):
     w = levels * sign(96, 640)  # every weight at +-levels: scale 1
     linear = W8A8Linear(*quantize_int8_rows(w, levels))
+    layouts_at_build = linear.weight_layouts
     product = x.double() @ w.double().t()  # integers below 2^24: exact in float32 too
     exact[levels] = [torch.equal(linear.general(x).double(), product),
                      torch.equal(linear.plain(x).double(), product),
                      torch.equal(linear.fbgemm(x).double(), product)]
-print(json.dumps({"exact": exact, "paths": int8_paths(), "plain_rows_kept": linear._values is not None}))
+print(json.dumps({"exact": exact, "path": int8_path(), "layouts_at_build": layouts_at_build}))
 """
 
 
@@ -286,4 +301,4 @@ def test_narrow_weights_keep_avx2_int8_sums_exact() -> None:
     # kernel that stayed exact at 127, on the Zen 5 limited to AVX2 one that saturated.
     packed_exact, _, fbgemm_exact = report["exact"]["127"]
     assert not packed_exact and not fbgemm_exact
-    assert report["paths"] == [FBGEMM, FBGEMM] and not report["plain_rows_kept"]
+    assert report["path"] == FBGEMM and report["layouts_at_build"] == 1

@@ -9,7 +9,9 @@ parameters) and its bytes set the decode speed, so it gets its own representatio
   copy plus one chunk: the tied embedding stays a mapped view of the checkpoint whose
   rows are read only for the tokens looked up.
 - "int8": one int8 per weight and one scale per vocabulary row (symmetric, round to
-  nearest). On an x86 CPU with int8 dot products (VNNI / AMX-INT8) or AVX2 the hidden
+  nearest). The quantizer hands each block of source rows back to `release_rows` as soon
+  as it has read it, so a chunk's bf16 source is never all resident beside its int8
+  values and packed copy (the load's peak). On an x86 CPU with int8 dot products (VNNI / AMX-INT8) or AVX2 the hidden
   states are quantized too, per row (symmetric, 127 levels, stored as uint8 around 128),
   and oneDNN's int8 GEMM multiplies them (`onednn.qlinear_pointwise`; on AVX2 alone
   fbgemm's, with the weights narrowed to 63 levels: models/layers/int8.py): at a decode
@@ -26,13 +28,14 @@ rounded to bfloat16 for them. The logits come back in the model dtype.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 import torch
 
 from hybridserve.core.errors import ConfigError
-from hybridserve.models.layers.int8 import (FBGEMM, QUANTIZERS, int8_gemm_available, int8_matmul, int8_paths,
-                                           quantize_gemm_weight, quantize_int8_rows)
+from hybridserve.models.layers.int8 import (FBGEMM, QUANTIZERS, BlockDone, int8_gemm_available, int8_matmul,
+                                           int8_path, quantize_gemm_weight, quantize_int8_rows)
 from hybridserve.models.layers.linear import make_linear
 from hybridserve.models.layers.span_kernel import KERNEL
 from hybridserve.models.layers.span_logits import SPAN, LogitsBuffer, SpanLogits, padded_width, span_stats
@@ -43,7 +46,7 @@ from hybridserve.models.platform.heap import release_free_heap
 # to the load's peak memory, large enough that the GEMM streams its weight at full speed
 # (`benchmarks/head_chunks.py`; benchmarks/results/head_chunks.md).
 HEAD_CHUNK_ROWS = 32768
-# Vocabulary rows per chunk on fbgemm's int8 path (AVX2 alone, models/layers/int8.int8_paths):
+# Vocabulary rows per chunk on fbgemm's int8 path (AVX2 alone, models/layers/int8.int8_path):
 # there [64, 32768] float32 logits (8 MB) fall out of cache before the argmax reads them,
 # and smaller chunks win at 64 rows; with VNNI, 32768 stays faster
 # (`python benchmarks/head_chunks.py --isa avx2`; benchmarks/results/head_chunks.md).
@@ -111,6 +114,11 @@ def head_quantization(quantization: str) -> str:
     return "int8" if quantization == "int8-head" else quantization
 
 
+def _shifted(release_rows: ReleaseRows, offset: int, start: int, stop: int) -> None:
+    """release_rows of a chunk's rows [start, stop), the chunk starting at row `offset`."""
+    release_rows(offset + start, offset + stop)
+
+
 class OutputHead:
     """hidden [S, K] -> logits [S, N] in the model dtype, from per-chunk kernels."""
 
@@ -122,18 +130,19 @@ class OutputHead:
         self.quantization = quantization
         self.vocab_size = weight.shape[0]
         self._int8_activations = quantization == "int8" and weight.device.type == "cpu" and int8_gemm_available()
-        # One int8 path for every row count, the one for many rows (models/layers/int8.int8_paths),
-        # so the head's weights are held once: with int8 dot products the packed GEMM,
-        # faster for the head from a few rows on and about as fast at one
-        # (`benchmarks/int8_rows.py`); on AVX2 alone fbgemm's.
-        self._int8_path = int8_paths()[1]
+        # The decoder's int8 path (models/layers/int8.int8_path), one for every row count:
+        # the head's weights are held once.
+        self._int8_path = int8_path()
         on_fbgemm = self._int8_activations and self._int8_path == FBGEMM
         self.chunk_rows = chunk_rows or (FBGEMM_HEAD_CHUNK_ROWS if on_fbgemm else HEAD_CHUNK_ROWS)
         self._chunks: list[Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]] = []
         self._logits_buffer = LogitsBuffer(self.vocab_size)
         for start in range(0, self.vocab_size, self.chunk_rows):
             stop = min(start + self.chunk_rows, self.vocab_size)
-            kernel, reads_source = self._chunk_kernel(weight[start:stop])
+            # A quantized chunk gives back each block of source rows once it is read (the
+            # chunk's source pages are not all resident beside its int8 values and packed copy).
+            block_done = None if release_rows is None else partial(_shifted, release_rows, start)
+            kernel, reads_source = self._chunk_kernel(weight[start:stop], block_done)
             self._chunks.append(kernel)
             if release_rows is not None and not reads_source:
                 release_rows(start, stop)
@@ -142,12 +151,14 @@ class OutputHead:
             # cost 20 MB of RSS per 10 MB chunk (see models/platform/heap.py).
             release_free_heap()
 
-    def _chunk_kernel(self, w: torch.Tensor) -> tuple[Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor], bool]:
-        """(the matmul of one chunk of rows, whether it still reads `w` itself)."""
+    def _chunk_kernel(self, w: torch.Tensor, block_done: BlockDone | None
+                      ) -> tuple[Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor], bool]:
+        """(the matmul of one chunk of rows, whether it still reads `w` itself); the int8
+        quantizers call `block_done` for each block of `w`'s rows they are done with."""
         if self.quantization == "int8":
             if self._int8_activations:
-                return int8_matmul(self._int8_path, *quantize_gemm_weight(w)), False
-            values, scale = quantize_int8_rows(w)
+                return int8_matmul(self._int8_path, *quantize_gemm_weight(w, block_done)), False
+            values, scale = quantize_int8_rows(w, block_done=block_done)
             scale_bf16 = scale.to(torch.bfloat16)
             return (lambda x, _: torch._weight_int8pack_mm(x, values, scale_bf16)), False
         if self.quantization == "int4":

@@ -7,9 +7,10 @@ oneDNN's int8 GEMM (`onednn.qlinear_pointwise`) takes unsigned activations. The 
 returns float32 with the weight scales applied; the per-row activation scale is applied
 after it, since the kernel takes only one activation scale per tensor. Beside it run two
 more paths with the same result bit for bit (W8A8Linear): `torch._int_mm` on signed int8
-activations, for one row where the CPU has int8 dot products, and fbgemm's int8 GEMM
+activations and the plain weight rows, and fbgemm's int8 GEMM
 (`quantized.linear_with_input_q_dq_qweight_dq_output_fp32`), which quantizes its float
-input itself, for every row count on AVX2 alone (int8_paths).
+input itself. One path serves every row count on a given CPU (int8_path), so each weight
+is held in one layout only.
 
 Why int8 activations at all: without AMX, a decode batch of 16-64 rows makes the matmuls
 compute-bound, and VNNI's int8 dot products do twice the multiply-adds per instruction of
@@ -32,15 +33,17 @@ import torch
 
 from hybridserve.models.platform.cpu_features import has_int8_dot, has_int8_gemm, read_cpu_flags
 
-# Rows quantized at a time: float32 temporaries of 2048 x hidden (5 MB at Gemma 3's 640),
-# small beside the weight's own int8 copy.
-QUANTIZE_BLOCK_ROWS = 2048
+# Rows quantized at a time: float32 temporaries of 512 x hidden (1.3 MB each at Gemma 3's
+# 640), small beside the weight's own int8 copy, and the source rows a block may give back.
+QUANTIZE_BLOCK_ROWS = 512
 INT8_LEVELS = 127
 NARROW_WEIGHT_LEVELS = 63  # weights' levels without int8 dot products (gemm_weight_levels)
 UINT8_ZERO_POINT = 128  # a symmetric int8 activation stored as uint8 (oneDNN's u8 x s8 GEMM)
 
 # (int8 activations [S, K] as the kernel takes them, their float32 per-row scale [S, 1]) -> float32 [S, N]
 Int8Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# (first row, row past the last) of a weight the quantizer has read for the last time
+BlockDone = Callable[[int, int], None]
 
 
 @cache
@@ -89,34 +92,52 @@ def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return levels.to(torch.int8), scale
 
 
-def quantize_int8_rows(weight: torch.Tensor, levels: int = INT8_LEVELS) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int8_rows(weight: torch.Tensor, levels: int = INT8_LEVELS, block_done: BlockDone | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 values [N, K] in -levels..levels, float32 scale per row [N]) with
     weight ~= values * scale[:, None].
     Rows are independent, so they are quantized QUANTIZE_BLOCK_ROWS at a time: the float32
     temporaries then cost a few MB instead of several copies of the whole weight (three
-    float32 copies of a 16k x 640 head chunk were 120 MB of the default model's peak RSS)."""
+    float32 copies of a 16k x 640 head chunk were 120 MB of the default model's peak RSS).
+    `block_done(start, stop)` is called once rows [start, stop) of `weight` are read for
+    the last time: a mapped source can give their pages back then, not after the whole
+    weight (models/layers/head.py)."""
     n = weight.shape[0]
     values = torch.empty(weight.shape, dtype=torch.int8, device=weight.device)
     scale = torch.empty(n, dtype=torch.float32, device=weight.device)
     for start in range(0, n, QUANTIZE_BLOCK_ROWS):
         stop = min(start + QUANTIZE_BLOCK_ROWS, n)
-        w = weight[start:stop].float()
+        w = weight[start:stop].to(torch.float32, copy=True)  # a copy even of float32: divided in place
         block_scale = w.abs().amax(dim=1).clamp_(min=torch.finfo(torch.float32).tiny) / levels
         scale[start:stop] = block_scale
-        values[start:stop] = torch.round(w / block_scale[:, None]).clamp_(-levels, levels)
+        values[start:stop] = w.div_(block_scale[:, None]).round_().clamp_(-levels, levels)
+        if block_done is not None:
+            block_done(start, stop)
     return values, scale
 
 
-def quantize_gemm_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_gemm_weight(weight: torch.Tensor, block_done: BlockDone | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_int8_rows with this CPU's levels for the int8 x int8 GEMMs (gemm_weight_levels)."""
-    return quantize_int8_rows(weight, gemm_weight_levels())
+    return quantize_int8_rows(weight, gemm_weight_levels(), block_done)
 
 
-def w8a8_matmul(values: torch.Tensor, scale: torch.Tensor) -> Int8Matmul:
-    """The int8 x int8 product with int8 weight rows (`values`, `scale` from
-    quantize_gemm_weight), packed once for oneDNN: (x_values, x_scale) -> x W^T in float32,
+def onednn_pack(values: torch.Tensor) -> torch.Tensor:
+    """int8 weight rows [N, K] (from quantize_gemm_weight) in oneDNN's packed layout, what
+    w8a8_matmul multiplies."""
+    return torch.ops.onednn.qlinear_prepack(values, None)
+
+
+def onednn_values(packed: torch.Tensor) -> torch.Tensor:
+    """The int8 weight rows [N, K] an onednn_pack result holds (for the other paths on
+    demand): oneDNN reorders its layout back to the plain [K, N], whose transpose they are."""
+    return packed.to_dense().t().contiguous()
+
+
+def w8a8_matmul(packed: torch.Tensor, scale: torch.Tensor) -> Int8Matmul:
+    """The int8 x int8 product with int8 weight rows packed for oneDNN (onednn_pack of
+    `values`, `scale` from quantize_gemm_weight): (x_values, x_scale) -> x W^T in float32,
     both scales applied."""
-    packed = torch.ops.onednn.qlinear_prepack(values, None)
     zero_points = torch.zeros(len(scale), dtype=torch.int64)
     qlinear = torch.ops.onednn.qlinear_pointwise
 
@@ -197,44 +218,64 @@ def fbgemm_matmul(packed: torch.ScriptObject) -> Int8Matmul:
     return matmul
 
 
-PACKED, PLAIN, FBGEMM = "packed", "plain", "fbgemm"  # the int8 x int8 paths, see int8_paths
+PACKED, PLAIN, FBGEMM = "packed", "plain", "fbgemm"  # the int8 x int8 paths, see int8_path
 QUANTIZERS = {PACKED: quantize_rows_uint8, PLAIN: quantize_rows_int8, FBGEMM: quantize_rows_float}
 
 
-def choose_int8_paths(flags: frozenset[str] | set[str], fbgemm: bool) -> tuple[str, str]:
-    """(the path for one row, the path for more rows) of the int8 x int8 matmuls on a CPU with
-    these flags, `fbgemm` saying whether torch has fbgemm (fbgemm_available).
+def choose_int8_path(flags: frozenset[str] | set[str], fbgemm: bool) -> str:
+    """The path of the int8 x int8 matmuls, at every row count, on a CPU with these flags,
+    `fbgemm` saying whether torch has fbgemm (fbgemm_available). One path, so that each
+    weight is held in one layout: a second layout for some row counts would double the
+    int8 weights' memory (the plain and the packed decoder of Gemma 3 270M were 2 x 100 MB).
 
-    With int8 dot products: plain (torch._int_mm on the plain weight) for one row, packed
-    (oneDNN's packed GEMM) for more. The packed GEMM has a fixed cost per call whatever its
-    size, much of a one-row product on a decoder-sized weight; from 2 rows on the plain
-    path is no faster (`python benchmarks/int8_rows.py`, benchmarks/results/cpu_kernels.md).
+    With int8 dot products: packed (oneDNN's packed GEMM). It is the fastest from 2 rows
+    on; torch._int_mm on the plain rows was faster at one row on an idle machine, by the
+    packed GEMM's fixed cost per call, which is all that one path gives up
+    (`python benchmarks/int8_rows.py`, benchmarks/results/cpu_kernels.md,
+    benchmarks/results/memory_peak.md).
 
-    On AVX2 alone: fbgemm at every row count. There oneDNN's packed u8 x s8 GEMM is no
-    faster than float32 up to 16 rows and torch._int_mm only somewhat faster, while
-    fbgemm's GEMM is faster than both at every size (`python benchmarks/int8_rows.py --isa
-    avx2 --rows 1,4,16,64 --repeat 7`, commit 8f35cd8, 2 AMD EPYC cores limited to AVX2,
-    load 1.0; float32 / packed / plain / fbgemm ms per step: the 72 decoder matmuls at 1 row
-    12.7 / 13.0 / 8.8 / 5.1, at 16 rows 27.0 / 28.0 / 16.7 / 12.0, at 64 rows 71.0 / 57.3 /
-    48.2 / 41.6; the head's 8 chunks at 1 row 20.8 / 21.3 / 25.5 / 6.7, at 16 rows 44.8 /
-    47.3 / 42.7 / 17.6). Without fbgemm in the build: plain."""
+    On AVX2 alone: fbgemm. There oneDNN's packed u8 x s8 GEMM is no faster than float32 up
+    to 16 rows and torch._int_mm only somewhat faster, while fbgemm's GEMM is faster than
+    both at every size (`python benchmarks/int8_rows.py --isa avx2 --rows 1,4,16,64
+    --repeat 7`, benchmarks/results/cpu_kernels.md). Without fbgemm in the build: plain."""
     if has_int8_dot(flags):
-        return PLAIN, PACKED
-    return (FBGEMM, FBGEMM) if fbgemm else (PLAIN, PLAIN)
+        return PACKED
+    return FBGEMM if fbgemm else PLAIN
 
 
 @cache
-def int8_paths() -> tuple[str, str]:
-    """choose_int8_paths for this CPU and torch."""
-    return choose_int8_paths(read_cpu_flags(), fbgemm_available())
+def int8_path() -> str:
+    """choose_int8_path for this CPU and torch."""
+    return choose_int8_path(read_cpu_flags(), fbgemm_available())
 
 
 def int8_matmul(path: str, values: torch.Tensor, scale: torch.Tensor) -> Int8Matmul:
     """The kernel of `path` for int8 weight rows (`values`, `scale` from quantize_gemm_weight);
     it takes what QUANTIZERS[path] makes of the activations."""
+    return _kernel(path, _layout(path, values, scale), scale)
+
+
+WeightLayout = torch.Tensor | torch.ScriptObject  # the weight as one path's kernel holds it
+
+
+def _layout(path: str, values: torch.Tensor, scale: torch.Tensor) -> WeightLayout:
+    """The weight as `path`'s kernel holds it: packed for oneDNN or fbgemm, or the plain rows."""
     if path == FBGEMM:
-        return fbgemm_matmul(fbgemm_pack(values, scale))
-    return (w8a8_matmul if path == PACKED else plain_matmul)(values, scale)
+        return fbgemm_pack(values, scale)
+    return onednn_pack(values) if path == PACKED else values
+
+
+def _kernel(path: str, layout: WeightLayout, scale: torch.Tensor) -> Int8Matmul:
+    if path == FBGEMM:
+        return fbgemm_matmul(layout)
+    return (w8a8_matmul if path == PACKED else plain_matmul)(layout, scale)
+
+
+def _plain_values(path: str, layout: WeightLayout) -> torch.Tensor:
+    """The int8 weight rows [N, K] that `path`'s layout holds."""
+    if path == FBGEMM:
+        return fbgemm_values(layout)
+    return onednn_values(layout) if path == PACKED else layout
 
 
 class W8A8Linear:
@@ -244,42 +285,42 @@ class W8A8Linear:
     Three paths, which sum the same int32 products and scale them the same way, so they
     agree bit for bit (tests/models/test_int8_layers.py): `general`, oneDNN's packed u8 x s8
     GEMM (w8a8_matmul); `plain`, torch._int_mm on signed activations and the plain int8
-    weight (plain_matmul); `fbgemm`, fbgemm's u8 x s8 GEMM (fbgemm_matmul). Which ones
-    serve is a matter of speed on this CPU (int8_paths); only their weights are made at
-    load, the others' at the first call (tests, benchmarks). Where fbgemm alone serves (AVX2
-    alone) the plain rows are not kept beside its packed copy: the decoder's int8 weights
-    (100 MB for Gemma 3 270M) are held once.
+    weight (plain_matmul); `fbgemm`, fbgemm's u8 x s8 GEMM (fbgemm_matmul). One serves every
+    row count on this CPU (int8_path). Invariant: once built, it holds the weight in that
+    path's layout alone (`weight_layouts` == 1; the decoder of Gemma 3 270M is 100 MB of
+    int8 once, not twice); another path's layout is made from it on first call (tests,
+    benchmarks) and kept beside it.
     """
 
     def __init__(self, values: torch.Tensor, scale: torch.Tensor) -> None:
         self._scale = scale
-        self._one_row, self._more_rows = int8_paths()
-        self._fbgemm_packed: torch.ScriptObject | None = None
-        self._kernels: dict[str, Int8Matmul] = {}
-        for path in {self._one_row, self._more_rows}:
-            if path == FBGEMM:  # kept: the other paths' weight rows can be unpacked from it
-                self._fbgemm_packed = fbgemm_pack(values, scale)
-                self._kernels[path] = fbgemm_matmul(self._fbgemm_packed)
-            else:
-                self._kernels[path] = int8_matmul(path, values, scale)
-        self._values = None if self._kernels.keys() == {FBGEMM} else values
+        self._path = int8_path()
+        self._layouts: dict[str, WeightLayout] = {self._path: _layout(self._path, values, scale)}
+        self._kernels: dict[str, Int8Matmul] = {self._path: _kernel(self._path, self._layouts[self._path], scale)}
 
-    def _kernel(self, path: str) -> Int8Matmul:
+    @property
+    def weight_layouts(self) -> int:
+        """How many copies of the weight, one per layout, this linear holds."""
+        return len(self._layouts)
+
+    def _kernel_for(self, path: str) -> Int8Matmul:
         if path not in self._kernels:  # a path that does not serve here (tests, benchmarks)
-            values = self._values if self._values is not None else fbgemm_values(self._fbgemm_packed)
-            self._kernels[path] = int8_matmul(path, values, self._scale)
+            built = next(iter(self._layouts))  # the layout made at load
+            values = _plain_values(built, self._layouts[built])
+            self._layouts[path] = _layout(path, values, self._scale)
+            self._kernels[path] = _kernel(path, self._layouts[path], self._scale)
         return self._kernels[path]
 
     def _run(self, path: str, x: torch.Tensor) -> torch.Tensor:
-        return self._kernel(path)(*QUANTIZERS[path](x))
+        return self._kernel_for(path)(*QUANTIZERS[path](x))
 
     @property
     def packed(self) -> Int8Matmul:
         """The packed GEMM on (unsigned activations, their scale)."""
-        return self._kernel(PACKED)
+        return self._kernel_for(PACKED)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self._run(self._one_row if x.shape[0] == 1 else self._more_rows, x)
+        return self._run(self._path, x)
 
     def general(self, x: torch.Tensor) -> torch.Tensor:
         """oneDNN's packed GEMM on unsigned activations."""

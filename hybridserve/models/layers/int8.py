@@ -89,6 +89,16 @@ def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return levels.to(torch.int8), scale
 
 
+def levels_for(path: str, levels: torch.Tensor) -> torch.Tensor:
+    """Whole levels in -127..127 (float32, from quantize_rows_float's rule) stored as `path`'s
+    kernel takes them: uint8 around 128 (packed), int8 (plain) or the float32 levels
+    themselves (fbgemm). Out of place, so it can close a compiled chain of element-wise
+    ops (models/arch/int8_chains.py) as well as QUANTIZERS' eager ones."""
+    if path == PACKED:
+        return (levels + UINT8_ZERO_POINT).to(torch.uint8)
+    return levels.to(torch.int8) if path == PLAIN else levels
+
+
 def quantize_int8_rows(weight: torch.Tensor, levels: int = INT8_LEVELS) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 values [N, K] in -levels..levels, float32 scale per row [N]) with
     weight ~= values * scale[:, None].
@@ -278,8 +288,17 @@ class W8A8Linear:
         """The packed GEMM on (unsigned activations, their scale)."""
         return self._kernel(PACKED)
 
+    def path_for(self, rows: int) -> str:
+        """The path that serves `rows` rows here (int8_paths)."""
+        return self._one_row if rows == 1 else self._more_rows
+
+    def quantized(self, path: str, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """x W^T from x already quantized for `path` (values as levels_for(path, ...), per-row
+        scale): for callers that quantize in one fused kernel with what produced x."""
+        return self._kernel(path)(values, scale)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self._run(self._one_row if x.shape[0] == 1 else self._more_rows, x)
+        return self._run(self.path_for(x.shape[0]), x)
 
     def general(self, x: torch.Tensor) -> torch.Tensor:
         """oneDNN's packed GEMM on unsigned activations."""

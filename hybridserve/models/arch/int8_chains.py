@@ -54,7 +54,7 @@ class Int8Chains:
         """(h + out (+ bias; normed by out_norm where given) in float32, the next matmul's
         input: norm(h, next_norm) quantized, or None, None without next_norm). out None:
         h alone (a stage's first norm)."""
-        h = h.float()
+        h = h if h.dtype == torch.float32 else h.float()  # a no-op .float() still costs a dispatch
         if out is not None:
             if bias is not None:
                 out = out + bias

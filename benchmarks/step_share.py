@@ -14,8 +14,9 @@ alternate between two kinds, in the same run, so both see the same machine:
   as it runs, inside the real step: the matmuls alone at the kernels' rates, on the
   activations and caches the step really has. Attention's batched products (bmm) are not
   weight matmuls and count as outside.
-Printed per row count: the medians of the step and of its matmuls (ms), and the share
-outside = 1 - matmuls / step. A fixed thread count (--threads) keeps the thread governor
+Printed per row count: the medians of the step and of its matmuls (ms), the ops a traced
+step dispatches (every aten op, views included: a count that does not move with the
+machine's load), and the share outside = 1 - matmuls / step. A fixed thread count (--threads) keeps the thread governor
 from switching counts between the two kinds of steps.
 """
 
@@ -42,7 +43,8 @@ WEIGHT_MATMULS = {
 
 
 def matmul_timer():  # type: ignore[no-untyped-def]
-    """A dispatch mode whose `seconds` sums the wall time of the weight matmuls run under it."""
+    """A dispatch mode whose `seconds` sums the wall time of the weight matmuls run under it,
+    and whose `ops` counts every op dispatched under it (views included)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class MatmulTimer(TorchDispatchMode):
@@ -50,9 +52,11 @@ def matmul_timer():  # type: ignore[no-untyped-def]
             super().__init__()
             self.seconds = 0.0
             self.calls = 0
+            self.ops = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
             kwargs = kwargs or {}
+            self.ops += 1
             packet = func._overloadpacket
             if (packet._qualified_op_name.split("::")[0], packet.__name__) not in WEIGHT_MATMULS:
                 return func(*args, **kwargs)
@@ -75,6 +79,7 @@ class StepRecorder:
         self.step_seconds: list[float] = []
         self.matmul_seconds: list[float] = []
         self.matmul_calls: list[int] = []
+        self.ops: list[int] = []
         self._traced_next = False
         runner.execute = self.execute
 
@@ -91,6 +96,7 @@ class StepRecorder:
             out = self.inner(so)
         self.matmul_seconds.append(timer.seconds)
         self.matmul_calls.append(timer.calls)
+        self.ops.append(timer.ops)
         return out
 
     def restore(self) -> None:
@@ -113,8 +119,8 @@ def main() -> None:
     runner = llm.parts.engine.executor.runner
     vocab = llm.parts.model_config.vocab_size
     print(f"# model {args.model or 'default'}; {args.prompt_len}-token prompts; {args.steps} decode steps per row count")
-    print("\n| rows | step ms (median) | weight matmuls ms | matmul calls | outside the matmuls |\n"
-          "|---:|---:|---:|---:|---:|")
+    print("\n| rows | step ms (median) | weight matmuls ms | matmul calls | ops dispatched | outside the matmuls |\n"
+          "|---:|---:|---:|---:|---:|---:|")
     rng = random.Random(0)
     for rows in [int(r) for r in args.rows.split(",")]:
         batch = [[rng.randrange(5, vocab) for _ in range(args.prompt_len)] for _ in range(rows)]
@@ -128,7 +134,7 @@ def main() -> None:
         step = statistics.median(recorder.step_seconds)
         mm = statistics.median(recorder.matmul_seconds)
         print(f"| {rows} | {step * 1e3:.1f} | {mm * 1e3:.1f} | {statistics.median(recorder.matmul_calls):.0f} | "
-              f"{1 - mm / step:.0%} |", flush=True)
+              f"{statistics.median(recorder.ops):.0f} | {1 - mm / step:.0%} |", flush=True)
     llm.shutdown()
 
 

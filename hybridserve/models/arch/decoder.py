@@ -25,26 +25,14 @@ from torch import nn
 from hybridserve.models.config import ModelConfig
 from hybridserve.models.layers.head import OutputHead, ReleaseRows, head_quantization
 from hybridserve.models.platform.heap import release_free_heap
-from hybridserve.models.layers.linear import LayerLinears, Linear, ResidualLinear, make_int8_linear, make_linear
+from hybridserve.models.arch.int8_chains import Int8Chains
+from hybridserve.models.layers.int8 import W8A8Linear, quantize_gemm_weight
+from hybridserve.models.layers.linear import LayerLinears, Linear, ResidualLinear, make_linear
 from hybridserve.models.parallel import PipelineStage, TPGroup, local_config
 from hybridserve.models.layers.projection_norm import ProjectionNorm
+from hybridserve.models.layers.rms_norm import rms_norm
 from hybridserve.models.layers.rope import RopeTable, apply_rope_
 from hybridserve.models.layers.span_logits import SpanLogits
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: torch.Tensor, inv_dim: float) -> torch.Tensor:
-    """x * rsqrt(mean(x^2) + eps) * weight over the last dim, in 4 kernels.
-
-    F.rms_norm is a 9-kernel composite on CPU; at decode sizes kernels are the cost.
-    mean(x^2) is taken as ||x||^2 / d, which differs from HF's pow-mean by float rounding
-    (about 1e-7 relative).
-    """
-    if x.dtype != torch.float32:  # half-precision models normalise in float32, as HF does
-        w32 = None if weight is None else weight.float()
-        return rms_norm(x.float(), w32, eps.float(), inv_dim).to(x.dtype)
-    n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
-    out = x * torch.addcmul(eps, n, n, value=inv_dim).rsqrt_()
-    return out if weight is None else out * weight
 
 
 class AttentionBackend(Protocol):
@@ -141,18 +129,39 @@ def smoothed_weights(w: DecoderLayerWeights, s: LayerSmoothing) -> dict[str, Wei
     }
 
 
-def _int8_layer_linears(w: DecoderLayerWeights, s: LayerSmoothing, release: bool) -> LayerLinears:
-    """The layer's matmuls as int8 x int8 (models/layers/int8.py) on its smoothed weights. They
-    return float32 (the GEMM's own output): with int8 layers the activations between the
-    matmuls stay float32 (see DecoderLM.forward)."""
-    made = {}
+class Int8Layer(NamedTuple):
+    """One layer with int8 x int8 matmuls (models/layers/int8.py) on its smoothed weights:
+    the matmuls, their biases in float32 (the chains of int8_chains.py add them) and the
+    norms each chain applies, looked up once (a module attribute costs a Python call)."""
+
+    qkv: W8A8Linear
+    o: W8A8Linear
+    gate_up: W8A8Linear
+    down: W8A8Linear
+    qkv_bias: torch.Tensor | None
+    o_bias: torch.Tensor | None
+    gate_up_bias: torch.Tensor | None
+    down_bias: torch.Tensor | None
+    input_norm: torch.Tensor
+    qk_norm: torch.Tensor | None
+    o_norm: torch.Tensor | None  # applied to o's output before the residual add (sandwich norms)
+    ffn_norm: torch.Tensor  # gate_up's input norm
+    down_norm: torch.Tensor | None  # applied to down's output before the residual add
+
+
+def _int8_layer(w: DecoderLayerWeights, s: LayerSmoothing, sandwich: bool, release: bool) -> Int8Layer:
+    made: dict[str, W8A8Linear | torch.Tensor | None] = {}
     for name, source in smoothed_weights(w, s).items():
         weight, bias = source()
-        made[name], made[name + "_residual"] = make_int8_linear(weight, bias, torch.float32)
+        made[name] = W8A8Linear(*quantize_gemm_weight(weight))
+        made[name + "_bias"] = None if bias is None else bias.detach().float()
         del weight  # before the next weight's float32 copy
         if release:
             _release(getattr(w, name))
-    return LayerLinears(**{f: made[f] for f in LayerLinears._fields})
+    # Sandwich: h + norm(o), then the pre-FFN norm; pre-norm: h + o, then the post-attention norm.
+    o_norm, ffn_norm = (w.post_attn_norm, w.pre_ffn_norm) if sandwich else (None, w.post_attn_norm)
+    return Int8Layer(**made, input_norm=w.input_norm, qk_norm=w.qk_norm, o_norm=o_norm,  # type: ignore[arg-type]
+                     ffn_norm=ffn_norm, down_norm=w.post_ffn_norm)
 
 
 class StagedModel(nn.Module):
@@ -237,6 +246,8 @@ class DecoderLM(StagedModel):
         self._linears: list[LayerLinears] = []
         self._head: OutputHead | None = None
         self.int8_layers = False  # whether the decoder layers' matmuls are int8 x int8 (build_linears)
+        self._int8: list[Int8Layer] = []  # their matmuls and norms, then
+        self._chains: Int8Chains | None = None  # and what lies between the matmuls (int8_chains.py)
         self._act = {"silu": F.silu, "gelu": F.gelu,
                      "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}[cfg.activation]
 
@@ -266,9 +277,11 @@ class DecoderLM(StagedModel):
         if smoothing is None:
             self._linears = [_layer_linears(w, release_weights) for w in self.layers]
         else:
-            self._linears = [_int8_layer_linears(w, s, release_weights) for w, s in zip(self.layers, smoothing)]
-            release_free_heap()  # the float32 copies quantized above (models/platform/heap.py)
             self._float32_elementwise()
+            self._int8 = [_int8_layer(w, s, self.cfg.sandwich_norm, release_weights)
+                          for w, s in zip(self.layers, smoothing)]
+            release_free_heap()  # the float32 copies quantized above (models/platform/heap.py)
+            self._chains = Int8Chains(self.cfg, self._eps, self._act, self.dtype)
         if self.stage.is_last:
             assert self.lm_head is not None, "weights not loaded"
             self._head = OutputHead(self.lm_head, head_quantization(quantization), release_head_rows)
@@ -298,13 +311,10 @@ class DecoderLM(StagedModel):
         hidden_in [T, hidden]: the previous stage's output (other stages). Returns
         stage_output: the final hidden [T, hidden] on the last stage, else the residual stream."""
         cfg = self.cfg
-        # With int8 x int8 layers the activations stay float32 between matmuls: the GEMMs
-        # return float32 and quantize their inputs from float32, so rounding to the model
-        # dtype in between would only add kernels (about a tenth of a decode step at 16
-        # rows) and error. K/V are still stored, and attention computed, in the model dtype.
-        act_dtype = torch.float32 if self.int8_layers else self.dtype
-        h = self.stage_input(input_ids, hidden_in).to(act_dtype)
+        h = self.stage_input(input_ids, hidden_in).to(self.dtype)
         rope = {t: table.lookup(positions, max_position) for t, table in self._rope.items()}
+        if self.int8_layers:
+            return self.stage_output(self._int8_layers(h, rope, backend))
         nq, nkv, hd, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self._eps
         inv_h, inv_hd = 1.0 / cfg.hidden_size, 1.0 / hd
         T = positions.shape[0]
@@ -341,6 +351,29 @@ class DecoderLM(StagedModel):
             else:
                 h = self.add_row_parallel(h, y, lin.down, lin.down_residual)
         return self.stage_output(h)
+
+    def _int8_layers(self, h: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                     backend: AttentionBackend) -> torch.Tensor:
+        """The layers with int8 x int8 matmuls: each matmul's input quantized in the chain that
+        produces it (int8_chains.py). The activations stay float32 between matmuls: the
+        GEMMs return float32 and quantize their inputs from float32, so rounding to the
+        model dtype in between would only add work and error. K/V are still stored, and
+        attention computed, in the model dtype. Only plain pre-norm and sandwich-norm
+        decoders on one rank get int8 layers (models/loaders/loader._int8_smoothing)."""
+        chains, layer_types, layers = self._chains, self.cfg.layer_types, self._int8
+        assert chains is not None
+        path = layers[0].qkv.path  # every matmul's
+        h, x, x_scale = chains.residual(path, None, None, h, None, layers[0].input_norm)
+        for k, (i, m) in enumerate(zip(self.layer_ids, layers)):
+            cos, sin = rope.get(layer_types[i], (None, None))
+            q, kv = chains.qkv_out(m.qkv.quantized(path, x, x_scale), m.qkv_bias, m.qk_norm, cos, sin)
+            x, x_scale = chains.quant(path, backend.attention(i, q, kv))
+            h, x, x_scale = chains.residual(path, m.o.quantized(path, x, x_scale), m.o_bias, h, m.o_norm, m.ffn_norm)
+            x, x_scale = chains.act_mul(path, m.gate_up.quantized(path, x, x_scale), m.gate_up_bias)
+            next_norm = layers[k + 1].input_norm if k + 1 < len(layers) else None
+            h, x, x_scale = chains.residual(path, m.down.quantized(path, x, x_scale), m.down_bias, h, m.down_norm,
+                                            next_norm)
+        return h
 
     def greedy_tokens(self, hidden: torch.Tensor) -> list[int]:
         """The argmax token of each row's logits, without materialising the logits."""

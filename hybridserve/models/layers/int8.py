@@ -73,7 +73,7 @@ def quantize_rows_float(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(x / scale rounded, in -127..127 as float32 [S, K], float32 scale [S, 1]): symmetric per
     row, scale = the row's largest magnitude / 127. The levels of the other quantizers, and
     what fbgemm_matmul takes."""
-    x = x.float()
+    x = x if x.dtype == torch.float32 else x.float()  # a no-op .float() still costs a dispatch
     scale = x.abs().amax(dim=-1, keepdim=True).clamp_(min=torch.finfo(torch.float32).tiny) / INT8_LEVELS
     return (x / scale).round_(), scale
 
@@ -90,6 +90,16 @@ def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     quantize_rows_uint8, signed."""
     levels, scale = quantize_rows_float(x)
     return levels.to(torch.int8), scale
+
+
+def levels_for(path: str, levels: torch.Tensor) -> torch.Tensor:
+    """Whole levels in -127..127 (float32, from quantize_rows_float's rule) stored as `path`'s
+    kernel takes them: uint8 around 128 (packed), int8 (plain) or the float32 levels
+    themselves (fbgemm). Out of place, so it can close a compiled chain of element-wise
+    ops (models/arch/int8_chains.py) as well as QUANTIZERS' eager ones."""
+    if path == PACKED:
+        return (levels + UINT8_ZERO_POINT).to(torch.uint8)
+    return levels.to(torch.int8) if path == PLAIN else levels
 
 
 def quantize_int8_rows(weight: torch.Tensor, levels: int = INT8_LEVELS, block_done: BlockDone | None = None
@@ -209,7 +219,7 @@ def fbgemm_matmul(packed: torch.ScriptObject) -> Int8Matmul:
     (tests/models/test_int8_layers.py compares them bit for bit). The levels come rounded because
     fbgemm's own rounding of exact halves differs between its kernels (0.5 went to 1 with
     17 rows and to 0 with 3). Why it exists: on AVX2 alone it is the fastest of the three
-    at every row count (see choose_int8_paths)."""
+    at every row count (see choose_int8_path)."""
     op = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
 
     def matmul(x: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
@@ -318,6 +328,16 @@ class W8A8Linear:
     def packed(self) -> Int8Matmul:
         """The packed GEMM on (unsigned activations, their scale)."""
         return self._kernel_for(PACKED)
+
+    @property
+    def path(self) -> str:
+        """The path that serves every row count here (int8_path)."""
+        return self._path
+
+    def quantized(self, path: str, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """x W^T from x already quantized for `path` (values as levels_for(path, ...), per-row
+        scale): for callers that quantize in one fused kernel with what produced x."""
+        return self._kernel_for(path)(values, scale)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self._run(self._path, x)

@@ -71,6 +71,7 @@ TINY_BOUNDS = {
     ("bfloat16", "none"): (0.6, 0.01, 0.1),  # measured: 1.0, 0.0017, 0.018
     ("bfloat16", "int8"): (0.6, 0.02, 0.1),  # measured: 0.83 (one stream parts at a near tie), 0.003, 0.013
     ("float32", "int4"): (0.5, 0.1, 1.0),  # measured: 0.83, 0.018, 0.17
+    ("bfloat16", "q4"): (0.5, 0.1, 1.0),  # measured: 0.83, 0.037, 0.34 (every random weight re-quantized to 4 bits)
 }
 
 

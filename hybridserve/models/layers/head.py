@@ -30,6 +30,7 @@ from typing import Callable
 
 import torch
 
+from hybridserve.config import INT4_LAYERS
 from hybridserve.core.errors import ConfigError
 from hybridserve.models.layers.int8 import (FBGEMM, QUANTIZERS, int8_gemm_available, int8_matmul, int8_paths,
                                            quantize_gemm_weight, quantize_int8_rows)
@@ -106,9 +107,10 @@ def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def head_quantization(quantization: str) -> str:
-    """The head's representation under a model-wide --quantization: "int8" (every linear)
-    and "int8-head" (the head only) both quantize the head to int8."""
-    return "int8" if quantization == "int8-head" else quantization
+    """The head's representation under a model-wide --quantization: "int8" (every linear),
+    "int8-head" (the head only) and INT4_LAYERS (the decoder's linears in int4; the head,
+    a Q8_0 tensor in the default GGUF, keeps int8's accuracy) all quantize the head to int8."""
+    return "int8" if quantization in ("int8-head", INT4_LAYERS) else quantization
 
 
 class OutputHead:

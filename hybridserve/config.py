@@ -31,8 +31,8 @@ from hybridserve.core.sched.config import SchedulerConfig
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when neither kv_cache_memory nor num_blocks is given
 DEFAULT_MAX_MODEL_LEN_CAP = SchedulerConfig.max_model_len  # default max_model_len: min(model context, this)
 MODEL_DTYPES = ("float32", "bfloat16", "float16", "auto")  # auto: bfloat16 on CPUs with native bf16
-INT4_LAYERS = "q4"  # the decoder's linears as int4 groups (models/layers/int4.py)
-QUANTIZATIONS = ("auto", "none", "int8", "int8-head", "int4", INT4_LAYERS)  # see models/platform/cpu_features.choose_quantization
+# see models/platform/cpu_features.choose_quantization; "q4": models/layers/head.INT4_LAYERS
+QUANTIZATIONS = ("auto", "none", "int8", "int8-head", "int4", "q4")
 DISTRIBUTED_BACKENDS = ("mp", "ray")  # how pipeline / tensor parallel workers are started
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40,

@@ -125,7 +125,8 @@ def test_bad_input_is_a_config_error_naming_it() -> None:
 
 
 def test_q4_mode_is_a_named_quantization() -> None:
-    from hybridserve.config import INT4_LAYERS, QUANTIZATIONS, EngineConfig
+    from hybridserve.config import QUANTIZATIONS, EngineConfig
+    from hybridserve.models.layers.head import INT4_LAYERS
 
     assert INT4_LAYERS in QUANTIZATIONS
     with pytest.raises(ConfigError, match="quantization must be one of .*q4"):

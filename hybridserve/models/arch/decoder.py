@@ -23,8 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridserve.models.config import ModelConfig
-from hybridserve.config import INT4_LAYERS
-from hybridserve.models.layers.head import OutputHead, ReleaseRows, head_quantization
+from hybridserve.models.layers.head import INT4_LAYERS, OutputHead, ReleaseRows, head_quantization
 from hybridserve.models.layers.int4 import make_int4_linear
 from hybridserve.models.platform.heap import release_free_heap
 from hybridserve.models.layers.linear import LayerLinears, Linear, ResidualLinear, make_int8_linear, make_linear

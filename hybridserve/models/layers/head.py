@@ -30,7 +30,6 @@ from typing import Callable
 
 import torch
 
-from hybridserve.config import INT4_LAYERS
 from hybridserve.core.errors import ConfigError
 from hybridserve.models.layers.int8 import (FBGEMM, QUANTIZERS, int8_gemm_available, int8_matmul, int8_paths,
                                            quantize_gemm_weight, quantize_int8_rows)
@@ -55,6 +54,7 @@ ARGMAX_SPAN = 128
 # Up to this many rows span_logits summarises its whole buffer at once, not chunk by chunk.
 FEW_ROWS = 4
 INT4_GROUP_SIZE = 32  # hidden-dim weights sharing one int4 scale and offset (as GGUF's Q4_K sub-blocks)
+INT4_LAYERS = "q4"  # --quantization: the decoder's linears as int4 groups (models/layers/int4.py)
 _INT4_LEVELS = 15  # largest 4-bit value
 _INT4_MIDPOINT = 8  # the kernel subtracts this from each 4-bit value before scaling
 

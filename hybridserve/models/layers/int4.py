@@ -8,7 +8,7 @@ int8 per weight, plus 4 bytes per group of 32.
 
 The kernel reads those bytes at one row faster than the int8 x int8 GEMMs read theirs, but
 its time grows with the rows (`python benchmarks/int4_rows.py`,
-benchmarks/results/int4_kernels.md: about int8's time at 2 rows, several times it at 16).
+benchmarks/results/int4_kernels.md: about int8's time at 2 rows, 1.1-5x it at 16).
 So Int4Linear has two paths over the same bytes:
 - `kernel`, the int4 kernel, for up to KERNEL_MAX_ROWS rows (decode);
 - `dequantized`, the values expanded to a bf16 weight at each call and multiplied by

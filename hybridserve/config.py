@@ -31,7 +31,8 @@ from hybridserve.core.sched.config import SchedulerConfig
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when neither kv_cache_memory nor num_blocks is given
 DEFAULT_MAX_MODEL_LEN_CAP = SchedulerConfig.max_model_len  # default max_model_len: min(model context, this)
 MODEL_DTYPES = ("float32", "bfloat16", "float16", "auto")  # auto: bfloat16 on CPUs with native bf16
-QUANTIZATIONS = ("auto", "none", "int8", "int8-head", "int4")  # see models/platform/cpu_features.choose_quantization
+# see models/platform/cpu_features.choose_quantization; "q4": models/layers/head.INT4_LAYERS
+QUANTIZATIONS = ("auto", "none", "int8", "int8-head", "int4", "q4")
 DISTRIBUTED_BACKENDS = ("mp", "ray")  # how pipeline / tensor parallel workers are started
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40,
@@ -132,7 +133,9 @@ class EngineConfig:
         "section": "model", "choices": QUANTIZATIONS,
         "help": "int8: every linear int8 (int8 x int8 with smoothed activations on x86 CPUs with VNNI / "
                 "AMX-INT8 or AVX2, else the head only, weight-only); int8-head: the output head only; int4: "
-                "the head, group-wise weight-only",
+                "the head, group-wise weight-only; q4: the decoder's linears as int4 groups of 32 with a scale "
+                "and an offset each (a GGUF Q4_K tensor's form; fastest for one stream, slow at batches of "
+                "16+), the head int8",
         "default_note": "int8 on such CPUs unless --dtype float32 is given, the exact reference; else none"})
     num_threads: int | None = field(default=None, metadata={
         "section": "model", "help": "torch CPU threads", "default_note": "torch's choice"})

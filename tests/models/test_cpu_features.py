@@ -112,7 +112,7 @@ def test_cpu_flags_from_the_environment_override_cpuinfo(tmp_path: Path, monkeyp
 def test_config_defaults_and_bad_values() -> None:
     config = EngineConfig()
     assert (config.dtype, config.quantization) == ("auto", "auto")
-    with pytest.raises(ConfigError, match=r"quantization must be one of auto, none, int8, int8-head, int4, got 'int3'"):
+    with pytest.raises(ConfigError, match=r"quantization must be one of auto, none, int8, int8-head, int4, q4, got 'int3'"):
         EngineConfig(quantization="int3")
 
 

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridserve.models.config import ModelConfig
-from hybridserve.models.layers.head import OutputHead, ReleaseRows, head_quantization
+from hybridserve.models.layers.head import INT4_LAYERS, OutputHead, ReleaseRows, head_quantization
+from hybridserve.models.layers.int4 import make_int4_linear
 from hybridserve.models.platform.heap import release_free_heap
 from hybridserve.models.arch.int8_chains import Int8Chains
 from hybridserve.models.layers.int8 import W8A8Linear, quantize_gemm_weight
@@ -96,6 +97,16 @@ def _layer_linears(w: DecoderLayerWeights, release: bool) -> LayerLinears:
         if packed and release:
             _release(weight)
         made[name], made[name + "_residual"] = linear, residual
+    return LayerLinears(**{f: made[f] for f in LayerLinears._fields})
+
+
+def _int4_layer_linears(w: DecoderLayerWeights, release: bool) -> LayerLinears:
+    """The layer's matmuls on int4 groups (models/layers/int4.py), in and out in the model dtype."""
+    made = {}
+    for name in ("qkv", "o", "gate_up", "down"):
+        made[name], made[name + "_residual"] = make_int4_linear(getattr(w, name), getattr(w, name + "_bias"))
+        if release:
+            _release(getattr(w, name))
     return LayerLinears(**{f: made[f] for f in LayerLinears._fields})
 
 
@@ -272,9 +283,11 @@ class DecoderLM(StagedModel):
         is packed or quantized as `quantization` says (see models/layers/head.py); a tied head's
         plain weight stays, as the embedding lookup reads it. With `smoothing` (from
         models/layers/smoothing.smooth, which has already divided the norms) the layers' matmuls
-        are int8 x int8."""
+        are int8 x int8; with quantization INT4_LAYERS, int4 groups (models/layers/int4.py)."""
         self.int8_layers = smoothing is not None
-        if smoothing is None:
+        if quantization == INT4_LAYERS:
+            self._linears = [_int4_layer_linears(w, release_weights) for w in self.layers]
+        elif smoothing is None:
             self._linears = [_layer_linears(w, release_weights) for w in self.layers]
         else:
             self._float32_elementwise()

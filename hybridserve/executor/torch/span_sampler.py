@@ -128,6 +128,13 @@ def _draw_with_logit(sl: SpanLogits, r: torch.Tensor, peak: torch.Tensor, u: tor
     return j * sl.span + within, values.gather(2, within[..., None]).squeeze(2)
 
 
+def _weights(x: torch.Tensor, peak: torch.Tensor, inv_t: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """exp((x - peak) * inv_t) where keep, else 0 (peak, inv_t and keep broadcast against
+    x), float32: a product with the mask, which vectorises where masked_fill_ of a
+    broadcast mask does not; the same numbers (the weights are at most 1, never inf)."""
+    return torch.sub(x, peak).mul_(inv_t).exp_().mul_(keep)
+
+
 def _candidates(sl: SpanLogits, r: torch.Tensor, num_spans: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(their logits [r, n] in id order, bound [r]: the largest logit outside them) of the
     num_spans spans with the largest maxima of rows r."""
@@ -218,8 +225,8 @@ def _thresholds_from_candidates(sl: SpanLogits, r: torch.Tensor, peak: torch.Ten
         needed[c[p]] = needed_p
         # Only a row whose candidates above `bound` hold the needed mass has its cut there.
         cp = cand[p]
-        above = torch.exp((cp - peak[p, None]) * inv_t[p, None]).masked_fill_(
-            (cp <= bound_c[p, None]) | (cp < floor_c[p, None]), 0.0).double().sum(dim=1)
+        above = _weights(cp, peak[p, None], inv_t[p, None],
+                         (cp > bound_c[p, None]) & (cp >= floor_c[p, None])).sum(dim=1, dtype=torch.float64)
         open_c = torch.zeros(len(r), dtype=torch.bool)
         open_c[p] = True
         held = above >= needed_p
@@ -245,8 +252,8 @@ def _kept_mass(sl: SpanLogits, r: torch.Tensor, cand: torch.Tensor, bound: torch
     inside = has_k & (floor > bound)
     if inside.any():
         c = cand[inside]
-        mass[inside] = torch.exp((c - peak[inside, None]) * inv_t[inside, None]).masked_fill_(
-            c < floor[inside, None], 0.0).double().sum(dim=1)
+        mass[inside] = _weights(c, peak[inside, None], inv_t[inside, None], c >= floor[inside, None]).sum(
+            dim=1, dtype=torch.float64)
     outside = has_k & ~inside
     if outside.any():
         mass[outside] = _mass_above(sl, r[outside], floor[outside], floor[outside], peak[outside], inv_t[outside],
@@ -261,7 +268,7 @@ def _short_of(sl: SpanLogits, r: torch.Tensor, level: torch.Tensor, floor: torch
     weights, at most their whole masses; only rows the bounds leave open are summed."""
     span_max = sl.span_max[r]
     reach = span_max > level[:, None]
-    w_max = torch.exp((span_max - peak[:, None]) * inv_t[:, None]).masked_fill_(~reach, 0.0)
+    w_max = _weights(span_max, peak[:, None], inv_t[:, None], reach)
     lower = w_max.double().sum(dim=1)
     upper = (w_max * sl.span_sum[r]).double().sum(dim=1)  # a span's mass is relative to its maximum
     short = upper < needed
@@ -276,15 +283,12 @@ def _mass_above(sl: SpanLogits, r: torch.Tensor, level: torch.Tensor, floor: tor
                 inv_t: torch.Tensor, strict: bool = True) -> torch.Tensor:
     """Per row of r, the mass of its logits above `level` (>= with strict=False) and >=
     floor, read from the spans whose maximum reaches that far only."""
-    edge = torch.maximum(level, floor)
-    span_max = sl.span_max[r]
-    reach = (span_max > edge[:, None]) if strict else (span_max >= edge[:, None])
-    row, j = reach.nonzero(as_tuple=True)
+    # One threshold for both conditions: x > level is x >= the next float32 above it.
+    edge = torch.maximum(torch.nextafter(level, torch.tensor(float("inf"))) if strict else level, floor)
+    row, j = (sl.span_max[r] >= edge[:, None]).nonzero(as_tuple=True)
     x = sl.take_spans(r[row], j)
-    keep = (x > level[row, None]) if strict else (x >= level[row, None])
-    keep &= x >= floor[row, None]
-    w = torch.exp((x - peak[row, None]) * inv_t[row, None]).masked_fill_(~keep, 0.0).double().sum(dim=1)
-    return torch.zeros(len(r), dtype=torch.float64).index_add_(0, row, w)
+    w = _weights(x, peak[row, None], inv_t[row, None], x >= edge[row, None])
+    return torch.zeros(len(r), dtype=torch.float64).index_add_(0, row, w.sum(dim=1, dtype=torch.float64))
 
 
 def _whole_row_cut(sl: SpanLogits, r: torch.Tensor, floor: torch.Tensor, peak: torch.Tensor, inv_t: torch.Tensor,
@@ -302,7 +306,7 @@ def _draw_above(sl: SpanLogits, r: torch.Tensor, peak: torch.Tensor, theta: torc
     spans = sl.span_max.shape[1]
     row, j = (sl.span_max[r] >= theta[:, None]).nonzero(as_tuple=True)
     x = sl.take_spans(r[row], j)
-    w = torch.sub(x, peak[row, None]).mul_(inv_t[row, None]).exp_().masked_fill_(x < theta[row, None], 0.0)
+    w = _weights(x, peak[row, None], inv_t[row, None], x >= theta[row, None])
     mass = torch.zeros(len(r), spans, dtype=torch.float64)
     mass[row, j] = w.sum(dim=-1).double()
     cdf = mass.cumsum(dim=1)
@@ -329,8 +333,7 @@ def _nucleus_cut(cand: torch.Tensor, floor: torch.Tensor, peak: torch.Tensor, in
     todo = torch.arange(rows)
     for q in (*(q for q in prefixes if q < cand.shape[1]), cand.shape[1]):
         values = cand[todo].topk(q, dim=1).values  # descending
-        w = torch.exp((values - peak[todo, None]) * inv_t[todo, None]).masked_fill_(values < floor[todo, None], 0.0)
-        w = w.double()
+        w = _weights(values, peak[todo, None], inv_t[todo, None], values >= floor[todo, None]).double()
         drop = (w.cumsum(dim=1) - w) >= needed[todo, None]
         hit = drop.any(dim=1)
         first = drop.to(torch.uint8).argmax(dim=1)  # the first dropped position (>= 1)

@@ -122,7 +122,7 @@ def _draw_with_logit(sl: SpanLogits, r: torch.Tensor, peak: torch.Tensor, u: tor
     # span's logits are weighed again below, so their sum need not equal span_sum exactly.
     frac = ((target - before) / mass.gather(1, j)).clamp(0.0, 1.0)
     values = sl.take_spans(r[:, None].expand(rows, draws), j)  # [n, m, span]
-    top = sl.span_max[r].gather(1, j)
+    top = sl.span_max[r[:, None], j]  # [n, m]: not a copy of the rows' span maxima
     w = torch.exp((values - top[..., None]) * inv_t[:, None, None]).double().cumsum(dim=-1).view(-1, sl.span)
     within = _search(w, frac.reshape(-1) * w[:, -1]).view(rows, draws)
     return j * sl.span + within, values.gather(2, within[..., None]).squeeze(2)

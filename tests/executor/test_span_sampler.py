@@ -115,3 +115,23 @@ def test_logits_in_pieces_read_as_the_dense_logits() -> None:
     assert not pieced.is_dense
     assert torch.equal(pieced.logits, dense.logits) and pieced.is_dense
     assert bool((pieced.padded[:, VOCAB:] == float("-inf")).all())
+
+
+@pytest.mark.parametrize("attempts", [span_sampler.ATTEMPTS, 0])
+def test_min_p_alone_reads_only_the_spans_reaching_its_threshold(attempts: int, monkeypatch) -> None:
+    """min-p's threshold is the row's maximum + T ln(min_p): such rows gather no candidates,
+    and their draws from the kept set (every draw, with 0 attempts) read the spans whose
+    maximum reaches it, never whole rows; the tokens are the general path's."""
+    monkeypatch.setattr(span_sampler, "ATTEMPTS", attempts)
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("a whole-row or candidate read for min-p alone")
+
+    monkeypatch.setattr(span_sampler, "_candidates", refuse)
+    monkeypatch.setattr(SpanLogits, "whole_rows", refuse)
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(120, VOCAB, generator=g) * 2.0
+    params = [SamplingParams(temperature=t, min_p=m) for t in (0.7, 1.0, 1.5) for m in (0.02, 0.3, 0.9)
+              for _ in range(10)]
+    fast, general = _draw_both(logits[: len(params)], params)
+    assert sum(f != r for f, r in zip(fast, general)) <= len(params) // 1000

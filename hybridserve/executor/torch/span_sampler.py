@@ -20,17 +20,22 @@ The general path (`draw_general`) does this on one whole row in float64, with a 
 sort for top-p: the reference. The fast path (`draw_fast`) reads the span summaries
 (models/layers/span_logits.py) and, mostly, the logits of a few spans only:
 
-- x_a: a span by inverse CDF over the span masses, then a token inside it;
+- x_a: a span by inverse CDF over the span masses, then a token inside it; every
+  attempt's x_a of every row at once (a few spans more than needed, far fewer tensor
+  operations than an attempt at a time);
 - whether x_a is kept: the CANDIDATE_SPANS spans with the largest maxima (at least
   top_k of them) hold every logit above `bound`, the largest maximum of the spans left
   out, in the row's sorted order. A threshold above `bound` is decided on them (the k-th
-  largest, the nucleus cut; min-p's needs only the row's maximum). A nucleus reaching
-  below `bound` keeps every l_x > bound; below it, x is kept iff the mass strictly above
-  l_x is short of top_p's share (one masked pass over the row);
-- after A rejected draws (rare: the kept mass is at least top_p for a nucleus) theta is
-  decided on the whole row where the candidates cannot (partial sorts of growing
-  length), and the draw is over the candidates when theta > bound, else over whole rows
-  (span masses above theta, then a span, then a token).
+  largest, the nucleus cut). min-p's needs only the row's maximum: a row with min-p
+  alone gathers no candidates. A nucleus reaching below `bound` keeps every l_x > bound;
+  below it, x is kept iff the mass strictly above l_x is short of top_p's share (read
+  from the spans whose maximum passes l_x), decided for the first attempt not rejected
+  outright, then the next, until one is kept;
+- after A rejected draws (rare for a nucleus, whose kept mass is at least top_p; less
+  so for a min-p that keeps little mass) theta is decided on the whole row where the candidates
+  cannot (partial sorts of growing length), and the draw is over the kept mass of the
+  spans whose maximum reaches theta (read from those spans only), then a span, then a
+  token.
 The two paths agree up to float rounding (tests/executor/test_span_sampler.py).
 """
 
@@ -76,14 +81,17 @@ def draw_fast(sl: SpanLogits, greedy: torch.Tensor, top_k: torch.Tensor, top_p: 
 
 
 def _search(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Per row, the first column where the non-decreasing cdf [r, n] exceeds target [r]; a
-    target that rounding lifted to the row's total takes the first column reaching it,
-    which has weight (never a zero-weight column after the last real one)."""
-    at = torch.searchsorted(cdf, target[:, None], right=True).squeeze(1)
+    """Per row, the first column where the non-decreasing cdf [r, n] exceeds target [r] (or
+    each of target [r, m]: [r, m]); a target that rounding lifted to the row's total takes
+    the first column reaching it, which has weight (never a zero-weight column after the
+    last real one)."""
+    flat = target.dim() == 1
+    at = torch.searchsorted(cdf, target[:, None] if flat else target, right=True)
     over = at >= cdf.shape[1]
     if over.any():
-        at[over] = torch.searchsorted(cdf[over], cdf[over, -1:], right=False).squeeze(1)
-    return at
+        row = over.nonzero()[:, 0]
+        at[over] = torch.searchsorted(cdf[row], cdf[row, -1:], right=False).squeeze(1)
+    return at.squeeze(1) if flat else at
 
 
 def _span_masses(sl: SpanLogits, r: torch.Tensor, peak: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,29 +104,40 @@ def _span_masses(sl: SpanLogits, r: torch.Tensor, peak: torch.Tensor) -> tuple[t
 
 def _draw_unfiltered(sl: SpanLogits, r: torch.Tensor, peak: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse CDF over the span masses, then over the chosen span's logits."""
-    return _draw_with_logit(sl, r, peak, u)[0]
+    return _draw_with_logit(sl, r, peak, u[:, None])[0][:, 0]
 
 
 def _draw_with_logit(sl: SpanLogits, r: torch.Tensor, peak: torch.Tensor, u: torch.Tensor,
                      masses: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(_draw_unfiltered's tokens, their logits); `masses`: _span_masses(sl, r, peak), when
-    the caller has them."""
+    """(tokens, their logits), both [n, m]: _draw_unfiltered's token for each of a row's m
+    draws u [n, m], all at once; `masses`: _span_masses(sl, r, peak), when the caller has
+    them."""
+    rows, draws = u.shape
     inv_t = sl.inv_temperature[r]
     mass, cdf = masses if masses is not None else _span_masses(sl, r, peak)
-    target = u * cdf[:, -1]
+    target = u * cdf[:, -1:]
     j = _search(cdf, target)
-    before = torch.where(j > 0, cdf.gather(1, (j - 1).clamp(min=0)[:, None]).squeeze(1), 0.0)
+    before = torch.where(j > 0, cdf.gather(1, (j - 1).clamp(min=0)), 0.0)
     # Where the target falls inside span j, as a fraction of the span's own mass: the
     # span's logits are weighed again below, so their sum need not equal span_sum exactly.
-    frac = ((target - before) / mass.gather(1, j[:, None]).squeeze(1)).clamp(0.0, 1.0)
-    values = sl.take_spans(r, j)
-    w = torch.exp((values - sl.span_max[r, j][:, None]) * inv_t[:, None]).double().cumsum(dim=1)
-    within = _search(w, frac * w[:, -1])
-    return j * sl.span + within, values.gather(1, within[:, None]).squeeze(1)
+    frac = ((target - before) / mass.gather(1, j)).clamp(0.0, 1.0)
+    values = sl.take_spans(r[:, None].expand(rows, draws), j)  # [n, m, span]
+    top = sl.span_max[r[:, None], j]  # [n, m]: not a copy of the rows' span maxima
+    w = torch.exp((values - top[..., None]) * inv_t[:, None, None]).double().cumsum(dim=-1).view(-1, sl.span)
+    within = _search(w, frac.reshape(-1) * w[:, -1]).view(rows, draws)
+    return j * sl.span + within, values.gather(2, within[..., None]).squeeze(2)
 
 
-def _candidates(sl: SpanLogits, r: torch.Tensor, num_spans: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(token ids [r, n] in id order, their logits, bound [r]: the largest logit outside them)."""
+def _weights(x: torch.Tensor, peak: torch.Tensor, inv_t: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """exp((x - peak) * inv_t) where keep, else 0 (peak, inv_t and keep broadcast against
+    x), float32: a product with the mask, which vectorises where masked_fill_ of a
+    broadcast mask does not; the same numbers (the weights are at most 1, never inf)."""
+    return torch.sub(x, peak).mul_(inv_t).exp_().mul_(keep)
+
+
+def _candidates(sl: SpanLogits, r: torch.Tensor, num_spans: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(their logits [r, n] in id order, bound [r]: the largest logit outside them) of the
+    num_spans spans with the largest maxima of rows r."""
     span_max = sl.span_max[r]
     total = span_max.shape[1]
     if num_spans >= total:
@@ -128,73 +147,99 @@ def _candidates(sl: SpanLogits, r: torch.Tensor, num_spans: int) -> tuple[torch.
         top = span_max.topk(num_spans + 1, dim=1)
         spans = top.indices[:, :num_spans].sort(dim=1).values
         bound = top.values[:, num_spans]
-    ids = (spans[:, :, None] * sl.span + torch.arange(sl.span)).view(len(r), -1)
-    return ids, sl.take_spans(r[:, None], spans).view(len(r), -1), bound
+    return sl.take_spans(r[:, None], spans).view(len(r), -1), bound
 
 
 def _draw_filtered(sl: SpanLogits, r: torch.Tensor, peak: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                    min_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Draws from the whole distribution until one is kept, then (rarely) a draw from the
-    kept set: the thresholds from the candidates where they decide them."""
+    kept set: the thresholds from the candidates where they decide them. Rows with min-p
+    alone know theta without candidates and gather none."""
     inv_t = sl.inv_temperature[r]
-    ids, cand, bound = _candidates(sl, r, max(CANDIDATE_SPANS, int(top_k.max())))
-    n = cand.shape[1]
-    floor = torch.full((len(r),), NEG_INF)  # the k-th largest logit
-    has_k = top_k > 0
-    if has_k.any():
-        kth = cand.topk(min(int(top_k.max()), n), dim=1).values
-        floor = torch.where(has_k, kth.gather(1, (top_k.clamp(1, n) - 1)[:, None]).squeeze(1), floor)
-        tied = (has_k & (floor <= bound)).nonzero().squeeze(1)  # ties with a logit outside the candidates
-        if tied.numel():
-            whole = sl.whole_rows(r[tied]).topk(int(top_k[tied].max()), dim=1).values
-            floor[tied] = whole.gather(1, (top_k[tied] - 1)[:, None]).squeeze(1)
-    theta = torch.maximum(floor, peak + torch.log(min_p) / inv_t)  # decided thresholds
-    # Nucleus: the cut where the candidates decide it; elsewhere the mass a kept draw's
-    # higher logits stay short of.
-    open_p = torch.zeros(len(r), dtype=torch.bool)
-    needed = torch.zeros(len(r), dtype=torch.float64)
-    p = (top_p < 1.0).nonzero().squeeze(1)
-    if p.numel():
-        needed[p] = top_p[p].double() * _kept_mass(sl, r[p], cand[p], bound[p], floor[p], peak[p], inv_t[p])
-        # Only a row whose candidates above `bound` hold the needed mass has its cut there.
-        c = cand[p]
-        above = torch.exp((c - peak[p, None]) * inv_t[p, None]).masked_fill_(
-            (c <= bound[p, None]) | (c < floor[p, None]), 0.0).double().sum(dim=1)
-        open_p[p] = True
-        q = p[above >= needed[p]]
-        if q.numel():
-            cut, found = _nucleus_cut(cand[q], floor[q], peak[q], inv_t[q], needed[q], NUCLEUS_PREFIXES)
-            decided = found & (cut > bound[q])
-            theta[q] = torch.where(decided, torch.maximum(theta[q], cut), theta[q])
-            open_p[q] = ~decided
-    tokens = torch.empty(len(r), dtype=torch.long)
-    todo = torch.arange(len(r))
-    mass, cdf = _span_masses(sl, r, peak) if ATTEMPTS else (None, None)  # the same for every attempt
-    for a in range(ATTEMPTS):
-        x, lx = _draw_with_logit(sl, r[todo], peak[todo], u[todo, a], masses=(mass[todo], cdf[todo]))
-        kept = lx >= theta[todo]
-        ask = (kept & open_p[todo] & (lx <= bound[todo])).nonzero().squeeze(1)
-        if ask.numel():
-            rows = todo[ask]
-            kept[ask] = _short_of(sl, r[rows], lx[ask], floor[rows], peak[rows], inv_t[rows], needed[rows])
-        tokens[todo[kept]] = x[kept]
-        todo = todo[~kept]
-        if not todo.numel():
-            return tokens
+    n_rows = len(r)
+    floor = torch.full((n_rows,), NEG_INF)  # the k-th largest logit
+    bound = peak.clone()  # the largest logit outside a row's candidates (none: every logit)
+    theta = peak + torch.log(min_p) / inv_t  # decided thresholds
+    open_p = torch.zeros(n_rows, dtype=torch.bool)
+    needed = torch.zeros(n_rows, dtype=torch.float64)
+    c = ((top_k > 0) | (top_p < 1.0)).nonzero().squeeze(1)
+    if c.numel():
+        _thresholds_from_candidates(sl, r[c], peak[c], inv_t[c], top_k[c], top_p[c], c, floor, bound, theta,
+                                    open_p, needed)
+    # Every attempt's draw at once; then per row the first kept one, deciding the draws
+    # an open nucleus leaves in doubt (kept only if the mass above them is short of
+    # `needed`) one attempt at a time.
+    tokens = torch.empty(n_rows, dtype=torch.long)
+    todo = torch.arange(n_rows)
+    if ATTEMPTS:
+        x, lx = _draw_with_logit(sl, r, peak, u[:, :ATTEMPTS])
+        kept = lx >= theta[:, None]
+        doubt = kept & open_p[:, None] & (lx <= bound[:, None])
+        while True:
+            first = kept.to(torch.uint8).argmax(dim=1)  # 0 where none is kept
+            ask = (doubt[todo, first] & kept[todo, first]).nonzero().squeeze(1)
+            if not ask.numel():
+                break
+            a = first[ask]
+            short = _short_of(sl, r[ask], lx[ask, a], floor[ask], peak[ask], inv_t[ask], needed[ask])
+            doubt[ask, a] = False
+            kept[ask[~short], a[~short]] = False
+        done = kept.any(dim=1)
+        tokens[done] = x[done, first[done]]
+        todo = todo[~done]
+    if not todo.numel():
+        return tokens
     # Every draw rejected: decide the open cuts on whole rows, then draw from the kept set.
     o = todo[open_p[todo]]
     if o.numel():
         theta[o] = torch.maximum(theta[o], _whole_row_cut(sl, r[o], floor[o], peak[o], inv_t[o], needed[o]))
-    inside = todo[theta[todo] > bound[todo]]  # every kept logit is a candidate
-    if inside.numel():
-        c = cand[inside]
-        weight = torch.exp((c - peak[inside, None]) * inv_t[inside, None]).masked_fill_(c < theta[inside, None], 0.0)
-        cdf = weight.double().cumsum(dim=1)
-        tokens[inside] = ids[inside].gather(1, _search(cdf, u[inside, ATTEMPTS] * cdf[:, -1])[:, None]).squeeze(1)
-    wide = todo[theta[todo] <= bound[todo]]
-    if wide.numel():
-        tokens[wide] = _draw_above(sl, r[wide], peak[wide], theta[wide], u[wide, ATTEMPTS])
+    tokens[todo] = _draw_above(sl, r[todo], peak[todo], theta[todo], u[todo, ATTEMPTS])
     return tokens
+
+
+def _thresholds_from_candidates(sl: SpanLogits, r: torch.Tensor, peak: torch.Tensor, inv_t: torch.Tensor,
+                                top_k: torch.Tensor, top_p: torch.Tensor, c: torch.Tensor, floor: torch.Tensor,
+                                bound: torch.Tensor, theta: torch.Tensor, open_p: torch.Tensor,
+                                needed: torch.Tensor) -> None:
+    """For rows r with top-k or top-p (positions c of the caller's tensors): the k-th
+    largest logit (floor), the nucleus cut where the candidates decide it (into theta),
+    else open_p with the mass a kept draw's higher logits stay short of (needed), and
+    bound; written into the caller's tensors at c."""
+    cand, bound_c = _candidates(sl, r, max(CANDIDATE_SPANS, int(top_k.max())))
+    n = cand.shape[1]
+    floor_c = torch.full((len(r),), NEG_INF)
+    has_k = top_k > 0
+    if has_k.any():
+        kth = cand.topk(min(int(top_k.max()), n), dim=1).values
+        floor_c = torch.where(has_k, kth.gather(1, (top_k.clamp(1, n) - 1)[:, None]).squeeze(1), floor_c)
+        tied = (has_k & (floor_c <= bound_c)).nonzero().squeeze(1)  # ties with a logit outside the candidates
+        if tied.numel():
+            whole = sl.whole_rows(r[tied]).topk(int(top_k[tied].max()), dim=1).values
+            floor_c[tied] = whole.gather(1, (top_k[tied] - 1)[:, None]).squeeze(1)
+    theta_c = torch.maximum(floor_c, theta[c])
+    # Nucleus: the cut where the candidates decide it; elsewhere the mass a kept draw's
+    # higher logits stay short of.
+    p = (top_p < 1.0).nonzero().squeeze(1)
+    if p.numel():
+        needed_p = top_p[p].double() * _kept_mass(sl, r[p], cand[p], bound_c[p], floor_c[p], peak[p], inv_t[p])
+        needed[c[p]] = needed_p
+        # Only a row whose candidates above `bound` hold the needed mass has its cut there.
+        cp = cand[p]
+        above = _weights(cp, peak[p, None], inv_t[p, None],
+                         (cp > bound_c[p, None]) & (cp >= floor_c[p, None])).sum(dim=1, dtype=torch.float64)
+        open_c = torch.zeros(len(r), dtype=torch.bool)
+        open_c[p] = True
+        held = above >= needed_p
+        q = p[held]
+        if q.numel():
+            cut, found = _nucleus_cut(cand[q], floor_c[q], peak[q], inv_t[q], needed_p[held], NUCLEUS_PREFIXES)
+            decided = found & (cut > bound_c[q])
+            theta_c[q] = torch.where(decided, torch.maximum(theta_c[q], cut), theta_c[q])
+            open_c[q] = ~decided
+        open_p[c] = open_c
+    floor[c] = floor_c
+    bound[c] = bound_c
+    theta[c] = theta_c
 
 
 def _kept_mass(sl: SpanLogits, r: torch.Tensor, cand: torch.Tensor, bound: torch.Tensor, floor: torch.Tensor,
@@ -207,8 +252,8 @@ def _kept_mass(sl: SpanLogits, r: torch.Tensor, cand: torch.Tensor, bound: torch
     inside = has_k & (floor > bound)
     if inside.any():
         c = cand[inside]
-        mass[inside] = torch.exp((c - peak[inside, None]) * inv_t[inside, None]).masked_fill_(
-            c < floor[inside, None], 0.0).double().sum(dim=1)
+        mass[inside] = _weights(c, peak[inside, None], inv_t[inside, None], c >= floor[inside, None]).sum(
+            dim=1, dtype=torch.float64)
     outside = has_k & ~inside
     if outside.any():
         mass[outside] = _mass_above(sl, r[outside], floor[outside], floor[outside], peak[outside], inv_t[outside],
@@ -223,7 +268,7 @@ def _short_of(sl: SpanLogits, r: torch.Tensor, level: torch.Tensor, floor: torch
     weights, at most their whole masses; only rows the bounds leave open are summed."""
     span_max = sl.span_max[r]
     reach = span_max > level[:, None]
-    w_max = torch.exp((span_max - peak[:, None]) * inv_t[:, None]).masked_fill_(~reach, 0.0)
+    w_max = _weights(span_max, peak[:, None], inv_t[:, None], reach)
     lower = w_max.double().sum(dim=1)
     upper = (w_max * sl.span_sum[r]).double().sum(dim=1)  # a span's mass is relative to its maximum
     short = upper < needed
@@ -238,15 +283,12 @@ def _mass_above(sl: SpanLogits, r: torch.Tensor, level: torch.Tensor, floor: tor
                 inv_t: torch.Tensor, strict: bool = True) -> torch.Tensor:
     """Per row of r, the mass of its logits above `level` (>= with strict=False) and >=
     floor, read from the spans whose maximum reaches that far only."""
-    edge = torch.maximum(level, floor)
-    span_max = sl.span_max[r]
-    reach = (span_max > edge[:, None]) if strict else (span_max >= edge[:, None])
-    row, j = reach.nonzero(as_tuple=True)
+    # One threshold for both conditions: x > level is x >= the next float32 above it.
+    edge = torch.maximum(torch.nextafter(level, torch.tensor(float("inf"))) if strict else level, floor)
+    row, j = (sl.span_max[r] >= edge[:, None]).nonzero(as_tuple=True)
     x = sl.take_spans(r[row], j)
-    keep = (x > level[row, None]) if strict else (x >= level[row, None])
-    keep &= x >= floor[row, None]
-    w = torch.exp((x - peak[row, None]) * inv_t[row, None]).masked_fill_(~keep, 0.0).double().sum(dim=1)
-    return torch.zeros(len(r), dtype=torch.float64).index_add_(0, row, w)
+    w = _weights(x, peak[row, None], inv_t[row, None], x >= edge[row, None])
+    return torch.zeros(len(r), dtype=torch.float64).index_add_(0, row, w.sum(dim=1, dtype=torch.float64))
 
 
 def _whole_row_cut(sl: SpanLogits, r: torch.Tensor, floor: torch.Tensor, peak: torch.Tensor, inv_t: torch.Tensor,
@@ -257,20 +299,25 @@ def _whole_row_cut(sl: SpanLogits, r: torch.Tensor, floor: torch.Tensor, peak: t
 
 def _draw_above(sl: SpanLogits, r: torch.Tensor, peak: torch.Tensor, theta: torch.Tensor, u: torch.Tensor
                 ) -> torch.Tensor:
-    """Inverse CDF over the logits >= theta of whole rows r: span masses under the threshold,
-    a span, then a token inside it."""
+    """Inverse CDF over the logits >= theta of rows r: the kept mass of each span whose
+    maximum reaches theta (read from those spans only; the others keep nothing), a span,
+    then a token inside it."""
     inv_t = sl.inv_temperature[r]
-    spans = sl.whole_rows(r).view(len(r), -1, sl.span)
-    w = torch.sub(spans, peak[:, None, None]).mul_(inv_t[:, None, None]).exp_()
-    w.masked_fill_(spans < theta[:, None, None], 0.0)
-    mass = w.sum(dim=-1).double()
+    spans = sl.span_max.shape[1]
+    row, j = (sl.span_max[r] >= theta[:, None]).nonzero(as_tuple=True)
+    x = sl.take_spans(r[row], j)
+    w = _weights(x, peak[row, None], inv_t[row, None], x >= theta[row, None])
+    mass = torch.zeros(len(r), spans, dtype=torch.float64)
+    mass[row, j] = w.sum(dim=-1).double()
     cdf = mass.cumsum(dim=1)
     target = u * cdf[:, -1]
-    j = _search(cdf, target)
-    before = torch.where(j > 0, cdf.gather(1, (j - 1).clamp(min=0)[:, None]).squeeze(1), 0.0)
-    frac = ((target - before) / mass.gather(1, j[:, None]).squeeze(1)).clamp(0.0, 1.0)
-    within = w[torch.arange(len(r)), j].double().cumsum(dim=1)
-    return j * sl.span + _search(within, frac * within[:, -1])
+    at = _search(cdf, target)
+    before = torch.where(at > 0, cdf.gather(1, (at - 1).clamp(min=0)[:, None]).squeeze(1), 0.0)
+    frac = ((target - before) / mass.gather(1, at[:, None]).squeeze(1)).clamp(0.0, 1.0)
+    slot = torch.full((len(r), spans), -1, dtype=torch.long)
+    slot[row, j] = torch.arange(len(row))
+    within = w[slot[torch.arange(len(r)), at]].double().cumsum(dim=1)
+    return at * sl.span + _search(within, frac * within[:, -1])
 
 
 def _nucleus_cut(cand: torch.Tensor, floor: torch.Tensor, peak: torch.Tensor, inv_t: torch.Tensor,
@@ -286,8 +333,7 @@ def _nucleus_cut(cand: torch.Tensor, floor: torch.Tensor, peak: torch.Tensor, in
     todo = torch.arange(rows)
     for q in (*(q for q in prefixes if q < cand.shape[1]), cand.shape[1]):
         values = cand[todo].topk(q, dim=1).values  # descending
-        w = torch.exp((values - peak[todo, None]) * inv_t[todo, None]).masked_fill_(values < floor[todo, None], 0.0)
-        w = w.double()
+        w = _weights(values, peak[todo, None], inv_t[todo, None], values >= floor[todo, None]).double()
         drop = (w.cumsum(dim=1) - w) >= needed[todo, None]
         hit = drop.any(dim=1)
         first = drop.to(torch.uint8).argmax(dim=1)  # the first dropped position (>= 1)

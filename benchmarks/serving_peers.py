@@ -23,7 +23,9 @@ where --llamacpp-python is given (a venv with llama-cpp-python[server] built wit
 CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_AMX_INT8=OFF
 -DGGML_CPU_REPACK=OFF": its AMX/repacked build crashes on a streamed completion, as the
 offline peer kit's --extra-bufts off avoids; it serves one request at a time, and by its
-default a new request cuts the one being served short: --interrupt_requests False).
+default a new request cuts the one being served short: --interrupt_requests False; the
+SSE ping events it sends a waiting request read to the client as a reply without tokens,
+so requests queued past the ping interval failed: --disable_ping_events True).
 Printed per workload and server: output tok/s per
 round, TTFT and TPOT median and p99 (of the last round), the server's peak RSS (process
 tree, sampled every 0.2 s), and hybridserve's ratio to vLLM; then the offline engine on
@@ -142,8 +144,8 @@ def server_command(name: str, a: argparse.Namespace, port: int) -> tuple[list[st
                  "--served-model-name", "m", "--dtype", "bfloat16", "--max-model-len", "2048", "--host", "127.0.0.1",
                  "--port", str(port)], {**env, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
     return ([a.llamacpp_python, "-m", "llama_cpp.server", "--model", a.gguf, "--model_alias", "m", "--n_threads",
-             str(os.cpu_count() or 2), "--n_ctx", "4096", "--interrupt_requests", "False", "--host", "127.0.0.1",
-             "--port", str(port)], env)
+             str(os.cpu_count() or 2), "--n_ctx", "4096", "--interrupt_requests", "False", "--disable_ping_events", "True",
+             "--host", "127.0.0.1", "--port", str(port)], env)
 
 
 def last_line(path: str) -> str:

@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from hybridserve.models.config import ModelConfig
-from hybridserve.models.layers.int8 import levels_for, quantize_rows_float
+from hybridserve.models.layers.int8 import QUANTIZERS
 from hybridserve.models.layers.rms_norm import rms_norm
 from hybridserve.models.layers.rope import apply_rope_
 
@@ -32,9 +32,10 @@ Quantized = tuple[torch.Tensor, torch.Tensor]  # (levels as the path takes them,
 
 
 def quantized(path: str, x: torch.Tensor) -> Quantized:
-    """x quantized per row (quantize_rows_float's levels) in `path`'s storage."""
-    levels, scale = quantize_rows_float(x)
-    return levels_for(path, levels), scale
+    """x quantized per row (quantize_rows_float's levels) in `path`'s storage: the eager
+    quantizer of that path, which shifts its fresh levels in place (levels_for's values
+    without its out-of-place copy, on every matmul input of every step)."""
+    return QUANTIZERS[path](x)
 
 
 class Int8Chains:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.kv.spec import DEFAULT_BLOCK_SIZE, DTYPE_BYTES
 from hybridserve.core.sched.config import SchedulerConfig
-from hybridserve.sim.presets import get_layout
+from hybridserve.sim.presets import DEFAULT_GPU_MEMORY_UTILIZATION, get_layout
 
 if TYPE_CHECKING:
     from hybridserve.sim.workload import WorkloadItem
@@ -38,7 +38,7 @@ class SimConfig:
     num_blocks: int | None = field(default=None, metadata={
         "section": HARDWARE, "help": "override the KV pool size (blocks, null block included)",
         "default_note": "what --gpu-memory-utilization leaves beside the weights"})
-    gpu_memory_utilization: float = field(default=0.9, metadata={
+    gpu_memory_utilization: float = field(default=DEFAULT_GPU_MEMORY_UTILIZATION, metadata={
         "section": HARDWARE, "help": "share of GPU memory for weights + KV cache, in (0, 1]"})
     kv_dtype: str = field(default="bfloat16", metadata={
         "section": HARDWARE, "help": "KV cache element type", "choices": tuple(sorted(DTYPE_BYTES))})

@@ -29,6 +29,8 @@ from hybridserve.core.kv.spec import (
     group_layers,
 )
 
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # share of a GPU's memory for weights + KV cache
+
 PRESETS_PATH = Path(__file__).with_name("presets.json")
 # "mlp": a layer that is only an MLP (Nemotron-H's): no KV cache, no state.
 LAYER_KINDS = ("full", "sliding", "chunked", "mamba", "mlp")
@@ -142,7 +144,7 @@ class ModelLayout:
         gpu: GpuPreset,
         block_size: int,
         num_blocks: int | None = None,
-        gpu_memory_utilization: float = 0.9,
+        gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
         *,
         dtype: str = "bfloat16",
         num_speculative_blocks: int = 0,
@@ -292,7 +294,7 @@ def kv_cache_config(
     gpu: str | GpuPreset,
     block_size: int,
     num_blocks: int | None = None,
-    gpu_memory_utilization: float = 0.9,
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
     **kwargs: Any,
 ) -> KVCacheConfig:
     """Module-level convenience: `get_layout(layout).kv_cache_config(get_gpu(gpu), ...)`."""

@@ -202,3 +202,14 @@ def test_models_platform_is_the_lowest_part_of_models() -> None:
     upward = {m: sorted(d for d in graph[m] if not d.startswith(("hybridserve.models.platform", "hybridserve.core")))
               for m in platform}
     assert {m: deps for m, deps in upward.items() if deps} == {}
+
+
+def test_model_code_does_not_import_the_loaders() -> None:
+    """models/arch is the math of each family; models/loaders fills it from checkpoints
+    (one loader module per family that needs its own filling): the loaders import the
+    model classes, never the other way round."""
+    graph = import_graph()
+    arch = [m for m in graph if m.startswith("hybridserve.models.arch.")]
+    assert len(arch) > 20
+    upward = {m: sorted(d for d in graph[m] if d.startswith("hybridserve.models.loaders")) for m in arch}
+    assert {m: deps for m, deps in upward.items() if deps} == {}

@@ -13,20 +13,15 @@ head, when stored, `language_model.lm_head.weight`); transformers 5's own layout
 `model.language_model.*` with the head at `lm_head.weight`. Both are renamed to the causal-LM
 names the decoder loader reads (`model.layers.*`, `model.norm.weight`, ...). The vision tower
 and the projector are not mapped at all: they are dropped from the names, so the loader's
-check that every stored tensor is used covers the text model only.
+check that every stored tensor is used covers the text model only
+(models/loaders/gemma3_multimodal_checkpoint.py).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from hybridserve.core.errors import ConfigError
-
-if TYPE_CHECKING:  # config.py reads this module's config half in processes that never load torch
-    import torch
-
-    from hybridserve.models.loaders.file_rows import FileRows
-    from hybridserve.models.loaders.safetensors_map import MappedCheckpoint
 
 ARCHITECTURE = "Gemma3ForConditionalGeneration"
 
@@ -39,14 +34,7 @@ _TEXT_DEFAULTS: dict[str, Any] = {
     "rope_local_base_freq": 10_000.0, "sliding_window_pattern": 6, "attention_bias": False,
     "final_logit_softcapping": None, "attn_logit_softcapping": None,
 }
-# Prefix of the text model's tensors -> the causal-LM name it stands for, longest first.
-_TEXT_PREFIXES = (
-    ("language_model.lm_head.", "lm_head."),
-    ("language_model.model.", "model."),
-    ("model.language_model.", "model."),
-    ("lm_head.", "lm_head."),
-)
-_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
 
 
 def text_config(raw: dict[str, Any]) -> dict[str, Any]:
@@ -62,39 +50,3 @@ def text_config(raw: dict[str, Any]) -> dict[str, Any]:
             out[key] = raw[key]
     out.setdefault("tie_word_embeddings", True)  # Gemma3Config's default
     return out
-
-
-class TextCheckpoint:
-    """A multimodal checkpoint seen as its text model: names renamed as the module docstring
-    says, vision tensors absent. Same interface as MappedCheckpoint."""
-
-    def __init__(self, checkpoint: MappedCheckpoint) -> None:
-        self._inner = checkpoint
-        self._stored: dict[str, str] = {}  # causal-LM name -> stored name
-        for name in checkpoint.names():
-            if name.startswith(_VISION_PREFIXES):
-                continue
-            renamed = _renamed(name)
-            if renamed is None:
-                raise ConfigError(f"{ARCHITECTURE}: tensor {name} is neither the language model's nor the "
-                                  "vision tower's")
-            self._stored[renamed] = name
-
-    def names(self) -> list[str]:
-        return list(self._stored)
-
-    def tensor(self, name: str) -> torch.Tensor:
-        return self._inner.tensor(self._stored[name])
-
-    def release(self, name: str, rows: tuple[int, int] | None = None) -> None:
-        self._inner.release(self._stored[name], rows)
-
-    def row_reader(self, name: str) -> FileRows:
-        return self._inner.row_reader(self._stored[name])
-
-
-def _renamed(name: str) -> str | None:
-    for prefix, replacement in _TEXT_PREFIXES:
-        if name.startswith(prefix):
-            return replacement + name[len(prefix):]
-    return None

@@ -22,9 +22,9 @@ from hybridserve.models.arch.cohere2 import Cohere2LM
 from hybridserve.models.config import ModelConfig, load_model_config
 from hybridserve.models.arch.decoder import DecoderLM, LayerSmoothing
 from hybridserve.models.arch.gemma3_multimodal import ARCHITECTURE as GEMMA3_MULTIMODAL
-from hybridserve.models.arch.gemma3_multimodal import TextCheckpoint
 from hybridserve.models.platform.heap import release_free_heap
 from hybridserve.models.arch.gpt_oss import GptOssLM
+from hybridserve.models.loaders.gemma3_multimodal_checkpoint import TextCheckpoint
 from hybridserve.models.loaders.gpt_oss_loader import fill_gpt_oss
 from hybridserve.models.layers.int8 import int8_gemm_available
 from hybridserve.models.arch.llama4 import Llama4LM

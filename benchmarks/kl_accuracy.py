@@ -207,7 +207,7 @@ def check_gguf(gguf: Path) -> str:
 
 def table_row(name: str, kl: KLSummary, d: Drift) -> str:
     load = "/".join(f"{x:.1f}" for x in os.getloadavg())
-    return (f"| {name} | {kl.mean_kl:.4f} | {kl.max_kl:.3f} | {kl.top1_agreement:.3f} | {d.token_agreement:.3f} | "
+    return (f"| {name} | {kl.mean_kl:.5f} | {kl.max_kl:.3f} | {kl.top1_agreement:.3f} | {d.token_agreement:.3f} | "
             f"{d.identical_streams}/{d.num_streams} | {d.mean_abs_logprob_diff:.4f} | {load} |")
 
 

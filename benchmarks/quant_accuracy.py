@@ -4,7 +4,7 @@
     python benchmarks/quant_accuracy.py --modes bfloat16/none --max-tokens 32
     python benchmarks/quant_accuracy.py --isa avx2 --modes auto/auto   # as on a CPU with AVX2 alone
 
-Greedy streams of the peer kit's 16 text prompts (shared/peers/vllm_cpu/prompts16.json), 128
+Greedy streams of the peer kit's 16 text prompts (benchmarks/prompts16.json, its copy), 128
 new tokens, EOS ignored, each chosen token's logprob recorded; each mode is compared with the
 float32 / no-quantization run by hybridserve.models.accuracy.drift: token agreement (common
 prefix / all tokens), identical streams, mean and max |logprob difference| of the chosen tokens
@@ -26,7 +26,7 @@ from common import checkout_commit, isa_limits, rerun_as_avx2  # noqa: E402
 from hybridserve.models.accuracy import drift, greedy_streams  # noqa: E402
 from hybridserve.models.platform.cpu_features import read_cpu_flags  # noqa: E402
 
-PROMPTS_FILE = REPO.parent / "shared" / "peers" / "vllm_cpu" / "prompts16.json"
+PROMPTS_FILE = REPO / "benchmarks" / "prompts16.json"  # the peer kit's 16 text prompts
 
 
 def streams(dtype: str, quantization: str, prompts: list[str], max_tokens: int) -> list:

@@ -166,6 +166,15 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise RuntimeError(f"the server did not answer {url}/v1/models within {timeout:.0f} s")
 
 
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL after a minute."""
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def run_client(a: argparse.Namespace, server: str, url: str, rate: str, sampling: list[str], out_dir: Path,
                seed: int) -> dict:
     driver = out_dir / "client.py"
@@ -185,7 +194,8 @@ def run_client(a: argparse.Namespace, server: str, url: str, rate: str, sampling
     r = json.loads(result.read_text())
     if not r.get("completed"):
         raise RuntimeError(f"every request failed: {(r.get('errors') or ['?'])[0]!r}")
-    return {"tok_s": r["output_throughput"], "failed": r.get("failed", 0), "ttft_p50": r["median_ttft_ms"],
+    return {"tok_s": r["output_throughput"], "output_tokens": r["total_output_tokens"], "failed": r.get("failed", 0),
+            "ttft_p50": r["median_ttft_ms"],
             "ttft_p99": r["p99_ttft_ms"], "tpot_p50": r["median_tpot_ms"], "tpot_p99": r["p99_tpot_ms"]}
 
 
@@ -262,11 +272,7 @@ def main() -> int:
                         print(f"round {rnd} {name} {wname}: {r}", file=sys.stderr, flush=True)
                     rss[name] = max(rss.get(name, 0), peak.stop())
                 finally:
-                    proc.terminate()
-                    try:
-                        proc.wait(60)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
+                    stop_server(proc)
                     log.close()
     print("\n| workload | server | output tok/s per round | TTFT p50 / p99 ms | TPOT p50 / p99 ms | peak RSS |")
     print("|---|---|---|---|---|---:|")

@@ -47,6 +47,7 @@ from hybridserve.core.errors import ConfigError, RequestError
 from hybridserve.core.request import SamplingParams as CoreSamplingParams
 from hybridserve.engine.frontend import FrontEnd, Prompt, check_params, new_request_id
 from hybridserve.engine.frontend import grammar_backend, load_tokenizer, prepare_chat, prepare_params, prepare_prompt
+from hybridserve.engine.inbox import Inbox
 from hybridserve.engine.outputs import GenerationOutput, GenerationTracker, RequestMetrics, as_sampling_params
 from hybridserve.engine.replica import (  # noqa: F401 - re-exported: the public names live here
     SHUT_DOWN,
@@ -171,7 +172,8 @@ class AsyncLLM:
             raise RequestError("request_id must be a non-empty string")
         check_params(self.front, params)  # cheap, and the sampler must never see an unchecked id
         tracker = GenerationTracker(rid, text, ids, params, self.front.tokenizer)
-        stream = Stream(tracker, asyncio.get_running_loop(), asyncio.Queue())
+        loop = asyncio.get_running_loop()
+        stream = Stream(tracker, loop, Inbox(loop))
         with self.lock:
             if self._dead is not None:
                 raise EngineDeadError(str(self._dead))
@@ -190,9 +192,13 @@ class AsyncLLM:
             replica.num_routed += 1
             replica.commands.put(("add", stream))
         finished = False
+        inbox, items = stream.inbox, stream.inbox.items
         try:
             while True:
-                item = await stream.queue.get()
+                if not items:
+                    await inbox.wait()
+                    continue
+                item = items.popleft()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item

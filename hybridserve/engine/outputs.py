@@ -107,8 +107,9 @@ class SequenceState:
                  tokenizer: Tokenizer | None) -> None:
         self.index = index
         self.params = params
+        # `is not None`, not truth: a tokenizer's len() counts its vocabulary, a cost per request.
         self.detok: IncrementalDetokenizer | None = (
-            tokenizer.detokenizer(prompt_token_ids, params.skip_special_tokens) if tokenizer else None
+            tokenizer.detokenizer(prompt_token_ids, params.skip_special_tokens) if tokenizer is not None else None
         )
         self.max_stop_len = max((len(s) for s in params.stop), default=0)
         self.token_ids: list[int] = []
@@ -233,7 +234,10 @@ class GenerationTracker:
 
     @property
     def finished(self) -> bool:
-        return all(s.finished for s in self.seqs)
+        for s in self.seqs:  # a plain loop: read for every output streamed
+            if s.finish_reason is None:
+                return False
+        return True
 
     def core_requests(self, eos_token_id: int | None, model_stop_ids: Sequence[int]) -> list[Request]:
         out = []

@@ -28,6 +28,7 @@ from hybridserve.core.request import Request
 from hybridserve.core.sched.output import RequestOutput as CoreOutput
 from hybridserve.core.sched.stats import SchedulerStats
 from hybridserve.engine.frontend import EngineParts, FrontEnd, build_engine_parts
+from hybridserve.engine.inbox import Inbox
 from hybridserve.engine.loop import EngineCore
 from hybridserve.engine.outputs import GenerationTracker, RequestMetrics
 
@@ -98,7 +99,7 @@ def add_requests(engine: EngineCore, requests: list[Request]) -> list[CoreOutput
 class Stream:
     tracker: GenerationTracker
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    inbox: Inbox
     reported: set[str] = field(default_factory=set)
     # Commands sent to an engine core process up to and including this stream's add: its
     # outputs come only in messages the core produced after applying that many.
@@ -350,11 +351,14 @@ class EngineReplica:
         batches: dict[asyncio.AbstractEventLoop, list[tuple[Stream, Any]]] = {}
         for stream in streams:
             out = stream.tracker.take_output()
-            if out is not None:
-                batches.setdefault(stream.loop, []).append((stream, out))
-            self._report_finished(stream)
-            if stream.tracker.finished:
-                self._retire(stream)
+            if out is None:
+                continue
+            batches.setdefault(stream.loop, []).append((stream, out))
+            # A choice that finishes is in the next output taken (finishing marks it changed).
+            if any(c.finish_reason is not None for c in out.outputs):
+                self._report_finished(stream)
+                if out.finished:
+                    self._retire(stream)
         self._deliver(batches)
 
     def _report_finished(self, stream: Stream) -> None:
@@ -435,7 +439,7 @@ def reply(loop: asyncio.AbstractEventLoop, fut: asyncio.Future, value: Any) -> N
 
 def _put_all(items: list[tuple[Stream, Any]]) -> None:
     for stream, item in items:
-        stream.queue.put_nowait(item)
+        stream.inbox.put(item)
 
 
 def _set_result(fut: asyncio.Future, value: Any) -> None:

@@ -28,6 +28,7 @@ from tests.helpers.server_proc import running_server, scrape_metrics  # noqa: E4
 from tests.helpers.serving_models import PROMPTS, WORDS, tiny_serving_dir  # noqa: E402
 
 from hybridserve import LLM, SamplingParams  # noqa: E402
+from hybridserve.entrypoints.openai.sse_chunks import sse_line  # noqa: E402
 
 MAX_LEN = 256
 
@@ -101,6 +102,39 @@ def test_streamed_completion_equals_the_whole_one(client, ref: LLM) -> None:
     assert "".join(c.choices[0].text for c in text_chunks) == want.text
     assert text_chunks[-1].choices[0].finish_reason == want.finish_reason
     assert chunks[-1].usage.completion_tokens == len(want.token_ids)
+
+
+STREAMED_BODIES = {
+    "completions": ("/v1/completions", {"prompt": PROMPTS[:3], "max_tokens": 8, "n": 2, "temperature": 0.8, "seed": 5,
+                                        "stream_options": {"include_usage": True}}),
+    "completions-logprobs": ("/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 6, "logprobs": 2, "echo": True,
+                                                 "temperature": 0}),
+    "completions-token-ids": ("/v1/completions", {"prompt": PROMPTS[2], "max_tokens": 5, "return_token_ids": True}),
+    "chat": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello cat"}], "max_tokens": 8, "n": 2,
+                                      "stream_options": {"include_usage": True}}),
+    "chat-logprobs": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "one two"}], "max_tokens": 5,
+                                               "logprobs": True, "top_logprobs": 2, "temperature": 0}),
+}
+
+
+@pytest.mark.parametrize("name", list(STREAMED_BODIES))
+def test_every_streamed_event_is_its_dict_rendered_as_json(server, client, ref: LLM, name: str) -> None:
+    """The wire bytes: whichever path rendered an event (the common chunk's template or the
+    chunk's dict), it is json.dumps of what it decodes to; the stream ends with [DONE]."""
+    path, body = STREAMED_BODIES[name]
+    with httpx.stream("POST", server["url"] + path, json={**body, "model": "tiny", "stream": True}, timeout=60) as r:
+        raw = r.read().decode()
+    events = raw.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""]
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert [f"{e}\n\n" for e in events[:-2]] == [sse_line(c) for c in chunks]
+    assert all(e.startswith("data: {") for e in events[:-2])
+    if name == "completions":  # several prompts and choices: each choice's text as the Python API's
+        want = ref.generate(PROMPTS[:3], SamplingParams(max_tokens=8, n=2, temperature=0.8, seed=5), use_tqdm=False)
+        texts = ["".join(c["choices"][0]["text"] for c in chunks if c["choices"] and c["choices"][0]["index"] == i)
+                 for i in range(6)]
+        assert texts == [c.text for o in want for c in o.outputs]
+        assert chunks[-1]["usage"]["completion_tokens"] == sum(len(c.token_ids) for o in want for c in o.outputs)
 
 
 def test_chat_whole_and_streamed(client, ref: LLM) -> None:

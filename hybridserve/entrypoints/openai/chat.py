@@ -31,6 +31,7 @@ from hybridserve.entrypoints.openai.harmony_chat import HarmonyStream, check_har
 from hybridserve.entrypoints.openai.harmony_history import harmony_messages
 from hybridserve.entrypoints.openai.messages import content_chars, template_message
 from hybridserve.entrypoints.openai.prepare import sampling_params, stop_strings, tokenized, warm_grammar
+from hybridserve.entrypoints.openai.sse_chunks import ChunkTemplate
 from hybridserve.entrypoints.openai.streams import SSEResponse, collect, merge, sse_events, until_disconnect
 from hybridserve.entrypoints.openai.tool_calls import parse_tool_calls
 from hybridserve.entrypoints.openai.tool_plans import ToolPlan, tool_plan
@@ -102,7 +103,7 @@ def _with_prompt_logprobs(ctx: ServerContext, choice: dict[str, Any], prompt: Ge
 async def _whole(ctx: ServerContext, gen: Any, head: dict, prompt_tokens: int, top_n: int,
                  tools: ToolPlan | None) -> Response:
     prompts: dict[int, GenerationOutput] = {}
-    finals = await collect(ctx, [gen], prompts=prompts)
+    finals = await collect(ctx, [gen], [head["id"]], prompts=prompts)
     choices = []
     for (_, ci), out in sorted(finals.items()):
         logprobs = _logprobs(ctx, out.logprobs, top_n=top_n)
@@ -119,8 +120,10 @@ async def _whole(ctx: ServerContext, gen: Any, head: dict, prompt_tokens: int, t
 
 
 async def _chunks(ctx: ServerContext, gen: Any, head: dict, req: P.ChatRequest, prompt_tokens: int, top_n: int,
-                  include_usage: bool, tools: ToolPlan | None) -> AsyncIterator[dict[str, Any]]:
+                  include_usage: bool, tools: ToolPlan | None) -> AsyncIterator[dict[str, Any] | str]:
+    """The stream's chunks: dicts, or event lines of the common chunk (sse_chunks.py)."""
     head = {**head, "object": "chat.completion.chunk"}
+    template = ChunkTemplate(head)
     completion_tokens = 0
     started: set[int] = set()
     harmony = None if ctx.harmony is None else HarmonyStream(ctx.engine.tokenizer, ctx.harmony)
@@ -128,7 +131,7 @@ async def _chunks(ctx: ServerContext, gen: Any, head: dict, req: P.ChatRequest, 
         delta = {"role": "assistant", "content": ""}
         yield {**head, "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]}
     async with contextlib.aclosing(merge([gen])) as merged:
-        async for _, out in merged:
+        async for out in merged:
             for c in out.outputs:
                 if ctx.ended_by_shutdown(c):
                     raise shutdown_error()
@@ -142,6 +145,10 @@ async def _chunks(ctx: ServerContext, gen: Any, head: dict, req: P.ChatRequest, 
                         yield {**head, "choices": [_with_prompt_logprobs(ctx, choice, prompt=out)]}
                     continue
                 else:
+                    if c.index in started and c.delta_logprobs is None:  # the common chunk
+                        if c.delta_text or c.finished:
+                            yield template.chat_content(c.index, c.delta_text, P.finish_reason(c.finish_reason))
+                        continue
                     delta = {"content": c.delta_text} if c.delta_text else {}
                     reason = P.finish_reason(c.finish_reason)
                 if not delta and not c.finished:

@@ -27,6 +27,7 @@ from hybridserve.entrypoints.openai import protocol as P
 from hybridserve.entrypoints.openai.context import ServerContext
 from hybridserve.entrypoints.openai.errors import shutdown_error
 from hybridserve.entrypoints.openai.prepare import sampling_params, stop_strings, tokenized
+from hybridserve.entrypoints.openai.sse_chunks import ChunkTemplate
 from hybridserve.entrypoints.openai.streams import SSEResponse, collect, merge, sse_events, until_disconnect
 
 # max_tokens when the request names none (OpenAI's default for completions).
@@ -75,11 +76,11 @@ async def create_completion(ctx: ServerContext, request: Request, req: P.Complet
     prompt_tokens = sum(len(ids) for _, ids, _ in prepared)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        chunks = _chunks(ctx, gens, head=head, req=req, echo=echo, prompt_tokens=prompt_tokens,
+        chunks = _chunks(ctx, gens, rids, head=head, req=req, echo=echo, prompt_tokens=prompt_tokens,
                          include_usage=include_usage)
         return SSEResponse(sse_events(chunks), on_close=done)
     try:
-        whole = _whole(ctx, gens, head=head, req=req, echo=echo, prompt_tokens=prompt_tokens)
+        whole = _whole(ctx, gens, rids, head=head, req=req, echo=echo, prompt_tokens=prompt_tokens)
         return await until_disconnect(request, whole)
     finally:
         done()
@@ -127,10 +128,10 @@ def _first_choice(ctx: ServerContext, req: P.CompletionRequest, index: int, text
     return choice
 
 
-async def _whole(ctx: ServerContext, gens: list, head: dict, req: P.CompletionRequest, echo: list[str],
-                 prompt_tokens: int) -> Response:
+async def _whole(ctx: ServerContext, gens: list, rids: list[str], head: dict, req: P.CompletionRequest,
+                 echo: list[str], prompt_tokens: int) -> Response:
     prompts: dict[int, GenerationOutput] = {}
-    finals = await collect(ctx, gens, prompts=prompts)
+    finals = await collect(ctx, gens, rids, prompts=prompts)
     choices, completion_tokens = [], 0
     for (pi, ci), out in sorted(finals.items()):
         if req.max_tokens == 0:
@@ -142,13 +143,17 @@ async def _whole(ctx: ServerContext, gens: list, head: dict, req: P.CompletionRe
     return JSONResponse({**head, "choices": choices, "usage": P.usage(prompt_tokens, completion_tokens)})
 
 
-async def _chunks(ctx: ServerContext, gens: list, head: dict, req: P.CompletionRequest, echo: list[str],
-                  prompt_tokens: int, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+async def _chunks(ctx: ServerContext, gens: list, rids: list[str], head: dict, req: P.CompletionRequest,
+                  echo: list[str], prompt_tokens: int, include_usage: bool) -> AsyncIterator[dict[str, Any] | str]:
+    """The stream's chunks: dicts, or event lines of the common chunk (sse_chunks.py)."""
     offsets: dict[tuple[int, int], int] = {}
     completion_tokens = 0
     show_ids = _token_ids_shown(ctx, req)
+    template = ChunkTemplate(head)
+    prompt_index = {rid: i for i, rid in enumerate(rids)}
     async with contextlib.aclosing(merge(gens)) as merged:
-        async for pi, out in merged:
+        async for out in merged:
+            pi = prompt_index[out.request_id]
             for c in out.outputs:
                 if ctx.ended_by_shutdown(c):
                     raise shutdown_error()
@@ -164,6 +169,9 @@ async def _chunks(ctx: ServerContext, gens: list, head: dict, req: P.CompletionR
                 offsets[key] = offset + len(text)
                 if first:
                     choice = _first_choice(ctx, req, index=pi * req.n + c.index, text=text, out=c, prompt=out)
+                elif c.delta_logprobs is None and not show_ids:  # the common chunk
+                    yield template.completion_text(pi * req.n + c.index, text, c.finish_reason)
+                    continue
                 else:
                     lp = _logprobs(ctx, c.delta_logprobs, offset=offset)
                     choice = P.completion_choice(pi * req.n + c.index, text, c, lp,

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import Request
@@ -24,6 +23,7 @@ from fastapi.responses import Response, StreamingResponse
 from hybridserve.engine.outputs import GenerationOutput
 from hybridserve.entrypoints.openai.context import ServerContext
 from hybridserve.entrypoints.openai.errors import error_for, shutdown_error
+from hybridserve.entrypoints.openai.sse_chunks import sse_line
 
 _DONE = object()
 
@@ -49,66 +49,65 @@ class SSEResponse(StreamingResponse):
                 self.on_close()
 
 
-def _sse(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-
-async def sse_events(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[str]:
-    """`chunks` as server-sent events, then [DONE]; a failure ends them with an error event
-    first. Closing this closes `chunks` (and so aborts their generators) at once."""
+async def sse_events(chunks: AsyncIterator[dict[str, Any] | str]) -> AsyncIterator[str]:
+    """`chunks` (dicts, or event lines a ChunkTemplate rendered) as server-sent events,
+    then [DONE]; a failure ends them with an error event first. Closing this closes
+    `chunks` (and so aborts their generators) at once."""
     try:
         async with contextlib.aclosing(chunks):
             async for chunk in chunks:
-                yield _sse(chunk)
+                yield chunk if isinstance(chunk, str) else sse_line(chunk)
     except Exception as exc:  # noqa: BLE001 - every failure ends the stream with an error event
-        yield _sse(error_for(exc).body())
+        yield sse_line(error_for(exc).body())
     yield "data: [DONE]\n\n"
 
 
-async def merge(gens: list[AsyncIterator[GenerationOutput]]) -> AsyncIterator[tuple[int, GenerationOutput]]:
-    """Interleave several generators as items arrive; closing this closes (aborts) them all."""
-    if len(gens) == 1:
-        async with contextlib.aclosing(gens[0]) as only:
-            async for item in only:
-                yield 0, item
-        return
+def merge(gens: list[AsyncIterator[GenerationOutput]]) -> AsyncIterator[GenerationOutput]:
+    """Several generators' outputs as they arrive; closing this closes (aborts) them all.
+    One generator is returned as it is: no hop of its own for every output streamed."""
+    return gens[0] if len(gens) == 1 else _interleave(gens)
+
+
+async def _interleave(gens: list[AsyncIterator[GenerationOutput]]) -> AsyncIterator[GenerationOutput]:
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(i: int, gen: Any) -> None:
+    async def pump(gen: Any) -> None:
         try:
             async with contextlib.aclosing(gen):
                 async for item in gen:
-                    queue.put_nowait((i, item))
+                    queue.put_nowait(item)
         except Exception as exc:  # noqa: BLE001 - re-raised by the consumer
-            queue.put_nowait((i, exc))
+            queue.put_nowait(exc)
         finally:
-            queue.put_nowait((i, _DONE))
+            queue.put_nowait(_DONE)
 
-    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(gens)]
+    tasks = [asyncio.ensure_future(pump(g)) for g in gens]
     try:
         remaining = len(tasks)
         while remaining:
-            i, item = await queue.get()
+            item = await queue.get()
             if item is _DONE:
                 remaining -= 1
             elif isinstance(item, Exception):
                 raise item
             else:
-                yield i, item
+                yield item
     finally:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def collect(ctx: ServerContext, gens: list, prompts: dict[int, GenerationOutput] | None = None
-                  ) -> dict[tuple[int, int], Any]:
-    """Each choice's final output by (prompt, choice); `prompts` gets each prompt's last
-    output (its prompt logprobs)."""
+async def collect(ctx: ServerContext, gens: list, request_ids: list[str],
+                  prompts: dict[int, GenerationOutput] | None = None) -> dict[tuple[int, int], Any]:
+    """Each choice's final output by (prompt, choice), prompt i being the generator of
+    request_ids[i]; `prompts` gets each prompt's last output (its prompt logprobs)."""
     finals: dict[tuple[int, int], Any] = {}
+    prompt_index = {rid: i for i, rid in enumerate(request_ids)}
     try:
         async with contextlib.aclosing(merge(gens)) as merged:
-            async for pi, out in merged:
+            async for out in merged:
+                pi = prompt_index[out.request_id]
                 if prompts is not None:
                     prompts[pi] = out
                 for c in out.outputs:

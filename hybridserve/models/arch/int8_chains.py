@@ -45,6 +45,7 @@ class Int8Chains:
                  kv_dtype: torch.dtype) -> None:
         self.nq, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.inv_h, self.inv_hd = 1.0 / cfg.hidden_size, 1.0 / cfg.head_dim
+        self.intermediate_size = cfg.intermediate_size
         self.eps = eps
         self.act = act
         self.kv_dtype = kv_dtype

@@ -137,6 +137,11 @@ class EngineConfig:
                 "and an offset each (a GGUF Q4_K tensor's form; fastest for one stream, slow at batches of "
                 "16+), the head int8",
         "default_note": "int8 on such CPUs unless --dtype float32 is given, the exact reference; else none"})
+    # The int8 layers' element-wise chains compiled (inductor's C++ backend) for steps of many
+    # rows (prefill): models/arch/compiled_chains.py. Off: eager at every size, no compiler used.
+    compile: bool = field(default=True, metadata={
+        "section": "model", "help": "compile the element-wise work between int8 matmuls for prefill-sized steps "
+                                    "(needs a C++ compiler; without one the engine stays eager)"})
     num_threads: int | None = field(default=None, metadata={
         "section": "model", "help": "torch CPU threads", "default_note": "torch's choice"})
     # Sliding-window groups hold only the window and each chunk's tail (None: on when the
@@ -201,7 +206,7 @@ class EngineConfig:
                 f"max_num_batched_tokens must be >= num_speculative_tokens + 1; the smallest value that "
                 f"works is {self.num_speculative_tokens + 1}"
             )
-        for name in ("async_scheduling", "enable_prefix_caching"):
+        for name in ("async_scheduling", "enable_prefix_caching", "compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if parse_size("kv_offload_memory", self.kv_offload_memory, allow_zero=True) > 0 \

@@ -106,7 +106,7 @@ def build_engine_parts(config: EngineConfig, progress: bool = True) -> EnginePar
     else:
         executor = TorchExecutor(path, device=device, dtype=TORCH_DTYPES[dtype], quantization=quantization,
                                  use_worker_thread=config.async_scheduling and device.type != "cpu",
-                                 seed=config.seed, num_threads=config.num_threads,
+                                 seed=config.seed, num_threads=config.num_threads, compile=config.compile,
                                  drafter=NgramDrafter(config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max),
                                  grammar=grammar, encode=tokenizer.encode if tokenizer is not None else None)
     try:

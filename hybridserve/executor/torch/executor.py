@@ -72,11 +72,12 @@ class TorchExecutor(Executor):
                  dtype: torch.dtype = torch.float32, use_worker_thread: bool = True, seed: int = 0,
                  num_threads: int | None = None, drafter: NgramDrafter | None = None,
                  grammar: GrammarBackend | None = None, quantization: str = "none",
-                 encode: Encode | None = None) -> None:
+                 encode: Encode | None = None, compile: bool = True) -> None:
         """drafter: fills the draft slots of speculative decoding (default: n-gram sizes 2..4);
         grammar: compiles structured outputs (None: requests with one are refused);
         quantization: of a model loaded from a directory (models/platform/cpu_features.py);
-        encode: the tokenizer, for int8's calibration texts (models/layers/smoothing.py)."""
+        encode: the tokenizer, for int8's calibration texts (models/layers/smoothing.py);
+        compile: the int8 layers' chains compiled for large steps (models/arch/compiled_chains.py)."""
         self.device = resolve_device(device)
         if num_threads is not None:
             torch.set_num_threads(num_threads)
@@ -85,7 +86,7 @@ class TorchExecutor(Executor):
         cores = torch.get_num_threads()
         self._threads = ThreadGovernor(cores) if num_threads is None and self.device.type == "cpu" and cores > 1 else None
         self.model = model if isinstance(model, (DecoderLM, MambaLM)) else load_model(
-            model, self.device, dtype, quantization, encode=encode)
+            model, self.device, dtype, quantization, encode=encode, compile=compile)
         self.seed = seed
         self.drafter = drafter
         self.grammar = grammar

@@ -26,6 +26,7 @@ from hybridserve.models.config import ModelConfig
 from hybridserve.models.layers.head import INT4_LAYERS, OutputHead, ReleaseRows, head_quantization
 from hybridserve.models.layers.int4 import make_int4_linear
 from hybridserve.models.platform.heap import release_free_heap
+from hybridserve.models.arch.compiled_chains import ChainsByRows
 from hybridserve.models.arch.int8_chains import Int8Chains
 from hybridserve.models.layers.int8 import W8A8Linear, quantize_gemm_weight
 from hybridserve.models.layers.linear import LayerLinears, Linear, ResidualLinear, make_linear
@@ -258,7 +259,7 @@ class DecoderLM(StagedModel):
         self._head: OutputHead | None = None
         self.int8_layers = False  # whether the decoder layers' matmuls are int8 x int8 (build_linears)
         self._int8: list[Int8Layer] = []  # their matmuls and norms, then
-        self._chains: Int8Chains | None = None  # and what lies between the matmuls (int8_chains.py)
+        self._chains: ChainsByRows | None = None  # and what lies between the matmuls (int8_chains.py)
         self._act = {"silu": F.silu, "gelu": F.gelu,
                      "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}[cfg.activation]
 
@@ -276,14 +277,16 @@ class DecoderLM(StagedModel):
 
     def build_linears(self, release_weights: bool = True, quantization: str = "none",
                       release_head_rows: ReleaseRows | None = None,
-                      smoothing: list[LayerSmoothing] | None = None) -> None:
+                      smoothing: list[LayerSmoothing] | None = None, compile: bool = True) -> None:
         """Bind each matmul to its fastest kernel (call once the weights are final and on
         their device). With release_weights, weights that were packed free their plain
         copy: the model is then for inference only; reload it to change weights. The head
         is packed or quantized as `quantization` says (see models/layers/head.py); a tied head's
         plain weight stays, as the embedding lookup reads it. With `smoothing` (from
         models/layers/smoothing.smooth, which has already divided the norms) the layers' matmuls
-        are int8 x int8; with quantization INT4_LAYERS, int4 groups (models/layers/int4.py)."""
+        are int8 x int8, the element-wise chains between them compiled for large steps unless
+        `compile` is False (compiled_chains.py); with quantization INT4_LAYERS, int4 groups
+        (models/layers/int4.py)."""
         self.int8_layers = smoothing is not None
         if quantization == INT4_LAYERS:
             self._linears = [_int4_layer_linears(w, release_weights) for w in self.layers]
@@ -294,7 +297,7 @@ class DecoderLM(StagedModel):
             self._int8 = [_int8_layer(w, s, self.cfg.sandwich_norm, release_weights)
                           for w, s in zip(self.layers, smoothing)]
             release_free_heap()  # the float32 copies quantized above (models/platform/heap.py)
-            self._chains = Int8Chains(self.cfg, self._eps, self._act, self.dtype)
+            self._chains = ChainsByRows(Int8Chains(self.cfg, self._eps, self._act, self.dtype), self._int8[0], compile)
         if self.stage.is_last:
             assert self.lm_head is not None, "weights not loaded"
             self._head = OutputHead(self.lm_head, head_quantization(quantization), release_head_rows)
@@ -372,9 +375,22 @@ class DecoderLM(StagedModel):
         GEMMs return float32 and quantize their inputs from float32, so rounding to the
         model dtype in between would only add work and error. K/V are still stored, and
         attention computed, in the model dtype. Only plain pre-norm and sandwich-norm
-        decoders on one rank get int8 layers (models/loaders/loader._int8_smoothing)."""
-        chains, layer_types, layers = self._chains, self.cfg.layer_types, self._int8
-        assert chains is not None
+        decoders on one rank get int8 layers (models/loaders/loader._int8_smoothing).
+        A step of many rows runs the compiled chains (compiled_chains.py); should they fail,
+        the step is computed again eager (its K/V writes are rewritten with the same slots)."""
+        assert self._chains is not None
+        chains = self._chains.for_rows(h.shape[0])
+        try:
+            return self._int8_layer_stack(h, rope, backend, chains)
+        except Exception as exc:
+            if chains is self._chains.eager:
+                raise
+            self._chains.drop_compiled(exc)
+            return self._int8_layer_stack(h, rope, backend, self._chains.eager)
+
+    def _int8_layer_stack(self, h: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                          backend: AttentionBackend, chains: Int8Chains) -> torch.Tensor:
+        layer_types, layers = self.cfg.layer_types, self._int8
         path = layers[0].qkv.path  # every matmul's
         h, x, x_scale = chains.residual(path, None, None, h, None, layers[0].input_norm)
         for k, (i, m) in enumerate(zip(self.layer_ids, layers)):

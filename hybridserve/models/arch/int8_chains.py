@@ -9,10 +9,11 @@ from float32, and what lies between two matmuls is element-wise or a row reducti
     quant     quantize (attention's output)
     act_mul   bias, act(gate) * up, quantize
 
-Each chain is one function of whole tensors: the unit a fused kernel replaces. They run
-eager: torch.compile of each chain alone was measured and lost at 1 and 16 rows, a
+Each chain is one function of whole tensors: the unit a fused kernel replaces. Here they
+run eager, the general path: torch.compile of each chain alone lost at 1 and 16 rows, a
 compiled call's fixed cost being several eager kernels' at decode sizes
-(benchmarks/results/step_share.md); a chain pays off compiled only inside a larger graph.
+(benchmarks/results/step_share.md), and won from about 128 rows (prefill), where
+compiled_chains.py serves instead (benchmarks/results/prefill.md).
 
 Quantized inputs come out as the matmul's `path` takes them (models/layers/int8.levels_for).
 """
@@ -39,12 +40,14 @@ def quantized(path: str, x: torch.Tensor) -> Quantized:
 
 
 class Int8Chains:
-    """The chains of one model (its sizes, norm placement, activation, KV dtype), eager."""
+    """The chains of one model (its sizes, norm placement, activation, KV dtype), eager;
+    intermediate_size is kept for compiled_chains' check, which makes up gate|up inputs."""
 
     def __init__(self, cfg: ModelConfig, eps: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor],
                  kv_dtype: torch.dtype) -> None:
         self.nq, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.inv_h, self.inv_hd = 1.0 / cfg.hidden_size, 1.0 / cfg.head_dim
+        self.intermediate_size = cfg.intermediate_size
         self.eps = eps
         self.act = act
         self.kv_dtype = kv_dtype

@@ -40,13 +40,14 @@ _EMBED_NAME = "model.embed_tokens.weight"
 
 def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32, quantization: str = "none", stage: PipelineStage | None = None,
-               tp: TPGroup | None = None, encode: Encode | None = None) -> DecoderLM | MambaLM:
+               tp: TPGroup | None = None, encode: Encode | None = None, compile: bool = True) -> DecoderLM | MambaLM:
     """Build a DecoderLM (a MambaLM for Mamba2 / Bamba, its subclasses Lfm2LM for LFM2, JambaLM for Jamba
     and Qwen3NextLM for Qwen3-Next) from an HF directory, weights on `device` in `dtype`, the output head
     quantized as `quantization` says (none, int8, int4: see models/layers/head.py).
     With `stage` and `tp` (models/parallel.py) only that pipeline stage's layers are read, cut
     to that tensor-parallel rank's heads and columns (ConfigError where the sizes do not divide).
-    `encode` (the engine's tokenizer) tokenizes the int8 calibration texts (models/layers/smoothing.py)."""
+    `encode` (the engine's tokenizer) tokenizes the int8 calibration texts (models/layers/smoothing.py);
+    `compile`: int8 layers' element-wise chains compiled for large steps (models/arch/compiled_chains.py)."""
     model_dir = Path(model_dir)
     cfg = load_model_config(model_dir)
     if stage is not None:
@@ -90,7 +91,7 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
     model.setup_rope(torch.device(device), cfg.max_position_embeddings)
     head_name = _EMBED_NAME if cfg.tie_word_embeddings else "lm_head.weight"
     model.build_linears(quantization=quantization, release_head_rows=_head_release(w, head_name),
-                        smoothing=_int8_smoothing(model, model_dir, quantization, encode))
+                        smoothing=_int8_smoothing(model, model_dir, quantization, encode), compile=compile)
     w.release_all()
     _read_embedding_from_file(model, checkpoint)
     release_free_heap()  # the fused layers' source copies and packing temporaries (models/platform/heap.py)

@@ -89,3 +89,55 @@ def test_int8_layers_quantize_each_input_as_its_linear_would(kind: str, dtype: t
             got = model.forward(ids, positions, int(positions.max()), backend)
             want = _reference_hidden(model, ids, positions, backend)
         assert torch.equal(got, want)
+
+
+class _RecordingLinear:
+    """Wraps a W8A8Linear's `quantized` and records the rows of each call."""
+
+    def __init__(self, inner, rows: list[int]) -> None:  # type: ignore[no-untyped-def]
+        self.inner, self.rows, self.path = inner, rows, inner.path
+
+    def quantized(self, path: str, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        self.rows.append(values.shape[0])
+        return self.inner.quantized(path, values, scale)
+
+
+class _StorageRecorder:
+    """Wraps a backend and records where each layer's q and kv live (kept alive, so that
+    tensors made apart cannot share an address)."""
+
+    def __init__(self, inner) -> None:  # type: ignore[no-untyped-def]
+        self.inner = inner
+        self.storage: list[tuple[int, int]] = []
+        self.kept: list[torch.Tensor] = []
+
+    def attention(self, layer_idx: int, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        self.storage.append((q.untyped_storage().data_ptr(), kv.untyped_storage().data_ptr()))
+        self.kept += [q, kv]
+        return self.inner.attention(layer_idx, q, kv)
+
+
+@needs_int8_gemm
+@pytest.mark.parametrize(("kind", "dtype"), [("gemma3", torch.bfloat16), ("qwen2", torch.float32)])
+def test_a_step_over_row_chunks_gives_the_same_hidden_with_a_chunk_of_temporaries(kind: str, dtype: torch.dtype
+                                                                                  ) -> None:
+    # 24 tokens in chunks of at most 5 rows (5, 5, 5, 5, 4): every matmul sees a chunk's rows,
+    # never the step's, and the layers' q/k/v share one buffer; the hidden states are the
+    # op-by-op reference's, bit for bit (every op but attention is row by row).
+    model = load_model(hf_tiny.tiny_model_dir(kind), "cpu", dtype, "int8", encode=toy_encode)
+    lengths = [7, 12, 5]
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 256, (sum(lengths),), generator=g)
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    inner = smoothing._SequencesAttention(lengths, model.cfg.attn_scale, model.cfg.attn_softcap, torch.device("cpu"))
+    with torch.inference_mode():
+        want = _reference_hidden(model, ids, positions, inner)
+        rows: list[int] = []
+        model._int8 = [m._replace(**{n: _RecordingLinear(getattr(m, n), rows) for n in ("qkv", "o", "gate_up", "down")})
+                       for m in model._int8]
+        model.chunk_rows = 5
+        backend = _StorageRecorder(inner)
+        got = model.forward(ids, positions, int(positions.max()), backend)
+    assert torch.equal(got, want)
+    assert len(rows) == 4 * 5 * model.cfg.num_layers and max(rows) == 5 and sum(rows) == 4 * 24 * model.cfg.num_layers
+    assert len(backend.storage) == model.cfg.num_layers and len(set(backend.storage)) == 1

@@ -27,6 +27,7 @@ from hybridserve.models.layers.head import INT4_LAYERS, OutputHead, ReleaseRows,
 from hybridserve.models.layers.int4 import make_int4_linear
 from hybridserve.models.platform.heap import release_free_heap
 from hybridserve.models.arch.int8_chains import Int8Chains
+from hybridserve.models.arch.int8_row_chunks import PREFILL_CHUNK_ROWS, RowChunks
 from hybridserve.models.layers.int8 import W8A8Linear, quantize_gemm_weight
 from hybridserve.models.layers.linear import LayerLinears, Linear, ResidualLinear, make_linear
 from hybridserve.models.parallel import PipelineStage, TPGroup, local_config
@@ -259,6 +260,7 @@ class DecoderLM(StagedModel):
         self.int8_layers = False  # whether the decoder layers' matmuls are int8 x int8 (build_linears)
         self._int8: list[Int8Layer] = []  # their matmuls and norms, then
         self._chains: Int8Chains | None = None  # and what lies between the matmuls (int8_chains.py)
+        self.chunk_rows = PREFILL_CHUNK_ROWS  # rows per chunk of an int8 step's row-wise work (int8_row_chunks.py)
         self._act = {"silu": F.silu, "gelu": F.gelu,
                      "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}[cfg.activation]
 
@@ -291,9 +293,14 @@ class DecoderLM(StagedModel):
             self._linears = [_layer_linears(w, release_weights) for w in self.layers]
         else:
             self._float32_elementwise()
-            self._int8 = [_int8_layer(w, s, self.cfg.sandwich_norm, release_weights)
-                          for w, s in zip(self.layers, smoothing)]
-            release_free_heap()  # the float32 copies quantized above (models/platform/heap.py)
+            # The heap's free pages go back before each layer (models/platform/heap.py): first
+            # the calibration forward's temporaries, then each layer's float32 copies, which
+            # would otherwise stay resident while the next layers and the head are built.
+            self._int8 = []
+            for w, s in zip(self.layers, smoothing):
+                release_free_heap()
+                self._int8.append(_int8_layer(w, s, self.cfg.sandwich_norm, release_weights))
+            release_free_heap()
             self._chains = Int8Chains(self.cfg, self._eps, self._act, self.dtype)
         if self.stage.is_last:
             assert self.lm_head is not None, "weights not loaded"
@@ -372,21 +379,47 @@ class DecoderLM(StagedModel):
         GEMMs return float32 and quantize their inputs from float32, so rounding to the
         model dtype in between would only add work and error. K/V are still stored, and
         attention computed, in the model dtype. Only plain pre-norm and sandwich-norm
-        decoders on one rank get int8 layers (models/loaders/loader._int8_smoothing)."""
+        decoders on one rank get int8 layers (models/loaders/loader._int8_smoothing).
+
+        Everything but attention is row by row, so a step of more than `chunk_rows` tokens
+        (a prefill) runs it over row chunks (int8_row_chunks.py): its temporaries are a
+        chunk's, not the step's. A step within one chunk runs exactly the ops it did before."""
         chains, layer_types, layers = self._chains, self.cfg.layer_types, self._int8
         assert chains is not None
         path = layers[0].qkv.path  # every matmul's
-        h, x, x_scale = chains.residual(path, None, None, h, None, layers[0].input_norm)
+        cfg = self.cfg
+        rows = RowChunks(h.shape[0], self.chunk_rows, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.dtype,
+                         h.device)
+
+        def qkv(k: int, c: int, x: torch.Tensor, x_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            """Layer k's q and kv for chunk c, stored; the whole step's (q, kv) back."""
+            m = layers[k]
+            cos, sin = rope.get(layer_types[self.layer_ids[k]], (None, None))
+            q_c, kv_c = chains.qkv_out(m.qkv.quantized(path, x, x_scale), m.qkv_bias, m.qk_norm, rows.take(c, cos),
+                                       rows.take(c, sin))
+            return rows.store_qkv(c, q_c, kv_c)
+
+        # Per chunk: the first layer's input norm and q/k/v.
+        hs: list[torch.Tensor] = []
+        for c in rows:
+            h_c, x, x_scale = chains.residual(path, None, None, rows.take(c, h), None, layers[0].input_norm)
+            hs.append(h_c)
+            q, kv = qkv(0, c, x, x_scale)
         for k, (i, m) in enumerate(zip(self.layer_ids, layers)):
-            cos, sin = rope.get(layer_types[i], (None, None))
-            q, kv = chains.qkv_out(m.qkv.quantized(path, x, x_scale), m.qkv_bias, m.qk_norm, cos, sin)
-            x, x_scale = chains.quant(path, backend.attention(i, q, kv))
-            h, x, x_scale = chains.residual(path, m.o.quantized(path, x, x_scale), m.o_bias, h, m.o_norm, m.ffn_norm)
-            x, x_scale = chains.act_mul(path, m.gate_up.quantized(path, x, x_scale), m.gate_up_bias)
+            attn = backend.attention(i, q, kv)
             next_norm = layers[k + 1].input_norm if k + 1 < len(layers) else None
-            h, x, x_scale = chains.residual(path, m.down.quantized(path, x, x_scale), m.down_bias, h, m.down_norm,
-                                            next_norm)
-        return h
+            # Per chunk: the rest of layer k, then layer k + 1's q/k/v (into the buffer that
+            # held layer k's: attention has stored those in the KV cache already).
+            for c in rows:
+                x, x_scale = chains.quant(path, rows.take(c, attn))
+                h_c, x, x_scale = chains.residual(path, m.o.quantized(path, x, x_scale), m.o_bias, hs[c], m.o_norm,
+                                                  m.ffn_norm)
+                x, x_scale = chains.act_mul(path, m.gate_up.quantized(path, x, x_scale), m.gate_up_bias)
+                hs[c], x, x_scale = chains.residual(path, m.down.quantized(path, x, x_scale), m.down_bias, h_c,
+                                                    m.down_norm, next_norm)
+                if next_norm is not None:
+                    q, kv = qkv(k + 1, c, x, x_scale)
+        return rows.join(hs)
 
     def greedy_tokens(self, hidden: torch.Tensor) -> list[int]:
         """The argmax token of each row's logits, without materialising the logits."""

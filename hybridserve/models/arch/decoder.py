@@ -381,8 +381,8 @@ class DecoderLM(StagedModel):
         attention computed, in the model dtype. Only plain pre-norm and sandwich-norm
         decoders on one rank get int8 layers (models/loaders/loader._int8_smoothing).
 
-        Everything but attention is row by row, so a step of more than `chunk_rows` tokens
-        (a prefill) runs it over row chunks (int8_row_chunks.py): its temporaries are a
+        Everything but attention is row by row, so with `chunk_rows` set (None by default) a
+        step of more tokens (a prefill) runs it over row chunks (int8_row_chunks.py): its temporaries are a
         chunk's, not the step's. A step within one chunk runs exactly the ops it did before."""
         chains, layer_types, layers = self._chains, self.cfg.layer_types, self._int8
         assert chains is not None

@@ -22,19 +22,22 @@ from typing import Iterator
 
 import torch
 
-# Rows per chunk: GEMMs of this many rows run at the int8 kernels' full rate, and a chunk's
-# largest temporary (gate|up's float32 product) stays a few MB at hidden sizes near 1k.
-PREFILL_CHUNK_ROWS = 256
+# Rows per chunk, None: no chunks. Off by default: where it was measured, chunks lowered the
+# serving run's peak but slowed its prefill (oneDNN's int8 GEMM ran slower per row on
+# 256-row chunks than on the whole step with 2 threads), a trade left to a measurement on a
+# quiet machine (benchmarks/int8_row_chunks_ab.py, benchmarks/results/memory_peak.md).
+PREFILL_CHUNK_ROWS: int | None = None
 
 
 class RowChunks:
-    """The chunks of a step of `total` rows, `chunk_rows` at most each (chunk c covers rows
-    bounds[c]), and, with more than one, the q|k|v buffer [total, (H + 2 KVH) * D] in
+    """The chunks of a step of `total` rows, `chunk_rows` at most each (None: one chunk;
+    chunk c covers rows bounds[c]), and, with more than one, the q|k|v buffer [total, (H + 2 KVH) * D] in
     `kv_dtype` they share. Invariant: one chunk makes no buffer and no copy."""
 
-    def __init__(self, total: int, chunk_rows: int, nq: int, nkv: int, hd: int, kv_dtype: torch.dtype,
+    def __init__(self, total: int, chunk_rows: int | None, nq: int, nkv: int, hd: int, kv_dtype: torch.dtype,
                  device: torch.device) -> None:
-        self.bounds = [(a, min(a + chunk_rows, total)) for a in range(0, total, chunk_rows)] or [(0, total)]
+        step = chunk_rows or max(total, 1)
+        self.bounds = [(a, min(a + step, total)) for a in range(0, total, step)] or [(0, total)]
         self.whole = len(self.bounds) == 1
         self.qkv_buffer: torch.Tensor | None = None
         if not self.whole:

@@ -36,7 +36,7 @@ from hybridserve.config import EngineConfig
 from hybridserve.core.errors import ConfigError, HybridServeError
 from hybridserve.core.sched.output import RequestOutput
 from hybridserve.models.config import ModelConfig
-from hybridserve.models.platform.heap import release_free_heap
+from hybridserve.text.tokenizer import release_tokenizer
 
 logger = logging.getLogger("hybridserve")
 
@@ -76,17 +76,6 @@ def core_main(config: EngineConfig, conn: Connection, index: int, progress: bool
     conn.send(("ready", CoreInfo(os.getpid(), parts.model_path, parts.model_config, parts.max_model_len,
                                  parts.eos_token_id, parts.model_stop_ids, config.block_size, kv.num_blocks)))
     _serve(parts.engine, conn)
-
-
-def release_tokenizer(tokenizer: Any) -> None:
-    """Drop the core's tokenizer where it can be read again (text/file_tokenizer.FileTokenizer):
-    the server detokenizes, and the core has read what it needed before the weights load
-    (the int8 calibration texts, EOS: frontend.build_engine_parts with keep_tokenizer=False);
-    llguidance's tokenizer, built at the first constrained request, reads it again then."""
-    release = getattr(getattr(tokenizer, "hf", None), "release", None)
-    if release is not None:
-        release()
-        release_free_heap()
 
 
 def _serve(engine: Any, conn: Connection) -> None:

@@ -20,7 +20,7 @@ from hybridserve.core.sched.config import SchedulerConfig
 from hybridserve.engine.loop import EngineCore
 from hybridserve.models.config import ModelConfig
 from hybridserve.text.structured_output import GrammarBackend
-from hybridserve.text.tokenizer import Tokenizer
+from hybridserve.text.tokenizer import Tokenizer, release_tokenizer
 
 Prompt = str | Sequence[int]
 
@@ -73,7 +73,7 @@ def build_engine_parts(config: EngineConfig, progress: bool = True, keep_tokeniz
     """Resolve, check, load. Raises ConfigError (MissingExtraError for an absent extra).
     keep_tokenizer=False (an engine core process, whose server tokenizes and detokenizes):
     what the load reads of the tokenizer (EOS, the int8 calibration texts' ids) is read
-    first, then its parsed vocabulary is dropped (core_process.release_tokenizer) before
+    first, then its parsed vocabulary is dropped (text/tokenizer.release_tokenizer) before
     any weight is, so that it is not resident beside the load's own peak."""
     from hybridserve.engine.loop import build_engine
     from hybridserve.executor.torch.executor import TorchExecutor, resolve_device
@@ -106,7 +106,6 @@ def build_engine_parts(config: EngineConfig, progress: bool = True, keep_tokeniz
     grammar = grammar_backend(tokenizer, model_cfg)
     encode = tokenizer.encode if tokenizer is not None else None
     if encode is not None and not keep_tokenizer:
-        from hybridserve.engine.core_process import release_tokenizer
         from hybridserve.models.layers.smoothing import encoded_calibration
 
         encode = encoded_calibration(encode)

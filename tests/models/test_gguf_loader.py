@@ -405,9 +405,9 @@ def test_converted_tokenizer_with_a_chat_template_is_transformers(tiny_llama: tu
 
 
 def test_a_released_converted_tokenizer_reads_its_file_again(tiny_llama: tuple[Path, dict, Path]) -> None:
-    """The engine core drops its tokenizer after load (engine/core_process.release_tokenizer);
+    """The engine core drops its tokenizer after load (text/tokenizer.release_tokenizer);
     what still needs it (a constrained request's llguidance tokenizer) reads the file again."""
-    from hybridserve.engine.core_process import release_tokenizer
+    from hybridserve.text.tokenizer import release_tokenizer
     from hybridserve.text.structured_output import GrammarBackend
     from hybridserve.text.tokenizer import Tokenizer
 

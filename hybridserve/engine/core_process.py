@@ -36,7 +36,7 @@ from hybridserve.config import EngineConfig
 from hybridserve.core.errors import ConfigError, HybridServeError
 from hybridserve.core.sched.output import RequestOutput
 from hybridserve.models.config import ModelConfig
-from hybridserve.models.platform.heap import release_free_heap
+from hybridserve.text.tokenizer import release_tokenizer
 
 logger = logging.getLogger("hybridserve")
 
@@ -66,27 +66,16 @@ def core_main(config: EngineConfig, conn: Connection, index: int, progress: bool
     # Ctrl-C in a terminal reaches the whole process group; the server stops its cores.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        parts = build_engine_parts(config, progress=progress)
+        parts = build_engine_parts(config, progress=progress, keep_tokenizer=False)
     except BaseException as exc:  # noqa: BLE001 - reported to the server, which raises it
         conn.send(("start_failed", str(exc) if isinstance(exc, HybridServeError) else
                    f"{type(exc).__name__}: {exc}", isinstance(exc, ConfigError)))
         return
-    release_tokenizer(parts.tokenizer)
+    release_tokenizer(parts.tokenizer)  # again, should anything in the load have read it
     kv = parts.engine.scheduler.kv.config
     conn.send(("ready", CoreInfo(os.getpid(), parts.model_path, parts.model_config, parts.max_model_len,
                                  parts.eos_token_id, parts.model_stop_ids, config.block_size, kv.num_blocks)))
     _serve(parts.engine, conn)
-
-
-def release_tokenizer(tokenizer: Any) -> None:
-    """Drop the core's tokenizer where it can be read again (text/file_tokenizer.FileTokenizer):
-    the server detokenizes, and the core has read what it needed at load (the int8
-    calibration texts, EOS); llguidance's tokenizer, built at the first constrained
-    request, reads it again then."""
-    release = getattr(getattr(tokenizer, "hf", None), "release", None)
-    if release is not None:
-        release()
-        release_free_heap()
 
 
 def _serve(engine: Any, conn: Connection) -> None:

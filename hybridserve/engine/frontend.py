@@ -20,7 +20,7 @@ from hybridserve.core.sched.config import SchedulerConfig
 from hybridserve.engine.loop import EngineCore
 from hybridserve.models.config import ModelConfig
 from hybridserve.text.structured_output import GrammarBackend
-from hybridserve.text.tokenizer import Tokenizer
+from hybridserve.text.tokenizer import Tokenizer, release_tokenizer
 
 Prompt = str | Sequence[int]
 
@@ -69,8 +69,12 @@ def grammar_backend(tokenizer: Tokenizer | None, model_config: ModelConfig) -> G
     return GrammarBackend(tokenizer.hf, model_config.vocab_size) if tokenizer is not None else None
 
 
-def build_engine_parts(config: EngineConfig, progress: bool = True) -> EngineParts:
-    """Resolve, check, load. Raises ConfigError (MissingExtraError for an absent extra)."""
+def build_engine_parts(config: EngineConfig, progress: bool = True, keep_tokenizer: bool = True) -> EngineParts:
+    """Resolve, check, load. Raises ConfigError (MissingExtraError for an absent extra).
+    keep_tokenizer=False (an engine core process, whose server tokenizes and detokenizes):
+    what the load reads of the tokenizer (EOS, the int8 calibration texts' ids) is read
+    first, then its parsed vocabulary is dropped (text/tokenizer.release_tokenizer) before
+    any weight is, so that it is not resident beside the load's own peak."""
     from hybridserve.engine.loop import build_engine
     from hybridserve.executor.torch.executor import TorchExecutor, resolve_device
     from hybridserve.executor.torch.kv_cache import TORCH_DTYPES
@@ -100,6 +104,12 @@ def build_engine_parts(config: EngineConfig, progress: bool = True) -> EnginePar
     # benchmarks/gemma_bench.py, benchmarks/results/cpu_threads.md), so the step runs inline
     # and the overlap is the scheduler's alone.
     grammar = grammar_backend(tokenizer, model_cfg)
+    encode = tokenizer.encode if tokenizer is not None else None
+    if encode is not None and not keep_tokenizer:
+        from hybridserve.models.layers.smoothing import encoded_calibration
+
+        encode = encoded_calibration(encode)
+        release_tokenizer(tokenizer)
     executor: Any
     if config.is_multiprocess:
         executor = _distributed_executor(config, path, device.type, dtype, quantization, tokenizer is not None)
@@ -108,7 +118,7 @@ def build_engine_parts(config: EngineConfig, progress: bool = True) -> EnginePar
                                  use_worker_thread=config.async_scheduling and device.type != "cpu",
                                  seed=config.seed, num_threads=config.num_threads, compile=config.compile,
                                  drafter=NgramDrafter(config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max),
-                                 grammar=grammar, encode=tokenizer.encode if tokenizer is not None else None)
+                                 grammar=grammar, encode=encode)
     try:
         connector = None
         offload_bytes = parse_size("kv_offload_memory", config.kv_offload_memory, allow_zero=True)

@@ -248,3 +248,15 @@ class IncrementalDetokenizer:
         new_text = self._decode(self.prefix_offset)
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return new_text[len(prefix_text):]
+
+
+def release_tokenizer(tokenizer: Any) -> None:
+    """Drop an engine core's tokenizer where it can be read again (file_tokenizer.FileTokenizer):
+    the core's server detokenizes, and the core has read what it needed before the weights
+    load (the int8 calibration texts, EOS: engine/frontend.build_engine_parts with
+    keep_tokenizer=False); llguidance's tokenizer, built at the first constrained request,
+    reads it again then."""
+    release = getattr(getattr(tokenizer, "hf", None), "release", None)
+    if release is not None:
+        release()
+        release_free_heap()

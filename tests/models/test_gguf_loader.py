@@ -405,9 +405,9 @@ def test_converted_tokenizer_with_a_chat_template_is_transformers(tiny_llama: tu
 
 
 def test_a_released_converted_tokenizer_reads_its_file_again(tiny_llama: tuple[Path, dict, Path]) -> None:
-    """The engine core drops its tokenizer after load (engine/core_process.release_tokenizer);
+    """The engine core drops its tokenizer after load (text/tokenizer.release_tokenizer);
     what still needs it (a constrained request's llguidance tokenizer) reads the file again."""
-    from hybridserve.engine.core_process import release_tokenizer
+    from hybridserve.text.tokenizer import release_tokenizer
     from hybridserve.text.structured_output import GrammarBackend
     from hybridserve.text.tokenizer import Tokenizer
 
@@ -422,3 +422,28 @@ def test_a_released_converted_tokenizer_reads_its_file_again(tiny_llama: tuple[P
         tiny_llama[2]))
     assert ours.hf._backend is None  # read for llguidance's tokenizer alone, dropped again
     release_tokenizer(Tokenizer(transformers.AutoTokenizer.from_pretrained(tiny_llama[2])))  # nothing to drop
+
+
+def test_a_core_process_build_drops_its_tokenizer_before_the_weights(tiny_llama: tuple[Path, dict, Path],
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """build_engine_parts(keep_tokenizer=False), as the engine core process builds: the
+    tokenizer file is parsed once, before the weights (EOS, the int8 calibration texts' ids),
+    and the int8 calibration forward reads those ids without parsing it again."""
+    import tokenizers
+
+    from hybridserve.config import EngineConfig
+    from hybridserve.engine.frontend import build_engine_parts
+    from hybridserve.models.layers.int8 import int8_gemm_available
+
+    parses: list[str] = []
+    from_file = tokenizers.Tokenizer.from_file
+    monkeypatch.setattr(tokenizers.Tokenizer, "from_file", lambda path: parses.append(path) or from_file(path))
+    config = EngineConfig(model=str(tiny_llama[2]), quantization="int8" if int8_gemm_available() else "auto",
+                          dtype="float32", kv_cache_memory="4MiB")
+    parts = build_engine_parts(config, progress=False, keep_tokenizer=False)
+    try:
+        assert parts.tokenizer is not None and parts.tokenizer.hf._backend is None
+        assert len(parses) == 1
+        assert parts.engine.executor.model.int8_layers == int8_gemm_available()  # calibrated from the kept ids
+    finally:
+        parts.engine.shutdown()

@@ -294,9 +294,14 @@ class DecoderLM(StagedModel):
             self._linears = [_layer_linears(w, release_weights) for w in self.layers]
         else:
             self._float32_elementwise()
-            self._int8 = [_int8_layer(w, s, self.cfg.sandwich_norm, release_weights)
-                          for w, s in zip(self.layers, smoothing)]
-            release_free_heap()  # the float32 copies quantized above (models/platform/heap.py)
+            # The heap's free pages go back before each layer (models/platform/heap.py): first
+            # the calibration forward's temporaries, then each layer's float32 copies, which
+            # would otherwise stay resident while the next layers and the head are built.
+            self._int8 = []
+            for w, s in zip(self.layers, smoothing):
+                release_free_heap()
+                self._int8.append(_int8_layer(w, s, self.cfg.sandwich_norm, release_weights))
+            release_free_heap()
             self._chains = ChainsByRows(Int8Chains(self.cfg, self._eps, self._act, self.dtype), self._int8[0], compile)
         if self.stage.is_last:
             assert self.lm_head is not None, "weights not loaded"

@@ -71,6 +71,14 @@ def file_encoder(model_dir: str | Path) -> Encode | None:
     return lambda text: tokenizer.encode(text).ids
 
 
+def encoded_calibration(encode: Encode) -> Encode:
+    """`encode` with CALIBRATION_TEXTS encoded now and looked up later (other texts are
+    encoded when asked): for a process that drops its tokenizer before the load's
+    calibration forward (engine/frontend.build_engine_parts)."""
+    ids = {text: encode(text) for text in CALIBRATION_TEXTS}
+    return lambda text: list(ids[text]) if text in ids else encode(text)
+
+
 def calibration_sequences(encode: Encode, max_len: int | None) -> list[list[int]]:
     """CALIBRATION_TEXTS as token ids, each cut to `max_len` (the sliding window)."""
     return [encode(text)[:max_len] for text in CALIBRATION_TEXTS]

@@ -27,16 +27,13 @@ from __future__ import annotations
 import logging
 import time
 import types
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 
-from hybridserve.models.arch.int8_chains import Int8Chains, Quantized
+from hybridserve.models.arch.int8_chains import Int8Chains, Int8Layer, Quantized
 from hybridserve.models.layers.int8 import levels_for, quantize_rows_float
 from hybridserve.models.layers.rms_norm import rms_norm
-
-if TYPE_CHECKING:
-    from hybridserve.models.arch.decoder import Int8Layer
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from hybridserve.models.layers.head import INT4_LAYERS, OutputHead, ReleaseRows,
 from hybridserve.models.layers.int4 import make_int4_linear
 from hybridserve.models.platform.heap import release_free_heap
 from hybridserve.models.arch.compiled_chains import ChainsByRows
-from hybridserve.models.arch.int8_chains import Int8Chains
+from hybridserve.models.arch.int8_chains import Int8Chains, Int8Layer
 from hybridserve.models.layers.int8 import W8A8Linear, quantize_gemm_weight
 from hybridserve.models.layers.linear import LayerLinears, Linear, ResidualLinear, make_linear
 from hybridserve.models.parallel import PipelineStage, TPGroup, local_config
@@ -139,26 +139,6 @@ def smoothed_weights(w: DecoderLayerWeights, s: LayerSmoothing) -> dict[str, Wei
         "gate_up": lambda: _smoothed_gate_up(w, s),
         "down": lambda: (w.down.detach().float() * s.down, w.down_bias),
     }
-
-
-class Int8Layer(NamedTuple):
-    """One layer with int8 x int8 matmuls (models/layers/int8.py) on its smoothed weights:
-    the matmuls, their biases in float32 (the chains of int8_chains.py add them) and the
-    norms each chain applies, looked up once (a module attribute costs a Python call)."""
-
-    qkv: W8A8Linear
-    o: W8A8Linear
-    gate_up: W8A8Linear
-    down: W8A8Linear
-    qkv_bias: torch.Tensor | None
-    o_bias: torch.Tensor | None
-    gate_up_bias: torch.Tensor | None
-    down_bias: torch.Tensor | None
-    input_norm: torch.Tensor
-    qk_norm: torch.Tensor | None
-    o_norm: torch.Tensor | None  # applied to o's output before the residual add (sandwich norms)
-    ffn_norm: torch.Tensor  # gate_up's input norm
-    down_norm: torch.Tensor | None  # applied to down's output before the residual add
 
 
 def _int8_layer(w: DecoderLayerWeights, s: LayerSmoothing, sandwich: bool, release: bool) -> Int8Layer:

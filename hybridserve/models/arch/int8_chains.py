@@ -20,16 +20,36 @@ Quantized inputs come out as the matmul's `path` takes them (models/layers/int8.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
 from hybridserve.models.config import ModelConfig
-from hybridserve.models.layers.int8 import QUANTIZERS
+from hybridserve.models.layers.int8 import QUANTIZERS, W8A8Linear
 from hybridserve.models.layers.rms_norm import rms_norm
 from hybridserve.models.layers.rope import apply_rope_
 
 Quantized = tuple[torch.Tensor, torch.Tensor]  # (levels as the path takes them, float32 row scale [S, 1])
+
+
+class Int8Layer(NamedTuple):
+    """One layer with int8 x int8 matmuls (models/layers/int8.py) on its smoothed weights:
+    the matmuls, their biases in float32 (the chains of int8_chains.py add them) and the
+    norms each chain applies, looked up once (a module attribute costs a Python call)."""
+
+    qkv: W8A8Linear
+    o: W8A8Linear
+    gate_up: W8A8Linear
+    down: W8A8Linear
+    qkv_bias: torch.Tensor | None
+    o_bias: torch.Tensor | None
+    gate_up_bias: torch.Tensor | None
+    down_bias: torch.Tensor | None
+    input_norm: torch.Tensor
+    qk_norm: torch.Tensor | None
+    o_norm: torch.Tensor | None  # applied to o's output before the residual add (sandwich norms)
+    ffn_norm: torch.Tensor  # gate_up's input norm
+    down_norm: torch.Tensor | None  # applied to down's output before the residual add
 
 
 def quantized(path: str, x: torch.Tensor) -> Quantized:

@@ -135,3 +135,36 @@ def test_min_p_alone_reads_only_the_spans_reaching_its_threshold(attempts: int, 
               for _ in range(10)]
     fast, general = _draw_both(logits[: len(params)], params)
     assert sum(f != r for f, r in zip(fast, general)) <= len(params) // 1000
+
+
+def test_logits_controls_and_bans_change_pieces_in_place_as_they_change_dense_logits() -> None:
+    """Penalties, logit_bias, bad words and min_tokens bans write single entries where the
+    logits are held: pieces (one of them bfloat16, as a model-dtype head gives) end equal
+    to the dense logits changed the same way, summaries included, and stay pieces; the
+    tokens drawn from both are the same."""
+    from hybridserve.executor.torch.logits_controls import TokenHistory
+    from hybridserve.executor.torch.sampler import sample
+
+    g = torch.Generator().manual_seed(4)
+    logits = (torch.randn(5, VOCAB, generator=g) * 3).to(torch.bfloat16).float()
+    logits[0, 7] = 2.0  # a positive logit the repetition penalty divides
+    history = TokenHistory([7, 7, 900, 2000, 4999, 7, 900], num_prompt=3)  # outputs: 2000, 4999, 7, 900
+    controls = dict(temperature=0.8, repetition_penalty=1.25, frequency_penalty=0.5, presence_penalty=0.25,
+                    logit_bias={3: 1.5, 4999: -2.0}, bad_words_token_ids=[[900, 11], [2000]])
+    rows = [SampleRow(SamplingParams(**controls), seed=i, position=7, history=history) for i in range(4)]
+    rows.append(SampleRow(SamplingParams(temperature=1.0, top_k=20), seed=9, position=7, banned=(1, 6000 % VOCAB, 1)))
+    dense = span_logits_from(logits, inv_temperatures(rows))
+    pieced = in_pieces(dense, spans_per_piece=7)
+    pieced._pieces[2] = pieced._pieces[2].to(torch.bfloat16)  # exact: the logits are bfloat16 values
+    want_tokens = sample(dense, rows)[0]
+    assert sample(pieced, rows)[0] == want_tokens
+    assert not pieced.is_dense
+    for name in ("span_max", "span_sum"):
+        assert torch.equal(getattr(pieced, name), getattr(dense, name)), name
+    assert torch.equal(pieced.whole_rows(torch.arange(5)), dense.padded)
+    # By hand, row 0: token 7 (positive, in the history, one output of it) is
+    # 2 / 1.25 - (0.5 * 1 + 0.25) in float32; token 3 gained its bias; 11 (after 900) and 2000 are banned.
+    assert float(dense.padded[0, 7]) == float(torch.tensor(2.0) / 1.25 - 0.75)
+    assert float(dense.padded[0, 3]) == float(logits[0, 3] + 1.5)
+    assert float(dense.padded[0, 11]) == float(dense.padded[0, 2000]) == float("-inf")
+    assert float(dense.padded[4, 1]) == float(dense.padded[4, 6000 % VOCAB]) == float("-inf")

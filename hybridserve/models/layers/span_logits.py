@@ -127,8 +127,41 @@ class SpanLogits:
         return out.view(shape)
 
     def at(self, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The logits at (rows[i], ids[i]), [n]."""
-        return self.take_spans(rows, ids // self.span).gather(1, (ids % self.span)[:, None]).squeeze(1)
+        """The logits at (rows[i], ids[i]), [n] float32, read in place (dense or in pieces)."""
+        if self._padded is not None:
+            return self._padded[rows, ids]
+        assert self._pieces is not None
+        out = torch.empty(len(rows))
+        for k, at, cols in self._by_piece(ids):
+            out[at] = self._pieces[k][rows[at], cols].float()
+        return out
+
+    def put(self, rows: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> None:
+        """Set the logits at (rows[i], ids[i]) (each pair at most once) to values [n],
+        without making pieces dense: the summaries are the caller's to refresh. A piece
+        in a narrower dtype than float32 is widened first, so that a value is stored as a
+        dense float32 buffer would store it."""
+        if self._padded is not None:
+            self._padded[rows, ids] = values
+            return
+        assert self._pieces is not None
+        for k, at, cols in self._by_piece(ids):
+            if self._pieces[k].dtype != torch.float32:
+                self._pieces[k] = self._pieces[k].float()
+            self._pieces[k][rows[at], cols] = values[at]
+
+    def _by_piece(self, ids: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Per piece holding any of ids: (its index in the pieces, the positions i of the
+        ids it holds, their columns in it)."""
+        assert self._pieces is not None
+        which = torch.bucketize(ids // self.span, self._piece_start[1:], right=True)
+        order = torch.argsort(which, stable=True)
+        counts = torch.bincount(which, minlength=len(self._pieces)).tolist()
+        out = []
+        for k, at in enumerate(order.split(counts)):
+            if at.numel():
+                out.append((k, at, ids[at] - int(self._piece_start[k]) * self.span))
+        return out
 
     def refresh_rows(self, rows: torch.Tensor) -> None:
         """Recompute the summaries of whole rows (after a dense change such as a grammar mask)."""

@@ -90,6 +90,23 @@ def test_kept_sets_wider_than_the_candidates_are_drawn_over_whole_rows(attempts:
     assert set(fast[:40]) == {300} and len(set(fast[40:80])) > 10
 
 
+@pytest.mark.parametrize("top_p, support", [(0.99, {7, 20, 21, 22, 23, 24}), (0.5, {7, 20, 21, 22, 23, 24}),
+                                             (0.3, {7})])
+def test_a_nucleus_over_top_k_survivors_with_ties_past_the_kth(top_p: float, support: set[int]) -> None:
+    """top_k 2 over one logit 3 and five ties at 2 (the rest -10): the survivors are all
+    six, four of them past the two sorted top values. By hand, weights e^3 = 20.1 and
+    5 e^2 = 36.9: top_p 0.99 and 0.5 (28.5 of 57 needed, the first token holds 20.1) keep
+    all six; top_p 0.3 (17.1 needed) keeps token 7 alone. The fast path equals the
+    general path on every draw."""
+    logits = torch.full((1, 8 * SPAN), -10.0)
+    logits[0, 7] = 3.0
+    logits[0, 20:25] = 2.0
+    params = [SamplingParams(temperature=1.0, top_k=2, top_p=top_p)] * 150
+    fast, general = _draw_both(logits.expand(len(params), -1).clone(), params)
+    assert fast == general
+    assert set(fast) == support
+
+
 def test_greedy_rows_beside_sampled_rows() -> None:
     logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(5))
     params = [SamplingParams(), SamplingParams(temperature=1.0), SamplingParams(), SamplingParams(temperature=1.0,

@@ -26,7 +26,8 @@ sort for top-p: the reference. The fast path (`draw_fast`) reads the span summar
 - whether x_a is kept: the CANDIDATE_SPANS spans with the largest maxima (at least
   top_k of them) hold every logit above `bound`, the largest maximum of the spans left
   out, in the row's sorted order. A threshold above `bound` is decided on them (the k-th
-  largest, the nucleus cut). min-p's needs only the row's maximum: a row with min-p
+  largest, the nucleus cut); a row whose top-k survivors all lie above `bound` has its
+  nucleus cut from its sorted top-k values, the candidates neither weighed nor sorted again. min-p's needs only the row's maximum: a row with min-p
   alone gathers no candidates. A nucleus reaching below `bound` keeps every l_x > bound;
   below it, x is kept iff the mass strictly above l_x is short of top_p's share (read
   from the spans whose maximum passes l_x), decided for the first attempt not rejected
@@ -220,6 +221,16 @@ def _thresholds_from_candidates(sl: SpanLogits, r: torch.Tensor, peak: torch.Ten
     # Nucleus: the cut where the candidates decide it; elsewhere the mass a kept draw's
     # higher logits stay short of.
     p = (top_p < 1.0).nonzero().squeeze(1)
+    if p.numel() and has_k.any():
+        # Rows whose top-k survivors all lie in the candidates: their sorted top values
+        # decide the nucleus, without weighing or sorting the candidates again.
+        inside = has_k[p] & (floor_c[p] > bound_c[p])
+        k_in = p[inside]
+        if k_in.numel():
+            needed[c[k_in]], cut = _nucleus_of_top_k(kth[k_in], cand[k_in], floor_c[k_in], peak[k_in], inv_t[k_in],
+                                                     top_p[k_in])
+            theta_c[k_in] = torch.maximum(theta_c[k_in], cut)
+        p = p[~inside]
     if p.numel():
         needed_p = top_p[p].double() * _kept_mass(sl, r[p], cand[p], bound_c[p], floor_c[p], peak[p], inv_t[p])
         needed[c[p]] = needed_p
@@ -240,6 +251,26 @@ def _thresholds_from_candidates(sl: SpanLogits, r: torch.Tensor, peak: torch.Ten
     floor[c] = floor_c
     bound[c] = bound_c
     theta[c] = theta_c
+
+
+def _nucleus_of_top_k(kth: torch.Tensor, cand: torch.Tensor, floor: torch.Tensor, peak: torch.Tensor,
+                      inv_t: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(needed, cut) per row whose top-k survivors (its candidates >= floor) all lie in
+    the candidates cand, from kth [n, K]: the candidates' K largest, sorted (K >= the
+    row's top_k). The survivors are kth's prefix >= floor and any ties with floor past
+    it (counted in cand, each weighing what floor weighs); needed is top_p of their
+    mass. The cut is _nucleus_cut's over them; where no token of the prefix is dropped,
+    every survivor is kept (ties with floor past the prefix included) and the cut is
+    -inf: theta stays floor."""
+    survives = kth >= floor[:, None]
+    w = _weights(kth, peak[:, None], inv_t[:, None], survives).double()
+    ties_past = (cand >= floor[:, None]).sum(dim=1) - survives.sum(dim=1)
+    mass = w.sum(dim=1) + ties_past * _weights(floor, peak, inv_t, torch.ones(()).bool()).double()
+    needed = top_p.double() * mass
+    drop = (w.cumsum(dim=1) - w) >= needed[:, None]
+    first = drop.to(torch.uint8).argmax(dim=1)  # the first dropped position (>= 1)
+    cut = torch.where(drop.any(dim=1), kth.gather(1, (first - 1).clamp(min=0)[:, None]).squeeze(1), NEG_INF)
+    return needed, cut
 
 
 def _kept_mass(sl: SpanLogits, r: torch.Tensor, cand: torch.Tensor, bound: torch.Tensor, floor: torch.Tensor,

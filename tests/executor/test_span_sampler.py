@@ -144,13 +144,29 @@ def test_min_p_alone_reads_only_the_spans_reaching_its_threshold(attempts: int, 
     def refuse(*_args, **_kwargs):
         raise AssertionError("a whole-row or candidate read for min-p alone")
 
-    monkeypatch.setattr(span_sampler, "_candidates", refuse)
+    monkeypatch.setattr(span_sampler, "_candidate_spans", refuse)
     monkeypatch.setattr(SpanLogits, "whole_rows", refuse)
     g = torch.Generator().manual_seed(11)
     logits = torch.randn(120, VOCAB, generator=g) * 2.0
     params = [SamplingParams(temperature=t, min_p=m) for t in (0.7, 1.0, 1.5) for m in (0.02, 0.3, 0.9)
               for _ in range(10)]
     fast, general = _draw_both(logits[: len(params)], params)
+    assert sum(f != r for f, r in zip(fast, general)) <= len(params) // 1000
+
+
+def test_a_nucleus_wider_than_its_candidate_spans_gathers_no_candidates(monkeypatch) -> None:
+    """Flat rows over 40 spans: the 32 candidate spans hold about 32/40 = 0.8 of the mass,
+    short of top_p 0.9's, so the rows gather no candidates; their draws are decided as an
+    open nucleus's and are the general path's."""
+    assert VOCAB // SPAN > CANDIDATE_SPANS
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("candidates gathered for a nucleus they cannot hold")
+
+    monkeypatch.setattr(span_sampler, "_thresholds_from_candidates", refuse)
+    logits = torch.randn(60, VOCAB, generator=torch.Generator().manual_seed(12)) * 0.5
+    params = [SamplingParams(temperature=t, top_p=p) for t in (0.7, 1.0, 1.5) for p in (0.9, 0.97) for _ in range(10)]
+    fast, general = _draw_both(logits, params)
     assert sum(f != r for f, r in zip(fast, general)) <= len(params) // 1000
 
 

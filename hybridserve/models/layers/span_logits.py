@@ -108,23 +108,34 @@ class SpanLogits:
         index_select of whole spans (cheaper than advanced indexing of a 3-D view)."""
         rows, js = torch.broadcast_tensors(rows, js)
         shape = (*rows.shape, self.span)
-        rows, js = rows.reshape(-1), js.reshape(-1)
+        blocks = self.span_blocks(rows.reshape(-1), js.reshape(-1))
+        if len(blocks) == 1 and blocks[0][0] is None:
+            return blocks[0][1].view(shape)
+        out = torch.empty(rows.numel(), self.span)
+        for at, values in blocks:
+            out[at] = values.float()
+        return out.view(shape)
+
+    def span_blocks(self, rows: torch.Tensor, js: torch.Tensor) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
+        """Spans js[i] of rows rows[i] ([n] each) as copies [m, span], one block per piece
+        holding any (one block when dense), each with the positions i it holds (None:
+        all, in order): what take_spans returns before putting them back in order, for
+        callers that reduce each span and need no order."""
         if self._padded is not None:
             keys = rows * self.span_max.shape[1] + js
-            return self._padded.view(-1, self.span).index_select(0, keys).view(shape)
+            return [(None, self._padded.view(-1, self.span).index_select(0, keys))]
         assert self._pieces is not None
         if not len(rows):
-            return torch.empty(shape)
-        # Grouped by piece (one index_select each), then put back in the callers' order.
+            return [(None, torch.empty(0, self.span))]
         which = torch.bucketize(js, self._piece_start[1:], right=True)  # the piece holding each span
         order = torch.argsort(which, stable=True)
-        keys = (rows * self._piece_spans[which] + js - self._piece_start[which])[order]
         counts = torch.bincount(which, minlength=len(self._pieces)).tolist()
-        parts = [piece.reshape(-1, self.span).index_select(0, k)
-                 for piece, k in zip(self._pieces, keys.split(counts)) if k.numel()]
-        out = torch.empty(len(rows), self.span)
-        out[order] = torch.cat(parts).float()
-        return out.view(shape)
+        blocks = []
+        for k, at in enumerate(order.split(counts)):
+            if at.numel():
+                keys = rows[at] * int(self._piece_spans[k]) + js[at] - int(self._piece_start[k])
+                blocks.append((at, self._pieces[k].reshape(-1, self.span).index_select(0, keys)))
+        return blocks
 
     def at(self, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The logits at (rows[i], ids[i]), [n] float32, read in place (dense or in pieces)."""

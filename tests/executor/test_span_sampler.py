@@ -90,6 +90,23 @@ def test_kept_sets_wider_than_the_candidates_are_drawn_over_whole_rows(attempts:
     assert set(fast[:40]) == {300} and len(set(fast[40:80])) > 10
 
 
+@pytest.mark.parametrize("top_p, support", [(0.99, {7, 20, 21, 22, 23, 24}), (0.5, {7, 20, 21, 22, 23, 24}),
+                                             (0.3, {7})])
+def test_a_nucleus_over_top_k_survivors_with_ties_past_the_kth(top_p: float, support: set[int]) -> None:
+    """top_k 2 over one logit 3 and five ties at 2 (the rest -10): the survivors are all
+    six, four of them past the two sorted top values. By hand, weights e^3 = 20.1 and
+    5 e^2 = 36.9: top_p 0.99 and 0.5 (28.5 of 57 needed, the first token holds 20.1) keep
+    all six; top_p 0.3 (17.1 needed) keeps token 7 alone. The fast path equals the
+    general path on every draw."""
+    logits = torch.full((1, 8 * SPAN), -10.0)
+    logits[0, 7] = 3.0
+    logits[0, 20:25] = 2.0
+    params = [SamplingParams(temperature=1.0, top_k=2, top_p=top_p)] * 150
+    fast, general = _draw_both(logits.expand(len(params), -1).clone(), params)
+    assert fast == general
+    assert set(fast) == support
+
+
 def test_greedy_rows_beside_sampled_rows() -> None:
     logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(5))
     params = [SamplingParams(), SamplingParams(temperature=1.0), SamplingParams(), SamplingParams(temperature=1.0,
@@ -127,7 +144,7 @@ def test_min_p_alone_reads_only_the_spans_reaching_its_threshold(attempts: int, 
     def refuse(*_args, **_kwargs):
         raise AssertionError("a whole-row or candidate read for min-p alone")
 
-    monkeypatch.setattr(span_sampler, "_candidates", refuse)
+    monkeypatch.setattr(span_sampler, "_candidate_spans", refuse)
     monkeypatch.setattr(SpanLogits, "whole_rows", refuse)
     g = torch.Generator().manual_seed(11)
     logits = torch.randn(120, VOCAB, generator=g) * 2.0
@@ -135,3 +152,52 @@ def test_min_p_alone_reads_only_the_spans_reaching_its_threshold(attempts: int, 
               for _ in range(10)]
     fast, general = _draw_both(logits[: len(params)], params)
     assert sum(f != r for f, r in zip(fast, general)) <= len(params) // 1000
+
+
+def test_a_nucleus_wider_than_its_candidate_spans_gathers_no_candidates(monkeypatch) -> None:
+    """Flat rows over 40 spans: the 32 candidate spans hold about 32/40 = 0.8 of the mass,
+    short of top_p 0.9's, so the rows gather no candidates; their draws are decided as an
+    open nucleus's and are the general path's."""
+    assert VOCAB // SPAN > CANDIDATE_SPANS
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("candidates gathered for a nucleus they cannot hold")
+
+    monkeypatch.setattr(span_sampler, "_thresholds_from_candidates", refuse)
+    logits = torch.randn(60, VOCAB, generator=torch.Generator().manual_seed(12)) * 0.5
+    params = [SamplingParams(temperature=t, top_p=p) for t in (0.7, 1.0, 1.5) for p in (0.9, 0.97) for _ in range(10)]
+    fast, general = _draw_both(logits, params)
+    assert sum(f != r for f, r in zip(fast, general)) <= len(params) // 1000
+
+
+def test_logits_controls_and_bans_change_pieces_in_place_as_they_change_dense_logits() -> None:
+    """Penalties, logit_bias, bad words and min_tokens bans write single entries where the
+    logits are held: pieces (one of them bfloat16, as a model-dtype head gives) end equal
+    to the dense logits changed the same way, summaries included, and stay pieces; the
+    tokens drawn from both are the same."""
+    from hybridserve.executor.torch.logits_controls import TokenHistory
+    from hybridserve.executor.torch.sampler import sample
+
+    g = torch.Generator().manual_seed(4)
+    logits = (torch.randn(5, VOCAB, generator=g) * 3).to(torch.bfloat16).float()
+    logits[0, 7] = 2.0  # a positive logit the repetition penalty divides
+    history = TokenHistory([7, 7, 900, 2000, 4999, 7, 900], num_prompt=3)  # outputs: 2000, 4999, 7, 900
+    controls = dict(temperature=0.8, repetition_penalty=1.25, frequency_penalty=0.5, presence_penalty=0.25,
+                    logit_bias={3: 1.5, 4999: -2.0}, bad_words_token_ids=[[900, 11], [2000]])
+    rows = [SampleRow(SamplingParams(**controls), seed=i, position=7, history=history) for i in range(4)]
+    rows.append(SampleRow(SamplingParams(temperature=1.0, top_k=20), seed=9, position=7, banned=(1, 6000 % VOCAB, 1)))
+    dense = span_logits_from(logits, inv_temperatures(rows))
+    pieced = in_pieces(dense, spans_per_piece=7)
+    pieced._pieces[2] = pieced._pieces[2].to(torch.bfloat16)  # exact: the logits are bfloat16 values
+    want_tokens = sample(dense, rows)[0]
+    assert sample(pieced, rows)[0] == want_tokens
+    assert not pieced.is_dense
+    for name in ("span_max", "span_sum"):
+        assert torch.equal(getattr(pieced, name), getattr(dense, name)), name
+    assert torch.equal(pieced.whole_rows(torch.arange(5)), dense.padded)
+    # By hand, row 0: token 7 (positive, in the history, one output of it) is
+    # 2 / 1.25 - (0.5 * 1 + 0.25) in float32; token 3 gained its bias; 11 (after 900) and 2000 are banned.
+    assert float(dense.padded[0, 7]) == float(torch.tensor(2.0) / 1.25 - 0.75)
+    assert float(dense.padded[0, 3]) == float(logits[0, 3] + 1.5)
+    assert float(dense.padded[0, 11]) == float(dense.padded[0, 2000]) == float("-inf")
+    assert float(dense.padded[4, 1]) == float(dense.padded[4, 6000 % VOCAB]) == float("-inf")

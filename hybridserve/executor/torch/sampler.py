@@ -65,7 +65,8 @@ def sample(logits: SpanLogits | torch.Tensor, rows: list[SampleRow]
     sl = logits if isinstance(logits, SpanLogits) else span_logits_from(logits.float(), inv_temperatures(rows))
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     changes = [i for i, r in enumerate(rows) if r.banned or r.history is not None or r.bitmask is not None]
-    raw_rows = sl.logits[want].clone() if want and changes else None  # the raw logits stay for logprobs
+    # The raw logits stay for logprobs (a copy of those rows, the rest left in pieces).
+    raw_rows = sl.whole_rows(torch.tensor(want))[:, : sl.vocab_size] if want and changes else None
     failed = _apply_changes(sl, rows, changes) if changes else {}
     params = [r.params for r in rows]
     greedy = torch.tensor([is_greedy(p) for p in params])
@@ -125,19 +126,19 @@ def sample_isolated(logits_of: Callable[[list[int]], SpanLogits], rows: list[Sam
 
 def _apply_changes(sl: SpanLogits, rows: list[SampleRow], changed: list[int]) -> dict[int, str]:
     """Grammar masks, logits controls and min_tokens bans, in that order, on the rows that
-    have any; the span summaries brought up to date after them."""
-    logits = sl.logits
+    have any; the span summaries brought up to date after them. Only a grammar mask or
+    allowed_token_ids makes the logits dense; the rest change single entries in place."""
     dense = [i for i in changed if rows[i].bitmask is not None]
     for i in dense:
-        apply_bitmask(logits[i], rows[i].bitmask)  # type: ignore[arg-type]
+        apply_bitmask(sl.logits[i], rows[i].bitmask)  # type: ignore[arg-type]
     controls, failed = apply_logits_controls(
-        logits, [(i, rows[i].params, rows[i].history) for i in changed if rows[i].history is not None])
-    ban_rows = [np.full(len(rows[i].banned), i) for i in changed if rows[i].banned]
+        sl, [(i, rows[i].params, rows[i].history) for i in changed if rows[i].history is not None])
+    ban_rows = [np.full(len(set(rows[i].banned)), i) for i in changed if rows[i].banned]
     sparse_rows, sparse_ids = [controls.rows], [controls.ids]
     if ban_rows:
         r = torch.from_numpy(np.concatenate(ban_rows))
-        t = torch.tensor([t for i in changed for t in rows[i].banned], dtype=torch.long)
-        logits[r, t] = float("-inf")
+        t = torch.tensor([t for i in changed for t in sorted(set(rows[i].banned))], dtype=torch.long)
+        sl.put(r, t, torch.full(r.shape, float("-inf")))
         sparse_rows.append(r)
         sparse_ids.append(t)
     sl.refresh_spans(torch.cat(sparse_rows), torch.cat(sparse_ids))

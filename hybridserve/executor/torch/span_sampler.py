@@ -25,8 +25,10 @@ sort for top-p: the reference. The fast path (`draw_fast`) reads the span summar
   operations than an attempt at a time);
 - whether x_a is kept: the CANDIDATE_SPANS spans with the largest maxima (at least
   top_k of them) hold every logit above `bound`, the largest maximum of the spans left
-  out, in the row's sorted order. A threshold above `bound` is decided on them (the k-th
-  largest, the nucleus cut). min-p's needs only the row's maximum: a row with min-p
+  out, in the row's sorted order (a nucleus without top-k wider than the candidates can
+  hold, by the span masses, gathers none). A threshold above `bound` is decided on them (the k-th
+  largest, the nucleus cut); a row whose top-k survivors all lie above `bound` has its
+  nucleus cut from its sorted top-k values, the candidates neither weighed nor sorted again. min-p's needs only the row's maximum: a row with min-p
   alone gathers no candidates. A nucleus reaching below `bound` keeps every l_x > bound;
   below it, x is kept iff the mass strictly above l_x is short of top_p's share (read
   from the spans whose maximum passes l_x), decided for the first attempt not rejected
@@ -135,26 +137,28 @@ def _weights(x: torch.Tensor, peak: torch.Tensor, inv_t: torch.Tensor, keep: tor
     return torch.sub(x, peak).mul_(inv_t).exp_().mul_(keep)
 
 
-def _candidates(sl: SpanLogits, r: torch.Tensor, num_spans: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(their logits [r, n] in id order, bound [r]: the largest logit outside them) of the
-    num_spans spans with the largest maxima of rows r."""
+def _weights_in_place(x: torch.Tensor, peak: torch.Tensor, inv_t: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """_weights, computed in x itself (a copy the caller has no other use for)."""
+    return x.sub_(peak).mul_(inv_t).exp_().mul_(keep)
+
+
+def _candidate_spans(sl: SpanLogits, r: torch.Tensor, num_spans: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(spans [r, n] in id order, bound [r]: the largest logit outside them): the
+    num_spans spans with the largest maxima of rows r, all of them where there are no more."""
     span_max = sl.span_max[r]
     total = span_max.shape[1]
     if num_spans >= total:
-        spans = torch.arange(total).expand(len(r), total)
-        bound = torch.full((len(r),), NEG_INF)
-    else:
-        top = span_max.topk(num_spans + 1, dim=1)
-        spans = top.indices[:, :num_spans].sort(dim=1).values
-        bound = top.values[:, num_spans]
-    return sl.take_spans(r[:, None], spans).view(len(r), -1), bound
+        return torch.arange(total).expand(len(r), total), torch.full((len(r),), NEG_INF)
+    top = span_max.topk(num_spans + 1, dim=1)
+    return top.indices[:, :num_spans].sort(dim=1).values, top.values[:, num_spans]
 
 
 def _draw_filtered(sl: SpanLogits, r: torch.Tensor, peak: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                    min_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Draws from the whole distribution until one is kept, then (rarely) a draw from the
     kept set: the thresholds from the candidates where they decide them. Rows with min-p
-    alone know theta without candidates and gather none."""
+    alone know theta without candidates and gather none, nor do rows whose nucleus is
+    wider than the candidates can hold."""
     inv_t = sl.inv_temperature[r]
     n_rows = len(r)
     floor = torch.full((n_rows,), NEG_INF)  # the k-th largest logit
@@ -162,17 +166,31 @@ def _draw_filtered(sl: SpanLogits, r: torch.Tensor, peak: torch.Tensor, top_k: t
     theta = peak + torch.log(min_p) / inv_t  # decided thresholds
     open_p = torch.zeros(n_rows, dtype=torch.bool)
     needed = torch.zeros(n_rows, dtype=torch.float64)
+    masses = _span_masses(sl, r, peak)
     c = ((top_k > 0) | (top_p < 1.0)).nonzero().squeeze(1)
     if c.numel():
-        _thresholds_from_candidates(sl, r[c], peak[c], inv_t[c], top_k[c], top_p[c], c, floor, bound, theta,
-                                    open_p, needed)
+        spans, bound_c = _candidate_spans(sl, r[c], max(CANDIDATE_SPANS, int(top_k[c].max())))
+        # A nucleus without top-k needs top_p of the whole mass (summed as _kept_mass
+        # sums it); where the candidate spans' masses fall short of it, the candidates
+        # would leave it open anyway: such a row gathers none, and its draws are decided
+        # as an open nucleus's.
+        whole = masses[0][c]
+        wide = (top_k[c] == 0) & (top_p[c] < 1.0)
+        needed_c = top_p[c].double() * whole.sum(dim=1)
+        wide &= whole.gather(1, spans).sum(dim=1) < needed_c
+        w = c[wide]
+        needed[w], open_p[w], bound[w] = needed_c[wide], True, bound_c[wide]
+        c, spans, bound_c = c[~wide], spans[~wide], bound_c[~wide]
+        if c.numel():
+            _thresholds_from_candidates(sl, r[c], spans, bound_c, peak[c], inv_t[c], top_k[c], top_p[c], c, floor,
+                                        bound, theta, open_p, needed)
     # Every attempt's draw at once; then per row the first kept one, deciding the draws
     # an open nucleus leaves in doubt (kept only if the mass above them is short of
     # `needed`) one attempt at a time.
     tokens = torch.empty(n_rows, dtype=torch.long)
     todo = torch.arange(n_rows)
     if ATTEMPTS:
-        x, lx = _draw_with_logit(sl, r, peak, u[:, :ATTEMPTS])
+        x, lx = _draw_with_logit(sl, r, peak, u[:, :ATTEMPTS], masses)
         kept = lx >= theta[:, None]
         doubt = kept & open_p[:, None] & (lx <= bound[:, None])
         while True:
@@ -197,15 +215,16 @@ def _draw_filtered(sl: SpanLogits, r: torch.Tensor, peak: torch.Tensor, top_k: t
     return tokens
 
 
-def _thresholds_from_candidates(sl: SpanLogits, r: torch.Tensor, peak: torch.Tensor, inv_t: torch.Tensor,
-                                top_k: torch.Tensor, top_p: torch.Tensor, c: torch.Tensor, floor: torch.Tensor,
-                                bound: torch.Tensor, theta: torch.Tensor, open_p: torch.Tensor,
-                                needed: torch.Tensor) -> None:
-    """For rows r with top-k or top-p (positions c of the caller's tensors): the k-th
-    largest logit (floor), the nucleus cut where the candidates decide it (into theta),
-    else open_p with the mass a kept draw's higher logits stay short of (needed), and
-    bound; written into the caller's tensors at c."""
-    cand, bound_c = _candidates(sl, r, max(CANDIDATE_SPANS, int(top_k.max())))
+def _thresholds_from_candidates(sl: SpanLogits, r: torch.Tensor, spans: torch.Tensor, bound_c: torch.Tensor,
+                                peak: torch.Tensor, inv_t: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                                c: torch.Tensor, floor: torch.Tensor, bound: torch.Tensor, theta: torch.Tensor,
+                                open_p: torch.Tensor, needed: torch.Tensor) -> None:
+    """For rows r with top-k or top-p (positions c of the caller's tensors) and their
+    candidate spans (_candidate_spans): the k-th largest logit (floor), the nucleus cut
+    where the candidates decide it (into theta), else open_p with the mass a kept draw's
+    higher logits stay short of (needed), and bound; written into the caller's tensors
+    at c."""
+    cand = sl.take_spans(r[:, None], spans).view(len(r), -1)
     n = cand.shape[1]
     floor_c = torch.full((len(r),), NEG_INF)
     has_k = top_k > 0
@@ -220,6 +239,16 @@ def _thresholds_from_candidates(sl: SpanLogits, r: torch.Tensor, peak: torch.Ten
     # Nucleus: the cut where the candidates decide it; elsewhere the mass a kept draw's
     # higher logits stay short of.
     p = (top_p < 1.0).nonzero().squeeze(1)
+    if p.numel() and has_k.any():
+        # Rows whose top-k survivors all lie in the candidates: their sorted top values
+        # decide the nucleus, without weighing or sorting the candidates again.
+        inside = has_k[p] & (floor_c[p] > bound_c[p])
+        k_in = p[inside]
+        if k_in.numel():
+            needed[c[k_in]], cut = _nucleus_of_top_k(kth[k_in], cand[k_in], floor_c[k_in], peak[k_in], inv_t[k_in],
+                                                     top_p[k_in])
+            theta_c[k_in] = torch.maximum(theta_c[k_in], cut)
+        p = p[~inside]
     if p.numel():
         needed_p = top_p[p].double() * _kept_mass(sl, r[p], cand[p], bound_c[p], floor_c[p], peak[p], inv_t[p])
         needed[c[p]] = needed_p
@@ -240,6 +269,26 @@ def _thresholds_from_candidates(sl: SpanLogits, r: torch.Tensor, peak: torch.Ten
     floor[c] = floor_c
     bound[c] = bound_c
     theta[c] = theta_c
+
+
+def _nucleus_of_top_k(kth: torch.Tensor, cand: torch.Tensor, floor: torch.Tensor, peak: torch.Tensor,
+                      inv_t: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(needed, cut) per row whose top-k survivors (its candidates >= floor) all lie in
+    the candidates cand, from kth [n, K]: the candidates' K largest, sorted (K >= the
+    row's top_k). The survivors are kth's prefix >= floor and any ties with floor past
+    it (counted in cand, each weighing what floor weighs); needed is top_p of their
+    mass. The cut is _nucleus_cut's over them; where no token of the prefix is dropped,
+    every survivor is kept (ties with floor past the prefix included) and the cut is
+    -inf: theta stays floor."""
+    survives = kth >= floor[:, None]
+    w = _weights(kth, peak[:, None], inv_t[:, None], survives).double()
+    ties_past = (cand >= floor[:, None]).sum(dim=1) - survives.sum(dim=1)
+    mass = w.sum(dim=1) + ties_past * _weights(floor, peak, inv_t, torch.ones(()).bool()).double()
+    needed = top_p.double() * mass
+    drop = (w.cumsum(dim=1) - w) >= needed[:, None]
+    first = drop.to(torch.uint8).argmax(dim=1)  # the first dropped position (>= 1)
+    cut = torch.where(drop.any(dim=1), kth.gather(1, (first - 1).clamp(min=0)[:, None]).squeeze(1), NEG_INF)
+    return needed, cut
 
 
 def _kept_mass(sl: SpanLogits, r: torch.Tensor, cand: torch.Tensor, bound: torch.Tensor, floor: torch.Tensor,
@@ -286,9 +335,13 @@ def _mass_above(sl: SpanLogits, r: torch.Tensor, level: torch.Tensor, floor: tor
     # One threshold for both conditions: x > level is x >= the next float32 above it.
     edge = torch.maximum(torch.nextafter(level, torch.tensor(float("inf"))) if strict else level, floor)
     row, j = (sl.span_max[r] >= edge[:, None]).nonzero(as_tuple=True)
-    x = sl.take_spans(r[row], j)
-    w = _weights(x, peak[row, None], inv_t[row, None], x >= edge[row, None])
-    return torch.zeros(len(r), dtype=torch.float64).index_add_(0, row, w.sum(dim=1, dtype=torch.float64))
+    mass = torch.zeros(len(r), dtype=torch.float64)
+    for at, x in sl.span_blocks(r[row], j):  # in whatever order the pieces give them
+        of = row if at is None else row[at]
+        x = x.float()  # a model-dtype piece's copy widened (float32 ones stay the copy)
+        w = _weights_in_place(x, peak[of, None], inv_t[of, None], x >= edge[of, None])
+        mass.index_add_(0, of, w.sum(dim=1, dtype=torch.float64))
+    return mass
 
 
 def _whole_row_cut(sl: SpanLogits, r: torch.Tensor, floor: torch.Tensor, peak: torch.Tensor, inv_t: torch.Tensor,

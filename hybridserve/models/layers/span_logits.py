@@ -108,27 +108,71 @@ class SpanLogits:
         index_select of whole spans (cheaper than advanced indexing of a 3-D view)."""
         rows, js = torch.broadcast_tensors(rows, js)
         shape = (*rows.shape, self.span)
-        rows, js = rows.reshape(-1), js.reshape(-1)
-        if self._padded is not None:
-            keys = rows * self.span_max.shape[1] + js
-            return self._padded.view(-1, self.span).index_select(0, keys).view(shape)
-        assert self._pieces is not None
-        if not len(rows):
-            return torch.empty(shape)
-        # Grouped by piece (one index_select each), then put back in the callers' order.
-        which = torch.bucketize(js, self._piece_start[1:], right=True)  # the piece holding each span
-        order = torch.argsort(which, stable=True)
-        keys = (rows * self._piece_spans[which] + js - self._piece_start[which])[order]
-        counts = torch.bincount(which, minlength=len(self._pieces)).tolist()
-        parts = [piece.reshape(-1, self.span).index_select(0, k)
-                 for piece, k in zip(self._pieces, keys.split(counts)) if k.numel()]
-        out = torch.empty(len(rows), self.span)
-        out[order] = torch.cat(parts).float()
+        blocks = self.span_blocks(rows.reshape(-1), js.reshape(-1))
+        if len(blocks) == 1 and blocks[0][0] is None:
+            return blocks[0][1].view(shape)
+        out = torch.empty(rows.numel(), self.span)
+        for at, values in blocks:
+            out[at] = values.float()
         return out.view(shape)
 
+    def span_blocks(self, rows: torch.Tensor, js: torch.Tensor) -> list[tuple[torch.Tensor | None, torch.Tensor]]:
+        """Spans js[i] of rows rows[i] ([n] each) as copies [m, span], one block per piece
+        holding any (one block when dense), each with the positions i it holds (None:
+        all, in order): what take_spans returns before putting them back in order, for
+        callers that reduce each span and need no order."""
+        if self._padded is not None:
+            keys = rows * self.span_max.shape[1] + js
+            return [(None, self._padded.view(-1, self.span).index_select(0, keys))]
+        assert self._pieces is not None
+        if not len(rows):
+            return [(None, torch.empty(0, self.span))]
+        which = torch.bucketize(js, self._piece_start[1:], right=True)  # the piece holding each span
+        order = torch.argsort(which, stable=True)
+        counts = torch.bincount(which, minlength=len(self._pieces)).tolist()
+        blocks = []
+        for k, at in enumerate(order.split(counts)):
+            if at.numel():
+                keys = rows[at] * int(self._piece_spans[k]) + js[at] - int(self._piece_start[k])
+                blocks.append((at, self._pieces[k].reshape(-1, self.span).index_select(0, keys)))
+        return blocks
+
     def at(self, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """The logits at (rows[i], ids[i]), [n]."""
-        return self.take_spans(rows, ids // self.span).gather(1, (ids % self.span)[:, None]).squeeze(1)
+        """The logits at (rows[i], ids[i]), [n] float32, read in place (dense or in pieces)."""
+        if self._padded is not None:
+            return self._padded[rows, ids]
+        assert self._pieces is not None
+        out = torch.empty(len(rows))
+        for k, at, cols in self._by_piece(ids):
+            out[at] = self._pieces[k][rows[at], cols].float()
+        return out
+
+    def put(self, rows: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> None:
+        """Set the logits at (rows[i], ids[i]) (each pair at most once) to values [n],
+        without making pieces dense: the summaries are the caller's to refresh. A piece
+        in a narrower dtype than float32 is widened first, so that a value is stored as a
+        dense float32 buffer would store it."""
+        if self._padded is not None:
+            self._padded[rows, ids] = values
+            return
+        assert self._pieces is not None
+        for k, at, cols in self._by_piece(ids):
+            if self._pieces[k].dtype != torch.float32:
+                self._pieces[k] = self._pieces[k].float()
+            self._pieces[k][rows[at], cols] = values[at]
+
+    def _by_piece(self, ids: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """Per piece holding any of ids: (its index in the pieces, the positions i of the
+        ids it holds, their columns in it)."""
+        assert self._pieces is not None
+        which = torch.bucketize(ids // self.span, self._piece_start[1:], right=True)
+        order = torch.argsort(which, stable=True)
+        counts = torch.bincount(which, minlength=len(self._pieces)).tolist()
+        out = []
+        for k, at in enumerate(order.split(counts)):
+            if at.numel():
+                out.append((k, at, ids[at] - int(self._piece_start[k]) * self.span))
+        return out
 
     def refresh_rows(self, rows: torch.Tensor) -> None:
         """Recompute the summaries of whole rows (after a dense change such as a grammar mask)."""

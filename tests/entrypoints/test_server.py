@@ -12,6 +12,7 @@ import json
 import random
 import signal
 import threading
+import importlib
 import time
 from pathlib import Path
 
@@ -23,6 +24,12 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
+schemathesis = pytest.importorskip("schemathesis")
+# The OpenAPI loader's modules imported at collection, not lazily inside the fuzz test:
+# pytest rewrites a plugin's modules as they are imported, and on Python 3.11 compiling
+# them deep in a long test session once failed with CPython's "AST constructor recursion
+# depth mismatch" (a SystemError from the compiler, not from the code under test).
+importlib.import_module("schemathesis.specs.openapi.schemas")
 
 from tests.helpers.server_proc import running_server, scrape_metrics  # noqa: E402
 from tests.helpers.serving_models import PROMPTS, WORDS, tiny_serving_dir  # noqa: E402
@@ -287,7 +294,7 @@ def test_a_disconnect_aborts_the_request_and_frees_its_blocks(server, client) ->
     # A non-streaming client that gives up (read timeout) aborts too: all 4 choices,
     # 960 tokens of work, far more than the 0.2 s it waits.
     impatient = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
-                              timeout=httpx.Timeout(30, read=0.2))
+                              timeout=openai.Timeout(30, read=0.2))  # the HTTP library openai itself uses
     with pytest.raises(openai.APITimeoutError):
         impatient.completions.create(n=4, **long)
     m = wait_idle(url)
@@ -556,7 +563,6 @@ def test_bench_serving_mode_measures_a_running_server(server, tmp_path: Path) ->
 def test_fuzzed_requests_never_get_a_5xx_and_leave_the_server_healthy(server) -> None:
     """Bounded fuzzing from the server's own /openapi.json (schemathesis, via hypothesis):
     request bodies of every shape the schema allows and many it does not."""
-    schemathesis = pytest.importorskip("schemathesis")
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 

@@ -34,6 +34,7 @@ import torch
 from hybridserve.models.arch.int8_chains import Int8Chains, Int8Layer, Quantized
 from hybridserve.models.layers.int8 import levels_for, quantize_rows_float
 from hybridserve.models.layers.rms_norm import rms_norm
+from hybridserve.models.layers.rope import apply_rope
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ def _qkv_out(qkv: torch.Tensor, bias: torch.Tensor | None, qk_norm: torch.Tensor
     if qk_norm is not None:
         qk = rms_norm(qk, None, eps, inv_hd) * qk_norm
     if cos is not None:
-        qk = qk * cos + qk.roll(head_dim // 2, dims=-1) * sin
+        qk = apply_rope(qk, cos, sin)
     return torch.cat((qk.reshape(rows, heads * head_dim), qkv[:, heads * head_dim :]), dim=1).to(kv_dtype)
 
 
@@ -187,7 +188,7 @@ def mismatch(compiled: Int8Chains, eager: Int8Chains, layer: Int8Layer, rows: in
     `layer`'s norms and biases (beyond float rounding: the module docstring), or None."""
     g = torch.Generator().manual_seed(rows)
     path = layer.qkv.path
-    hidden, heads, hd = round(1 / eager.inv_h), eager.nq + eager.nkv, eager.hd
+    hidden, heads, hd = eager.hidden_size, eager.nq + eager.nkv, eager.hd
     width = (heads + eager.nkv) * hd
     angles = torch.rand(rows, 1, hd, generator=g) * 6
     cos, sin = angles.cos(), angles.sin()

@@ -61,13 +61,14 @@ def quantized(path: str, x: torch.Tensor) -> Quantized:
 
 class Int8Chains:
     """The chains of one model (its sizes, norm placement, activation, KV dtype), eager;
-    intermediate_size is kept for compiled_chains' check, which makes up gate|up inputs."""
+    hidden_size and intermediate_size are kept for compiled_chains' check, which makes up
+    inputs of the layer's sizes."""
 
     def __init__(self, cfg: ModelConfig, eps: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor],
                  kv_dtype: torch.dtype) -> None:
         self.nq, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.inv_h, self.inv_hd = 1.0 / cfg.hidden_size, 1.0 / cfg.head_dim
-        self.intermediate_size = cfg.intermediate_size
+        self.hidden_size, self.intermediate_size = cfg.hidden_size, cfg.intermediate_size
         self.eps = eps
         self.act = act
         self.kv_dtype = kv_dtype

@@ -78,6 +78,11 @@ class RopeTable:
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_rope_'s rotation out of place (what a traced graph can hold): a new tensor."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+
+
 def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """In place: x [T, heads, head_dim] (may be a strided view); cos/sin from RopeTable.lookup."""
     rolled = x.roll(x.shape[-1] // 2, dims=-1)  # [x2, x1]; times [-sin, sin] = rotate_half(x) * sin

@@ -40,6 +40,8 @@ from hybridserve.models.layers.int8 import (  # noqa: E402
 )
 from hybridserve.models.layers.linear import LayerLinears, make_int8_linear, make_linear  # noqa: E402
 from hybridserve.models.loaders.loader import load_model  # noqa: E402
+from hybridserve.core.errors import ConfigError  # noqa: E402
+from hybridserve.models.layers.head import OutputHead  # noqa: E402
 from tests.helpers import hf_tiny  # noqa: E402
 
 needs_int8_gemm = pytest.mark.skipif(not int8_gemm_available(), reason="no int8 GEMM here (x86 with AVX2 or VNNI)")
@@ -188,9 +190,12 @@ def test_smoothed_weights_compute_the_same_function(kind: str) -> None:
     model.build_linears(release_weights=False)
     prompts = hf_tiny.random_prompts(3, 5, 30, seed=4)
     before = _hidden(model, prompts)
-    layers = smoothing.smooth(model, smoothing.calibration_sequences(toy_encode, None))
+    logits_before = before @ model.lm_head.t()
+    smoothed = smoothing.smooth(model, smoothing.calibration_sequences(toy_encode, None))
+    layers = smoothed.layers
     spread = max(float(f.max() / f.min()) for s in layers for f in s)
     assert spread > 2  # the factors are far from uniform, so a wrong fold would show
+    assert float((smoothed.head - 1).abs().max()) > 0.5  # the head's too: far from 1, a missed fold would show
     linears = []
     for w, s in zip(model.layers, layers):
         made = {}
@@ -198,7 +203,10 @@ def test_smoothed_weights_compute_the_same_function(kind: str) -> None:
             made[name], made[name + "_residual"], _ = make_linear(*source())
         linears.append(LayerLinears(**{f: made[f] for f in LayerLinears._fields}))
     model._linears = linears
-    torch.testing.assert_close(_hidden(model, prompts), before, rtol=1e-4, atol=1e-4)
+    after = _hidden(model, prompts)
+    # The final norm now divides by the head's factors, which its weight's columns take.
+    torch.testing.assert_close(after * smoothed.head, before, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(after @ (model.lm_head * smoothed.head).t(), logits_before, rtol=1e-4, atol=1e-4)
 
 
 @needs_int8_gemm
@@ -221,8 +229,9 @@ def test_int8_layers_stay_close_to_float32_on_a_tiny_model() -> None:
     prompts = hf_tiny.random_prompts(3, 5, 30, seed=5)
     exact = load_model(folder, "cpu", torch.float32, "none")
     quantized = load_model(folder, "cpu", torch.float32, "int8", encode=toy_encode)
-    a, b = _hidden(exact, prompts), _hidden(quantized, prompts)
-    cosine = F.cosine_similarity(a, b, dim=-1)
+    # Logits, not hidden states: the final norm of the int8 model carries its head's smoothing.
+    a, b = exact.logits(_hidden(exact, prompts)), quantized.logits(_hidden(quantized, prompts))
+    cosine = F.cosine_similarity(a.float(), b.float(), dim=-1)
     assert float(cosine.min()) > 0.99, cosine
     assert not torch.equal(a, b)  # the layers really are quantized
     assert math.isfinite(float(b.abs().max()))
@@ -257,9 +266,10 @@ def test_bfloat16_int8_layers_keep_float32_activations_and_bfloat16_kv() -> None
     # The element-wise operands went float32 with their values (bf16 values are float32 values).
     assert {w.input_norm.dtype for w in model.layers} == {torch.float32}
     assert all(t.cos.dtype == torch.float32 for t in model._rope.values())
-    # and the model stays close to its float32 original
-    exact = _hidden(load_model(folder, "cpu", torch.float32, "none"), prompts)
-    assert float(F.cosine_similarity(hidden, exact, dim=-1).min()) > 0.99
+    # and the model stays close to its float32 original (in logits: the final norm carries the head's smoothing)
+    exact_model = load_model(folder, "cpu", torch.float32, "none")
+    exact = exact_model.logits(_hidden(exact_model, prompts))
+    assert float(F.cosine_similarity(model.logits(hidden).float(), exact, dim=-1).min()) > 0.99
 
 
 _AVX2_SUMS = """
@@ -302,3 +312,26 @@ def test_narrow_weights_keep_avx2_int8_sums_exact() -> None:
     packed_exact, _, fbgemm_exact = report["exact"]["127"]
     assert not packed_exact and not fbgemm_exact
     assert report["path"] == FBGEMM and report["layouts_at_build"] == 1
+
+
+@needs_int8_gemm
+def test_a_smoothed_int8_head_errs_less_on_an_outlier_channel() -> None:
+    # One input channel 100x the others, as the final norm's output has: quantized per row
+    # as it is, it flattens the rest to a few levels; divided by the factors (the final norm
+    # does so) with the weight's columns multiplied by them, the head's product is the same
+    # function with a flatter input.
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(4096, 64, generator=g) * 0.05
+    x = torch.randn(16, 64, generator=g)
+    x[:, 5] *= 100
+    exact = x @ weight.t()
+    s = smoothing.factors(x.abs().amax(dim=0), weight, smoothing.HEAD_ALPHA)
+    plain = OutputHead(weight, "int8")(x)
+    smoothed = OutputHead(weight, "int8", column_factors=s)(x / s)
+    plain_err, smoothed_err = float((plain - exact).abs().mean()), float((smoothed - exact).abs().mean())
+    assert smoothed_err < plain_err / 2, (plain_err, smoothed_err)
+
+
+def test_column_factors_are_refused_by_a_head_that_is_not_int8_x_int8() -> None:
+    with pytest.raises(ConfigError, match="int8 x int8 head only"):
+        OutputHead(torch.randn(64, 16), "none", column_factors=torch.ones(16))

@@ -257,7 +257,8 @@ class DecoderLM(StagedModel):
 
     def build_linears(self, release_weights: bool = True, quantization: str = "none",
                       release_head_rows: ReleaseRows | None = None,
-                      smoothing: list[LayerSmoothing] | None = None, compile: bool = True) -> None:
+                      smoothing: list[LayerSmoothing] | None = None, head_factors: torch.Tensor | None = None,
+                      compile: bool = True) -> None:
         """Bind each matmul to its fastest kernel (call once the weights are final and on
         their device). With release_weights, weights that were packed free their plain
         copy: the model is then for inference only; reload it to change weights. The head
@@ -266,7 +267,8 @@ class DecoderLM(StagedModel):
         models/layers/smoothing.smooth, which has already divided the norms) the layers' matmuls
         are int8 x int8, the element-wise chains between them compiled for large steps unless
         `compile` is False (compiled_chains.py); with quantization INT4_LAYERS, int4 groups
-        (models/layers/int4.py)."""
+        (models/layers/int4.py). `head_factors`: the int8 x int8 head's smoothing (the final
+        norm already divided by them)."""
         self.int8_layers = smoothing is not None
         if quantization == INT4_LAYERS:
             self._linears = [_int4_layer_linears(w, release_weights) for w in self.layers]
@@ -285,7 +287,8 @@ class DecoderLM(StagedModel):
             self._chains = ChainsByRows(Int8Chains(self.cfg, self._eps, self._act, self.dtype), self._int8[0], compile)
         if self.stage.is_last:
             assert self.lm_head is not None, "weights not loaded"
-            self._head = OutputHead(self.lm_head, head_quantization(quantization), release_head_rows)
+            self._head = OutputHead(self.lm_head, head_quantization(quantization), release_head_rows,
+                                    column_factors=head_factors)
 
     _NORMS = ("input_norm", "post_attn_norm", "pre_ffn_norm", "post_ffn_norm", "qk_norm")
 

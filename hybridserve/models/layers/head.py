@@ -125,13 +125,18 @@ class OutputHead:
     """hidden [S, K] -> logits [S, N] in the model dtype, from per-chunk kernels."""
 
     def __init__(self, weight: torch.Tensor, quantization: str, release_rows: ReleaseRows | None = None,
-                 chunk_rows: int | None = None) -> None:
+                 chunk_rows: int | None = None, column_factors: torch.Tensor | None = None) -> None:
         """`chunk_rows`: vocabulary rows per chunk (default: HEAD_CHUNK_ROWS, or
-        FBGEMM_HEAD_CHUNK_ROWS on fbgemm's int8 path)."""
+        FBGEMM_HEAD_CHUNK_ROWS on fbgemm's int8 path). `column_factors`: the smoothing of
+        an int8 x int8 head (models/layers/smoothing.py: what produces the input has divided
+        it by them), multiplied into the weight's columns before they are quantized."""
         self.out_dtype = weight.dtype
         self.quantization = quantization
         self.vocab_size = weight.shape[0]
         self._int8_activations = quantization == "int8" and weight.device.type == "cpu" and int8_gemm_available()
+        if column_factors is not None and not self._int8_activations:
+            raise ConfigError("column factors (smoothing) apply to an int8 x int8 head only")
+        self._column_factors = column_factors
         # The decoder's int8 path (models/layers/int8.int8_path), one for every row count:
         # the head's weights are held once.
         self._int8_path = int8_path()
@@ -159,7 +164,7 @@ class OutputHead:
         quantizers call `block_done` for each block of `w`'s rows they are done with."""
         if self.quantization == "int8":
             if self._int8_activations:
-                return int8_matmul(self._int8_path, *quantize_gemm_weight(w, block_done)), False
+                return int8_matmul(self._int8_path, *quantize_gemm_weight(w, block_done, self._column_factors)), False
             values, scale = quantize_int8_rows(w, block_done=block_done)
             scale_bf16 = scale.to(torch.bfloat16)
             return (lambda x, _: torch._weight_int8pack_mm(x, values, scale_bf16)), False

@@ -102,10 +102,11 @@ def levels_for(path: str, levels: torch.Tensor) -> torch.Tensor:
     return levels.to(torch.int8) if path == PLAIN else levels
 
 
-def quantize_int8_rows(weight: torch.Tensor, levels: int = INT8_LEVELS, block_done: BlockDone | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int8_rows(weight: torch.Tensor, levels: int = INT8_LEVELS, block_done: BlockDone | None = None,
+                       column_factors: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(int8 values [N, K] in -levels..levels, float32 scale per row [N]) with
-    weight ~= values * scale[:, None].
+    weight ~= values * scale[:, None], or with `column_factors` (float32 [K]: a smoothed
+    input's, models/layers/smoothing.py) weight * column_factors ~= values * scale[:, None].
     Rows are independent, so they are quantized QUANTIZE_BLOCK_ROWS at a time: the float32
     temporaries then cost a few MB instead of several copies of the whole weight (three
     float32 copies of a 16k x 640 head chunk were 120 MB of the default model's peak RSS).
@@ -118,6 +119,8 @@ def quantize_int8_rows(weight: torch.Tensor, levels: int = INT8_LEVELS, block_do
     for start in range(0, n, QUANTIZE_BLOCK_ROWS):
         stop = min(start + QUANTIZE_BLOCK_ROWS, n)
         w = weight[start:stop].to(torch.float32, copy=True)  # a copy even of float32: divided in place
+        if column_factors is not None:
+            w.mul_(column_factors)
         block_scale = w.abs().amax(dim=1).clamp_(min=torch.finfo(torch.float32).tiny) / levels
         scale[start:stop] = block_scale
         values[start:stop] = w.div_(block_scale[:, None]).round_().clamp_(-levels, levels)
@@ -126,10 +129,10 @@ def quantize_int8_rows(weight: torch.Tensor, levels: int = INT8_LEVELS, block_do
     return values, scale
 
 
-def quantize_gemm_weight(weight: torch.Tensor, block_done: BlockDone | None = None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_gemm_weight(weight: torch.Tensor, block_done: BlockDone | None = None,
+                         column_factors: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_int8_rows with this CPU's levels for the int8 x int8 GEMMs (gemm_weight_levels)."""
-    return quantize_int8_rows(weight, gemm_weight_levels(), block_done)
+    return quantize_int8_rows(weight, gemm_weight_levels(), block_done, column_factors)
 
 
 def onednn_pack(values: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,11 @@ The division costs nothing at run time; it is folded into what produces x:
 - down reads act(gate) * up, which is linear in up: 1/s goes into up's rows (and bias).
 o is left as it is (its input, the attention output, comes from V through a softmax
 average and has no channel that stands out as far; quantized alone it cost little).
+- the output head reads the final norm's output: 1/s goes into the final norm's weight, and
+  the head's int8 copy (models/layers/head.py) takes s on its columns. The head's input has
+  outlier channels too; smoothed, an int8 x int8 head keeps most of the accuracy of
+  weight-only int8 at int8 x int8's speed (benchmarks/kl_accuracy.py). The embedding is not
+  touched: a tied head's embedding rows are read from the plain weight, not the int8 copy.
 
 max|x_j| comes from a calibration forward over CALIBRATION_TEXTS, tokenized with the
 model's own tokenizer (BOS included, as in serving: the first token's activations are
@@ -29,17 +34,21 @@ calibrate worse (measured: mean |logprob difference| 0.072 against 0.029 with te
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from hybridserve.models.arch.decoder import DecoderLM, LayerSmoothing
+from hybridserve.models.layers.int8 import QUANTIZE_BLOCK_ROWS
 from hybridserve.models.layers.linear import LayerLinears
 
 # Share of the activation's range moved onto the weights. Of 0.4, 0.5, 0.6, 0.75 and 0.85, 0.6 kept
 # Gemma 3 270M's greedy streams closest to float32 (benchmarks/quant_accuracy.py).
 ALPHA = 0.6
+# The same share for the output head's input (the final norm's output), chosen the same way
+# by the mean next-token KL divergence from float32 (benchmarks/kl_accuracy.py).
+HEAD_ALPHA = 0.5
 _FLOOR = 1e-5  # below this, a channel max is treated as this (no division by zero)
 
 CALIBRATION_TEXTS = (
@@ -125,10 +134,18 @@ def _recorder(name: str, weight: torch.Tensor, bias: torch.Tensor | None,  # typ
     return linear, residual
 
 
-def input_maxima(model: DecoderLM, sequences: list[list[int]]) -> list[dict[str, torch.Tensor]]:
-    """Per layer: max |x_j| over the calibration tokens of the inputs of qkv, o, gate_up
-    and down (float32 [K] each). Runs the layers as plain matmuls of the unquantized
-    weights and their biases (qkv's bias reaches o's input, gate_up's reaches down's)."""
+class Calibration(NamedTuple):
+    """max |x_j| over the calibration tokens (float32 [K] each): per layer, of the inputs of
+    qkv, o, gate_up and down; and of the head's input, the final norm's output."""
+
+    layers: list[dict[str, torch.Tensor]]
+    head: torch.Tensor
+
+
+def input_maxima(model: DecoderLM, sequences: list[list[int]]) -> Calibration:
+    """The Calibration of `model` on `sequences`. Runs the layers as plain matmuls of the
+    unquantized weights and their biases (qkv's bias reaches o's input, gate_up's reaches
+    down's)."""
     maxima: list[dict[str, torch.Tensor]] = [{} for _ in model.layers]
     linears = []
     for w, m in zip(model.layers, maxima):
@@ -144,16 +161,20 @@ def input_maxima(model: DecoderLM, sequences: list[list[int]]) -> list[dict[str,
     positions = torch.cat([torch.arange(n, device=device) for n in lengths])
     try:
         with torch.inference_mode():  # one forward: every weight is read (and mapped in) once
-            model.forward(ids, positions, max(lengths), backend)
+            final = model.forward(ids, positions, max(lengths), backend)
     finally:
         model._linears = saved
-    return maxima
+    return Calibration(layers=maxima, head=final.detach().abs().amax(dim=0).float())
 
 
-def factors(x_max: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """s_j = max|x_j| ** ALPHA / max_i |W_ij| ** (1 - ALPHA), float32 [K]."""
-    w_max = weight.detach().float().abs().amax(dim=0).clamp_(min=_FLOOR)
-    return x_max.clamp(min=_FLOOR).pow(ALPHA) / w_max.pow(1 - ALPHA)
+def factors(x_max: torch.Tensor, weight: torch.Tensor, alpha: float = ALPHA) -> torch.Tensor:
+    """s_j = max|x_j| ** alpha / max_i |W_ij| ** (1 - alpha), float32 [K]. The column maxima
+    are taken QUANTIZE_BLOCK_ROWS rows at a time (a head is 100k+ rows: one float32 copy of
+    it would be the load's peak)."""
+    w_max = torch.zeros(weight.shape[1], dtype=torch.float32, device=weight.device)
+    for start in range(0, weight.shape[0], QUANTIZE_BLOCK_ROWS):
+        torch.maximum(w_max, weight[start:start + QUANTIZE_BLOCK_ROWS].detach().float().abs().amax(dim=0), out=w_max)
+    return x_max.clamp(min=_FLOOR).pow(alpha) / w_max.clamp_(min=_FLOOR).pow(1 - alpha)
 
 
 def _fold_into_norm(norm: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -165,12 +186,30 @@ def _fold_into_norm(norm: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return torch.where(after != 0, before / after, torch.ones_like(after))
 
 
-def smooth(model: DecoderLM, sequences: list[list[int]]) -> list[LayerSmoothing]:
-    """Calibrate on `sequences`, fold 1/s into the norms in place, and return each layer's
-    column factors (the int8 linears multiply the weights by them; down's factors also
-    divide up's rows, see models/arch/decoder.py)."""
+class Smoothing(NamedTuple):
+    """What smooth() folded into the norms: each layer's column factors (None where the
+    layers stay in the model dtype) and the head's (None where the head is not int8 x int8)."""
+
+    layers: list[LayerSmoothing] | None
+    head: torch.Tensor | None
+
+
+def smooth(model: DecoderLM, sequences: list[list[int]], layers: bool = True, head: bool = True) -> Smoothing:
+    """Calibrate on `sequences` and fold 1/s into the norms in place for the decoder's
+    linears (`layers`) and the output head (`head`); returns the column factors the int8
+    copies multiply their weights by (down's factors also divide up's rows, see
+    models/arch/decoder.py)."""
+    maxima = input_maxima(model, sequences)
+    head_factors = None
+    if head:
+        assert model.final_norm is not None and model.lm_head is not None, "the head's smoothing needs both"
+        head_factors = _fold_into_norm(model.final_norm, factors(maxima.head, model.lm_head, HEAD_ALPHA))
+    return Smoothing(layers=_smooth_layers(model, maxima.layers) if layers else None, head=head_factors)
+
+
+def _smooth_layers(model: DecoderLM, maxima: list[dict[str, torch.Tensor]]) -> list[LayerSmoothing]:
     smoothing = []
-    for w, m in zip(model.layers, input_maxima(model, sequences)):
+    for w, m in zip(model.layers, maxima):
         ffn_norm = w.pre_ffn_norm if w.pre_ffn_norm is not None else w.post_attn_norm
         smoothing.append(LayerSmoothing(
             qkv=_fold_into_norm(w.input_norm, factors(m["qkv"], w.qkv)),

@@ -20,7 +20,7 @@ from hybridserve.models.loaders.checkpoint import (Weights, fill_ends, open_chec
                                                   take_qkv, take_row_bias)
 from hybridserve.models.arch.cohere2 import Cohere2LM
 from hybridserve.models.config import ModelConfig, load_model_config
-from hybridserve.models.arch.decoder import DecoderLM, LayerSmoothing
+from hybridserve.models.arch.decoder import DecoderLM
 from hybridserve.models.arch.gemma3_multimodal import ARCHITECTURE as GEMMA3_MULTIMODAL
 from hybridserve.models.platform.heap import release_free_heap
 from hybridserve.models.arch.gpt_oss import GptOssLM
@@ -30,7 +30,8 @@ from hybridserve.models.layers.int8 import int8_gemm_available
 from hybridserve.models.arch.llama4 import Llama4LM
 from hybridserve.models.loaders.llama4_loader import fill_llama4, interleaved_to_half_split
 from hybridserve.models.parallel import PipelineStage, TPGroup, group_rows
-from hybridserve.models.layers.smoothing import Encode, calibration_sequences, file_encoder, smooth
+from hybridserve.models.layers.head import head_quantization
+from hybridserve.models.layers.smoothing import Encode, Smoothing, calibration_sequences, file_encoder, smooth
 
 if TYPE_CHECKING:
     from hybridserve.models.arch.mamba_lm import MambaLM
@@ -90,8 +91,9 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
     place_weights(model, cfg, w, device)
     model.setup_rope(torch.device(device), cfg.max_position_embeddings)
     head_name = _EMBED_NAME if cfg.tie_word_embeddings else "lm_head.weight"
+    smoothing = _int8_smoothing(model, model_dir, quantization, encode)
     model.build_linears(quantization=quantization, release_head_rows=_head_release(w, head_name),
-                        smoothing=_int8_smoothing(model, model_dir, quantization, encode), compile=compile)
+                        smoothing=smoothing.layers, head_factors=smoothing.head, compile=compile)
     w.release_all()
     _read_embedding_from_file(model, checkpoint)
     release_free_heap()  # the fused layers' source copies and packing temporaries (models/platform/heap.py)
@@ -108,20 +110,25 @@ def _read_embedding_from_file(model: DecoderLM, checkpoint: MappedCheckpoint | T
         model.embed_rows = checkpoint.row_reader(_EMBED_NAME)
 
 
-def _int8_smoothing(model: DecoderLM, model_dir: Path, quantization: str, encode: Encode | None
-                    ) -> list[LayerSmoothing] | None:
-    """The smoothing that makes the decoder's linears int8 x int8 under --quantization int8
-    (models/layers/smoothing.py), or None where they stay in the model dtype: no int8 GEMM here
-    (models/layers/int8.int8_gemm_available; the head alone is quantized then), not a plain pre-norm decoder (Llama 4's
-    MoE layers; OLMo's post-norms leave no norm before qkv to carry the factors), a
-    model split over processes (the calibration forward needs every layer on one rank), or
-    no tokenizer to calibrate with (`encode`, else the directory's tokenizer.json)."""
-    if (quantization != "int8" or type(model) is not DecoderLM or model.cfg.post_norm or model.tp is not None
+def _int8_smoothing(model: DecoderLM, model_dir: Path, quantization: str, encode: Encode | None) -> Smoothing:
+    """The smoothing of the int8 x int8 matmuls (models/layers/smoothing.py): the decoder's
+    linears under --quantization int8, the output head under every mode that makes it int8
+    (models/layers/head.head_quantization). Neither (both None) where nothing is int8 x int8
+    (no int8 GEMM here: models/layers/int8.int8_gemm_available; the head is weight-only int8
+    then), the model is not a plain pre-norm decoder (Llama 4's MoE layers; OLMo's
+    post-norms leave no norm before qkv to carry the factors), is split over processes
+    (the calibration forward needs every layer on one rank), or there is no tokenizer to
+    calibrate with (`encode`, else the directory's tokenizer.json). Without smoothing the
+    decoder's linears stay in the model dtype; the head is quantized as it is."""
+    layers, head = quantization == "int8", head_quantization(quantization) == "int8"
+    if (not (layers or head) or type(model) is not DecoderLM or model.cfg.post_norm or model.tp is not None
             or not (model.stage.is_first and model.stage.is_last)
             or model.final_norm is None or model.final_norm.device.type != "cpu" or not int8_gemm_available()):
-        return None
+        return Smoothing(layers=None, head=None)
     encode = encode or file_encoder(model_dir)
-    return None if encode is None else smooth(model, calibration_sequences(encode, model.cfg.sliding_window))
+    if encode is None:
+        return Smoothing(layers=None, head=None)
+    return smooth(model, calibration_sequences(encode, model.cfg.sliding_window), layers=layers, head=head)
 
 
 def _head_release(w: Weights, head_name: str) -> Callable[[int, int], None]:

@@ -15,10 +15,9 @@ them, as benchmarks/quant_accuracy.py reports: free-running greedy streams of th
 length compared with the reference's (hybridserve.models.accuracy.drift: common-prefix
 token agreement, identical streams, mean |logprob difference| of the chosen tokens).
 
-hybridserve's logits are read where the engine computes prompt logprobs (`prompt_logprobs=0`
-calls the model's `logits` on the prompt's rows): this script wraps that method of the loaded
-model to keep a copy, and changes nothing the engine computes. Prefix caching is off, so
-every position is computed. llama.cpp runs in its own process with the llama.cpp venv's
+hybridserve's logits are read where the engine computes prompt logprobs
+(hybridserve.models.accuracy.teacher_forced_logits), changing nothing the engine computes.
+Prefix caching is off, so every position is computed. llama.cpp runs in its own process with the llama.cpp venv's
 python (benchmarks/llamacpp_logits.py, arrays exchanged as .npy files): the same token ids,
 the GGUF as the file stores it. Its vocabulary is checked against the engine's (same size,
 the same text for every id, the prompts tokenized to the same ids) before any KL is taken.
@@ -46,7 +45,7 @@ sys.path.insert(0, str(REPO))  # this checkout's hybridserve, whatever is instal
 
 from common import checkout_commit  # noqa: E402
 from cpu_peers import assemble_gguf, cpu_description  # noqa: E402
-from hybridserve.models.accuracy import Drift, Stream, drift  # noqa: E402
+from hybridserve.models.accuracy import Drift, Stream, drift, teacher_forced_logits  # noqa: E402
 from hybridserve.models.kl_divergence import KLAccumulator, KLSummary  # noqa: E402
 from quant_accuracy import PROMPTS_FILE  # noqa: E402
 
@@ -87,31 +86,7 @@ def free_running(llm, prompt_ids: list[list[int]], max_tokens: int) -> list[Stre
 
 def teacher_forced(llm, seqs: Sequences) -> Iterator[np.ndarray]:  # type: ignore[no-untyped-def]
     """Per sequence, float32 [scored rows, vocab] logits, the whole sequence run as one prompt."""
-    from hybridserve import SamplingParams
-
-    model = llm.parts.engine.executor.model
-    compute_logits = model.logits
-    kept: list[np.ndarray] = []
-
-    def keeping(hidden):  # type: ignore[no-untyped-def]
-        out = compute_logits(hidden)
-        kept.append(out.float().cpu().numpy().copy())
-        return out
-
-    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
-    model.logits = keeping  # an instance attribute over the class's method, deleted below
-    try:
-        for i in range(len(seqs)):
-            kept.clear()
-            llm.generate([seqs.ids(i)], params, use_tqdm=False)
-            logits = np.concatenate(kept)
-            if len(logits) != len(seqs.ids(i)) - 1:
-                raise RuntimeError(f"sequence {i}: got logits for {len(logits)} positions, expected "
-                                   f"{len(seqs.ids(i)) - 1} (one per prompt token that has a successor)")
-            start, stop = seqs.rows(i)
-            yield logits[start:stop]
-    finally:
-        del model.logits
+    return teacher_forced_logits(llm, [seqs.ids(i) for i in range(len(seqs))], [seqs.rows(i) for i in range(len(seqs))])
 
 
 def kl_against(reference_dir: Path, logits: Iterator[np.ndarray]) -> KLSummary:

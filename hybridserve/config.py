@@ -136,7 +136,8 @@ class EngineConfig:
                 "the head, group-wise weight-only; q4: the decoder's linears as int4 groups of 32 with a scale "
                 "and an offset each (a GGUF Q4_K tensor's form; fastest for one stream, slow at batches of "
                 "16+), the head int8",
-        "default_note": "int8 on such CPUs unless --dtype float32 is given, the exact reference; else none"})
+        "default_note": "int8-head where bf16 is native, int8 on other CPUs with an int8 GEMM, unless --dtype "
+                        "float32 is given, the exact reference; else none"})
     # The int8 layers' element-wise chains compiled (inductor's C++ backend) for steps of many
     # rows (prefill): models/arch/compiled_chains.py. Off: eager at every size, no compiler used.
     compile: bool = field(default=True, metadata={

@@ -10,13 +10,15 @@ directly comparable. Reported:
 - mean and max |logprob difference| of the chosen tokens over the common prefixes.
 
 Pure Python, so it is tested on hand-made streams; benchmarks/quant_accuracy.py and the
-Gemma accuracy test run the engine to produce the streams.
+Gemma accuracy test run the engine to produce the streams. teacher_forced_logits gives the
+full next-token logits along fixed sequences instead (models/kl_divergence.py compares
+them: benchmarks/kl_accuracy.py and the same test).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 Stream = tuple[Sequence[int], Sequence[float]]  # (token ids, logprob of each)
 
@@ -66,3 +68,40 @@ def greedy_streams(llm: Any, prompts: Sequence[str | Sequence[int]], max_tokens:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
     outs = llm.generate([p if isinstance(p, str) else list(p) for p in prompts], params, use_tqdm=False)
     return [(list(o.outputs[0].token_ids), [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs]
+
+
+def teacher_forced_logits(llm: Any, sequences: Sequence[Sequence[int]], scored: Sequence[tuple[int, int]]
+                          ) -> Iterator[Any]:
+    """Per sequence, float32 numpy logits [stop - start, vocab] of the rows [start, stop)
+    (`scored`) of the whole sequence run as one prompt: row i predicts token i + 1.
+
+    The logits are read where the engine computes prompt logprobs (`prompt_logprobs=0` calls
+    the model's `logits` on the prompt's rows): the loaded model's method is wrapped to keep
+    a copy, and nothing the engine computes changes. Give the LLM prefix caching off, so
+    every row is computed."""
+    import numpy as np
+
+    from hybridserve.core.request import SamplingParams
+
+    model = llm.parts.engine.executor.model
+    compute_logits = model.logits
+    kept: list[Any] = []
+
+    def keeping(hidden):  # type: ignore[no-untyped-def]
+        out = compute_logits(hidden)
+        kept.append(out.float().cpu().numpy().copy())
+        return out
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    model.logits = keeping  # an instance attribute over the class's method, deleted below
+    try:
+        for ids, (start, stop) in zip(sequences, scored):
+            kept.clear()
+            llm.generate([list(ids)], params, use_tqdm=False)
+            logits = np.concatenate(kept)
+            if len(logits) != len(ids) - 1:
+                raise RuntimeError(f"got logits for {len(logits)} positions, expected {len(ids) - 1} (one per "
+                                   "prompt token that has a successor)")
+            yield logits[start:stop]
+    finally:
+        del model.logits

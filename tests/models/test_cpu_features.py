@@ -49,9 +49,13 @@ def test_explicit_dtype_and_other_devices() -> None:
 def test_quantization_choice() -> None:
     vnni = frozenset({"avx512f", "avx512_bf16", "avx512_vnni"})
     # the second argument is the dtype as the user asked for it, "auto" included
-    assert choose_quantization("auto", "auto", "cpu", vnni) == "int8"
-    assert choose_quantization("auto", "bfloat16", "cpu", vnni) == "int8"
+    # native bf16: the decoder in bf16, the head int8 x int8 (issue 40's accuracy bar)
+    assert choose_quantization("auto", "auto", "cpu", vnni) == "int8-head"
+    assert choose_quantization("auto", "bfloat16", "cpu", vnni) == "int8-head"
+    assert choose_quantization("auto", "auto", "cpu", frozenset(SAPPHIRE_RAPIDS_AMX)) == "int8-head"
+    # int8 dot products without native bf16: a bf16 decoder would run float32 kernels, so every linear int8
     assert choose_quantization("auto", "bfloat16", "cpu", frozenset({"avx2", "avx_vnni"})) == "int8"
+    assert choose_quantization("auto", "auto", "cpu", frozenset({"avx2", "avx512f", "avx512_vnni"})) == "int8"
     # AVX2 alone: oneDNN's int8 GEMM with narrowed weights, float32 activations under --dtype auto
     assert choose_quantization("auto", "auto", "cpu", frozenset(EPYC_AVX2)) == "int8"
     assert choose_quantization("auto", "bfloat16", "cpu", frozenset(EPYC_AVX2)) == "int8"
@@ -79,6 +83,8 @@ def test_describe_names_the_reason() -> None:
         "dtype bfloat16, quantization none (native bf16: amx_bf16, avx512_bf16)"
     assert describe("bfloat16", "int8", frozenset(SAPPHIRE_RAPIDS_NO_AMX)) == \
         "dtype bfloat16, quantization int8 (native bf16: avx512_bf16; int8 dot products: avx512_vnni)"
+    assert describe("bfloat16", "int8-head", frozenset(SAPPHIRE_RAPIDS_NO_AMX)) == \
+        "dtype bfloat16, quantization int8-head (native bf16: avx512_bf16; int8 dot products: avx512_vnni)"
     assert describe("float32", "int8", frozenset(EPYC_AVX2)) == \
         "dtype float32, quantization int8 (no native bf16 (avx512_bf16 / amx_bf16); int8 GEMM on AVX2, " \
         "weights in 63 levels)"

@@ -9,20 +9,24 @@ Why these rules (figures: benchmarks/results/cpu_kernels.md and cpu_peers.md):
   bf16 is converted in software and can be slower: float32 stays the default there (a
   bf16 model named there runs its linears as float32 kernels: models/layers/linear.py).
 - At decode batches of 16-64 the matmuls are compute-bound, and without AMX int8 dot
-  products (VNNI) do twice the multiply-adds of bf16 ones per instruction. So on a CPU with
-  them a bfloat16 model runs every linear as int8 x int8 (`--quantization int8`,
-  models/layers/int8.py): the output head (most of a large-vocabulary model) and the
-  decoder's linears, whose activations are smoothed first (models/layers/smoothing.py),
-  faster than the int8 head alone (benchmarks/cpu_peers.py). The accuracy against float32
-  is measured (benchmarks/quant_accuracy.py) and bounded in tests/models/test_accuracy.py;
-  `int8-head` keeps the decoder in bf16 and `none` quantizes nothing. A float32 model named
-  by the user (`--dtype float32`) keeps its exact linears: it is the reference that equals
-  HF token for token.
+  products (VNNI) do twice the multiply-adds of bf16 ones per instruction; at one row int8
+  reads half bf16's bytes. `--quantization int8` runs every linear as int8 x int8
+  (models/layers/int8.py): the output head (most of a large-vocabulary model) and the
+  decoder's linears, whose activations are smoothed first (models/layers/smoothing.py).
+  Accuracy decides the default, measured against float32 (benchmarks/kl_accuracy.py,
+  benchmarks/quant_accuracy.py) and bounded in tests/models/test_accuracy.py: int8
+  decoder linears cost five times the next-token KL divergence llama.cpp has on the same
+  GGUF, the smoothed int8 x int8 head about half of it. So where bf16 is native `auto` is
+  `int8-head`: the decoder in bf16, the head int8 x int8 (one stream pays for the decoder's
+  bytes; batches of 16+ run about as fast as with every linear int8). `none` quantizes
+  nothing. A float32 model named by the user (`--dtype float32`) keeps its exact linears:
+  it is the reference that equals HF token for token.
 - On AVX2 alone (no native bf16, no VNNI) `auto` serves float32 activations with the same
   int8 x int8 linears, the weights narrowed to 63 levels so that AVX2's int16 pair sums
   cannot saturate (models/layers/int8.py), through fbgemm's int8 GEMM: faster than float32
   and smaller, at about twice the int8 error of a VNNI CPU (`benchmarks/cpu_peers.py
-  --isa avx2`, benchmarks/quant_accuracy.py). Weight-only int8 (PyTorch's kernel) re-reads
+  --isa avx2`, benchmarks/quant_accuracy.py). There the decoder's alternative to int8 is
+  float32 kernels (four times the bytes), so `auto` keeps int8 linears. Weight-only int8 (PyTorch's kernel) re-reads
   the weight per row, slower than bf16 at decode batches: not chosen automatically.
 """
 
@@ -98,23 +102,24 @@ def has_int8_gemm(flags: frozenset[str] | set[str]) -> bool:
 
 def choose_quantization(requested: str, requested_dtype: str, device_type: str,
                         flags: frozenset[str] | set[str]) -> str:
-    """The quantization to serve with: `requested` unless it is "auto"; "auto" is int8
-    (every linear, int8 x int8) on a CPU with an int8 GEMM (has_int8_gemm), unless the user
-    named float32 as the dtype (`requested_dtype`): a float32 model asked for by name is the
-    exact reference that equals HF token for token. So `--dtype auto` serves bfloat16 + int8
-    where bf16 is native and float32 activations + int8 on AVX2 alone. int8-head and int4
-    quantize the output head only."""
+    """The quantization to serve with: `requested` unless it is "auto" (the rules and their
+    measurements: this module's docstring). "auto" on a CPU with an int8 GEMM
+    (has_int8_gemm) is int8-head where bf16 is native and the model is served in bf16, int8
+    elsewhere; "none" on other devices and CPUs, and where the user named float32 as the
+    dtype (`requested_dtype`): a float32 model asked for by name is the exact reference
+    that equals HF token for token."""
     if requested != "auto":
         return requested
-    named_float32 = requested_dtype == "float32"
-    return "int8" if device_type == "cpu" and has_int8_gemm(flags) and not named_float32 else "none"
+    if device_type != "cpu" or not has_int8_gemm(flags) or requested_dtype == "float32":
+        return "none"
+    return "int8-head" if has_native_bf16(flags) and requested_dtype in ("auto", "bfloat16") else "int8"
 
 
 def describe(dtype: str, quantization: str, flags: frozenset[str] | set[str]) -> str:
     """The start-up line saying what was chosen and why."""
     native = sorted(NATIVE_BF16_FLAGS & set(flags))
     why = f"native bf16: {', '.join(native)}" if native else "no native bf16 (avx512_bf16 / amx_bf16)"
-    if quantization == "int8":
+    if quantization in ("int8", "int8-head"):
         dot = sorted(NATIVE_INT8_DOT_FLAGS & set(flags))
         why += f"; int8 dot products: {', '.join(dot)}" if dot else "; int8 GEMM on AVX2, weights in 63 levels"
     return f"dtype {dtype}, quantization {quantization} ({why})"

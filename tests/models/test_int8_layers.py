@@ -165,6 +165,19 @@ def test_factors_by_hand() -> None:
     assert smoothing.factors(x_max, w).tolist() == pytest.approx([2.29740, 0.574349, 0.1], rel=1e-4)
 
 
+def test_factors_give_back_each_block_of_rows_once_read() -> None:
+    # A mapped head's pages go back block by block as its column maxima are taken (the load's peak).
+    rows = 2 * smoothing.QUANTIZE_BLOCK_ROWS + 3
+    w = torch.zeros(rows, 4)
+    w[rows - 1] = torch.tensor([1.0, -2.0, 0.5, 0.0])  # the maxima sit in the last, partial block
+    done: list[tuple[int, int]] = []
+    got = smoothing.factors(torch.ones(4), w, 0.5, block_done=lambda a, b: done.append((a, b)))
+    block = smoothing.QUANTIZE_BLOCK_ROWS
+    assert done == [(0, block), (block, 2 * block), (2 * block, rows)]
+    # 1^0.5 / max^0.5 per column; the silent column meets the floor: 1 / (1e-5)^0.5
+    assert got.tolist() == pytest.approx([1.0, 2 ** -0.5, 2 ** 0.5, 1e-5 ** -0.5], rel=1e-6)
+
+
 def test_folding_into_a_bfloat16_norm_returns_the_factor_it_really_applies() -> None:
     norm = torch.tensor([1.0, 3.0, 0.0], dtype=torch.bfloat16)
     applied = smoothing._fold_into_norm(norm, torch.tensor([3.0, 2.0, 5.0]))

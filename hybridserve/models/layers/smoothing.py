@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridserve.models.arch.decoder import DecoderLM, LayerSmoothing
-from hybridserve.models.layers.int8 import QUANTIZE_BLOCK_ROWS
+from hybridserve.models.layers.int8 import QUANTIZE_BLOCK_ROWS, BlockDone
 from hybridserve.models.layers.linear import LayerLinears
 
 # Share of the activation's range moved onto the weights. Of 0.4, 0.5, 0.6, 0.75 and 0.85, 0.6 kept
@@ -167,13 +167,19 @@ def input_maxima(model: DecoderLM, sequences: list[list[int]]) -> Calibration:
     return Calibration(layers=maxima, head=final.detach().abs().amax(dim=0).float())
 
 
-def factors(x_max: torch.Tensor, weight: torch.Tensor, alpha: float = ALPHA) -> torch.Tensor:
+def factors(x_max: torch.Tensor, weight: torch.Tensor, alpha: float = ALPHA, block_done: BlockDone | None = None
+            ) -> torch.Tensor:
     """s_j = max|x_j| ** alpha / max_i |W_ij| ** (1 - alpha), float32 [K]. The column maxima
     are taken QUANTIZE_BLOCK_ROWS rows at a time (a head is 100k+ rows: one float32 copy of
-    it would be the load's peak)."""
+    it would be the load's peak), and `block_done(start, stop)` is called once rows
+    [start, stop) are read, so a mapped weight can give their pages back (the head's
+    quantization reads them again, block by block)."""
     w_max = torch.zeros(weight.shape[1], dtype=torch.float32, device=weight.device)
     for start in range(0, weight.shape[0], QUANTIZE_BLOCK_ROWS):
-        torch.maximum(w_max, weight[start:start + QUANTIZE_BLOCK_ROWS].detach().float().abs().amax(dim=0), out=w_max)
+        stop = min(start + QUANTIZE_BLOCK_ROWS, weight.shape[0])
+        torch.maximum(w_max, weight[start:stop].detach().float().abs().amax(dim=0), out=w_max)
+        if block_done is not None:
+            block_done(start, stop)
     return x_max.clamp(min=_FLOOR).pow(alpha) / w_max.clamp_(min=_FLOOR).pow(1 - alpha)
 
 
@@ -194,16 +200,18 @@ class Smoothing(NamedTuple):
     head: torch.Tensor | None
 
 
-def smooth(model: DecoderLM, sequences: list[list[int]], layers: bool = True, head: bool = True) -> Smoothing:
+def smooth(model: DecoderLM, sequences: list[list[int]], layers: bool = True, head: bool = True,
+           head_rows_read: BlockDone | None = None) -> Smoothing:
     """Calibrate on `sequences` and fold 1/s into the norms in place for the decoder's
     linears (`layers`) and the output head (`head`); returns the column factors the int8
     copies multiply their weights by (down's factors also divide up's rows, see
-    models/arch/decoder.py)."""
+    models/arch/decoder.py). `head_rows_read`: factors()'s `block_done` for the head."""
     maxima = input_maxima(model, sequences)
     head_factors = None
     if head:
         assert model.final_norm is not None and model.lm_head is not None, "the head's smoothing needs both"
-        head_factors = _fold_into_norm(model.final_norm, factors(maxima.head, model.lm_head, HEAD_ALPHA))
+        head_factors = _fold_into_norm(model.final_norm,
+                                       factors(maxima.head, model.lm_head, HEAD_ALPHA, block_done=head_rows_read))
     return Smoothing(layers=_smooth_layers(model, maxima.layers) if layers else None, head=head_factors)
 
 

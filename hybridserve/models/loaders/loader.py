@@ -26,7 +26,7 @@ from hybridserve.models.platform.heap import release_free_heap
 from hybridserve.models.arch.gpt_oss import GptOssLM
 from hybridserve.models.loaders.gemma3_multimodal_checkpoint import TextCheckpoint
 from hybridserve.models.loaders.gpt_oss_loader import fill_gpt_oss
-from hybridserve.models.layers.int8 import int8_gemm_available
+from hybridserve.models.layers.int8 import BlockDone, int8_gemm_available
 from hybridserve.models.arch.llama4 import Llama4LM
 from hybridserve.models.loaders.llama4_loader import fill_llama4, interleaved_to_half_split
 from hybridserve.models.parallel import PipelineStage, TPGroup, group_rows
@@ -91,7 +91,9 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
     place_weights(model, cfg, w, device)
     model.setup_rope(torch.device(device), cfg.max_position_embeddings)
     head_name = _EMBED_NAME if cfg.tie_word_embeddings else "lm_head.weight"
-    smoothing = _int8_smoothing(model, model_dir, quantization, encode)
+    # The head's smoothing reads every row of a mapped head once more: its pages go back as read.
+    smoothing = _int8_smoothing(model, model_dir, quantization, encode,
+                                head_rows_read=partial(_release_rows, w, head_name))
     model.build_linears(quantization=quantization, release_head_rows=_head_release(w, head_name),
                         smoothing=smoothing.layers, head_factors=smoothing.head, compile=compile)
     w.release_all()
@@ -110,7 +112,12 @@ def _read_embedding_from_file(model: DecoderLM, checkpoint: MappedCheckpoint | T
         model.embed_rows = checkpoint.row_reader(_EMBED_NAME)
 
 
-def _int8_smoothing(model: DecoderLM, model_dir: Path, quantization: str, encode: Encode | None) -> Smoothing:
+def _release_rows(w: Weights, name: str, start: int, stop: int) -> None:
+    w.checkpoint.release(name, (start, stop))
+
+
+def _int8_smoothing(model: DecoderLM, model_dir: Path, quantization: str, encode: Encode | None,
+                    head_rows_read: BlockDone | None = None) -> Smoothing:
     """The smoothing of the int8 x int8 matmuls (models/layers/smoothing.py): the decoder's
     linears under --quantization int8, the output head under every mode that makes it int8
     (models/layers/head.head_quantization). Neither (both None) where nothing is int8 x int8
@@ -128,7 +135,8 @@ def _int8_smoothing(model: DecoderLM, model_dir: Path, quantization: str, encode
     encode = encode or file_encoder(model_dir)
     if encode is None:
         return Smoothing(layers=None, head=None)
-    return smooth(model, calibration_sequences(encode, model.cfg.sliding_window), layers=layers, head=head)
+    return smooth(model, calibration_sequences(encode, model.cfg.sliding_window), layers=layers, head=head,
+                  head_rows_read=head_rows_read)
 
 
 def _head_release(w: Weights, head_name: str) -> Callable[[int, int], None]:
@@ -146,7 +154,7 @@ def _head_release(w: Weights, head_name: str) -> Callable[[int, int], None]:
         if first:
             w.release_all()
             first = False
-        w.checkpoint.release(head_name, (start, stop))
+        _release_rows(w, head_name, start, stop)
 
     return release
 

@@ -20,8 +20,8 @@ def test_block_rows_keep_the_product_within_the_block_bytes() -> None:
 
 
 class _Linear:
-    def quantized(self, path: str, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return values * scale
+    def product(self, path: str, values: torch.Tensor) -> torch.Tensor:
+        return values.clone()
 
 
 class _Layer:
@@ -35,9 +35,10 @@ class _Chains:
     def __init__(self) -> None:
         self.rows: list[int] = []
 
-    def act_mul(self, path: str, gate_up: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def act_mul(self, path: str, gate_up: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         self.rows.append(gate_up.shape[0])
-        return gate_up.clone(), gate_up.sum(dim=1, keepdim=True)
+        return gate_up * scale, (gate_up * scale).sum(dim=1, keepdim=True)
 
 
 @pytest.mark.parametrize("rows, max_rows, want", [(150, 16, [15] * 10), (17, 16, [8, 9]), (16, 16, [16])])

@@ -379,15 +379,15 @@ class DecoderLM(StagedModel):
                           backend: AttentionBackend, chains: Int8Chains) -> torch.Tensor:
         layer_types, layers = self.cfg.layer_types, self._int8
         path = layers[0].qkv.path  # every matmul's
-        h, x, x_scale = chains.residual(path, None, None, h, None, layers[0].input_norm)
+        h, x, x_scale = chains.residual(path, None, None, None, h, None, layers[0].input_norm)
         for k, (i, m) in enumerate(zip(self.layer_ids, layers)):
             cos, sin = rope.get(layer_types[i], (None, None))
-            q, kv = chains.qkv_out(m.qkv.quantized(path, x, x_scale), m.qkv_bias, m.qk_norm, cos, sin)
+            q, kv = chains.qkv_out(m.qkv.product(path, x), x_scale, m.qkv_bias, m.qk_norm, cos, sin)
             x, x_scale = chains.quant(path, backend.attention(i, q, kv))
-            h, x, x_scale = chains.residual(path, m.o.quantized(path, x, x_scale), m.o_bias, h, m.o_norm, m.ffn_norm)
+            h, x, x_scale = chains.residual(path, m.o.product(path, x), x_scale, m.o_bias, h, m.o_norm, m.ffn_norm)
             x, x_scale = gate_up_act(chains, path, m, x, x_scale, self.mlp_block_rows)
             next_norm = layers[k + 1].input_norm if k + 1 < len(layers) else None
-            h, x, x_scale = chains.residual(path, m.down.quantized(path, x, x_scale), m.down_bias, h, m.down_norm,
+            h, x, x_scale = chains.residual(path, m.down.product(path, x), x_scale, m.down_bias, h, m.down_norm,
                                             next_norm)
         return h
 

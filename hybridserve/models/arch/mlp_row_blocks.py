@@ -33,9 +33,9 @@ def gate_up_act(chains: Int8Chains, path: str, layer: Int8Layer, x: torch.Tensor
     count from which the compiled chains (chosen for the whole step) serve."""
     rows = x.shape[0]
     if rows <= max_rows:
-        return chains.act_mul(path, layer.gate_up.quantized(path, x, x_scale), layer.gate_up_bias)
+        return chains.act_mul(path, layer.gate_up.product(path, x), x_scale, layer.gate_up_bias)
     blocks = -(-rows // max_rows)
     bounds = [rows * k // blocks for k in range(blocks + 1)]
-    parts = [chains.act_mul(path, layer.gate_up.quantized(path, x[a:b], x_scale[a:b]), layer.gate_up_bias)
+    parts = [chains.act_mul(path, layer.gate_up.product(path, x[a:b]), x_scale[a:b], layer.gate_up_bias)
              for a, b in zip(bounds, bounds[1:])]
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])

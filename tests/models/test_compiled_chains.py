@@ -18,37 +18,12 @@ from hybridserve.config import EngineConfig  # noqa: E402
 from hybridserve.entrypoints.engine_flags import add_engine_arguments, engine_config_from_args  # noqa: E402
 from hybridserve.models.arch import compiled_chains  # noqa: E402
 from hybridserve.models.arch.compiled_chains import DEFAULT_MIN_ROWS, CompiledChains  # noqa: E402
-from hybridserve.models.layers import smoothing  # noqa: E402
 from hybridserve.models.layers.int8 import FBGEMM, PACKED, PLAIN, int8_gemm_available  # noqa: E402
-from hybridserve.models.loaders.loader import load_model  # noqa: E402
 from hybridserve.models.platform.cpu_features import as_avx2_env, read_cpu_flags  # noqa: E402
-from tests.helpers import hf_tiny  # noqa: E402
+from tests.helpers.int8_gemma3 import LENGTHS, int8_model, prefill  # noqa: E402
 
 needs_int8_gemm = pytest.mark.skipif(not int8_gemm_available(), reason="no int8 GEMM here (x86 with AVX2 or VNNI)")
-# Three sequences, 150 rows in one step: past DEFAULT_MIN_ROWS, so the compiled chains serve.
-LENGTHS = [61, 50, 39]
-
-
-def toy_encode(text: str) -> list[int]:
-    """A tokenizer for the tiny models (vocabulary 256): BOS, then one id per byte."""
-    return [2] + [b % 256 for b in text.encode()]
-
-
-def _model(compile: bool = True):  # type: ignore[no-untyped-def]
-    # gemma3: sandwich norms, q/k norms, GELU, a bfloat16 KV cache
-    return load_model(hf_tiny.tiny_model_dir("gemma3"), "cpu", torch.bfloat16, "int8", encode=toy_encode,
-                      compile=compile)
-
-
-def _prefill(model, lengths: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    """The final hidden of one step over `lengths` sequences of random ids."""
-    g = torch.Generator().manual_seed(7)
-    ids = torch.randint(3, 256, (sum(lengths),), generator=g)
-    positions = torch.cat([torch.arange(n) for n in lengths])
-    backend = smoothing._SequencesAttention(lengths, model.cfg.attn_scale, model.cfg.attn_softcap,
-                                            torch.device("cpu"))
-    with torch.inference_mode():
-        return model.forward(ids, positions, int(positions.max()), backend)
+_model, _prefill = int8_model, prefill
 
 
 def _copied(args: tuple) -> tuple:

@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 
 from hybridserve.models.arch.mlp_row_blocks import block_rows, gate_up_act  # noqa: E402
 from hybridserve.models.layers.int8 import int8_gemm_available  # noqa: E402
-from tests.models.test_compiled_chains import LENGTHS, _model, _prefill  # noqa: E402
+from tests.helpers.int8_gemma3 import LENGTHS, int8_model, prefill  # noqa: E402
 
 
 def test_block_rows_keep_the_product_within_the_block_bytes() -> None:
@@ -53,7 +53,7 @@ def test_blocks_are_equal_within_a_row_and_cover_the_step(rows: int, max_rows: i
 
 @pytest.mark.skipif(not int8_gemm_available(), reason="no int8 GEMM here (x86 with AVX2 or VNNI)")
 def test_a_prefill_in_row_blocks_gives_the_same_hidden_states() -> None:
-    model = _model(compile=False)
-    whole = _prefill(model, LENGTHS)
+    model = int8_model(compile=False)
+    whole = prefill(model, LENGTHS)
     model.mlp_block_rows = 16  # 150 rows in 10 blocks
-    assert torch.equal(_prefill(model, LENGTHS), whole)
+    assert torch.equal(prefill(model, LENGTHS), whole)

@@ -18,37 +18,16 @@ from hybridserve.config import EngineConfig  # noqa: E402
 from hybridserve.entrypoints.engine_flags import add_engine_arguments, engine_config_from_args  # noqa: E402
 from hybridserve.models.arch import compiled_chains  # noqa: E402
 from hybridserve.models.arch.compiled_chains import DEFAULT_MIN_ROWS, CompiledChains  # noqa: E402
-from hybridserve.models.layers import smoothing  # noqa: E402
 from hybridserve.models.layers.int8 import FBGEMM, PACKED, PLAIN, int8_gemm_available  # noqa: E402
-from hybridserve.models.loaders.loader import load_model  # noqa: E402
 from hybridserve.models.platform.cpu_features import as_avx2_env, read_cpu_flags  # noqa: E402
-from tests.helpers import hf_tiny  # noqa: E402
+from tests.helpers.int8_gemma3 import LENGTHS, int8_model, prefill  # noqa: E402
 
 needs_int8_gemm = pytest.mark.skipif(not int8_gemm_available(), reason="no int8 GEMM here (x86 with AVX2 or VNNI)")
-# Three sequences, 150 rows in one step: past DEFAULT_MIN_ROWS, so the compiled chains serve.
-LENGTHS = [61, 50, 39]
+_model, _prefill = int8_model, prefill
 
 
-def toy_encode(text: str) -> list[int]:
-    """A tokenizer for the tiny models (vocabulary 256): BOS, then one id per byte."""
-    return [2] + [b % 256 for b in text.encode()]
-
-
-def _model(compile: bool = True):  # type: ignore[no-untyped-def]
-    # gemma3: sandwich norms, q/k norms, GELU, a bfloat16 KV cache
-    return load_model(hf_tiny.tiny_model_dir("gemma3"), "cpu", torch.bfloat16, "int8", encode=toy_encode,
-                      compile=compile)
-
-
-def _prefill(model, lengths: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    """The final hidden of one step over `lengths` sequences of random ids."""
-    g = torch.Generator().manual_seed(7)
-    ids = torch.randint(3, 256, (sum(lengths),), generator=g)
-    positions = torch.cat([torch.arange(n) for n in lengths])
-    backend = smoothing._SequencesAttention(lengths, model.cfg.attn_scale, model.cfg.attn_softcap,
-                                            torch.device("cpu"))
-    with torch.inference_mode():
-        return model.forward(ids, positions, int(positions.max()), backend)
+def _copied(args: tuple) -> tuple:
+    return tuple(a.clone() if k == 0 and a is not None else a for k, a in enumerate(args))
 
 
 def _last_rows(hidden: torch.Tensor, lengths: list[int]) -> torch.Tensor:
@@ -80,18 +59,21 @@ def test_each_compiled_chain_equals_the_eager_one() -> None:
     h, out = torch.randn(rows, hidden, generator=g), torch.randn(rows, hidden, generator=g) * 3
     angles = torch.rand(rows, 1, hd, generator=g) * 6
     qkv = torch.randn(rows, (nq + 2 * nkv) * hd, generator=g)
+    scale = torch.rand(rows, 1, generator=g) + 0.5  # the products' activation scale per row
     with torch.inference_mode():
-        for args in [(None, None, h, None, m.input_norm), (out, m.o_bias, h, m.o_norm, m.ffn_norm),
-                     (out, m.down_bias, h, m.down_norm, None)]:
-            got, want = compiled.residual(path, *args), eager.residual(path, *args)
+        for args in [(None, None, None, h, None, m.input_norm), (out, scale, m.o_bias, h, m.o_norm, m.ffn_norm),
+                     (out, scale, m.down_bias, h, m.down_norm, None)]:
+            # a copy of the product for each: the eager chain scales its own in place
+            got = compiled.residual(path, *_copied(args))
+            want = eager.residual(path, *_copied(args))
             torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-5)
             if want[1] is None:
                 assert got[1] is None and got[2] is None
             else:
                 _assert_levels_close(got[1], want[1])
                 torch.testing.assert_close(got[2], want[2], rtol=1e-6, atol=0.0)
-        q, kv = compiled.qkv_out(qkv.clone(), m.qkv_bias, m.qk_norm, angles.cos(), angles.sin())
-        want_q, want_kv = eager.qkv_out(qkv.clone(), m.qkv_bias, m.qk_norm, angles.cos(), angles.sin())
+        q, kv = compiled.qkv_out(qkv.clone(), scale, m.qkv_bias, m.qk_norm, angles.cos(), angles.sin())
+        want_q, want_kv = eager.qkv_out(qkv.clone(), scale, m.qkv_bias, m.qk_norm, angles.cos(), angles.sin())
         assert q.dtype == torch.bfloat16 and q.shape == (rows, nq, hd) and kv.shape == (rows, 2, nkv, hd)
         # one bfloat16 unit (2^-8 relative) where float32 rounding tips the rounding to bf16;
         # near zero (RoPE's sum cancelling) the float32 rounding of the terms (values ~1)
@@ -104,7 +86,8 @@ def test_each_compiled_chain_equals_the_eager_one() -> None:
             got, want = compiled.quant(other, attn), eager.quant(other, attn)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
         gate_up = torch.randn(rows, 2 * inter, generator=g) * 2
-        got, want = compiled.act_mul(path, gate_up, m.gate_up_bias), eager.act_mul(path, gate_up, m.gate_up_bias)
+        got = compiled.act_mul(path, gate_up.clone(), scale, m.gate_up_bias)
+        want = eager.act_mul(path, gate_up.clone(), scale, m.gate_up_bias)
         _assert_levels_close(got[0], want[0])
         torch.testing.assert_close(got[1], want[1], rtol=1e-6, atol=0.0)
 

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import platform
+import subprocess
 import sys
 import threading
 import time
+
+import pytest
 
 from hybridserve.models.platform.heap import IdleHeapRelease, release_free_heap
 from tests.helpers.hand_clock import HandClock, wait_until
@@ -74,3 +77,40 @@ def test_idle_release_closes_while_waiting() -> None:
     closer.start()
     closer.join(timeout=60)
     assert not closer.is_alive() and releases == []
+
+
+_ROUNDS = """
+import ctypes, resource, sys
+from hybridserve.models.platform import heap
+if sys.argv[1] == "keep":
+    assert heap.keep_step_temporaries()
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+size = 24 << 20  # a prefill temporary's size: below the mmap threshold glibc may raise to
+faults = []
+for _ in range(3):  # two temporaries of a step, freed together at its end, three steps
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    blocks = [libc.malloc(size) for _ in range(2)]
+    for b in blocks:
+        ctypes.memset(b, 1, size)
+    for b in blocks:
+        libc.free(ctypes.c_void_p(b))
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+print(faults[1], faults[2])
+"""
+
+
+@pytest.mark.skipif(not (sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"),
+                    reason="glibc's malloc thresholds")
+def test_kept_step_temporaries_are_not_faulted_in_again() -> None:
+    pages = (2 * (24 << 20)) // 4096
+
+    def faults(mode: str) -> list[int]:
+        out = subprocess.run([sys.executable, "-c", _ROUNDS, mode], capture_output=True, text=True, check=True)
+        return [int(v) for v in out.stdout.split()]
+
+    # glibc's own thresholds: later steps fault their temporaries in again (the first
+    # step's were mapped and unmapped, then the heap's top is trimmed after each step).
+    assert faults("default")[1] > pages // 2
+    # Kept: the second and third steps reuse the first's pages.
+    assert max(faults("keep")) < pages // 10

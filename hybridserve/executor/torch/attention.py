@@ -30,16 +30,20 @@ gather per layer, no per-request loop), long prefill chunks one by one.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from hybridserve.executor.torch.requests import BlockTables
+from hybridserve.models.platform.cpu_features import read_cpu_flags
 
 # Dtypes whose CPU attention runs on float32 copies: ATen's CPU flash attention in bfloat16
 # is several times slower than the conversions to float32 and back plus float32 attention
 # on CPUs without AMX (`python benchmarks/attention_dtype.py`; benchmarks/results/attention_dtype.md).
+# With AMX's bfloat16 tiles it is the other way round, decode and prefill alike, so there
+# bfloat16 attention runs as it is (native_half_dtypes).
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 # Requests with at most this many query tokens share one padded batch.
 SMALL_CHUNK = 16
@@ -197,7 +201,7 @@ class StepAttention:
               sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [B, H, C, D], k/v [B, KVH, N, D], mask [B, 1, C, N], sinks [H] -> [B, H, C, D]."""
         if self.softcap is None and sinks is None:
-            if q.device.type == "cpu" and q.dtype in HALF_DTYPES:
+            if q.device.type == "cpu" and q.dtype in HALF_DTYPES and q.dtype not in native_half_dtypes():
                 # ATen's CPU flash attention is far slower in bfloat16 than in float32 on
                 # CPUs without AMX (see HALF_DTYPES): run it on float32 copies.
                 out = self._sdpa(q.float(), k.float(), v.float(), None if mask is None else mask.float())
@@ -222,6 +226,13 @@ class StepAttention:
             probs = softmax_with_sinks(scores, sinks.view(1, kvh, H // kvh, 1, 1))
         probs = probs.view(B, kvh, H // kvh * C, N)
         return torch.matmul(probs, v).view(B, H, C, D)
+
+
+@cache
+def native_half_dtypes() -> frozenset[torch.dtype]:
+    """The half-precision dtypes CPU attention computes in as they are, not on float32
+    copies: bfloat16 where the CPU has AMX's bfloat16 tiles (see HALF_DTYPES)."""
+    return frozenset({torch.bfloat16}) if "amx_bf16" in read_cpu_flags() else frozenset()
 
 
 def softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
@@ -250,9 +261,11 @@ def _partition(counts: np.ndarray, offsets: np.ndarray, device: torch.device) ->
 def _padded(req: np.ndarray, counts: np.ndarray, offsets: np.ndarray, device: torch.device) -> BatchLayout:
     c = counts[req]
     B, C = len(req), int(c.max())
-    if C == 1 and np.all(np.diff(offsets[req]) == 1):
+    if np.all(c == C) and np.all(np.diff(offsets[req]) == C):
+        # Equal lengths, adjacent rows (decodes; a burst of equal prompts): no padding, so
+        # the batch is a view of the flat rows, with no gather in or scatter out.
         a = int(offsets[req[0]])
-        return BatchLayout(req, B, 1, (a, a + B), None, None, None)
+        return BatchLayout(req, B, C, (a, a + B * C), None, None, None)
     j = np.arange(C)[None, :]
     valid = j < c[:, None]
     rows = offsets[req][:, None] + j
@@ -304,5 +317,9 @@ def _key_plan(layout: BatchLayout, starts: np.ndarray, counts: np.ndarray, windo
         key_pos = s[:, None] + j[None, :]  # [B, C] positions of the chunk's own keys
         parts.append(ok & (key_pos[:, None, :] >= qlo[:, :, None]))
     allowed = np.concatenate(parts, axis=2) if len(parts) > 1 else parts[0]
+    if NB == 0 and np.array_equal(allowed, np.broadcast_to(np.tri(C, dtype=bool), allowed.shape)):
+        # Every query sees exactly the chunk's keys up to itself (first chunks of equal
+        # length within the window): SDPA's own causal form, which skips the masked blocks.
+        return KeyPlan(first_blk, 0, True, None)
     mask = np.where(allowed[:, None], np.float32(0), np.float32(-np.inf))
     return KeyPlan(first_blk, NB, from_batch or NB == 0, torch.from_numpy(mask).to(device, dtype))

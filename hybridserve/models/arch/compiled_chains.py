@@ -46,11 +46,12 @@ def _quantized(path: str, x: torch.Tensor) -> Quantized:
     return levels_for(path, levels), scale
 
 
-def _residual(path: str, out: torch.Tensor | None, bias: torch.Tensor | None, h: torch.Tensor,
-              out_norm: torch.Tensor | None, next_norm: torch.Tensor | None, eps: torch.Tensor, inv_h: float
-              ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+def _residual(path: str, out: torch.Tensor | None, out_scale: torch.Tensor | None, bias: torch.Tensor | None,
+              h: torch.Tensor, out_norm: torch.Tensor | None, next_norm: torch.Tensor | None, eps: torch.Tensor,
+              inv_h: float) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     h = h.float()
     if out is not None:
+        out = out * out_scale
         if bias is not None:
             out = out + bias
         h = h + (out if out_norm is None else rms_norm(out, out_norm, eps, inv_h))
@@ -59,10 +60,12 @@ def _residual(path: str, out: torch.Tensor | None, bias: torch.Tensor | None, h:
     return (h, *_quantized(path, rms_norm(h, next_norm, eps, inv_h)))
 
 
-def _qkv_out(qkv: torch.Tensor, bias: torch.Tensor | None, qk_norm: torch.Tensor | None, cos: torch.Tensor | None,
-             sin: torch.Tensor | None, eps: torch.Tensor, inv_hd: float, heads: int, head_dim: int,
-             kv_dtype: torch.dtype) -> torch.Tensor:
-    """The qkv rows [T, (H + 2 KVH) * D] in kv_dtype, q and k normed and rotated; `heads` = H + KVH."""
+def _qkv_out(qkv: torch.Tensor, qkv_scale: torch.Tensor, bias: torch.Tensor | None, qk_norm: torch.Tensor | None,
+             cos: torch.Tensor | None, sin: torch.Tensor | None, eps: torch.Tensor, inv_hd: float, heads: int,
+             head_dim: int, kv_dtype: torch.dtype) -> torch.Tensor:
+    """The qkv rows [T, (H + 2 KVH) * D] times their scale in kv_dtype, q and k normed and
+    rotated; `heads` = H + KVH."""
+    qkv = qkv * qkv_scale
     if bias is not None:
         qkv = qkv + bias
     rows = qkv.shape[0]
@@ -74,8 +77,9 @@ def _qkv_out(qkv: torch.Tensor, bias: torch.Tensor | None, qk_norm: torch.Tensor
     return torch.cat((qk.reshape(rows, heads * head_dim), qkv[:, heads * head_dim :]), dim=1).to(kv_dtype)
 
 
-def _act_mul(path: str, gate_up: torch.Tensor, bias: torch.Tensor | None,
+def _act_mul(path: str, gate_up: torch.Tensor, gate_up_scale: torch.Tensor, bias: torch.Tensor | None,
              act: Callable[[torch.Tensor], torch.Tensor]) -> Quantized:
+    gate_up = gate_up * gate_up_scale
     if bias is not None:
         gate_up = gate_up + bias
     gate, up = gate_up.chunk(2, dim=-1)
@@ -93,23 +97,26 @@ class CompiledChains(Int8Chains):
         self._quantize = _compile(_quantized)
         self._act_mul = _compile(_act_mul)
 
-    def residual(self, path: str, out: torch.Tensor | None, bias: torch.Tensor | None, h: torch.Tensor,
-                 out_norm: torch.Tensor | None, next_norm: torch.Tensor | None
-                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        return self._residual(path, _rows(out), bias, _rows(h), out_norm, next_norm, self.eps, self.inv_h)
+    def residual(self, path: str, out: torch.Tensor | None, out_scale: torch.Tensor | None,
+                 bias: torch.Tensor | None, h: torch.Tensor, out_norm: torch.Tensor | None,
+                 next_norm: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        return self._residual(path, _rows(out), _rows(out_scale), bias, _rows(h), out_norm, next_norm, self.eps,
+                              self.inv_h)
 
-    def qkv_out(self, qkv: torch.Tensor, bias: torch.Tensor | None, qk_norm: torch.Tensor | None,
-                cos: torch.Tensor | None, sin: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def qkv_out(self, qkv: torch.Tensor, qkv_scale: torch.Tensor, bias: torch.Tensor | None,
+                qk_norm: torch.Tensor | None, cos: torch.Tensor | None, sin: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         rows, nq, nkv, hd = qkv.shape[0], self.nq, self.nkv, self.hd
-        out = self._qkv_out(_rows(qkv), bias, qk_norm, _rows(cos), _rows(sin), self.eps, self.inv_hd, nq + nkv, hd,
-                            self.kv_dtype)
+        out = self._qkv_out(_rows(qkv), _rows(qkv_scale), bias, qk_norm, _rows(cos), _rows(sin), self.eps,
+                            self.inv_hd, nq + nkv, hd, self.kv_dtype)
         return out[:, : nq * hd].view(rows, nq, hd), out[:, nq * hd :].view(rows, 2, nkv, hd)
 
     def quant(self, path: str, x: torch.Tensor) -> Quantized:
         return self._quantize(path, _rows(x))
 
-    def act_mul(self, path: str, gate_up: torch.Tensor, bias: torch.Tensor | None) -> Quantized:
-        return self._act_mul(path, _rows(gate_up), bias, self.act)
+    def act_mul(self, path: str, gate_up: torch.Tensor, gate_up_scale: torch.Tensor, bias: torch.Tensor | None
+                ) -> Quantized:
+        return self._act_mul(path, _rows(gate_up), _rows(gate_up_scale), bias, self.act)
 
 
 def _match_aten_vector_width() -> None:
@@ -197,13 +204,17 @@ def mismatch(compiled: Int8Chains, eager: Int8Chains, layer: Int8Layer, rows: in
     qkv = torch.randn(rows, width, generator=g) * 2
     attn = torch.randn(rows, eager.nq * hd, generator=g).to(eager.kv_dtype)
     gate_up = torch.randn(rows, 2 * eager.intermediate_size, generator=g) * 2
+    row_scale = torch.rand(rows, 1, generator=g) + 0.5  # a product's activation scale per row
+    # Products are cloned: the eager chains scale theirs in place.
     calls: list[tuple[str, Callable[[Int8Chains], Any]]] = [
-        ("first norm", lambda c: c.residual(path, None, None, h, None, layer.input_norm)),
-        ("residual", lambda c: c.residual(path, out, layer.o_bias, h, layer.o_norm, layer.ffn_norm)),
-        ("last residual", lambda c: c.residual(path, out, layer.down_bias, h, layer.down_norm, None)),
-        ("qkv_out", lambda c: c.qkv_out(qkv.clone(), layer.qkv_bias, layer.qk_norm, cos, sin)),
+        ("first norm", lambda c: c.residual(path, None, None, None, h, None, layer.input_norm)),
+        ("residual", lambda c: c.residual(path, out.clone(), row_scale, layer.o_bias, h, layer.o_norm,
+                                          layer.ffn_norm)),
+        ("last residual", lambda c: c.residual(path, out.clone(), row_scale, layer.down_bias, h, layer.down_norm,
+                                               None)),
+        ("qkv_out", lambda c: c.qkv_out(qkv.clone(), row_scale, layer.qkv_bias, layer.qk_norm, cos, sin)),
         ("quant", lambda c: c.quant(path, attn)),
-        ("act_mul", lambda c: c.act_mul(path, gate_up, layer.gate_up_bias)),
+        ("act_mul", lambda c: c.act_mul(path, gate_up.clone(), row_scale, layer.gate_up_bias)),
     ]
     for name, call in calls:
         got, want = call(compiled), call(eager)

@@ -28,6 +28,7 @@ from hybridserve.models.layers.int4 import make_int4_linear
 from hybridserve.models.platform.heap import release_free_heap
 from hybridserve.models.arch.compiled_chains import ChainsByRows
 from hybridserve.models.arch.int8_chains import Int8Chains, Int8Layer
+from hybridserve.models.arch.mlp_row_blocks import block_rows, gate_up_act
 from hybridserve.models.layers.int8 import W8A8Linear, quantize_gemm_weight
 from hybridserve.models.layers.linear import LayerLinears, Linear, ResidualLinear, make_linear
 from hybridserve.models.parallel import PipelineStage, TPGroup, local_config
@@ -240,6 +241,7 @@ class DecoderLM(StagedModel):
         self.int8_layers = False  # whether the decoder layers' matmuls are int8 x int8 (build_linears)
         self._int8: list[Int8Layer] = []  # their matmuls and norms, then
         self._chains: ChainsByRows | None = None  # and what lies between the matmuls (int8_chains.py)
+        self.mlp_block_rows = block_rows(cfg.intermediate_size)  # int8 gate|up's rows per call (mlp_row_blocks.py)
         self._act = {"silu": F.silu, "gelu": F.gelu,
                      "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}[cfg.activation]
 
@@ -380,15 +382,15 @@ class DecoderLM(StagedModel):
                           backend: AttentionBackend, chains: Int8Chains) -> torch.Tensor:
         layer_types, layers = self.cfg.layer_types, self._int8
         path = layers[0].qkv.path  # every matmul's
-        h, x, x_scale = chains.residual(path, None, None, h, None, layers[0].input_norm)
+        h, x, x_scale = chains.residual(path, None, None, None, h, None, layers[0].input_norm)
         for k, (i, m) in enumerate(zip(self.layer_ids, layers)):
             cos, sin = rope.get(layer_types[i], (None, None))
-            q, kv = chains.qkv_out(m.qkv.quantized(path, x, x_scale), m.qkv_bias, m.qk_norm, cos, sin)
+            q, kv = chains.qkv_out(m.qkv.product(path, x), x_scale, m.qkv_bias, m.qk_norm, cos, sin)
             x, x_scale = chains.quant(path, backend.attention(i, q, kv))
-            h, x, x_scale = chains.residual(path, m.o.quantized(path, x, x_scale), m.o_bias, h, m.o_norm, m.ffn_norm)
-            x, x_scale = chains.act_mul(path, m.gate_up.quantized(path, x, x_scale), m.gate_up_bias)
+            h, x, x_scale = chains.residual(path, m.o.product(path, x), x_scale, m.o_bias, h, m.o_norm, m.ffn_norm)
+            x, x_scale = gate_up_act(chains, path, m, x, x_scale, self.mlp_block_rows)
             next_norm = layers[k + 1].input_norm if k + 1 < len(layers) else None
-            h, x, x_scale = chains.residual(path, m.down.quantized(path, x, x_scale), m.down_bias, h, m.down_norm,
+            h, x, x_scale = chains.residual(path, m.down.product(path, x), x_scale, m.down_bias, h, m.down_norm,
                                             next_norm)
         return h
 

@@ -9,6 +9,10 @@ from float32, and what lies between two matmuls is element-wise or a row reducti
     quant     quantize (attention's output)
     act_mul   bias, act(gate) * up, quantize
 
+A chain after a matmul takes the matmul's product without its input's per-row scale
+(W8A8Linear.product) and the scale, and multiplies it in first: one pass over the product
+fewer where the chain is fused (compiled_chains.py); eager, the same multiply as the matmul's.
+
 Each chain is one function of whole tensors: the unit a fused kernel replaces. Here they
 run eager, the general path: torch.compile of each chain alone lost at 1 and 16 rows, a
 compiled call's fixed cost being several eager kernels' at decode sizes
@@ -73,14 +77,15 @@ class Int8Chains:
         self.act = act
         self.kv_dtype = kv_dtype
 
-    def residual(self, path: str, out: torch.Tensor | None, bias: torch.Tensor | None, h: torch.Tensor,
-                 out_norm: torch.Tensor | None, next_norm: torch.Tensor | None
-                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """(h + out (+ bias; normed by out_norm where given) in float32, the next matmul's
-        input: norm(h, next_norm) quantized, or None, None without next_norm). out None:
-        h alone (a stage's first norm)."""
+    def residual(self, path: str, out: torch.Tensor | None, out_scale: torch.Tensor | None,
+                 bias: torch.Tensor | None, h: torch.Tensor, out_norm: torch.Tensor | None,
+                 next_norm: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(h + out * out_scale (+ bias; normed by out_norm where given) in float32, the next
+        matmul's input: norm(h, next_norm) quantized, or None, None without next_norm). out
+        (this chain's own: changed in place) None: h alone (a stage's first norm)."""
         h = h if h.dtype == torch.float32 else h.float()  # a no-op .float() still costs a dispatch
         if out is not None:
+            out = out.mul_(out_scale)
             if bias is not None:
                 out = out + bias
             h = h + (out if out_norm is None else rms_norm(out, out_norm, self.eps, self.inv_h))
@@ -88,11 +93,13 @@ class Int8Chains:
             return h, None, None
         return (h, *quantized(path, rms_norm(h, next_norm, self.eps, self.inv_h)))
 
-    def qkv_out(self, qkv: torch.Tensor, bias: torch.Tensor | None, qk_norm: torch.Tensor | None,
-                cos: torch.Tensor | None, sin: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """qkv's product [T, (H + 2 KVH) * D] (float32, this chain's own: changed in place)
-        -> (q [T, H, D], kv [T, 2, KVH, D]) in the KV cache's dtype: bias, q/k norm (qk_norm
-        [H + KVH, D]) and RoPE (cos, sin from RopeTable.lookup; None: no RoPE) applied."""
+    def qkv_out(self, qkv: torch.Tensor, qkv_scale: torch.Tensor, bias: torch.Tensor | None,
+                qk_norm: torch.Tensor | None, cos: torch.Tensor | None, sin: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """qkv's product [T, (H + 2 KVH) * D] (float32, this chain's own: changed in place) times
+        its row scale -> (q [T, H, D], kv [T, 2, KVH, D]) in the KV cache's dtype: bias, q/k
+        norm (qk_norm [H + KVH, D]) and RoPE (cos, sin from RopeTable.lookup; None: no RoPE) applied."""
+        qkv.mul_(qkv_scale)
         if bias is not None:
             qkv.add_(bias)
         T, nq, nkv, hd = qkv.shape[0], self.nq, self.nkv, self.hd
@@ -110,8 +117,11 @@ class Int8Chains:
         """x (attention's output, any float dtype) quantized for `path`."""
         return quantized(path, x)
 
-    def act_mul(self, path: str, gate_up: torch.Tensor, bias: torch.Tensor | None) -> Quantized:
-        """act(gate) * up of gate|up's product (+ bias), quantized for `path`."""
+    def act_mul(self, path: str, gate_up: torch.Tensor, gate_up_scale: torch.Tensor, bias: torch.Tensor | None
+                ) -> Quantized:
+        """act(gate) * up of gate|up's product (this chain's own: changed in place) times its
+        row scale (+ bias), quantized for `path`."""
+        gate_up = gate_up.mul_(gate_up_scale)
         if bias is not None:
             gate_up = gate_up + bias
         gate, up = gate_up.chunk(2, dim=-1)

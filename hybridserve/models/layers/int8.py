@@ -40,8 +40,9 @@ INT8_LEVELS = 127
 NARROW_WEIGHT_LEVELS = 63  # weights' levels without int8 dot products (gemm_weight_levels)
 UINT8_ZERO_POINT = 128  # a symmetric int8 activation stored as uint8 (oneDNN's u8 x s8 GEMM)
 
-# (int8 activations [S, K] as the kernel takes them, their float32 per-row scale [S, 1]) -> float32 [S, N]
-Int8Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# (int8 activations [S, K] as the kernel takes them, their float32 per-row scale [S, 1], or None
+# to leave it to the caller) -> float32 [S, N]
+Int8Matmul = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
 # (first row, row past the last) of a weight the quantizer has read for the last time
 BlockDone = Callable[[int, int], None]
 
@@ -154,10 +155,10 @@ def w8a8_matmul(packed: torch.Tensor, scale: torch.Tensor) -> Int8Matmul:
     zero_points = torch.zeros(len(scale), dtype=torch.int64)
     qlinear = torch.ops.onednn.qlinear_pointwise
 
-    def matmul(x: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+    def matmul(x: torch.Tensor, x_scale: torch.Tensor | None) -> torch.Tensor:
         out = qlinear(x, 1.0, UINT8_ZERO_POINT, packed, scale, zero_points, None, 1.0, 0,
                       torch.float32, "none", [None], "")
-        return out.mul_(x_scale)
+        return out if x_scale is None else out.mul_(x_scale)
 
     return matmul
 
@@ -168,8 +169,9 @@ def plain_matmul(values: torch.Tensor, scale: torch.Tensor) -> Int8Matmul:
     in float32, scaled in the same order, so equal to w8a8_matmul's bit for bit."""
     values_t = values.t()  # [K, N] with strides (1, K): _int_mm reads the rows as they are
 
-    def matmul(x: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
-        return torch._int_mm(x, values_t).mul(scale).mul_(x_scale)
+    def matmul(x: torch.Tensor, x_scale: torch.Tensor | None) -> torch.Tensor:
+        out = torch._int_mm(x, values_t).mul(scale)
+        return out if x_scale is None else out.mul_(x_scale)
 
     return matmul
 
@@ -225,8 +227,9 @@ def fbgemm_matmul(packed: torch.ScriptObject) -> Int8Matmul:
     at every row count (see choose_int8_path)."""
     op = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32
 
-    def matmul(x: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
-        return op(x, 1.0, UINT8_ZERO_POINT, packed).mul_(x_scale)
+    def matmul(x: torch.Tensor, x_scale: torch.Tensor | None) -> torch.Tensor:
+        out = op(x, 1.0, UINT8_ZERO_POINT, packed)
+        return out if x_scale is None else out.mul_(x_scale)
 
     return matmul
 
@@ -341,6 +344,11 @@ class W8A8Linear:
         """x W^T from x already quantized for `path` (values as levels_for(path, ...), per-row
         scale): for callers that quantize in one fused kernel with what produced x."""
         return self._kernel_for(path)(values, scale)
+
+    def product(self, path: str, values: torch.Tensor) -> torch.Tensor:
+        """`quantized` without the activations' per-row scale, which the caller multiplies in:
+        the chain that reads the product does it in the same pass (models/arch/int8_chains.py)."""
+        return self._kernel_for(path)(values, None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self._run(self._path, x)

@@ -79,8 +79,12 @@ class RopeTable:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """apply_rope_'s rotation out of place (what a traced graph can hold): a new tensor."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+    """apply_rope_'s rotation out of place (what a traced graph can hold): a new tensor.
+    The roll is spelled as a concatenation of the two halves (the same values): inductor
+    loads each half as contiguous vectors, where a roll's wrapped index made it gather
+    element by element."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

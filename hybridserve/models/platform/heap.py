@@ -15,6 +15,13 @@ benchmarks/results/cpu_memory.md). IdleHeapRelease gives them back once steps ha
 stopped for IDLE_RELEASE_S; doing it per step would make every step fault its
 temporaries in again, after an idle gap only the next burst's first step pays.
 
+glibc would also trim the top of its heap on its own whenever more than twice that
+threshold lies free there, which a prefill's freed temporaries do several times a step:
+each trim made the next temporaries fault their pages in again (hundreds of thousands of
+faults per 4096-token step, a large share of its time). keep_step_temporaries fixes both
+thresholds for a process that runs steps, so the heap keeps what steps free until the
+idle release.
+
 Elsewhere (musl, macOS, Windows) this does nothing.
 """
 
@@ -28,6 +35,12 @@ from typing import Any, Callable
 
 # Seconds without a step after which the heap's free pages go back to the OS.
 IDLE_RELEASE_S = 2.0
+# glibc's mallopt parameters, and the values keep_step_temporaries sets: allocations from
+# 32 MiB (glibc's largest mmap threshold on 64-bit) are mapped as ever; free memory at the
+# heap's top is left to the idle release below 1 GiB.
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+MMAP_THRESHOLD_BYTES = 32 << 20
+TRIM_THRESHOLD_BYTES = 1 << 30
 
 
 @cache
@@ -39,6 +52,20 @@ def _malloc_trim() -> Any:
         return getattr(ctypes.CDLL(None), "malloc_trim", None)
     except (OSError, TypeError):  # Windows has no CDLL(None)
         return None
+
+
+@cache
+def keep_step_temporaries() -> bool:
+    """Make glibc keep freed memory in the heap (no automatic trim below
+    TRIM_THRESHOLD_BYTES, a fixed mmap threshold) for the process's life; False where the
+    C library has no mallopt."""
+    try:
+        mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
+    except (OSError, TypeError):  # Windows has no CDLL(None)
+        return False
+    if mallopt is None:
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
 
 
 def release_free_heap() -> bool:
@@ -61,6 +88,8 @@ class IdleHeapRelease:
 
     def __init__(self, idle_s: float = IDLE_RELEASE_S, release: Callable[[], Any] = release_free_heap,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        if release is release_free_heap:  # the heap keeps step temporaries until it
+            keep_step_temporaries()
         self._idle_s = idle_s
         self._release = release
         self._clock = clock

@@ -170,9 +170,10 @@ def test_min_p_alone_reads_only_the_spans_reaching_its_threshold(attempts: int, 
 
 
 def test_a_nucleus_wider_than_its_candidate_spans_gathers_no_candidates(monkeypatch) -> None:
-    """Flat rows over 40 spans: the 32 candidate spans hold about 32/40 = 0.8 of the mass,
-    short of top_p 0.9's, so the rows gather no candidates; their draws are decided as an
-    open nucleus's and are the general path's."""
+    """Flat rows over 40 spans: the CANDIDATE_SPANS (at most 32) candidate spans hold about
+    32/40 = 0.8 of the mass or less, short of top_p 0.9's, so the rows gather no
+    candidates; their draws are decided as an open nucleus's and are the general path's."""
+    assert CANDIDATE_SPANS <= 32
     assert VOCAB // SPAN > CANDIDATE_SPANS
 
     def refuse(*_args, **_kwargs):

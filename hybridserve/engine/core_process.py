@@ -67,6 +67,7 @@ def core_main(config: EngineConfig, conn: Connection, index: int, progress: bool
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         parts = build_engine_parts(config, progress=progress, keep_tokenizer=False)
+        parts.engine.executor.prepare_large_steps()  # compiled kernels before the first burst, not in it
     except BaseException as exc:  # noqa: BLE001 - reported to the server, which raises it
         conn.send(("start_failed", str(exc) if isinstance(exc, HybridServeError) else
                    f"{type(exc).__name__}: {exc}", isinstance(exc, ConfigError)))

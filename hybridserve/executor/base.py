@@ -43,5 +43,9 @@ class Executor(ABC):
     def observe_block_pool(self, pool: Any) -> None:
         """Debug hook: executors that check the pool (the simulator's detector) watch it."""
 
+    def prepare_large_steps(self) -> None:
+        """Build now what the first large or sampled steps would build on first use
+        (compiled kernels): a server's start-up pays it instead of its first burst."""
+
     def shutdown(self) -> None:
         """Release threads and memory."""

@@ -31,6 +31,7 @@ from hybridserve.models.kv_specs import model_kv_layer_specs
 from hybridserve.models.loaders.loader import load_model
 from hybridserve.models.arch.mamba_lm import MambaLM
 from hybridserve.models.layers.smoothing import Encode
+from hybridserve.models.layers.span_kernel import KERNEL
 from hybridserve.text.structured_output import GrammarBackend
 
 
@@ -177,6 +178,11 @@ class TorchExecutor(Executor):
 
     def wait(self, handle: Any) -> ModelRunnerOutput:
         return handle.result()
+
+    def prepare_large_steps(self) -> None:
+        KERNEL.get()  # the span summaries of sampled steps (models/layers/span_kernel.py)
+        if isinstance(self.model, DecoderLM):
+            self.model.prepare_large_steps()
 
     def shutdown(self) -> None:
         if self._pool is not None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import time
 import types
-from typing import Any, Callable
+from typing import Any, Callable, Generic, TypeVar
 
 import torch
 
@@ -39,6 +39,7 @@ from hybridserve.models.layers.rope import apply_rope
 log = logging.getLogger(__name__)
 
 DEFAULT_MIN_ROWS = 128  # the fewest rows a step needs to take the compiled chains
+C = TypeVar("C")  # a model's chains: eager and compiled have the same methods
 
 
 def _quantized(path: str, x: torch.Tensor) -> Quantized:
@@ -91,32 +92,31 @@ class CompiledChains(Int8Chains):
 
     def __init__(self, eager: Int8Chains) -> None:
         self.__dict__.update(eager.__dict__)
-        _match_aten_vector_width()
-        self._residual = _compile(_residual)
-        self._qkv_out = _compile(_qkv_out)
-        self._quantize = _compile(_quantized)
-        self._act_mul = _compile(_act_mul)
+        self._residual = compile_chain(_residual)
+        self._qkv_out = compile_chain(_qkv_out)
+        self._quantize = compile_chain(_quantized)
+        self._act_mul = compile_chain(_act_mul)
 
     def residual(self, path: str, out: torch.Tensor | None, out_scale: torch.Tensor | None,
                  bias: torch.Tensor | None, h: torch.Tensor, out_norm: torch.Tensor | None,
                  next_norm: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        return self._residual(path, _rows(out), _rows(out_scale), bias, _rows(h), out_norm, next_norm, self.eps,
-                              self.inv_h)
+        return self._residual(path, dynamic_rows(out), dynamic_rows(out_scale), bias, dynamic_rows(h), out_norm,
+                              next_norm, self.eps, self.inv_h)
 
     def qkv_out(self, qkv: torch.Tensor, qkv_scale: torch.Tensor, bias: torch.Tensor | None,
                 qk_norm: torch.Tensor | None, cos: torch.Tensor | None, sin: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         rows, nq, nkv, hd = qkv.shape[0], self.nq, self.nkv, self.hd
-        out = self._qkv_out(_rows(qkv), _rows(qkv_scale), bias, qk_norm, _rows(cos), _rows(sin), self.eps,
-                            self.inv_hd, nq + nkv, hd, self.kv_dtype)
+        out = self._qkv_out(dynamic_rows(qkv), dynamic_rows(qkv_scale), bias, qk_norm, dynamic_rows(cos),
+                            dynamic_rows(sin), self.eps, self.inv_hd, nq + nkv, hd, self.kv_dtype)
         return out[:, : nq * hd].view(rows, nq, hd), out[:, nq * hd :].view(rows, 2, nkv, hd)
 
     def quant(self, path: str, x: torch.Tensor) -> Quantized:
-        return self._quantize(path, _rows(x))
+        return self._quantize(path, dynamic_rows(x))
 
     def act_mul(self, path: str, gate_up: torch.Tensor, gate_up_scale: torch.Tensor, bias: torch.Tensor | None
                 ) -> Quantized:
-        return self._act_mul(path, _rows(gate_up), _rows(gate_up_scale), bias, self.act)
+        return self._act_mul(path, dynamic_rows(gate_up), dynamic_rows(gate_up_scale), bias, self.act)
 
 
 def _match_aten_vector_width() -> None:
@@ -130,48 +130,58 @@ def _match_aten_vector_width() -> None:
         inductor_config.cpp.simdlen = 256
 
 
-def _compile(fn: Callable[..., Any]) -> Callable[..., Any]:
+def compile_chain(fn: Callable[..., Any], options: dict[str, Any] | None = None) -> Callable[..., Any]:
+    """fn compiled for dynamic_rows inputs (`options`: inductor's, as torch.compile takes them)."""
+    _match_aten_vector_width()
     # Compiled from a copy of fn's code: dynamo keeps its graphs, and its limit of 8
     # variants, per code object, so each model's chains get their own (one code shared by
     # several models in a process, as in tests, would run out of variants and turn eager).
     own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    return torch.compile(own, dynamic=False, fullgraph=True)
+    return torch.compile(own, dynamic=False, fullgraph=True, options=options)
 
 
-def _rows(x: torch.Tensor | None) -> torch.Tensor | None:
+def dynamic_rows(x: torch.Tensor | None) -> torch.Tensor | None:
     """x with its row count marked dynamic: one graph serves every large step."""
     if x is not None:
         torch._dynamo.maybe_mark_dynamic(x, 0)
     return x
 
 
-class ChainsByRows:
-    """The chains a step of `rows` rows runs: compiled from `min_rows` rows on, where they
-    build and agree with the eager chains (checked on first use with `sample`, a layer of
-    the model, so that the check compiles the graphs the model runs), else eager."""
+class ChainsByRows(Generic[C]):
+    """The chains a step of `rows` rows runs: from `min_rows` rows on the compiled ones that
+    `build` makes (called once, on first use: None where they cannot be built or disagree
+    with the eager ones), else the eager ones. `what` names them in the log."""
 
-    def __init__(self, eager: Int8Chains, sample: Int8Layer, compile: bool, min_rows: int = DEFAULT_MIN_ROWS) -> None:
+    def __init__(self, eager: C, build: Callable[[], C | None] | None, what: str,
+                 min_rows: int = DEFAULT_MIN_ROWS) -> None:
+        """build None: never compiled (`--no-compile`)."""
         self.eager = eager
         self.min_rows = min_rows
-        self._sample = sample
-        self._compiled: Int8Chains | None = None
-        self._tried = not compile
+        self.what = what
+        self._build = build
+        self._compiled: C | None = None
 
-    def for_rows(self, rows: int) -> Int8Chains:
+    def for_rows(self, rows: int) -> C:
         if rows < self.min_rows:
             return self.eager
-        if not self._tried:
-            self._tried = True
-            self._compiled = _build(self.eager, self._sample, self.min_rows)
-        return self._compiled or self.eager
+        if self._build is not None:
+            build, self._build = self._build, None
+            self._compiled = build()
+        return self._compiled if self._compiled is not None else self.eager
 
     def drop_compiled(self, exc: BaseException) -> None:
         """Turn eager for good after the compiled chains failed on a step."""
-        log.warning("the int8 chains turn eager: the compiled chains failed (%s)", _one_line(exc))
+        log.warning("the %s turn eager: the compiled chains failed (%s)", self.what, one_line(exc))
         self._compiled = None
 
 
-def _one_line(exc: BaseException) -> str:
+def int8_chains_by_rows(eager: Int8Chains, sample: Int8Layer, compile: bool) -> ChainsByRows[Int8Chains]:
+    """The int8 chains by rows, compiled ones checked on first use with `sample`, a layer of
+    the model (so that the check compiles the graphs the model runs)."""
+    return ChainsByRows(eager, (lambda: _build(eager, sample, DEFAULT_MIN_ROWS)) if compile else None, "int8 chains")
+
+
+def one_line(exc: BaseException) -> str:
     text = str(exc).splitlines()
     return f"{type(exc).__name__}: {text[0] if text else ''}"
 
@@ -182,7 +192,7 @@ def _build(eager: Int8Chains, sample: Int8Layer, rows: int) -> Int8Chains | None
         compiled = CompiledChains(eager)
         reason = mismatch(compiled, eager, sample, rows)
     except Exception as exc:  # noqa: BLE001 - any failure keeps the general path
-        reason = f"failed to build ({_one_line(exc)})"
+        reason = f"failed to build ({one_line(exc)})"
     if reason:
         log.warning("the int8 chains stay eager: the compiled chains %s", reason)
         return None
@@ -221,12 +231,12 @@ def mismatch(compiled: Int8Chains, eager: Int8Chains, layer: Int8Layer, rows: in
         for a, b in zip(got, want):
             if a is None and b is None:
                 continue
-            if not _close(a, b):
+            if not close_to_rounding(a, b):
                 return f"differ from the eager chains in {name}"
     return None
 
 
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+def close_to_rounding(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal up to float rounding: levels (integers) at most one apart, floats within a few
     of their dtype's units in the last place of themselves or of the tensor's largest value
     (a residual add that cancels keeps the absolute rounding of its terms)."""

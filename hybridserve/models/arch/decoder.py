@@ -26,9 +26,11 @@ from hybridserve.models.config import ModelConfig
 from hybridserve.models.layers.head import INT4_LAYERS, OutputHead, ReleaseRows, head_quantization
 from hybridserve.models.layers.int4 import make_int4_linear
 from hybridserve.models.platform.heap import release_free_heap
-from hybridserve.models.arch.compiled_chains import ChainsByRows
+from hybridserve.models.arch.compiled_chains import ChainsByRows, int8_chains_by_rows
 from hybridserve.models.arch.int8_chains import Int8Chains, Int8Layer
-from hybridserve.models.arch.mlp_row_blocks import block_rows, gate_up_act
+from hybridserve.models.arch import decoder_chains
+from hybridserve.models.arch.decoder_chains import DecoderChains, LayerNorms
+from hybridserve.models.arch.mlp_row_blocks import block_rows, gate_up_act, row_blocks
 from hybridserve.models.layers.int8 import W8A8Linear, quantize_gemm_weight
 from hybridserve.models.layers.linear import LayerLinears, Linear, ResidualLinear, make_linear
 from hybridserve.models.parallel import PipelineStage, TPGroup, local_config
@@ -241,7 +243,10 @@ class DecoderLM(StagedModel):
         self.int8_layers = False  # whether the decoder layers' matmuls are int8 x int8 (build_linears)
         self._int8: list[Int8Layer] = []  # their matmuls and norms, then
         self._chains: ChainsByRows | None = None  # and what lies between the matmuls (int8_chains.py)
-        self.mlp_block_rows = block_rows(cfg.intermediate_size)  # int8 gate|up's rows per call (mlp_row_blocks.py)
+        # The model-dtype layers' element-wise work compiled for large steps (decoder_chains.py);
+        # eager is forward's own loop (None).
+        self._dtype_chains: ChainsByRows[DecoderChains | None] | None = None
+        self.mlp_block_rows = block_rows(cfg.intermediate_size)  # gate|up's rows per call (mlp_row_blocks.py)
         self._act = {"silu": F.silu, "gelu": F.gelu,
                      "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}[cfg.activation]
 
@@ -268,7 +273,9 @@ class DecoderLM(StagedModel):
         plain weight stays, as the embedding lookup reads it. With `smoothing` (from
         models/layers/smoothing.smooth, which has already divided the norms) the layers' matmuls
         are int8 x int8, the element-wise chains between them compiled for large steps unless
-        `compile` is False (compiled_chains.py); with quantization INT4_LAYERS, int4 groups
+        `compile` is False (compiled_chains.py); without, the model-dtype layers' element-wise
+        work is compiled for large steps likewise where decoder_chains.py covers the layers;
+        with quantization INT4_LAYERS, int4 groups
         (models/layers/int4.py). `head_factors`: the int8 x int8 head's smoothing (the final
         norm already divided by them)."""
         self.int8_layers = smoothing is not None
@@ -286,11 +293,39 @@ class DecoderLM(StagedModel):
                 release_free_heap()
                 self._int8.append(_int8_layer(w, s, self.cfg.sandwich_norm, release_weights))
             release_free_heap()
-            self._chains = ChainsByRows(Int8Chains(self.cfg, self._eps, self._act, self.dtype), self._int8[0], compile)
+            self._chains = int8_chains_by_rows(Int8Chains(self.cfg, self._eps, self._act, self.dtype), self._int8[0],
+                                               compile)
+        if smoothing is None and self._chains_cover_layers():
+            sample = self._layer_norms(self.layers[0])
+
+            def build() -> DecoderChains | None:
+                return decoder_chains.build(self.cfg, self._eps, self._act, self.dtype, sample)
+
+            self._dtype_chains = ChainsByRows(None, build if compile else None, "decoder chains")
         if self.stage.is_last:
             assert self.lm_head is not None, "weights not loaded"
             self._head = OutputHead(self.lm_head, head_quantization(quantization), release_head_rows,
                                     column_factors=head_factors)
+
+    def prepare_large_steps(self) -> None:
+        """Build the compiled chains now (a server's start-up) instead of in the first step
+        of at least their min_rows rows (its first burst of prompts)."""
+        for by_rows in (self._chains, self._dtype_chains):
+            if by_rows is not None:
+                by_rows.for_rows(by_rows.min_rows)
+
+    def _chains_cover_layers(self) -> bool:
+        """Whether decoder_chains' functions cover this model's layers (forward's general
+        loop serves the rest): one rank, an input norm on every layer (pre-norm or sandwich
+        norms), no projection-wide q/k norm, attention and MLP in sequence."""
+        cfg = self.cfg
+        return (self.tp is None and self._projection_norm is None and not cfg.post_norm and not cfg.parallel_block
+                and bool(self.layers) and all(w.input_norm is not None for w in self.layers))
+
+    def _layer_norms(self, w: DecoderLayerWeights) -> LayerNorms:
+        if self.cfg.sandwich_norm:
+            return LayerNorms(qk=w.qk_norm, out=w.post_attn_norm, ffn=w.pre_ffn_norm, down=w.post_ffn_norm)
+        return LayerNorms(qk=w.qk_norm, out=None, ffn=w.post_attn_norm, down=None)
 
     _NORMS = ("input_norm", "post_attn_norm", "pre_ffn_norm", "post_ffn_norm", "qk_norm")
 
@@ -326,6 +361,14 @@ class DecoderLM(StagedModel):
         T = positions.shape[0]
         if not self._linears:
             self.build_linears(release_weights=False)
+        chains = None if self._dtype_chains is None else self._dtype_chains.for_rows(T)
+        if chains is not None:
+            assert self._dtype_chains is not None
+            try:
+                return self.stage_output(self._compiled_layer_stack(h, rope, backend, chains))
+            except Exception as exc:  # noqa: BLE001 - the general loop below computes the step again
+                # Its K/V writes are rewritten with the same slots.
+                self._dtype_chains.drop_compiled(exc)
         for i, w, lin in zip(self.layer_ids, self.layers, self._linears):
             x = h if w.input_norm is None else rms_norm(h, w.input_norm, eps, inv_h)
             qkv = lin.qkv(x)
@@ -357,6 +400,35 @@ class DecoderLM(StagedModel):
             else:
                 h = self.add_row_parallel(h, y, lin.down, lin.down_residual)
         return self.stage_output(h)
+
+    def _compiled_layer_stack(self, h: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                              backend: AttentionBackend, chains: DecoderChains) -> torch.Tensor:
+        """forward's loop for a large step, its element-wise work in decoder_chains' compiled
+        functions (only for layers _chains_cover_layers says they cover); gate|up and its
+        activation in row blocks, as the int8 layers take them (mlp_row_blocks.py)."""
+        cfg = self.cfg
+        nq, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        T = h.shape[0]
+        layers = list(zip(self.layer_ids, self.layers, self._linears))
+        x: torch.Tensor | None = rms_norm(h, layers[0][1].input_norm, self._eps, 1.0 / cfg.hidden_size)
+        for k, (i, w, lin) in enumerate(layers):
+            norms = self._layer_norms(w)
+            cos, sin = rope.get(cfg.layer_types[i], (None, None))
+            qkv = chains.qk_out(lin.qkv(x), norms.qk, cos, sin)
+            attn = backend.attention(i, qkv[:, : nq * hd].view(T, nq, hd), qkv[:, nq * hd :].view(T, 2, nkv, hd))
+            if norms.out is None:  # pre-norm: the residual add fused into the matmul, as forward's
+                h, x = chains.residual(lin.o_residual(h, attn), None, None, norms.ffn)
+            else:
+                h, x = chains.residual(h, lin.o(attn), norms.out, norms.ffn)
+            assert x is not None
+            parts = [chains.act_mul(lin.gate_up(x[a:b])) for a, b in row_blocks(T, self.mlp_block_rows)]
+            y = parts[0] if len(parts) == 1 else torch.cat(parts)
+            next_norm = layers[k + 1][1].input_norm if k + 1 < len(layers) else None
+            if norms.down is None:
+                h, x = chains.residual(lin.down_residual(h, y), None, None, next_norm)
+            else:
+                h, x = chains.residual(h, lin.down(y), norms.down, next_norm)
+        return h
 
     def _int8_layers(self, h: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
                      backend: AttentionBackend) -> torch.Tensor:

@@ -25,17 +25,22 @@ def block_rows(intermediate_size: int) -> int:
     return max(1, BLOCK_BYTES // (2 * intermediate_size * 4))
 
 
+def row_blocks(rows: int, max_rows: int) -> list[tuple[int, int]]:
+    """[start, stop) of each block of a step of `rows` rows: one block up to max_rows, else
+    blocks of equal size (within one row), each more than half of max_rows."""
+    blocks = -(-rows // max_rows)
+    bounds = [rows * k // blocks for k in range(blocks + 1)]
+    return list(zip(bounds, bounds[1:]))
+
+
 def gate_up_act(chains: Int8Chains, path: str, layer: Int8Layer, x: torch.Tensor, x_scale: torch.Tensor,
                 max_rows: int) -> Quantized:
     """act(gate) * up of `layer` for quantized input (x, x_scale), quantized for `path`, in
     blocks of at most `max_rows` rows. A larger step is cut into blocks of equal size (within
     one row), each more than half of max_rows: with block_rows' sizes, far above the row
     count from which the compiled chains (chosen for the whole step) serve."""
-    rows = x.shape[0]
-    if rows <= max_rows:
+    if x.shape[0] <= max_rows:
         return chains.act_mul(path, layer.gate_up.product(path, x), x_scale, layer.gate_up_bias)
-    blocks = -(-rows // max_rows)
-    bounds = [rows * k // blocks for k in range(blocks + 1)]
     parts = [chains.act_mul(path, layer.gate_up.product(path, x[a:b]), x_scale[a:b], layer.gate_up_bias)
-             for a, b in zip(bounds, bounds[1:])]
+             for a, b in row_blocks(x.shape[0], max_rows)]
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])

@@ -87,6 +87,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+def apply_rope_rounded(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_rope out of place with apply_rope_'s roundings in a half-precision x: x * cos
+    in x's dtype, then addcmul's sum with rolled * sin taken in float32 and rounded once
+    (a compiled graph that emulates eager's casts then rounds as apply_rope_ does)."""
+    half = x.shape[-1] // 2
+    rolled = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return ((x * cos).float() + rolled.float() * sin.float()).to(x.dtype)
+
+
 def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """In place: x [T, heads, head_dim] (may be a strided view); cos/sin from RopeTable.lookup."""
     rolled = x.roll(x.shape[-1] // 2, dims=-1)  # [x2, x1]; times [-sin, sin] = rotate_half(x) * sin

@@ -1,0 +1,168 @@
+"""The model-dtype decoder's element-wise work compiled, for steps of many rows (prefill).
+
+DecoderLM.forward, the general path, runs each element-wise op eagerly: at prefill sizes
+(thousands of rows) every op is its own pass over a [rows, 640..4096] tensor, with a
+bf16 -> float32 -> bf16 round trip around each norm, and those passes cost about as much
+as the matmuls between them (benchmarks/results/prefill.md). Here the work between two
+matmuls is one function, compiled by torch.compile (inductor's C++ backend) into one or
+two loops over the rows:
+
+    residual   h + norm(out) (sandwich norms; pre-norm layers add in the matmul), then
+               the next matmul's input norm
+    qk_out     q/k norm and RoPE on the qkv product
+    act_mul    act(gate) * up
+
+The arithmetic is forward's, with each intermediate rounded to the model dtype where the
+eager op would round it (inductor's emulate_precision_casts), and norms whose sums of
+squares round alike in any order (models/layers/rms_norm.py): the chains give forward's
+values bit for bit, so the greedy tokens do not depend on which path a step takes
+(tests/models/test_decoder_chains.py).
+
+Served by DecoderLM for steps of at least compiled_chains.DEFAULT_MIN_ROWS rows on models
+whose layers it covers (one rank; pre-norm or sandwich norms; no projection norms): built
+on first use and checked once against the eager functions on made-up inputs of the
+model's sizes: a chain that differs in any bit runs eager (as inductor's GELU does on AVX2
+CPUs); no compiler or a failed build keeps the eager path for the life of the model, with
+one logged line. `--no-compile` never builds them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from hybridserve.models.arch.compiled_chains import DEFAULT_MIN_ROWS, compile_chain, dynamic_rows, one_line
+from hybridserve.models.config import ModelConfig
+from hybridserve.models.layers.rms_norm import rms_norm
+from hybridserve.models.layers.rope import apply_rope_rounded
+
+log = logging.getLogger(__name__)
+
+# Inductor options of these chains: round intermediates to the model dtype as eager does.
+_OPTIONS = {"emulate_precision_casts": True}
+
+
+def residual(h: torch.Tensor, out: torch.Tensor | None, out_norm: torch.Tensor | None,
+             next_norm: torch.Tensor | None, eps: torch.Tensor, inv_h: float
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(h + norm(out, out_norm) (sandwich norms; out None: h, which the matmul's fused
+    residual add has made), its norm by next_norm (None without one))."""
+    if out is not None:
+        h = h + rms_norm(out, out_norm, eps, inv_h)
+    return h, None if next_norm is None else rms_norm(h, next_norm, eps, inv_h)
+
+
+def qk_out(qkv: torch.Tensor, qk_norm: torch.Tensor | None, cos: torch.Tensor | None, sin: torch.Tensor | None,
+           eps: torch.Tensor, inv_hd: float, heads: int, head_dim: int) -> torch.Tensor:
+    """A new qkv product [T, (H + 2 KVH) * D] with q and k (the first `heads` = H + KVH
+    heads) normed by qk_norm [H + KVH, D] and rotated (cos, sin: RopeTable.lookup's; None:
+    no RoPE); v as it was."""
+    rows, width = qkv.shape[0], heads * head_dim
+    qk = qkv[:, :width].view(rows, heads, head_dim)
+    if qk_norm is not None:
+        qk = rms_norm(qk, None, eps, inv_hd) * qk_norm
+    if cos is not None:
+        qk = apply_rope_rounded(qk, cos, sin)
+    return torch.cat((qk.reshape(rows, width), qkv[:, width:]), dim=1)
+
+
+def act_mul(gate_up: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return act(gate) * up
+
+
+class DecoderChains:
+    """The three chains of one model compiled (one graph per chain and variant; the row
+    count is dynamic, so one serves every large step). The sizes are kept for the check,
+    which makes up inputs of the model's sizes."""
+
+    def __init__(self, cfg: ModelConfig, eps: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor],
+                 dtype: torch.dtype) -> None:
+        self.eps, self.act, self.dtype = eps, act, dtype
+        self.heads, self.kv_heads, self.head_dim = cfg.num_heads + cfg.num_kv_heads, cfg.num_kv_heads, cfg.head_dim
+        self.hidden_size, self.intermediate_size = cfg.hidden_size, cfg.intermediate_size
+        self.inv_h, self.inv_hd = 1.0 / cfg.hidden_size, 1.0 / cfg.head_dim
+        self._residual = compile_chain(residual, _OPTIONS)
+        self._qk_out = compile_chain(qk_out, _OPTIONS)
+        self._act_mul = compile_chain(act_mul, _OPTIONS)
+
+    def residual(self, h: torch.Tensor, out: torch.Tensor | None, out_norm: torch.Tensor | None,
+                 next_norm: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self._residual(dynamic_rows(h), dynamic_rows(out), out_norm, next_norm, self.eps, self.inv_h)
+
+    def qk_out(self, qkv: torch.Tensor, qk_norm: torch.Tensor | None, cos: torch.Tensor | None,
+               sin: torch.Tensor | None) -> torch.Tensor:
+        return self._qk_out(dynamic_rows(qkv), qk_norm, dynamic_rows(cos), dynamic_rows(sin), self.eps, self.inv_hd,
+                            self.heads, self.head_dim)
+
+    def act_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self._act_mul(dynamic_rows(gate_up), self.act)
+
+
+class LayerNorms(NamedTuple):
+    """One layer's norm weights as the chains take them (None: that norm is absent)."""
+
+    qk: torch.Tensor | None
+    out: torch.Tensor | None  # o's output, before the residual add (sandwich norms)
+    ffn: torch.Tensor  # gate|up's input
+    down: torch.Tensor | None  # down's output, before the residual add (sandwich norms)
+
+
+def build(cfg: ModelConfig, eps: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype,
+          sample: LayerNorms, rows: int = DEFAULT_MIN_ROWS) -> DecoderChains | None:
+    """The compiled chains, each checked against its eager function on made-up inputs of
+    `rows` rows through `sample`'s norms (a layer of the model, so that the check compiles
+    the graphs the model runs): a chain that differs in any bit runs its eager function
+    instead (as inductor's GELU does on AVX2 CPUs); None (logged) where they cannot be
+    built or none agrees."""
+    start = time.perf_counter()
+    try:
+        chains = DecoderChains(cfg, eps, act, dtype)
+        differ = mismatches(chains, sample, rows)
+    except Exception as exc:  # noqa: BLE001 - any failure keeps the general path
+        log.warning("the decoder's element-wise work stays eager: the compiled chains failed to build (%s)",
+                    one_line(exc))
+        return None
+    if len(differ) == len(EAGER):
+        log.warning("the decoder's element-wise work stays eager: every compiled chain differs from its eager function")
+        return None
+    for name in differ:
+        log.warning("the decoder chain %s stays eager: compiled, it differs from the eager function", name)
+        setattr(chains, f"_{name}", EAGER[name])
+    log.info("decoder chains compiled and checked in %.1f s (steps of %d+ rows)", time.perf_counter() - start, rows)
+    return chains
+
+
+# Each chain's eager function, by name (DecoderChains holds it compiled as _<name>).
+EAGER: dict[str, Callable[..., Any]] = {"residual": residual, "qk_out": qk_out, "act_mul": act_mul}
+
+
+def mismatches(chains: DecoderChains, norms: LayerNorms, rows: int) -> list[str]:
+    """The chains whose compiled functions differ from their eager ones in any bit on one
+    made-up step of `rows` rows through `norms`."""
+    g = torch.Generator().manual_seed(rows)
+    dt, hd, heads, eps, inv_h = chains.dtype, chains.head_dim, chains.heads, chains.eps, chains.inv_h
+    h = torch.randn(rows, chains.hidden_size, generator=g).to(dt)
+    out = (torch.randn(rows, chains.hidden_size, generator=g) * 3).to(dt)
+    qkv = torch.randn(rows, (heads + chains.kv_heads) * hd, generator=g).to(dt)
+    angles = torch.rand(rows, 1, hd, generator=g) * 6
+    cos, sin = angles.cos().to(dt), angles.sin().to(dt)
+    gate_up = (torch.randn(rows, 2 * chains.intermediate_size, generator=g) * 2).to(dt)
+    # Pre-norm layers add o's and down's outputs in the matmuls: no out to norm.
+    o, down = (None if norm is None else out for norm in (norms.out, norms.down))
+    calls: list[tuple[str, tuple[Any, ...], tuple[Any, ...]]] = [
+        ("residual", chains.residual(h, o, norms.out, norms.ffn), residual(h, o, norms.out, norms.ffn, eps, inv_h)),
+        ("residual", chains.residual(h, down, norms.down, None), residual(h, down, norms.down, None, eps, inv_h)),
+        ("qk_out", (chains.qk_out(qkv, norms.qk, cos, sin),),
+         (qk_out(qkv, norms.qk, cos, sin, eps, 1.0 / hd, heads, hd),)),
+        ("act_mul", (chains.act_mul(gate_up),), (act_mul(gate_up, chains.act),)),
+    ]
+    differ: list[str] = []
+    for name, got, want in calls:
+        for a, b in zip(got, want):
+            if name not in differ and ((a is None) != (b is None) or (a is not None and not torch.equal(a, b))):
+                differ.append(name)
+    return differ

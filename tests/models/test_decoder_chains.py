@@ -1,0 +1,150 @@
+"""decoder_chains: a model-dtype decoder's element-wise work compiled for large steps gives the
+eager loop's hidden states bit for bit (tiny families, bf16) and its greedy tokens (Gemma 3
+270M), serves only the layers it covers and only large steps, and any failure to build or
+run it leaves the model eager (models/arch/decoder_chains.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from hybridserve.models.arch import decoder_chains  # noqa: E402
+from hybridserve.models.arch.compiled_chains import DEFAULT_MIN_ROWS  # noqa: E402
+from hybridserve.models.loaders.loader import load_model  # noqa: E402
+from hybridserve.models.platform.cpu_features import as_avx2_env, read_cpu_flags  # noqa: E402
+from tests.helpers import hf_tiny  # noqa: E402
+from tests.helpers.int8_gemma3 import LENGTHS, prefill  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _model(kind: str, compile: bool = True):  # type: ignore[no-untyped-def]
+    return load_model(hf_tiny.tiny_model_dir(kind), "cpu", torch.bfloat16, "none", compile=compile)
+
+
+# Pre-norm with a sliding window, pre-norm with q/k/v biases, sandwich norms with q/k norms and GELU.
+@pytest.mark.parametrize("kind", ["mistral", "qwen2", "gemma3"])
+def test_a_large_step_gives_the_eager_hidden_states_bit_for_bit(kind: str) -> None:
+    model = _model(kind)
+    assert sum(LENGTHS) >= DEFAULT_MIN_ROWS
+    compiled = prefill(model, LENGTHS)
+    assert model._dtype_chains._compiled is not None  # the step took the compiled chains
+    assert torch.equal(compiled, prefill(_model(kind, compile=False), LENGTHS))
+
+
+def test_layers_the_chains_do_not_cover_stay_eager() -> None:
+    model = _model("olmo3")  # post-norms: the MLP reads the residual stream itself
+    assert model._dtype_chains is None
+    prefill(model, LENGTHS)
+
+
+def test_small_steps_stay_eager() -> None:
+    model = _model("gemma3")
+    prefill(model, [20, 30])  # 50 rows: below DEFAULT_MIN_ROWS, nothing is compiled
+    assert model._dtype_chains._build is not None and model._dtype_chains._compiled is None
+
+
+def test_a_build_that_fails_keeps_the_model_eager(monkeypatch, caplog) -> None:
+    def no_compiler(fn, options=None):  # type: ignore[no-untyped-def]
+        raise RuntimeError("no C++ compiler found\nsecond line")
+
+    monkeypatch.setattr(decoder_chains, "compile_chain", no_compiler)
+    model = _model("gemma3")
+    with caplog.at_level("WARNING"):
+        hidden = prefill(model, LENGTHS)
+    assert model._dtype_chains._compiled is None
+    lines = [r.getMessage() for r in caplog.records if "element-wise" in r.getMessage()]
+    assert lines == ["the decoder's element-wise work stays eager: the compiled chains failed to build "
+                     "(RuntimeError: no C++ compiler found)"]
+    assert torch.equal(hidden, prefill(_model("gemma3", compile=False), LENGTHS))
+
+
+def test_a_chain_that_disagrees_runs_eager(monkeypatch, caplog) -> None:
+    real = decoder_chains.compile_chain
+
+    def act_off_by_a_bit(fn, options=None):  # type: ignore[no-untyped-def]
+        compiled = real(fn, options)
+        return (lambda *args: compiled(*args) * 1.02) if fn.__name__ == "act_mul" else compiled
+
+    monkeypatch.setattr(decoder_chains, "compile_chain", act_off_by_a_bit)
+    model = _model("gemma3")
+    with caplog.at_level("WARNING"):
+        prefill(model, LENGTHS)
+    chains = model._dtype_chains._compiled
+    assert chains is not None and chains._act_mul is decoder_chains.act_mul  # that chain alone runs eager
+    assert "the decoder chain act_mul stays eager: compiled, it differs from the eager function" in caplog.text
+    assert torch.equal(prefill(model, LENGTHS), prefill(_model("gemma3", compile=False), LENGTHS))
+
+
+def test_chains_that_fail_on_a_step_turn_the_model_eager(caplog) -> None:
+    model = _model("gemma3")
+    prefill(model, LENGTHS)
+    assert model._dtype_chains._compiled is not None
+
+    def broken(*args):  # type: ignore[no-untyped-def]
+        raise RuntimeError("recompile limit reached")
+
+    model._dtype_chains._compiled._act_mul = broken
+    with caplog.at_level("WARNING"):
+        hidden = prefill(model, LENGTHS)  # computed again by the eager loop, its K/V rewritten
+    assert model._dtype_chains._compiled is None
+    assert "the decoder chains turn eager: the compiled chains failed (RuntimeError: recompile limit reached)" \
+        in caplog.text
+    assert torch.equal(hidden, prefill(_model("gemma3", compile=False), LENGTHS))
+
+
+_GEMMA_STREAMS = """
+import json, sys
+from hybridserve import LLM, SamplingParams
+prompts = json.load(open("benchmarks/prompts16.json"))
+out = {}
+for compile in (True, False):
+    # Threads fixed: a bf16 GEMM split over another number of threads sums in another order.
+    # The bf16 decoder on every CPU (where bf16 is not native, `auto` makes the layers int8).
+    llm = LLM(compile=compile, quantization="int8-head", num_threads=2, enable_prefix_caching=False,
+              max_model_len=512, progress=False)
+    ids = [llm.tokenizer.encode(t) for t in prompts]
+    ids += ids[:2]  # past DEFAULT_MIN_ROWS rows in the prefill step
+    outs = llm.generate(ids, SamplingParams(max_tokens=24, ignore_eos=True), use_tqdm=False)
+    out[str(compile)] = {"rows": sum(map(len, ids)), "tokens": [o.token_ids for o in outs],
+                         "compiled": llm.parts.engine.executor.model._dtype_chains._compiled is not None}
+    llm.shutdown()
+print(json.dumps(out))
+"""
+
+
+def _gemma_streams(env: dict[str, str]) -> dict:
+    out = subprocess.run([sys.executable, "-c", _GEMMA_STREAMS], env=env, capture_output=True, text=True, cwd=REPO,
+                         timeout=900)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+@pytest.mark.gemma
+def test_gemma_3_270m_gives_the_eager_greedy_tokens() -> None:
+    got = _gemma_streams(dict(os.environ))
+    assert got["True"]["rows"] >= DEFAULT_MIN_ROWS and got["True"]["compiled"]
+    assert got["True"]["tokens"] == got["False"]["tokens"]
+
+
+@pytest.mark.gemma
+@pytest.mark.skipif("avx2" not in read_cpu_flags(), reason="runs as an AVX2 CPU: needs an x86 CPU with AVX2")
+def test_gemma_3_270m_gives_the_eager_greedy_tokens_as_an_avx2_cpu() -> None:
+    # As on a CPU with AVX2 alone (as_avx2_env): inductor's 256-bit code, ATen's AVX2 kernels.
+    got = _gemma_streams({**os.environ, **as_avx2_env(read_cpu_flags())})
+    assert got["True"]["compiled"]
+    assert got["True"]["tokens"] == got["False"]["tokens"]
+
+
+def test_prepare_large_steps_builds_the_chains_before_any_step() -> None:
+    model = _model("gemma3")
+    model.prepare_large_steps()  # what a server's engine core does at start-up
+    assert model._dtype_chains._compiled is not None and model._dtype_chains._build is None
+    assert not _model("gemma3", compile=False)._dtype_chains.for_rows(10 ** 6)  # --no-compile: eager at any size

@@ -194,12 +194,18 @@ def _table(rows_list: list[int], layers: int, repeat: int, slow_max_rows: int, t
     print(f"\n({TEMPLATE}: {template_copies} copies of each shape, the other paths {layers}; both 2 above 64 rows)")
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rows", default="1,16,64,1024,4096")
+def table_arguments(doc: str, rows: str, repeat: int) -> argparse.ArgumentParser:
+    """The options of this script and group_int8_native.py: rows, threads, repeat, layers."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--rows", default=rows)
     p.add_argument("--threads", default="1,2", help="comma-separated torch thread counts, one table each")
-    p.add_argument("--repeat", type=int, default=7)
+    p.add_argument("--repeat", type=int, default=repeat)
     p.add_argument("--layers", type=int, default=18, help="copies of each shape (the decoder's layer count)")
+    return p
+
+
+def main() -> int:
+    p = table_arguments(__doc__, "1,16,64,1024,4096", 7)
     p.add_argument("--slow-max-rows", type=int, default=64, help=f"the most rows {', '.join(SLOW_PATHS)} run at")
     p.add_argument("--template-copies", type=int, default=4,
                    help=f"copies of each shape compiled for {TEMPLATE} (each compile takes seconds; 0: left out)")

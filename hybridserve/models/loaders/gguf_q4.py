@@ -42,26 +42,40 @@ def _scales_and_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return scales, mins
 
 
-def q4_k_groups(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(values 0..15 uint8 [rows, cols], scale float32 [rows, cols/32], offset float32
-    [rows, cols/32]) with weight = (values - 8) * scale + offset, from a Q4_K tensor's bytes
-    `raw` (rows x cols weights, cols along the row as GGUF stores them)."""
-    if cols % QK_K:
-        raise ConfigError(f"a Q4_K tensor's rows must be whole super-blocks of {QK_K} weights, got {cols}")
-    blocks = np.asarray(raw, dtype=np.uint8).reshape(-1)
-    expected = rows * cols // QK_K * Q4_K_BLOCK_BYTES
-    if blocks.size != expected:
-        raise ConfigError(f"a {rows} x {cols} Q4_K tensor takes {expected} bytes, got {blocks.size}")
-    blocks = blocks.reshape(-1, Q4_K_BLOCK_BYTES)
+def whole_blocks(raw: np.ndarray, rows: int, cols: int, weights: int, block_bytes: int, name: str,
+                 unit: str = "blocks") -> np.ndarray:
+    """A `name` tensor's bytes `raw` (rows x cols weights) as [blocks, block_bytes] uint8,
+    `weights` per block; ConfigError where a row is not whole blocks or the size is not theirs."""
+    if cols % weights:
+        raise ConfigError(f"a {name} tensor's rows must be whole {unit} of {weights} weights, got {cols}")
+    flat = np.asarray(raw, dtype=np.uint8).reshape(-1)
+    expected = rows * cols // weights * block_bytes
+    if flat.size != expected:
+        raise ConfigError(f"a {rows} x {cols} {name} tensor takes {expected} bytes, got {flat.size}")
+    return flat.reshape(-1, block_bytes)
+
+
+def q4_k_parts(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(values 0..15 uint8 [rows, cols], scale d*sc float32 [rows, cols/32], negative_min
+    -dmin*m float32 [rows, cols/32]) with weight = values * scale + negative_min, from a Q4_K
+    tensor's bytes `raw` (rows x cols weights, cols along the row as GGUF stores them).
+    Both are exact in float32 (an fp16 times a 6-bit integer)."""
+    blocks = whole_blocks(raw, rows, cols, QK_K, Q4_K_BLOCK_BYTES, "Q4_K", "super-blocks")
     d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)  # [B, 1]
     dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
     sc, m = _scales_and_mins(blocks[:, 4:16])
-    scale = d * sc  # [B, 8]
-    offset = _MIDPOINT * scale - dmin * m
     qs = blocks[:, 16:].reshape(-1, 4, 1, 32)  # 4 pairs of sub-blocks, 32 bytes each
     values = np.concatenate([qs & 15, qs >> 4], axis=2)  # [B, 4, 2, 32]: sub-blocks 2i, 2i+1
-    return (values.reshape(rows, cols), scale.reshape(rows, cols // 32).astype(np.float32),
-            offset.reshape(rows, cols // 32).astype(np.float32))
+    return (values.reshape(rows, cols), (d * sc).reshape(rows, cols // 32).astype(np.float32),
+            (-(dmin * m)).reshape(rows, cols // 32).astype(np.float32))
+
+
+def q4_k_groups(raw: np.ndarray, rows: int, cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(values 0..15 uint8 [rows, cols], scale float32 [rows, cols/32], offset float32
+    [rows, cols/32]) with weight = (values - 8) * scale + offset (the int4 kernel's form),
+    from a Q4_K tensor's bytes `raw` (q4_k_parts)."""
+    values, scale, negative_min = q4_k_parts(raw, rows, cols)
+    return values, scale, _MIDPOINT * scale + negative_min
 
 
 def int4_groups(ggml_type: int, type_name: str, raw: np.ndarray, rows: int, cols: int

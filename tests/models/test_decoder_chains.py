@@ -17,6 +17,7 @@ torch = pytest.importorskip("torch")
 
 from hybridserve.models.arch import decoder_chains  # noqa: E402
 from hybridserve.models.arch.compiled_chains import DEFAULT_MIN_ROWS  # noqa: E402
+from hybridserve.models.layers.rms_norm import rms_norm  # noqa: E402
 from hybridserve.models.loaders.loader import load_model  # noqa: E402
 from hybridserve.models.platform.cpu_features import as_avx2_env, read_cpu_flags  # noqa: E402
 from tests.helpers import hf_tiny  # noqa: E402
@@ -27,6 +28,24 @@ REPO = Path(__file__).resolve().parents[2]
 
 def _model(kind: str, compile: bool = True):  # type: ignore[no-untyped-def]
     return load_model(hf_tiny.tiny_model_dir(kind), "cpu", torch.bfloat16, "none", compile=compile)
+
+
+def test_exact_sums_normalise_alike_in_any_order() -> None:
+    # What lets a compiled norm (its own summation order) equal the eager one bit for bit:
+    # the float64 sum of float32 squares rounds to one float32 whatever the order (float32
+    # sums of the same columns permuted change a few of these values).
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(4096, 640, generator=g) * 4).to(torch.bfloat16)
+    w = torch.randn(640, generator=g).to(torch.bfloat16)
+    eps = torch.tensor(1e-6, dtype=torch.bfloat16)
+    for seed in range(4):
+        perm = torch.randperm(640, generator=torch.Generator().manual_seed(seed))
+        got = rms_norm(x[:, perm], w[perm], eps, 1 / 640, exact_sums=True)
+        assert torch.equal(got, rms_norm(x, w, eps, 1 / 640, exact_sums=True)[:, perm])
+    # and they are the float32 norm of the exact mean square (HF's arithmetic, up to rounding)
+    want = (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()).to(torch.bfloat16)
+    assert float((rms_norm(x, w, eps, 1 / 640, exact_sums=True).double() - want.double()).abs().max()) <= \
+        float(want.double().abs().max()) * 2 ** -7
 
 
 # Pre-norm with a sliding window, pre-norm with q/k/v biases, sandwich norms with q/k norms and GELU.

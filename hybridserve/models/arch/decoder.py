@@ -362,6 +362,8 @@ class DecoderLM(StagedModel):
         if not self._linears:
             self.build_linears(release_weights=False)
         chains = None if self._dtype_chains is None else self._dtype_chains.for_rows(T)
+        # A step the compiled chains may take normalises as they do, eager or not (rms_norm).
+        exact = self._dtype_chains is not None and T >= self._dtype_chains.min_rows
         if chains is not None:
             assert self._dtype_chains is not None
             try:
@@ -370,7 +372,7 @@ class DecoderLM(StagedModel):
                 # Its K/V writes are rewritten with the same slots.
                 self._dtype_chains.drop_compiled(exc)
         for i, w, lin in zip(self.layer_ids, self.layers, self._linears):
-            x = h if w.input_norm is None else rms_norm(h, w.input_norm, eps, inv_h)
+            x = h if w.input_norm is None else rms_norm(h, w.input_norm, eps, inv_h, exact_sums=exact)
             qkv = lin.qkv(x)
             # q | k | v per token: after RoPE in place, k and v are adjacent, which is
             # exactly one KV cache slot ([2, KVH, D]).
@@ -378,25 +380,25 @@ class DecoderLM(StagedModel):
             if self._projection_norm is not None:
                 self._projection_norm.apply_(qk, w.qk_norm, nq, eps)
             elif w.qk_norm is not None:
-                torch.mul(rms_norm(qk, None, eps, inv_hd), w.qk_norm, out=qk)
+                torch.mul(rms_norm(qk, None, eps, inv_hd, exact_sums=exact), w.qk_norm, out=qk)
             if cfg.layer_types[i] in rope:  # EXAONE 4's full layers have no RoPE
                 cos, sin = rope[cfg.layer_types[i]]
                 apply_rope_(qk, cos, sin)  # q and k share positions: one rotation covers both
             qkv = qkv.to(self.dtype)  # the KV cache's dtype (a no-op unless int8 layers)
             attn = backend.attention(i, qkv[:, : nq * hd].view(T, nq, hd), qkv[:, nq * hd :].view(T, 2, nkv, hd))
             if cfg.sandwich_norm:
-                h = h + rms_norm(self.reduce(lin.o(attn)), w.post_attn_norm, eps, inv_h)
-                x = rms_norm(h, w.pre_ffn_norm, eps, inv_h)
+                h = h + rms_norm(self.reduce(lin.o(attn)), w.post_attn_norm, eps, inv_h, exact_sums=exact)
+                x = rms_norm(h, w.pre_ffn_norm, eps, inv_h, exact_sums=exact)
             elif cfg.post_norm:  # OLMo: the MLP reads the residual stream itself
-                h = h + rms_norm(self.reduce(lin.o(attn)), w.post_attn_norm, eps, inv_h)
+                h = h + rms_norm(self.reduce(lin.o(attn)), w.post_attn_norm, eps, inv_h, exact_sums=exact)
                 x = h
             else:
                 h = self.add_row_parallel(h, attn, lin.o, lin.o_residual)
-                x = rms_norm(h, w.post_attn_norm, eps, inv_h)
+                x = rms_norm(h, w.post_attn_norm, eps, inv_h, exact_sums=exact)
             gate, up = lin.gate_up(x).chunk(2, dim=-1)
             y = self._act(gate) * up
             if w.post_ffn_norm is not None:
-                h = h + rms_norm(self.reduce(lin.down(y)), w.post_ffn_norm, eps, inv_h)
+                h = h + rms_norm(self.reduce(lin.down(y)), w.post_ffn_norm, eps, inv_h, exact_sums=exact)
             else:
                 h = self.add_row_parallel(h, y, lin.down, lin.down_residual)
         return self.stage_output(h)
@@ -410,7 +412,8 @@ class DecoderLM(StagedModel):
         nq, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         T = h.shape[0]
         layers = list(zip(self.layer_ids, self.layers, self._linears))
-        x: torch.Tensor | None = rms_norm(h, layers[0][1].input_norm, self._eps, 1.0 / cfg.hidden_size)
+        x: torch.Tensor | None = rms_norm(h, layers[0][1].input_norm, self._eps, 1.0 / cfg.hidden_size,
+                                          exact_sums=True)
         for k, (i, w, lin) in enumerate(layers):
             norms = self._layer_norms(w)
             cos, sin = rope.get(cfg.layer_types[i], (None, None))

@@ -14,7 +14,8 @@ two loops over the rows:
 
 The arithmetic is forward's, with each intermediate rounded to the model dtype where the
 eager op would round it (inductor's emulate_precision_casts), and norms whose sums of
-squares round alike in any order (models/layers/rms_norm.py): the chains give forward's
+squares round alike in any order (rms_norm's exact_sums, which the eager loop takes for
+steps of this size too): the chains give forward's
 values bit for bit, so the greedy tokens do not depend on which path a step takes
 (tests/models/test_decoder_chains.py).
 
@@ -51,8 +52,8 @@ def residual(h: torch.Tensor, out: torch.Tensor | None, out_norm: torch.Tensor |
     """(h + norm(out, out_norm) (sandwich norms; out None: h, which the matmul's fused
     residual add has made), its norm by next_norm (None without one))."""
     if out is not None:
-        h = h + rms_norm(out, out_norm, eps, inv_h)
-    return h, None if next_norm is None else rms_norm(h, next_norm, eps, inv_h)
+        h = h + rms_norm(out, out_norm, eps, inv_h, exact_sums=True)
+    return h, None if next_norm is None else rms_norm(h, next_norm, eps, inv_h, exact_sums=True)
 
 
 def qk_out(qkv: torch.Tensor, qk_norm: torch.Tensor | None, cos: torch.Tensor | None, sin: torch.Tensor | None,
@@ -63,7 +64,7 @@ def qk_out(qkv: torch.Tensor, qk_norm: torch.Tensor | None, cos: torch.Tensor | 
     rows, width = qkv.shape[0], heads * head_dim
     qk = qkv[:, :width].view(rows, heads, head_dim)
     if qk_norm is not None:
-        qk = rms_norm(qk, None, eps, inv_hd) * qk_norm
+        qk = rms_norm(qk, None, eps, inv_hd, exact_sums=True) * qk_norm
     if cos is not None:
         qk = apply_rope_rounded(qk, cos, sin)
     return torch.cat((qk.reshape(rows, width), qkv[:, width:]), dim=1)

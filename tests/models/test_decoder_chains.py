@@ -120,8 +120,9 @@ def test_chains_that_fail_on_a_step_turn_the_model_eager(caplog) -> None:
 
 
 _GEMMA_STREAMS = """
-import json, sys
+import json, logging, sys
 from hybridserve import LLM, SamplingParams
+logging.basicConfig(level=logging.WARNING)
 prompts = json.load(open("benchmarks/prompts16.json"))
 out = {}
 for compile in (True, False):
@@ -143,13 +144,13 @@ def _gemma_streams(env: dict[str, str]) -> dict:
     out = subprocess.run([sys.executable, "-c", _GEMMA_STREAMS], env=env, capture_output=True, text=True, cwd=REPO,
                          timeout=900)
     assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads(out.stdout.splitlines()[-1])
+    return {**json.loads(out.stdout.splitlines()[-1]), "log": out.stderr[-2000:]}
 
 
 @pytest.mark.gemma
 def test_gemma_3_270m_gives_the_eager_greedy_tokens() -> None:
     got = _gemma_streams(dict(os.environ))
-    assert got["True"]["rows"] >= DEFAULT_MIN_ROWS and got["True"]["compiled"]
+    assert got["True"]["rows"] >= DEFAULT_MIN_ROWS and got["True"]["compiled"], got["log"]
     assert got["True"]["tokens"] == got["False"]["tokens"]
 
 
@@ -158,7 +159,7 @@ def test_gemma_3_270m_gives_the_eager_greedy_tokens() -> None:
 def test_gemma_3_270m_gives_the_eager_greedy_tokens_as_an_avx2_cpu() -> None:
     # As on a CPU with AVX2 alone (as_avx2_env): inductor's 256-bit code, ATen's AVX2 kernels.
     got = _gemma_streams({**os.environ, **as_avx2_env(read_cpu_flags())})
-    assert got["True"]["compiled"]
+    assert got["True"]["compiled"], got["log"]
     assert got["True"]["tokens"] == got["False"]["tokens"]
 
 

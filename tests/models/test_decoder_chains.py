@@ -168,3 +168,9 @@ def test_prepare_large_steps_builds_the_chains_before_any_step() -> None:
     model.prepare_large_steps()  # what a server's engine core does at start-up
     assert model._dtype_chains._compiled is not None and model._dtype_chains._build is None
     assert not _model("gemma3", compile=False)._dtype_chains.for_rows(10 ** 6)  # --no-compile: eager at any size
+
+
+@pytest.mark.parametrize("kind", ["cohere2", "gpt_oss"])
+def test_families_with_their_own_forward_build_no_chains(kind: str) -> None:
+    # their layers are not forward's loop: nothing to compile, nothing built at a server's start
+    assert _model(kind)._dtype_chains is None

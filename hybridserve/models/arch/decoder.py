@@ -274,10 +274,9 @@ class DecoderLM(StagedModel):
         models/layers/smoothing.smooth, which has already divided the norms) the layers' matmuls
         are int8 x int8, the element-wise chains between them compiled for large steps unless
         `compile` is False (compiled_chains.py); without, the model-dtype layers' element-wise
-        work is compiled for large steps likewise where decoder_chains.py covers the layers;
-        with quantization INT4_LAYERS, int4 groups
-        (models/layers/int4.py). `head_factors`: the int8 x int8 head's smoothing (the final
-        norm already divided by them)."""
+        work is compiled for large steps likewise where decoder_chains.py covers the layers.
+        With quantization INT4_LAYERS, int4 groups (models/layers/int4.py). `head_factors`:
+        the int8 x int8 head's smoothing (the final norm already divided by them)."""
         self.int8_layers = smoothing is not None
         if quantization == INT4_LAYERS:
             self._linears = [_int4_layer_linears(w, release_weights) for w in self.layers]
@@ -316,11 +315,13 @@ class DecoderLM(StagedModel):
 
     def _chains_cover_layers(self) -> bool:
         """Whether decoder_chains' functions cover this model's layers (forward's general
-        loop serves the rest): one rank, an input norm on every layer (pre-norm or sandwich
-        norms), no projection-wide q/k norm, attention and MLP in sequence."""
+        loop serves the rest): this class's forward (not a subclass's own), one rank, an
+        input norm on every layer (pre-norm or sandwich norms), no projection-wide q/k norm,
+        attention and MLP in sequence."""
         cfg = self.cfg
-        return (self.tp is None and self._projection_norm is None and not cfg.post_norm and not cfg.parallel_block
-                and bool(self.layers) and all(w.input_norm is not None for w in self.layers))
+        return (type(self).forward is DecoderLM.forward and self.tp is None and self._projection_norm is None
+                and not cfg.post_norm and not cfg.parallel_block and bool(self.layers)
+                and all(w.input_norm is not None for w in self.layers))
 
     def _layer_norms(self, w: DecoderLayerWeights) -> LayerNorms:
         if self.cfg.sandwich_norm:

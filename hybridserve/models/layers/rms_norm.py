@@ -10,11 +10,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: torch.Tensor, in
 
     F.rms_norm is a 9-kernel composite on CPU; at decode sizes kernels are the cost.
     mean(x^2) is taken as ||x||^2 / d, which differs from HF's pow-mean by float rounding
-    (about 1e-7 relative).
+    (about 1e-7 relative). The scaling and the weight are applied in place on tensors made
+    here (a half-precision input's float32 copy, or the scaled product), never on `x`: a
+    1024-token prefill's RMSNorms then allocate one float32 [T, hidden] each instead of
+    three, which the heap keeps resident (benchmarks/results/memory_peak.md).
     """
     if x.dtype != torch.float32:  # half-precision models normalise in float32, as HF does
-        w32 = None if weight is None else weight.float()
-        return rms_norm(x.float(), w32, eps.float(), inv_dim).to(x.dtype)
+        x32 = x.float()
+        scaled = x32.mul_(_inverse_rms(x32, eps.float(), inv_dim))  # x32 is our own copy
+        return (scaled if weight is None else scaled.mul_(weight)).to(x.dtype)
+    out = x * _inverse_rms(x, eps, inv_dim)
+    return out if weight is None else out.mul_(weight)
+
+
+def _inverse_rms(x: torch.Tensor, eps: torch.Tensor, inv_dim: float) -> torch.Tensor:
     n = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
-    out = x * torch.addcmul(eps, n, n, value=inv_dim).rsqrt_()
-    return out if weight is None else out * weight
+    return torch.addcmul(eps, n, n, value=inv_dim).rsqrt_()

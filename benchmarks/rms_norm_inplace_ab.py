@@ -2,6 +2,7 @@
 in-place RMSNorm against the allocating one it replaced, alternated in one process.
 
     python benchmarks/rms_norm_inplace_ab.py --rounds 4 --threads 2
+    python benchmarks/rms_norm_inplace_ab.py --calls-only      # the call alone, [R, 640] bf16
 
 The in-place form scales its own float32 copy of a half-precision input, and applies the
 weight in place, instead of allocating two more float32 tensors per call: the same values
@@ -43,6 +44,25 @@ def allocating(x: torch.Tensor, weight: torch.Tensor | None, eps: torch.Tensor, 
     return out if weight is None else out * weight
 
 
+def time_calls(arms: dict, threads: int) -> None:
+    """Each arm's call on Gemma 3 270M's [R, 640] bf16 rows, blocks of calls alternated, medians."""
+    torch.set_num_threads(threads)
+    eps = torch.tensor(1e-6, dtype=torch.bfloat16)
+    for rows, reps in ((1, 400), (16, 400), (64, 200), (1024, 40)):
+        gen = torch.Generator().manual_seed(rows)
+        x = torch.randn(rows, 640, generator=gen).to(torch.bfloat16)
+        w = torch.randn(640, generator=gen).to(torch.bfloat16)
+        us: dict[str, list[float]] = {name: [] for name in arms}
+        for r in range(10):
+            for name in (list(arms) if r % 2 == 0 else list(arms)[::-1]):
+                start = time.perf_counter()
+                for _ in range(reps):
+                    arms[name](x, w, eps, 1.0 / 640)
+                us[name].append((time.perf_counter() - start) / reps * 1e6)
+        a_us, b_us = (statistics.median(v) for v in us.values())
+        print(f"call, {rows} rows: in-place {a_us:.1f} us, allocating {b_us:.1f} us, ratio {a_us / b_us:.3f}")
+
+
 def params(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)
 
@@ -58,10 +78,14 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--rows", default="1,16,64")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--calls-only", action="store_true", help="time the call alone, not the engine's steps")
     a = p.parse_args()
+    arms = {"in-place": in_place, "allocating": allocating}
+    time_calls(arms, a.threads)
+    if a.calls_only:
+        return
     llm = LLM(None, progress=False, enable_prefix_caching=False, num_threads=a.threads)
     vocab = llm.parts.model_config.vocab_size
-    arms = {"in-place": in_place, "allocating": allocating}
     rows_list = [int(r) for r in a.rows.split(",")]
     times: dict[tuple[str, str], list[float]] = {}
     tokens: dict[str, list] = {}

@@ -18,7 +18,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: torch.Tensor, in
     if x.dtype != torch.float32:  # half-precision models normalise in float32, as HF does
         x32 = x.float()
         scaled = x32.mul_(_inverse_rms(x32, eps.float(), inv_dim))  # x32 is our own copy
-        return (scaled if weight is None else scaled.mul_(weight)).to(x.dtype)
+        return (scaled if weight is None else scaled.mul_(weight.float())).to(x.dtype)
     out = x * _inverse_rms(x, eps, inv_dim)
     return out if weight is None else out.mul_(weight)
 

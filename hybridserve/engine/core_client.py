@@ -1,9 +1,9 @@
 """The server's side of an engine core process (core_process.py).
 
 A `CoreProcessReplica` keeps the replica contract of replica.py (streams, text, failure
-isolation), but the engine it drives runs in a child process started with
-multiprocessing's spawn context, talking over one Pipe (pickled messages, listed in
-core_process.py). Two threads per replica in the server: the replica thread (commands from
+isolation), but the engine it drives runs in a child interpreter (core_spawn.CoreProcess:
+no multiprocessing, so no resource tracker beside it), talking over one connection
+(pickled messages, listed in core_process.py). Two threads per replica in the server: the replica thread (commands from
 the front, outputs from the core: detokenizing, stop strings, publishing) and a reader
 that only moves the core's messages onto the replica's command queue.
 
@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import logging
-import multiprocessing
 import threading
 import weakref
 from multiprocessing.connection import Connection
@@ -29,6 +28,7 @@ from hybridserve.core.errors import ConfigError, HybridServeError, RequestError
 from hybridserve.core.request import Request
 from hybridserve.core.sched.output import RequestOutput as CoreOutput
 from hybridserve.engine.core_process import CoreInfo, core_main
+from hybridserve.engine.core_spawn import CoreProcess
 from hybridserve.engine.frontend import FrontEnd
 from hybridserve.engine.replica import EngineReplica, ReplicaHost, Stream, reply
 
@@ -40,10 +40,9 @@ CORE_START_TIMEOUT_S = 600.0
 CORE_EXIT_GRACE_S = 10.0
 
 
-# Core processes not yet stopped. They are not daemonic (a core may start worker processes
-# of its own, which daemonic processes may not), so multiprocessing would wait for them at
-# exit: this hook, registered after multiprocessing's and so run before it, ends them, and
-# from then on no core starts (a replica that sees its core end then dies, not restarts).
+# Core processes not yet stopped. A core also exits when the server's end of its connection
+# closes, but this hook ends them at the server's exit without waiting for that, and from
+# then on no core starts (a replica that sees its core end then dies, not restarts).
 _RUNNING: weakref.WeakSet = weakref.WeakSet()
 _EXIT_LOCK = threading.Lock()
 _exiting = False
@@ -79,8 +78,7 @@ class CoreProcessReplica(EngineReplica):
 
     def __init__(self, index: int, config: EngineConfig, host: ReplicaHost, max_restarts: int,
                  progress: bool = True) -> None:
-        self._mp = multiprocessing.get_context("spawn")
-        self.process: Any = None
+        self.process: CoreProcess | None = None
         self.conn: Connection | None = None
         self.generation = 0
         self.info: CoreInfo | None = None
@@ -91,22 +89,18 @@ class CoreProcessReplica(EngineReplica):
 
     # -- start and stop ------------------------------------------------------------------
     def _open(self, progress: bool) -> None:
-        """Spawn the process; `wait_ready` finishes the start (so replicas load together)."""
-        parent, child = self._mp.Pipe()
-        process = self._mp.Process(target=core_main, args=(self.config, child, self.index, progress),
-                                   name=f"hybridserve-core-{self.index}")
+        """Start the process; `wait_ready` finishes the start (so replicas load together)."""
         with _EXIT_LOCK:
             if _exiting:
                 raise EngineCoreStartError("the process is exiting: no engine core starts")
-            process.start()
+            process = CoreProcess(core_main, (self.config, self.index, progress))
             _RUNNING.add(process)
         self.process = process
-        child.close()  # the child holds its end: EOF here once it exits
-        self.conn, self.generation, self._sent = parent, self.generation + 1, 0
+        self.conn, self.generation, self._sent = process.conn, self.generation + 1, 0
 
     def wait_ready(self) -> CoreInfo:
         """Block until the core has loaded its model; raise its start error otherwise."""
-        assert self.conn is not None
+        assert self.conn is not None and self.process is not None
         try:
             if not self.conn.poll(CORE_START_TIMEOUT_S):
                 raise EngineCoreStartError(f"engine core {self.index} did not start in {CORE_START_TIMEOUT_S:g} s")
@@ -190,6 +184,7 @@ class CoreProcessReplica(EngineReplica):
             logger.error("engine core %d failed a step: %s", self.index, msg[1])
             return msg[1]
         elif kind == "lost":
+            assert self.process is not None
             self.process.join(CORE_EXIT_GRACE_S)
             reason = f"EngineCoreLost: the engine core process {exit_description(self.process.exitcode)}"
             logger.error("engine core %d: %s", self.index, reason)

@@ -1,6 +1,6 @@
 """The engine core process: scheduler + executor, stepping on their own interpreter.
 
-Started (multiprocessing, spawn) by core_client.CoreProcessReplica, one per data-parallel
+Started (core_spawn.CoreProcess) by core_client.CoreProcessReplica, one per data-parallel
 replica. It loads the model once, says "ready" with what the front needs (CoreInfo), then
 loops: apply the commands waiting on its pipe (block when it has nothing to run), step,
 send the step's per-request outputs. Per step only small messages cross the pipe

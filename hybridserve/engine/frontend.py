@@ -69,12 +69,16 @@ def grammar_backend(tokenizer: Tokenizer | None, model_config: ModelConfig) -> G
     return GrammarBackend(tokenizer.hf, model_config.vocab_size) if tokenizer is not None else None
 
 
-def build_engine_parts(config: EngineConfig, progress: bool = True, keep_tokenizer: bool = True) -> EngineParts:
+def build_engine_parts(config: EngineConfig, progress: bool = True, keep_tokenizer: bool = True,
+                       encode_first: Sequence[str] = ()) -> EngineParts:
     """Resolve, check, load. Raises ConfigError (MissingExtraError for an absent extra).
     keep_tokenizer=False (an engine core process, whose server tokenizes and detokenizes):
     what the load reads of the tokenizer (EOS, the int8 calibration texts' ids) is read
     first, then its parsed vocabulary is dropped (text/tokenizer.release_tokenizer) before
-    any weight is, so that it is not resident beside the load's own peak."""
+    any weight is, so that it is not resident beside the load's own peak. `encode_first`
+    (texts the caller will encode, known before the load: `hybridserve generate`'s prompts):
+    encoded first as well, and the tokenizer dropped the same way, keeping only what
+    decoding needs (text/decode_table.py); other texts read it again."""
     from hybridserve.engine.loop import build_engine
     from hybridserve.executor.torch.executor import TorchExecutor, resolve_device
     from hybridserve.executor.torch.kv_cache import TORCH_DTYPES
@@ -105,11 +109,11 @@ def build_engine_parts(config: EngineConfig, progress: bool = True, keep_tokeniz
     # and the overlap is the scheduler's alone.
     grammar = grammar_backend(tokenizer, model_cfg)
     encode = tokenizer.encode if tokenizer is not None else None
-    if encode is not None and not keep_tokenizer:
+    if encode is not None and (not keep_tokenizer or encode_first):
         from hybridserve.models.layers.smoothing import encoded_calibration
 
         encode = encoded_calibration(encode)
-        release_tokenizer(tokenizer)
+        release_tokenizer(tokenizer, keep_decoding=keep_tokenizer, texts=encode_first)
     executor: Any
     if config.is_multiprocess:
         executor = _distributed_executor(config, path, device.type, dtype, quantization, tokenizer is not None)

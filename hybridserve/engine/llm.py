@@ -57,14 +57,17 @@ class LLM:
     """A model plus an engine, driven synchronously."""
 
     def __init__(self, model: str | None = None, *, config: EngineConfig | None = None, progress: bool = True,
-                 **engine_args: Any) -> None:
+                 encode_first: Sequence[str] = (), **engine_args: Any) -> None:
+        """`encode_first`: text prompts known before the load, encoded then; the tokenizer
+        is then held only for decoding (a converted GGUF's: engine/frontend.build_engine_parts),
+        and encoding any other text reads it again (a transient of a few hundred MB)."""
         if config is not None and (engine_args or model is not None):
             raise RequestError("pass either config=EngineConfig(...) or model/engine arguments, not both")
         self.config = config or EngineConfig.from_kwargs(model=model, **engine_args)
         if self.config.data_parallel_size > 1:
             raise ConfigError(f"data_parallel_size={self.config.data_parallel_size}: replicas run behind a server "
                               "(AsyncLLM(core_process=True), `hybridserve serve`); LLM runs one engine in this process")
-        self.parts: EngineParts = build_engine_parts(self.config, progress=progress)
+        self.parts: EngineParts = build_engine_parts(self.config, progress=progress, encode_first=encode_first)
 
     @property
     def tokenizer(self) -> Tokenizer | None:

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from hybridserve.core.errors import ConfigError
 from hybridserve.models.loaders.gguf_loader import CONVERSION_MARKER
+from hybridserve.text.decode_table import DecodeTable
 
 _CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 
@@ -72,6 +73,8 @@ class FileTokenizer:
         self.bos_token_id = self._token_id(config.get("bos_token"))
         self.eos_token_id = self._token_id(config.get("eos_token"))
         self._full: Any = None
+        self._encoded: dict[str, list[int]] = {}  # texts encoded before a release (with the special prefix)
+        self._table: DecodeTable | None = None  # what decodes after release(keep_decoding=True)
 
     @property
     def backend_tokenizer(self) -> Any:
@@ -87,9 +90,18 @@ class FileTokenizer:
             self._backend.no_padding()
         return self._backend
 
-    def release(self) -> None:
+    def release(self, keep_decoding: bool = False, texts: Sequence[str] = ()) -> None:
         """Drop the Rust tokenizer (~100 MB for Gemma 3's) until it is used again: for a
-        process that tokenized what it needed at start (the engine core process)."""
+        process that tokenized what it needed at start (the engine core process; `hybridserve
+        generate`, whose prompts are known before the load). `texts` are encoded first and
+        `encode` answers them (with the special prefix) from memory. With `keep_decoding`,
+        `decode` is served from a DecodeTable (a few MB) where the decoder allows one
+        (text/decode_table.py), instead of reading the tokenizer again. Anything else
+        reads it again: a transient of about 350 MB for Gemma 3's."""
+        for text in texts:
+            self._encoded[text] = self.encode(text)
+        if keep_decoding and self._table is None:
+            self._table = DecodeTable.from_backend(self.backend_tokenizer)
         self._backend = None
 
     def _token_id(self, value: Any) -> int | None:
@@ -102,9 +114,13 @@ class FileTokenizer:
         return self._size
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if add_special_tokens and text in self._encoded:
+            return list(self._encoded[text])
         return list(self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        if self._backend is None and self._table is not None:
+            return self._table.decode(ids, skip_special_tokens)
         return str(self.backend_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def get_added_vocab(self) -> dict[str, int]:

@@ -57,10 +57,13 @@ class Tokenizer:
         self._encode_lock = threading.Lock()
         self._decode_lock = threading.Lock()
         backend = getattr(hf_tokenizer, "backend_tokenizer", None)
-        if backend is not None:
+        if isinstance(hf_tokenizer, FileTokenizer):
+            # Through the FileTokenizer, not its backend: it may drop the backend (release)
+            # and decode from its table (text/decode_table.py).
+            self._decode_ids = lambda ids, skip: hf_tokenizer.decode(ids, skip_special_tokens=skip)
+        elif backend is not None:
             backend.no_truncation()
             backend.no_padding()
-            # Looked up at each call, not kept: a FileTokenizer may drop its backend (release).
             self._decode_ids = lambda ids, skip: hf_tokenizer.backend_tokenizer.decode(ids, skip_special_tokens=skip)
         else:
             decoder = copy.deepcopy(hf_tokenizer)
@@ -250,13 +253,14 @@ class IncrementalDetokenizer:
         return new_text[len(prefix_text):]
 
 
-def release_tokenizer(tokenizer: Any) -> None:
-    """Drop an engine core's tokenizer where it can be read again (file_tokenizer.FileTokenizer):
-    the core's server detokenizes, and the core has read what it needed before the weights
-    load (the int8 calibration texts, EOS: engine/frontend.build_engine_parts with
+def release_tokenizer(tokenizer: Any, keep_decoding: bool = False, texts: Sequence[str] = ()) -> None:
+    """Drop a tokenizer where it can be read again (file_tokenizer.FileTokenizer.release:
+    `texts` encoded first, decoding kept from a table with `keep_decoding`). An engine core's:
+    its server detokenizes, and the core has read what it needed before the weights load
+    (the int8 calibration texts, EOS: engine/frontend.build_engine_parts with
     keep_tokenizer=False); llguidance's tokenizer, built at the first constrained request,
-    reads it again then."""
+    reads it again then. `hybridserve generate`'s: its prompts, encoded before the load."""
     release = getattr(getattr(tokenizer, "hf", None), "release", None)
     if release is not None:
-        release()
+        release(keep_decoding, texts)
         release_free_heap()

@@ -260,3 +260,28 @@ def test_replicas_split_the_cpu_cores_unless_told_their_threads(monkeypatch) -> 
     assert threads == [None, 4, 2, 1]  # one replica: torch's own choice; 8 // d, at least 1
     assert replica_config(EngineConfig(data_parallel_size=2, num_threads=3)).num_threads == 3
     assert replica_config(EngineConfig(data_parallel_size=2, device="cuda")).num_threads is None
+
+
+def test_the_server_process_starts_its_cores_and_no_other_process(tmp_path) -> None:
+    """Each replica's core is the server process's only child: no resource tracker beside
+    them (multiprocessing's spawn started one, 12 MB for the server's life). Run in a fresh
+    interpreter, so no earlier test's processes count."""
+    import subprocess
+    import sys
+
+    script = f"""
+import os
+from pathlib import Path
+from hybridserve import AsyncLLM
+llm = AsyncLLM({str(tiny_serving_dir())!r}, max_model_len={MAX_LEN}, dtype="float32", progress=False,
+               core_process=True, data_parallel_size=2, num_threads=1)
+me = str(os.getpid())
+children = sorted(int(p.name) for p in Path("/proc").iterdir()
+                  if p.name.isdigit() and (p / "stat").read_text().rsplit(")", 1)[1].split()[1] == me)
+print(sorted(children) == sorted(r.info.pid for r in llm.replicas), len(children))
+llm.shutdown()
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=TIMEOUT,
+                         cwd=tmp_path, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "2"]

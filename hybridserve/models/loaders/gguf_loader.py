@@ -35,12 +35,13 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Iterator
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Iterator
 
 from hybridserve.core.errors import ConfigError
 from hybridserve.models.platform.heap import release_free_heap
+
+if TYPE_CHECKING:  # numpy is imported by the conversion alone: the server's HTTP process reads
+    import numpy as np  # this module's cache layout and marker, and never converts
 
 CONVERTER_VERSION = 3
 CACHE_DIR_ENV_VAR = "HYBRIDSERVE_CACHE_DIR"
@@ -54,7 +55,7 @@ _TOKENIZER_TYPES = {"gemma3": "gemma3_text"}
 # is 671 MB in float32, and gguf's numpy dequantizer makes temporaries of a similar size.
 _DEQUANTIZE_BLOCK_ROWS = 32768
 # bfloat16: its raw bits; uint8: packed quantized bytes (gpt-oss's MXFP4 experts) kept as they are.
-_NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "bfloat16": np.int16, "uint8": np.uint8}
+_NUMPY_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "int16", "uint8": "uint8"}
 _SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "uint8": "U8"}
 
 
@@ -183,6 +184,7 @@ def _convert_tensors(header: Any, spec: Any, config: dict[str, Any], path: Path,
     shapes are known from the GGUF header, so the file's header is written first and each
     tensor's bytes follow. Holding every tensor in float32 and then a `dtype` copy for
     safetensors' writer made the default model's first start peak at 1.88 GB of RSS."""
+    import numpy as np
     from tqdm import tqdm
 
     planned = spec.plan(header)
@@ -226,6 +228,8 @@ def _dequantized_blocks(header: Any, tensor: Any, spec: Any, config: dict[str, A
     one row per token, which fix_tensor leaves as they are) in blocks of
     _DEQUANTIZE_BLOCK_ROWS rows; any other whole (fix_tensor's per-head reordering needs all
     of a Q/K projection's rows)."""
+    import numpy as np
+
     from hybridserve.models.loaders.gguf_header import dequantize_tensor
 
     if tensor.merge is not None:

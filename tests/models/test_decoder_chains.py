@@ -167,7 +167,9 @@ def test_prepare_large_steps_builds_the_chains_before_any_step() -> None:
     model = _model("gemma3")
     model.prepare_large_steps()  # what a server's engine core does at start-up
     assert model._dtype_chains._compiled is not None and model._dtype_chains._build is None
-    assert not _model("gemma3", compile=False)._dtype_chains.for_rows(10 ** 6)  # --no-compile: eager at any size
+    assert model.compiles_large_steps
+    eager = _model("gemma3", compile=False)  # --no-compile: eager at any size, nothing to prepare
+    assert not eager.compiles_large_steps and not eager._dtype_chains.for_rows(10 ** 6)
 
 
 @pytest.mark.parametrize("kind", ["cohere2", "gpt_oss"])

@@ -180,9 +180,10 @@ class TorchExecutor(Executor):
         return handle.result()
 
     def prepare_large_steps(self) -> None:
-        KERNEL.get()  # the span summaries of sampled steps (models/layers/span_kernel.py)
-        if isinstance(self.model, DecoderLM):
+        # Only where the model compiles (not under --no-compile, which asks for no compiler).
+        if isinstance(self.model, DecoderLM) and self.model.compiles_large_steps:
             self.model.prepare_large_steps()
+            KERNEL.get()  # the span summaries of sampled steps (models/layers/span_kernel.py)
 
     def shutdown(self) -> None:
         if self._pool is not None:

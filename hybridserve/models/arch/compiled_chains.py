@@ -161,6 +161,11 @@ class ChainsByRows(Generic[C]):
         self._build = build
         self._compiled: C | None = None
 
+    @property
+    def compiles(self) -> bool:
+        """Whether large steps take compiled chains, or will build them on first use."""
+        return self._build is not None or self._compiled is not None
+
     def for_rows(self, rows: int) -> C:
         if rows < self.min_rows:
             return self.eager

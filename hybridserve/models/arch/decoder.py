@@ -306,6 +306,11 @@ class DecoderLM(StagedModel):
             self._head = OutputHead(self.lm_head, head_quantization(quantization), release_head_rows,
                                     column_factors=head_factors)
 
+    @property
+    def compiles_large_steps(self) -> bool:
+        """Whether large steps take (or will build) compiled chains: not under --no-compile."""
+        return any(by_rows is not None and by_rows.compiles for by_rows in (self._chains, self._dtype_chains))
+
     def prepare_large_steps(self) -> None:
         """Build the compiled chains now (a server's start-up) instead of in the first step
         of at least their min_rows rows (its first burst of prompts)."""

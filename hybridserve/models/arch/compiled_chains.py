@@ -236,12 +236,12 @@ def mismatch(compiled: Int8Chains, eager: Int8Chains, layer: Int8Layer, rows: in
         for a, b in zip(got, want):
             if a is None and b is None:
                 continue
-            if not close_to_rounding(a, b):
+            if not _close(a, b):
                 return f"differ from the eager chains in {name}"
     return None
 
 
-def close_to_rounding(a: torch.Tensor, b: torch.Tensor) -> bool:
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal up to float rounding: levels (integers) at most one apart, floats within a few
     of their dtype's units in the last place of themselves or of the tensor's largest value
     (a residual add that cancels keeps the absolute rounding of its terms)."""

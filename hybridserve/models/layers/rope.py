@@ -78,22 +78,24 @@ class RopeTable:
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """apply_rope_'s rotation out of place (what a traced graph can hold): a new tensor.
-    The roll is spelled as a concatenation of the two halves (the same values): inductor
-    loads each half as contiguous vectors, where a roll's wrapped index made it gather
-    element by element."""
+def _halves_swapped(x: torch.Tensor) -> torch.Tensor:
+    """x rolled by half its last dim ([x2, x1]), spelled as a concatenation of the two
+    halves (the same values): inductor loads each half as contiguous vectors, where a
+    roll's wrapped index made it gather element by element."""
     half = x.shape[-1] // 2
-    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * sin
+    return torch.cat((x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_rope_'s rotation out of place (what a traced graph can hold): a new tensor."""
+    return x * cos + _halves_swapped(x) * sin
 
 
 def apply_rope_rounded(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """apply_rope out of place with apply_rope_'s roundings in a half-precision x: x * cos
     in x's dtype, then addcmul's sum with rolled * sin taken in float32 and rounded once
     (a compiled graph that emulates eager's casts then rounds as apply_rope_ does)."""
-    half = x.shape[-1] // 2
-    rolled = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-    return ((x * cos).float() + rolled.float() * sin.float()).to(x.dtype)
+    return ((x * cos).float() + _halves_swapped(x).float() * sin.float()).to(x.dtype)
 
 
 def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

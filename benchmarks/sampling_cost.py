@@ -30,6 +30,8 @@ from common import torch_header  # noqa: E402
 MODES = {
     "greedy": dict(temperature=0.0),
     "temperature": dict(temperature=1.0),
+    # Code assistants sample cold: at 0.2 most of a span's weights underflow float32.
+    "cold": dict(temperature=0.2),
     "top_p": dict(temperature=0.7, top_p=0.9),
     "top_k": dict(temperature=0.7, top_k=40),
     "min_p": dict(temperature=1.0, min_p=0.05),

@@ -80,3 +80,25 @@ def test_a_kernel_that_fails_on_a_call_gives_way_to_the_general_path(caplog) -> 
             assert torch.equal(peak, want_peak) and torch.equal(mass, want_mass)
     assert calls == [1] and kernel.get() is None
     assert caplog.text.count("span summaries turn eager") == 1
+
+
+def test_cold_rows_masses_by_hand() -> None:
+    """At a cold temperature most terms of a span's mass underflow float32 (the summaries
+    take them at a floor, EXP_FLOOR, to stay out of subnormal arithmetic): the masses are
+    still what they are by hand, in the general path and the kernel alike. Span 0: its max,
+    one logit ln(1/2) * T below it (weight 1/2) and 126 logits 50 below (weight e^-500 at
+    T = 0.1); span 1: its max and -inf (a banned token, weight 0); span 2: all -inf."""
+    T = 0.1
+    src = torch.full((1, 3 * SPAN), float("-inf"))
+    src[0, :SPAN] = -40.0
+    src[0, 7] = 10.0
+    src[0, 100] = 10.0 + T * float(torch.log(torch.tensor(0.5, dtype=torch.float64)))
+    src[0, SPAN + 5] = 3.0
+    inv_t = torch.tensor([1.0 / T])
+    kernel = span_kernel._Kernel().get()
+    for name, fn in (("general", span_stats), ("kernel", kernel)):
+        if fn is None:
+            continue
+        peak, mass = fn(src, inv_t)
+        assert peak.tolist() == [[10.0, 3.0, float("-inf")]], name
+        torch.testing.assert_close(mass, torch.tensor([[1.5, 1.0, 0.0]]), rtol=1e-6, atol=0.0, msg=name)

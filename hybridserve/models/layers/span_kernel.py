@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from hybridserve.models.layers.span_logits import SPAN, span_stats
+from hybridserve.models.layers.span_logits import EXP_FLOOR, SPAN, span_stats
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ def _summarise(src: torch.Tensor, inv_temperature: torch.Tensor) -> tuple[torch.
     rows = x.shape[0]
     spans = x.view(rows, -1, SPAN)
     peak = spans.amax(dim=-1)
-    mass = torch.exp((spans - peak[..., None]) * inv_temperature.view(rows, 1, 1)).sum(dim=-1)
+    mass = torch.exp(((spans - peak[..., None]) * inv_temperature.view(rows, 1, 1)).clamp_min(EXP_FLOOR)).sum(dim=-1)
     return peak, torch.where(peak == float("-inf"), 0.0, mass)
 
 

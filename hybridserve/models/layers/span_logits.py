@@ -22,6 +22,13 @@ import torch
 
 # Token ids per span: the same span as the greedy head's argmax (models/layers/head.ARGMAX_SPAN).
 SPAN = 128
+# The smallest exponent a span mass's terms are taken at: exp(-87) is still a normal
+# float32, while the exponent of a weight far below its span's maximum (a cold temperature,
+# a large negative bias) would give a subnormal result, which x86 CPUs compute in a slow
+# microcode assist (three times the summaries' time when most terms underflow). A term
+# raised to exp(-87) ~ 1.6e-38 changes no mass: every mass is at least 1 (its maximum's
+# term) and a span's 128 terms at the floor add under 2.1e-36, far below a float32 ulp of 1.
+EXP_FLOOR = -87.0
 
 
 def padded_width(vocab_size: int, span: int = SPAN) -> int:
@@ -48,8 +55,8 @@ class LogitsBuffer:
 class SpanLogits:
     """Invariants: `padded` [S, W] (W a multiple of span) holds the logits in [:, :vocab_size]
     and -inf after; span_max[r, j] = max(padded[r, j*span:(j+1)*span]); span_sum[r, j] =
-    sum(exp((padded[r, j*span:(j+1)*span] - span_max[r, j]) * inv_temperature[r])), 0 for
-    a span whose logits are all -inf. Whoever changes logits (through `padded` or
+    sum(exp(max((padded[r, j*span:(j+1)*span] - span_max[r, j]) * inv_temperature[r],
+    EXP_FLOOR))), 0 for a span whose logits are all -inf. Whoever changes logits (through `padded` or
     `logits`, which make them dense first) restores the summaries (refresh_rows /
     refresh_spans). Held in pieces, each piece is [S, w] with w a multiple of span, and
     the pieces side by side are `padded`."""
@@ -203,7 +210,7 @@ def span_stats(x: torch.Tensor, inv_temperature: torch.Tensor, span: int = SPAN
     scaled = torch.sub(spans, peak[..., None])
     if not bool((inv_temperature == 1.0).all()):  # temperature 1, the served default, needs no scaling
         scaled.mul_(inv_temperature.view(rows, 1, 1))
-    mass = scaled.exp_().sum(dim=-1)
+    mass = scaled.clamp_min_(EXP_FLOOR).exp_().sum(dim=-1)
     return peak, mass.masked_fill_(peak == float("-inf"), 0.0)
 
 

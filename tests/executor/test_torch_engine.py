@@ -159,3 +159,29 @@ def test_executor_errors_surface_in_wait_and_setup_is_checked() -> None:
     with pytest.raises(RequestError, match="ghost"):
         ex.wait(handle)
     ex.shutdown()
+
+
+def test_prepare_large_steps_covers_every_count_the_governor_may_pick(monkeypatch) -> None:
+    """A server's engine core prepares the compiled graphs under each thread count a step
+    may get and under inference mode, as steps run (a graph guards on both), and leaves
+    the thread count as it was."""
+    from hybridserve.executor.torch import executor as executor_module
+    from hybridserve.models.loaders.loader import load_model
+
+    model = load_model(hf_tiny.tiny_model_dir("gemma3"), "cpu", torch.bfloat16, "none")
+    seen: list[tuple[str, int, bool]] = []
+    monkeypatch.setattr(model, "prepare_large_steps",
+                        lambda: seen.append(("chains", torch.get_num_threads(), torch.is_inference_mode_enabled())))
+    monkeypatch.setattr(executor_module.KERNEL, "prepare",
+                        lambda: seen.append(("kernel", torch.get_num_threads(), torch.is_inference_mode_enabled())))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        ex = executor_module.TorchExecutor(model)
+        assert ex._threads is not None and ex._threads.candidates == [2, 1]
+        ex.prepare_large_steps()
+        assert seen == [("chains", 2, True), ("kernel", 2, True), ("chains", 1, True), ("kernel", 1, True)]
+        assert torch.get_num_threads() == 2
+        ex.shutdown()
+    finally:
+        torch.set_num_threads(before)

@@ -195,3 +195,32 @@ def test_the_avx2_path_compiles_and_agrees() -> None:
     assert report["path"] == FBGEMM
     assert report["compiled"], out.stderr
     assert report["max_diff"] < 0.05 and report["same_tokens"]
+
+
+def test_prepare_builds_then_checks_again_under_each_call(caplog) -> None:
+    """ChainsByRows.prepare: the first call builds; later ones run the check (compiling the
+    graphs under the calling thread's count), keep what it keeps, and turn eager for good
+    when it finds none or raises."""
+    from hybridserve.models.arch.compiled_chains import ChainsByRows
+
+    checks: list[str] = []
+    verdicts = iter(["keep", "raise"])
+
+    def check(chains: str) -> str | None:
+        checks.append(chains)
+        if next(verdicts) == "raise":
+            raise RuntimeError("recompile limit reached\nmore")
+        return chains + "'"
+
+    by_rows = ChainsByRows("eager", lambda: "compiled", "test chains", min_rows=8, check=check)
+    by_rows.prepare()
+    assert checks == [] and by_rows.for_rows(8) == "compiled" and by_rows.for_rows(7) == "eager"
+    by_rows.prepare()
+    assert checks == ["compiled"] and by_rows.for_rows(8) == "compiled'"
+    with caplog.at_level("WARNING"):
+        by_rows.prepare()
+    assert by_rows.for_rows(8) == "eager"
+    assert "the test chains turn eager: the compiled chains failed (RuntimeError: recompile limit reached)" \
+        in caplog.text
+    by_rows.prepare()  # nothing compiled is left to check
+    assert checks == ["compiled", "compiled'"]

@@ -172,6 +172,55 @@ def test_prepare_large_steps_builds_the_chains_before_any_step() -> None:
     assert not eager.compiles_large_steps and not eager._dtype_chains.for_rows(10 ** 6)
 
 
+def test_steps_under_each_prepared_thread_count_compile_nothing() -> None:
+    """A compiled graph guards on the thread count and the grad mode: a step under a count
+    or mode its chains were not prepared for compiles first (seconds, in the middle of
+    serving). Prepared under inference mode (as steps run) at 1 and 2 threads, large steps
+    at either count build no new graph, and give the eager hidden states."""
+    from torch._dynamo.utils import counters
+
+    model = _model("gemma3")
+    before = torch.get_num_threads()
+    try:
+        with torch.inference_mode():
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                model.prepare_large_steps()
+        graphs = counters["stats"]["unique_graphs"]
+        for threads in (2, 1, 2):
+            torch.set_num_threads(threads)
+            hidden = prefill(model, LENGTHS)
+        assert counters["stats"]["unique_graphs"] == graphs
+    finally:
+        torch.set_num_threads(before)
+    assert model._dtype_chains._compiled is not None
+    assert torch.equal(hidden, prefill(_model("gemma3", compile=False), LENGTHS))
+
+
+def test_chains_that_disagree_under_another_thread_count_run_eager(caplog) -> None:
+    model = _model("gemma3")
+    model.prepare_large_steps()
+    chains = model._dtype_chains._compiled
+    assert chains is not None
+    compiled_act = chains._act_mul
+
+    def act_off_by_a_bit_on_one_thread(*args):  # type: ignore[no-untyped-def]
+        out = compiled_act(*args)
+        return out * 1.02 if torch.get_num_threads() == 1 else out
+
+    chains._act_mul = act_off_by_a_bit_on_one_thread
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        with caplog.at_level("WARNING"):
+            model.prepare_large_steps()  # checked again under 1 thread
+    finally:
+        torch.set_num_threads(before)
+    assert model._dtype_chains._compiled is chains and chains._act_mul is decoder_chains.act_mul
+    assert "the decoder chain act_mul stays eager: compiled, it differs from the eager function (1 threads)" \
+        in caplog.text
+
+
 @pytest.mark.parametrize("kind", ["cohere2", "gpt_oss"])
 def test_families_with_their_own_forward_build_no_chains(kind: str) -> None:
     # their layers are not forward's loop: nothing to compile, nothing built at a server's start

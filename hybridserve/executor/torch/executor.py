@@ -180,10 +180,23 @@ class TorchExecutor(Executor):
         return handle.result()
 
     def prepare_large_steps(self) -> None:
-        # Only where the model compiles (not under --no-compile, which asks for no compiler).
-        if isinstance(self.model, DecoderLM) and self.model.compiles_large_steps:
-            self.model.prepare_large_steps()
-            KERNEL.get()  # the span summaries of sampled steps (models/layers/span_kernel.py)
+        """The compiled chains and the span summaries' kernel (models/layers/span_kernel.py)
+        built now, for each thread count the governor may give a step, under the grad mode
+        steps run in: a compiled graph guards on both, and a step that met a new count or
+        mode would compile (seconds) in the middle of serving. Only where the model
+        compiles (not under --no-compile, which asks for no compiler)."""
+        if not (isinstance(self.model, DecoderLM) and self.model.compiles_large_steps):
+            return
+        counts = self._threads.candidates if self._threads is not None else [torch.get_num_threads()]
+        before = torch.get_num_threads()
+        try:
+            with torch.inference_mode():  # as ModelRunner.execute runs steps
+                for threads in counts:
+                    torch.set_num_threads(threads)
+                    self.model.prepare_large_steps()
+                    KERNEL.prepare()
+        finally:
+            torch.set_num_threads(before)
 
     def shutdown(self) -> None:
         if self._pool is not None:

@@ -150,15 +150,18 @@ def dynamic_rows(x: torch.Tensor | None) -> torch.Tensor | None:
 class ChainsByRows(Generic[C]):
     """The chains a step of `rows` rows runs: from `min_rows` rows on the compiled ones that
     `build` makes (called once, on first use: None where they cannot be built or disagree
-    with the eager ones), else the eager ones. `what` names them in the log."""
+    with the eager ones), else the eager ones. `what` names them in the log. `check`
+    compares built chains with the eager ones again, running (so compiling) their graphs
+    under the calling thread's count, and returns the chains to keep (None: none agrees)."""
 
     def __init__(self, eager: C, build: Callable[[], C | None] | None, what: str,
-                 min_rows: int = DEFAULT_MIN_ROWS) -> None:
+                 min_rows: int = DEFAULT_MIN_ROWS, check: Callable[[C], C | None] | None = None) -> None:
         """build None: never compiled (`--no-compile`)."""
         self.eager = eager
         self.min_rows = min_rows
         self.what = what
         self._build = build
+        self._check = check
         self._compiled: C | None = None
 
     @property
@@ -174,6 +177,19 @@ class ChainsByRows(Generic[C]):
             self._compiled = build()
         return self._compiled if self._compiled is not None else self.eager
 
+    def prepare(self) -> None:
+        """Build the compiled chains now, or, once built, check them again. Inductor's loops
+        are built for the calling thread's count (a graph guards on it), so a step under a
+        count not yet seen compiles (seconds) before it runs: a server prepares each count
+        its steps may run with before it serves any (TorchExecutor.prepare_large_steps)."""
+        if self._build is not None:
+            self.for_rows(self.min_rows)
+        elif self._compiled is not None and self._check is not None:
+            try:
+                self._compiled = self._check(self._compiled)
+            except Exception as exc:  # noqa: BLE001 - the eager chains serve instead
+                self.drop_compiled(exc)
+
     def drop_compiled(self, exc: BaseException) -> None:
         """Turn eager for good after the compiled chains failed on a step."""
         log.warning("the %s turn eager: the compiled chains failed (%s)", self.what, one_line(exc))
@@ -183,7 +199,8 @@ class ChainsByRows(Generic[C]):
 def int8_chains_by_rows(eager: Int8Chains, sample: Int8Layer, compile: bool) -> ChainsByRows[Int8Chains]:
     """The int8 chains by rows, compiled ones checked on first use with `sample`, a layer of
     the model (so that the check compiles the graphs the model runs)."""
-    return ChainsByRows(eager, (lambda: _build(eager, sample, DEFAULT_MIN_ROWS)) if compile else None, "int8 chains")
+    return ChainsByRows(eager, (lambda: _build(eager, sample, DEFAULT_MIN_ROWS)) if compile else None, "int8 chains",
+                        check=lambda compiled: _agreeing(compiled, eager, sample, DEFAULT_MIN_ROWS))
 
 
 def one_line(exc: BaseException) -> str:
@@ -194,14 +211,21 @@ def one_line(exc: BaseException) -> str:
 def _build(eager: Int8Chains, sample: Int8Layer, rows: int) -> Int8Chains | None:
     start = time.perf_counter()
     try:
-        compiled = CompiledChains(eager)
-        reason = mismatch(compiled, eager, sample, rows)
+        compiled = _agreeing(CompiledChains(eager), eager, sample, rows)
     except Exception as exc:  # noqa: BLE001 - any failure keeps the general path
-        reason = f"failed to build ({one_line(exc)})"
-    if reason:
-        log.warning("the int8 chains stay eager: the compiled chains %s", reason)
+        log.warning("the int8 chains stay eager: the compiled chains failed to build (%s)", one_line(exc))
         return None
-    log.info("int8 chains compiled and checked in %.1f s (steps of %d+ rows)", time.perf_counter() - start, rows)
+    if compiled is not None:
+        log.info("int8 chains compiled and checked in %.1f s (steps of %d+ rows)", time.perf_counter() - start, rows)
+    return compiled
+
+
+def _agreeing(compiled: Int8Chains, eager: Int8Chains, sample: Int8Layer, rows: int) -> Int8Chains | None:
+    """`compiled` if it agrees with `eager` on a made-up step (mismatch), else None (logged)."""
+    reason = mismatch(compiled, eager, sample, rows)
+    if reason:
+        log.warning("the int8 chains stay eager: the compiled chains %s (%d threads)", reason, torch.get_num_threads())
+        return None
     return compiled
 
 

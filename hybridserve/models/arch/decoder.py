@@ -300,7 +300,8 @@ class DecoderLM(StagedModel):
             def build() -> DecoderChains | None:
                 return decoder_chains.build(self.cfg, self._eps, self._act, self.dtype, sample)
 
-            self._dtype_chains = ChainsByRows(None, build if compile else None, "decoder chains")
+            self._dtype_chains = ChainsByRows(None, build if compile else None, "decoder chains",
+                                              check=lambda chains: decoder_chains.agreeing(chains, sample))
         if self.stage.is_last:
             assert self.lm_head is not None, "weights not loaded"
             self._head = OutputHead(self.lm_head, head_quantization(quantization), release_head_rows,
@@ -313,10 +314,11 @@ class DecoderLM(StagedModel):
 
     def prepare_large_steps(self) -> None:
         """Build the compiled chains now (a server's start-up) instead of in the first step
-        of at least their min_rows rows (its first burst of prompts)."""
+        of at least their min_rows rows (its first burst of prompts); once built, prepare
+        them for the calling thread's count (ChainsByRows.prepare)."""
         for by_rows in (self._chains, self._dtype_chains):
             if by_rows is not None:
-                by_rows.for_rows(by_rows.min_rows)
+                by_rows.prepare()
 
     def _chains_cover_layers(self) -> bool:
         """Whether decoder_chains' functions cover this model's layers (forward's general

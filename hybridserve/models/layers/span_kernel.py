@@ -51,6 +51,23 @@ class _Kernel:
             self.fn = None if os.environ.get(_NO_COMPILE_ENV) == "1" else _build()
         return self.fn
 
+    def prepare(self) -> None:
+        """Build the kernel now, or, once built, check it again under the calling thread's
+        count: inductor builds its loops for one thread count, and a call under another
+        compiles first (compiled_chains.ChainsByRows.prepare says why a server does this)."""
+        if not self.tried:
+            self.get()
+            return
+        if self.fn is not None:
+            try:
+                reason = _mismatch(self.fn)
+            except Exception as exc:  # noqa: BLE001 - any failure keeps the general path
+                reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            if reason:
+                log.warning("span summaries turn eager: under %d threads the compiled kernel %s",
+                            torch.get_num_threads(), reason)
+                self.fn = None
+
     def summarise(self, src: torch.Tensor, inv_temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(span max, span mass) of src as float32: the compiled kernel where it serves, else
         span_stats. A kernel that fails on a call (a shape or dtype it cannot compile for,

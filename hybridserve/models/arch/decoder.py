@@ -249,6 +249,8 @@ class DecoderLM(StagedModel):
         self.mlp_block_rows = block_rows(cfg.intermediate_size)  # gate|up's rows per call (mlp_row_blocks.py)
         self._act = {"silu": F.silu, "gelu": F.gelu,
                      "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}[cfg.activation]
+        # Steps the compiled chains may take (compiled or not) use theirs, as exact_sums.
+        self._large_act = decoder_chains.large_step_act(cfg.activation, self._act)
 
     def _layer_weights(self, layer_idx: int, dtype: torch.dtype) -> DecoderLayerWeights:
         """Layer `layer_idx`'s parameters (a hook: Llama 4 sizes its dense MLPs per layer)."""
@@ -298,7 +300,7 @@ class DecoderLM(StagedModel):
             sample = self._layer_norms(self.layers[0])
 
             def build() -> DecoderChains | None:
-                return decoder_chains.build(self.cfg, self._eps, self._act, self.dtype, sample)
+                return decoder_chains.build(self.cfg, self._eps, self._large_act, self.dtype, sample)
 
             self._dtype_chains = ChainsByRows(None, build if compile else None, "decoder chains",
                                               check=lambda chains: decoder_chains.agreeing(chains, sample))
@@ -404,7 +406,7 @@ class DecoderLM(StagedModel):
                 h = self.add_row_parallel(h, attn, lin.o, lin.o_residual)
                 x = rms_norm(h, w.post_attn_norm, eps, inv_h, exact_sums=exact)
             gate, up = lin.gate_up(x).chunk(2, dim=-1)
-            y = self._act(gate) * up
+            y = (self._large_act if exact else self._act)(gate) * up
             if w.post_ffn_norm is not None:
                 h = h + rms_norm(self.reduce(lin.down(y)), w.post_ffn_norm, eps, inv_h, exact_sums=exact)
             else:

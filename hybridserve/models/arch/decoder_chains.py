@@ -10,7 +10,7 @@ two loops over the rows:
     residual   h + norm(out) (sandwich norms; pre-norm layers add in the matmul), then
                the next matmul's input norm
     qk_out     q/k norm and RoPE on the qkv product
-    act_mul    act(gate) * up
+    act_mul    act(gate) * up (the tanh GELU as x * sigmoid(2y): gelu_tanh_by_sigmoid)
 
 The arithmetic is forward's, with each intermediate rounded to the model dtype where the
 eager op would round it (inductor's emulate_precision_casts), and norms whose sums of
@@ -30,6 +30,7 @@ one logged line. `--no-compile` never builds them.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import Any, Callable, NamedTuple
 
@@ -68,6 +69,32 @@ def qk_out(qkv: torch.Tensor, qk_norm: torch.Tensor | None, cos: torch.Tensor | 
     if cos is not None:
         qk = apply_rope_rounded(qk, cos, sin)
     return torch.cat((qk.reshape(rows, width), qkv[:, width:]), dim=1)
+
+
+# 2 * sqrt(2 / pi): the tanh-approximate GELU's argument doubled.
+_GELU_TANH_SCALE = 2.0 * math.sqrt(2.0 / math.pi)
+_GELU_TANH_CUBIC = 0.044715
+
+
+def gelu_tanh_by_sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """The tanh-approximate GELU, 0.5 x (1 + tanh(y)) with y = sqrt(2/pi) (x + 0.044715 x^3),
+    taken as x * sigmoid(2y), the same function (1 + tanh(y) = 2 sigmoid(2y)): one exp per
+    value where ATen's and inductor's tanh cost several times more (the tanh dominated a
+    prefill's element-wise work: benchmarks/results/prefill.md). In float32, rounded once
+    to x's dtype; it differs from F.gelu's rounding in the last bit of ~1.5% of bf16
+    values. Written in place on one float32 copy, so that eager costs about what F.gelu
+    does; the compiled chain computes the same operations in the same order, bit for bit."""
+    xf = x.float() if x.dtype != torch.float32 else x.clone()
+    y = xf * xf
+    y.mul_(_GELU_TANH_SCALE * _GELU_TANH_CUBIC).add_(_GELU_TANH_SCALE).mul_(xf).sigmoid_()
+    return y.mul_(xf).to(x.dtype)
+
+
+def large_step_act(activation: str, act: Callable[[torch.Tensor], torch.Tensor]
+                   ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The activation of steps of at least the chains' min_rows rows (compiled or eager,
+    as exact_sums): gelu_tanh_by_sigmoid for the tanh GELU, else `act` itself."""
+    return gelu_tanh_by_sigmoid if activation == "gelu_tanh" else act
 
 
 def act_mul(gate_up: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:

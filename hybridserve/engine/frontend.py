@@ -106,7 +106,7 @@ def build_engine_parts(config: EngineConfig, progress: bool = True, keep_tokeniz
     # GPU a worker thread lets the host run ahead of the kernels; on CPU the model's own
     # threads use every core and a second Python thread only steals them (slower end to end:
     # benchmarks/gemma_bench.py, benchmarks/results/cpu_threads.md), so the step runs inline
-    # and the overlap is the scheduler's alone.
+    # and the loop waits for each step before planning the next (engine/loop.py).
     grammar = grammar_backend(tokenizer, model_cfg)
     encode = tokenizer.encode if tokenizer is not None else None
     if encode is not None and (not keep_tokenizer or encode_first):

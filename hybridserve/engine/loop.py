@@ -2,7 +2,12 @@
 
     schedule N+1 -> execute N+1 -> wait N -> update_from_output N -> schedule N+2 ...
 
-Sync scheduling is the same loop with one step in flight.
+Sync scheduling is the same loop with one step in flight, and so is async scheduling on an
+executor that runs each step inline (Executor.runs_steps_inline: a CPU's model threads):
+nothing runs while the scheduler plans, so step N+1 planned before N's outputs are read
+would overlap nothing and deliver N's tokens a step later (a lone request's first token
+one decode step late). The scheduler keeps its async settings (admission still reserves
+for two steps in flight).
 """
 
 from __future__ import annotations
@@ -71,7 +76,7 @@ class EngineCore:
             out = self.scheduler.schedule()
             # An empty step still goes out: it carries finished ids and polls connector loads.
             self.queue.append((out, self.executor.execute(out)))
-            if out.is_empty():
+            if out.is_empty() or self.executor.runs_steps_inline:
                 break
         if not self.queue:
             return None, []

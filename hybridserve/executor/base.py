@@ -28,6 +28,14 @@ class Executor(ABC):
     #: allocation may then hand null blocks to slots no later step reads).
     computes_in_chunk_attention_from_batch: bool = False
 
+    @property
+    def runs_steps_inline(self) -> bool:
+        """Whether `execute` runs the step to its end before it returns (no step ever runs
+        while the engine schedules): the loop then waits for each step before planning
+        the next, as a step planned ahead would overlap nothing and only hold back the
+        previous step's tokens by a step."""
+        return False
+
     @abstractmethod
     def initialize(self, kv_cache_config: KVCacheConfig) -> None:
         """Allocate the KV cache for this config (called once, before the first step)."""

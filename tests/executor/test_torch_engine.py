@@ -185,3 +185,39 @@ def test_prepare_large_steps_covers_every_count_the_governor_may_pick(monkeypatc
         ex.shutdown()
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("worker_thread", [False, True], ids=["inline", "worker"])
+def test_an_inline_executor_delivers_each_step_before_planning_the_next(worker_thread: bool) -> None:
+    """Async scheduling keeps two steps in flight only where a step runs beside the loop
+    (a worker thread). With steps run inline (a CPU) nothing would overlap: the first
+    step() returns the prompt's first token having run that one step alone, not the next
+    one too, and every later call runs one step; the tokens are HF's either way."""
+    from hybridserve.core.request import Request, SamplingParams
+    from hybridserve.core.sched.config import SchedulerConfig
+    from hybridserve.engine.loop import build_engine
+
+    class Counting(TorchExecutor):
+        steps = 0
+
+        def execute(self, scheduler_output):  # type: ignore[no-untyped-def]
+            self.steps += 1
+            return super().execute(scheduler_output)
+
+    ex = Counting(model("mistral"), use_worker_thread=worker_thread)
+    assert ex.runs_steps_inline is not worker_thread
+    config = SchedulerConfig(max_model_len=160, async_scheduling=True)
+    engine = build_engine(config, ex.kv_cache_config(16, num_blocks=64), ex)
+    prompt = PROMPTS[0]
+    engine.add_request(Request("r0", prompt, SamplingParams(max_tokens=NEW_TOKENS)))
+    _, outs = engine.step()
+    assert [o.new_token_ids for o in outs] == [hf_tiny.oracle("mistral", prompt, NEW_TOKENS)[0][:1]]
+    assert ex.steps == (2 if worker_thread else 1)
+    tokens = list(outs[0].new_token_ids)
+    while engine.has_unfinished_requests():
+        before = ex.steps
+        _, outs = engine.step()
+        assert worker_thread or ex.steps - before == 1
+        tokens += [t for o in outs for t in o.new_token_ids]
+    assert tokens == hf_tiny.oracle("mistral", prompt, NEW_TOKENS)[0]
+    engine.shutdown()

@@ -104,6 +104,10 @@ class TorchExecutor(Executor):
         return self.model.cfg
 
     @property
+    def runs_steps_inline(self) -> bool:
+        return self._pool is None
+
+    @property
     def kv_dtype(self) -> str:
         """The KV cache dtype: the model's own (K/V are written as the model computes them)."""
         return next(k for k, v in TORCH_DTYPES.items() if v == self.model.dtype)

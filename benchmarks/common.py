@@ -28,10 +28,10 @@ def median_seconds(f, repeat: int, warmup: int = 1) -> float:  # type: ignore[no
     return statistics.median(times)
 
 
-def checkout_commit() -> str:
-    """The short commit of this checkout (empty outside git)."""
+def checkout_commit(repo: Path = REPO) -> str:
+    """The short commit of a checkout, this one by default (empty outside git)."""
     return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                          cwd=REPO).stdout.strip()
+                          cwd=repo).stdout.strip()
 
 
 def torch_header(threads: int | None, flag_prefixes: tuple[str, ...]) -> str:

@@ -25,3 +25,9 @@ class RequestError(HybridServeError, ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception as one log line: its type and its message's first line."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")

@@ -26,7 +26,8 @@ import torch.multiprocessing as mp
 from hybridserve.core.kv.spec import KVCacheConfig
 from hybridserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from hybridserve.executor.distributed.driver import DistributedDriver, ExecutorFailedError
-from hybridserve.executor.distributed.worker import StepTrace, Worker, WorkerSpec, describe_exit, one_line
+from hybridserve.core.errors import one_line
+from hybridserve.executor.distributed.worker import StepTrace, Worker, WorkerSpec, describe_exit
 
 
 def free_port() -> int:

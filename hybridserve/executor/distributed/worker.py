@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from hybridserve.core.errors import one_line
 from hybridserve.core.kv.spec import KVCacheConfig
 from hybridserve.core.sched.output import KVConnectorOutput, ModelRunnerOutput, SchedulerOutput
 from hybridserve.executor.distributed.layout import ParallelLayout, WorkerPlace
@@ -137,11 +138,6 @@ class Worker:
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
-
-
-def one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
 def describe_exit(rank: int, exitcode: Any) -> str:

@@ -31,6 +31,7 @@ from typing import Any, Callable, Generic, TypeVar
 
 import torch
 
+from hybridserve.core.errors import one_line
 from hybridserve.models.arch.int8_chains import Int8Chains, Int8Layer, Quantized
 from hybridserve.models.layers.int8 import levels_for, quantize_rows_float
 from hybridserve.models.layers.rms_norm import rms_norm
@@ -201,11 +202,6 @@ def int8_chains_by_rows(eager: Int8Chains, sample: Int8Layer, compile: bool) -> 
     the model (so that the check compiles the graphs the model runs)."""
     return ChainsByRows(eager, (lambda: _build(eager, sample, DEFAULT_MIN_ROWS)) if compile else None, "int8 chains",
                         check=lambda compiled: _agreeing(compiled, eager, sample, DEFAULT_MIN_ROWS))
-
-
-def one_line(exc: BaseException) -> str:
-    text = str(exc).splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
 
 
 def _build(eager: Int8Chains, sample: Int8Layer, rows: int) -> Int8Chains | None:

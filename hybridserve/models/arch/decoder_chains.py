@@ -36,7 +36,8 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 
-from hybridserve.models.arch.compiled_chains import DEFAULT_MIN_ROWS, compile_chain, dynamic_rows, one_line
+from hybridserve.core.errors import one_line
+from hybridserve.models.arch.compiled_chains import DEFAULT_MIN_ROWS, compile_chain, dynamic_rows
 from hybridserve.models.config import ModelConfig
 from hybridserve.models.layers.rms_norm import rms_norm
 from hybridserve.models.layers.rope import apply_rope_rounded

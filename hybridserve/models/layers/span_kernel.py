@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from hybridserve.core.errors import one_line
 from hybridserve.models.layers.span_logits import EXP_FLOOR, SPAN, span_stats
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ class _Kernel:
             try:
                 reason = _mismatch(self.fn)
             except Exception as exc:  # noqa: BLE001 - any failure keeps the general path
-                reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                reason = one_line(exc)
             if reason:
                 log.warning("span summaries turn eager: under %d threads the compiled kernel %s",
                             torch.get_num_threads(), reason)
@@ -78,8 +79,7 @@ class _Kernel:
             try:
                 return fn(src, inv_temperature)
             except Exception as exc:  # noqa: BLE001 - the general path answers instead
-                log.warning("span summaries turn eager: the compiled kernel failed (%s: %s)", type(exc).__name__,
-                            str(exc).splitlines()[0] if str(exc) else "")
+                log.warning("span summaries turn eager: the compiled kernel failed (%s)", one_line(exc))
                 self.fn = None
         return span_stats(src.float(), inv_temperature)
 
@@ -89,7 +89,7 @@ def _build() -> Summarise | None:
         fn = torch.compile(_summarise, dynamic=True, fullgraph=True)
         reason = _mismatch(fn)
     except Exception as exc:  # noqa: BLE001 - any failure keeps the general path
-        reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        reason = one_line(exc)
     if reason:
         log.warning("span summaries stay eager: the compiled kernel %s", reason)
         return None

@@ -34,7 +34,7 @@ def main() -> int:
     p.add_argument("--vllm-python", required=True)
     p.add_argument("server_args", nargs="*", help="extra `hybridserve serve` arguments (after --)")
     a = argparse.Namespace(**vars(p.parse_args()), input_len=64, output_len=64, num_prompts=64,
-                           llamacpp_python=None, gguf=None)
+                           llamacpp_python=None, gguf=None, hs_args="")
     port = sp.free_port()
     cmd, env = sp.server_command("hybridserve", a, port)
     with tempfile.TemporaryDirectory() as tmp:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import socket
 import statistics
 import subprocess
@@ -137,7 +138,8 @@ def server_command(name: str, a: argparse.Namespace, port: int) -> tuple[list[st
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     if name == "hybridserve":
         return ([sys.executable, "-m", "hybridserve.entrypoints.cli", "serve", "--model", a.model_dir,
-                 "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048"],
+                 "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
+                 *shlex.split(a.hs_args)],
                 {**env, "PYTHONPATH": str(REPO)})
     if name == "vllm":
         return ([a.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", a.model_dir,
@@ -239,6 +241,7 @@ def main() -> int:
     add_workload_args(ap)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--servers", default="hybridserve,vllm,llamacpp")
+    ap.add_argument("--hs-args", default="", help="more `hybridserve serve` flags, one string (e.g. '--num-threads 2')")
     ap.add_argument("--no-offline", action="store_true", help="skip the offline engine runs")
     a = ap.parse_args()
     servers = [s for s in a.servers.split(",") if s != "llamacpp" or a.llamacpp_python]

@@ -82,8 +82,13 @@ def bind_socket(host: str, port: int) -> socket.socket:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as exc:
         raise FlagError(f"argument --host: cannot resolve {host!r} ({exc.strerror})") from None
-    family, _, _, _, address = infos[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    family, kind, proto, _, address = infos[0]
+    # The protocol number matters: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on
+    # connections whose socket says IPPROTO_TCP, and a socket made with proto 0 hands that 0
+    # to every connection it accepts. With Nagle on, a reply written in two parts on a
+    # kept-alive connection waits for the client's delayed ACK: 40 ms per request, and per
+    # streamed token once tokens come faster than that.
+    sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)

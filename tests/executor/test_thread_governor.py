@@ -3,8 +3,8 @@
 The schedules below are derived by hand from the rules: a bucket measures 2 threads for 3
 steps (the first not counted), then 1 thread for 3 steps, then runs the cheaper, and
 re-measures the other once the bucket has taken 64 steps since that count's last counted
-step, or once the running count's median has passed the other's (5 steps or more after
-the other's last counted step). A re-measurement that beats the running count is
+step (1024 when the other is 1 thread and 2 run), or once the running count's median has
+passed the other's (5 steps or more after the other's last counted step). A re-measurement that beats the running count is
 followed by one of the running count, and the two fresh medians decide. A bucket of 256
 tokens or more runs 2 threads and measures 1 thread first only once a smaller bucket runs
 1 thread, or after 64 steps.
@@ -17,8 +17,8 @@ from typing import Callable
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hybridserve.executor.torch.threads import (EXPLORE_EVERY, EXPLORE_STEPS, LARGE_STEP_TOKENS, WINDOW,
-                                                ThreadGovernor)
+from hybridserve.executor.torch.threads import (EXPLORE_EVERY, EXPLORE_SMALLER_EVERY, EXPLORE_STEPS,
+                                                LARGE_STEP_TOKENS, WINDOW, ThreadGovernor)
 
 
 def run(governor: ThreadGovernor, steps: int, seconds: Callable[[int, int], float], tokens: int = 16) -> list[int]:
@@ -33,7 +33,7 @@ def run(governor: ThreadGovernor, steps: int, seconds: Callable[[int, int], floa
 
 
 def test_the_schedule_constants_the_hand_derivations_assume() -> None:
-    assert (EXPLORE_EVERY, EXPLORE_STEPS, WINDOW, LARGE_STEP_TOKENS) == (64, 3, 5, 256)
+    assert (EXPLORE_EVERY, EXPLORE_SMALLER_EVERY, EXPLORE_STEPS, WINDOW, LARGE_STEP_TOKENS) == (64, 1024, 3, 5, 256)
 
 
 def test_one_core_never_switches() -> None:
@@ -50,11 +50,13 @@ def test_a_busy_machine_settles_on_one_thread_and_rechecks_two_every_64_steps() 
     assert two == [1, 2, 3, 68, 69, 70, 135, 136, 137]
 
 
-def test_a_quiet_machine_settles_on_all_threads() -> None:
-    chosen = run(ThreadGovernor(2), 100, lambda i, t: 0.4 if t == 2 else 0.5)
+def test_a_quiet_machine_settles_on_all_threads_and_rechecks_one_every_1024_steps() -> None:
+    chosen = run(ThreadGovernor(2), 2100, lambda i, t: 0.4 if t == 2 else 0.5)
     one = [i for i, t in enumerate(chosen, start=1) if t == 1]
-    # 1 thread measured at steps 4-6 (counted up to 6), re-measured at 71-73.
-    assert one == [4, 5, 6, 71, 72, 73]
+    # 1 thread measured at steps 4-6 (counted up to 6); no suspicion (2 threads' 0.4 never
+    # passes 0.5), so it is re-measured when the bucket has taken 1024 steps since step 6
+    # (choose at step 1031 sees 1030 observed), and again 1024 after 1033 (steps 2058-2060).
+    assert one == [4, 5, 6, 1031, 1032, 1033, 2058, 2059, 2060]
 
 
 def test_the_choice_follows_a_load_that_goes_away() -> None:
@@ -64,7 +66,7 @@ def test_the_choice_follows_a_load_that_goes_away() -> None:
     # 2 threads re-measured at 135-137 under the new load (its old times are replaced): 0.25
     # beats 1 thread's 0.5, so 1 thread is measured afresh at 138-140 (139 and 140 counted,
     # still 0.5) and 2 threads run from 141; 1 thread, last counted at 140, would be
-    # re-measured from bucket step 204 + 1 = 205, past the end.
+    # re-measured from bucket step 140 + 1024 + 1 = 1165, past the end.
     assert chosen[134:137] == [2, 2, 2]
     assert chosen[137:140] == [1, 1, 1]
     assert chosen[140:200] == [2] * 60
@@ -82,9 +84,9 @@ def test_step_sizes_are_measured_apart() -> None:
 def test_one_delayed_step_does_not_switch_the_count() -> None:
     # Quiet: 2 threads 0.4 s, 1 thread 0.5 s; step 20 (2 threads) is delayed to 2.0 s. The
     # 2-thread median of its last 5 counted steps (0.4 x 4 and 2.0) stays 0.4, so 1 thread
-    # is run only when re-measured (steps 4-6 and 71-73), as without the delay.
+    # is run only when first measured (steps 4-6), as without the delay.
     chosen = run(ThreadGovernor(2), 100, lambda i, t: (2.0 if i == 20 else 0.4) if t == 2 else 0.5)
-    assert [i for i, t in enumerate(chosen, start=1) if t == 1] == [4, 5, 6, 71, 72, 73]
+    assert [i for i, t in enumerate(chosen, start=1) if t == 1] == [4, 5, 6]
 
 
 def test_a_load_that_stays_moves_the_choice_within_nine_steps() -> None:
@@ -105,9 +107,9 @@ def test_a_machine_wide_slow_spell_is_remeasured_once_not_followed() -> None:
     # 1 thread's old 0.5: 1 thread is measured afresh at steps 23-25 (24 and 25 counted, at
     # 1.0), which loses to 2 threads' 0.8, so 2 threads run again from step 26. The next
     # suspicion could come 5 steps after 25, when the spell is over; the scheduled
-    # re-measurement comes 64 steps after 25 (steps 90-92).
+    # re-measurement comes 1024 steps after 25, past the end.
     chosen = run(ThreadGovernor(2), 100, lambda i, t: (0.4 if t == 2 else 0.5) * (2 if 20 <= i <= 29 else 1))
-    assert [i for i, t in enumerate(chosen, start=1) if t == 1] == [4, 5, 6, 23, 24, 25, 90, 91, 92]
+    assert [i for i, t in enumerate(chosen, start=1) if t == 1] == [4, 5, 6, 23, 24, 25]
 
 
 def test_a_slow_spell_that_ends_during_the_measurement_does_not_move_the_choice() -> None:
@@ -115,9 +117,9 @@ def test_a_slow_spell_that_ends_during_the_measurement_does_not_move_the_choice(
     # 23 the 2-thread window holds 0.4, 0.4, 1.2, 1.2, 1.2 (median 1.2 > 0.5): 1 thread is
     # measured at 23-25, counted at 24 (1.5) and 25 (0.5, the spell is over), median 1.0,
     # which beats the window's 1.2. 2 threads are then measured afresh at 26-28 (0.4) and
-    # win, so 1 thread runs again only when re-measured 64 steps after 25 (steps 90-92).
+    # win, so 1 thread runs again only when re-measured 1024 steps after 25, past the end.
     chosen = run(ThreadGovernor(2), 100, lambda i, t: (0.4 if t == 2 else 0.5) * (3 if 20 <= i <= 24 else 1))
-    assert [i for i, t in enumerate(chosen, start=1) if t == 1] == [4, 5, 6, 23, 24, 25, 90, 91, 92]
+    assert [i for i, t in enumerate(chosen, start=1) if t == 1] == [4, 5, 6, 23, 24, 25]
 
 
 @settings(max_examples=200, deadline=None)

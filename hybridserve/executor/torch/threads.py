@@ -12,10 +12,17 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
-# Steps of a size bucket between re-measurements of a thread count that is not the
-# fastest: rare enough that measuring the slower count costs little (1 step in 64 at up
-# to ~2x its time: ~1.5%), often enough to follow a load that comes and goes within seconds.
+# Steps of a size bucket between re-measurements of a larger thread count than the one
+# running: rare enough that measuring it under load costs little (1 step in 64 at up to
+# ~2x its time: ~1.5%), often enough to find within seconds that a load has gone (which
+# makes no suspicion: the running count only gets faster).
 EXPLORE_EVERY = 64
+# The same for a smaller count than the one running. A load arriving shows first as
+# suspicion (the running count's median passing the smaller count's), so the schedule is
+# only a backstop; on a quiet machine each such measurement is 3 steps at ~1.4x their time,
+# and at 1 in 64 they were the served p99 of time to first token under Poisson arrivals
+# (a measured step holding a prefill: benchmarks/results/serving_peers.md).
+EXPLORE_SMALLER_EVERY = 1024
 # Steps measured per visit to another count; the first after a switch is not counted
 # (threads that slept and caches that hold the other count's layout make it an outlier).
 EXPLORE_STEPS = 3
@@ -52,8 +59,9 @@ class ThreadGovernor:
     last WINDOW counted steps and runs the count with the lowest median. Another count is
     measured afresh for EXPLORE_STEPS steps (its old times dropped: the load they were
     measured under may be gone) when EXPLORE_EVERY steps of the bucket have passed since it
-    was last measured, or sooner when the running count's median has grown past the other's
-    (a load arrived, or the machine as a whole slowed down). Only measurements change the
+    was last measured (EXPLORE_SMALLER_EVERY for a count smaller than the running one), or
+    sooner when the running count's median has grown past the other's (a load arrived, or
+    the machine as a whole slowed down). Only measurements change the
     choice: when the fresh times beat the running count's, the running count is measured
     afresh too, right after, and the two fresh medians decide. Switching on the running
     count's times against a median measured long before let this VM's machine-wide slow
@@ -107,9 +115,10 @@ class ThreadGovernor:
             if c == b.best:
                 continue
             since = b.steps - b.measured_at[c]
+            every = EXPLORE_EVERY if c > b.best else EXPLORE_SMALLER_EVERY
             # Suspicion waits until the running count's window holds only steps run after
             # c's last measurement, so one slow spell triggers one re-measurement.
-            if since >= EXPLORE_EVERY or (since >= WINDOW and running > self._cost(b, c)):
+            if since >= every or (since >= WINDOW and running > self._cost(b, c)):
                 return self._explore(b, c)
         return b.best
 

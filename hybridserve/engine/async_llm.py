@@ -238,6 +238,14 @@ class AsyncLLM:
         """get_stats of every replica, in index order."""
         return list(await asyncio.gather(*(self.get_stats(i) for i in range(len(self.replicas)))))
 
+    def prepare_large_steps(self) -> None:
+        """Build the compiled kernels of large steps now (a server's start-up), not in the
+        first burst of prompts (seconds of compiling inside a step): what each engine core
+        process does before it reports ready, done here for the replicas in this process."""
+        if not self.core_process:
+            for replica in self.replicas:
+                replica.parts.engine.executor.prepare_large_steps()
+
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop every replica (and its core process); open streams fail with EngineDeadError."""
         for r in self.replicas:

@@ -127,6 +127,7 @@ def _run(a: argparse.Namespace) -> int:
 
         engine = AsyncLLM(config=config, max_restarts=limits.max_engine_restarts, core_process=a.engine_core_process)
         try:
+            engine.prepare_large_steps()
             name = a.served_model_name or a.model or DEFAULT_MODEL_NAME
             app = build_app(engine, name, owns_engine=True, limits=limits)
             server = DrainingServer(app, limits.shutdown_timeout, log_level=a.log_level, access_log=a.access_log)

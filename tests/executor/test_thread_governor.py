@@ -5,9 +5,9 @@ steps (the first not counted), then 1 thread for 3 steps, then runs the cheaper,
 re-measures the other once the bucket has taken 64 steps since that count's last counted
 step (1024 when the other is 1 thread and 2 run), or once the running count's median has
 passed the other's (5 steps or more after the other's last counted step). A re-measurement that beats the running count is
-followed by one of the running count, and the two fresh medians decide. A bucket of 256
+followed by one of the running count, and the two fresh medians decide. A bucket of 64
 tokens or more runs 2 threads and measures 1 thread first only once a smaller bucket runs
-1 thread, or after 64 steps.
+1 thread, or after 1024 steps.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def run(governor: ThreadGovernor, steps: int, seconds: Callable[[int, int], floa
 
 
 def test_the_schedule_constants_the_hand_derivations_assume() -> None:
-    assert (EXPLORE_EVERY, EXPLORE_SMALLER_EVERY, EXPLORE_STEPS, WINDOW, LARGE_STEP_TOKENS) == (64, 1024, 3, 5, 256)
+    assert (EXPLORE_EVERY, EXPLORE_SMALLER_EVERY, EXPLORE_STEPS, WINDOW, LARGE_STEP_TOKENS) == (64, 1024, 3, 5, 64)
 
 
 def test_one_core_never_switches() -> None:
@@ -145,12 +145,23 @@ def test_the_running_count_changes_only_when_a_measurement_starts_or_ends(times:
         last[key] = (t, was_exploring and bucket.exploring is None)
 
 
-def test_prefill_on_a_quiet_machine_never_measures_one_thread_in_its_first_64_steps() -> None:
+def test_prefill_on_a_quiet_machine_never_measures_one_thread_in_its_first_1024_steps() -> None:
     # 2048-token steps (prefill chunks), no decode measured yet, 1 thread would be slower:
-    # every core for bucket steps 1-64, then the scheduled first measurement of 1 thread
-    # at steps 65-67 (choose sees 64 observed steps at step 65).
-    chosen = run(ThreadGovernor(2), 80, lambda i, t: 1.0 if t == 2 else 2.0, tokens=2048)
-    assert [i for i, t in enumerate(chosen, start=1) if t == 1] == [65, 66, 67]
+    # every core for bucket steps 1-1024, then the scheduled first measurement of 1 thread
+    # at steps 1025-1027 (choose sees 1024 observed steps at step 1025).
+    chosen = run(ThreadGovernor(2), 1100, lambda i, t: 1.0 if t == 2 else 2.0, tokens=2048)
+    assert [i for i, t in enumerate(chosen, start=1) if t == 1] == [1025, 1026, 1027]
+
+
+def test_a_step_holding_a_prompt_chunk_waits_for_decode_to_measure_one_thread() -> None:
+    # Steps of 64-127 tokens (one 64-token prompt among decodes) on a quiet machine: decode
+    # steps of 16 tokens measure 1 thread (steps 4-6 of their bucket) and keep 2 threads, so
+    # the 80-token bucket runs 2 threads throughout; steps of 63 tokens measure as decodes.
+    g = ThreadGovernor(2)
+    quiet = lambda i, t: 0.4 if t == 2 else 0.5  # noqa: E731
+    assert [t for t in run(g, 10, quiet, tokens=16)] == [2, 2, 2, 1, 1, 1, 2, 2, 2, 2]
+    assert run(g, 50, quiet, tokens=80) == [2] * 50
+    assert run(g, 10, quiet, tokens=63)[3:6] == [1, 1, 1]
 
 
 def test_prefill_measures_one_thread_once_decode_runs_it() -> None:

@@ -31,11 +31,13 @@ EXPLORE_STEPS = 3
 # the slower count for many steps, while a load that stays moves the median within 3
 # steps (benchmarks/results/thread_count.md, cpu_threads.md).
 WINDOW = 5
-# Steps of at least this many tokens are prefill chunks (decode steps have one token per
-# running request): measuring a slower count on one costs seconds of time to first token,
-# so such a bucket measures another count only when a decode-sized bucket runs it (the
-# load favours it) or once it has taken EXPLORE_EVERY steps.
-LARGE_STEP_TOKENS = 256
+# Steps of at least this many tokens hold a prompt chunk (a 64-token prompt among decodes)
+# or decode a large batch: a slower count measured on one delays every first token in it
+# (a server's TTFT p99 under Poisson arrivals was such steps' first 1-thread measurements).
+# Such a bucket measures a smaller count only once a smaller bucket runs it (the load
+# favours it there first: decode steps gain least from more cores), or after
+# EXPLORE_SMALLER_EVERY steps.
+LARGE_STEP_TOKENS = 64
 
 
 @dataclass
@@ -70,7 +72,7 @@ class ThreadGovernor:
     with a window still holding such a spell kept it there for 57. A candidate never
     measured in a bucket is measured first (the largest first), except that a bucket of
     LARGE_STEP_TOKENS or more runs every core and measures a smaller count first only
-    when a smaller bucket runs that count, or after EXPLORE_EVERY steps.
+    when a smaller bucket runs that count, or after EXPLORE_SMALLER_EVERY steps.
 
     Invariants: `choose` returns a member of `candidates`; with one candidate it always
     returns it; `observe` counts only steps run with the count `choose` returned and skips
@@ -124,7 +126,7 @@ class ThreadGovernor:
 
     def _defer_first_measurement(self, b: _Bucket, key: int, threads: int) -> bool:
         """Whether a large bucket waits before measuring `threads` for the first time."""
-        if key < self._bucket(LARGE_STEP_TOKENS) or threads == self.candidates[0] or b.steps >= EXPLORE_EVERY:
+        if key < self._bucket(LARGE_STEP_TOKENS) or threads == self.candidates[0] or b.steps >= EXPLORE_SMALLER_EVERY:
             return False
         small = self._bucket(LARGE_STEP_TOKENS)
         return not any(other.best == threads for k, other in self._buckets.items() if k < small)

@@ -5,9 +5,9 @@ steps (the first not counted), then 1 thread for 3 steps, then runs the cheaper,
 re-measures the other once the bucket has taken 64 steps since that count's last counted
 step (1024 when the other is 1 thread and 2 run), or once the running count's median has
 passed the other's (5 steps or more after the other's last counted step). A re-measurement that beats the running count is
-followed by one of the running count, and the two fresh medians decide. A bucket of 64
-tokens or more runs 2 threads and measures 1 thread first only once a smaller bucket runs
-1 thread, or after 1024 steps.
+followed by one of the running count, and the two fresh medians decide. A step of 256
+tokens or more, or one holding a prompt chunk, runs 2 threads and measures 1 thread first
+only once a smaller bucket runs 1 thread, or after 1024 steps of its bucket.
 """
 
 from __future__ import annotations
@@ -21,19 +21,20 @@ from hybridserve.executor.torch.threads import (EXPLORE_EVERY, EXPLORE_SMALLER_E
                                                 LARGE_STEP_TOKENS, WINDOW, ThreadGovernor)
 
 
-def run(governor: ThreadGovernor, steps: int, seconds: Callable[[int, int], float], tokens: int = 16) -> list[int]:
+def run(governor: ThreadGovernor, steps: int, seconds: Callable[[int, int], float], tokens: int = 16,
+        holds_prompt: bool = False) -> list[int]:
     """The thread count of each of `steps` steps of `tokens` tokens; step i (from 1) with t
     threads takes seconds(i, t)."""
     chosen = []
     for i in range(1, steps + 1):
-        t = governor.choose(tokens)
+        t = governor.choose(tokens, holds_prompt=holds_prompt)
         governor.observe(tokens, t, seconds(i, t))
         chosen.append(t)
     return chosen
 
 
 def test_the_schedule_constants_the_hand_derivations_assume() -> None:
-    assert (EXPLORE_EVERY, EXPLORE_SMALLER_EVERY, EXPLORE_STEPS, WINDOW, LARGE_STEP_TOKENS) == (64, 1024, 3, 5, 64)
+    assert (EXPLORE_EVERY, EXPLORE_SMALLER_EVERY, EXPLORE_STEPS, WINDOW, LARGE_STEP_TOKENS) == (64, 1024, 3, 5, 256)
 
 
 def test_one_core_never_switches() -> None:
@@ -154,14 +155,25 @@ def test_prefill_on_a_quiet_machine_never_measures_one_thread_in_its_first_1024_
 
 
 def test_a_step_holding_a_prompt_chunk_waits_for_decode_to_measure_one_thread() -> None:
-    # Steps of 64-127 tokens (one 64-token prompt among decodes) on a quiet machine: decode
-    # steps of 16 tokens measure 1 thread (steps 4-6 of their bucket) and keep 2 threads, so
-    # the 80-token bucket runs 2 threads throughout; steps of 63 tokens measure as decodes.
+    # Steps of 80 tokens on a quiet machine (2 threads 0.4 s, 1 thread 0.5 s). Holding a
+    # prompt chunk, they run 2 threads throughout (steps 1-3 measure 2, then 1 thread is
+    # deferred: no smaller bucket runs it). Decode-only steps of the same bucket then
+    # measure 1 thread (3 steps) and keep 2; prompt steps after them follow the bucket.
     g = ThreadGovernor(2)
     quiet = lambda i, t: 0.4 if t == 2 else 0.5  # noqa: E731
-    assert [t for t in run(g, 10, quiet, tokens=16)] == [2, 2, 2, 1, 1, 1, 2, 2, 2, 2]
-    assert run(g, 50, quiet, tokens=80) == [2] * 50
-    assert run(g, 10, quiet, tokens=63)[3:6] == [1, 1, 1]
+    assert run(g, 50, quiet, tokens=80, holds_prompt=True) == [2] * 50
+    assert run(g, 6, quiet, tokens=80) == [1, 1, 1, 2, 2, 2]
+    assert run(g, 20, quiet, tokens=80, holds_prompt=True) == [2] * 20
+
+
+def test_a_step_holding_a_prompt_chunk_measures_one_thread_once_decode_runs_it() -> None:
+    # Busy (1 thread faster): 16-token decode steps settle on 1 thread at step 6, so an
+    # 80-token step holding a prompt chunk measures 1 thread at once (after 2 threads: its
+    # bucket has no times yet) and runs it.
+    g = ThreadGovernor(2)
+    busy = lambda i, t: 1.0 if t == 2 else 0.5  # noqa: E731
+    run(g, 7, busy, tokens=16)
+    assert run(g, 8, busy, tokens=80, holds_prompt=True) == [2, 2, 2, 1, 1, 1, 1, 1]
 
 
 def test_prefill_measures_one_thread_once_decode_runs_it() -> None:

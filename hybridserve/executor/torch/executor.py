@@ -148,7 +148,8 @@ class TorchExecutor(Executor):
         governor = self._threads
         if governor is None or not so.total_num_scheduled_tokens:
             return self._run_step(so)
-        threads = governor.choose(so.total_num_scheduled_tokens)
+        holds_prompt = any(r.num_scheduled_tokens - r.num_draft_tokens > 1 for r in so.requests)
+        threads = governor.choose(so.total_num_scheduled_tokens, holds_prompt=holds_prompt)
         if threads != torch.get_num_threads():
             torch.set_num_threads(threads)  # on the runner thread: OpenMP's count is per calling thread
         start = time.perf_counter()

@@ -31,13 +31,14 @@ EXPLORE_STEPS = 3
 # the slower count for many steps, while a load that stays moves the median within 3
 # steps (benchmarks/results/thread_count.md, cpu_threads.md).
 WINDOW = 5
-# Steps of at least this many tokens hold a prompt chunk (a 64-token prompt among decodes)
-# or decode a large batch: a slower count measured on one delays every first token in it
-# (a server's TTFT p99 under Poisson arrivals was such steps' first 1-thread measurements).
-# Such a bucket measures a smaller count only once a smaller bucket runs it (the load
-# favours it there first: decode steps gain least from more cores), or after
-# EXPLORE_SMALLER_EVERY steps.
-LARGE_STEP_TOKENS = 64
+# Steps of at least this many tokens are prefill chunks (decode steps have one token per
+# running request), and so is any step that holds a prompt chunk (a 64-token prompt among
+# decodes): a slower count measured on one delays every first token in it (a server's
+# TTFT p99 under Poisson arrivals was such steps' first 1-thread measurements). Such a
+# step measures a smaller count for the first time only once a smaller bucket runs it (the
+# load favours it there first), or once its bucket has taken EXPLORE_SMALLER_EVERY steps;
+# until then it runs every core, and the bucket's decode-only steps measure.
+LARGE_STEP_TOKENS = 256
 
 
 @dataclass
@@ -70,9 +71,10 @@ class ThreadGovernor:
     spells (every count slower for a few seconds) move a quiet machine to 1 thread for up
     to 17 steps of a 128-token stream, and a trial version that compared the fresh times
     with a window still holding such a spell kept it there for 57. A candidate never
-    measured in a bucket is measured first (the largest first), except that a bucket of
-    LARGE_STEP_TOKENS or more runs every core and measures a smaller count first only
-    when a smaller bucket runs that count, or after EXPLORE_SMALLER_EVERY steps.
+    measured in a bucket is measured first (the largest first), except that a step of
+    LARGE_STEP_TOKENS or more, or one holding a prompt chunk, runs every core and measures
+    a smaller count first only when a smaller bucket runs that count, or after
+    EXPLORE_SMALLER_EVERY steps of its bucket.
 
     Invariants: `choose` returns a member of `candidates`; with one candidate it always
     returns it; `observe` counts only steps run with the count `choose` returned and skips
@@ -90,23 +92,24 @@ class ThreadGovernor:
     def _bucket(num_tokens: int) -> int:
         return max(1, num_tokens).bit_length()
 
-    def choose(self, num_tokens: int) -> int:
-        """The thread count to run a step of `num_tokens` tokens with."""
+    def choose(self, num_tokens: int, holds_prompt: bool = False) -> int:
+        """The thread count to run a step of `num_tokens` tokens with; `holds_prompt`: some
+        request in it computes more than one token (a prompt chunk)."""
         key = self._bucket(num_tokens)
         b = self._buckets.setdefault(key, _Bucket())
-        threads = self._pick(b, key)
+        threads = self._pick(b, key, holds_prompt)
         self._switched = threads != self._last
         self._last = threads
         return threads
 
-    def _pick(self, b: _Bucket, key: int) -> int:
+    def _pick(self, b: _Bucket, key: int, holds_prompt: bool) -> int:
         if len(self.candidates) == 1:
             return self.candidates[0]
         if b.exploring is not None:
             return b.exploring
         unmeasured = [c for c in self.candidates if c not in b.times]
         for c in unmeasured:
-            if not self._defer_first_measurement(b, key, c):
+            if not self._defer_first_measurement(b, key, c, holds_prompt):
                 return self._explore(b, c)
         if unmeasured:  # a large bucket waiting to measure a smaller count: every core
             return self.candidates[0]
@@ -124,9 +127,11 @@ class ThreadGovernor:
                 return self._explore(b, c)
         return b.best
 
-    def _defer_first_measurement(self, b: _Bucket, key: int, threads: int) -> bool:
-        """Whether a large bucket waits before measuring `threads` for the first time."""
-        if key < self._bucket(LARGE_STEP_TOKENS) or threads == self.candidates[0] or b.steps >= EXPLORE_SMALLER_EVERY:
+    def _defer_first_measurement(self, b: _Bucket, key: int, threads: int, holds_prompt: bool) -> bool:
+        """Whether a large step (or one holding a prompt chunk) waits before measuring
+        `threads` for the first time."""
+        large = holds_prompt or key >= self._bucket(LARGE_STEP_TOKENS)
+        if not large or threads == self.candidates[0] or b.steps >= EXPLORE_SMALLER_EVERY:
             return False
         small = self._bucket(LARGE_STEP_TOKENS)
         return not any(other.best == threads for k, other in self._buckets.items() if k < small)

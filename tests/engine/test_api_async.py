@@ -226,7 +226,7 @@ def test_a_request_whose_detokenizing_fails_fails_alone(engine: AsyncLLM, monkey
 
 def test_prepare_large_steps_prepares_in_process_replicas(engine: AsyncLLM, monkeypatch) -> None:
     # `hybridserve serve --no-engine-core-process` calls it at start-up: without it the first
-    # burst of prompts compiled the chains inside a step (4.5 s on Gemma 3 270M).
+    # burst of prompts compiled the chains inside a step (benchmarks/results/serving_peers.md).
     executor = engine.replicas[0].parts.engine.executor
     calls = []
     monkeypatch.setattr(executor, "prepare_large_steps", lambda: calls.append(executor))

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 EXPLORE_EVERY = 64
 # The same for a smaller count than the one running. A load arriving shows first as
 # suspicion (the running count's median passing the smaller count's), so the schedule is
-# only a backstop; on a quiet machine each such measurement is 3 steps at ~1.4x their time,
-# and at 1 in 64 they were the served p99 of time to first token under Poisson arrivals
-# (a measured step holding a prefill: benchmarks/results/serving_peers.md).
+# only a backstop; on a quiet machine each such measurement is 3 slower steps, and at 1 in
+# 64 they were the served p99 of time to first token under Poisson arrivals (a measured
+# step holding a prefill: benchmarks/results/serving_peers.md).
 EXPLORE_SMALLER_EVERY = 1024
 # Steps measured per visit to another count; the first after a switch is not counted
 # (threads that slept and caches that hold the other count's layout make it an outlier).

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serving_peers as sp  # noqa: E402
-from common import checkout_commit, torch_header  # noqa: E402
+from common import checkout_commit, checkout_dir, torch_header  # noqa: E402
 
 PROMPT = "Tell me about the sea."
 
@@ -62,16 +62,13 @@ def served(checkout: Path, a: argparse.Namespace) -> dict[str, list[float]]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("checkouts", nargs="+", type=Path, help="repository roots to compare")
+    p.add_argument("checkouts", nargs="+", type=checkout_dir, help="repository roots to compare")
     p.add_argument("--model-dir", required=True, help="an HF model directory (serving_peers.py's)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--requests", type=int, default=15)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=8)
     a = p.parse_args()
-    missing = [str(c) for c in a.checkouts if not (c / "hybridserve").is_dir()]
-    if missing:
-        p.error(f"not a hybridserve checkout: {', '.join(missing)}")
     print(torch_header(None, ("avx", "amx")))
     print(f"\n| round | checkout | commit | kind | median ms ({a.max_tokens} tokens) | all ms, sorted | load |"
           "\n|---:|---|---|---|---:|---|---:|")

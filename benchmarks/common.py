@@ -4,6 +4,7 @@ time of a call."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import subprocess
@@ -32,6 +33,14 @@ def checkout_commit(repo: Path = REPO) -> str:
     """The short commit of a checkout, this one by default (empty outside git)."""
     return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                           cwd=repo).stdout.strip()
+
+
+def checkout_dir(text: str) -> Path:
+    """argparse type: a hybridserve repository root (a checkout to compare)."""
+    path = Path(text)
+    if not (path / "hybridserve").is_dir():
+        raise argparse.ArgumentTypeError(f"not a hybridserve checkout: {text}")
+    return path
 
 
 def torch_header(threads: int | None, flag_prefixes: tuple[str, ...]) -> str:

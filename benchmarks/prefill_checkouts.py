@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import checkout_commit, torch_header  # noqa: E402
+from common import checkout_commit, checkout_dir, torch_header  # noqa: E402
 
 _RUN = """
 import random, sys, time
@@ -44,12 +44,9 @@ print(f"{min(rest) * 1e3:.0f} {rest[len(rest) // 2] * 1e3:.0f}")
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("checkouts", nargs="+", type=Path, help="repository roots to compare")
+    p.add_argument("checkouts", nargs="+", type=checkout_dir, help="repository roots to compare")
     p.add_argument("--rounds", type=int, default=2)
     args = p.parse_args()
-    missing = [str(c) for c in args.checkouts if not (c / "hybridserve").is_dir()]
-    if missing:
-        p.error(f"not a hybridserve checkout: {', '.join(missing)}")
     print(torch_header(None, ("avx", "amx")))
     print("\n| round | checkout | commit | fastest ms | median ms | load |\n|---:|---|---|---:|---:|---:|")
     for r in range(args.rounds):

@@ -1,5 +1,5 @@
-"""span_kernel: the compiled summarising kernel equals span_stats, the general path, and
-any doubt about it keeps the general path."""
+"""span_kernel: the summarising kernel in use (native C, else compiled) equals span_stats,
+the general path, and any doubt about one passes to the next, then to the general path."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ torch = pytest.importorskip("torch")
 
 from hybridserve.models.layers import span_kernel  # noqa: E402
 from hybridserve.models.layers.span_logits import SPAN, span_stats  # noqa: E402
+from hybridserve.models.platform.native_build import NativeBuildError  # noqa: E402
 
 
 def test_a_kernel_in_use_equals_the_general_path(caplog) -> None:
@@ -37,21 +38,41 @@ def test_a_kernel_that_disagrees_is_not_used(monkeypatch, caplog) -> None:
         peak, mass = span_stats(src.float(), inv_t)
         return peak, mass * 1.001
 
-    monkeypatch.setattr(span_kernel, "_summarise", off_by_a_little)
-    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)  # the check, not the compiler, is tested
+    monkeypatch.setattr(span_kernel, "KERNELS", (("native", lambda: off_by_a_little),))
     with caplog.at_level("WARNING"):
         assert span_kernel._Kernel().get() is None
-    assert "span masses off by" in caplog.text
+    assert "the native kernel is not used (gave span masses off by" in caplog.text
+    assert "span summaries stay eager" in caplog.text
 
 
-def test_a_kernel_that_fails_to_build_is_not_used(monkeypatch, caplog) -> None:
+def test_kernels_that_fail_to_build_are_not_used(monkeypatch, caplog) -> None:
+    def no_c_compiler():  # type: ignore[no-untyped-def]
+        raise NativeBuildError("no C compiler: 'cc' is not on PATH (set CC)")
+
     def no_compiler(fn, **kwargs):  # type: ignore[no-untyped-def]
         raise RuntimeError("no C++ compiler found")
 
     monkeypatch.setattr(torch, "compile", no_compiler)
+    monkeypatch.setattr(span_kernel, "_native", no_c_compiler)
+    monkeypatch.setattr(span_kernel, "KERNELS", (("native", lambda: span_kernel._native()),
+                                                 ("compiled", span_kernel._compiled)))
     with caplog.at_level("WARNING"):
         assert span_kernel._Kernel().get() is None
-    assert "no C++ compiler found" in caplog.text
+    assert "the native kernel is not used (NativeBuildError: no C compiler" in caplog.text
+    assert "the compiled kernel is not used (RuntimeError: no C++ compiler found)" in caplog.text
+
+
+def test_the_next_kernel_serves_where_the_first_fails(monkeypatch, caplog) -> None:
+    def breaks():  # type: ignore[no-untyped-def]
+        raise NativeBuildError("cc failed on span_summaries.c: error: unknown type name")
+
+    def eager(src, inv_t):  # type: ignore[no-untyped-def]
+        return span_stats(src.float(), inv_t)
+
+    monkeypatch.setattr(span_kernel, "KERNELS", (("native", breaks), ("compiled", lambda: eager)))
+    with caplog.at_level("WARNING"):
+        assert span_kernel._Kernel().get() is eager
+    assert "the native kernel is not used (NativeBuildError: cc failed" in caplog.text and "stay eager" not in caplog.text
 
 
 def test_the_switch_keeps_the_general_path(monkeypatch) -> None:

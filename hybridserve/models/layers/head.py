@@ -38,7 +38,7 @@ from hybridserve.models.layers.int8 import (FBGEMM, QUANTIZERS, BlockDone, int8_
                                            int8_path, quantize_gemm_weight, quantize_int8_rows)
 from hybridserve.models.layers.linear import make_linear
 from hybridserve.models.layers.span_kernel import KERNEL
-from hybridserve.models.layers.span_logits import SPAN, LogitsBuffer, SpanLogits, padded_width, span_stats
+from hybridserve.models.layers.span_logits import SPAN, LogitsBuffer, SpanLogits, padded_width
 from hybridserve.models.platform.heap import release_free_heap
 
 # Vocabulary rows per packed / quantized chunk: small enough that one chunk's logits stay
@@ -233,7 +233,7 @@ class OutputHead:
                 out = self._chunk_logits(chunk, x, softcap)
                 if pad and i == len(self._chunks) - 1:
                     out = torch.nn.functional.pad(out.float(), (0, pad), value=float("-inf"))
-                peak, mass = KERNEL.summarise(out, inv_t)  # the compiled loop, or span_stats
+                peak, mass = KERNEL.summarise(out, inv_t)  # the native or compiled kernel, or span_stats
                 pieces.append(out)
                 peaks.append(peak)
                 masses.append(mass)
@@ -243,7 +243,7 @@ class OutputHead:
         for start, chunk in zip(range(0, self.vocab_size, self.chunk_rows), self._chunks):
             out = self._chunk_logits(chunk, x, softcap)
             padded[:, start : start + out.shape[1]].copy_(out)
-        peak, mass = span_stats(padded, inv_t)
+        peak, mass = KERNEL.summarise(padded, inv_t)
         return SpanLogits(vocab_size=self.vocab_size, inv_temperature=inv_t, span_max=peak, span_sum=mass,
                           buffer=self._logits_buffer, padded=padded)
 

@@ -1,15 +1,20 @@
-"""A chunk's span summaries as one compiled kernel: the fast path beside span_stats.
+"""A chunk's span summaries as one kernel: the fast paths beside span_stats.
 
 Eager PyTorch summarises a chunk of logits in four passes over it, each with a temporary
 of the chunk's size (the span maxima, x - max, the scaling by 1 / T, exp and the sums);
-at 64 rows they cost a sampled step about as much as the rest of its sampling.
-torch.compile (inductor's C++ backend) makes them loops over each row of the chunk while
-the row is in cache, with no temporaries.
+at 64 rows they cost a sampled step about as much as the rest of its sampling. Two
+kernels make them one loop over each row while it is in cache, with no temporaries:
 
-The kernel is built on first use and checked once against span_stats
-(models/layers/span_logits.py, the general path) on a made-up chunk with -inf spans; no
-compiler, a failed build or any mismatch keeps the eager path for the life of the
-process. Set HYBRIDSERVE_NO_COMPILE=1 to keep it without trying.
+- native: hand-written C (span_summaries.c, via span_native.py), which summarises several
+  spans side by side and so runs about twice as fast as the compiled loop
+  (`python benchmarks/span_summaries.py`);
+- compiled: torch.compile (inductor's C++ backend) of the eager form, where the native
+  one cannot be built.
+
+The first that builds is checked once against span_stats (models/layers/span_logits.py,
+the general path) on a made-up chunk with -inf spans; no compiler, failed builds or any
+mismatch keep the eager path for the life of the process. Set HYBRIDSERVE_NO_COMPILE=1
+to keep it without trying.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ def _summarise(src: torch.Tensor, inv_temperature: torch.Tensor) -> tuple[torch.
 
 
 class _Kernel:
-    """The compiled kernel, built and checked at most once per process."""
+    """The kernel in use (native, compiled or none), chosen and checked at most once per process."""
 
     def __init__(self) -> None:
         self.tried = False
@@ -65,12 +70,12 @@ class _Kernel:
             except Exception as exc:  # noqa: BLE001 - any failure keeps the general path
                 reason = one_line(exc)
             if reason:
-                log.warning("span summaries turn eager: under %d threads the compiled kernel %s",
+                log.warning("span summaries turn eager: under %d threads the kernel %s",
                             torch.get_num_threads(), reason)
                 self.fn = None
 
     def summarise(self, src: torch.Tensor, inv_temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(span max, span mass) of src as float32: the compiled kernel where it serves, else
+        """(span max, span mass) of src as float32: the kernel where one serves, else
         span_stats. A kernel that fails on a call (a shape or dtype it cannot compile for,
         its recompile limit) is dropped for the rest of the process, and the call answered
         by span_stats: a sampled step never fails for the fast path's sake."""
@@ -79,21 +84,37 @@ class _Kernel:
             try:
                 return fn(src, inv_temperature)
             except Exception as exc:  # noqa: BLE001 - the general path answers instead
-                log.warning("span summaries turn eager: the compiled kernel failed (%s)", one_line(exc))
+                log.warning("span summaries turn eager: the kernel failed (%s)", one_line(exc))
                 self.fn = None
         return span_stats(src.float(), inv_temperature)
 
 
+def _native() -> Summarise:
+    from hybridserve.models.layers.span_native import NativeSummaries
+
+    return NativeSummaries()
+
+
+def _compiled() -> Summarise:
+    return torch.compile(_summarise, dynamic=True, fullgraph=True)  # type: ignore[return-value]
+
+
+# The kernels tried in turn: the first that builds and agrees with span_stats serves.
+KERNELS: tuple[tuple[str, Callable[[], Summarise]], ...] = (("native", _native), ("compiled", _compiled))
+
+
 def _build() -> Summarise | None:
-    try:
-        fn = torch.compile(_summarise, dynamic=True, fullgraph=True)
-        reason = _mismatch(fn)
-    except Exception as exc:  # noqa: BLE001 - any failure keeps the general path
-        reason = one_line(exc)
-    if reason:
-        log.warning("span summaries stay eager: the compiled kernel %s", reason)
-        return None
-    return fn  # type: ignore[return-value]
+    for name, make in KERNELS:
+        try:
+            fn = make()
+            reason = _mismatch(fn)
+        except Exception as exc:  # noqa: BLE001 - any failure leaves the next kernel to try
+            reason = one_line(exc)
+        if not reason:
+            return fn
+        log.warning("span summaries: the %s kernel is not used (%s)", name, reason)
+    log.warning("span summaries stay eager")
+    return None
 
 
 def _mismatch(fn: Summarise) -> str | None:

@@ -38,13 +38,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 from hybridserve.core.errors import ConfigError
+from hybridserve.models.platform.cache_dir import CACHE_DIR_ENV_VAR, cache_root  # noqa: F401 - re-exported
 from hybridserve.models.platform.heap import release_free_heap
 
 if TYPE_CHECKING:  # numpy is imported by the conversion alone: the server's HTTP process reads
     import numpy as np  # this module's cache layout and marker, and never converts
 
 CONVERTER_VERSION = 3
-CACHE_DIR_ENV_VAR = "HYBRIDSERVE_CACHE_DIR"
 CONVERSION_MARKER = "hybridserve-conversion.json"
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 _KEY_WINDOW_BYTES = 64 * 1024
@@ -63,14 +63,6 @@ def say(progress: bool, message: str) -> None:
     """One line of first-start progress on stderr (stdout stays clean for generated text)."""
     if progress:
         print(f"hybridserve: {message}", file=sys.stderr, flush=True)
-
-
-def cache_root(cache_dir: str | Path | None = None) -> Path:
-    """The cache folder: `cache_dir`, else $HYBRIDSERVE_CACHE_DIR, else ~/.cache/hybridserve."""
-    if cache_dir is not None:
-        return Path(cache_dir).expanduser()
-    from_env = os.environ.get(CACHE_DIR_ENV_VAR)
-    return Path(from_env).expanduser() if from_env else Path.home() / ".cache" / "hybridserve"
 
 
 def gguf_file_key(gguf_path: Path) -> str:

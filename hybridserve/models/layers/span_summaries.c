@@ -1,0 +1,118 @@
+/* A chunk's span summaries (models/layers/span_logits.py says what they are): for each span
+ * of SPAN logits of a row, its maximum m and its mass, the sum of
+ * exp(max((x - m) * inv_t, exp_floor)) (0 for a span that is all -inf).
+ *
+ * Why by hand, beside inductor's compiled loop (models/layers/span_kernel.py): a span is a
+ * chain of dependent steps (the max, then the exponentials summed into one accumulator,
+ * then two reductions across lanes), and a loop over one span at a time waits on those
+ * chains; this one summarises GROUP spans side by side, so their chains overlap. The
+ * exponential is range reduction to 2^n * e^r (|r| <= ln 2 / 2) with e^r's Taylor
+ * polynomial to degree 8: its truncation (< 1e-9 relative) is below float32 rounding.
+ *
+ * Written with GCC / Clang vector extensions, so the compiler flags pick the instructions
+ * (AVX-512, AVX2 + FMA, or whatever the target has); OpenMP spreads the spans over the
+ * threads of the runtime torch has loaded (the same libgomp: one pool). */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define SPAN 128
+#define LANES 16
+#define GROUP 8 /* spans summarised side by side */
+
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+
+#if defined(__clang__)
+#define SHUFFLE(a, ...) __builtin_shufflevector((a), (a), __VA_ARGS__)
+#else
+#define SHUFFLE(a, ...) __builtin_shuffle((a), (vi){__VA_ARGS__})
+#endif
+
+static inline vf splat(float x) { return (vf){0} + x; }
+
+static inline vf vmax(vf a, vf b) {
+    vi take_a = (vi)(a > b);
+    return (vf)(((vi)a & take_a) | ((vi)b & ~take_a));
+}
+
+static inline vf load(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline float lanes_max(vf a) {
+    a = vmax(a, SHUFFLE(a, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+    a = vmax(a, SHUFFLE(a, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+    a = vmax(a, SHUFFLE(a, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+    a = vmax(a, SHUFFLE(a, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+    return a[0];
+}
+
+static inline float lanes_sum(vf a) {
+    a += SHUFFLE(a, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    a += SHUFFLE(a, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    a += SHUFFLE(a, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    a += SHUFFLE(a, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    return a[0];
+}
+
+/* exp(x) for x in [-87, 0] (the caller's floor keeps it there: 2^n stays a normal float). */
+static inline vf exp_nonpositive(vf x) {
+    const vf round_shift = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
+    vf n = (x * splat(1.44269504088896341f) + round_shift) - round_shift;
+    vf r = x - n * splat(0.693145751953125f); /* ln 2 in two parts: r stays exact */
+    r = r - n * splat(1.42860682030941723212e-6f);
+    vf p = splat(1.0f / 40320.0f);
+    p = p * r + splat(1.0f / 5040.0f);
+    p = p * r + splat(1.0f / 720.0f);
+    p = p * r + splat(1.0f / 120.0f);
+    p = p * r + splat(1.0f / 24.0f);
+    p = p * r + splat(1.0f / 6.0f);
+    p = p * r + splat(0.5f);
+    p = p * r + splat(1.0f);
+    p = p * r + splat(1.0f);
+    vi two_n = (__builtin_convertvector(n, vi) + 127) << 23;
+    return p * (vf)two_n;
+}
+
+/* Spans j0 .. j0 + count - 1 (count <= GROUP) of one row. */
+static inline void summarise_group(const float *row, int64_t j0, int count, float inv_t, float exp_floor,
+                                   float *peak, float *mass) {
+    vf lane_max[GROUP], shift[GROUP], acc[GROUP];
+    float m[GROUP];
+    for (int g = 0; g < count; g++) lane_max[g] = splat(-INFINITY);
+    for (int b = 0; b < SPAN; b += LANES)
+        for (int g = 0; g < count; g++) lane_max[g] = vmax(lane_max[g], load(row + (j0 + g) * SPAN + b));
+    for (int g = 0; g < count; g++) {
+        m[g] = lanes_max(lane_max[g]);
+        shift[g] = splat(m[g] == -INFINITY ? 0.0f : m[g]); /* an all -inf span: no -inf - -inf */
+        acc[g] = splat(0.0f);
+    }
+    const vf scale = splat(inv_t), lowest = splat(exp_floor);
+    for (int b = 0; b < SPAN; b += LANES)
+        for (int g = 0; g < count; g++)
+            acc[g] += exp_nonpositive(vmax((load(row + (j0 + g) * SPAN + b) - shift[g]) * scale, lowest));
+    for (int g = 0; g < count; g++) {
+        peak[j0 + g] = m[g];
+        mass[j0 + g] = m[g] == -INFINITY ? 0.0f : lanes_sum(acc[g]);
+    }
+}
+
+/* x: rows of `spans` * SPAN float32 logits, `row_stride` floats apart; peak and mass:
+ * [rows, spans], contiguous. */
+void span_summaries(const float *x, int64_t rows, int64_t spans, int64_t row_stride, const float *inv_t,
+                    float exp_floor, float *peak, float *mass, int32_t num_threads) {
+    const int64_t groups = (spans + GROUP - 1) / GROUP;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t k = 0; k < rows * groups; k++) {
+        const int64_t r = k / groups, j0 = (k % groups) * GROUP;
+        const float *row = x + r * row_stride;
+        if (spans - j0 >= GROUP) /* a whole group: the constant count unrolls its loops */
+            summarise_group(row, j0, GROUP, inv_t[r], exp_floor, peak + r * spans, mass + r * spans);
+        else
+            summarise_group(row, j0, (int)(spans - j0), inv_t[r], exp_floor, peak + r * spans, mass + r * spans);
+    }
+}

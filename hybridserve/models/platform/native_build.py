@@ -1,0 +1,106 @@
+"""Hand-written C kernels, compiled once per machine by the system's C compiler and loaded
+with ctypes.
+
+A kernel's source sits beside the Python that calls it (e.g. models/layers/span_summaries.c).
+It is compiled for the instructions `read_cpu_flags` reports (AVX-512, or AVX2 + FMA, or
+the target's baseline), never `-march=native`: a cache folder shared by machines of
+different CPUs (a home directory on NFS) then holds one library per instruction set, and a
+run that plays another CPU (HYBRIDSERVE_CPU_FLAGS, benchmarks' `--isa avx2`) gets that
+CPU's code. The library's name carries a digest of the source, the flags and the
+compiler's version, so an edit or another compiler builds anew. With `-fopenmp` the
+library uses the OpenMP runtime already in the process (torch's libgomp, matched by its
+soname), so its parallel loops share torch's thread pool.
+
+Anything that goes wrong (no compiler, a failed build, a library that will not load)
+raises NativeBuildError with one line saying what; callers keep their general path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+
+from hybridserve.models.platform.cache_dir import cache_root
+from hybridserve.models.platform.cpu_features import read_cpu_flags
+
+CC_ENV = "CC"
+BUILD_TIMEOUT_S = 120
+BASE_FLAGS = ("-O3", "-fno-math-errno", "-fPIC", "-shared", "-fopenmp")
+_X86 = ("x86_64", "amd64", "i686")
+
+
+class NativeBuildError(RuntimeError):
+    """A native kernel could not be built or loaded (the message says why, on one line)."""
+
+
+def isa_flags(cpu_flags: frozenset[str], machine: str | None = None) -> tuple[str, ...]:
+    """The compiler's instruction-set flags for a CPU with `cpu_flags` (Linux's names)."""
+    if (machine or platform.machine()).lower() not in _X86:
+        return ()
+    if {"avx512f", "avx2", "fma"} <= cpu_flags:
+        return ("-mavx512f", "-mavx2", "-mfma")
+    if {"avx2", "fma"} <= cpu_flags:
+        return ("-mavx2", "-mfma")
+    return ()
+
+
+def _compiler() -> str:
+    name = os.environ.get(CC_ENV, "cc")
+    path = shutil.which(name)
+    if path is None:
+        raise NativeBuildError(f"no C compiler: {name!r} is not on PATH (set {CC_ENV})")
+    return path
+
+
+def _compiler_version(cc: str) -> str:
+    try:
+        out = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise NativeBuildError(f"the C compiler {cc} does not run: {exc}") from None
+    return out.stdout.splitlines()[0] if out.stdout else ""
+
+
+def library_path(name: str, source: Path, flags: tuple[str, ...], compiler_version: str) -> Path:
+    """Where the library of `source` built with `flags` by that compiler lives in the cache."""
+    digest = hashlib.sha256(source.read_bytes())
+    digest.update("\0".join((*flags, compiler_version)).encode())
+    return cache_root() / "native" / f"{name}-{digest.hexdigest()[:16]}.so"
+
+
+def build(name: str, source: Path) -> ctypes.CDLL:
+    """The loaded library of the C file `source`: from the cache, or compiled into it first
+    (written under a temporary name and renamed, so concurrent builds never load a
+    half-written file)."""
+    cc = _compiler()
+    flags = (*BASE_FLAGS, *isa_flags(read_cpu_flags()))
+    target = library_path(name, source, flags, _compiler_version(cc))
+    if not target.exists():
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise NativeBuildError(f"cannot create the cache folder {target.parent}: {exc}") from None
+        staging = target.parent / f".tmp-{target.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            out = subprocess.run([cc, *flags, str(source), "-o", str(staging)], capture_output=True, text=True,
+                                 timeout=BUILD_TIMEOUT_S)
+            if out.returncode != 0:
+                lines = [line for line in out.stderr.splitlines() if "error" in line] or out.stderr.splitlines()
+                raise NativeBuildError(f"{Path(cc).name} failed on {source.name}: "
+                                       f"{lines[0].strip() if lines else f'exit {out.returncode}'}")
+            os.replace(staging, target)
+        except subprocess.TimeoutExpired:
+            raise NativeBuildError(f"{Path(cc).name} took over {BUILD_TIMEOUT_S} s on {source.name}") from None
+        except OSError as exc:
+            raise NativeBuildError(f"building {source.name}: {exc}") from None
+        finally:
+            staging.unlink(missing_ok=True)
+    try:
+        return ctypes.CDLL(str(target))
+    except OSError as exc:
+        raise NativeBuildError(f"cannot load {target.name}: {exc}") from None

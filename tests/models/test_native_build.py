@@ -1,0 +1,60 @@
+"""native_build: the compiler flags per CPU, the per-machine cache, and failures named."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from hybridserve.models.platform import native_build
+from hybridserve.models.platform.cache_dir import CACHE_DIR_ENV_VAR
+from hybridserve.models.platform.native_build import NativeBuildError, build, isa_flags
+
+ADD = "int add(int a, int b) { return a + b; }\n"
+needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
+
+
+def test_isa_flags_follow_the_cpu() -> None:
+    assert isa_flags(frozenset({"avx512f", "avx2", "fma", "sse2"}), "x86_64") == ("-mavx512f", "-mavx2", "-mfma")
+    assert isa_flags(frozenset({"avx2", "fma"}), "x86_64") == ("-mavx2", "-mfma")
+    assert isa_flags(frozenset({"avx512f", "avx2"}), "x86_64") == ()  # no FMA: the baseline
+    assert isa_flags(frozenset({"sse2"}), "x86_64") == ()
+    assert isa_flags(frozenset({"avx512f", "avx2", "fma"}), "aarch64") == ()
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    monkeypatch.setenv(CACHE_DIR_ENV_VAR, str(tmp_path / "cache"))
+    return tmp_path / "cache" / "native"
+
+
+@needs_cc
+def test_built_once_then_loaded_from_the_cache(tmp_path, cache) -> None:  # type: ignore[no-untyped-def]
+    source = tmp_path / "add.c"
+    source.write_text(ADD)
+    assert build("add", source).add(2, 3) == 5
+    (built,) = cache.iterdir()
+    stamp = built.stat().st_mtime_ns
+    assert build("add", source).add(40, 2) == 42
+    assert [p.name for p in cache.iterdir()] == [built.name] and built.stat().st_mtime_ns == stamp
+    source.write_text(ADD + "int sub(int a, int b) { return a - b; }\n")  # an edit builds anew
+    assert build("add", source).sub(5, 3) == 2
+    assert len(list(cache.iterdir())) == 2
+
+
+@needs_cc
+def test_a_failed_build_is_one_named_line(tmp_path, cache) -> None:  # type: ignore[no-untyped-def]
+    source = tmp_path / "broken.c"
+    source.write_text("int add(int a, int b) { return a + ; }\n")
+    with pytest.raises(NativeBuildError, match=r"failed on broken\.c: .*error") as info:
+        build("broken", source)
+    assert "\n" not in str(info.value)
+    assert not list(cache.iterdir())  # no half-written library left behind
+
+
+def test_no_compiler_is_named(tmp_path, cache, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv(native_build.CC_ENV, "no-such-cc-here")
+    source = tmp_path / "add.c"
+    source.write_text(ADD)
+    with pytest.raises(NativeBuildError, match="no C compiler: 'no-such-cc-here' is not on PATH"):
+        build("add", source)

@@ -2,16 +2,21 @@
 
     python benchmarks/pool_rss.py                                  # default budget and 256MiB
     python benchmarks/pool_rss.py --budgets default,512MiB --generations 8
+    python benchmarks/pool_rss.py --budgets default --retentions 1,0.25 --new-prompts --generations 8
 
 Each budget runs in a fresh process: load the default model (`--kv-cache-memory` as given,
 or unset for "default"), then generate --prompts random-id prompts of 8-64 tokens (seed 0)
 x --max-tokens greedy tokens, --generations times, printing VmRSS after the load, after
-each generation, and once more after a pause of IDLE_RELEASE_S + 1 s. What it shows: the KV
-pool's buffers are zero pages until written, and the block pool hands out blocks never used
-before until every one has been (its free queue keeps freed blocks for the prefix cache),
-so resident memory grows by the new blocks each generation writes until the whole budget
-has been touched once, then stays flat; and after the pause the step temporaries left in
-the C heap have gone back to the OS (models/platform/heap.IdleHeapRelease).
+each generation, and once more after a pause of IDLE_RELEASE_S + 1 s. `--retentions` runs
+each budget once per `prefix_cache_retention` given ("default": unset); `--new-prompts`
+draws new prompts for every generation (a server's stream of users) instead of repeating
+the first ones (whose prompt blocks then hit the prefix cache). What it shows: the KV
+pool's buffers are zero pages until written; with prefix caching the block pool keeps
+finished requests' blocks findable, and hands out never-used blocks before recycling them
+until those cached blocks exceed the retention (core/kv/block_pool.FreeBlocks), so
+resident memory grows by the new blocks each generation writes until then, and stays flat
+after; and after the pause the step temporaries left in the C heap have gone back to the
+OS (models/platform/heap.IdleHeapRelease).
 """
 
 from __future__ import annotations
@@ -37,19 +42,28 @@ def vm_rss_mb() -> int:
     return -1
 
 
-def run_one(budget: str, prompts: int, max_tokens: int, generations: int) -> None:
-    """One budget in this process: prints one markdown row."""
+def run_one(budget: str, retention: str, prompts: int, max_tokens: int, generations: int, new_prompts: bool) -> None:
+    """One budget and retention in this process: prints one markdown row."""
     from hybridserve import LLM, SamplingParams
     from hybridserve.models.platform.heap import IDLE_RELEASE_S
 
-    llm = LLM(None, progress=False, **({} if budget == "default" else {"kv_cache_memory": budget}))
+    settings = {} if budget == "default" else {"kv_cache_memory": budget}
+    if retention != "default":
+        settings["prefix_cache_retention"] = float(retention)
+    llm = LLM(None, progress=False, **settings)
     rng = random.Random(0)
-    batch = [[rng.randrange(5, llm.parts.vocab_size) for _ in range(rng.randint(8, 64))] for _ in range(prompts)]
+
+    def draw() -> list[list[int]]:
+        return [[rng.randrange(5, llm.parts.vocab_size) for _ in range(rng.randint(8, 64))] for _ in range(prompts)]
+
+    batch = draw()
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    row = [budget, str(vm_rss_mb())]
+    row = [budget, retention, str(vm_rss_mb())]
     for _ in range(generations):
         llm.generate(batch, params, use_tqdm=False)
         row.append(str(vm_rss_mb()))
+        if new_prompts:
+            batch = draw()
     time.sleep(IDLE_RELEASE_S + 1)
     row.append(str(vm_rss_mb()))
     llm.shutdown()
@@ -62,21 +76,27 @@ def main() -> int:
     p.add_argument("--prompts", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--generations", type=int, default=5)
-    p.add_argument("--run-one", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--retentions", default="default", help="prefix_cache_retention values, 'default' for unset")
+    p.add_argument("--new-prompts", action="store_true", help="new prompts for every generation")
+    p.add_argument("--run-one", default=None, nargs=2, help=argparse.SUPPRESS)
     a = p.parse_args()
     if a.run_one:
-        run_one(a.run_one, a.prompts, a.max_tokens, a.generations)
+        run_one(*a.run_one, a.prompts, a.max_tokens, a.generations, a.new_prompts)
         return 0
     print(torch_header(None, ("avx",)))
-    print(f"# {a.prompts} prompts x {a.max_tokens} tokens, {a.generations} generations per process; VmRSS in MB")
-    print("| kv_cache_memory | loaded | " + " | ".join(f"after {i + 1}" for i in range(a.generations)) + " | idle |")
-    print("|---|" + "---:|" * (a.generations + 2))
+    print(f"# {a.prompts} prompts x {a.max_tokens} tokens, {a.generations} generations per process, "
+          f"{'new' if a.new_prompts else 'the same'} prompts each generation; VmRSS in MB")
+    print("| kv_cache_memory | prefix_cache_retention | loaded | "
+          + " | ".join(f"after {i + 1}" for i in range(a.generations)) + " | idle |")
+    print("|---|---|" + "---:|" * (a.generations + 2))
     for budget in a.budgets.split(","):
-        child = [sys.executable, __file__, "--run-one", budget, "--prompts", str(a.prompts), "--max-tokens",
-                 str(a.max_tokens), "--generations", str(a.generations)]
-        rc = subprocess.run(child, cwd=REPO, env={**os.environ}).returncode
-        if rc:
-            print(f"| {budget} | failed with exit code {rc} |")
+        for retention in a.retentions.split(","):
+            child = [sys.executable, __file__, "--run-one", budget, retention, "--prompts", str(a.prompts),
+                     "--max-tokens", str(a.max_tokens), "--generations", str(a.generations),
+                     *(["--new-prompts"] if a.new_prompts else [])]
+            rc = subprocess.run(child, cwd=REPO, env={**os.environ}).returncode
+            if rc:
+                print(f"| {budget} | {retention} | failed with exit code {rc} |")
     return 0
 
 

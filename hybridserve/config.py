@@ -72,6 +72,13 @@ def _check_int(name: str, value: Any, minimum: int, optional: bool = False) -> N
         raise ConfigError(f"{name} must be >= {minimum}, got {value}")
 
 
+def _check_share(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{name} must be a number between 0 and 1, got {value!r}")
+    if not 0.0 <= value <= 1.0:
+        raise ConfigError(f"{name} must be between 0 and 1, got {value}")
+
+
 @dataclass
 class EngineConfig:
     """Engine arguments. `model=None` means the default model (see models.default_model)."""
@@ -117,6 +124,9 @@ class EngineConfig:
         "section": "engine", "help": "longest suffix n-gram the drafter matches, tried first"})
     enable_prefix_caching: bool = field(default=SchedulerConfig.enable_prefix_caching, metadata={
         "section": "engine", "help": "reuse the KV blocks of prompt prefixes computed before"})
+    prefix_cache_retention: float = field(default=SchedulerConfig.prefix_cache_retention, metadata={
+        "section": "engine", "help": "share of the KV cache that finished requests' prefixes keep before "
+        "unused KV memory is touched (1: keep them all; the whole KV budget then becomes resident)"})
     kv_offload_memory: int | str = field(default=0, metadata={
         "section": "engine", "help": "host memory for offloaded KV blocks, bytes or e.g. 4GiB",
         "default_note": "no offload"})
@@ -216,6 +226,7 @@ class EngineConfig:
             # Host blocks are keyed by the prefix hashes that prefix caching computes.
             raise ConfigError("kv_offload_memory needs enable_prefix_caching (offloaded blocks are found by "
                               "their prefix hashes); enable it or set kv_offload_memory to 0")
+        _check_share("prefix_cache_retention", self.prefix_cache_retention)
         _check_int("seed", self.seed, 0)
         if self.seed >= 1 << 63:
             raise ConfigError(f"seed must be < 2**63, got {self.seed}")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from hybridserve.core.errors import BlockPoolError, ConfigError, OutOfBlocksError
 from hybridserve.core.kv.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
@@ -284,3 +286,97 @@ def test_queue_built_in_one_pass_links_like_appends(size: int) -> None:
             b = b.prev_free
         assert forward == backward[::-1] == list(range(size)) and q.num_free_blocks == size
         assert q.head.prev_free is None and q.tail.next_free is None
+
+
+# -- retention: cached blocks recycled before never-used blocks are touched -----------
+
+
+def cached_and_freed(pool: BlockPool, n: int, key0: int) -> list[KVCacheBlock]:
+    """n new blocks as one request's table, each cached, then freed tail first."""
+    table = pool.get_new_blocks(n)
+    for i, b in enumerate(table):
+        pool.cache_block(b, key0 + i, 0)
+    pool.free_blocks(reversed(table))
+    return table
+
+
+def test_cached_blocks_beyond_the_retained_go_before_never_used_ones() -> None:
+    pool = BlockPool(10, retained_cached_blocks=2)  # 9 blocks, the cache keeps 2 of them first
+    cached_and_freed(pool, 3, 100)  # blocks 1, 2, 3 freed as 3, 2, 1: 3 is the oldest
+    assert free_ids(pool) == [3, 4, 5, 6, 7, 8, 9, 2, 1]
+    (b,) = pool.get_new_blocks(1)
+    assert b.block_id == 3 and b.cache_key is None and pool.get_cached_block(102, 0) is None
+    assert [x.block_id for x in pool.get_new_blocks(2)] == [4, 5]  # 2 cached left: new blocks now
+    assert pool.get_cached_block(101, 0) is pool.blocks[2] and pool.get_cached_block(100, 0) is pool.blocks[1]
+    pool.free_blocks([b])  # no key: first out again
+    assert free_ids(pool) == [3, 6, 7, 8, 9, 2, 1]
+
+
+def test_no_retention_recycles_every_cached_block_first() -> None:
+    pool = BlockPool(8, retained_cached_blocks=0)
+    cached_and_freed(pool, 2, 100)  # 1, 2 freed as 2, 1
+    assert free_ids(pool) == [2, 1, 3, 4, 5, 6, 7]
+    assert [b.block_id for b in pool.get_new_blocks(3)] == [2, 1, 3]
+    assert not pool.cached
+
+
+def test_unlimited_retention_is_the_plain_lru_order() -> None:
+    pool = BlockPool(8)  # retained_cached_blocks=None: every cached block kept
+    cached_and_freed(pool, 2, 100)
+    assert free_ids(pool) == [3, 4, 5, 6, 7, 2, 1]
+
+
+def test_a_hit_on_a_retained_block_and_a_reset_keep_the_count() -> None:
+    pool = BlockPool(8, retained_cached_blocks=1)
+    table = cached_and_freed(pool, 3, 100)  # freed 3, 2, 1: 3 and 2 beyond the one retained
+    assert pool.free_queue.num_cached == 3 and free_ids(pool) == [3, 2, 4, 5, 6, 7, 1]
+    pool.touch([table[0]])  # a prefix hit takes block 1 (the newest) out of the queue
+    assert pool.free_queue.num_cached == 2 and free_ids(pool) == [3, 4, 5, 6, 7, 2]
+    pool.free_blocks([table[0]])
+    assert free_ids(pool) == [3, 2, 4, 5, 6, 7, 1]
+    assert pool.reset_prefix_cache() and pool.free_queue.num_cached == 0
+    assert free_ids(pool) == [3, 2, 1, 4, 5, 6, 7]  # keyless now: used blocks first
+
+
+def test_a_never_used_block_cannot_be_hit() -> None:
+    pool = BlockPool(4, retained_cached_blocks=0)
+    with pytest.raises(BlockPoolError, match="block 2 was never used"):
+        pool.free_queue.remove(pool.blocks[2])
+    assert pool.num_free_blocks == 3
+
+
+def test_negative_retention_is_refused() -> None:
+    with pytest.raises(ConfigError, match="retained cached blocks must be >= 0"):
+        BlockPool(4, retained_cached_blocks=-1)
+
+
+@settings(max_examples=150)
+@given(retained=st.integers(0, 6), ops=st.lists(st.tuples(st.integers(1, 4), st.integers(0, 3), st.booleans()),
+                                                 max_size=40))
+def test_blocks_ever_used_stay_within_the_peak_in_use_plus_the_retained(retained: int, ops) -> None:  # type: ignore[no-untyped-def]
+    """Whatever is allocated, cached, freed and hit: the blocks ever handed out never exceed
+    the most in use at once + `retained`, and the free queue lists the blocks in the order
+    get_new_blocks then hands them out. Each op allocates a table of n blocks (all but the
+    last cached), maybe takes a prefix hit on a cached block, then frees one table (chosen
+    by `which`) while more than two are held: few in use, so never-used blocks stay
+    available and only the order decides what gets touched."""
+    pool = BlockPool(16, retained_cached_blocks=retained)
+    tables: list[list[KVCacheBlock]] = []
+    next_key, peak = 0, 0
+    for n, which, hit in ops:
+        table = pool.get_new_blocks(n)
+        for b in table[: n - 1]:
+            pool.cache_block(b, next_key, 0)
+            next_key += 1
+        tables.append(table)
+        if hit and pool.cached:
+            block = pool.get_cached_block(*sorted(pool.cached)[which % len(pool.cached)])
+            pool.touch([block])
+            tables.append([block])
+        peak = max(peak, pool.num_blocks - 1 - pool.num_free_blocks)
+        while len(tables) > 2:
+            pool.free_blocks(reversed(tables.pop(which % len(tables))))
+        assert sum(not b.never_used for b in pool.blocks[1:]) <= peak + retained
+        assert pool.free_queue.num_cached == sum(b.cache_key is not None for b in pool.free_queue)
+    order = free_ids(pool)
+    assert [b.block_id for b in pool.get_new_blocks(pool.num_free_blocks)] == order

@@ -47,6 +47,8 @@ def test_max_num_batched_tokens_below_block_size_names_the_smallest_value() -> N
     ({"kv_cache_memory": "lots"}, r"kv_cache_memory: cannot parse size 'lots'"),
     ({"kv_cache_memory": "1GiB", "num_blocks": 10}, r"give kv_cache_memory or num_blocks, not both"),
     ({"async_scheduling": "yes"}, r"async_scheduling must be true or false"),
+    ({"prefix_cache_retention": 1.5}, r"prefix_cache_retention must be between 0 and 1, got 1.5"),
+    ({"prefix_cache_retention": "most"}, r"prefix_cache_retention must be a number"),
 ])
 def test_bad_values_name_the_setting(kwargs: dict, pattern: str) -> None:
     with pytest.raises(ConfigError, match=pattern):

@@ -4,7 +4,9 @@ Invariants (checked by the state-machine test after every operation):
 - block 0 is the null block: never in the free queue, never allocated, freed or cached;
 - every other block is either in the free queue (ref_cnt == 0) or referenced (ref_cnt > 0);
 - num_free_blocks + used blocks == num_blocks - 1;
-- a block with a hash is findable in the cache map until it is handed out again.
+- a block with a hash is findable in the cache map until it is handed out again;
+- blocks ever handed out <= the most blocks in use at once + retained_cached_blocks (the
+  pool's memory grows with what it serves, not with its budget: see FreeBlocks).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ CacheKey = tuple[bytes, int]  # (block hash, group id)
 
 
 class KVCacheBlock:
-    __slots__ = ("block_id", "ref_cnt", "cache_key", "prev_free", "next_free", "is_null")
+    __slots__ = ("block_id", "ref_cnt", "cache_key", "prev_free", "next_free", "is_null", "never_used")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -26,6 +28,7 @@ class KVCacheBlock:
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
         self.is_null = False
+        self.never_used = True  # not handed out yet: its KV memory was never written
 
     def __repr__(self) -> str:
         return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, key={self.cache_key})"
@@ -84,10 +87,98 @@ class FreeBlockQueue:
             b = b.next_free
 
 
-class BlockPool:
-    """All groups draw block ids from here. Block 0 is the null block."""
+class FreeBlocks:
+    """The free blocks in the order they are handed out, with a cap on what the prefix cache
+    keeps resident.
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    Never-used blocks have KV memory the process has not written yet (the pool's tensors are
+    zero pages until then), so handing them out before recycling used ones would make the
+    whole budget resident over a server's life, whatever its working set; and first writes
+    to such pages cost more than writes to recycled ones (benchmarks/results/
+    kv_pool_huge_pages.md). Freed blocks with nothing to find go first; cached blocks are
+    kept for prefix hits, oldest first out, but only `retained` of them are kept in
+    preference to touching a never-used block. The order:
+
+    1. freed blocks without a cache key (most recently freed first);
+    2. the oldest cached blocks beyond the `retained` newest;
+    3. never-used blocks, in id order;
+    4. the `retained` newest cached blocks, oldest first.
+
+    So blocks ever handed out never exceed the most in use at once + `retained`.
+    `retained` >= the pool's size keeps every cached block (never-used blocks first)."""
+
+    def __init__(self, blocks: list[KVCacheBlock], retained: int) -> None:
+        if retained < 0:
+            raise ConfigError(f"retained cached blocks must be >= 0, got {retained}")
+        self.retained = retained
+        self.fresh = FreeBlockQueue(blocks)
+        # Used blocks: those without a key at the front, the cached ones behind (LRU order).
+        self.used = FreeBlockQueue(())
+        self.num_cached = 0  # blocks in `used` with a cache key
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.fresh.num_free_blocks + self.used.num_free_blocks
+
+    def popleft(self) -> KVCacheBlock:
+        front = self.used.head.next_free
+        if front is not self.used.tail and (front.cache_key is None or self.num_cached > self.retained
+                                            or not self.fresh.num_free_blocks):
+            return self._pop_used()
+        block = self.fresh.popleft()  # raises OutOfBlocksError when none is left either
+        block.never_used = False
+        return block
+
+    def _pop_used(self) -> KVCacheBlock:
+        block = self.used.popleft()
+        if block.cache_key is not None:
+            self.num_cached -= 1
+        return block
+
+    def remove(self, block: KVCacheBlock) -> None:
+        """Take a free block out (a prefix hit); never-used blocks have no key to be hit by."""
+        if block.never_used:
+            raise BlockPoolError(f"block {block.block_id} was never used: nothing can hit it")
+        self.used.remove(block)
+        if block.cache_key is not None:
+            self.num_cached -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        """A freed block with a cache key: findable until evicted, newest last."""
+        self.used.append(block)
+        self.num_cached += block.cache_key is not None
+
+    def appendleft(self, block: KVCacheBlock) -> None:
+        """A freed block with nothing to find: handed out first."""
+        self.used.appendleft(block)
+        self.num_cached += block.cache_key is not None
+
+    def forget_keys(self) -> None:
+        """The cache's keys were cleared (every block free): no block is cached any more."""
+        self.num_cached = 0
+
+    def __iter__(self):
+        """The free blocks in the order popleft hands them out (while nothing is freed)."""
+        evicted_first = max(0, self.num_cached - self.retained)
+        fresh_done = False
+        for block in self.used:
+            if block.cache_key is not None:
+                if evicted_first == 0 and not fresh_done:
+                    yield from self.fresh
+                    fresh_done = True
+                evicted_first -= 1
+            yield block
+        if not fresh_done:
+            yield from self.fresh
+
+
+class BlockPool:
+    """All groups draw block ids from here. Block 0 is the null block.
+
+    retained_cached_blocks: how many freed cached blocks the prefix cache keeps in
+    preference to handing out never-used blocks (FreeBlocks); None keeps them all."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True, retained_cached_blocks: int | None = None) -> None:
         if num_blocks < 2:
             raise ConfigError(f"num_blocks must be >= 2 (block 0 is the null block), got {num_blocks}")
         self.num_blocks = num_blocks
@@ -95,7 +186,9 @@ class BlockPool:
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.null_block = self.blocks[0]
         self.null_block.is_null = True
-        self.free_queue = FreeBlockQueue(self.blocks[1:])
+        self.null_block.never_used = False
+        retained = num_blocks if retained_cached_blocks is None else retained_cached_blocks
+        self.free_queue = FreeBlocks(self.blocks[1:], retained)
         # Several blocks may carry the same key (two requests computed the same prefix
         # before either was cached); any of them serves a hit.
         self.cached: dict[CacheKey, dict[int, KVCacheBlock]] = {}
@@ -195,4 +288,5 @@ class BlockPool:
         for block in self.blocks[1:]:
             block.cache_key = None
         self.cached.clear()
+        self.free_queue.forget_keys()
         return True

@@ -73,11 +73,14 @@ class KVCacheManager:
         window_tail: WindowTail | None = None,
         in_flight: WindowTail | None = None,
         keep_last_checkpoint: bool = True,
+        prefix_cache_retention: float = 1.0,
     ) -> None:
         """in_flight: the scheduler's steps and drafts in flight (SchedulerConfig.window_tail,
         whether or not window-tail allocation is on); with it Mamba states stay in place
         (checkpoints are best-effort), and a request holds the last whole checkpoint only
-        if keep_last_checkpoint (a KV connector is attached)."""
+        if keep_last_checkpoint (a KV connector is attached). prefix_cache_retention: the
+        share of the pool's blocks that freed cached blocks keep before never-used blocks
+        are handed out (block_pool.FreeBlocks; 1.0 keeps every cached block)."""
         if enable_caching:  # Mamba groups then keep state checkpoints, so prefixes can hit
             groups = with_mamba_checkpoints(kv_cache_config.groups, in_flight, keep_last_checkpoint)
             kv_cache_config = replace(kv_cache_config, groups=groups)
@@ -99,7 +102,10 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         # Research switch: free on the optimistic count (the bug this engine avoids).
         self.unsafe_optimistic_free = unsafe_optimistic_free
-        self.pool = BlockPool(kv_cache_config.num_blocks, enable_caching)
+        if not 0.0 <= prefix_cache_retention <= 1.0:
+            raise ConfigError(f"prefix_cache_retention must be between 0 and 1, got {prefix_cache_retention}")
+        self.pool = BlockPool(kv_cache_config.num_blocks, enable_caching,
+                              retained_cached_blocks=int(prefix_cache_retention * (kv_cache_config.num_blocks - 1)))
         # Window-tail allocation (sliding groups hold the window and chunk tails only).
         self.window_tail = window_tail
         self.coordinator = KVCacheCoordinator(kv_cache_config.groups, self.pool, enable_caching, window_tail)

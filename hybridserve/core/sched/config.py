@@ -30,6 +30,10 @@ class SchedulerConfig:
     max_in_flight_tokens_override: int | None = None
     num_speculative_tokens: int = 0
     enable_prefix_caching: bool = True
+    # The share of the KV pool that finished requests' cached blocks keep before blocks
+    # never used are handed out (core/kv/block_pool.FreeBlocks): the pool's resident memory
+    # is then what is in use plus this share, not its whole budget.
+    prefix_cache_retention: float = 0.25
     # Admit a waiting request only if its whole sequence (prompt + max_tokens) fits now.
     full_sequence_must_fit: bool = False
     # Sliding-window groups hold only the window and each chunk's tail. None: the
@@ -54,6 +58,8 @@ class SchedulerConfig:
             raise ConfigError(f"num_speculative_tokens must be >= 0, got {self.num_speculative_tokens}")
         if self.long_prefill_token_threshold < 0:
             raise ConfigError("long_prefill_token_threshold must be >= 0")
+        if not 0.0 <= self.prefix_cache_retention <= 1.0:
+            raise ConfigError(f"prefix_cache_retention must be between 0 and 1, got {self.prefix_cache_retention}")
         if self.max_concurrent_batches is not None and self.max_concurrent_batches < 1:
             raise ConfigError(f"max_concurrent_batches must be >= 1, got {self.max_concurrent_batches}")
         if self.num_speculative_tokens + 1 > self.max_num_batched_tokens:

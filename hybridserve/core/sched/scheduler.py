@@ -77,6 +77,7 @@ class Scheduler:
             window_tail=config.window_tail if use_tail else None,
             in_flight=config.window_tail,
             keep_last_checkpoint=connector is not None,
+            prefix_cache_retention=config.prefix_cache_retention,
         )
         self.stats = SchedulerStats()
         self.connector = connector

@@ -102,8 +102,6 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         # Research switch: free on the optimistic count (the bug this engine avoids).
         self.unsafe_optimistic_free = unsafe_optimistic_free
-        if not 0.0 <= prefix_cache_retention <= 1.0:
-            raise ConfigError(f"prefix_cache_retention must be between 0 and 1, got {prefix_cache_retention}")
         self.pool = BlockPool(kv_cache_config.num_blocks, enable_caching,
                               retained_cached_blocks=int(prefix_cache_retention * (kv_cache_config.num_blocks - 1)))
         # Window-tail allocation (sliding groups hold the window and chunk tails only).

@@ -295,3 +295,39 @@ def test_span_logits_are_the_logits_and_their_span_summaries(weight: torch.Tenso
     torch.testing.assert_close(got.span_max, peak, rtol=0, atol=0)
     torch.testing.assert_close(got.span_sum, torch.exp((padded - peak[..., None]) * inv_t[:, None, None]).sum(-1),
                                rtol=1e-5, atol=0.0)  # the compiled kernel sums in its own order
+
+
+@pytest.mark.parametrize("path", [PACKED, PLAIN, FBGEMM])
+def test_span_logits_of_int8_activations_equal_the_logits_with_or_without_the_fused_scale(
+        path: str, weight: torch.Tensor, monkeypatch) -> None:
+    """With int8 activations each whole chunk's row scale is applied by the summary kernel
+    in its own pass where the kernel does that (the native one), by mul_ before the summary
+    otherwise, and the padded last chunk always the second way: the logits are the head's
+    own, bit for bit, either way, and so are the summaries' maxima."""
+    if path == FBGEMM and not fbgemm_available():
+        pytest.skip("this torch has no fbgemm")
+    if not int8_gemm_available():
+        pytest.skip("no int8 GEMM here (x86 with AVX2 or VNNI)")
+    from hybridserve.models.layers import span_kernel
+
+    monkeypatch.setattr("hybridserve.models.layers.head.int8_gemm_available", lambda: True)
+    monkeypatch.setattr("hybridserve.models.layers.head.int8_path", lambda: path)
+    head = OutputHead(weight, "int8")
+    x = _hidden(7) * torch.linspace(0.1, 10.0, 7)[:, None]
+    inv_t = torch.tensor([1.0, 2.0, 0.5, 1.0, 10.0, 0.7, 1.3])
+    logits = head(x)
+    results = []
+    for kernel in ("in use", "general path"):
+        if kernel == "general path":
+            monkeypatch.setattr(span_kernel.KERNEL, "tried", True)
+            monkeypatch.setattr(span_kernel.KERNEL, "fn", None)
+        got = head.span_logits(x, inv_t, None)
+        assert torch.equal(got.logits, logits), kernel
+        padded = torch.cat([logits, torch.full((7, got.padded.shape[1] - VOCAB), float("-inf"))], dim=1)
+        padded = padded.view(7, -1, SPAN)
+        peak = padded.amax(dim=-1)
+        assert torch.equal(got.span_max, peak), kernel
+        torch.testing.assert_close(got.span_sum, torch.exp((padded - peak[..., None]) * inv_t[:, None, None]).sum(-1),
+                                   rtol=1e-5, atol=0.0, msg=kernel)
+        results.append(got.span_sum)
+    torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=0.0)

@@ -229,11 +229,19 @@ class OutputHead:
         if hidden.shape[0] > FEW_ROWS and self.chunk_rows % SPAN == 0:
             pad = padded_width(self.vocab_size) - self.vocab_size
             pieces, peaks, masses = [], [], []
+            values, row_scale = x
             for i, chunk in enumerate(self._chunks):
-                out = self._chunk_logits(chunk, x, softcap)
-                if pad and i == len(self._chunks) - 1:
-                    out = torch.nn.functional.pad(out.float(), (0, pad), value=float("-inf"))
-                peak, mass = KERNEL.summarise(out, inv_t)  # the native or compiled kernel, or span_stats
+                padded_chunk = pad and i == len(self._chunks) - 1
+                if row_scale is not None and not softcap and not padded_chunk:
+                    # int8 activations: their row scale applied in the summaries' own pass
+                    # (one pass less over a chunk that no longer fits in cache at 64 rows)
+                    out = chunk(values, None)
+                    peak, mass = KERNEL.scale_and_summarise(out, row_scale, inv_t)
+                else:
+                    out = self._chunk_logits(chunk, x, softcap)
+                    if padded_chunk:
+                        out = torch.nn.functional.pad(out.float(), (0, pad), value=float("-inf"))
+                    peak, mass = KERNEL.summarise(out, inv_t)  # the native or compiled kernel, or span_stats
                 pieces.append(out)
                 peaks.append(peak)
                 masses.append(mass)

@@ -88,6 +88,21 @@ class _Kernel:
                 self.fn = None
         return span_stats(src.float(), inv_temperature)
 
+    def scale_and_summarise(self, src: torch.Tensor, row_scale: torch.Tensor, inv_temperature: torch.Tensor
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """src.mul_(row_scale) (row_scale [S, 1]: an int8 GEMM's activation scales), then
+        summarise(src): in one pass where the kernel in use does both (the native one),
+        else the two in turn. Either way src ends up holding the same values."""
+        fn = self.get()
+        fused = getattr(fn, "scale_and_summarise", None)
+        if fused is not None and src.dtype == torch.float32 and src.stride(1) == 1:
+            try:
+                return fused(src, row_scale, inv_temperature)
+            except Exception as exc:  # noqa: BLE001 - checked before it writes: the general path answers
+                log.warning("span summaries turn eager: the kernel failed (%s)", one_line(exc))
+                self.fn = None
+        return self.summarise(src.mul_(row_scale), inv_temperature)
+
 
 def _native() -> Summarise:
     from hybridserve.models.layers.span_native import NativeSummaries
@@ -131,6 +146,17 @@ def _mismatch(fn: Summarise) -> str | None:
         return "gave other span maxima"
     if not torch.allclose(mass, want_mass, rtol=1e-5, atol=0.0):
         return f"gave span masses off by {float(((mass - want_mass).abs() / want_mass.clamp(min=1)).max()):.2e}"
+    fused = getattr(fn, "scale_and_summarise", None)
+    if fused is not None:
+        row_scale = torch.linspace(0.01, 3.0, src.shape[0])[:, None]
+        scaled = src.clone()
+        peak, mass = fused(scaled, row_scale, inv_t)
+        want = src * row_scale
+        if not torch.equal(scaled, want):
+            return "scaled the logits otherwise than mul_"
+        want_peak, want_mass = span_stats(want, inv_t)
+        if not torch.equal(peak, want_peak) or not torch.allclose(mass, want_mass, rtol=1e-5, atol=0.0):
+            return "gave other summaries of the scaled logits"
     return None
 
 

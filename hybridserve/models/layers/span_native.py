@@ -16,21 +16,36 @@ _C_SPAN = 128  # the C file's SPAN
 
 
 class NativeSummaries:
-    """(chunk, inv_temperature) -> (span max, span mass), as span_kernel.Summarise."""
+    """(chunk, inv_temperature) -> (span max, span mass), as span_kernel.Summarise; and
+    scale_and_summarise, which multiplies the chunk by its row scales in place first."""
 
     def __init__(self) -> None:
         if SPAN != _C_SPAN:
             raise ValueError(f"span_summaries.c sums spans of {_C_SPAN} logits, span_logits uses {SPAN}")
         fn = build("span_summaries", SOURCE).span_summaries
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                       ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32]
+                       ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32]
         fn.restype = None
         self._fn = fn
 
     def __call__(self, src: torch.Tensor, inv_temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = src if src.dtype == torch.float32 else src.float()
-        if x.stride(1) != 1:
-            x = x.contiguous()
+        return self._run(x if x.stride(1) == 1 else x.contiguous(), None, inv_temperature)
+
+    def scale_and_summarise(self, src: torch.Tensor, row_scale: torch.Tensor, inv_temperature: torch.Tensor
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """src *= row_scale (one per row, as src.mul_(row_scale[:, None]) does it, bit for
+        bit), then src's summaries, in one pass. src: float32 with unit column stride."""
+        if src.dtype != torch.float32 or src.stride(1) != 1:
+            raise ValueError(f"scaled in place: a float32 chunk with unit column stride, got {src.dtype} "
+                             f"with strides {tuple(src.stride())}")
+        scale = row_scale.to(torch.float32).reshape(-1).contiguous()
+        if scale.shape != (src.shape[0],):
+            raise ValueError(f"{src.shape[0]} rows with {tuple(row_scale.shape)} row scales")
+        return self._run(src, scale, inv_temperature)
+
+    def _run(self, x: torch.Tensor, row_scale: torch.Tensor | None, inv_temperature: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
         rows, width = x.shape
         if width % SPAN:
             raise ValueError(f"a chunk of {width} logits is not whole spans of {SPAN}")
@@ -41,6 +56,6 @@ class NativeSummaries:
         peak = torch.empty(rows, spans)
         mass = torch.empty(rows, spans)
         if rows:
-            self._fn(x.data_ptr(), rows, spans, x.stride(0), inv_t.data_ptr(), EXP_FLOOR, peak.data_ptr(),
-                     mass.data_ptr(), torch.get_num_threads())
+            self._fn(x.data_ptr(), rows, spans, x.stride(0), None if row_scale is None else row_scale.data_ptr(),
+                     inv_t.data_ptr(), EXP_FLOOR, peak.data_ptr(), mass.data_ptr(), torch.get_num_threads())
         return peak, mass

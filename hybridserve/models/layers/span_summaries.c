@@ -1,6 +1,10 @@
 /* A chunk's span summaries (models/layers/span_logits.py says what they are): for each span
  * of SPAN logits of a row, its maximum m and its mass, the sum of
- * exp(max((x - m) * inv_t, exp_floor)) (0 for a span that is all -inf).
+ * exp(max((x - m) * inv_t, exp_floor)) (0 for a span that is all -inf). Given row scales,
+ * the logits are first multiplied by their row's scale in place (what an int8 GEMM's
+ * output needs, models/layers/int8.py), in the same pass: each product is stored, then
+ * summarised as stored, so the logits and their summaries are those of the eager
+ * multiply followed by the summary.
  *
  * Why by hand, beside inductor's compiled loop (models/layers/span_kernel.py): a span is a
  * chain of dependent steps (the max, then the exponentials summed into one accumulator,
@@ -78,41 +82,60 @@ static inline vf exp_nonpositive(vf x) {
     return p * (vf)two_n;
 }
 
-/* Spans j0 .. j0 + count - 1 (count <= GROUP) of one row. */
-static inline void summarise_group(const float *row, int64_t j0, int count, float inv_t, float exp_floor,
-                                   float *peak, float *mass) {
+static inline void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+/* Spans j0 .. j0 + count - 1 (count <= GROUP) of one row, each logit first multiplied by
+ * `factor` in place where `scaled`. */
+static inline void summarise_group(float *row, int64_t j0, int count, int scaled, float factor, float inv_t,
+                                   float exp_floor, float *peak, float *mass) {
     vf lane_max[GROUP], shift[GROUP], acc[GROUP];
     float m[GROUP];
+    const vf row_factor = splat(factor);
     for (int g = 0; g < count; g++) lane_max[g] = splat(-INFINITY);
     for (int b = 0; b < SPAN; b += LANES)
-        for (int g = 0; g < count; g++) lane_max[g] = vmax(lane_max[g], load(row + (j0 + g) * SPAN + b));
+        for (int g = 0; g < count; g++) {
+            float *p = row + (j0 + g) * SPAN + b;
+            vf v = load(p);
+            if (scaled) {
+                v = v * row_factor; /* stored, then used only by the max: never fused into later arithmetic */
+                store(p, v);
+            }
+            lane_max[g] = vmax(lane_max[g], v);
+        }
     for (int g = 0; g < count; g++) {
         m[g] = lanes_max(lane_max[g]);
         shift[g] = splat(m[g] == -INFINITY ? 0.0f : m[g]); /* an all -inf span: no -inf - -inf */
         acc[g] = splat(0.0f);
     }
-    const vf scale = splat(inv_t), lowest = splat(exp_floor);
+    const vf by_temperature = splat(inv_t), lowest = splat(exp_floor);
     for (int b = 0; b < SPAN; b += LANES)
         for (int g = 0; g < count; g++)
-            acc[g] += exp_nonpositive(vmax((load(row + (j0 + g) * SPAN + b) - shift[g]) * scale, lowest));
+            acc[g] += exp_nonpositive(vmax((load(row + (j0 + g) * SPAN + b) - shift[g]) * by_temperature, lowest));
     for (int g = 0; g < count; g++) {
         peak[j0 + g] = m[g];
         mass[j0 + g] = m[g] == -INFINITY ? 0.0f : lanes_sum(acc[g]);
     }
 }
 
-/* x: rows of `spans` * SPAN float32 logits, `row_stride` floats apart; peak and mass:
- * [rows, spans], contiguous. */
-void span_summaries(const float *x, int64_t rows, int64_t spans, int64_t row_stride, const float *inv_t,
-                    float exp_floor, float *peak, float *mass, int32_t num_threads) {
+/* x: rows of `spans` * SPAN float32 logits, `row_stride` floats apart (written only where
+ * row_scale is given: one scale per row, or NULL); peak and mass: [rows, spans], contiguous. */
+void span_summaries(float *x, int64_t rows, int64_t spans, int64_t row_stride, const float *row_scale,
+                    const float *inv_t, float exp_floor, float *peak, float *mass, int32_t num_threads) {
     const int64_t groups = (spans + GROUP - 1) / GROUP;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t k = 0; k < rows * groups; k++) {
         const int64_t r = k / groups, j0 = (k % groups) * GROUP;
-        const float *row = x + r * row_stride;
-        if (spans - j0 >= GROUP) /* a whole group: the constant count unrolls its loops */
-            summarise_group(row, j0, GROUP, inv_t[r], exp_floor, peak + r * spans, mass + r * spans);
-        else
-            summarise_group(row, j0, (int)(spans - j0), inv_t[r], exp_floor, peak + r * spans, mass + r * spans);
+        float *row = x + r * row_stride;
+        float *pk = peak + r * spans, *ms = mass + r * spans;
+        /* Constant counts and flags: each call below is its own unrolled loop. */
+        if (spans - j0 >= GROUP) {
+            if (row_scale)
+                summarise_group(row, j0, GROUP, 1, row_scale[r], inv_t[r], exp_floor, pk, ms);
+            else
+                summarise_group(row, j0, GROUP, 0, 1.0f, inv_t[r], exp_floor, pk, ms);
+        } else {
+            summarise_group(row, j0, (int)(spans - j0), row_scale != NULL, row_scale ? row_scale[r] : 1.0f,
+                            inv_t[r], exp_floor, pk, ms);
+        }
     }
 }

@@ -3,12 +3,15 @@ loop and eager span_stats (models/layers/span_kernel.py).
 
     python benchmarks/span_summaries.py                          # rows 1,16,64; chunks of 32768
     python benchmarks/span_summaries.py --rows 64 --width 32768 --rounds 5 --threads 1
+    python benchmarks/span_summaries.py --isa avx2        # as on a CPU with AVX2 alone
 
 Each kernel summarises the same random float32 chunk [rows, width] (logits of spread
 --spread at temperature 1 and 0.7); kernels alternate within each round, --calls calls
 per kernel and round, and the median of the rounds' per-call means is printed with each
 kernel's ratio to the native one and its largest relative mass difference from a float64
-reference. Prints the CPU flags, load, commit and threads with the figures.
+reference. `--isa avx2` runs it as on a CPU with AVX2 alone (common.rerun_as_avx2: the native
+kernel is then built for AVX2 + FMA, ATen's kernels limited to AVX2). Prints the CPU flags,
+load, commit and threads with the figures.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ sys.path.insert(0, str(REPO))  # this checkout's hybridserve, whatever is instal
 
 import torch  # noqa: E402
 
-from common import torch_header  # noqa: E402
+from common import rerun_as_avx2, torch_header  # noqa: E402
 from hybridserve.models.layers.span_kernel import _summarise  # noqa: E402
 from hybridserve.models.layers.span_logits import EXP_FLOOR, SPAN, span_stats  # noqa: E402
 from hybridserve.models.layers.span_native import NativeSummaries  # noqa: E402
@@ -44,8 +47,11 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--isa", choices=["native", "avx2"], default="native")
     a = p.parse_args()
-    print(torch_header(a.threads, ("avx512f", "avx512_bf16", "amx")))
+    if a.isa == "avx2" and (rc := rerun_as_avx2()) is not None:
+        return rc
+    print(torch_header(a.threads, ("avx2", "avx512f", "avx512_bf16", "amx")))
     kernels = {"native": NativeSummaries(),
                "compiled": torch.compile(_summarise, dynamic=True, fullgraph=True),
                "eager": span_stats}

@@ -14,7 +14,7 @@
  * polynomial to degree 8: its truncation (< 1e-9 relative) is below float32 rounding.
  *
  * Written with GCC / Clang vector extensions, so the compiler flags pick the instructions
- * (AVX-512, AVX2 + FMA, or whatever the target has); OpenMP spreads the spans over the
+ * (AVX-512, AVX2 + FMA, or the target's baseline); OpenMP spreads the spans over the
  * threads of the runtime torch has loaded (the same libgomp: one pool). */
 
 #include <math.h>
@@ -22,16 +22,47 @@
 #include <string.h>
 
 #define SPAN 128
-#define LANES 16
-#define GROUP 8 /* spans summarised side by side */
 
-typedef float vf __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
+/* One vector is the target's widest: 16 floats with AVX-512, 8 with AVX, 4 otherwise (a
+ * wider vector type would be split into several registers, and its shuffles emulated).
+ * GROUP spans side by side fill the registers without spilling: AVX-512 has 32 of them,
+ * AVX2 and SSE 16. */
+#if defined(__AVX512F__)
+#define LANES 16
+#define GROUP 8
+#elif defined(__AVX__)
+#define LANES 8
+#define GROUP 4
+#else
+#define LANES 4
+#define GROUP 4
+#endif
+
+typedef float vf __attribute__((vector_size(LANES * 4)));
+typedef int32_t vi __attribute__((vector_size(LANES * 4)));
 
 #if defined(__clang__)
 #define SHUFFLE(a, ...) __builtin_shufflevector((a), (a), __VA_ARGS__)
 #else
 #define SHUFFLE(a, ...) __builtin_shuffle((a), (vi){__VA_ARGS__})
+#endif
+
+/* The steps of a reduction across lanes: each swaps halves, then quarters, ... */
+#if LANES == 16
+#define HALVES(op, a)                                                                     \
+    a = op(a, SHUFFLE(a, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));          \
+    a = op(a, SHUFFLE(a, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));          \
+    a = op(a, SHUFFLE(a, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));          \
+    a = op(a, SHUFFLE(a, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+#elif LANES == 8
+#define HALVES(op, a)                                  \
+    a = op(a, SHUFFLE(a, 4, 5, 6, 7, 0, 1, 2, 3));     \
+    a = op(a, SHUFFLE(a, 2, 3, 0, 1, 6, 7, 4, 5));     \
+    a = op(a, SHUFFLE(a, 1, 0, 3, 2, 5, 4, 7, 6));
+#else
+#define HALVES(op, a)                      \
+    a = op(a, SHUFFLE(a, 2, 3, 0, 1));     \
+    a = op(a, SHUFFLE(a, 1, 0, 3, 2));
 #endif
 
 static inline vf splat(float x) { return (vf){0} + x; }
@@ -41,6 +72,8 @@ static inline vf vmax(vf a, vf b) {
     return (vf)(((vi)a & take_a) | ((vi)b & ~take_a));
 }
 
+static inline vf vadd(vf a, vf b) { return a + b; }
+
 static inline vf load(const float *p) {
     vf v;
     memcpy(&v, p, sizeof v);
@@ -48,18 +81,12 @@ static inline vf load(const float *p) {
 }
 
 static inline float lanes_max(vf a) {
-    a = vmax(a, SHUFFLE(a, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
-    a = vmax(a, SHUFFLE(a, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
-    a = vmax(a, SHUFFLE(a, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
-    a = vmax(a, SHUFFLE(a, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+    HALVES(vmax, a)
     return a[0];
 }
 
 static inline float lanes_sum(vf a) {
-    a += SHUFFLE(a, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    a += SHUFFLE(a, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-    a += SHUFFLE(a, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-    a += SHUFFLE(a, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    HALVES(vadd, a)
     return a[0];
 }
 
@@ -86,8 +113,11 @@ static inline void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
 
 /* Spans j0 .. j0 + count - 1 (count <= GROUP) of one row, each logit first multiplied by
  * `factor` in place where `scaled`. */
-static inline void summarise_group(float *row, int64_t j0, int count, int scaled, float factor, float inv_t,
-                                   float exp_floor, float *peak, float *mass) {
+/* Always inlined: each call site's constant count and flag then unroll its loops, with
+ * the lanes in registers (left to its own judgement GCC calls one generic copy for AVX2). */
+static inline __attribute__((always_inline)) void
+summarise_group(float *row, int64_t j0, int count, int scaled, float factor, float inv_t, float exp_floor,
+                float *peak, float *mass) {
     vf lane_max[GROUP], shift[GROUP], acc[GROUP];
     float m[GROUP];
     const vf row_factor = splat(factor);

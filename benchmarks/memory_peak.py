@@ -2,13 +2,15 @@
 
     python benchmarks/memory_peak.py                     # both
     python benchmarks/memory_peak.py --only generate
+    python benchmarks/memory_peak.py --only serve --serve-flags=--no-compile --temperature 1.0
 
 generate: `hybridserve generate` with its 3 example prompts (no prompt given) in a child
 process; its peak RSS is the kernel's high-water mark of that process (wait4's ru_maxrss).
 
 serve: `hybridserve serve` (its defaults: the engine core in its own process) on a free
 port; once /health answers, --requests concurrent /v1/completions requests of
---prompt-tokens random token ids (seed 0) x --max-tokens tokens (greedy, EOS ignored).
+--prompt-tokens random token ids (seed 0) x --max-tokens tokens (greedy, or at
+--temperature; EOS ignored); --serve-flags are added to the server's command line.
 The process tree's RSS (every process's VmRSS, summed) is sampled every SAMPLE_S seconds
 from the start until the responses are in; printed: after start-up and the peak.
 
@@ -69,10 +71,11 @@ def _post(url: str, body: dict) -> dict:
         return json.loads(response.read())
 
 
-def serve_peak_mb(requests: int, prompt_tokens: int, max_tokens: int) -> tuple[float, float]:
+def serve_peak_mb(requests: int, prompt_tokens: int, max_tokens: int, temperature: float = 0.0,
+                  serve_flags: tuple[str, ...] = ()) -> tuple[float, float]:
     """(tree RSS MB once /health answers, peak tree RSS MB through the run)."""
     port = _free_port()
-    server = subprocess.Popen(_cli("serve", "--port", str(port)), env=_env(), stdout=subprocess.DEVNULL,
+    server = subprocess.Popen(_cli("serve", "--port", str(port), *serve_flags), env=_env(), stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     peak = [0]
     done = threading.Event()
@@ -97,7 +100,7 @@ def serve_peak_mb(requests: int, prompt_tokens: int, max_tokens: int) -> tuple[f
         started = tree_status_kib(server.pid, "VmRSS")
         rng = random.Random(0)
         prompts = [[rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(prompt_tokens)] for _ in range(requests)]
-        body = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+        body = {"max_tokens": max_tokens, "temperature": temperature, "ignore_eos": True}
         with ThreadPoolExecutor(requests) as pool:
             outs = list(pool.map(lambda p: _post(base + "/v1/completions", {**body, "prompt": p}), prompts))
         tokens = sum(o["usage"]["completion_tokens"] for o in outs)
@@ -117,13 +120,17 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=16)
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="the serve run's requests' (0: greedy)")
+    p.add_argument("--serve-flags", default="", help="more flags for `hybridserve serve`, e.g. '--no-compile'")
     a = p.parse_args()
     print(f"# commit {checkout_commit()}; {cpu_description()}; load {os.getloadavg()[0]:.1f}")
     if a.only in (None, "generate"):
         print(f"generate: peak RSS {generate_peak_mb():.0f} MB", flush=True)
     if a.only in (None, "serve"):
-        started, peak = serve_peak_mb(a.requests, a.prompt_tokens, a.max_tokens)
-        print(f"serve {a.requests}x{a.prompt_tokens}->{a.max_tokens}: process tree RSS {started:.0f} MB after "
+        started, peak = serve_peak_mb(a.requests, a.prompt_tokens, a.max_tokens, a.temperature,
+                                      tuple(a.serve_flags.split()))
+        print(f"serve {a.serve_flags + ' ' if a.serve_flags else ''}{a.requests}x{a.prompt_tokens}->{a.max_tokens}"
+              f"{f' T {a.temperature}' if a.temperature else ''}: process tree RSS {started:.0f} MB after "
               f"start-up, peak {peak:.0f} MB", flush=True)
     return 0
 

@@ -58,3 +58,15 @@ def test_no_compiler_is_named(tmp_path, cache, monkeypatch) -> None:  # type: ig
     source.write_text(ADD)
     with pytest.raises(NativeBuildError, match="no C compiler: 'no-such-cc-here' is not on PATH"):
         build("add", source)
+
+
+def test_a_cache_folder_that_cannot_be_made_is_named(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv(CACHE_DIR_ENV_VAR, str(blocker))  # the cache root is a file: no folder below it
+    monkeypatch.setattr(native_build, "_compiler", lambda: "cc")
+    monkeypatch.setattr(native_build, "_compiler_version", lambda cc: "cc 1.0")
+    source = tmp_path / "add.c"
+    source.write_text(ADD)
+    with pytest.raises(NativeBuildError, match="cannot create the cache folder"):
+        build("add", source)

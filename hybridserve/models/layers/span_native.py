@@ -12,7 +12,6 @@ from hybridserve.models.layers.span_logits import EXP_FLOOR, SPAN
 from hybridserve.models.platform.native_build import build
 
 SOURCE = Path(__file__).with_name("span_summaries.c")
-_C_SPAN = 128  # the C file's SPAN
 
 
 class NativeSummaries:
@@ -20,9 +19,11 @@ class NativeSummaries:
     scale_and_summarise, which multiplies the chunk by its row scales in place first."""
 
     def __init__(self) -> None:
-        if SPAN != _C_SPAN:
-            raise ValueError(f"span_summaries.c sums spans of {_C_SPAN} logits, span_logits uses {SPAN}")
-        fn = build("span_summaries", SOURCE).span_summaries
+        library = build("span_summaries", SOURCE)
+        library.span_summaries_span.restype = ctypes.c_int32
+        if (c_span := library.span_summaries_span()) != SPAN:
+            raise ValueError(f"span_summaries.c sums spans of {c_span} logits, span_logits uses {SPAN}")
+        fn = library.span_summaries
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                        ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32]
         fn.restype = None

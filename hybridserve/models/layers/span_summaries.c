@@ -147,6 +147,9 @@ summarise_group(float *row, int64_t j0, int count, int scaled, float factor, flo
     }
 }
 
+/* The span width this library sums (the caller checks it against its own). */
+int32_t span_summaries_span(void) { return SPAN; }
+
 /* x: rows of `spans` * SPAN float32 logits, `row_stride` floats apart (written only where
  * row_scale is given: one scale per row, or NULL); peak and mass: [rows, spans], contiguous. */
 void span_summaries(float *x, int64_t rows, int64_t spans, int64_t row_stride, const float *row_scale,

@@ -24,7 +24,9 @@ scores, so this relies on block 0 staying finite: kv_cache.py zero-fills it and 
 runner never writes it (a test checks that it is still all zeros after serving).
 
 Requests are computed in padded batches: all decode-sized requests together (one
-gather per layer, no per-request loop), long prefill chunks one by one.
+gather per layer, no per-request loop), long prefill chunks one by one. A batch of
+single-token queries reading after write (a decode step) skips the gather: the kernel of
+paged_decode.py reads its keys from the blocks in place.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from hybridserve.executor.torch.paged_decode import PagedDecode, paged_decode
 from hybridserve.executor.torch.requests import BlockTables
 from hybridserve.models.platform.cpu_features import read_cpu_flags
 
@@ -74,6 +77,11 @@ class KeyPlan:
     # [B, 1, C, keys] additive (0 or -inf; SDPA's CPU kernel is faster with a float mask
     # than a bool one); None: plain causal over the chunk.
     mask: torch.Tensor | None
+    # Single-token queries reading after write: per request, the first key position counted
+    # from the start of its first gathered block, and the number of keys (the mask's
+    # allowed run, for the in-place decode kernel); None otherwise.
+    first_key: torch.Tensor | None = None
+    key_count: torch.Tensor | None = None
 
 
 @dataclass
@@ -90,11 +98,14 @@ class StepAttention:
     def __init__(self, layers: list[tuple[int, torch.Tensor]], groups: list[int | None], tables: BlockTables,
                  block_size: int, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray, scale: float,
                  softcap: float | None, device: torch.device, dtype: torch.dtype,
-                 chunks: list[int | None] | None = None) -> None:
+                 chunks: list[int | None] | None = None, in_place_decode: bool = True) -> None:
         """`layers[i]` = (group, cache view) of model layer i; `groups[g]` = window of group g
         (None: not sliding); `chunks[g]` = attention chunk size of a chunked-local group g
-        (None or omitted: not chunked); rows/starts/counts: per request of the step."""
+        (None or omitted: not chunked); rows/starts/counts: per request of the step.
+        `in_place_decode`: decode batches read the blocks in place where the kernel is
+        built (False: always gather, the general path)."""
         self.layers = layers
+        self._decode: PagedDecode | None = paged_decode() if in_place_decode else None
         self.scale = scale
         self.softcap = softcap
         self.num_tokens = T = int(counts.sum())
@@ -185,6 +196,12 @@ class StepAttention:
             qb = q[layout.q_gather].view(B, C, H, D)
             fresh = kv[layout.q_gather].view(B, C, *kv.shape[1:]) if plan.from_batch or plan.num_blocks == 0 else None
         ids = gp.gather_ids[b]
+        if (plan.key_count is not None and layout.row_slice is not None and self._decode is not None
+                and self._decode.supports(q, cache)):
+            a, e = layout.row_slice
+            out = self._decode(q[a:e], cache, ids.view(B, -1), plan.first_key, plan.key_count, self.scale,
+                               self.softcap, sinks)
+            return out.view(B, C, H, D)
         if ids is None:
             keys = fresh  # nothing cached and nothing written: the chunk's own keys
         else:
@@ -322,4 +339,9 @@ def _key_plan(layout: BatchLayout, starts: np.ndarray, counts: np.ndarray, windo
         # length within the window): SDPA's own causal form, which skips the masked blocks.
         return KeyPlan(first_blk, 0, True, None)
     mask = np.where(allowed[:, None], np.float32(0), np.float32(-np.inf))
-    return KeyPlan(first_blk, NB, from_batch or NB == 0, torch.from_numpy(mask).to(device, dtype))
+    plan = KeyPlan(first_blk, NB, from_batch or NB == 0, torch.from_numpy(mask).to(device, dtype))
+    if C == 1 and NB and not from_batch:
+        # the allowed keys are the run lo..s: where it starts in the gathered blocks, its length
+        plan.first_key = torch.from_numpy((lo - first_blk * bs).astype(np.int64)).to(device)
+        plan.key_count = torch.from_numpy((end - lo).astype(np.int64)).to(device)
+    return plan

@@ -1,0 +1,101 @@
+"""Time of one layer's decode attention over the paged KV cache: the in-place kernel
+(executor/torch/paged_decode.c) against the general path (gather the blocks, then SDPA
+with a mask), each through StepAttention.attention as a decode step calls it (the KV
+write included).
+
+    python benchmarks/paged_decode.py                             # rows 1,16,64; 64 and 512 keys
+    python benchmarks/paged_decode.py --rows 64 --keys 100 --dtype float32 --threads 1
+    python benchmarks/paged_decode.py --isa avx2                  # as on a CPU with AVX2 alone
+
+Gemma 3 270M's attention by default (4 query heads on 1 kv head of 256, blocks of 16);
+--layers distinct layer caches are called in turn (as a step's layers are, so the keys
+are not all in cache), --calls passes over them per round, the paths alternating within
+each round; the median of the rounds' per-layer means is printed with the ratio and the
+largest difference between the two outputs. Prints CPU flags, load, commit and threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # this checkout's hybridserve, whatever is installed
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from common import rerun_as_avx2, torch_header  # noqa: E402
+from hybridserve.executor.torch.attention import StepAttention  # noqa: E402
+from hybridserve.executor.torch.paged_decode import paged_decode  # noqa: E402
+from hybridserve.executor.torch.requests import BlockTables  # noqa: E402
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", default="1,16,64")
+    p.add_argument("--keys", default="64,512", help="keys each request attends to (its position + 1)")
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=1)
+    p.add_argument("--head-dim", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    p.add_argument("--layers", type=int, default=18)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--calls", type=int, default=5)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--isa", choices=["native", "avx2"], default="native")
+    a = p.parse_args()
+    if a.isa == "avx2" and (rc := rerun_as_avx2()) is not None:
+        return rc
+    if paged_decode() is None:
+        print("error: the in-place kernel could not be built (no C compiler?)", file=sys.stderr)
+        return 2
+    print(torch_header(a.threads, ("avx2", "avx512f", "avx512_bf16", "amx")))
+    dtype, bs = DTYPES[a.dtype], a.block_size
+    print(f"{a.heads} heads on {a.kv_heads} kv heads of {a.head_dim}, {a.dtype}, blocks of {bs}, {a.layers} layers, "
+          f"{a.calls} passes x {a.rounds} rounds, paths alternating; microseconds per layer call")
+    print("| rows | keys | in place us | gather + SDPA us | gather / in place | max abs diff |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    g = torch.Generator().manual_seed(0)
+    for rows in (int(r) for r in a.rows.split(",")):
+        for keys in (int(k) for k in a.keys.split(",")):
+            per_row = -(-keys // bs)
+            tables = BlockTables(1)
+            tables.table = np.zeros((1, rows, per_row), dtype=np.int64)
+            tables.table[0] = 1 + np.arange(rows * per_row).reshape(rows, per_row)
+            tables.lengths = np.full((1, rows), per_row)
+            caches = [torch.randn(1 + rows * per_row, bs, 2, a.kv_heads, a.head_dim, generator=g).to(dtype)
+                      for _ in range(a.layers)]
+            q = torch.randn(rows, a.heads, a.head_dim, generator=g).to(dtype)
+            kv = torch.randn(rows, 2, a.kv_heads, a.head_dim, generator=g).to(dtype)
+            starts = np.full(rows, keys - 1)
+
+            def step(in_place: bool) -> StepAttention:
+                return StepAttention([(0, c) for c in caches], [None], tables, bs, np.arange(rows), starts,
+                                     np.ones(rows, dtype=np.int64), a.head_dim ** -0.5, None, torch.device("cpu"),
+                                     dtype, in_place_decode=in_place)
+
+            steps = {True: step(True), False: step(False)}
+            outs = {m: s.attention(0, q, kv) for m, s in steps.items()}
+            times: dict[bool, list[float]] = {True: [], False: []}
+            for _ in range(a.rounds):
+                for mode, s in steps.items():
+                    t = time.perf_counter()
+                    for _ in range(a.calls):
+                        for layer in range(a.layers):
+                            s.attention(layer, q, kv)
+                    times[mode].append((time.perf_counter() - t) / (a.calls * a.layers) * 1e6)
+            fast, general = statistics.median(times[True]), statistics.median(times[False])
+            diff = (outs[True].float() - outs[False].float()).abs().max().item()
+            print(f"| {rows} | {keys} | {fast:.0f} | {general:.0f} | {general / fast:.2f} | {diff:.1e} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

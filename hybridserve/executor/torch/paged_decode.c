@@ -1,0 +1,223 @@
+/* Decode attention read from the paged KV cache in place (executor/torch/attention.py says
+ * what the cache holds; paged_decode.py calls this).
+ *
+ * One query token per request attends to the contiguous key positions first .. first +
+ * count - 1 of its gathered blocks (a window's or a chunk's lower bound, up to itself).
+ * The general path copies those blocks into a contiguous tensor per layer (index_select),
+ * then calls SDPA on the copy with a mask: the keys cross memory three times. Here each
+ * (request, kv head) reads its keys and values once, straight from their blocks, with an
+ * online softmax (flash attention's running maximum and sum), so nothing is copied and
+ * masked positions are never read.
+ *
+ * Arithmetic: float32 throughout (bf16 keys and values widened exactly), the scale folded
+ * into the query, optional soft-capping tanh(s / cap) * cap of the scores, and optional
+ * per-head sinks (a learned logit that joins the softmax's denominator only: the running
+ * maximum starts at it, with a sum of one). The output is rounded once to the cache's
+ * dtype (round to nearest even, as torch converts).
+ *
+ * Written with GCC / Clang vector extensions, as span_summaries.c: the compiler flags pick
+ * the instructions. OpenMP spreads the (request, kv head) pairs over torch's threads. */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__)
+#define LANES 16
+#elif defined(__AVX__)
+#define LANES 8
+#else
+#define LANES 4
+#endif
+/* Keys scored before each update of the running maximum: enough to amortise the rescale
+ * of the accumulators, few enough for their scores to stay in L1. */
+#define KEY_TILE 32
+/* How many tokens ahead of the one scored the key and value rows are prefetched. */
+#define PREFETCH_AHEAD 4
+/* Query heads of one kv head accumulated at once (a larger group is taken in parts). */
+#define HEADS 4
+
+typedef float vf __attribute__((vector_size(LANES * 4)));
+typedef uint32_t vu __attribute__((vector_size(LANES * 4)));
+typedef uint16_t vh __attribute__((vector_size(LANES * 2)));
+
+static inline vf splat(float x) { return (vf){0} + x; }
+
+static inline vf load_f32(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store_f32(float *p, vf v) { memcpy(p, &v, sizeof v); }
+
+/* bf16 -> float32 is exact: the 16 bits are the float's upper half. */
+static inline vf load_bf16(const uint16_t *p) {
+    vh h;
+    memcpy(&h, p, sizeof h);
+    return (vf)(__builtin_convertvector(h, vu) << 16);
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t w = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &w, sizeof f);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t w;
+    memcpy(&w, &f, sizeof w);
+    if ((w & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((w >> 16) | 0x40u); /* NaN stays NaN */
+    w += 0x7fffu + ((w >> 16) & 1u);
+    return (uint16_t)(w >> 16);
+}
+
+#if defined(__clang__)
+#define SHUFFLE(a, ...) __builtin_shufflevector((a), (a), __VA_ARGS__)
+#else
+#define SHUFFLE(a, ...) __builtin_shuffle((a), (vu){__VA_ARGS__})
+#endif
+
+/* The sum across lanes: each step adds the vector's halves swapped, then its quarters, ... */
+static inline float lanes_sum(vf a) {
+#if LANES == 16
+    a += SHUFFLE(a, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    a += SHUFFLE(a, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    a += SHUFFLE(a, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+#elif LANES == 8
+    a += SHUFFLE(a, 4, 5, 6, 7, 0, 1, 2, 3);
+    a += SHUFFLE(a, 2, 3, 0, 1, 6, 7, 4, 5);
+#else
+    a += SHUFFLE(a, 2, 3, 0, 1);
+#endif
+    return a[0] + a[1];
+}
+
+/* Element i of a row of keys, values or queries in the cache's dtype. */
+static inline __attribute__((always_inline)) vf load_row(const void *base, int64_t i, int bf16) {
+    return bf16 ? load_bf16((const uint16_t *)base + i) : load_f32((const float *)base + i);
+}
+
+static inline __attribute__((always_inline)) float load_one(const void *base, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
+}
+
+/* Heads h0 .. h0 + nh - 1 (nh <= HEADS) of one request, all reading kv head `kv`. */
+static inline __attribute__((always_inline)) void
+attend(const void *q, int64_t q_head_stride, const char *cache, int64_t block_bytes, int64_t token_bytes,
+       int64_t value_bytes, int64_t block_size, const int64_t *ids, int64_t first, int64_t count, int64_t d,
+       float scale, float softcap, const float *sinks, int64_t h0, int nh, void *out, int bf16) {
+    const int64_t elem = bf16 ? 2 : 4, full = d - d % LANES;
+    float qf[HEADS][d], acc[HEADS][d];
+    float m[HEADS], l[HEADS], s[HEADS][KEY_TILE];
+    const char *key[KEY_TILE];
+    for (int h = 0; h < nh; h++) {
+        const char *row = (const char *)q + (h0 + h) * q_head_stride * elem;
+        for (int64_t i = 0; i < d; i++) qf[h][i] = load_one(row, i, bf16) * scale;
+        memset(acc[h], 0, sizeof(float) * d);
+        m[h] = sinks ? sinks[h0 + h] : -INFINITY;
+        l[h] = sinks ? 1.0f : 0.0f;
+    }
+    for (int64_t t0 = 0; t0 < count; t0 += KEY_TILE) {
+        const int n = count - t0 < KEY_TILE ? (int)(count - t0) : KEY_TILE;
+        for (int j = 0; j < n; j++) {
+            const int64_t pos = first + t0 + j;
+            key[j] = cache + ids[pos / block_size] * block_bytes + (pos % block_size) * token_bytes;
+            /* The loads wait on memory (a layer's keys are not in cache), so ask for a later
+             * token's key and value rows now: the value pass below then finds them too. */
+            if (t0 + j + PREFETCH_AHEAD < count) {
+                const int64_t ahead = pos + PREFETCH_AHEAD;
+                const char *next = cache + ids[ahead / block_size] * block_bytes + (ahead % block_size) * token_bytes;
+                for (int64_t c = 0; c < d * elem; c += 64) {
+                    __builtin_prefetch(next + c);
+                    __builtin_prefetch(next + value_bytes + c);
+                }
+            }
+            vf dot[HEADS];
+            for (int h = 0; h < nh; h++) dot[h] = splat(0.0f);
+            for (int64_t i = 0; i < full; i += LANES) {
+                const vf k = load_row(key[j], i, bf16);
+                for (int h = 0; h < nh; h++) dot[h] += load_f32(&qf[h][i]) * k;
+            }
+            for (int h = 0; h < nh; h++) {
+                float sc = lanes_sum(dot[h]);
+                for (int64_t i = full; i < d; i++) sc += qf[h][i] * load_one(key[j], i, bf16);
+                s[h][j] = softcap > 0.0f ? tanhf(sc / softcap) * softcap : sc;
+            }
+        }
+        for (int h = 0; h < nh; h++) {
+            float top = m[h];
+            for (int j = 0; j < n; j++) top = s[h][j] > top ? s[h][j] : top;
+            /* top is finite: every query sees at least its own key */
+            const float keep = m[h] == -INFINITY ? 0.0f : expf(m[h] - top);
+            float sum = 0.0f;
+            for (int j = 0; j < n; j++) sum += s[h][j] = expf(s[h][j] - top);
+            l[h] = l[h] * keep + sum;
+            m[h] = top;
+            if (keep != 1.0f)
+                for (int64_t i = 0; i < d; i++) acc[h][i] *= keep;
+        }
+        for (int64_t i = 0; i < full; i += LANES) {
+            vf a[HEADS];
+            for (int h = 0; h < nh; h++) a[h] = load_f32(&acc[h][i]);
+            for (int j = 0; j < n; j++) {
+                const vf v = load_row(key[j] + value_bytes, i, bf16);
+                for (int h = 0; h < nh; h++) a[h] += splat(s[h][j]) * v;
+            }
+            for (int h = 0; h < nh; h++) store_f32(&acc[h][i], a[h]);
+        }
+        for (int64_t i = full; i < d; i++)
+            for (int j = 0; j < n; j++) {
+                const float v = load_one(key[j] + value_bytes, i, bf16);
+                for (int h = 0; h < nh; h++) acc[h][i] += s[h][j] * v;
+            }
+    }
+    for (int h = 0; h < nh; h++) {
+        const float inv = 1.0f / l[h];
+        for (int64_t i = 0; i < d; i++) {
+            const float o = acc[h][i] * inv;
+            if (bf16)
+                ((uint16_t *)out)[(h0 + h) * d + i] = f32_to_bf16(o);
+            else
+                ((float *)out)[(h0 + h) * d + i] = o;
+        }
+    }
+}
+
+/* q: [batch, heads, d] with `q_row_stride` elements between requests (heads contiguous);
+ * cache: blocks of [block_size, 2, kv_heads, d] (keys, then values, per token),
+ * `block_stride` elements apart; ids: [batch, blocks_per_row] block ids; first / count:
+ * [batch] the first key position (counted from the first gathered block's start) and the
+ * number of keys; sinks: [heads] or NULL; softcap <= 0: none; out: [batch, heads, d]
+ * contiguous, in the cache's dtype (bf16 != 0: bfloat16, else float32). */
+void paged_decode_attention(const void *q, int64_t q_row_stride, const void *cache, int64_t block_stride,
+                            int64_t block_size, int64_t kv_heads, int64_t d, const int64_t *ids,
+                            int64_t blocks_per_row, const int64_t *first, const int64_t *count, int64_t batch,
+                            int64_t heads, float scale, float softcap, const float *sinks, void *out, int32_t bf16,
+                            int32_t num_threads) {
+    const int64_t elem = bf16 ? 2 : 4, group = heads / kv_heads;
+    const int64_t parts = (group + HEADS - 1) / HEADS;
+    const int64_t block_bytes = block_stride * elem, token_bytes = 2 * kv_heads * d * elem;
+    const int64_t value_bytes = kv_heads * d * elem;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t k = 0; k < batch * kv_heads * parts; k++) {
+        const int64_t b = k / (kv_heads * parts), kv = k / parts % kv_heads, part = k % parts;
+        const int64_t h0 = kv * group + part * HEADS;
+        const int nh = group - part * HEADS < HEADS ? (int)(group - part * HEADS) : HEADS;
+        const char *q_row = (const char *)q + b * q_row_stride * elem;
+        const char *kv_base = (const char *)cache + kv * d * elem;
+        char *out_row = (char *)out + b * heads * d * elem;
+        const int64_t *row_ids = ids + b * blocks_per_row;
+        /* Constant head counts and dtypes: each call below is its own unrolled loop. */
+#define ATTEND(heads_now, is_bf16)                                                                          \
+    attend(q_row, d, kv_base, block_bytes, token_bytes, value_bytes, block_size, row_ids, first[b], count[b], \
+           d, scale, softcap, sinks, h0, heads_now, out_row, is_bf16)
+        if (bf16) {
+            if (nh == HEADS) ATTEND(HEADS, 1); else ATTEND(nh, 1);
+        } else {
+            if (nh == HEADS) ATTEND(HEADS, 0); else ATTEND(nh, 0);
+        }
+#undef ATTEND
+    }
+}

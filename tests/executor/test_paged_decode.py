@@ -152,6 +152,27 @@ def test_decode_step_in_place_equals_gather_and_sdpa(dtype, softcap, monkeypatch
     assert len(calls) == len(WINDOWS)
 
 
+@needs_kernel
+def test_a_kernel_giving_wrong_outputs_is_not_used(monkeypatch, caplog) -> None:
+    """The first-use check: a kernel whose output is off (here by a shifted key run) is
+    refused with a warning, and steps gather instead."""
+    real_call = PagedDecode.__call__
+
+    def shifted(self, q, cache, ids, first, count, *rest):  # type: ignore[no-untyped-def]
+        return real_call(self, q, cache, ids, first + 1, count - 1, *rest)
+
+    monkeypatch.setattr(PagedDecode, "__call__", shifted)
+    paged_decode.cache_clear()
+    try:
+        with caplog.at_level("WARNING"):
+            assert paged_decode_module.paged_decode() is None
+        assert "gives wrong outputs" in caplog.text
+    finally:
+        monkeypatch.undo()
+        paged_decode.cache_clear()
+    assert paged_decode_module.paged_decode() is not None
+
+
 def test_without_a_compiler_the_general_path_serves(monkeypatch) -> None:
     def no_build(*_args):
         raise NativeBuildError("no C compiler")

@@ -22,6 +22,7 @@ from hybridserve.executor.base import Executor
 from hybridserve.executor.torch.kv_cache import TORCH_DTYPES, num_blocks_for_memory
 from hybridserve.executor.torch.model_runner import ModelRunner
 from hybridserve.executor.torch.offload import OffloadWorker
+from hybridserve.executor.torch.paged_decode import paged_decode
 from hybridserve.executor.torch.spec_decode import NgramDrafter
 from hybridserve.executor.torch.threads import ThreadGovernor
 from hybridserve.models.config import ModelConfig
@@ -125,6 +126,8 @@ class TorchExecutor(Executor):
         if self.runner is not None:
             raise ConfigError("TorchExecutor.initialize called twice")
         self.runner = ModelRunner(self.model, kv_cache_config, self.device, self.seed, self.drafter, self.grammar)
+        if self.device.type == "cpu":
+            paged_decode()  # built (or loaded from the cache) now, not in the first request's step
         if self._offload_args is not None:
             num_host_blocks, fail_loads = self._offload_args
             self.offload = OffloadWorker(self.runner.kv, num_host_blocks, self.device, fail_loads)

@@ -9,13 +9,16 @@ holds the two to the same outputs."""
 from __future__ import annotations
 
 import ctypes
+import logging
 from functools import cache
 from pathlib import Path
 
 import torch
 
+from hybridserve.core.errors import one_line
 from hybridserve.models.platform.native_build import NativeBuildError, build
 
+log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("paged_decode.c")
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -66,9 +69,36 @@ class PagedDecode:
 
 @cache
 def paged_decode() -> PagedDecode | None:
-    """The kernel, built on first use; None where it cannot be (no compiler: the general
-    path serves every step)."""
+    """The kernel, built and checked on first use; None where it cannot be built (no
+    compiler) or its check fails (a miscompile): the general path then serves every step,
+    and a warning says why."""
     try:
-        return PagedDecode()
-    except NativeBuildError:
-        return None
+        kernel = PagedDecode()
+        reason = _mismatch(kernel)
+    except (NativeBuildError, OSError, ValueError) as exc:
+        reason = one_line(exc)
+    if not reason:
+        return kernel
+    log.warning("decode attention gathers its blocks: the in-place kernel %s", reason)
+    return None
+
+
+def _mismatch(kernel: PagedDecode) -> str:
+    """What is wrong with the kernel's output on a small case (grouped heads, a head size
+    that is not whole vectors, keys starting mid-block and crossing blocks) against the
+    same attention in float64, in each dtype it reads; '' when nothing is."""
+    g = torch.Generator().manual_seed(0)
+    for dtype in DTYPES:
+        cache_ = torch.randn(6, 4, 2, 2, 20, generator=g).to(dtype)
+        q = torch.randn(2, 6, 20, generator=g).to(dtype)
+        ids = torch.tensor([[3, 1, 5], [2, 4, 0]])
+        first, count = torch.tensor([1, 2]), torch.tensor([10, 3])
+        got = kernel(q, cache_, ids, first, count, 0.5, None, None).double()
+        for b in range(2):
+            keys = cache_[ids[b]].reshape(-1, 2, 2, 20)[int(first[b]) : int(first[b] + count[b])].double()
+            for h in range(6):
+                weights = torch.softmax(keys[:, 0, h // 3] @ q[b, h].double() * 0.5, dim=0)
+                want = weights @ keys[:, 1, h // 3]
+                if not torch.allclose(got[b, h], want, rtol=1e-2, atol=1e-2):
+                    return f"gives wrong outputs ({dtype}, request {b}, head {h})"
+    return ""

@@ -6,16 +6,14 @@ write included).
     python benchmarks/paged_decode.py                             # rows 1,16,64; 64 and 512 keys
     python benchmarks/paged_decode.py --rows 64 --keys 100 --dtype float32 --threads 1
     python benchmarks/paged_decode.py --isa avx2                  # as on a CPU with AVX2 alone
-    python benchmarks/paged_decode.py --step-rows 1,16,64         # whole decode steps instead
 
 Gemma 3 270M's attention by default (4 query heads on 1 kv head of 256, blocks of 16);
 --layers distinct layer caches are called in turn (as a step's layers are, so the keys
 are not all in cache), --calls passes over them per round, the paths alternating within
 each round; the median of the rounds' per-layer means is printed with the ratio and each
-output's largest difference from the attention written out in float64 on the same inputs. With --step-rows, the default model's greedy
-decode steps instead (LLM.generate on random-id prompts of 8-64 tokens, the paths
-alternating per round; a step's time is (generate N+1 tokens - generate 1) / N), with how
-many requests' tokens the two paths agree on. Prints CPU flags, load, commit and threads.
+output's largest difference from the attention written out in float64 on the same inputs.
+Prints CPU flags, load, commit and threads. Whole decode steps with the kernel on and off:
+`python benchmarks/native_step.py --kernels paged_decode`.
 """
 
 from __future__ import annotations
@@ -33,7 +31,6 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from common import rerun_as_avx2, torch_header  # noqa: E402
-from hybridserve.executor.torch import attention  # noqa: E402
 from hybridserve.executor.torch.attention import StepAttention  # noqa: E402
 from hybridserve.executor.torch.paged_decode import paged_decode  # noqa: E402
 from hybridserve.executor.torch.requests import BlockTables  # noqa: E402
@@ -55,8 +52,6 @@ def main() -> int:
     p.add_argument("--calls", type=int, default=5)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--isa", choices=["native", "avx2"], default="native")
-    p.add_argument("--step-rows", default=None, help="time whole decode steps of the default model at these rows")
-    p.add_argument("--steps", type=int, default=32, help="decode steps per timed generate (with --step-rows)")
     a = p.parse_args()
     if a.isa == "avx2" and (rc := rerun_as_avx2()) is not None:
         return rc
@@ -64,8 +59,6 @@ def main() -> int:
         print("error: the in-place kernel could not be built (no C compiler?)", file=sys.stderr)
         return 2
     print(torch_header(a.threads, ("avx2", "avx512f", "avx512_bf16", "amx")))
-    if a.step_rows:
-        return decode_steps(a)
     dtype, bs = DTYPES[a.dtype], a.block_size
     print(f"{a.heads} heads on {a.kv_heads} kv heads of {a.head_dim}, {a.dtype}, blocks of {bs}, {a.layers} layers, "
           f"{a.calls} passes x {a.rounds} rounds, paths alternating; microseconds per layer call")
@@ -125,46 +118,6 @@ def reference(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor, scale: flo
             weights = torch.softmax(tokens[:, 0, k] @ q[b, h].double() * scale, dim=0)
             out[b, h] = weights @ tokens[:, 1, k]
     return out
-
-
-def decode_steps(a: argparse.Namespace) -> int:
-    """Whole greedy decode steps of the default model, the kernel on and off alternating."""
-    import random
-
-    from hybridserve import LLM, SamplingParams
-
-    llm = LLM(None, progress=False, enable_prefix_caching=False, num_threads=a.threads)
-    kernel = paged_decode()
-    print(f"default model, greedy, {a.steps} decode steps per timed generate, {a.rounds} rounds, paths alternating")
-    print("| rows | in place ms / step | gather + SDPA ms / step | gather / in place | same tokens |")
-    print("|---:|---:|---:|---:|---:|")
-    try:
-        for rows in (int(r) for r in a.step_rows.split(",")):
-            rng = random.Random(rows)
-            batch = [[rng.randrange(5, 262000) for _ in range(rng.randint(8, 64))] for _ in range(rows)]
-
-            def generate(in_place: bool, tokens: int):  # type: ignore[no-untyped-def]
-                attention.paged_decode = (lambda: kernel) if in_place else (lambda: None)  # type: ignore[assignment]
-                params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0.0)
-                t = time.perf_counter()
-                out = llm.generate(batch, params, use_tqdm=False)
-                return time.perf_counter() - t, [o.outputs[0].token_ids for o in out]
-
-            for in_place in (True, False):
-                generate(in_place, 4)  # warm-up: this batch's step sizes
-            times: dict[bool, list[float]] = {True: [], False: []}
-            tokens = {}
-            for _ in range(a.rounds):
-                for in_place in (True, False):
-                    whole, tokens[in_place] = generate(in_place, a.steps + 1)
-                    first, _ = generate(in_place, 1)
-                    times[in_place].append((whole - first) / a.steps * 1e3)
-            fast, general = statistics.median(times[True]), statistics.median(times[False])
-            same = sum(x == y for x, y in zip(tokens[True], tokens[False]))
-            print(f"| {rows} | {fast:.1f} | {general:.1f} | {general / fast:.2f} | {same} / {rows} |")
-    finally:
-        llm.shutdown()
-    return 0
 
 
 if __name__ == "__main__":

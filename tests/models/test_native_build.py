@@ -70,3 +70,30 @@ def test_a_cache_folder_that_cannot_be_made_is_named(tmp_path, monkeypatch) -> N
     source.write_text(ADD)
     with pytest.raises(NativeBuildError, match="cannot create the cache folder"):
         build("add", source)
+
+
+@needs_cc
+def test_the_shared_header_is_on_the_path_and_in_the_digest(tmp_path, cache, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    include = tmp_path / "include"
+    include.mkdir()
+    (include / "shared.h").write_text("#define OFFSET 10\n")
+    monkeypatch.setattr(native_build, "INCLUDE_DIR", include)
+    source = tmp_path / "plus.c"
+    source.write_text('#include "shared.h"\nint plus(int a) { return a + OFFSET; }\n')
+    assert build("plus", source).plus(1) == 11
+    (include / "shared.h").write_text("#define OFFSET 20\n")  # a header edit builds anew
+    assert build("plus", source).plus(1) == 21
+    assert len(list(cache.iterdir())) == 2
+
+
+def test_checked_gives_the_kernel_or_none_with_a_warning(caplog) -> None:  # type: ignore[no-untyped-def]
+    assert native_build.checked(lambda: "kernel", lambda k: "", "the general path") == "kernel"
+
+    def no_compiler() -> str:
+        raise NativeBuildError("no C compiler: 'cc' is not on PATH")
+
+    with caplog.at_level("WARNING"):
+        assert native_build.checked(no_compiler, lambda k: "", "x stays eager") is None
+        assert native_build.checked(lambda: "kernel", lambda k: "gives wrong outputs", "y gathers") is None
+    assert "x stays eager: the native kernel is not used (no C compiler: 'cc' is not on PATH)" in caplog.text
+    assert "y gathers: the native kernel is not used (gives wrong outputs)" in caplog.text

@@ -32,6 +32,7 @@ from hybridserve.models.kv_specs import model_kv_layer_specs
 from hybridserve.models.loaders.loader import load_model
 from hybridserve.models.arch.mamba_lm import MambaLM
 from hybridserve.models.layers.smoothing import Encode
+from hybridserve.models.layers.qk_norm_rope import qk_norm_rope_kernel
 from hybridserve.models.layers.span_kernel import KERNEL
 from hybridserve.text.structured_output import GrammarBackend
 
@@ -126,8 +127,10 @@ class TorchExecutor(Executor):
         if self.runner is not None:
             raise ConfigError("TorchExecutor.initialize called twice")
         self.runner = ModelRunner(self.model, kv_cache_config, self.device, self.seed, self.drafter, self.grammar)
-        if self.device.type == "cpu":
-            paged_decode()  # built (or loaded from the cache) now, not in the first request's step
+        if self.device.type == "cpu":  # built (or loaded from the cache) now, not in the first request's step
+            paged_decode()
+            if self.model.dtype == torch.bfloat16:
+                qk_norm_rope_kernel()
         if self._offload_args is not None:
             num_host_blocks, fail_loads = self._offload_args
             self.offload = OffloadWorker(self.runner.kv, num_host_blocks, self.device, fail_loads)

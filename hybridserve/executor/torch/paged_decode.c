@@ -22,13 +22,8 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AVX512F__)
-#define LANES 16
-#elif defined(__AVX__)
-#define LANES 8
-#else
-#define LANES 4
-#endif
+#include "native_vectors.h"
+
 /* Keys scored before each update of the running maximum: enough to amortise the rescale
  * of the accumulators, few enough for their scores to stay in L1. */
 #define KEY_TILE 32
@@ -36,63 +31,6 @@
 #define PREFETCH_AHEAD 4
 /* Query heads of one kv head accumulated at once (a larger group is taken in parts). */
 #define HEADS 4
-
-typedef float vf __attribute__((vector_size(LANES * 4)));
-typedef uint32_t vu __attribute__((vector_size(LANES * 4)));
-typedef uint16_t vh __attribute__((vector_size(LANES * 2)));
-
-static inline vf splat(float x) { return (vf){0} + x; }
-
-static inline vf load_f32(const float *p) {
-    vf v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void store_f32(float *p, vf v) { memcpy(p, &v, sizeof v); }
-
-/* bf16 -> float32 is exact: the 16 bits are the float's upper half. */
-static inline vf load_bf16(const uint16_t *p) {
-    vh h;
-    memcpy(&h, p, sizeof h);
-    return (vf)(__builtin_convertvector(h, vu) << 16);
-}
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t w = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &w, sizeof f);
-    return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t w;
-    memcpy(&w, &f, sizeof w);
-    if ((w & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((w >> 16) | 0x40u); /* NaN stays NaN */
-    w += 0x7fffu + ((w >> 16) & 1u);
-    return (uint16_t)(w >> 16);
-}
-
-#if defined(__clang__)
-#define SHUFFLE(a, ...) __builtin_shufflevector((a), (a), __VA_ARGS__)
-#else
-#define SHUFFLE(a, ...) __builtin_shuffle((a), (vu){__VA_ARGS__})
-#endif
-
-/* The sum across lanes: each step adds the vector's halves swapped, then its quarters, ... */
-static inline float lanes_sum(vf a) {
-#if LANES == 16
-    a += SHUFFLE(a, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    a += SHUFFLE(a, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-    a += SHUFFLE(a, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
-#elif LANES == 8
-    a += SHUFFLE(a, 4, 5, 6, 7, 0, 1, 2, 3);
-    a += SHUFFLE(a, 2, 3, 0, 1, 6, 7, 4, 5);
-#else
-    a += SHUFFLE(a, 2, 3, 0, 1);
-#endif
-    return a[0] + a[1];
-}
 
 /* Element i of a row of keys, values or queries in the cache's dtype. */
 static inline __attribute__((always_inline)) vf load_row(const void *base, int64_t i, int bf16) {

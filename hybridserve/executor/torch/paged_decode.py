@@ -9,16 +9,13 @@ holds the two to the same outputs."""
 from __future__ import annotations
 
 import ctypes
-import logging
 from functools import cache
 from pathlib import Path
 
 import torch
 
-from hybridserve.core.errors import one_line
-from hybridserve.models.platform.native_build import NativeBuildError, build
+from hybridserve.models.platform.native_build import build, checked
 
-log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("paged_decode.c")
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -72,15 +69,7 @@ def paged_decode() -> PagedDecode | None:
     """The kernel, built and checked on first use; None where it cannot be built (no
     compiler) or its check fails (a miscompile): the general path then serves every step,
     and a warning says why."""
-    try:
-        kernel = PagedDecode()
-        reason = _mismatch(kernel)
-    except (NativeBuildError, OSError, ValueError) as exc:
-        reason = one_line(exc)
-    if not reason:
-        return kernel
-    log.warning("decode attention gathers its blocks: the in-place kernel %s", reason)
-    return None
+    return checked(PagedDecode, _mismatch, "decode attention gathers its blocks")
 
 
 def _mismatch(kernel: PagedDecode) -> str:

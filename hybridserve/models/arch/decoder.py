@@ -35,6 +35,7 @@ from hybridserve.models.layers.int8 import W8A8Linear, quantize_gemm_weight
 from hybridserve.models.layers.linear import LayerLinears, Linear, ResidualLinear, make_linear
 from hybridserve.models.parallel import PipelineStage, TPGroup, local_config
 from hybridserve.models.layers.projection_norm import ProjectionNorm
+from hybridserve.models.layers.qk_norm_rope import qk_norm_rope_kernel
 from hybridserve.models.layers.rms_norm import rms_norm
 from hybridserve.models.layers.rope import RopeTable, apply_rope_
 from hybridserve.models.layers.span_logits import SpanLogits
@@ -372,6 +373,8 @@ class DecoderLM(StagedModel):
         if not self._linears:
             self.build_linears(release_weights=False)
         chains = None if self._dtype_chains is None else self._dtype_chains.for_rows(T)
+        # bf16 q/k heads normalised and rotated by the native kernel where it is built
+        qk_kernel = qk_norm_rope_kernel() if self.dtype == torch.bfloat16 and h.device.type == "cpu" else None
         # A step the compiled chains may take normalises as they do, eager or not (rms_norm).
         exact = self._dtype_chains is not None and T >= self._dtype_chains.min_rows
         if chains is not None:
@@ -387,13 +390,17 @@ class DecoderLM(StagedModel):
             # q | k | v per token: after RoPE in place, k and v are adjacent, which is
             # exactly one KV cache slot ([2, KVH, D]).
             qk = qkv[:, : (nq + nkv) * hd].view(T, nq + nkv, hd)
-            if self._projection_norm is not None:
-                self._projection_norm.apply_(qk, w.qk_norm, nq, eps)
-            elif w.qk_norm is not None:
-                torch.mul(rms_norm(qk, None, eps, inv_hd, exact_sums=exact), w.qk_norm, out=qk)
-            if cfg.layer_types[i] in rope:  # EXAONE 4's full layers have no RoPE
-                cos, sin = rope[cfg.layer_types[i]]
-                apply_rope_(qk, cos, sin)  # q and k share positions: one rotation covers both
+            cos, sin = rope.get(cfg.layer_types[i], (None, None))  # EXAONE 4's full layers have no RoPE
+            if (self._projection_norm is None and w.qk_norm is not None and qk_kernel is not None
+                    and qk_kernel.supports(qk, w.qk_norm, cos)):
+                qk_kernel(qk, w.qk_norm, eps, cos, sin)  # the chain below with exact sums, in one pass
+            else:
+                if self._projection_norm is not None:
+                    self._projection_norm.apply_(qk, w.qk_norm, nq, eps)
+                elif w.qk_norm is not None:
+                    torch.mul(rms_norm(qk, None, eps, inv_hd, exact_sums=exact), w.qk_norm, out=qk)
+                if cos is not None:
+                    apply_rope_(qk, cos, sin)  # q and k share positions: one rotation covers both
             qkv = qkv.to(self.dtype)  # the KV cache's dtype (a no-op unless int8 layers)
             attn = backend.attention(i, qkv[:, : nq * hd].view(T, nq, hd), qkv[:, nq * hd :].view(T, 2, nkv, hd))
             if cfg.sandwich_norm:

@@ -1,7 +1,9 @@
 """Hand-written C kernels, compiled once per machine by the system's C compiler and loaded
 with ctypes.
 
-A kernel's source sits beside the Python that calls it (e.g. models/layers/span_summaries.c).
+A kernel's source sits beside the Python that calls it (e.g. models/layers/span_summaries.c);
+what kernels share (the vector type, bf16 conversions) is native_vectors.h in this folder,
+which every build has on its include path.
 It is compiled for the instructions `read_cpu_flags` reports (AVX-512, or AVX2 + FMA, or
 the target's baseline), never `-march=native`: a cache folder shared by machines of
 different CPUs (a home directory on NFS) then holds one library per instruction set, and a
@@ -12,24 +14,31 @@ library uses the OpenMP runtime already in the process (torch's libgomp, matched
 soname), so its parallel loops share torch's thread pool.
 
 Anything that goes wrong (no compiler, a failed build, a library that will not load)
-raises NativeBuildError with one line saying what; callers keep their general path.
+raises NativeBuildError with one line saying what; callers keep their general path
+(`checked` logs why and gives None).
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import subprocess
 import uuid
 from pathlib import Path
+from typing import Callable, TypeVar
 
+from hybridserve.core.errors import one_line
 from hybridserve.models.platform.cache_dir import cache_root
 from hybridserve.models.platform.cpu_features import read_cpu_flags
 
+log = logging.getLogger(__name__)
+K = TypeVar("K")
 CC_ENV = "CC"
+INCLUDE_DIR = Path(__file__).parent  # native_vectors.h
 BUILD_TIMEOUT_S = 120
 BASE_FLAGS = ("-O3", "-fno-math-errno", "-fPIC", "-shared", "-fopenmp")
 _X86 = ("x86_64", "amd64", "i686")
@@ -67,8 +76,11 @@ def _compiler_version(cc: str) -> str:
 
 
 def library_path(name: str, source: Path, flags: tuple[str, ...], compiler_version: str) -> Path:
-    """Where the library of `source` built with `flags` by that compiler lives in the cache."""
+    """Where the library of `source` built with `flags` by that compiler lives in the cache
+    (the shared headers are part of what it is built from)."""
     digest = hashlib.sha256(source.read_bytes())
+    for header in sorted(INCLUDE_DIR.glob("*.h")):
+        digest.update(header.read_bytes())
     digest.update("\0".join((*flags, compiler_version)).encode())
     return cache_root() / "native" / f"{name}-{digest.hexdigest()[:16]}.so"
 
@@ -78,7 +90,7 @@ def build(name: str, source: Path) -> ctypes.CDLL:
     (written under a temporary name and renamed, so concurrent builds never load a
     half-written file)."""
     cc = _compiler()
-    flags = (*BASE_FLAGS, *isa_flags(read_cpu_flags()))
+    flags = (*BASE_FLAGS, f"-I{INCLUDE_DIR}", *isa_flags(read_cpu_flags()))
     target = library_path(name, source, flags, _compiler_version(cc))
     if not target.exists():
         try:
@@ -104,3 +116,20 @@ def build(name: str, source: Path) -> ctypes.CDLL:
         return ctypes.CDLL(str(target))
     except OSError as exc:
         raise NativeBuildError(f"cannot load {target.name}: {exc}") from None
+
+
+def checked(make: Callable[[], K], mismatch: Callable[[K], str], general_path: str) -> K | None:
+    """make() (which builds a library), then mismatch(kernel) ('' when its output is right):
+    the kernel where both succeed, else None and one warning naming `general_path`, what
+    runs instead, and why."""
+    try:
+        kernel = make()
+        reason = mismatch(kernel)
+    except NativeBuildError as exc:
+        reason = str(exc)  # one line already
+    except (OSError, ValueError) as exc:
+        reason = one_line(exc)
+    if not reason:
+        return kernel
+    log.warning("%s: the native kernel is not used (%s)", general_path, reason)
+    return None

@@ -1,0 +1,112 @@
+"""qk_norm_rope: the native q/k RMSNorm + RoPE of bf16 decoders gives a head worked out by
+hand, the eager chain with exact sums bit for bit on every shape its loops treat apart, and
+a tiny Gemma 3's step the eager loop's hidden states bit for bit; it refuses what it does
+not read, and a kernel that disagrees is not used (models/layers/qk_norm_rope.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from hybridserve.models.arch import decoder as decoder_module  # noqa: E402
+from hybridserve.models.layers import qk_norm_rope as module  # noqa: E402
+from hybridserve.models.layers.qk_norm_rope import QKNormRope, qk_norm_rope_eager, qk_norm_rope_kernel  # noqa: E402
+from hybridserve.models.loaders.loader import load_model  # noqa: E402
+from tests.helpers import hf_tiny  # noqa: E402
+from tests.helpers.int8_gemma3 import LENGTHS, prefill  # noqa: E402
+
+KERNEL = qk_norm_rope_kernel()
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C compiler: the kernel is not built")
+EPS = torch.tensor(1e-6, dtype=torch.bfloat16)
+
+
+@needs_kernel
+def test_a_head_by_hand() -> None:
+    """x = +2 on its first half, -2 on its second: mean square 4, so x / rms = +-1 (eps moves
+    it by 1e-7, below bf16's rounding); times the weight 3: +-3. RoPE with cos 0.5 and signed
+    sin [-1, +1]: first half 3 * 0.5 + (-3) * (-1) = 4.5, second half -3 * 0.5 + 3 * 1 = 1.5."""
+    hd = 4 * KERNEL.lanes
+    half = hd // 2
+    x = torch.cat([torch.full((half,), 2.0), torch.full((half,), -2.0)]).to(torch.bfloat16).view(1, 1, hd)
+    weight = torch.full((1, hd), 3.0, dtype=torch.bfloat16)
+    cos = torch.full((1, 1, hd), 0.5, dtype=torch.bfloat16)
+    sin = torch.cat([torch.full((half,), -1.0), torch.full((half,), 1.0)]).to(torch.bfloat16).view(1, 1, hd)
+    KERNEL(x, weight, EPS, cos, sin)
+    assert x.view(-1).tolist() == [4.5] * half + [1.5] * half
+    y = torch.cat([torch.full((half,), 2.0), torch.full((half,), -2.0)]).to(torch.bfloat16).view(1, 1, hd)
+    KERNEL(y, weight, EPS, None, None)  # no RoPE (EXAONE 4's full layers)
+    assert y.view(-1).tolist() == [3.0] * half + [-3.0] * half
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 5, 40])  # 40 rows x 5 heads: the parallel loop
+@pytest.mark.parametrize("heads, hd", [(1, 16), (5, 256), (3, 64), (2, 128)])
+@pytest.mark.parametrize("rope", [True, False])
+def test_equals_the_eager_chain_bit_for_bit(rows: int, heads: int, hd: int, rope: bool) -> None:
+    if hd % KERNEL.lanes:
+        pytest.skip(f"head dim {hd} is not whole vectors of {KERNEL.lanes}")
+    g = torch.Generator().manual_seed(rows * 100 + heads * 10 + hd)
+    # rows of the qkv projection: these heads, then more (v), at magnitudes 1e-3 .. 1e3
+    scale = 10.0 ** torch.randint(-3, 4, (rows, 1), generator=g).float()
+    qkv = (torch.randn(rows, (heads + 2) * hd, generator=g) * scale).to(torch.bfloat16)
+    weight = (1 + torch.randn(heads, hd, generator=g)).to(torch.bfloat16)
+    angles = torch.randn(rows, 1, hd, generator=g) * 50
+    cos, sin = (angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)) if rope else (None, None)
+    want = qkv.clone()
+    qk_norm_rope_eager(want[:, : heads * hd].view(rows, heads, hd), weight, EPS, cos, sin)
+    got = qkv.clone()
+    view = got[:, : heads * hd].view(rows, heads, hd)
+    assert KERNEL.supports(view, weight, cos)
+    KERNEL(view, weight, EPS, cos, sin)
+    assert torch.equal(got, want)
+    assert torch.equal(got[:, heads * hd :], qkv[:, heads * hd :])  # the rest of each row untouched
+
+
+@needs_kernel
+def test_supports_only_what_it_reads() -> None:
+    hd = 4 * KERNEL.lanes
+    qk = torch.zeros(2, 3, hd, dtype=torch.bfloat16)
+    weight = torch.ones(3, hd, dtype=torch.bfloat16)
+    assert KERNEL.supports(qk, weight, None)
+    assert not KERNEL.supports(qk.float(), weight, None)
+    assert not KERNEL.supports(qk, weight.float(), None)
+    assert not KERNEL.supports(qk, weight[:2], None)
+    assert not KERNEL.supports(qk.transpose(0, 1), weight.view(3, hd)[:, :], None)  # heads not in rows
+    assert not KERNEL.supports(torch.zeros(2, 3, hd + 2, dtype=torch.bfloat16),
+                               torch.ones(3, hd + 2, dtype=torch.bfloat16), None)
+    assert not KERNEL.supports(qk, weight, torch.zeros(2, 1, hd))  # float32 tables
+
+
+@needs_kernel
+def test_a_tiny_gemma_step_equals_the_eager_loop_bit_for_bit(monkeypatch) -> None:
+    """A step of 128+ rows without the compiler: the eager loop normalises with exact sums
+    there, so the kernel's step and the eager chain's are the same hidden states."""
+    model = load_model(hf_tiny.tiny_model_dir("gemma3"), "cpu", torch.bfloat16, "none", compile=False)
+    calls = []
+    real = QKNormRope.__call__
+    monkeypatch.setattr(QKNormRope, "__call__", lambda self, *a: calls.append(1) or real(self, *a))
+    with_kernel = prefill(model, LENGTHS)
+    assert len(calls) == model.cfg.num_layers
+    monkeypatch.setattr(decoder_module, "qk_norm_rope_kernel", lambda: None)
+    assert torch.equal(with_kernel, prefill(model, LENGTHS))
+
+
+@needs_kernel
+def test_a_kernel_that_disagrees_is_not_used(monkeypatch, caplog) -> None:
+    real = QKNormRope.__call__
+
+    def off_by_a_bit(self, qk, weight, eps, cos, sin):  # type: ignore[no-untyped-def]
+        real(self, qk, weight, eps, cos, sin)
+        qk[0, 0, 0] = qk[0, 0, 0] * 2
+
+    monkeypatch.setattr(QKNormRope, "__call__", off_by_a_bit)
+    qk_norm_rope_kernel.cache_clear()
+    try:
+        with caplog.at_level("WARNING"):
+            assert module.qk_norm_rope_kernel() is None
+        assert "differs from the eager chain" in caplog.text
+    finally:
+        monkeypatch.undo()
+        qk_norm_rope_kernel.cache_clear()
+    assert module.qk_norm_rope_kernel() is not None

@@ -8,13 +8,15 @@ Kernels (each one's general path is what runs when it is off):
 - paged_decode: decode attention read from the paged cache in place
   (executor/torch/paged_decode.c; off: gather the blocks, then SDPA);
 - qk_norm_rope: the q/k heads' RMSNorm and RoPE in one pass (models/layers/qk_norm_rope.c;
+  off: the eager chain);
+- residual_norms: each residual add with the RMSNorms around it (models/layers/residual_norms.c;
   off: the eager chain).
 For each kernel and row count, R random-id prompts of 8-64 tokens are generated greedily,
 on and off alternating within each round; a step's time is (generate N+1 tokens -
 generate 1) / N, and the median over rounds is printed with the ratio and how many
 requests' tokens the two agree on (the kernels round differently from their general
-paths: paged_decode keeps attention's probabilities in float32, qk_norm_rope sums the
-norm's squares exactly). Prints CPU flags, load, commit and threads.
+paths: paged_decode keeps attention's probabilities in float32, the norms' kernels sum
+squares exactly). Prints CPU flags, load, commit and threads.
 """
 
 from __future__ import annotations
@@ -35,11 +37,13 @@ from hybridserve.executor.torch import attention  # noqa: E402
 from hybridserve.executor.torch.paged_decode import paged_decode  # noqa: E402
 from hybridserve.models.arch import decoder  # noqa: E402
 from hybridserve.models.layers.qk_norm_rope import qk_norm_rope_kernel  # noqa: E402
+from hybridserve.models.layers.residual_norms import residual_norms_kernel  # noqa: E402
 
 # name -> (module whose global the model's code looks the kernel up in, that global's name, the getter)
 KERNELS = {
     "paged_decode": (attention, "paged_decode", paged_decode),
     "qk_norm_rope": (decoder, "qk_norm_rope_kernel", qk_norm_rope_kernel),
+    "residual_norms": (decoder, "residual_norms_kernel", residual_norms_kernel),
 }
 
 

@@ -16,6 +16,7 @@ from hybridserve.executor.torch.attention import StepAttention  # noqa: E402
 from hybridserve.executor.torch.paged_decode import PagedDecode, paged_decode  # noqa: E402
 from hybridserve.executor.torch.requests import BlockTables  # noqa: E402
 from hybridserve.models.platform.native_build import NativeBuildError  # noqa: E402
+from tests.helpers.native_kernels import check_refused  # noqa: E402
 
 KERNEL = paged_decode()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C compiler: the kernel is not built")
@@ -73,6 +74,24 @@ def test_kernel_equals_attention_written_out(dtype, shape, extra) -> None:
         assert torch.allclose(got.double(), want, rtol=0, atol=2e-5)  # float32 sums of 256 products
     else:  # float32 inside, one rounding to bf16 at the end: within half a bf16 step of the value
         assert ((got.double() - want).abs() <= want.abs() * 2.0 ** -8 + 1e-6).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("extra", ["plain", "sinks"])
+def test_one_stream_split_over_threads(threads: int, extra: str) -> None:
+    """One request on one kv head (fewer pairs than threads): its keys are split into ranges
+    on several threads and their states combined; the output is still the written-out one."""
+    q, cache, ids, first, count = _case(3, 1, 4, 1, 64, 4, torch.float32)
+    count = torch.tensor([5 * 4 - int(first[0])])  # every key of the five blocks
+    sinks = torch.tensor([0.5, -1.0, 3.0, 0.0]) if extra == "sinks" else None
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = KERNEL(q, cache, ids, first, count, 0.3, None, sinks)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.allclose(got.double(), _expected(q, cache, ids, first, count, 0.3, None, sinks), rtol=0, atol=2e-6)
 
 
 @needs_kernel
@@ -156,21 +175,10 @@ def test_decode_step_in_place_equals_gather_and_sdpa(dtype, softcap, monkeypatch
 def test_a_kernel_giving_wrong_outputs_is_not_used(monkeypatch, caplog) -> None:
     """The first-use check: a kernel whose output is off (here by a shifted key run) is
     refused with a warning, and steps gather instead."""
-    real_call = PagedDecode.__call__
+    def shifted(real, self, q, cache, ids, first, count, *rest):  # type: ignore[no-untyped-def]
+        return real(self, q, cache, ids, first + 1, count - 1, *rest)
 
-    def shifted(self, q, cache, ids, first, count, *rest):  # type: ignore[no-untyped-def]
-        return real_call(self, q, cache, ids, first + 1, count - 1, *rest)
-
-    monkeypatch.setattr(PagedDecode, "__call__", shifted)
-    paged_decode.cache_clear()
-    try:
-        with caplog.at_level("WARNING"):
-            assert paged_decode_module.paged_decode() is None
-        assert "gives wrong outputs" in caplog.text
-    finally:
-        monkeypatch.undo()
-        paged_decode.cache_clear()
-    assert paged_decode_module.paged_decode() is not None
+    check_refused(monkeypatch, caplog, PagedDecode, paged_decode, shifted, "gives wrong outputs")
 
 
 def test_without_a_compiler_the_general_path_serves(monkeypatch) -> None:

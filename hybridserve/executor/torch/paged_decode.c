@@ -20,6 +20,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "native_vectors.h"
@@ -41,11 +42,14 @@ static inline __attribute__((always_inline)) float load_one(const void *base, in
     return bf16 ? bf16_to_f32(((const uint16_t *)base)[i]) : ((const float *)base)[i];
 }
 
-/* Heads h0 .. h0 + nh - 1 (nh <= HEADS) of one request, all reading kv head `kv`. */
+/* Heads h0 .. h0 + nh - 1 (nh <= HEADS) of one request, all reading kv head `kv`, over its
+ * keys first .. first + count - 1 (count may be 0): each head's running state, stored at
+ * state + h * (d + 2) as the unnormalised output (d values), the maximum score and the sum
+ * of exp(score - maximum). */
 static inline __attribute__((always_inline)) void
 attend(const void *q, int64_t q_head_stride, const char *cache, int64_t block_bytes, int64_t token_bytes,
        int64_t value_bytes, int64_t block_size, const int64_t *ids, int64_t first, int64_t count, int64_t d,
-       float scale, float softcap, const float *sinks, int64_t h0, int nh, void *out, int bf16) {
+       float scale, float softcap, int64_t h0, int nh, float *state, int bf16) {
     const int64_t elem = bf16 ? 2 : 4, full = d - d % LANES;
     float qf[HEADS][d], acc[HEADS][d];
     float m[HEADS], l[HEADS], s[HEADS][KEY_TILE];
@@ -54,8 +58,8 @@ attend(const void *q, int64_t q_head_stride, const char *cache, int64_t block_by
         const char *row = (const char *)q + (h0 + h) * q_head_stride * elem;
         for (int64_t i = 0; i < d; i++) qf[h][i] = load_one(row, i, bf16) * scale;
         memset(acc[h], 0, sizeof(float) * d);
-        m[h] = sinks ? sinks[h0 + h] : -INFINITY;
-        l[h] = sinks ? 1.0f : 0.0f;
+        m[h] = -INFINITY;
+        l[h] = 0.0f;
     }
     for (int64_t t0 = 0; t0 < count; t0 += KEY_TILE) {
         const int n = count - t0 < KEY_TILE ? (int)(count - t0) : KEY_TILE;
@@ -87,7 +91,7 @@ attend(const void *q, int64_t q_head_stride, const char *cache, int64_t block_by
         for (int h = 0; h < nh; h++) {
             float top = m[h];
             for (int j = 0; j < n; j++) top = s[h][j] > top ? s[h][j] : top;
-            /* top is finite: every query sees at least its own key */
+            /* top is finite: a tile holds at least one key */
             const float keep = m[h] == -INFINITY ? 0.0f : expf(m[h] - top);
             float sum = 0.0f;
             for (int j = 0; j < n; j++) sum += s[h][j] = expf(s[h][j] - top);
@@ -112,9 +116,35 @@ attend(const void *q, int64_t q_head_stride, const char *cache, int64_t block_by
             }
     }
     for (int h = 0; h < nh; h++) {
-        const float inv = 1.0f / l[h];
+        memcpy(state + h * (d + 2), acc[h], sizeof(float) * d);
+        state[h * (d + 2) + d] = m[h];
+        state[h * (d + 2) + d + 1] = l[h];
+    }
+}
+
+/* The output of heads h0 .. h0 + nh - 1 from the states of `splits` consecutive key ranges
+ * (each HEADS * (d + 2) floats, as attend leaves them): rescaled to the largest maximum,
+ * with the sink (a score with a zero value) in the denominator where given. */
+static void finish(const float *states, int64_t splits, int nh, int64_t d, const float *sinks, int64_t h0, void *out,
+                   int bf16) {
+    const int64_t stride = HEADS * (d + 2);
+    for (int h = 0; h < nh; h++) {
+        float top = sinks ? sinks[h0 + h] : -INFINITY, weight[splits];
+        for (int64_t j = 0; j < splits; j++) {
+            const float m = states[j * stride + h * (d + 2) + d];
+            top = m > top ? m : top;
+        }
+        float sum = sinks ? expf(sinks[h0 + h] - top) : 0.0f; /* top is finite: some range has keys */
+        for (int64_t j = 0; j < splits; j++) {
+            const float *st = states + j * stride + h * (d + 2);
+            weight[j] = st[d] == -INFINITY ? 0.0f : expf(st[d] - top);
+            sum += st[d + 1] * weight[j];
+        }
+        const float inv = 1.0f / sum;
         for (int64_t i = 0; i < d; i++) {
-            const float o = acc[h][i] * inv;
+            float o = 0.0f;
+            for (int64_t j = 0; j < splits; j++) o += states[j * stride + h * (d + 2) + i] * weight[j];
+            o *= inv;
             if (bf16)
                 ((uint16_t *)out)[(h0 + h) * d + i] = f32_to_bf16(o);
             else
@@ -138,24 +168,48 @@ void paged_decode_attention(const void *q, int64_t q_row_stride, const void *cac
     const int64_t parts = (group + HEADS - 1) / HEADS;
     const int64_t block_bytes = block_stride * elem, token_bytes = 2 * kv_heads * d * elem;
     const int64_t value_bytes = kv_heads * d * elem;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t k = 0; k < batch * kv_heads * parts; k++) {
-        const int64_t b = k / (kv_heads * parts), kv = k / parts % kv_heads, part = k % parts;
-        const int64_t h0 = kv * group + part * HEADS;
-        const int nh = group - part * HEADS < HEADS ? (int)(group - part * HEADS) : HEADS;
-        const char *q_row = (const char *)q + b * q_row_stride * elem;
-        const char *kv_base = (const char *)cache + kv * d * elem;
-        char *out_row = (char *)out + b * heads * d * elem;
-        const int64_t *row_ids = ids + b * blocks_per_row;
-        /* Constant head counts and dtypes: each call below is its own unrolled loop. */
-#define ATTEND(heads_now, is_bf16)                                                                          \
-    attend(q_row, d, kv_base, block_bytes, token_bytes, value_bytes, block_size, row_ids, first[b], count[b], \
-           d, scale, softcap, sinks, h0, heads_now, out_row, is_bf16)
-        if (bf16) {
-            if (nh == HEADS) ATTEND(HEADS, 1); else ATTEND(nh, 1);
-        } else {
-            if (nh == HEADS) ATTEND(HEADS, 0); else ATTEND(nh, 0);
-        }
+    const int64_t items = batch * kv_heads * parts, stride = HEADS * (d + 2);
+    /* Fewer (request, kv head) pairs than threads (one stream): each pair's keys are split
+     * into ranges on several threads, then their states combined. */
+    int64_t splits = items < num_threads ? num_threads / items : 1;
+    float *states = splits > 1 ? malloc(sizeof(float) * items * splits * stride) : NULL;
+    if (!states) splits = 1;
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t k = 0; k < items * splits; k++) {
+            const int64_t item = k / splits, j = k % splits;
+            const int64_t b = item / (kv_heads * parts), kv = item / parts % kv_heads, part = item % parts;
+            const int64_t h0 = kv * group + part * HEADS;
+            const int nh = group - part * HEADS < HEADS ? (int)(group - part * HEADS) : HEADS;
+            const char *q_row = (const char *)q + b * q_row_stride * elem;
+            const char *kv_base = (const char *)cache + kv * d * elem;
+            char *out_row = (char *)out + b * heads * d * elem;
+            const int64_t *row_ids = ids + b * blocks_per_row;
+            const int64_t lo = count[b] * j / splits, hi = count[b] * (j + 1) / splits;
+            float own[splits > 1 ? 1 : stride];
+            float *state = splits > 1 ? states + k * stride : own;
+            /* Constant head counts and dtypes: each call below is its own unrolled loop. */
+#define ATTEND(heads_now, is_bf16)                                                                            \
+    attend(q_row, d, kv_base, block_bytes, token_bytes, value_bytes, block_size, row_ids, first[b] + lo, hi - lo, \
+           d, scale, softcap, h0, heads_now, state, is_bf16)
+            if (bf16) {
+                if (nh == HEADS) ATTEND(HEADS, 1); else ATTEND(nh, 1);
+            } else {
+                if (nh == HEADS) ATTEND(HEADS, 0); else ATTEND(nh, 0);
+            }
 #undef ATTEND
+            if (splits == 1) finish(state, 1, nh, d, sinks, h0, out_row, bf16);
+        }
+        if (splits > 1) {
+#pragma omp for schedule(static)
+            for (int64_t item = 0; item < items; item++) {
+                const int64_t b = item / (kv_heads * parts), kv = item / parts % kv_heads, part = item % parts;
+                const int nh = group - part * HEADS < HEADS ? (int)(group - part * HEADS) : HEADS;
+                finish(states + item * splits * stride, splits, nh, d, sinks, kv * group + part * HEADS,
+                       (char *)out + b * heads * d * elem, bf16);
+            }
+        }
     }
+    free(states);
 }

@@ -36,6 +36,7 @@ from hybridserve.models.layers.linear import LayerLinears, Linear, ResidualLinea
 from hybridserve.models.parallel import PipelineStage, TPGroup, local_config
 from hybridserve.models.layers.projection_norm import ProjectionNorm
 from hybridserve.models.layers.qk_norm_rope import qk_norm_rope_kernel
+from hybridserve.models.layers.residual_norms import ResidualNorms, residual_norms_kernel
 from hybridserve.models.layers.rms_norm import rms_norm
 from hybridserve.models.layers.rope import RopeTable, apply_rope_
 from hybridserve.models.layers.span_logits import SpanLogits
@@ -373,8 +374,10 @@ class DecoderLM(StagedModel):
         if not self._linears:
             self.build_linears(release_weights=False)
         chains = None if self._dtype_chains is None else self._dtype_chains.for_rows(T)
-        # bf16 q/k heads normalised and rotated by the native kernel where it is built
-        qk_kernel = qk_norm_rope_kernel() if self.dtype == torch.bfloat16 and h.device.type == "cpu" else None
+        # bf16 norms by the native kernels where they are built (their chains with exact sums)
+        native = self.dtype == torch.bfloat16 and h.device.type == "cpu"
+        qk_kernel = qk_norm_rope_kernel() if native else None
+        norms = residual_norms_kernel() if native else None
         # A step the compiled chains may take normalises as they do, eager or not (rms_norm).
         exact = self._dtype_chains is not None and T >= self._dtype_chains.min_rows
         if chains is not None:
@@ -384,8 +387,12 @@ class DecoderLM(StagedModel):
             except Exception as exc:  # noqa: BLE001 - the general loop below computes the step again
                 # Its K/V writes are rewritten with the same slots.
                 self._dtype_chains.drop_compiled(exc)
-        for i, w, lin in zip(self.layer_ids, self.layers, self._linears):
-            x = h if w.input_norm is None else rms_norm(h, w.input_norm, eps, inv_h, exact_sums=exact)
+        x_next: torch.Tensor | None = None  # the next layer's input norm, where the last add made it
+        for k, (i, w, lin) in enumerate(zip(self.layer_ids, self.layers, self._linears)):
+            if x_next is not None:
+                x = x_next
+            else:
+                x = h if w.input_norm is None else rms_norm(h, w.input_norm, eps, inv_h, exact_sums=exact)
             qkv = lin.qkv(x)
             # q | k | v per token: after RoPE in place, k and v are adjacent, which is
             # exactly one KV cache slot ([2, KVH, D]).
@@ -404,10 +411,9 @@ class DecoderLM(StagedModel):
             qkv = qkv.to(self.dtype)  # the KV cache's dtype (a no-op unless int8 layers)
             attn = backend.attention(i, qkv[:, : nq * hd].view(T, nq, hd), qkv[:, nq * hd :].view(T, 2, nkv, hd))
             if cfg.sandwich_norm:
-                h = h + rms_norm(self.reduce(lin.o(attn)), w.post_attn_norm, eps, inv_h, exact_sums=exact)
-                x = rms_norm(h, w.pre_ffn_norm, eps, inv_h, exact_sums=exact)
+                h, x = self._add_norm(h, self.reduce(lin.o(attn)), w.post_attn_norm, w.pre_ffn_norm, norms, exact)
             elif cfg.post_norm:  # OLMo: the MLP reads the residual stream itself
-                h = h + rms_norm(self.reduce(lin.o(attn)), w.post_attn_norm, eps, inv_h, exact_sums=exact)
+                h, _ = self._add_norm(h, self.reduce(lin.o(attn)), w.post_attn_norm, None, norms, exact)
                 x = h
             else:
                 h = self.add_row_parallel(h, attn, lin.o, lin.o_residual)
@@ -415,10 +421,21 @@ class DecoderLM(StagedModel):
             gate, up = lin.gate_up(x).chunk(2, dim=-1)
             y = (self._large_act if exact else self._act)(gate) * up
             if w.post_ffn_norm is not None:
-                h = h + rms_norm(self.reduce(lin.down(y)), w.post_ffn_norm, eps, inv_h, exact_sums=exact)
+                following = self.layers[k + 1].input_norm if k + 1 < len(self.layers) else None
+                h, x_next = self._add_norm(h, self.reduce(lin.down(y)), w.post_ffn_norm, following, norms, exact)
             else:
                 h = self.add_row_parallel(h, y, lin.down, lin.down_residual)
         return self.stage_output(h)
+
+    def _add_norm(self, h: torch.Tensor, y: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor | None,
+                  kernel: ResidualNorms | None, exact: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(h + rms_norm(y) * w1, rms_norm of that * w2 or None): the native kernel where it
+        takes these (exact sums, as residual_norms_eager), else the eager chain."""
+        if kernel is not None and kernel.supports(h, y, w1, w2):
+            return kernel(h, y, w1, w2, self._eps)
+        inv_h = 1.0 / self.cfg.hidden_size
+        h = h + rms_norm(y, w1, self._eps, inv_h, exact_sums=exact)
+        return h, None if w2 is None else rms_norm(h, w2, self._eps, inv_h, exact_sums=exact)
 
     def _compiled_layer_stack(self, h: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
                               backend: AttentionBackend, chains: DecoderChains) -> torch.Tensor:

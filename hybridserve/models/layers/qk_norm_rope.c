@@ -26,26 +26,11 @@
 #include <string.h>
 
 #include "native_vectors.h"
+#include "exact_rms.h"
 
 #define MAX_HEAD_DIM 1024
 /* (row, head) pairs below which one thread does them all: a parallel region costs more. */
 #define PARALLEL_PAIRS 32
-
-typedef float vf_half __attribute__((vector_size(LANES * 2)));
-typedef double vd __attribute__((vector_size(LANES * 4)));
-
-static inline double sum_of_squares(const float *x, int64_t n) {
-    vd acc = (vd){0};
-    for (int64_t i = 0; i < n; i += LANES / 2) {
-        vf_half h;
-        memcpy(&h, x + i, sizeof h);
-        const vd d = __builtin_convertvector(h, vd);
-        acc += d * d; /* each square of a float32 is exact in double */
-    }
-    double s = 0.0;
-    for (int i = 0; i < LANES / 2; i++) s += acc[i];
-    return s;
-}
 
 /* One head of `hd` values at x (hd a multiple of LANES, at most MAX_HEAD_DIM). */
 static void norm_rope_head(uint16_t *x, int64_t hd, const uint16_t *weight, double eps, double inv_dim,
@@ -56,9 +41,7 @@ static void norm_rope_head(uint16_t *x, int64_t hd, const uint16_t *weight, doub
         const vf v = load_bf16(x + i);
         memcpy(xf + i, &v, sizeof v);
     }
-    const double n = sqrt(sum_of_squares(xf, hd));
-    const float inv = 1.0f / sqrtf((float)(eps + inv_dim * n * n));
-    const vf by = splat(inv);
+    const vf by = splat(exact_inverse_rms(xf, hd, eps, inv_dim));
     for (int64_t i = 0; i < hd; i += LANES) {
         vf v;
         memcpy(&v, xf + i, sizeof v);

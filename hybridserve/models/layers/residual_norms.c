@@ -1,0 +1,59 @@
+/* A sandwich-norm decoder's residual add and the RMSNorm after it, in one native pass over
+ * each row (models/layers/residual_norms.py calls it; models/arch/decoder.py says where):
+ *   h' = h + rms_norm(y) * w1          (the sublayer's output normalised, added)
+ *   x  = rms_norm(h') * w2             (the next sublayer's input; skipped without w2)
+ * Eagerly that is about a dozen ATen kernels, each a pass and a parallel region over a
+ * [rows, hidden] tensor; at decode sizes their fixed costs were most of the time.
+ *
+ * Bit for bit the eager chain with exact sums (rms_norm(exact_sums=True) in bf16, which
+ * normalises a float32 copy, multiplies by the float32 weight, then rounds to bf16; the
+ * add rounds once more): each rounding here happens in the same order, to the same type
+ *   t = bf16((y * inv) * w1)   (two float32 products)
+ *   h' = bf16(h + t)           (a float32 sum)
+ *   x = bf16((h' * inv') * w2)
+ * with inv the exact inverse RMS of exact_rms.h. No product feeds an add in float32 here,
+ * so no compiler contraction can change a rounding.
+ *
+ * Written with GCC / Clang vector extensions (the compiler flags pick the instructions);
+ * OpenMP spreads the rows over torch's threads for steps of several rows. */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "native_vectors.h"
+#include "exact_rms.h"
+
+/* Rows below which one thread does them all: a parallel region costs more. */
+#define PARALLEL_ROWS 8
+
+static void row(const uint16_t *h, const uint16_t *y, int64_t dim, const uint16_t *w1, const uint16_t *w2,
+                double eps, double inv_dim, uint16_t *h_out, uint16_t *x_out) {
+    float buffer[dim] __attribute__((aligned(64)));
+    for (int64_t i = 0; i < dim; i += LANES) store_f32(buffer + i, load_bf16(y + i));
+    const vf by = splat(exact_inverse_rms(buffer, dim, eps, inv_dim));
+    for (int64_t i = 0; i < dim; i += LANES) {
+        const vf t = round_bf16((load_f32(buffer + i) * by) * load_bf16(w1 + i));
+        const vf sum = round_bf16(load_bf16(h + i) + t);
+        store_bf16(h_out + i, sum);
+        store_f32(buffer + i, sum);
+    }
+    if (!w2) return;
+    const vf by2 = splat(exact_inverse_rms(buffer, dim, eps, inv_dim));
+    for (int64_t i = 0; i < dim; i += LANES)
+        store_bf16(x_out + i, round_bf16((load_f32(buffer + i) * by2) * load_bf16(w2 + i)));
+}
+
+/* The widths the kernel takes are multiples of this (the caller checks). */
+int64_t residual_norms_lanes(void) { return LANES; }
+
+/* h, y: bf16 rows of `dim` values, h_stride / y_stride elements apart; w1, w2: [dim] bf16
+ * (w2 may be NULL); h_out, x_out: [rows, dim] contiguous bf16 (x_out unused without w2). */
+void residual_norms(const uint16_t *h, int64_t h_stride, const uint16_t *y, int64_t y_stride, int64_t rows,
+                    int64_t dim, const uint16_t *w1, const uint16_t *w2, double eps, double inv_dim, uint16_t *h_out,
+                    uint16_t *x_out, int32_t num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows >= PARALLEL_ROWS)
+    for (int64_t r = 0; r < rows; r++)
+        row(h + r * h_stride, y + r * y_stride, dim, w1, w2, eps, inv_dim, h_out + r * dim,
+            w2 ? x_out + r * dim : NULL);
+}

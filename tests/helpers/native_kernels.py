@@ -1,0 +1,22 @@
+"""What the native kernels' tests share: a kernel whose check at first use fails is refused."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+
+def check_refused(monkeypatch: Any, caplog: Any, kernel_class: type, getter: Any,
+                  broken_call: Callable[..., Any], message: str) -> None:
+    """With kernel_class.__call__ replaced by broken_call(real_call, self, *args), the cached
+    `getter` builds no kernel (None) and logs `message`; once undone it builds one again."""
+    real = kernel_class.__call__
+    monkeypatch.setattr(kernel_class, "__call__", lambda self, *args: broken_call(real, self, *args))
+    getter.cache_clear()
+    try:
+        with caplog.at_level("WARNING"):
+            assert getter() is None
+        assert message in caplog.text
+    finally:
+        monkeypatch.undo()
+        getter.cache_clear()  # later tests build the kernel again
+    assert getter() is not None

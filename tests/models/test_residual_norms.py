@@ -1,0 +1,107 @@
+"""residual_norms: a sandwich-norm decoder's residual add and next RMSNorm in one native pass
+gives rows worked out by hand, the eager chain with exact sums bit for bit on every shape
+its loops treat apart, and tiny decoders' steps the eager loop's hidden states bit for bit
+(sandwich norms, post-norms); it refuses what it does not read, and a kernel that
+disagrees is not used (models/layers/residual_norms.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from hybridserve.models.arch import decoder as decoder_module  # noqa: E402
+from hybridserve.models.layers.residual_norms import (  # noqa: E402
+    ResidualNorms,
+    residual_norms_eager,
+    residual_norms_kernel,
+)
+from hybridserve.models.loaders.loader import load_model  # noqa: E402
+from tests.helpers import hf_tiny  # noqa: E402
+from tests.helpers.int8_gemma3 import LENGTHS, prefill  # noqa: E402
+from tests.helpers.native_kernels import check_refused  # noqa: E402
+
+KERNEL = residual_norms_kernel()
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C compiler: the kernel is not built")
+EPS = torch.tensor(1e-6, dtype=torch.bfloat16)
+
+
+@needs_kernel
+def test_a_row_by_hand() -> None:
+    """y = +2 on its first half, -2 on its second: rms 2, so y / rms * 1 = +-1 (eps moves it
+    by 1e-7, below bf16's rounding). h = 0 | 8 gives h' = 1 | 7, whose mean square is 25:
+    h' / 5 * 5 = 1 | 7 again."""
+    half = 4 * KERNEL.lanes
+    y = torch.cat([torch.full((half,), 2.0), torch.full((half,), -2.0)]).to(torch.bfloat16).view(1, -1)
+    h = torch.cat([torch.zeros(half), torch.full((half,), 8.0)]).to(torch.bfloat16).view(1, -1)
+    ones, fives = torch.ones(2 * half, dtype=torch.bfloat16), torch.full((2 * half,), 5.0, dtype=torch.bfloat16)
+    h_new, x = KERNEL(h, y, ones, fives, EPS)
+    assert h_new.view(-1).tolist() == [1.0] * half + [7.0] * half
+    assert x.view(-1).tolist() == [1.0] * half + [7.0] * half
+    h_only, none = KERNEL(h, y, ones, None, EPS)
+    assert none is None and torch.equal(h_only, h_new)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 7, 40])  # 40 rows: the parallel loop
+@pytest.mark.parametrize("dim", [16, 640, 1152])
+@pytest.mark.parametrize("second", [True, False])
+def test_equals_the_eager_chain_bit_for_bit(rows: int, dim: int, second: bool) -> None:
+    if dim % KERNEL.lanes:
+        pytest.skip(f"width {dim} is not whole vectors of {KERNEL.lanes}")
+    g = torch.Generator().manual_seed(rows * 10 + dim)
+    scale = 10.0 ** torch.randint(-3, 4, (rows, 1), generator=g).float()  # magnitudes 1e-3 .. 1e3
+    h = (torch.randn(rows, dim, generator=g) * scale).to(torch.bfloat16)
+    wide = (torch.randn(rows, dim + 8, generator=g) * 40).to(torch.bfloat16)
+    y = wide[:, :dim]  # rows further apart than their width, as a slice of a wider output
+    w1, w2 = ((1 + torch.randn(dim, generator=g)).to(torch.bfloat16) for _ in range(2))
+    w2 = w2 if second else None
+    assert KERNEL.supports(h, y, w1, w2)
+    want_h, want_x = residual_norms_eager(h, y, w1, w2, EPS)
+    got_h, got_x = KERNEL(h, y, w1, w2, EPS)
+    assert torch.equal(got_h, want_h)
+    assert (got_x is None) == (not second) and (got_x is None or torch.equal(got_x, want_x))
+
+
+@needs_kernel
+def test_supports_only_what_it_reads() -> None:
+    dim = 4 * KERNEL.lanes
+    h, y = torch.zeros(2, dim, dtype=torch.bfloat16), torch.zeros(2, dim, dtype=torch.bfloat16)
+    w = torch.ones(dim, dtype=torch.bfloat16)
+    assert KERNEL.supports(h, y, w, None) and KERNEL.supports(h, y, w, w)
+    assert not KERNEL.supports(h.float(), y, w, None)
+    assert not KERNEL.supports(h, y.float(), w, None)
+    assert not KERNEL.supports(h, y, w.float(), None)
+    assert not KERNEL.supports(h, y, w, w[: dim // 2])
+    assert not KERNEL.supports(h, torch.zeros(dim, 2, dtype=torch.bfloat16).t(), w, None)  # columns strided
+    odd = torch.zeros(2, dim + 2, dtype=torch.bfloat16)
+    assert not KERNEL.supports(odd, odd, torch.ones(dim + 2, dtype=torch.bfloat16), None)
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind, calls_per_layer", [("gemma3", 2), ("olmo3", 2)])  # sandwich; post-norms
+def test_a_tiny_decoder_step_equals_the_eager_loop_bit_for_bit(kind: str, calls_per_layer: int, monkeypatch) -> None:
+    """A step without the kernel, its norms taken with exact sums (as the kernel takes them;
+    the eager loop does so itself at 128+ rows where compiled chains may serve), gives the
+    kernel's step's hidden states bit for bit."""
+    model = load_model(hf_tiny.tiny_model_dir(kind), "cpu", torch.bfloat16, "none", compile=False)
+    calls = []
+    real = ResidualNorms.__call__
+    monkeypatch.setattr(ResidualNorms, "__call__", lambda self, *a: calls.append(1) or real(self, *a))
+    with_kernel = prefill(model, LENGTHS)
+    assert len(calls) == calls_per_layer * model.cfg.num_layers
+    monkeypatch.setattr(decoder_module, "residual_norms_kernel", lambda: None)
+    exact = decoder_module.rms_norm
+    monkeypatch.setattr(decoder_module, "rms_norm", lambda *a, exact_sums=False: exact(*a, exact_sums=True))
+    assert torch.equal(with_kernel, prefill(model, LENGTHS))
+
+
+@needs_kernel
+def test_a_kernel_that_disagrees_is_not_used(monkeypatch, caplog) -> None:
+    def off_by_a_bit(real, self, *args):  # type: ignore[no-untyped-def]
+        h, x = real(self, *args)
+        h[0, 0] = h[0, 0] * 2
+        return h, x
+
+    check_refused(monkeypatch, caplog, ResidualNorms, residual_norms_kernel, off_by_a_bit,
+                  "differs from the eager chain")

@@ -105,3 +105,19 @@ def test_a_kernel_that_disagrees_is_not_used(monkeypatch, caplog) -> None:
 
     check_refused(monkeypatch, caplog, ResidualNorms, residual_norms_kernel, off_by_a_bit,
                   "differs from the eager chain")
+
+
+@needs_kernel
+def test_a_compiled_large_step_equals_its_chains_alone(monkeypatch) -> None:
+    """A step the compiled chains take hands q/k norm + RoPE and the sandwich adds to the
+    native kernels: the hidden states equal the compiled chains' own bit for bit."""
+    model = load_model(hf_tiny.tiny_model_dir("gemma3"), "cpu", torch.bfloat16, "none", compile=True)
+    calls = []
+    real = ResidualNorms.__call__
+    monkeypatch.setattr(ResidualNorms, "__call__", lambda self, *a: calls.append(1) or real(self, *a))
+    with_kernels = prefill(model, LENGTHS)
+    assert model._dtype_chains._compiled is not None  # the step took the compiled chains
+    assert len(calls) == 2 * model.cfg.num_layers
+    monkeypatch.setattr(decoder_module, "residual_norms_kernel", lambda: None)
+    monkeypatch.setattr(decoder_module, "qk_norm_rope_kernel", lambda: None)
+    assert torch.equal(with_kernels, prefill(model, LENGTHS))

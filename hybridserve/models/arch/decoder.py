@@ -35,7 +35,7 @@ from hybridserve.models.layers.int8 import W8A8Linear, quantize_gemm_weight
 from hybridserve.models.layers.linear import LayerLinears, Linear, ResidualLinear, make_linear
 from hybridserve.models.parallel import PipelineStage, TPGroup, local_config
 from hybridserve.models.layers.projection_norm import ProjectionNorm
-from hybridserve.models.layers.qk_norm_rope import qk_norm_rope_kernel
+from hybridserve.models.layers.qk_norm_rope import QKNormRope, qk_norm_rope_kernel
 from hybridserve.models.layers.residual_norms import ResidualNorms, residual_norms_kernel
 from hybridserve.models.layers.rms_norm import rms_norm
 from hybridserve.models.layers.rope import RopeTable, apply_rope_
@@ -383,7 +383,7 @@ class DecoderLM(StagedModel):
         if chains is not None:
             assert self._dtype_chains is not None
             try:
-                return self.stage_output(self._compiled_layer_stack(h, rope, backend, chains))
+                return self.stage_output(self._compiled_layer_stack(h, rope, backend, chains, qk_kernel, norms))
             except Exception as exc:  # noqa: BLE001 - the general loop below computes the step again
                 # Its K/V writes are rewritten with the same slots.
                 self._dtype_chains.drop_compiled(exc)
@@ -438,10 +438,13 @@ class DecoderLM(StagedModel):
         return h, None if w2 is None else rms_norm(h, w2, self._eps, inv_h, exact_sums=exact)
 
     def _compiled_layer_stack(self, h: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
-                              backend: AttentionBackend, chains: DecoderChains) -> torch.Tensor:
+                              backend: AttentionBackend, chains: DecoderChains, qk_kernel: QKNormRope | None,
+                              norms_kernel: ResidualNorms | None) -> torch.Tensor:
         """forward's loop for a large step, its element-wise work in decoder_chains' compiled
         functions (only for layers _chains_cover_layers says they cover); gate|up and its
-        activation in row blocks, as the int8 layers take them (mlp_row_blocks.py)."""
+        activation in row blocks, as the int8 layers take them (mlp_row_blocks.py). The q/k
+        norm + RoPE and the sandwich norms' adds go to the native kernels where they are
+        built: the same values (each chain's exact sums, bit for bit) in half the time."""
         cfg = self.cfg
         nq, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         T = h.shape[0]
@@ -451,12 +454,17 @@ class DecoderLM(StagedModel):
         for k, (i, w, lin) in enumerate(layers):
             norms = self._layer_norms(w)
             cos, sin = rope.get(cfg.layer_types[i], (None, None))
-            qkv = chains.qk_out(lin.qkv(x), norms.qk, cos, sin)
+            qkv = lin.qkv(x)
+            qk = qkv[:, : (nq + nkv) * hd].view(T, nq + nkv, hd)
+            if norms.qk is not None and qk_kernel is not None and qk_kernel.supports(qk, norms.qk, cos):
+                qk_kernel(qk, norms.qk, self._eps, cos, sin)
+            else:
+                qkv = chains.qk_out(qkv, norms.qk, cos, sin)
             attn = backend.attention(i, qkv[:, : nq * hd].view(T, nq, hd), qkv[:, nq * hd :].view(T, 2, nkv, hd))
             if norms.out is None:  # pre-norm: the residual add fused into the matmul, as forward's
                 h, x = chains.residual(lin.o_residual(h, attn), None, None, norms.ffn)
             else:
-                h, x = chains.residual(h, lin.o(attn), norms.out, norms.ffn)
+                h, x = self._chain_residual(chains, norms_kernel, h, lin.o(attn), norms.out, norms.ffn)
             assert x is not None
             parts = [chains.act_mul(lin.gate_up(x[a:b])) for a, b in row_blocks(T, self.mlp_block_rows)]
             y = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -464,8 +472,16 @@ class DecoderLM(StagedModel):
             if norms.down is None:
                 h, x = chains.residual(lin.down_residual(h, y), None, None, next_norm)
             else:
-                h, x = chains.residual(h, lin.down(y), norms.down, next_norm)
+                h, x = self._chain_residual(chains, norms_kernel, h, lin.down(y), norms.down, next_norm)
         return h
+
+    def _chain_residual(self, chains: DecoderChains, kernel: ResidualNorms | None, h: torch.Tensor,
+                        out: torch.Tensor, out_norm: torch.Tensor, next_norm: torch.Tensor | None
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """chains.residual(h, out, out_norm, next_norm), by the native kernel where it takes them."""
+        if kernel is not None and kernel.supports(h, out, out_norm, next_norm):
+            return kernel(h, out, out_norm, next_norm, self._eps)
+        return chains.residual(h, out, out_norm, next_norm)
 
     def _int8_layers(self, h: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]],
                      backend: AttentionBackend) -> torch.Tensor:

@@ -7,9 +7,10 @@ A row sees the tokens before its own position: the prompt, the outputs so far an
 verify step, the drafts before it, so a verified draft is judged exactly as the same
 token sampled one step at a time would be.
 
-The whole batch is changed with one indexed read and write per control, in the order
-above: the index lists are built first (numpy; the penalties' for every row at once),
-then applied together to the entries they name, where the logits are held.
+The whole batch is changed with few indexed reads and writes, in the order above: the
+index lists are built first (numpy; the penalties' for every row at once); bad words are
+written, then logit bias and the penalties share one read and one write of the entries any
+of them names (each applied in turn to its own entries), where the logits are held.
 What changed is returned, so the span summaries can be brought up to date (sparse
 changes span by span, allowed_token_ids' dense mask row by row).
 """
@@ -17,6 +18,7 @@ changes span by span, allowed_token_ids' dense mask row by row).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Sequence
 
 import numpy as np
@@ -34,25 +36,66 @@ class TokenHistory:
     num_prompt: int
 
 
+Arrays = tuple[np.ndarray, np.ndarray, np.ndarray]  # rows, token ids, values: one entry each
+
+
 @dataclass
 class _Edits:
-    """Index lists of one control over the batch: (row, token) pairs and their values."""
+    """Index lists of one control over the batch: (row, token) pairs and their values, kept
+    as Python lists while rows add theirs (a few each) and made arrays once."""
 
-    rows: list[np.ndarray] = field(default_factory=list)
-    ids: list[np.ndarray] = field(default_factory=list)
-    values: list[np.ndarray] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    values: list[float] = field(default_factory=list)
 
-    def add(self, row: int, ids: np.ndarray, values: np.ndarray | float = 0.0) -> None:
-        ids = np.asarray(ids, dtype=np.int64)
-        self.rows.append(np.full(ids.shape[0], row, dtype=np.int64))
-        self.ids.append(ids)
-        self.values.append(np.broadcast_to(np.asarray(values, dtype=np.float32), ids.shape))
+    def add(self, row: int, ids: Sequence[int], values: Sequence[float] | float = 0.0) -> None:
+        self.rows.extend([row] * len(ids))
+        self.ids.extend(ids)
+        self.values.extend([values] * len(ids) if isinstance(values, (int, float)) else values)
 
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def arrays(self) -> Arrays | None:
         if not self.rows:
             return None
-        rows, ids, values = (torch.from_numpy(np.concatenate(x)) for x in (self.rows, self.ids, self.values))
-        return rows, ids, values
+        return (np.array(self.rows, dtype=np.int64), np.array(self.ids, dtype=np.int64),
+                np.array(self.values, dtype=np.float32))
+
+
+@dataclass
+class _Merged:
+    """The (row, token) entries any of several controls names, once each, and per control
+    (None: it names none; True: it names them all; else a bool mask of those it names) its
+    value at each entry (its neutral value where it names none: what is computed there is
+    never kept, the mask keeps the entry as it was)."""
+
+    rows: torch.Tensor
+    ids: torch.Tensor
+    controls: list[tuple[torch.Tensor | bool | None, torch.Tensor]]
+
+    @staticmethod
+    def of(vocab: int, *edits: tuple[Arrays | None, float]) -> _Merged | None:
+        """From each control's arrays (None: it names nothing) and its neutral value."""
+        keyed = [(a[0] * vocab + a[1], a[2], neutral) if a is not None else None for a, neutral in edits]
+        present = [k for k in keyed if k is not None]
+        if not present:
+            return None
+        keys, inverse = np.unique(np.concatenate([k for k, _, _ in present]), return_inverse=True)
+        controls: list[tuple[torch.Tensor | bool | None, torch.Tensor]] = []
+        start = 0
+        for entry in keyed:
+            if entry is None:
+                controls.append((None, torch.empty(0)))
+                continue
+            at = inverse[start : start + len(entry[0])]
+            start += len(entry[0])
+            values = np.full(len(keys), entry[2], dtype=np.float32)
+            values[at] = entry[1]
+            if len(at) == len(keys):
+                controls.append((True, torch.from_numpy(values)))
+            else:
+                named = np.zeros(len(keys), dtype=bool)
+                named[at] = True
+                controls.append((torch.from_numpy(named), torch.from_numpy(values)))
+        return _Merged(torch.from_numpy(keys // vocab), torch.from_numpy(keys % vocab), controls)
 
 
 @dataclass
@@ -87,19 +130,26 @@ def apply_logits_controls(sl: SpanLogits, requests: Sequence[tuple[int, Sampling
         keep[ids] = 0.0
         sl.logits[row] += keep
     touched_rows, touched_ids = [], []
-    if (t := bans.tensors()) is not None:
-        sl.put(t[0], t[1], torch.full(t[0].shape, float("-inf")))
-        touched_rows.append(t[0]), touched_ids.append(t[1])
-    if (t := bias.tensors()) is not None:
-        sl.put(t[0], t[1], sl.at(t[0], t[1]) + t[2])
-        touched_rows.append(t[0]), touched_ids.append(t[1])
-    if (t := repetition.tensors()) is not None:
-        picked = sl.at(t[0], t[1])
-        sl.put(t[0], t[1], torch.where(picked > 0, picked / t[2], picked * t[2]))
-        touched_rows.append(t[0]), touched_ids.append(t[1])
-    if (t := output_counts.tensors()) is not None:
-        sl.put(t[0], t[1], sl.at(t[0], t[1]) - t[2])
-        touched_rows.append(t[0]), touched_ids.append(t[1])
+    if (banned := bans.arrays()) is not None:
+        rows, ids = torch.from_numpy(banned[0]), torch.from_numpy(banned[1])
+        sl.put(rows, ids, torch.full(rows.shape, float("-inf")))
+        touched_rows.append(rows), touched_ids.append(ids)
+    if (merged := _Merged.of(vocab, (bias.arrays(), 0.0), (repetition, 1.0), (output_counts, 0.0))) is not None:
+        # One read and one write of every entry the three name, each control applied in
+        # turn to the entries it names, as three reads and writes would in this order.
+        x = sl.at(merged.rows, merged.ids)
+        for control, (named, values) in zip(("bias", "repetition", "counts"), merged.controls):
+            if named is None:
+                continue
+            if control == "bias":
+                changed = x + values
+            elif control == "repetition":
+                changed = torch.where(x > 0, x / values, x * values)
+            else:
+                changed = x - values
+            x = changed if named is True else torch.where(named, changed, x)
+        sl.put(merged.rows, merged.ids, x)
+        touched_rows.append(merged.rows), touched_ids.append(merged.ids)
     empty = torch.empty(0, dtype=torch.long)
     changes = ControlChanges([r for r, _ in allowed], torch.cat(touched_rows) if touched_rows else empty,
                              torch.cat(touched_ids) if touched_ids else empty)
@@ -117,12 +167,11 @@ def _collect(row: int, params: SamplingParams, history: TokenHistory, vocab: int
         if banned:
             bans.add(row, _in_vocab("bad_words", sorted(banned), vocab))
     if params.logit_bias:
-        bias.add(row, _in_vocab("logit_bias", list(params.logit_bias), vocab),
-                 np.array(list(params.logit_bias.values())))
+        bias.add(row, _in_vocab("logit_bias", list(params.logit_bias), vocab), list(params.logit_bias.values()))
 
 
 def _history_edits(requests: Sequence[tuple[int, SamplingParams, TokenHistory]], vocab: int, failed: dict[int, str],
-                   outputs_only: bool) -> _Edits:
+                   outputs_only: bool) -> Arrays | None:
     """The repetition penalty's edits (each distinct token of a row's history, valued the
     penalty) or, with outputs_only, the frequency / presence penalties' (each distinct
     output token, valued frequency * count + presence), for every row at once: one
@@ -136,12 +185,11 @@ def _history_edits(requests: Sequence[tuple[int, SamplingParams, TokenHistory]],
         what = "the history"
         picked = [(row, p, h.tokens) for row, p, h in requests
                   if row not in failed and p.repetition_penalty != 1.0 and len(h.tokens)]
-    edits = _Edits()
     if not picked:
-        return edits
-    tokens = [np.asarray(t, dtype=np.int64) for _, _, t in picked]
-    row_of = np.repeat(np.array([row for row, _, _ in picked], dtype=np.int64), [len(t) for t in tokens])
-    flat = np.concatenate(tokens)
+        return None
+    lengths = [len(t) for _, _, t in picked]
+    flat = np.fromiter(chain.from_iterable(t for _, _, t in picked), dtype=np.int64, count=sum(lengths))
+    row_of = np.repeat(np.array([row for row, _, _ in picked], dtype=np.int64), lengths)
     bad = (flat < 0) | (flat >= vocab)
     if bad.any():
         for row in np.unique(row_of[bad]).tolist():
@@ -160,10 +208,7 @@ def _history_edits(requests: Sequence[tuple[int, SamplingParams, TokenHistory]],
         for row, p, _ in picked:
             per_row[row] = p.repetition_penalty
         values = per_row[rows]
-    edits.rows.append(rows)
-    edits.ids.append(keys % vocab)
-    edits.values.append(values.astype(np.float32))
-    return edits
+    return rows, keys % vocab, values.astype(np.float32)
 
 
 def _in_vocab(what: str, ids, vocab: int):  # type: ignore[no-untyped-def]

@@ -3,7 +3,8 @@
  *
  * Eagerly this is a dozen ATen kernels on a strided view of the qkv projection (a float32
  * copy, the norm, the scaling, the weight, a roll, a multiply and an addcmul), each its own
- * pass and parallel region: at 64 rows they took ~20x the arithmetic they do. Here each
+ * pass and parallel region whose fixed cost outweighs its arithmetic at decode sizes
+ * (benchmarks/results/native_step.md measures what the kernel buys). Here each
  * (row, head) is read once, kept in registers and L1, and written once.
  *
  * The result equals the eager chain with exact sums bit for bit (rms_norm(exact_sums=True),

@@ -21,74 +21,19 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "native_vectors.h"
+
 #define SPAN 128
 
-/* One vector is the target's widest: 16 floats with AVX-512, 8 with AVX, 4 otherwise (a
- * wider vector type would be split into several registers, and its shuffles emulated).
- * GROUP spans side by side fill the registers without spilling: AVX-512 has 32 of them,
+/* GROUP spans side by side fill the registers without spilling: AVX-512 has 32 of them,
  * AVX2 and SSE 16. */
-#if defined(__AVX512F__)
-#define LANES 16
-#define GROUP 8
-#elif defined(__AVX__)
-#define LANES 8
-#define GROUP 4
-#else
-#define LANES 4
-#define GROUP 4
-#endif
-
-typedef float vf __attribute__((vector_size(LANES * 4)));
-typedef int32_t vi __attribute__((vector_size(LANES * 4)));
-
-#if defined(__clang__)
-#define SHUFFLE(a, ...) __builtin_shufflevector((a), (a), __VA_ARGS__)
-#else
-#define SHUFFLE(a, ...) __builtin_shuffle((a), (vi){__VA_ARGS__})
-#endif
-
-/* The steps of a reduction across lanes: each swaps halves, then quarters, ... */
 #if LANES == 16
-#define HALVES(op, a)                                                                     \
-    a = op(a, SHUFFLE(a, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));          \
-    a = op(a, SHUFFLE(a, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));          \
-    a = op(a, SHUFFLE(a, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));          \
-    a = op(a, SHUFFLE(a, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
-#elif LANES == 8
-#define HALVES(op, a)                                  \
-    a = op(a, SHUFFLE(a, 4, 5, 6, 7, 0, 1, 2, 3));     \
-    a = op(a, SHUFFLE(a, 2, 3, 0, 1, 6, 7, 4, 5));     \
-    a = op(a, SHUFFLE(a, 1, 0, 3, 2, 5, 4, 7, 6));
+#define GROUP 8
 #else
-#define HALVES(op, a)                      \
-    a = op(a, SHUFFLE(a, 2, 3, 0, 1));     \
-    a = op(a, SHUFFLE(a, 1, 0, 3, 2));
+#define GROUP 4
 #endif
 
-static inline vf splat(float x) { return (vf){0} + x; }
-
-static inline vf vmax(vf a, vf b) {
-    vi take_a = (vi)(a > b);
-    return (vf)(((vi)a & take_a) | ((vi)b & ~take_a));
-}
-
-static inline vf vadd(vf a, vf b) { return a + b; }
-
-static inline vf load(const float *p) {
-    vf v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline float lanes_max(vf a) {
-    HALVES(vmax, a)
-    return a[0];
-}
-
-static inline float lanes_sum(vf a) {
-    HALVES(vadd, a)
-    return a[0];
-}
+typedef int32_t vi __attribute__((vector_size(LANES * 4)));
 
 /* exp(x) for x in [-87, 0] (the caller's floor keeps it there: 2^n stays a normal float). */
 static inline vf exp_nonpositive(vf x) {
@@ -109,8 +54,6 @@ static inline vf exp_nonpositive(vf x) {
     return p * (vf)two_n;
 }
 
-static inline void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
-
 /* Spans j0 .. j0 + count - 1 (count <= GROUP) of one row, each logit first multiplied by
  * `factor` in place where `scaled`. */
 /* Always inlined: each call site's constant count and flag then unroll its loops, with
@@ -125,10 +68,10 @@ summarise_group(float *row, int64_t j0, int count, int scaled, float factor, flo
     for (int b = 0; b < SPAN; b += LANES)
         for (int g = 0; g < count; g++) {
             float *p = row + (j0 + g) * SPAN + b;
-            vf v = load(p);
+            vf v = load_f32(p);
             if (scaled) {
                 v = v * row_factor; /* stored, then used only by the max: never fused into later arithmetic */
-                store(p, v);
+                store_f32(p, v);
             }
             lane_max[g] = vmax(lane_max[g], v);
         }
@@ -140,7 +83,7 @@ summarise_group(float *row, int64_t j0, int count, int scaled, float factor, flo
     const vf by_temperature = splat(inv_t), lowest = splat(exp_floor);
     for (int b = 0; b < SPAN; b += LANES)
         for (int g = 0; g < count; g++)
-            acc[g] += exp_nonpositive(vmax((load(row + (j0 + g) * SPAN + b) - shift[g]) * by_temperature, lowest));
+            acc[g] += exp_nonpositive(vmax((load_f32(row + (j0 + g) * SPAN + b) - shift[g]) * by_temperature, lowest));
     for (int g = 0; g < count; g++) {
         peak[j0 + g] = m[g];
         mass[j0 + g] = m[g] == -INFINITY ? 0.0f : lanes_sum(acc[g]);

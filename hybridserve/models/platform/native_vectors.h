@@ -76,19 +76,41 @@ static inline void store_bf16(uint16_t *p, vf x) {
     memcpy(p, &h, sizeof h);
 }
 
-/* The sum across lanes: each step adds the vector's halves swapped, then its quarters, ... */
-static inline float lanes_sum(vf a) {
+/* The steps of a reduction across lanes: each combines the vector with its halves
+ * swapped, then its quarters, ..., until every lane holds the result. */
 #if LANES == 16
-    a += SHUFFLE(a, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-    a += SHUFFLE(a, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
-    a += SHUFFLE(a, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+#define HALVES(op, a)                                                                     \
+    a = op(a, SHUFFLE(a, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));          \
+    a = op(a, SHUFFLE(a, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));          \
+    a = op(a, SHUFFLE(a, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));          \
+    a = op(a, SHUFFLE(a, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
 #elif LANES == 8
-    a += SHUFFLE(a, 4, 5, 6, 7, 0, 1, 2, 3);
-    a += SHUFFLE(a, 2, 3, 0, 1, 6, 7, 4, 5);
+#define HALVES(op, a)                                  \
+    a = op(a, SHUFFLE(a, 4, 5, 6, 7, 0, 1, 2, 3));     \
+    a = op(a, SHUFFLE(a, 2, 3, 0, 1, 6, 7, 4, 5));     \
+    a = op(a, SHUFFLE(a, 1, 0, 3, 2, 5, 4, 7, 6));
 #else
-    a += SHUFFLE(a, 2, 3, 0, 1);
+#define HALVES(op, a)                      \
+    a = op(a, SHUFFLE(a, 2, 3, 0, 1));     \
+    a = op(a, SHUFFLE(a, 1, 0, 3, 2));
 #endif
-    return a[0] + a[1];
+
+/* The larger of a and b per lane (b where they compare unordered). */
+static inline vf vmax(vf a, vf b) {
+    const vu take_a = (vu)(a > b);
+    return (vf)(((vu)a & take_a) | ((vu)b & ~take_a));
+}
+
+static inline vf vadd(vf a, vf b) { return a + b; }
+
+static inline float lanes_max(vf a) {
+    HALVES(vmax, a)
+    return a[0];
+}
+
+static inline float lanes_sum(vf a) {
+    HALVES(vadd, a)
+    return a[0];
 }
 
 #endif

@@ -10,7 +10,9 @@ Kernels (each one's general path is what runs when it is off):
 - qk_norm_rope: the q/k heads' RMSNorm and RoPE in one pass (models/layers/qk_norm_rope.c;
   off: the eager chain);
 - residual_norms: each residual add with the RMSNorms around it (models/layers/residual_norms.c;
-  off: the eager chain).
+  off: the eager chain);
+- act_mul: the MLP's act(gate) * up from a table of the activation's values
+  (models/layers/act_mul.c; off: the eager activation and multiply).
 For each kernel and row count, R random-id prompts of 8-64 tokens are generated greedily,
 on and off alternating within each round; a step's time is (generate N+1 tokens -
 generate 1) / N, and the median over rounds is printed with the ratio and how many
@@ -36,6 +38,7 @@ from hybridserve import LLM, SamplingParams  # noqa: E402
 from hybridserve.executor.torch import attention  # noqa: E402
 from hybridserve.executor.torch.paged_decode import paged_decode  # noqa: E402
 from hybridserve.models.arch import decoder  # noqa: E402
+from hybridserve.models.layers.act_mul import act_mul_kernel  # noqa: E402
 from hybridserve.models.layers.qk_norm_rope import qk_norm_rope_kernel  # noqa: E402
 from hybridserve.models.layers.residual_norms import residual_norms_kernel  # noqa: E402
 
@@ -44,6 +47,7 @@ KERNELS = {
     "paged_decode": (attention, "paged_decode", paged_decode),
     "qk_norm_rope": (decoder, "qk_norm_rope_kernel", qk_norm_rope_kernel),
     "residual_norms": (decoder, "residual_norms_kernel", residual_norms_kernel),
+    "act_mul": (decoder, "act_mul_kernel", act_mul_kernel),
 }
 
 

@@ -20,3 +20,19 @@ def check_refused(monkeypatch: Any, caplog: Any, kernel_class: type, getter: Any
         monkeypatch.undo()
         getter.cache_clear()  # later tests build the kernel again
     assert getter() is not None
+
+
+def step_with_and_without(monkeypatch: Any, model: Any, lengths: list[int], kernel_class: type,
+                          getter_name: str) -> tuple[int, Any, Any]:
+    """(how many times kernel_class ran in one prefill step of `lengths` sequences through
+    `model`, that step's hidden states, the same step's with the decoder's `getter_name`
+    giving no kernel: the general path)."""
+    from hybridserve.models.arch import decoder as decoder_module
+    from tests.helpers.int8_gemma3 import prefill
+
+    calls = []
+    real = kernel_class.__call__
+    monkeypatch.setattr(kernel_class, "__call__", lambda self, *a: calls.append(1) or real(self, *a))
+    with_kernel = prefill(model, lengths)
+    monkeypatch.setattr(decoder_module, getter_name, lambda: None)
+    return len(calls), with_kernel, prefill(model, lengths)

@@ -9,12 +9,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from hybridserve.models.arch import decoder as decoder_module  # noqa: E402
 from hybridserve.models.layers.qk_norm_rope import QKNormRope, qk_norm_rope_eager, qk_norm_rope_kernel  # noqa: E402
 from hybridserve.models.loaders.loader import load_model  # noqa: E402
 from tests.helpers import hf_tiny  # noqa: E402
-from tests.helpers.int8_gemma3 import LENGTHS, prefill  # noqa: E402
-from tests.helpers.native_kernels import check_refused  # noqa: E402
+from tests.helpers.int8_gemma3 import LENGTHS  # noqa: E402
+from tests.helpers.native_kernels import check_refused, step_with_and_without  # noqa: E402
 
 KERNEL = qk_norm_rope_kernel()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C compiler: the kernel is not built")
@@ -83,13 +82,9 @@ def test_a_tiny_gemma_step_equals_the_eager_loop_bit_for_bit(monkeypatch) -> Non
     """A step of 128+ rows without the compiler: the eager loop normalises with exact sums
     there, so the kernel's step and the eager chain's are the same hidden states."""
     model = load_model(hf_tiny.tiny_model_dir("gemma3"), "cpu", torch.bfloat16, "none", compile=False)
-    calls = []
-    real = QKNormRope.__call__
-    monkeypatch.setattr(QKNormRope, "__call__", lambda self, *a: calls.append(1) or real(self, *a))
-    with_kernel = prefill(model, LENGTHS)
-    assert len(calls) == model.cfg.num_layers
-    monkeypatch.setattr(decoder_module, "qk_norm_rope_kernel", lambda: None)
-    assert torch.equal(with_kernel, prefill(model, LENGTHS))
+    calls, with_kernel, general = step_with_and_without(monkeypatch, model, LENGTHS, QKNormRope, "qk_norm_rope_kernel")
+    assert calls == model.cfg.num_layers
+    assert torch.equal(with_kernel, general)
 
 
 @needs_kernel

@@ -32,6 +32,7 @@ from hybridserve.models.kv_specs import model_kv_layer_specs
 from hybridserve.models.loaders.loader import load_model
 from hybridserve.models.arch.mamba_lm import MambaLM
 from hybridserve.models.layers.smoothing import Encode
+from hybridserve.models.layers.act_mul import act_mul_kernel
 from hybridserve.models.layers.qk_norm_rope import qk_norm_rope_kernel
 from hybridserve.models.layers.residual_norms import residual_norms_kernel
 from hybridserve.models.layers.span_kernel import KERNEL
@@ -133,6 +134,7 @@ class TorchExecutor(Executor):
             if self.model.dtype == torch.bfloat16:
                 qk_norm_rope_kernel()
                 residual_norms_kernel()
+                act_mul_kernel()
         if self._offload_args is not None:
             num_host_blocks, fail_loads = self._offload_args
             self.offload = OffloadWorker(self.runner.kv, num_host_blocks, self.device, fail_loads)

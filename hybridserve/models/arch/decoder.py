@@ -35,6 +35,7 @@ from hybridserve.models.layers.int8 import W8A8Linear, quantize_gemm_weight
 from hybridserve.models.layers.linear import LayerLinears, Linear, ResidualLinear, make_linear
 from hybridserve.models.parallel import PipelineStage, TPGroup, local_config
 from hybridserve.models.layers.projection_norm import ProjectionNorm
+from hybridserve.models.layers.act_mul import act_mul_eager, act_mul_kernel
 from hybridserve.models.layers.qk_norm_rope import QKNormRope, qk_norm_rope_kernel
 from hybridserve.models.layers.residual_norms import ResidualNorms, residual_norms_kernel
 from hybridserve.models.layers.rms_norm import rms_norm
@@ -253,6 +254,7 @@ class DecoderLM(StagedModel):
                      "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}[cfg.activation]
         # Steps the compiled chains may take (compiled or not) use theirs, as exact_sums.
         self._large_act = decoder_chains.large_step_act(cfg.activation, self._act)
+        self._act_tables: dict[Callable[[torch.Tensor], torch.Tensor], torch.Tensor] = {}  # act_mul.c's, by act
 
     def _layer_weights(self, layer_idx: int, dtype: torch.dtype) -> DecoderLayerWeights:
         """Layer `layer_idx`'s parameters (a hook: Llama 4 sizes its dense MLPs per layer)."""
@@ -302,7 +304,8 @@ class DecoderLM(StagedModel):
             sample = self._layer_norms(self.layers[0])
 
             def build() -> DecoderChains | None:
-                return decoder_chains.build(self.cfg, self._eps, self._large_act, self.dtype, sample)
+                return decoder_chains.build(self.cfg, self._eps, self._large_act, self.dtype, sample,
+                                            native=self._native_chains())
 
             self._dtype_chains = ChainsByRows(None, build if compile else None, "decoder chains",
                                               check=lambda chains: decoder_chains.agreeing(chains, sample))
@@ -333,6 +336,42 @@ class DecoderLM(StagedModel):
         return (type(self).forward is DecoderLM.forward and self.tp is None and self._projection_norm is None
                 and not cfg.post_norm and not cfg.parallel_block and bool(self.layers)
                 and all(w.input_norm is not None for w in self.layers))
+
+    def _native_chains(self) -> frozenset[str]:
+        """The chains (decoder_chains' names) whose work native kernels take on every layer of
+        this model, so that large steps never compile them: q/k norm + RoPE where every
+        layer has a q/k norm, the residual adds where every layer has sandwich norms, act *
+        up; none but for bf16 on the CPU, and none whose kernel cannot be built."""
+        if self.dtype != torch.bfloat16 or self._eps.device.type != "cpu":
+            return frozenset()
+        cfg, chains = self.cfg, set()
+        norms = [self._layer_norms(w) for w in self.layers]
+        qk_kernel, residual_kernel, act_kernel = qk_norm_rope_kernel(), residual_norms_kernel(), act_mul_kernel()
+        heads = cfg.num_heads + cfg.num_kv_heads
+        qk = torch.zeros(1, heads, cfg.head_dim, dtype=self.dtype)
+        cos = torch.zeros(1, 1, cfg.head_dim, dtype=self.dtype)
+        if qk_kernel is not None and all(n.qk is not None and qk_kernel.supports(qk, n.qk, cos) for n in norms):
+            chains.add("qk_out")
+        h = torch.zeros(1, cfg.hidden_size, dtype=self.dtype)
+        if residual_kernel is not None and all(
+                n.out is not None and n.down is not None and residual_kernel.supports(h, h, n.out, n.ffn)
+                and residual_kernel.supports(h, h, n.down, n.ffn) for n in norms):
+            chains.add("residual")
+        if act_kernel is not None and act_kernel.supports(torch.zeros(1, 2 * cfg.intermediate_size, dtype=self.dtype)):
+            chains.add("act_mul")
+        return frozenset(chains)
+
+    def _act_mul(self, gate_up: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor],
+                 general: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """act(gate) * up of gate_up [rows, 2 x intermediate]: the native kernel where it takes
+        these rows (bit for bit act's values, from its table), else `general`."""
+        kernel = act_mul_kernel() if self.dtype == torch.bfloat16 and gate_up.device.type == "cpu" else None
+        if kernel is None or not kernel.supports(gate_up):
+            return general(gate_up)
+        table = self._act_tables.get(act)
+        if table is None:
+            table = self._act_tables[act] = kernel.table(act, gate_up.shape[1] // 2)
+        return kernel(gate_up, table)
 
     def _layer_norms(self, w: DecoderLayerWeights) -> LayerNorms:
         if self.cfg.sandwich_norm:
@@ -418,8 +457,8 @@ class DecoderLM(StagedModel):
             else:
                 h = self.add_row_parallel(h, attn, lin.o, lin.o_residual)
                 x = rms_norm(h, w.post_attn_norm, eps, inv_h, exact_sums=exact)
-            gate, up = lin.gate_up(x).chunk(2, dim=-1)
-            y = (self._large_act if exact else self._act)(gate) * up
+            act = self._large_act if exact else self._act
+            y = self._act_mul(lin.gate_up(x), act, lambda gate_up: act_mul_eager(gate_up, act))
             if w.post_ffn_norm is not None:
                 following = self.layers[k + 1].input_norm if k + 1 < len(self.layers) else None
                 h, x_next = self._add_norm(h, self.reduce(lin.down(y)), w.post_ffn_norm, following, norms, exact)
@@ -443,8 +482,8 @@ class DecoderLM(StagedModel):
         """forward's loop for a large step, its element-wise work in decoder_chains' compiled
         functions (only for layers _chains_cover_layers says they cover); gate|up and its
         activation in row blocks, as the int8 layers take them (mlp_row_blocks.py). The q/k
-        norm + RoPE and the sandwich norms' adds go to the native kernels where they are
-        built: the same values (each chain's exact sums, bit for bit) in half the time."""
+        norm + RoPE, the sandwich norms' adds and act * up go to the native kernels where
+        they are built: the same values (each chain's, bit for bit) in half the time or less."""
         cfg = self.cfg
         nq, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         T = h.shape[0]
@@ -466,7 +505,8 @@ class DecoderLM(StagedModel):
             else:
                 h, x = self._chain_residual(chains, norms_kernel, h, lin.o(attn), norms.out, norms.ffn)
             assert x is not None
-            parts = [chains.act_mul(lin.gate_up(x[a:b])) for a, b in row_blocks(T, self.mlp_block_rows)]
+            parts = [self._act_mul(lin.gate_up(x[a:b]), self._large_act, chains.act_mul)
+                     for a, b in row_blocks(T, self.mlp_block_rows)]
             y = parts[0] if len(parts) == 1 else torch.cat(parts)
             next_norm = layers[k + 1][1].input_norm if k + 1 < len(layers) else None
             if norms.down is None:

@@ -24,7 +24,9 @@ whose layers it covers (one rank; pre-norm or sandwich norms; no projection norm
 on first use and checked once against the eager functions on made-up inputs of the
 model's sizes: a chain that differs in any bit runs eager (as inductor's GELU does on AVX2
 CPUs); no compiler or a failed build keeps the eager path for the life of the model, with
-one logged line. `--no-compile` never builds them.
+one logged line. `--no-compile` never builds them. A chain whose work native kernels take
+on every layer (decoder.py's _native_chains: bf16 on the CPU) is not compiled at all; where
+that is all three (Gemma 3), nothing is, and the compiler is never imported.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 
@@ -109,14 +111,15 @@ class DecoderChains:
     which makes up inputs of the model's sizes."""
 
     def __init__(self, cfg: ModelConfig, eps: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor],
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, compiled: Iterable[str] = ("residual", "qk_out", "act_mul")) -> None:
+        """`compiled`: the chains to compile (by EAGER's names); the others stay eager, for
+        a model whose native kernels take those chains' work (decoder.py)."""
         self.eps, self.act, self.dtype = eps, act, dtype
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads + cfg.num_kv_heads, cfg.num_kv_heads, cfg.head_dim
         self.hidden_size, self.intermediate_size = cfg.hidden_size, cfg.intermediate_size
         self.inv_h, self.inv_hd = 1.0 / cfg.hidden_size, 1.0 / cfg.head_dim
-        self._residual = compile_chain(residual, _OPTIONS)
-        self._qk_out = compile_chain(qk_out, _OPTIONS)
-        self._act_mul = compile_chain(act_mul, _OPTIONS)
+        for name, fn in EAGER.items():
+            setattr(self, f"_{name}", compile_chain(fn, _OPTIONS) if name in compiled else fn)
 
     def residual(self, h: torch.Tensor, out: torch.Tensor | None, out_norm: torch.Tensor | None,
                  next_norm: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -141,15 +144,22 @@ class LayerNorms(NamedTuple):
 
 
 def build(cfg: ModelConfig, eps: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor], dtype: torch.dtype,
-          sample: LayerNorms, rows: int = DEFAULT_MIN_ROWS) -> DecoderChains | None:
+          sample: LayerNorms, rows: int = DEFAULT_MIN_ROWS, native: frozenset[str] = frozenset()
+          ) -> DecoderChains | None:
     """The compiled chains, each checked against its eager function on made-up inputs of
     `rows` rows through `sample`'s norms (a layer of the model, so that the check compiles
     the graphs the model runs): a chain that differs in any bit runs its eager function
     instead (as inductor's GELU does on AVX2 CPUs); None (logged) where they cannot be
-    built or none agrees."""
+    built or none agrees. The chains named in `native` stay eager and are never compiled:
+    the caller gives their work to native kernels; where that is all three, nothing is
+    compiled and the compiler is never imported."""
     start = time.perf_counter()
+    compiled = [name for name in EAGER if name not in native]
+    if not compiled:
+        log.info("the decoder's large steps take the native kernels (nothing compiled)")
+        return DecoderChains(cfg, eps, act, dtype, compiled=())
     try:
-        kept = agreeing(DecoderChains(cfg, eps, act, dtype), sample, rows)
+        kept = agreeing(DecoderChains(cfg, eps, act, dtype, compiled=compiled), sample, rows)
     except Exception as exc:  # noqa: BLE001 - any failure keeps the general path
         log.warning("the decoder's element-wise work stays eager: the compiled chains failed to build (%s)",
                     one_line(exc))
@@ -164,9 +174,11 @@ def agreeing(chains: DecoderChains, sample: LayerNorms, rows: int = DEFAULT_MIN_
     """`chains` with each compiled chain that differs in any bit from its eager function on
     made-up inputs of `rows` rows (run, so compiled, under the calling thread's count)
     replaced by the eager one; None (logged) where none agrees."""
-    differ = mismatches(chains, sample, rows)
     compiled = [name for name in EAGER if getattr(chains, f"_{name}") is not EAGER[name]]
-    if compiled and set(compiled) <= set(differ):
+    if not compiled:
+        return chains
+    differ = mismatches(chains, sample, rows)
+    if set(compiled) <= set(differ):
         log.warning("the decoder's element-wise work stays eager: every compiled chain differs from its eager function")
         return None
     for name in differ:

@@ -1,0 +1,115 @@
+"""A gated MLP's act(gate) * up for bf16 rows in one native pass, the activation read from a
+table of its eager values: the C kernel of act_mul.c (it says why and how), built by
+models/platform/native_build.py.
+
+`act_mul_eager` is the general path it equals bit for bit. `ActMul.table(act)` makes a
+table from an activation (any element-wise function of one bf16 value: SiLU, GELU, the
+tanh GELU, ...); `ActMul.supports` says which inputs the kernel takes, and the decoder
+keeps the general path for the rest and where no compiler is found."""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from hybridserve.models.platform.native_build import build, checked
+
+SOURCE = Path(__file__).with_name("act_mul.c")
+
+# Widths (gate's) the kernel takes are multiples of this: torch's widest bf16 vector (AVX-512)
+# then divides every row, so the eager activation takes its vector loop for every value, as
+# it does for the table's, and never the scalar tail (another exp: other last bits).
+WIDTH_MULTIPLE = 32
+
+Activation = Callable[[torch.Tensor], torch.Tensor]
+
+
+def every_bf16() -> torch.Tensor:
+    """The 65536 bf16 values, by bit pattern (NaNs and infinities included)."""
+    return torch.from_numpy(np.arange(1 << 16, dtype=np.uint16).view(np.int16)).view(torch.bfloat16)
+
+
+def act_mul_eager(gate_up: torch.Tensor, act: Activation) -> torch.Tensor:
+    """act(gate) * up for gate_up [rows, 2 * width] (gate, then up)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return act(gate) * up
+
+
+class ActMul:
+    """act_mul_eager's result computed by the C kernel from a table of act's values, for the
+    inputs `supports` takes."""
+
+    def __init__(self) -> None:
+        library = build("act_mul", SOURCE)
+        fn = library.act_mul
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        fn.argtypes = [ptr, i64, i64, i64, ptr, ptr, ctypes.c_int32]
+        fn.restype = None
+        self._fn = fn
+
+    @staticmethod
+    def table(act: Activation, width: int) -> torch.Tensor:
+        """act of every bf16 value, by bit pattern, and one padding entry (the kernel's
+        gathers read 4 bytes at each entry). `act` is called as the general path calls it,
+        on the gate half of a gate|up product `width` gates wide: torch's bf16 GELU takes
+        another loop (other last bits) for a strided view than for a contiguous tensor."""
+        rows = -(-(1 << 16) // width)
+        gates = torch.zeros(rows * width, dtype=torch.bfloat16)
+        gates[: 1 << 16] = every_bf16()
+        gate_up = torch.cat((gates.view(rows, width), torch.zeros(rows, width, dtype=torch.bfloat16)), dim=1)
+        values = act(gate_up.chunk(2, dim=-1)[0])
+        if values.dtype != torch.bfloat16 or values.shape != (rows, width):
+            raise ValueError(f"an activation for the table returned {values.dtype} {tuple(values.shape)}")
+        values = values.reshape(-1)[: 1 << 16]
+        return torch.cat((values, values[:1])).contiguous()
+
+    @staticmethod
+    def supports(gate_up: torch.Tensor) -> bool:
+        """bf16 rows on the CPU (unit column stride) whose halves are WIDTH_MULTIPLE wide."""
+        return (gate_up.device.type == "cpu" and gate_up.dtype == torch.bfloat16 and gate_up.dim() == 2
+                and gate_up.stride(1) == 1 and gate_up.shape[1] % (2 * WIDTH_MULTIPLE) == 0)
+
+    def __call__(self, gate_up: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+        rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+        if table.shape != ((1 << 16) + 1,) or table.dtype != torch.bfloat16 or not table.is_contiguous():
+            raise ValueError(f"not an activation table: {table.dtype} {tuple(table.shape)}")
+        out = torch.empty(rows, width, dtype=torch.bfloat16)
+        if rows:
+            self._fn(gate_up.data_ptr(), gate_up.stride(0), rows, width, table.data_ptr(), out.data_ptr(),
+                     torch.get_num_threads())
+        return out
+
+
+@cache
+def act_mul_kernel() -> ActMul | None:
+    """The kernel, built and checked against act_mul_eager on first use; None where it cannot
+    be built or disagrees (a warning says why): the decoder then runs the eager chain."""
+    return checked(ActMul, _mismatch, "the MLP's activation stays eager")
+
+
+def _mismatch(kernel: ActMul) -> str:
+    """'' when the kernel equals the eager chain bit for bit (NaN as NaN) with every bf16
+    value as a gate (rows wider than the vectors, a step over the parallel threshold), else
+    what differs."""
+    g = torch.Generator().manual_seed(0)
+    rows, width = 16, 1 << 12
+    gate = every_bf16().view(rows, width)
+    up = (torch.randn(rows, width, generator=g) * 3).bfloat16()
+    gate_up = torch.cat((gate, up), dim=1)
+    act = F.silu
+    if not same_values(kernel(gate_up, kernel.table(act, width)), act_mul_eager(gate_up, act)):
+        return "differs from the eager chain"
+    return ""
+
+
+def same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a and b hold the same bits wherever either is a number, and NaN where either
+    is NaN (a NaN's payload bits differ between torch's conversions on different CPUs)."""
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a.view(torch.int16)[~nan], b.view(torch.int16)[~nan])

@@ -114,15 +114,18 @@ def test_a_tiny_decoder_step_equals_the_eager_loop_bit_for_bit(kind: str, length
     assert torch.equal(with_kernel, general)
 
 
+# Sandwich norms, q/k norms, tanh GELU; pre-norm, RoPE alone, SiLU; pre-norm with q/k/v biases.
 @needs_kernel
-def test_a_model_the_native_kernels_cover_compiles_nothing(monkeypatch, caplog) -> None:
-    """Gemma 3's chains (q/k norm + RoPE, sandwich adds, act * up) all go to native kernels:
-    its large steps never call the compiler, and give --no-compile's hidden states."""
+@pytest.mark.parametrize("kind", ["gemma3", "mistral", "qwen2"])
+def test_a_model_the_native_kernels_cover_compiles_nothing(kind: str, monkeypatch, caplog) -> None:
+    """Each chain's work (q/k norm and / or RoPE, the residual adds and norms, act * up) goes
+    to native kernels: large steps never call the compiler, and give --no-compile's hidden
+    states."""
     def no_compiling(fn, options=None):  # type: ignore[no-untyped-def]
         raise AssertionError("compiled a chain")
 
     monkeypatch.setattr(decoder_chains, "compile_chain", no_compiling)
-    model = _tiny("gemma3")
+    model = _tiny(kind)
     if model._native_chains() != {"qk_out", "residual", "act_mul"}:
         pytest.skip("a native kernel is not built here")
     with caplog.at_level("INFO"):
@@ -131,17 +134,19 @@ def test_a_model_the_native_kernels_cover_compiles_nothing(monkeypatch, caplog) 
     chains = model._dtype_chains._compiled
     assert chains is not None and all(getattr(chains, f"_{n}") is decoder_chains.EAGER[n] for n in decoder_chains.EAGER)
     assert "the decoder's large steps take the native kernels (nothing compiled)" in caplog.text
-    assert torch.equal(hidden, prefill(_tiny("gemma3", compile=False), LENGTHS))
+    assert torch.equal(hidden, prefill(_tiny(kind, compile=False), LENGTHS))
 
 
 @needs_kernel
-def test_a_pre_norm_model_compiles_only_what_no_kernel_takes() -> None:
-    model = _tiny("mistral")  # no q/k norm, no sandwich norms: only act * up is native
-    assert model._native_chains() == {"act_mul"}
+def test_a_chain_no_kernel_takes_is_compiled_alone(monkeypatch) -> None:
+    monkeypatch.setattr(ActMul, "supports", staticmethod(lambda gate_up: False))
+    model = _tiny("mistral")
+    assert model._native_chains() == {"qk_out", "residual"}
     model.prepare_large_steps()
     chains = model._dtype_chains._compiled
-    assert chains is not None and chains._act_mul is decoder_chains.act_mul
-    assert chains._residual is not decoder_chains.residual and chains._qk_out is not decoder_chains.qk_out
+    assert chains is not None and chains._act_mul is not decoder_chains.act_mul
+    assert chains._residual is decoder_chains.residual and chains._qk_out is decoder_chains.qk_out
+    assert torch.equal(prefill(model, LENGTHS), prefill(_tiny("mistral", compile=False), LENGTHS))
 
 
 @needs_kernel

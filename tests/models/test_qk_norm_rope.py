@@ -36,20 +36,25 @@ def test_a_head_by_hand() -> None:
     y = torch.cat([torch.full((half,), 2.0), torch.full((half,), -2.0)]).to(torch.bfloat16).view(1, 1, hd)
     KERNEL(y, weight, EPS, None, None)  # no RoPE (EXAONE 4's full layers)
     assert y.view(-1).tolist() == [3.0] * half + [-3.0] * half
+    # RoPE alone (layers without a q/k norm): +-2 rotated: 2 * 0.5 + (-2) * (-1) = 3, -2 * 0.5 + 2 * 1 = 1
+    z = torch.cat([torch.full((half,), 2.0), torch.full((half,), -2.0)]).to(torch.bfloat16).view(1, 1, hd)
+    assert KERNEL.supports(z, None, cos) and not KERNEL.supports(z, None, None)  # nothing to do without either
+    KERNEL(z, None, EPS, cos, sin)
+    assert z.view(-1).tolist() == [3.0] * half + [1.0] * half
 
 
 @needs_kernel
 @pytest.mark.parametrize("rows", [1, 5, 40])  # 40 rows x 5 heads: the parallel loop
 @pytest.mark.parametrize("heads, hd", [(1, 16), (5, 256), (3, 64), (2, 128)])
-@pytest.mark.parametrize("rope", [True, False])
-def test_equals_the_eager_chain_bit_for_bit(rows: int, heads: int, hd: int, rope: bool) -> None:
+@pytest.mark.parametrize("rope, norm", [(True, True), (False, True), (True, False)])
+def test_equals_the_eager_chain_bit_for_bit(rows: int, heads: int, hd: int, rope: bool, norm: bool) -> None:
     if hd % KERNEL.lanes:
         pytest.skip(f"head dim {hd} is not whole vectors of {KERNEL.lanes}")
     g = torch.Generator().manual_seed(rows * 100 + heads * 10 + hd)
     # rows of the qkv projection: these heads, then more (v), at magnitudes 1e-3 .. 1e3
     scale = 10.0 ** torch.randint(-3, 4, (rows, 1), generator=g).float()
     qkv = (torch.randn(rows, (heads + 2) * hd, generator=g) * scale).to(torch.bfloat16)
-    weight = (1 + torch.randn(heads, hd, generator=g)).to(torch.bfloat16)
+    weight = (1 + torch.randn(heads, hd, generator=g)).to(torch.bfloat16) if norm else None
     angles = torch.randn(rows, 1, hd, generator=g) * 50
     cos, sin = (angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)) if rope else (None, None)
     want = qkv.clone()

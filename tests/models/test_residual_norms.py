@@ -16,6 +16,7 @@ from hybridserve.models.layers.residual_norms import (  # noqa: E402
     residual_norms_eager,
     residual_norms_kernel,
 )
+from hybridserve.models.layers.rms_norm import rms_norm  # noqa: E402
 from hybridserve.models.loaders.loader import load_model  # noqa: E402
 from tests.helpers import hf_tiny  # noqa: E402
 from tests.helpers.int8_gemma3 import LENGTHS, prefill  # noqa: E402
@@ -40,6 +41,8 @@ def test_a_row_by_hand() -> None:
     assert x.view(-1).tolist() == [1.0] * half + [7.0] * half
     h_only, none = KERNEL(h, y, ones, None, EPS)
     assert none is None and torch.equal(h_only, h_new)
+    # the norm alone (pre-norm layers): h' = 1 | 7 again
+    assert KERNEL.norm(h_new, fives, EPS).view(-1).tolist() == [1.0] * half + [7.0] * half
 
 
 @needs_kernel
@@ -61,6 +64,8 @@ def test_equals_the_eager_chain_bit_for_bit(rows: int, dim: int, second: bool) -
     got_h, got_x = KERNEL(h, y, w1, w2, EPS)
     assert torch.equal(got_h, want_h)
     assert (got_x is None) == (not second) and (got_x is None or torch.equal(got_x, want_x))
+    assert KERNEL.supports_norm(y, w1)
+    assert torch.equal(KERNEL.norm(y, w1, EPS), rms_norm(y, w1, EPS, 1.0 / dim, exact_sums=True))
 
 
 @needs_kernel
@@ -94,6 +99,23 @@ def test_a_tiny_decoder_step_equals_the_eager_loop_bit_for_bit(kind: str, calls_
     exact = decoder_module.rms_norm
     monkeypatch.setattr(decoder_module, "rms_norm", lambda *a, exact_sums=False: exact(*a, exact_sums=True))
     assert torch.equal(with_kernel, prefill(model, LENGTHS))
+
+
+@needs_kernel
+@pytest.mark.parametrize("lengths", [[20, 30], LENGTHS])  # forward's eager loop; a large step
+def test_a_pre_norm_step_takes_the_norm_alone_bit_for_bit(lengths: list[int], monkeypatch) -> None:
+    """Mistral's layers (pre-norm: the matmuls make the residual adds) take the kernel's norm
+    twice a layer; without it, the eager norms with exact sums give the same hidden states."""
+    model = load_model(hf_tiny.tiny_model_dir("mistral"), "cpu", torch.bfloat16, "none", compile=False)
+    calls = []
+    real = ResidualNorms.norm
+    monkeypatch.setattr(ResidualNorms, "norm", lambda self, *a: calls.append(1) or real(self, *a))
+    with_kernel = prefill(model, lengths)
+    assert len(calls) == 2 * model.cfg.num_layers
+    monkeypatch.setattr(decoder_module, "residual_norms_kernel", lambda: None)
+    exact = decoder_module.rms_norm
+    monkeypatch.setattr(decoder_module, "rms_norm", lambda *a, exact_sums=False: exact(*a, exact_sums=True))
+    assert torch.equal(with_kernel, prefill(model, lengths))
 
 
 @needs_kernel

@@ -162,6 +162,15 @@ def _int8_layer(w: DecoderLayerWeights, s: LayerSmoothing, sandwich: bool, relea
                      ffn_norm=ffn_norm, down_norm=w.post_ffn_norm)
 
 
+def _residual_covered(kernel: ResidualNorms, h: torch.Tensor, norms: LayerNorms) -> bool:
+    """Whether the native kernel takes a layer's residual adds and norms (h: a made-up row of
+    the model's width): both sandwich norms' adds, or a pre-norm layer's norms alone."""
+    if norms.out is None and norms.down is None:
+        return kernel.supports_norm(h, norms.ffn)
+    return (norms.out is not None and norms.down is not None and kernel.supports(h, h, norms.out, norms.ffn)
+            and kernel.supports(h, h, norms.down, norms.ffn))
+
+
 class StagedModel(nn.Module):
     """What every model shares as one pipeline stage and tensor-parallel rank: its local
     config, which layers it holds, the stage's ends (embedding / final norm and head) and
@@ -254,7 +263,8 @@ class DecoderLM(StagedModel):
                      "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}[cfg.activation]
         # Steps the compiled chains may take (compiled or not) use theirs, as exact_sums.
         self._large_act = decoder_chains.large_step_act(cfg.activation, self._act)
-        self._act_tables: dict[Callable[[torch.Tensor], torch.Tensor], torch.Tensor] = {}  # act_mul.c's, by act
+        # act_mul.c's tables, by activation and width
+        self._act_tables: dict[tuple[Callable[[torch.Tensor], torch.Tensor], int], torch.Tensor] = {}
 
     def _layer_weights(self, layer_idx: int, dtype: torch.dtype) -> DecoderLayerWeights:
         """Layer `layer_idx`'s parameters (a hook: Llama 4 sizes its dense MLPs per layer)."""
@@ -339,9 +349,9 @@ class DecoderLM(StagedModel):
 
     def _native_chains(self) -> frozenset[str]:
         """The chains (decoder_chains' names) whose work native kernels take on every layer of
-        this model, so that large steps never compile them: q/k norm + RoPE where every
-        layer has a q/k norm, the residual adds where every layer has sandwich norms, act *
-        up; none but for bf16 on the CPU, and none whose kernel cannot be built."""
+        this model, so that large steps never compile them: q/k norm and / or RoPE, the
+        residual adds and norms (sandwich or pre-norm layers), act * up; none but for bf16
+        on the CPU, and none whose kernel cannot be built or does not take the model's sizes."""
         if self.dtype != torch.bfloat16 or self._eps.device.type != "cpu":
             return frozenset()
         cfg, chains = self.cfg, set()
@@ -350,12 +360,12 @@ class DecoderLM(StagedModel):
         heads = cfg.num_heads + cfg.num_kv_heads
         qk = torch.zeros(1, heads, cfg.head_dim, dtype=self.dtype)
         cos = torch.zeros(1, 1, cfg.head_dim, dtype=self.dtype)
-        if qk_kernel is not None and all(n.qk is not None and qk_kernel.supports(qk, n.qk, cos) for n in norms):
+        ropes = [cfg.layer_types[i] in self._rope for i in self.layer_ids]
+        if qk_kernel is not None and all((n.qk is None and not rope) or qk_kernel.supports(qk, n.qk, cos if rope else None)
+                                         for n, rope in zip(norms, ropes)):
             chains.add("qk_out")
         h = torch.zeros(1, cfg.hidden_size, dtype=self.dtype)
-        if residual_kernel is not None and all(
-                n.out is not None and n.down is not None and residual_kernel.supports(h, h, n.out, n.ffn)
-                and residual_kernel.supports(h, h, n.down, n.ffn) for n in norms):
+        if residual_kernel is not None and all(_residual_covered(residual_kernel, h, n) for n in norms):
             chains.add("residual")
         if act_kernel is not None and act_kernel.supports(torch.zeros(1, 2 * cfg.intermediate_size, dtype=self.dtype)):
             chains.add("act_mul")
@@ -368,9 +378,10 @@ class DecoderLM(StagedModel):
         kernel = act_mul_kernel() if self.dtype == torch.bfloat16 and gate_up.device.type == "cpu" else None
         if kernel is None or not kernel.supports(gate_up):
             return general(gate_up)
-        table = self._act_tables.get(act)
+        key = (act, gate_up.shape[1] // 2)  # the table is made in the layout act is called in
+        table = self._act_tables.get(key)
         if table is None:
-            table = self._act_tables[act] = kernel.table(act, gate_up.shape[1] // 2)
+            table = self._act_tables[key] = kernel.table(*key)
         return kernel(gate_up, table)
 
     def _layer_norms(self, w: DecoderLayerWeights) -> LayerNorms:
@@ -408,7 +419,7 @@ class DecoderLM(StagedModel):
         if self.int8_layers:
             return self.stage_output(self._int8_layers(h, rope, backend))
         nq, nkv, hd, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self._eps
-        inv_h, inv_hd = 1.0 / cfg.hidden_size, 1.0 / hd
+        inv_hd = 1.0 / hd
         T = positions.shape[0]
         if not self._linears:
             self.build_linears(release_weights=False)
@@ -431,14 +442,13 @@ class DecoderLM(StagedModel):
             if x_next is not None:
                 x = x_next
             else:
-                x = h if w.input_norm is None else rms_norm(h, w.input_norm, eps, inv_h, exact_sums=exact)
+                x = h if w.input_norm is None else self._norm(h, w.input_norm, norms, exact)
             qkv = lin.qkv(x)
             # q | k | v per token: after RoPE in place, k and v are adjacent, which is
             # exactly one KV cache slot ([2, KVH, D]).
             qk = qkv[:, : (nq + nkv) * hd].view(T, nq + nkv, hd)
             cos, sin = rope.get(cfg.layer_types[i], (None, None))  # EXAONE 4's full layers have no RoPE
-            if (self._projection_norm is None and w.qk_norm is not None and qk_kernel is not None
-                    and qk_kernel.supports(qk, w.qk_norm, cos)):
+            if self._projection_norm is None and qk_kernel is not None and qk_kernel.supports(qk, w.qk_norm, cos):
                 qk_kernel(qk, w.qk_norm, eps, cos, sin)  # the chain below with exact sums, in one pass
             else:
                 if self._projection_norm is not None:
@@ -456,7 +466,7 @@ class DecoderLM(StagedModel):
                 x = h
             else:
                 h = self.add_row_parallel(h, attn, lin.o, lin.o_residual)
-                x = rms_norm(h, w.post_attn_norm, eps, inv_h, exact_sums=exact)
+                x = self._norm(h, w.post_attn_norm, norms, exact)
             act = self._large_act if exact else self._act
             y = self._act_mul(lin.gate_up(x), act, lambda gate_up: act_mul_eager(gate_up, act))
             if w.post_ffn_norm is not None:
@@ -465,6 +475,12 @@ class DecoderLM(StagedModel):
             else:
                 h = self.add_row_parallel(h, y, lin.down, lin.down_residual)
         return self.stage_output(h)
+
+    def _norm(self, h: torch.Tensor, w: torch.Tensor, kernel: ResidualNorms | None, exact: bool) -> torch.Tensor:
+        """rms_norm(h) * w: the native kernel where it takes these (exact sums), else eager."""
+        if kernel is not None and kernel.supports_norm(h, w):
+            return kernel.norm(h, w, self._eps)
+        return rms_norm(h, w, self._eps, 1.0 / self.cfg.hidden_size, exact_sums=exact)
 
     def _add_norm(self, h: torch.Tensor, y: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor | None,
                   kernel: ResidualNorms | None, exact: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -488,20 +504,19 @@ class DecoderLM(StagedModel):
         nq, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         T = h.shape[0]
         layers = list(zip(self.layer_ids, self.layers, self._linears))
-        x: torch.Tensor | None = rms_norm(h, layers[0][1].input_norm, self._eps, 1.0 / cfg.hidden_size,
-                                          exact_sums=True)
+        x: torch.Tensor | None = self._norm(h, layers[0][1].input_norm, norms_kernel, True)
         for k, (i, w, lin) in enumerate(layers):
             norms = self._layer_norms(w)
             cos, sin = rope.get(cfg.layer_types[i], (None, None))
             qkv = lin.qkv(x)
             qk = qkv[:, : (nq + nkv) * hd].view(T, nq + nkv, hd)
-            if norms.qk is not None and qk_kernel is not None and qk_kernel.supports(qk, norms.qk, cos):
+            if qk_kernel is not None and qk_kernel.supports(qk, norms.qk, cos):
                 qk_kernel(qk, norms.qk, self._eps, cos, sin)
             else:
                 qkv = chains.qk_out(qkv, norms.qk, cos, sin)
             attn = backend.attention(i, qkv[:, : nq * hd].view(T, nq, hd), qkv[:, nq * hd :].view(T, 2, nkv, hd))
             if norms.out is None:  # pre-norm: the residual add fused into the matmul, as forward's
-                h, x = chains.residual(lin.o_residual(h, attn), None, None, norms.ffn)
+                h, x = self._chain_residual(chains, norms_kernel, lin.o_residual(h, attn), None, None, norms.ffn)
             else:
                 h, x = self._chain_residual(chains, norms_kernel, h, lin.o(attn), norms.out, norms.ffn)
             assert x is not None
@@ -510,16 +525,22 @@ class DecoderLM(StagedModel):
             y = parts[0] if len(parts) == 1 else torch.cat(parts)
             next_norm = layers[k + 1][1].input_norm if k + 1 < len(layers) else None
             if norms.down is None:
-                h, x = chains.residual(lin.down_residual(h, y), None, None, next_norm)
+                h, x = self._chain_residual(chains, norms_kernel, lin.down_residual(h, y), None, None, next_norm)
             else:
                 h, x = self._chain_residual(chains, norms_kernel, h, lin.down(y), norms.down, next_norm)
         return h
 
     def _chain_residual(self, chains: DecoderChains, kernel: ResidualNorms | None, h: torch.Tensor,
-                        out: torch.Tensor, out_norm: torch.Tensor, next_norm: torch.Tensor | None
+                        out: torch.Tensor | None, out_norm: torch.Tensor | None, next_norm: torch.Tensor | None
                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """chains.residual(h, out, out_norm, next_norm), by the native kernel where it takes them."""
-        if kernel is not None and kernel.supports(h, out, out_norm, next_norm):
+        """chains.residual(h, out, out_norm, next_norm), by the native kernel where it takes
+        them (out None: a pre-norm layer, whose matmul made the add: the norm alone)."""
+        if out is None:
+            if next_norm is None:
+                return h, None
+            if kernel is not None and kernel.supports_norm(h, next_norm):
+                return h, kernel.norm(h, next_norm, self._eps)
+        elif out_norm is not None and kernel is not None and kernel.supports(h, out, out_norm, next_norm):
             return kernel(h, out, out_norm, next_norm, self._eps)
         return chains.residual(h, out, out_norm, next_norm)
 

@@ -26,7 +26,8 @@ model's sizes: a chain that differs in any bit runs eager (as inductor's GELU do
 CPUs); no compiler or a failed build keeps the eager path for the life of the model, with
 one logged line. `--no-compile` never builds them. A chain whose work native kernels take
 on every layer (decoder.py's _native_chains: bf16 on the CPU) is not compiled at all; where
-that is all three (Gemma 3), nothing is, and the compiler is never imported.
+that is all three (Gemma 3; pre-norm decoders such as Llama, Qwen, Mistral), nothing is,
+and the compiler is never imported.
 """
 
 from __future__ import annotations

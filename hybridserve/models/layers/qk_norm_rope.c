@@ -42,12 +42,16 @@ static void norm_rope_head(uint16_t *x, int64_t hd, const uint16_t *weight, doub
         const vf v = load_bf16(x + i);
         memcpy(xf + i, &v, sizeof v);
     }
-    const vf by = splat(exact_inverse_rms(xf, hd, eps, inv_dim));
-    for (int64_t i = 0; i < hd; i += LANES) {
-        vf v;
-        memcpy(&v, xf + i, sizeof v);
-        const vf u = round_bf16(round_bf16(v * by) * load_bf16(weight + i));
-        memcpy(uf + i, &u, sizeof u);
+    if (weight) {
+        const vf by = splat(exact_inverse_rms(xf, hd, eps, inv_dim));
+        for (int64_t i = 0; i < hd; i += LANES) {
+            vf v;
+            memcpy(&v, xf + i, sizeof v);
+            const vf u = round_bf16(round_bf16(v * by) * load_bf16(weight + i));
+            memcpy(uf + i, &u, sizeof u);
+        }
+    } else {
+        memcpy(uf, xf, sizeof(float) * hd);  /* RoPE alone: layers without a q/k norm */
     }
     float rf[MAX_HEAD_DIM] __attribute__((aligned(64))); /* u rolled by half: [u2, u1] */
     const int64_t half = hd / 2;
@@ -73,15 +77,16 @@ int64_t qk_norm_rope_max_head_dim(void) { return MAX_HEAD_DIM; }
 int64_t qk_norm_rope_lanes(void) { return LANES; }
 
 /* x: bf16 rows `row_stride` elements apart, each starting with `heads` heads of hd values,
- * normalised (weight: [heads, hd] bf16) and, where cos is not NULL, rotated in place with
- * cos / signed sin rows of hd bf16 values per row (contiguous, [rows, hd]). */
+ * normalised where weight ([heads, hd] bf16) is not NULL and, where cos is not NULL,
+ * rotated in place with cos / signed sin rows of hd bf16 values per row (contiguous,
+ * [rows, hd]). */
 void qk_norm_rope(uint16_t *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t hd, const uint16_t *weight,
                   double eps, double inv_dim, const uint16_t *cos, const uint16_t *sin, int32_t num_threads) {
     const int64_t pairs = rows * heads;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (pairs >= PARALLEL_PAIRS)
     for (int64_t k = 0; k < pairs; k++) {
         const int64_t r = k / heads, h = k % heads;
-        norm_rope_head(x + r * row_stride + h * hd, hd, weight + h * hd, eps, inv_dim,
+        norm_rope_head(x + r * row_stride + h * hd, hd, weight ? weight + h * hd : NULL, eps, inv_dim,
                        cos ? cos + r * hd : NULL, sin ? sin + r * hd : NULL);
     }
 }

@@ -19,11 +19,13 @@ from hybridserve.models.platform.native_build import build, checked
 SOURCE = Path(__file__).with_name("qk_norm_rope.c")
 
 
-def qk_norm_rope_eager(qk: torch.Tensor, weight: torch.Tensor, eps: torch.Tensor, cos: torch.Tensor | None,
+def qk_norm_rope_eager(qk: torch.Tensor, weight: torch.Tensor | None, eps: torch.Tensor, cos: torch.Tensor | None,
                        sin: torch.Tensor | None) -> None:
     """In place on qk [T, heads, hd] (a view of the qkv projection): the RMSNorm of each head
-    with exact sums, times weight [heads, hd], then RoPE where cos / sin ([T, 1, hd]) are given."""
-    torch.mul(rms_norm(qk, None, eps, 1.0 / qk.shape[-1], exact_sums=True), weight, out=qk)
+    with exact sums, times weight [heads, hd] (None: no norm), then RoPE where cos / sin
+    ([T, 1, hd]) are given."""
+    if weight is not None:
+        torch.mul(rms_norm(qk, None, eps, 1.0 / qk.shape[-1], exact_sums=True), weight, out=qk)
     if cos is not None and sin is not None:
         apply_rope_(qk, cos, sin)
 
@@ -43,26 +45,31 @@ class QKNormRope:
         fn.restype = None
         self._fn = fn
 
-    def supports(self, qk: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor | None) -> bool:
+    def supports(self, qk: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor | None) -> bool:
         """bf16 on the CPU, each row's heads contiguous (the qkv projection's rows may be
-        wider), a head dim the kernel's vectors divide, a contiguous bf16 weight and tables."""
+        wider), a head dim the kernel's vectors divide, a contiguous bf16 weight (None: RoPE
+        alone) and tables; something to do (a weight or tables)."""
         if qk.device.type != "cpu" or qk.dtype != torch.bfloat16 or qk.dim() != 3:
             return False
         _, heads, hd = qk.shape
         if hd % self.lanes or hd % 2 or hd > self.max_head_dim or qk.stride()[1:] != (hd, 1):
             return False
-        if weight.dtype != torch.bfloat16 or weight.shape != (heads, hd) or not weight.is_contiguous():
+        if weight is None:
+            if cos is None:
+                return False
+        elif weight.dtype != torch.bfloat16 or weight.shape != (heads, hd) or not weight.is_contiguous():
             return False
-        return cos is None or (cos.dtype == torch.bfloat16 and cos.is_contiguous())
+        return cos is None or (cos.dtype == torch.bfloat16 and cos.is_contiguous() and cos.shape[-1] == hd)
 
-    def __call__(self, qk: torch.Tensor, weight: torch.Tensor, eps: torch.Tensor, cos: torch.Tensor | None,
+    def __call__(self, qk: torch.Tensor, weight: torch.Tensor | None, eps: torch.Tensor, cos: torch.Tensor | None,
                  sin: torch.Tensor | None) -> None:
         T, heads, hd = qk.shape
         if cos is not None and sin is not None:
             if cos.shape != (T, 1, hd) or sin.shape != cos.shape or not sin.is_contiguous():
                 raise ValueError(f"rope tables {tuple(cos.shape)} / {tuple(sin.shape)} for {T} rows of {hd}")
         if T:
-            self._fn(qk.data_ptr(), T, qk.stride(0), heads, hd, weight.data_ptr(), float(eps), 1.0 / hd,
+            self._fn(qk.data_ptr(), T, qk.stride(0), heads, hd, None if weight is None else weight.data_ptr(),
+                     float(eps), 1.0 / hd,
                      None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(),
                      torch.get_num_threads())
 
@@ -83,11 +90,13 @@ def _mismatch(kernel: QKNormRope) -> str:
     weight = (1 + torch.randn(heads, hd, generator=g)).bfloat16()
     angles = torch.randn(rows, 1, hd, generator=g)
     eps = torch.tensor(1e-6, dtype=torch.bfloat16)
-    for cos, sin in ((angles.cos().bfloat16(), angles.sin().bfloat16()), (None, None)):
+    rope = (angles.cos().bfloat16(), angles.sin().bfloat16())
+    for w, (cos, sin), what in ((weight, rope, "norm and RoPE"), (weight, (None, None), "the norm alone"),
+                                (None, rope, "RoPE alone")):
         want = qkv.clone()
-        qk_norm_rope_eager(want[:, : heads * hd].view(rows, heads, hd), weight, eps, cos, sin)
+        qk_norm_rope_eager(want[:, : heads * hd].view(rows, heads, hd), w, eps, cos, sin)
         got = qkv.clone()
-        kernel(got[:, : heads * hd].view(rows, heads, hd), weight, eps, cos, sin)
+        kernel(got[:, : heads * hd].view(rows, heads, hd), w, eps, cos, sin)
         if not torch.equal(got, want):
-            return f"differs from the eager chain ({'with' if cos is not None else 'without'} RoPE)"
+            return f"differs from the eager chain ({what})"
     return ""

@@ -2,6 +2,8 @@
  * each row (models/layers/residual_norms.py calls it; models/arch/decoder.py says where):
  *   h' = h + rms_norm(y) * w1          (the sublayer's output normalised, added)
  *   x  = rms_norm(h') * w2             (the next sublayer's input; skipped without w2)
+ * and, for pre-norm layers, whose residual add the matmul makes, the second norm alone
+ * (rms_norms).
  * Eagerly that is about a dozen ATen kernels, each a pass and a parallel region over a
  * [rows, hidden] tensor; at decode sizes their fixed costs were most of the time.
  *
@@ -27,6 +29,12 @@
 /* Rows below which one thread does them all: a parallel region costs more. */
 #define PARALLEL_ROWS 8
 
+/* x = bf16((h * inv) * w) of one row, h given as float32 (bf16 values). */
+static void norm_row(const float *h, int64_t dim, const uint16_t *w, double eps, double inv_dim, uint16_t *x_out) {
+    const vf by = splat(exact_inverse_rms(h, dim, eps, inv_dim));
+    for (int64_t i = 0; i < dim; i += LANES) store_bf16(x_out + i, round_bf16((load_f32(h + i) * by) * load_bf16(w + i)));
+}
+
 static void row(const uint16_t *h, const uint16_t *y, int64_t dim, const uint16_t *w1, const uint16_t *w2,
                 double eps, double inv_dim, uint16_t *h_out, uint16_t *x_out) {
     float buffer[dim] __attribute__((aligned(64)));
@@ -38,10 +46,7 @@ static void row(const uint16_t *h, const uint16_t *y, int64_t dim, const uint16_
         store_bf16(h_out + i, sum);
         store_f32(buffer + i, sum);
     }
-    if (!w2) return;
-    const vf by2 = splat(exact_inverse_rms(buffer, dim, eps, inv_dim));
-    for (int64_t i = 0; i < dim; i += LANES)
-        store_bf16(x_out + i, round_bf16((load_f32(buffer + i) * by2) * load_bf16(w2 + i)));
+    if (w2) norm_row(buffer, dim, w2, eps, inv_dim, x_out);
 }
 
 /* The widths the kernel takes are multiples of this (the caller checks). */
@@ -56,4 +61,17 @@ void residual_norms(const uint16_t *h, int64_t h_stride, const uint16_t *y, int6
     for (int64_t r = 0; r < rows; r++)
         row(h + r * h_stride, y + r * y_stride, dim, w1, w2, eps, inv_dim, h_out + r * dim,
             w2 ? x_out + r * dim : NULL);
+}
+
+/* The norm alone, for pre-norm layers (the residual add is the matmul's): x = rms_norm(h) * w
+ * of each row, as the second norm above. h: bf16 rows h_stride elements apart; w: [dim]
+ * bf16; x_out: [rows, dim] contiguous bf16. */
+void rms_norms(const uint16_t *h, int64_t h_stride, int64_t rows, int64_t dim, const uint16_t *w, double eps,
+               double inv_dim, uint16_t *x_out, int32_t num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows >= PARALLEL_ROWS)
+    for (int64_t r = 0; r < rows; r++) {
+        float buffer[dim] __attribute__((aligned(64)));
+        for (int64_t i = 0; i < dim; i += LANES) store_f32(buffer + i, load_bf16(h + r * h_stride + i));
+        norm_row(buffer, dim, w, eps, inv_dim, x_out + r * dim);
+    }
 }

@@ -1,5 +1,6 @@
-"""A sandwich-norm decoder's residual add and the next RMSNorm in one native pass: the C
-kernel of residual_norms.c (it says why and how), built by models/platform/native_build.py.
+"""A sandwich-norm decoder's residual add and the next RMSNorm in one native pass, and a
+pre-norm layer's RMSNorm alone: the C kernels of residual_norms.c (it says why and how),
+built by models/platform/native_build.py.
 
 `residual_norms_eager` is the general path it equals bit for bit (the decoder's own chain
 with exact sums); `ResidualNorms.supports` says which inputs the kernel takes, and the
@@ -40,6 +41,10 @@ class ResidualNorms:
                        ctypes.c_int32]
         fn.restype = None
         self._fn = fn
+        norms = library.rms_norms
+        norms.argtypes = [ptr, i64, i64, i64, ptr, ctypes.c_double, ctypes.c_double, ptr, ctypes.c_int32]
+        norms.restype = None
+        self._norms = norms
 
     def supports(self, h: torch.Tensor, y: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor | None) -> bool:
         """bf16 rows on the CPU (unit column stride), a width the kernel's vectors divide,
@@ -50,6 +55,19 @@ class ResidualNorms:
             return False
         return all(w.dtype == torch.bfloat16 and w.shape == (h.shape[1],) and w.is_contiguous()
                    for w in (w1, w2) if w is not None)
+
+    def supports_norm(self, h: torch.Tensor, w: torch.Tensor) -> bool:
+        """What `norm` takes: as `supports` for h and w alone."""
+        return self.supports(h, h, w, None)
+
+    def norm(self, h: torch.Tensor, w: torch.Tensor, eps: torch.Tensor) -> torch.Tensor:
+        """rms_norm(h) * w with exact sums (a pre-norm layer's: its residual add is the matmul's)."""
+        rows, dim = h.shape
+        x_out = torch.empty(rows, dim, dtype=torch.bfloat16)
+        if rows:
+            self._norms(h.data_ptr(), h.stride(0), rows, dim, w.data_ptr(), float(eps), 1.0 / dim, x_out.data_ptr(),
+                        torch.get_num_threads())
+        return x_out
 
     def __call__(self, h: torch.Tensor, y: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor | None,
                  eps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -84,4 +102,6 @@ def _mismatch(kernel: ResidualNorms) -> str:
         got = kernel(h, y, w1, second, eps)
         if not torch.equal(got[0], want[0]) or (second is not None and not torch.equal(got[1], want[1])):
             return f"differs from the eager chain ({'with' if second is not None else 'without'} the second norm)"
+    if not torch.equal(kernel.norm(h, w2, eps), rms_norm(h, w2, eps, 1.0 / dim, exact_sums=True)):
+        return "differs from the eager chain (the norm alone)"
     return ""

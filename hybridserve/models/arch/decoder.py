@@ -372,12 +372,12 @@ class DecoderLM(StagedModel):
         return frozenset(chains)
 
     def _act_mul(self, gate_up: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor],
-                 general: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+                 general: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         """act(gate) * up of gate_up [rows, 2 x intermediate]: the native kernel where it takes
-        these rows (bit for bit act's values, from its table), else `general`."""
+        these rows (bit for bit act's values, from its table), else `general` (None: eager)."""
         kernel = act_mul_kernel() if self.dtype == torch.bfloat16 and gate_up.device.type == "cpu" else None
         if kernel is None or not kernel.supports(gate_up):
-            return general(gate_up)
+            return act_mul_eager(gate_up, act) if general is None else general(gate_up)
         key = (act, gate_up.shape[1] // 2)  # the table is made in the layout act is called in
         table = self._act_tables.get(key)
         if table is None:
@@ -467,8 +467,7 @@ class DecoderLM(StagedModel):
             else:
                 h = self.add_row_parallel(h, attn, lin.o, lin.o_residual)
                 x = self._norm(h, w.post_attn_norm, norms, exact)
-            act = self._large_act if exact else self._act
-            y = self._act_mul(lin.gate_up(x), act, lambda gate_up: act_mul_eager(gate_up, act))
+            y = self._act_mul(lin.gate_up(x), self._large_act if exact else self._act)
             if w.post_ffn_norm is not None:
                 following = self.layers[k + 1].input_norm if k + 1 < len(self.layers) else None
                 h, x_next = self._add_norm(h, self.reduce(lin.down(y)), w.post_ffn_norm, following, norms, exact)

@@ -112,15 +112,16 @@ class DecoderChains:
     which makes up inputs of the model's sizes."""
 
     def __init__(self, cfg: ModelConfig, eps: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor],
-                 dtype: torch.dtype, compiled: Iterable[str] = ("residual", "qk_out", "act_mul")) -> None:
-        """`compiled`: the chains to compile (by EAGER's names); the others stay eager, for
-        a model whose native kernels take those chains' work (decoder.py)."""
+                 dtype: torch.dtype, compiled: Iterable[str] | None = None) -> None:
+        """`compiled`: the chains to compile (by EAGER's names; None: all); the others stay
+        eager, for a model whose native kernels take those chains' work (decoder.py)."""
         self.eps, self.act, self.dtype = eps, act, dtype
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads + cfg.num_kv_heads, cfg.num_kv_heads, cfg.head_dim
         self.hidden_size, self.intermediate_size = cfg.hidden_size, cfg.intermediate_size
         self.inv_h, self.inv_hd = 1.0 / cfg.hidden_size, 1.0 / cfg.head_dim
+        names = set(EAGER if compiled is None else compiled)
         for name, fn in EAGER.items():
-            setattr(self, f"_{name}", compile_chain(fn, _OPTIONS) if name in compiled else fn)
+            setattr(self, f"_{name}", compile_chain(fn, _OPTIONS) if name in names else fn)
 
     def residual(self, h: torch.Tensor, out: torch.Tensor | None, out_norm: torch.Tensor | None,
                  next_norm: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:

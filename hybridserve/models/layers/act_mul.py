@@ -2,8 +2,8 @@
 table of its eager values: the C kernel of act_mul.c (it says why and how), built by
 models/platform/native_build.py.
 
-`act_mul_eager` is the general path it equals bit for bit. `ActMul.table(act)` makes a
-table from an activation (any element-wise function of one bf16 value: SiLU, GELU, the
+`act_mul_eager` is the general path it equals bit for bit. `ActMul.table(act, width)` makes
+a table from an activation (any element-wise function of one bf16 value: SiLU, GELU, the
 tanh GELU, ...); `ActMul.supports` says which inputs the kernel takes, and the decoder
 keeps the general path for the rest and where no compiler is found."""
 

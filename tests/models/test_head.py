@@ -20,6 +20,7 @@ from safetensors.torch import save_file  # noqa: E402
 from hybridserve.models.layers.head import (  # noqa: E402
     ARGMAX_SPAN,
     FBGEMM_HEAD_CHUNK_ROWS,
+    FEW_ROWS,
     HEAD_CHUNK_ROWS,
     OutputHead,
     dequantize_int4_groups,
@@ -156,9 +157,10 @@ def test_greedy_is_argmax_of_the_logits(weight: torch.Tensor, quantization: str,
                                         monkeypatch) -> None:
     monkeypatch.setattr("hybridserve.models.layers.head.int8_gemm_available", lambda: int8_activations)
     head = OutputHead(weight, quantization)
-    x = _hidden(16)
-    assert head.greedy(x, None) == head(x).argmax(dim=-1).tolist()
-    assert head.greedy(x, 0.5) == (torch.tanh(head(x) / 0.5) * 0.5).argmax(dim=-1).tolist()
+    for x in (_hidden(16), _hidden(16)[:FEW_ROWS], _hidden(16)[:1]):  # by chunks; few rows at once
+        assert head.greedy(x, None) == head(x).argmax(dim=-1).tolist()
+        assert head.greedy(x, 0.5) == (torch.tanh(head(x) / 0.5) * 0.5).argmax(dim=-1).tolist()
+        assert head.greedy_by_chunks(x, 0.5) == head.greedy_few_rows(x, 0.5) == head.greedy(x, 0.5)
 
 
 @pytest.mark.parametrize("path", [PACKED, PLAIN, FBGEMM])
@@ -190,7 +192,8 @@ def test_greedy_ties_pick_the_first_index_across_and_within_chunks() -> None:
     x = torch.zeros(2, HIDDEN)
     x[0, 0] = x[1, 1] = 1.0
     for head in (OutputHead(w, "none"), OutputHead(w.bfloat16(), "none")):
-        assert head.greedy(x.to(head.out_dtype), None) == [3, HEAD_CHUNK_ROWS + 2]
+        for greedy in (head.greedy_by_chunks, head.greedy_few_rows):
+            assert greedy(x.to(head.out_dtype), None) == [3, HEAD_CHUNK_ROWS + 2]
 
 
 def _int8_releases(chunks: list[tuple[int, int]]) -> list[tuple[int, int]]:

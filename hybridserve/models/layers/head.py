@@ -54,7 +54,8 @@ FBGEMM_HEAD_CHUNK_ROWS = 8192
 # Columns per span of row_max's first pass: short enough that searching the winning span
 # again costs little, long enough that the span maxima are few.
 ARGMAX_SPAN = 128
-# Up to this many rows span_logits summarises its whole buffer at once, not chunk by chunk.
+# Up to this many rows span_logits summarises its whole buffer at once, and greedy reduces
+# whole rows once, not chunk by chunk.
 FEW_ROWS = 4
 INT4_GROUP_SIZE = 32  # hidden-dim weights sharing one int4 scale and offset (as GGUF's Q4_K sub-blocks)
 INT4_LAYERS = "q4"  # --quantization: the decoder's linears as int4 groups (models/layers/int4.py)
@@ -197,9 +198,15 @@ class OutputHead:
         return torch.cat([chunk(*x) for chunk in self._chunks], dim=1).to(self.out_dtype)
 
     def greedy(self, hidden: torch.Tensor, softcap: float | None) -> list[int]:
-        """argmax of each row's logits (the first index among equal maxima, as argmax), without
-        building the full logits: each chunk reduces to its (max, index) while it is in cache.
-        Each chunk reduces through row_max (first maximal index, as argmax)."""
+        """argmax of each row's logits (the first index among equal maxima, as argmax):
+        greedy_by_chunks, the general path, or up to FEW_ROWS rows greedy_few_rows."""
+        if hidden.shape[0] <= FEW_ROWS:
+            return self.greedy_few_rows(hidden, softcap)
+        return self.greedy_by_chunks(hidden, softcap)
+
+    def greedy_by_chunks(self, hidden: torch.Tensor, softcap: float | None) -> list[int]:
+        """greedy's tokens without building the full logits: each chunk reduces to its (max,
+        index) while it is in cache, through row_max (first maximal index, as argmax)."""
         x = self._input(hidden)
         values, indices = [], []
         for start, chunk in zip(range(0, self.vocab_size, self.chunk_rows), self._chunks):
@@ -213,6 +220,20 @@ class OutputHead:
             return indices[0].tolist()
         winner = torch.stack(values, dim=1).max(dim=1).indices  # first chunk holding the maximum
         return torch.stack(indices, dim=1).gather(1, winner[:, None]).squeeze(1).tolist()
+
+    def greedy_few_rows(self, hidden: torch.Tensor, softcap: float | None) -> list[int]:
+        """greedy_by_chunks' tokens, for a few rows (one stream's decode step): every chunk's
+        product first, then one row_max over the whole rows (at one row 1 MB of float32, still in
+        cache). Each chunk's product streams its weights through the caches, so the small
+        ops after it find their code and data evicted (tens of microseconds each, against a
+        few on warm caches); reducing once instead of per chunk runs those ops once. The
+        same token: row_max takes the first maximal index of the whole row, as the first
+        chunk holding the maximum and the first index within it."""
+        x = self._input(hidden)
+        out = torch.cat([chunk(*x) for chunk in self._chunks], dim=1)
+        if softcap:
+            out = torch.tanh(out.to(self.out_dtype) / softcap) * softcap
+        return row_max(out)[1].tolist()
 
     def span_logits(self, hidden: torch.Tensor, inv_temperature: torch.Tensor, softcap: float | None) -> SpanLogits:
         """The logits as the chunks' kernels compute them (int8 kernels: float32; __call__

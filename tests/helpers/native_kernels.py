@@ -7,10 +7,10 @@ from typing import Any, Callable
 
 def check_refused(monkeypatch: Any, caplog: Any, kernel_class: type, getter: Any,
                   broken_call: Callable[..., Any], message: str) -> None:
-    """With kernel_class.__call__ replaced by broken_call(real_call, self, *args), the cached
+    """With kernel_class.__call__ replaced by broken_call(real_call, self, *args, **kwargs), the cached
     `getter` builds no kernel (None) and logs `message`; once undone it builds one again."""
     real = kernel_class.__call__
-    monkeypatch.setattr(kernel_class, "__call__", lambda self, *args: broken_call(real, self, *args))
+    monkeypatch.setattr(kernel_class, "__call__", lambda self, *args, **kwargs: broken_call(real, self, *args, **kwargs))
     getter.cache_clear()
     try:
         with caplog.at_level("WARNING"):

@@ -6,10 +6,18 @@ blocks (models/loaders/gguf_groups.py), so the file's values are multiplied exac
 residual_linear) pair with make_int8_linear's contract. `group_linear_general` is the
 general path: each block of rows expanded to float32 (the weight ggml's dequantizer gives)
 and multiplied by the input's values in float32, the output rounded once to its dtype.
+The native kernel of int8_groups.c (`GroupKernel`, built by models/platform/native_build.py)
+is the fast path beside it: the weight packed once in its tiles, each group's int8 values
+times the input summed in float32 and multiplied once by the group's scale; the two agree
+to float32 rounding (tests/models/test_int8_groups.py). Where no compiler is found, or off
+the CPU, the general path runs.
 """
 
 from __future__ import annotations
 
+import ctypes
+from functools import cache
+from pathlib import Path
 from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
@@ -17,6 +25,22 @@ import torch
 import torch.nn.functional as F
 
 from hybridserve.core.errors import ConfigError
+from hybridserve.models.platform.cpu_features import read_cpu_flags
+from hybridserve.models.platform.native_build import build, checked
+
+SOURCE = Path(__file__).with_name("int8_groups.c")
+TILE = 16  # output columns per tile of the packed layout (int8_groups.c's TILE)
+# The kernel's paths (int8_groups.c's amx argument): the vector loop, AMX tile products per
+# group (the file's values exactly) and AMX over the weights rounded to bf16; "expand" is
+# the weight rounded to bf16 at each call and multiplied by torch's GEMM (large steps).
+PATHS = {"vector": 0, "exact": 1, "folded": 2, "expand": -1}
+# Rows of bf16 inputs from which each path takes over (benchmarks/group_linear.py --paths,
+# benchmarks/results/group_int8_kernels.md): with AMX, exact, then folded, then expand;
+# without, the vector loop up to EXPAND_MIN_ROWS.
+AMX_MIN_ROWS = 4
+FOLDED_MIN_ROWS = 48
+EXPAND_MIN_ROWS = 512
+EXPAND_MIN_ROWS_NO_AMX = 8
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 ResidualLinear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -113,11 +137,170 @@ def group_linear_general(x: torch.Tensor, groups: GroupWeights, bias: torch.Tens
     return out.to(x.dtype)
 
 
+class PackedGroups(NamedTuple):
+    """GroupWeights in the kernel's tiles (int8_groups.c): values [out / TILE, in, TILE],
+    scale and offset [out / TILE, in / group_size, TILE]."""
+
+    values: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor | None
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        tiles, cols, tile = self.values.shape
+        return tiles * tile, cols
+
+
+def _tiles(t: torch.Tensor) -> torch.Tensor:
+    return t.view(t.shape[0] // TILE, TILE, t.shape[1]).transpose(1, 2).contiguous()
+
+
+class GroupKernel:
+    """group_linear_general's result from the C kernel, for the weights `packable` takes."""
+
+    def __init__(self) -> None:
+        library = build("int8_groups", SOURCE)
+        fn = library.group_linear
+        i64, i32, ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
+        fn.argtypes = [ptr, i32, i64, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, i64, ptr, i64, i32, i32]
+        fn.restype = ctypes.c_int
+        self._fn = fn
+        expand = library.group_expand
+        expand.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr, i32]
+        expand.restype = None
+        self._expand = expand
+        # AMX: built in (an x86-64 AVX-512 build), on this CPU, and its tile state granted by Linux.
+        self.amx = (bool(library.group_linear_has_amx()) and "amx_bf16" in read_cpu_flags()
+                    and bool(library.group_linear_amx_ready()))
+
+    @staticmethod
+    def packable(groups: GroupWeights) -> bool:
+        """Whole tiles of output rows and groups of an even size (the kernel's two
+        accumulator sets take alternate weights)."""
+        rows, _ = groups.values.shape
+        return rows % TILE == 0 and groups.group_size % 2 == 0 and groups.values.device.type == "cpu"
+
+    @staticmethod
+    def pack(groups: GroupWeights) -> PackedGroups:
+        groups.check()
+        offset = None if groups.offset is None else _tiles(groups.offset)
+        return PackedGroups(_tiles(groups.values), _tiles(groups.scale), offset, groups.group_size)
+
+    def _expand_mm(self, x: torch.Tensor, packed: PackedGroups, bias: torch.Tensor | None,
+                   residual: torch.Tensor | None) -> torch.Tensor:
+        """x times the weight expanded to bf16 for this call (torch's GEMM), + residual in
+        its epilogue, + bias."""
+        weight_t = self.expanded(packed)
+        x = x.to(torch.bfloat16)
+        out = torch.mm(x, weight_t) if residual is None else torch.addmm(residual.to(torch.bfloat16), x, weight_t)
+        return out if bias is None else (out.float() + bias).to(torch.bfloat16)
+
+    def expanded(self, packed: PackedGroups) -> torch.Tensor:
+        """The weight rounded to bf16, transposed: [in, out]."""
+        n, k = packed.shape
+        out = torch.empty(k, n, dtype=torch.bfloat16)
+        self._expand(packed.values.data_ptr(), packed.scale.data_ptr(),
+                     None if packed.offset is None else packed.offset.data_ptr(), n, k, packed.group_size,
+                     out.data_ptr(), torch.get_num_threads())
+        return out
+
+    def path(self, rows: int, dtype: torch.dtype, packed: PackedGroups) -> str:
+        """The path `rows` rows of `dtype` take (float32 inputs: always the vector loop, whose
+        sums are the file's values times the input's, float32 rounding aside)."""
+        if dtype != torch.bfloat16:
+            return "vector"
+        if not self.amx:
+            return "vector" if rows < EXPAND_MIN_ROWS_NO_AMX else "expand"
+        if rows >= EXPAND_MIN_ROWS:
+            return "expand"
+        if rows >= FOLDED_MIN_ROWS and packed.shape[1] % 32 == 0:
+            return "folded"
+        return "exact" if rows >= AMX_MIN_ROWS else "vector"
+
+    def __call__(self, x: torch.Tensor, packed: PackedGroups, bias: torch.Tensor | None = None,
+                 residual: torch.Tensor | None = None, path: str | None = None) -> torch.Tensor:
+        """x [rows, in] (bf16 or float32; other float dtypes via float32) times the weight,
+        + bias (float32 [out]), + residual [rows, out], rounded once to x's dtype. `path`
+        (tests and benchmarks) overrides the one self.path picks; an AMX path needs AMX
+        (self.amx) and bf16 inputs, "folded" an input width a multiple of 32."""
+        out_dtype = x.dtype
+        if x.dtype not in (torch.bfloat16, torch.float32):
+            x = x.float()
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        rows, (n, k) = x.shape[0], packed.shape
+        if x.shape[1] != k:
+            raise ValueError(f"input of width {x.shape[1]} for a weight of width {k}")
+        out = torch.empty(rows, n, dtype=x.dtype)
+        if residual is not None:
+            residual = residual.to(x.dtype)
+            if residual.stride(-1) != 1:
+                residual = residual.contiguous()
+        path = path or self.path(rows, x.dtype, packed)
+        if path == "expand":
+            return self._expand_mm(x, packed, bias, residual).to(out_dtype)
+        if rows:
+            failed = self._fn(x.data_ptr(), int(x.dtype == torch.bfloat16), x.stride(0), rows, k,
+                              packed.values.data_ptr(), packed.scale.data_ptr(),
+                              None if packed.offset is None else packed.offset.data_ptr(), n, packed.group_size,
+                              None if bias is None else bias.data_ptr(),
+                              None if residual is None else residual.data_ptr(),
+                              0 if residual is None else residual.stride(0), out.data_ptr(), n,
+                              torch.get_num_threads(), PATHS[path])
+            if failed:
+                raise MemoryError(f"int8 groups: no memory for a {rows} x {k} input's float32 copy")
+        return out if out.dtype == out_dtype else out.to(out_dtype)
+
+
+@cache
+def group_kernel() -> GroupKernel | None:
+    """The kernel, built and checked against group_linear_general on first use; None where
+    it cannot be built or disagrees (a warning says why): the general path runs instead."""
+    return checked(GroupKernel, _mismatch, "int8 group linears take the general path")
+
+
+def _mismatch(kernel: GroupKernel) -> str:
+    """'' when every path this CPU runs gives the general path's result, else what differs:
+    within 2^-7 of the sum of the terms' magnitudes (one bf16 rounding of the output, and
+    of each weight where the path rounds the weights to bf16: a wrong scale, offset, tile or
+    row is off by far more), at rows of every row block's remainder, with offsets, a bias
+    and a residual, in groups of 16 and 32, float32 inputs on the vector loop."""
+    g = torch.Generator().manual_seed(0)
+    paths = ["vector", "expand"] + (["exact", "folded"] if kernel.amx else [])
+    for size in (16, 32):
+        groups = GroupWeights(torch.randint(-128, 128, (48, 96), dtype=torch.int8, generator=g),
+                              torch.rand(48, 96 // size, generator=g), torch.randn(48, 96 // size, generator=g), size)
+        bias = torch.randn(48, generator=g)
+        packed = kernel.pack(groups)
+        for path in paths:
+            for rows in (1, 2, 3, 4, 5, 9, 17):
+                for dtype in (torch.float32, torch.bfloat16) if path == "vector" else (torch.bfloat16,):
+                    x, h = torch.randn(rows, 96, generator=g).to(dtype), torch.randn(rows, 48, generator=g).to(dtype)
+                    got = kernel(x, packed, bias, h, path=path).float()
+                    expected = group_linear_general(x, groups, bias, h).float()
+                    magnitude = x.float().abs() @ groups.weight().abs().t() + h.float().abs() + bias.abs()
+                    if not ((got - expected).abs() <= magnitude * 2.0 ** -7).all():
+                        return f"the {path} path differs from the general path at {rows} {dtype} rows, groups of {size}"
+    return ""
+
+
 def make_group_linear(groups: GroupWeights, bias: torch.Tensor | None) -> tuple[Linear, ResidualLinear]:
     """(linear, residual_linear) for a group weight: inputs and outputs in the activations'
     dtype (bf16 or float32), products and sums in float32."""
     groups.check()
     bias32 = None if bias is None else bias.detach().float()
+    kernel = group_kernel() if GroupKernel.packable(groups) else None
+    if kernel is not None:
+        packed = kernel.pack(groups)  # the only copy kept: the caller drops `groups`
+
+        def fast_linear(x: torch.Tensor) -> torch.Tensor:
+            return kernel(x, packed, bias32)
+
+        def fast_residual(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+            return kernel(x, packed, bias32, h)
+
+        return fast_linear, fast_residual
 
     def linear(x: torch.Tensor) -> torch.Tensor:
         return group_linear_general(x, groups, bias32)

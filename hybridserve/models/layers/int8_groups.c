@@ -1,0 +1,417 @@
+/* A linear whose weight is int8 values times a float32 scale (plus an offset) per group of
+ * consecutive weights of a row: the GGUF's own blocks (models/layers/int8_groups.py packs
+ * them and calls this; models/loaders/gguf_groups.py reads them):
+ *   out[m, n] = sum_g scale[n, g] * sum_{k in g} q[n, k] * x[m, k]
+ *             + offset[n, g] * sum_{k in g} x[m, k]      (+ bias[n], + residual[m, n])
+ * Every product of an int8 value and an input (bf16 or float32) is exact in float32, each
+ * group's sum is multiplied once by its scale, and the output is rounded once to the
+ * input's dtype: the file's values times the input, float32 rounding aside. That holds on
+ * the vector loop (group_linear's amx 0, any CPU) and on AMX_EXACT's tile products per
+ * group; for larger steps AMX_FOLDED and group_expand round each weight to bf16 first
+ * (the arithmetic of a bf16 model), which lets a tile product run over all of K.
+ *
+ * Layout: the weight in tiles of TILE output columns, values [N / TILE][K][TILE] (the
+ * TILE columns' values of one k side by side, so one vector load feeds TILE outputs),
+ * scale and offset [N / TILE][K / group][TILE]. A tile's values are read once per block of
+ * ROW_BLOCK rows and stay in L1 / L2 between blocks, so one row streams each weight byte
+ * once: what makes the kernel fast at decode's row counts is reading 1-1.25 bytes a
+ * weight instead of bf16's 2. OpenMP spreads the tiles over torch's threads. */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include "native_vectors.h"
+
+#define TILE 16
+#define NV (TILE / LANES)
+#define ROW_BLOCK 4
+
+typedef int32_t vi __attribute__((vector_size(LANES * 4)));
+
+/* LANES int8 values as float32 lanes (exact). Spelled with intrinsics where the target has
+ * a sign-extending load: GCC converts a vector of int8 to float one lane at a time. */
+static inline vf load_i8(const int8_t *p) {
+#if defined(__AVX512F__) && LANES == 16
+    __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif defined(__AVX2__) && LANES == 8
+    __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#else
+    vi i;
+    for (int l = 0; l < LANES; l++) i[l] = p[l];
+    vf f = __builtin_convertvector(i, vf);
+#endif
+    vf v;
+    memcpy(&v, &f, sizeof v);
+    return v;
+}
+
+/* One tile's outputs for `mb` (a constant once inlined) rows of xf from row 0, into res.
+ * Two sets of accumulators take alternate k: one chain of dependent adds per group would
+ * leave the FMA units waiting on each other's latency at one row. */
+static inline __attribute__((always_inline)) void tile_rows(const int mb, const float *xf, const float *xsum, int64_t K,
+                                                            int64_t groups, int64_t gs, const int8_t *vt,
+                                                            const float *st, const float *ot, float *res) {
+    vf tot[ROW_BLOCK][NV];
+    for (int r = 0; r < mb; r++)
+        for (int v = 0; v < NV; v++) tot[r][v] = splat(0.0f);
+    for (int64_t g = 0; g < groups; g++) {
+        vf acc[2][ROW_BLOCK][NV];
+        for (int p = 0; p < 2; p++)
+            for (int r = 0; r < mb; r++)
+                for (int v = 0; v < NV; v++) acc[p][r][v] = splat(0.0f);
+        const int8_t *w = vt + g * gs * TILE;
+        const float *xg = xf + g * gs;
+        for (int64_t k = 0; k < gs; k += 2)
+            for (int p = 0; p < 2; p++)
+                for (int v = 0; v < NV; v++) {
+                    const vf wv = load_i8(w + (k + p) * TILE + v * LANES);
+                    for (int r = 0; r < mb; r++) acc[p][r][v] += wv * splat(xg[r * K + k + p]);
+                }
+        for (int v = 0; v < NV; v++) {
+            const vf s = load_f32(st + g * TILE + v * LANES);
+            for (int r = 0; r < mb; r++) tot[r][v] += s * (acc[0][r][v] + acc[1][r][v]);
+        }
+        if (ot)
+            for (int v = 0; v < NV; v++) {
+                const vf o = load_f32(ot + g * TILE + v * LANES);
+                for (int r = 0; r < mb; r++) tot[r][v] += o * splat(xsum[r * groups + g]);
+            }
+    }
+    for (int r = 0; r < mb; r++)
+        for (int v = 0; v < NV; v++) store_f32(res + r * TILE + v * LANES, tot[r][v]);
+}
+
+static inline float load_any(const void *p, int bf16, int64_t i) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* AMX: from a few rows on, the products of a row block and a group are one tile product.
+ * Per tile of TILE output columns, every group's values are expanded once to bf16 (exact
+ * for int8) in AMX's pair layout; then for each block of AMX_ROWS input rows (bf16, padded
+ * with zero rows) one tdpbf16ps per group gives the group's 16 x 16 float32 sums, which
+ * are stored and added times the group's scale (and its offset times the rows' sums of
+ * the group's inputs) to 16 output registers: the same arithmetic as the vector path, the
+ * file's values exactly. Compiled with target attributes, called only where the CPU has
+ * amx_bf16 and the kernel obtained the tile state from Linux (group_linear_amx_ready). */
+#if defined(__x86_64__) && defined(__GNUC__) && (defined(__clang__) || __GNUC__ >= 11) && defined(__AVX512F__)
+#define HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_ROWS 16
+#define AMX_EXACT 1  /* group_linear's amx: per-group tile products, the file's values exactly */
+#define AMX_FOLDED 2 /* the weights rounded to bf16 per tile, products over all of K (K % 32 == 0) */
+#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16")))
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* 1 where Linux lets this process use AMX's tile data (asked for once), else 0. */
+int group_linear_amx_ready(void) {
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
+/* The exact path's tiles: 0-3 four groups' sums (16 rows x 16 float32) in flight, 4 a row
+ * block's inputs of one group (16 rows x gs bf16), 5 the group's values (gs / 2 pairs of
+ * rows, TILE columns of bf16 pairs). The folded path configures gs = 32 and takes 6 and 7
+ * too (amx_tiles_folded). */
+AMX_TARGET static void amx_configure(int64_t gs) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 4; t++) {
+        cfg.rows[t] = AMX_ROWS;
+        cfg.colsb[t] = TILE * 4;
+    }
+    cfg.rows[4] = AMX_ROWS;          /* inputs: 16 rows of gs bf16 */
+    cfg.colsb[4] = (uint16_t)(gs * 2);
+    cfg.rows[5] = (uint8_t)(gs / 2); /* values: gs / 2 pairs of rows, TILE columns of bf16 pairs */
+    cfg.colsb[5] = TILE * 4;
+    for (int t = 6; t < 8; t++) {
+        cfg.rows[t] = AMX_ROWS;
+        cfg.colsb[t] = TILE * 4;
+    }
+    /* GCC's _tile_loadconfig tells the compiler it reads one byte of cfg, so without this
+     * barrier the other fields' stores may be dropped (ldtilecfg then faults). */
+    __asm__ __volatile__("" : : "r"(&cfg) : "memory");
+    _tile_loadconfig(&cfg);
+}
+
+AMX_TARGET static void amx_release(void) { _tile_release(); }
+
+/* Values [K][TILE] int8 of one tile -> bf16 pairs [K / 2][TILE][2]. */
+AMX_TARGET static void expand_pairs(const int8_t *vt, int64_t K, uint16_t *pairs) {
+    for (int64_t k = 0; k < K; k += 2) {
+        const __m128i a = _mm_loadu_si128((const __m128i *)(vt + k * TILE));
+        const __m128i b = _mm_loadu_si128((const __m128i *)(vt + (k + 1) * TILE));
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi8(a, b)));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpackhi_epi8(a, b)));
+        _mm512_storeu_si512((void *)(pairs + k * TILE), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+}
+
+/* The same tile's weights (values times scale, plus offset) rounded to bf16 in the pair
+ * layout: the large-step path, whose tile products then run over all of K at once. */
+AMX_TARGET static void expand_weights(const int8_t *vt, const float *st, const float *ot, int64_t K, int64_t gs,
+                                      uint16_t *pairs) {
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23,
+                                                7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (int64_t k = 0; k < K; k += 2) {
+        const int64_t g = k / gs;
+        const __m512 scale = _mm512_loadu_ps(st + g * TILE);
+        const __m512 offset = ot ? _mm512_loadu_ps(ot + g * TILE) : _mm512_setzero_ps();
+        const __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128((const __m128i *)(vt + k * TILE)))), scale, offset);
+        const __m512 b = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128((const __m128i *)(vt + (k + 1) * TILE)))), scale, offset);
+        /* a0..a15 b0..b15 as bf16, then a0 b0 a1 b1 ...: column c's pair in 32-bit lane c */
+        const __m512i ab = (__m512i)_mm512_cvtne2ps_pbh(b, a);
+        _mm512_storeu_si512((void *)(pairs + k * TILE), _mm512_permutexvar_epi16(interleave, ab));
+    }
+}
+
+/* Rows 0 .. M (a multiple of AMX_ROWS) of two adjacent tiles from their bf16 weights
+ * (pairs0, pairs1): tile products over K in steps of 32, two row blocks at a time, so each
+ * input and weight tile loaded serves two products (tiles 0-3 the four sums, 4 and 5 the
+ * row blocks' inputs, 6 and 7 the two tiles' weights). res0 / res1: [M][TILE] each. */
+AMX_TARGET static void amx_tiles_folded(const uint16_t *xpad, int64_t M, int64_t K, const uint16_t *pairs0,
+                                        const uint16_t *pairs1, float *res0, float *res1) {
+    int64_t m0 = 0;
+    for (; m0 + 2 * AMX_ROWS <= M; m0 += 2 * AMX_ROWS) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t k = 0; k < K; k += 32) {
+            _tile_loadd(4, xpad + m0 * K + k, K * 2);
+            _tile_loadd(5, xpad + (m0 + AMX_ROWS) * K + k, K * 2);
+            _tile_loadd(6, pairs0 + k * TILE, TILE * 4);
+            _tile_loadd(7, pairs1 + k * TILE, TILE * 4);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, res0 + m0 * TILE, TILE * 4);
+        _tile_stored(1, res1 + m0 * TILE, TILE * 4);
+        _tile_stored(2, res0 + (m0 + AMX_ROWS) * TILE, TILE * 4);
+        _tile_stored(3, res1 + (m0 + AMX_ROWS) * TILE, TILE * 4);
+    }
+    if (m0 < M) {
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t k = 0; k < K; k += 32) {
+            _tile_loadd(4, xpad + m0 * K + k, K * 2);
+            _tile_loadd(6, pairs0 + k * TILE, TILE * 4);
+            _tile_loadd(7, pairs1 + k * TILE, TILE * 4);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+        _tile_stored(0, res0 + m0 * TILE, TILE * 4);
+        _tile_stored(1, res1 + m0 * TILE, TILE * 4);
+    }
+}
+
+#define AMX_PRODUCT(T, g)                                                                   \
+    do {                                                                                  \
+        _tile_zero(T);                                                                    \
+        _tile_loadd(4, xb + (g) * gs, K * 2);                                             \
+        _tile_loadd(5, pairs + (g) * gs * TILE, TILE * 4);                                \
+        _tile_dpbf16ps(T, 4, 5);                                                          \
+        _tile_stored(T, sums + (T) * AMX_ROWS * TILE, TILE * 4);                          \
+    } while (0)
+
+AMX_TARGET static void amx_tile(const uint16_t *xpad, const float *xsum, int64_t M, int64_t K, int64_t groups,
+                                int64_t gs, const int8_t *vt, const float *st, const float *ot, uint16_t *pairs,
+                                float *res) {
+    expand_pairs(vt, K, pairs);
+    float sums[4 * AMX_ROWS * TILE] __attribute__((aligned(64)));
+    for (int64_t m0 = 0; m0 < M; m0 += AMX_ROWS) {
+        const uint16_t *xb = xpad + m0 * K;
+        __m512 acc[AMX_ROWS];
+        for (int r = 0; r < AMX_ROWS; r++) acc[r] = _mm512_setzero_ps();
+        for (int64_t g0 = 0; g0 < groups; g0 += 4) {
+            const int n = groups - g0 < 4 ? (int)(groups - g0) : 4;
+            AMX_PRODUCT(0, g0);
+            if (n > 1) AMX_PRODUCT(1, g0 + 1);
+            if (n > 2) AMX_PRODUCT(2, g0 + 2);
+            if (n > 3) AMX_PRODUCT(3, g0 + 3);
+            for (int j = 0; j < n; j++) {
+                const int64_t g = g0 + j;
+                const __m512 scale = _mm512_loadu_ps(st + g * TILE);
+                const float *sj = sums + j * AMX_ROWS * TILE;
+                for (int r = 0; r < AMX_ROWS; r++)
+                    acc[r] = _mm512_fmadd_ps(scale, _mm512_load_ps(sj + r * TILE), acc[r]);
+                if (ot) {
+                    const __m512 offset = _mm512_loadu_ps(ot + g * TILE);
+                    for (int r = 0; r < AMX_ROWS; r++)
+                        acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xsum[(m0 + r) * groups + g]), acc[r]);
+                }
+            }
+        }
+        for (int r = 0; r < AMX_ROWS; r++) _mm512_storeu_ps(res + (m0 + r) * TILE, acc[r]);
+    }
+}
+#endif
+
+/* Rows m0 .. m0 + rows of tile t's outputs (res[r * TILE + c]) + bias + residual, rounded
+ * to out's dtype. */
+static void store_rows(const float *res, int64_t rows, int64_t m0, int64_t t, int32_t x_bf16, const float *bias,
+                       const void *residual, int64_t ldr, void *out, int64_t ldo) {
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t m = m0 + r;
+        for (int c = 0; c < TILE; c++) {
+            const int64_t n = t * TILE + c;
+            float y = res[r * TILE + c];
+            if (bias) y += bias[n];
+            if (residual) y += load_any(residual, x_bf16, m * ldr + n);
+            if (x_bf16)
+                ((uint16_t *)out)[m * ldo + n] = f32_to_bf16(y);
+            else
+                ((float *)out)[m * ldo + n] = y;
+        }
+    }
+}
+
+/* x: [M, K] bf16 (x_bf16) or float32, rows ldx elements apart; values, scale, offset (or
+ * NULL): the tiled layout above, N a multiple of TILE, K of gs, gs even; bias: float32 [N]
+ * or NULL; residual: [M, N] in x's dtype, rows ldr apart, or NULL; out: [M, N] in x's
+ * dtype, rows ldo apart. Returns 0, or -1 where its scratch cannot be allocated. */
+int group_linear(const void *x, int32_t x_bf16, int64_t ldx, int64_t M, int64_t K, const int8_t *values,
+                 const float *scale, const float *offset, int64_t N, int64_t gs, const float *bias,
+                 const void *residual, int64_t ldr, void *out, int64_t ldo, int32_t num_threads, int32_t amx) {
+    const int64_t groups = K / gs, tiles = N / TILE;
+#ifdef HAVE_AMX
+    if (amx && x_bf16) {
+        const int64_t padded = (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
+        uint16_t *xpad = calloc((size_t)(padded * K), sizeof(uint16_t));
+        float *xsum = calloc((size_t)(padded * groups), sizeof(float));
+        int failed = !xpad || !xsum;
+        if (!failed) {
+            for (int64_t m = 0; m < M; m++) {
+                const uint16_t *row = (const uint16_t *)x + m * ldx;
+                memcpy(xpad + m * K, row, (size_t)K * sizeof(uint16_t));
+                if (offset && amx == AMX_EXACT)
+                    for (int64_t g = 0; g < groups; g++) {
+                        float sum = 0.0f;
+                        for (int64_t k = g * gs; k < (g + 1) * gs; k++) sum += bf16_to_f32(row[k]);
+                        xsum[m * groups + g] = sum;
+                    }
+            }
+#pragma omp parallel num_threads(num_threads) if (tiles > 1)
+            {
+                /* the folded path takes two tiles at a time: room for both */
+                uint16_t *pairs = aligned_alloc(64, (size_t)(2 * K * TILE) * sizeof(uint16_t));
+                float *res = aligned_alloc(64, (size_t)(2 * padded * TILE) * sizeof(float));
+                if (!pairs || !res) {
+#pragma omp atomic write
+                    failed = 1;
+                } else {
+                    amx_configure(amx == AMX_FOLDED ? 32 : gs);
+                }
+                const int64_t step = amx == AMX_FOLDED ? 2 : 1, units = (tiles + step - 1) / step;
+#pragma omp for schedule(static)
+                for (int64_t u = 0; u < units; u++) {
+                    if (!pairs || !res) continue;
+                    const int64_t t = u * step;
+                    if (amx == AMX_FOLDED) {
+                        /* a last tile without a neighbour is multiplied twice, stored once */
+                        const int64_t t1 = t + 1 < tiles ? t + 1 : t;
+                        uint16_t *pairs1 = pairs + K * TILE;
+                        float *res1 = res + padded * TILE;
+                        for (int64_t tt = t, i = 0; i < 2; tt = t1, i++)
+                            expand_weights(values + tt * K * TILE, scale + tt * groups * TILE,
+                                           offset ? offset + tt * groups * TILE : NULL, K, gs, pairs + i * K * TILE);
+                        amx_tiles_folded(xpad, padded, K, pairs, pairs1, res, res1);
+                        store_rows(res, M, 0, t, x_bf16, bias, residual, ldr, out, ldo);
+                        if (t1 != t) store_rows(res1, M, 0, t1, x_bf16, bias, residual, ldr, out, ldo);
+                    } else {
+                        amx_tile(xpad, xsum, padded, K, groups, gs, values + t * K * TILE, scale + t * groups * TILE,
+                                 offset ? offset + t * groups * TILE : NULL, pairs, res);
+                        store_rows(res, M, 0, t, x_bf16, bias, residual, ldr, out, ldo);
+                    }
+                }
+                if (pairs && res) amx_release();
+                free(pairs);
+                free(res);
+            }
+        }
+        free(xpad);
+        free(xsum);
+        return failed ? -1 : 0;
+    }
+#endif
+    float *xf = malloc(sizeof(float) * (size_t)(M * K + (offset ? M * groups : 0)));
+    if (!xf) return -1;
+    float *xsum = xf + M * K;
+    for (int64_t m = 0; m < M; m++) {
+        for (int64_t k = 0; k < K; k++) xf[m * K + k] = load_any(x, x_bf16, m * ldx + k);
+        if (offset)
+            for (int64_t g = 0; g < groups; g++) {
+                float s = 0.0f;
+                for (int64_t k = g * gs; k < (g + 1) * gs; k++) s += xf[m * K + k];
+                xsum[m * groups + g] = s;
+            }
+    }
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (tiles > 1)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int8_t *vt = values + t * K * TILE;
+        const float *st = scale + t * groups * TILE;
+        const float *ot = offset ? offset + t * groups * TILE : NULL;
+        float res[ROW_BLOCK * TILE];
+        for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
+            const int mb = M - m0 < ROW_BLOCK ? (int)(M - m0) : ROW_BLOCK;
+            const float *xm = xf + m0 * K, *sm = xsum + m0 * groups;
+            switch (mb) {
+            case 1: tile_rows(1, xm, sm, K, groups, gs, vt, st, ot, res); break;
+            case 2: tile_rows(2, xm, sm, K, groups, gs, vt, st, ot, res); break;
+            case 3: tile_rows(3, xm, sm, K, groups, gs, vt, st, ot, res); break;
+            default: tile_rows(ROW_BLOCK, xm, sm, K, groups, gs, vt, st, ot, res); break;
+            }
+            store_rows(res, mb, m0, t, x_bf16, bias, residual, ldr, out, ldo);
+        }
+    }
+    free(xf);
+    return 0;
+}
+
+/* The weight (values times scale, plus offset) rounded to bf16, transposed: out [K][N]
+ * (each tile's TILE values of one k land side by side). For large steps, whose products
+ * a GEMM library then takes at its own speed. */
+void group_expand(const int8_t *values, const float *scale, const float *offset, int64_t N, int64_t K, int64_t gs,
+                  uint16_t *out, int32_t num_threads) {
+    const int64_t groups = K / gs, tiles = N / TILE;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (tiles > 1)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int8_t *vt = values + t * K * TILE;
+        for (int64_t g = 0; g < groups; g++) {
+            vf s[NV], o[NV];
+            for (int v = 0; v < NV; v++) {
+                s[v] = load_f32(scale + (t * groups + g) * TILE + v * LANES);
+                o[v] = offset ? load_f32(offset + (t * groups + g) * TILE + v * LANES) : splat(0.0f);
+            }
+            for (int64_t k = g * gs; k < (g + 1) * gs; k++)
+                for (int v = 0; v < NV; v++)
+                    store_bf16(out + k * N + t * TILE + v * LANES, round_bf16(load_i8(vt + k * TILE + v * LANES) * s[v] + o[v]));
+        }
+    }
+}
+
+/* 1 where this build has the AMX path (group_linear_amx_ready then says whether it runs). */
+int group_linear_has_amx(void) {
+#ifdef HAVE_AMX
+    return 1;
+#else
+    return 0;
+#endif
+}

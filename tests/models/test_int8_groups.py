@@ -1,0 +1,201 @@
+"""int8 groups: a weight held as int8 values times a scale (plus an offset) per group, the
+GGUF's blocks (models/layers/int8_groups.py). Products worked out by hand; the general path
+and every kernel path against float64 products of the groups' values, for all shapes,
+group sizes and row counts (hypothesis), each within what its arithmetic allows: the exact
+paths (vector loop, AMX per group) to float32 sums and one rounding of the output, the
+paths over bf16-rounded weights (folded AMX, expand) to bf16's rounding of each weight;
+q, k, v stacked with different group sizes; which path each row count takes; bad input
+refused; a kernel that disagrees is not used."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from hybridserve.core.errors import ConfigError  # noqa: E402
+from hybridserve.models.layers import int8_groups  # noqa: E402
+from hybridserve.models.layers.int8_groups import (  # noqa: E402
+    AMX_MIN_ROWS,
+    EXPAND_MIN_ROWS,
+    EXPAND_MIN_ROWS_NO_AMX,
+    FOLDED_MIN_ROWS,
+    GroupKernel,
+    GroupWeights,
+    concat_rows,
+    group_kernel,
+    group_linear_general,
+    make_group_linear,
+)
+from tests.helpers.native_kernels import check_refused  # noqa: E402
+
+KERNEL = group_kernel()
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C compiler: the kernel is not built")
+# The paths this CPU runs: the AMX ones where the kernel found AMX.
+PATHS = ["vector", "expand"] + (["exact", "folded"] if KERNEL is not None and KERNEL.amx else [])
+EXACT_PATHS = {"vector", "exact"}
+BF16_EPS = 2.0 ** -8  # bf16's relative rounding bound (8 significant bits)
+
+
+def test_the_kernel_is_built_where_a_compiler_is() -> None:
+    """A kernel refused by its own check would leave every test below skipped: here it fails."""
+    import shutil
+
+    from hybridserve.models.platform.native_build import CC_ENV
+    import os
+
+    if shutil.which(os.environ.get(CC_ENV, "cc")) is not None:
+        assert KERNEL is not None
+
+
+def hand_groups() -> GroupWeights:
+    """16 output rows of 4 weights in groups of 2; row 0 by hand, the others zero:
+    values [1, -2 | 3, 4], scales [0.5 | 0.25], offsets [1 | -1], so the weights are
+    [1.5, 0 | -0.25, 0]."""
+    values = torch.zeros(16, 4, dtype=torch.int8)
+    values[0] = torch.tensor([1, -2, 3, 4], dtype=torch.int8)
+    scale = torch.zeros(16, 2)
+    scale[0] = torch.tensor([0.5, 0.25])
+    offset = torch.zeros(16, 2)
+    offset[0] = torch.tensor([1.0, -1.0])
+    return GroupWeights(values, scale, offset, 2)
+
+
+def test_weights_and_products_by_hand() -> None:
+    """x = [1, 2, 3, 4]: 1.5*1 + 0*2 - 0.25*3 + 0*4 = 0.75; plus bias 2 and residual -1:
+    1.75 (every value exact in bf16 and float32)."""
+    groups = hand_groups()
+    assert groups.weight()[0].tolist() == [1.5, 0.0, -0.25, 0.0]
+    x = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    bias, residual = torch.full((16,), 2.0), torch.full((1, 16), -1.0)
+    for dtype in (torch.float32, torch.bfloat16):
+        out = group_linear_general(x.to(dtype), groups, bias, residual.to(dtype))
+        assert out.dtype == dtype and out[0, 0].item() == 1.75 and out[0, 1:].tolist() == [1.0] * 15
+
+
+@needs_kernel
+@pytest.mark.parametrize("path", [p for p in PATHS if p != "folded"])  # folded: widths of whole 32s
+def test_kernel_paths_by_hand(path: str) -> None:
+    groups = hand_groups()
+    packed = KERNEL.pack(groups)
+    x = torch.tensor([[1.0, 2.0, 3.0, 4.0]] * 3)
+    dtype = torch.float32 if path == "vector" else torch.bfloat16
+    out = KERNEL(x.to(dtype), packed, torch.full((16,), 2.0), torch.full((3, 16), -1.0).to(dtype), path=path)
+    assert out.dtype == dtype and out[:, 0].tolist() == [1.75] * 3 and out[:, 1:].eq(1.0).all()
+
+
+def _random_groups(rng: np.random.Generator, out: int, width: int, size: int, offsets: bool) -> GroupWeights:
+    scale = rng.uniform(0.001, 0.02, (out, width // size)).astype(np.float32)
+    offset = rng.uniform(-0.05, 0.05, (out, width // size)).astype(np.float32) if offsets else None
+    return GroupWeights.from_numpy(rng.integers(-128, 128, (out, width), dtype=np.int8), scale, offset, size)
+
+
+def _reference(x: torch.Tensor, groups: GroupWeights) -> np.ndarray:
+    """float64 products of the groups' values (each weight q * s + o in float64)."""
+    v = groups.values.numpy().astype(np.float64)
+    rows, width = v.shape
+    w = v.reshape(rows, -1, groups.group_size) * groups.scale.numpy().astype(np.float64)[..., None]
+    if groups.offset is not None:
+        w += groups.offset.numpy().astype(np.float64)[..., None]
+    return x.double().numpy() @ w.reshape(rows, width).T
+
+
+def _bound(x: torch.Tensor, groups: GroupWeights, exact: bool, dtype: torch.dtype) -> np.ndarray:
+    """How far an output may be from the float64 product: float32 sums (a few units of 2^-24
+    of sum |w x| for these widths), bf16-rounded weights (2^-8 of it) where the path rounds
+    them, and one rounding of the output to `dtype`."""
+    magnitude = np.abs(x.double().numpy()) @ np.abs(groups.weight().double().numpy()).T
+    product_error = magnitude * (BF16_EPS if not exact else 64 * 2.0 ** -24)
+    return product_error + magnitude * (BF16_EPS if dtype == torch.bfloat16 else 2.0 ** -24) + 1e-30
+
+
+@needs_kernel
+@settings(max_examples=40, deadline=None)
+@given(tiles=st.integers(1, 3), width_32s=st.integers(1, 4), size=st.sampled_from([16, 32]), offsets=st.booleans(),
+       rows=st.integers(1, 40), seed=st.integers(0, 2 ** 16), path=st.sampled_from(PATHS + ["auto"]))
+def test_every_path_is_the_groups_product(tiles: int, width_32s: int, size: int, offsets: bool, rows: int,
+                                          seed: int, path: str) -> None:
+    rng = np.random.default_rng(seed)
+    groups = _random_groups(rng, 16 * tiles, 32 * width_32s, size, offsets)
+    dtype = torch.float32 if path == "vector" and seed % 2 else torch.bfloat16
+    x = torch.from_numpy(rng.standard_normal((rows, 32 * width_32s)).astype(np.float32)).to(dtype)
+    got = KERNEL(x, KERNEL.pack(groups), path=None if path == "auto" else path)
+    exact = (path if path != "auto" else KERNEL.path(rows, dtype, KERNEL.pack(groups))) in EXACT_PATHS
+    assert got.dtype == dtype and got.shape == (rows, 16 * tiles)
+    error = np.abs(got.double().numpy() - _reference(x, groups))
+    assert (error <= _bound(x, groups, exact, dtype)).all()
+
+
+@settings(max_examples=20, deadline=None)
+@given(width_16s=st.integers(1, 6), rows=st.integers(1, 5), seed=st.integers(0, 2 ** 16))
+def test_the_general_path_is_the_groups_product(width_16s: int, rows: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    groups = _random_groups(rng, 24, 16 * width_16s, 16, seed % 2 == 0)
+    x = torch.from_numpy(rng.standard_normal((rows, 16 * width_16s)).astype(np.float32))
+    error = np.abs(group_linear_general(x, groups).double().numpy() - _reference(x, groups))
+    assert (error <= _bound(x, groups, True, torch.float32)).all()
+
+
+def test_stacked_rows_keep_each_part_s_weights() -> None:
+    """q in groups of 32 with offsets, k in groups of 16 without: stacked in groups of 16,
+    each part's weight unchanged (offsets zero where a part had none)."""
+    rng = np.random.default_rng(0)
+    q, k = _random_groups(rng, 32, 64, 32, True), _random_groups(rng, 16, 64, 16, False)
+    qk = concat_rows([q, k])
+    assert qk.group_size == 16 and qk.values.shape == (48, 64) and qk.offset is not None
+    assert torch.equal(qk.weight(), torch.cat([q.weight(), k.weight()]))
+    assert qk.offset[32:].eq(0).all()
+
+
+@needs_kernel
+def test_each_row_count_takes_its_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    packed = KERNEL.pack(hand_groups())
+    wide = KERNEL.pack(_random_groups(np.random.default_rng(1), 16, 64, 32, False))
+    monkeypatch.setattr(KERNEL, "amx", True)
+    assert [KERNEL.path(r, torch.bfloat16, wide) for r in (1, AMX_MIN_ROWS - 1, AMX_MIN_ROWS, FOLDED_MIN_ROWS - 1,
+                                                              FOLDED_MIN_ROWS, EXPAND_MIN_ROWS - 1, EXPAND_MIN_ROWS)] \
+        == ["vector", "vector", "exact", "exact", "folded", "folded", "expand"]
+    assert KERNEL.path(FOLDED_MIN_ROWS, torch.bfloat16, packed) == "exact"  # width 4: not whole 32s
+    assert KERNEL.path(EXPAND_MIN_ROWS, torch.float32, wide) == "vector"  # float32: the exact loop always
+    monkeypatch.setattr(KERNEL, "amx", False)
+    assert [KERNEL.path(r, torch.bfloat16, wide) for r in (1, EXPAND_MIN_ROWS_NO_AMX - 1, EXPAND_MIN_ROWS_NO_AMX)] \
+        == ["vector", "vector", "expand"]
+
+
+@needs_kernel
+def test_make_group_linear_keeps_only_the_packed_tiles() -> None:
+    groups = _random_groups(np.random.default_rng(2), 32, 64, 32, True)
+    linear, residual = make_group_linear(groups, torch.ones(32))
+    x = torch.randn(2, 64)
+    h = torch.randn(2, 32)
+    assert torch.allclose(residual(h, x), linear(x) + h, atol=1e-5)
+    cells = [c.cell_contents for c in linear.__closure__ or ()]  # type: ignore[union-attr]
+    assert not any(isinstance(c, GroupWeights) for c in cells)  # the row-major copy is not held
+
+
+def test_bad_weights_are_refused() -> None:
+    good = hand_groups()
+    with pytest.raises(ConfigError, match="whole groups"):
+        GroupWeights(good.values, good.scale, None, 3).check()
+    with pytest.raises(ConfigError, match="scale must be float32"):
+        GroupWeights(good.values, good.scale.double(), None, 2).check()
+    with pytest.raises(ConfigError, match="int8"):
+        GroupWeights(good.values.int(), good.scale, None, 2).check()
+    with pytest.raises(ConfigError, match="cannot be split"):
+        good.regrouped(3)
+
+
+@needs_kernel
+def test_a_mismatched_input_is_refused() -> None:
+    with pytest.raises(ValueError, match="width 5"):
+        KERNEL(torch.zeros(1, 5), KERNEL.pack(hand_groups()))
+
+
+@needs_kernel
+def test_a_kernel_that_disagrees_is_not_used(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    check_refused(monkeypatch, caplog, GroupKernel, int8_groups.group_kernel,
+                  lambda real, self, *args, **kw: real(self, *args, **kw) * 1.5, "general path")

@@ -1,8 +1,9 @@
 """--quantization gguf-groups: a GGUF's decoder linears served as the file's own int8 groups.
 
-A tiny Llama GGUF (tests/helpers/tiny_llama_gguf.py) with hidden size 256, so every linear
-can be Q8_0, Q5_0, Q6_K or Q4_K: each layer mixes all four, q and k among them (their rows
-reordered per head by the conversion, which the groups must follow), so the fused qkv and
+Tiny Llama and Gemma 3 GGUFs (tests/helpers/tiny_gguf.py) with hidden size 256, so every
+linear can be Q8_0, Q5_0, Q6_K or Q4_K: each layer mixes all four, q and k among them (in
+the Llama their rows reordered per head by the conversion, which the groups must follow;
+the Gemma adds sandwich and q/k norms), so the fused qkv and
 gate|up stack parts of different group sizes, with and without offsets. In float32 the
 groups' weights are exactly the dequantized ones, so the decoder computes what
 `--quantization none` computes up to float summation order. The whole model is compared
@@ -34,7 +35,7 @@ from hybridserve.models.loaders.gguf_loader import convert_gguf  # noqa: E402
 from hybridserve.models.loaders.loader import load_model  # noqa: E402
 
 from tests.helpers.int8_gemma3 import LENGTHS, prefill  # noqa: E402
-from tests.helpers.tiny_llama_gguf import write_tiny_llama  # noqa: E402
+from tests.helpers.tiny_gguf import write_tiny_gemma3, write_tiny_llama  # noqa: E402
 
 HIDDEN, INTERMEDIATE = 256, 512
 # Per layer, the types of q, k, v, o, gate, up, down.
@@ -49,10 +50,13 @@ def _types(override: dict[str, Q] | None = None) -> dict[str, Q]:
     return {**types, **(override or {})}
 
 
-@pytest.fixture(scope="module")
-def mixed(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("groups") / "mixed-llama.gguf"
-    write_tiny_llama(path, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, linear_types=_types())
+WRITERS = {"llama": write_tiny_llama, "gemma3": write_tiny_gemma3}
+
+
+@pytest.fixture(scope="module", params=sorted(WRITERS))
+def mixed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("groups") / f"mixed-{request.param}.gguf"
+    WRITERS[request.param](path, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, linear_types=_types())
     return path
 
 
@@ -98,12 +102,12 @@ def test_the_layers_hold_int8_groups_and_no_float_weight(mixed: Path, tmp_path: 
         for name in ("qkv", "o", "gate_up", "down"):
             assert getattr(w, name).numel() == 0  # the dense parameter is empty
             assert getattr(w.groups, name).values.dtype == torch.int8
+        held = {name for name, p in w.named_parameters() if p.is_floating_point() and p.numel()}
+        assert held and held <= set(model._NORMS)  # the norms alone
         assert w.groups.qkv.group_size == w.groups.gate_up.group_size == 16  # a Q6_K part each: the smallest
     first, second = model.layers
     assert first.groups.gate_up.offset is not None and second.groups.qkv.offset is not None  # Q4_K parts
     assert first.groups.qkv.offset is None and second.groups.gate_up.offset is None
-    floats = sum(p.numel() for w in model.layers for p in w.parameters() if p.is_floating_point())
-    assert floats == 2 * 2 * HIDDEN  # the two norms per layer, nothing else
 
 
 def _greedy(model: str | Path, quantization: str) -> list[int]:
@@ -138,8 +142,9 @@ def _safetensors_header(path: Path) -> str:
         return file.read(int.from_bytes(file.read(8), "little")).decode()
 
 
-def test_non_gguf_checkpoints_and_other_tensor_types_are_one_line_errors(mixed: Path, tmp_path: Path) -> None:
-    dense = convert_gguf(mixed, cache_dir=tmp_path, dtype="float32", progress=False)  # an HF directory
+def test_non_gguf_checkpoints_and_other_tensor_types_are_one_line_errors(tmp_path: Path) -> None:
+    write_tiny_llama(tmp_path / "plain.gguf")
+    dense = convert_gguf(tmp_path / "plain.gguf", cache_dir=tmp_path, dtype="float32", progress=False)  # HF
     with pytest.raises(ConfigError, match="needs a GGUF model: .* holds no int8 groups") as error:
         LLM(str(dense), quantization=GROUP_LAYERS, dtype="float32", progress=False)
     assert "\n" not in str(error.value)
@@ -153,7 +158,7 @@ def test_non_gguf_checkpoints_and_other_tensor_types_are_one_line_errors(mixed: 
     assert not list((tmp_path / "converted").glob("*-groups-*"))  # nothing half-converted is left
 
 
-def test_the_cli_exits_2_with_one_line(mixed: Path, tmp_path: Path, capsys, monkeypatch) -> None:
+def test_the_cli_exits_2_with_one_line(tmp_path: Path, capsys, monkeypatch) -> None:
     monkeypatch.setenv("HYBRIDSERVE_CACHE_DIR", str(tmp_path))
     path = tmp_path / "f32-qk.gguf"
     write_tiny_llama(path)  # q and k stored as F32

@@ -37,7 +37,7 @@ from hybridserve.models.loaders.gguf_rope_freqs import llama3_factors  # noqa: E
 from hybridserve.models.loaders.gguf_loader import CONVERSION_MARKER, convert_gguf  # noqa: E402
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint  # noqa: E402
 
-from tests.helpers.tiny_llama_gguf import LLAMA_HEAD_DIM, write_tiny_llama  # noqa: E402
+from tests.helpers.tiny_gguf import LLAMA_HEAD_DIM, write_tiny_llama  # noqa: E402
 
 LLAMA3_SCALING = {
     "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,

@@ -135,6 +135,9 @@ def test_the_cache_keeps_each_mode_apart(mixed: Path, tmp_path: Path, monkeypatc
         grouped = "-groups-" in folder
         assert ("model.layers.0.self_attn.q_proj.weight_values" in names) is grouped
         assert ("model.layers.0.self_attn.q_proj.weight" in names) is not grouped
+        if grouped:  # the groups' folder named as a model, in another mode
+            with pytest.raises(ConfigError, match="holds int8 groups .* load it with that mode"):
+                load_model(tmp_path / "converted" / folder, "cpu", torch.float32, "int8-head")
 
 
 def _safetensors_header(path: Path) -> str:

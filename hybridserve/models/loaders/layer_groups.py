@@ -37,11 +37,16 @@ def check_groups_load(cfg: ModelConfig, tp: TPGroup | None) -> None:
         raise ConfigError("--quantization gguf-groups runs on one tensor-parallel rank")
 
 
-def check_holds_groups(names: list[str], model_dir: Path) -> None:
-    """ConfigError unless the checkpoint's tensor `names` include int8 groups."""
-    if not any(name.endswith(".weight" + _VALUES) for name in names):
+def check_holds_groups(names: list[str], model_dir: Path, wanted: bool) -> None:
+    """ConfigError unless the checkpoint's tensor `names` include int8 groups exactly where
+    they are `wanted` (--quantization gguf-groups)."""
+    held = any(name.endswith(".weight" + _VALUES) for name in names)
+    if wanted and not held:
         raise ConfigError(f"--quantization gguf-groups needs a GGUF model: {model_dir} holds no int8 groups "
                           "(a Hugging Face checkpoint, or a conversion for another mode)")
+    if held and not wanted:
+        raise ConfigError(f"{model_dir} holds int8 groups (a GGUF converted for --quantization gguf-groups): "
+                          "load it with that mode, or the GGUF itself with this one")
 
 
 def take_groups(w: Weights, name: str, shape: tuple[int, int]) -> GroupWeights:

@@ -81,8 +81,7 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
 
         return load_jamba_model(model_dir, cfg, device, dtype, stage, tp)
     checkpoint = open_checkpoint(model_dir)
-    if groups:
-        check_holds_groups(checkpoint.names(), model_dir)
+    check_holds_groups(checkpoint.names(), model_dir, groups)
     if cfg.architecture == GEMMA3_MULTIMODAL:
         checkpoint = TextCheckpoint(checkpoint)  # its language model, under the causal-LM names
     w = Weights(checkpoint, dtype)

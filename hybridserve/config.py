@@ -31,8 +31,9 @@ from hybridserve.core.sched.config import SchedulerConfig
 DEFAULT_KV_CACHE_MEMORY = 1 << 30  # 1 GiB when neither kv_cache_memory nor num_blocks is given
 DEFAULT_MAX_MODEL_LEN_CAP = SchedulerConfig.max_model_len  # default max_model_len: min(model context, this)
 MODEL_DTYPES = ("float32", "bfloat16", "float16", "auto")  # auto: bfloat16 on CPUs with native bf16
-# see models/platform/cpu_features.choose_quantization; "q4": models/layers/head.INT4_LAYERS
-QUANTIZATIONS = ("auto", "none", "int8", "int8-head", "int4", "q4")
+# see models/platform/cpu_features.choose_quantization; "q4": models/layers/head.INT4_LAYERS;
+# "gguf-groups": models/layers/head.GROUP_LAYERS
+QUANTIZATIONS = ("auto", "none", "int8", "int8-head", "int4", "q4", "gguf-groups")
 DISTRIBUTED_BACKENDS = ("mp", "ray")  # how pipeline / tensor parallel workers are started
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40,
@@ -145,7 +146,9 @@ class EngineConfig:
                 "AMX-INT8 or AVX2, else the head only, weight-only); int8-head: the output head only; int4: "
                 "the head, group-wise weight-only; q4: the decoder's linears as int4 groups of 32 with a scale "
                 "and an offset each (a GGUF Q4_K tensor's form; fastest for one stream, slow at batches of "
-                "16+), the head int8",
+                "16+), the head int8; gguf-groups (a GGUF model only): the decoder's linears as the file's own "
+                "Q8_0 / Q5_0 / Q6_K / Q4_K blocks, int8 values with a scale per group (its exact values, "
+                "about 1.1-1.25 bytes per weight), the head int8 as int8-head",
         "default_note": "int8-head where bf16 is native, int8 on other CPUs with an int8 GEMM, unless --dtype "
                         "float32 is given, the exact reference; else none"})
     # The decoder's element-wise chains compiled (inductor's C++ backend) for steps of many rows

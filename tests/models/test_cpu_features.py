@@ -66,8 +66,8 @@ def test_quantization_choice() -> None:
     assert choose_quantization("auto", "auto", "cpu", frozenset({"avx", "fma", "sse4_2"})) == "none"
     assert choose_quantization("auto", "auto", "cpu", frozenset({"fp", "asimd", "asimddp"})) == "none"
     assert choose_quantization("auto", "bfloat16", "cuda", vnni) == "none"
-    assert [choose_quantization(q, "float32", "cpu", vnni) for q in ("none", "int8", "int8-head", "int4")] == \
-        ["none", "int8", "int8-head", "int4"]
+    named = ["none", "int8", "int8-head", "int4", "q4", "gguf-groups"]
+    assert [choose_quantization(q, "float32", "cpu", vnni) for q in named] == named
 
 
 def test_as_avx2_env_hides_what_an_avx2_cpu_lacks() -> None:
@@ -85,6 +85,9 @@ def test_describe_names_the_reason() -> None:
         "dtype bfloat16, quantization int8 (native bf16: avx512_bf16; int8 dot products: avx512_vnni)"
     assert describe("bfloat16", "int8-head", frozenset(SAPPHIRE_RAPIDS_NO_AMX)) == \
         "dtype bfloat16, quantization int8-head (native bf16: avx512_bf16; int8 dot products: avx512_vnni)"
+    assert describe("bfloat16", "gguf-groups", frozenset(SAPPHIRE_RAPIDS_NO_AMX)) == \
+        "dtype bfloat16, quantization gguf-groups (native bf16: avx512_bf16; int8 dot products: avx512_vnni; " \
+        "the decoder's linears as the GGUF's own int8 groups)"
     assert describe("float32", "int8", frozenset(EPYC_AVX2)) == \
         "dtype float32, quantization int8 (no native bf16 (avx512_bf16 / amx_bf16); int8 GEMM on AVX2, " \
         "weights in 63 levels)"
@@ -118,7 +121,8 @@ def test_cpu_flags_from_the_environment_override_cpuinfo(tmp_path: Path, monkeyp
 def test_config_defaults_and_bad_values() -> None:
     config = EngineConfig()
     assert (config.dtype, config.quantization) == ("auto", "auto")
-    with pytest.raises(ConfigError, match=r"quantization must be one of auto, none, int8, int8-head, int4, q4, got 'int3'"):
+    with pytest.raises(ConfigError, match=r"quantization must be one of auto, none, int8, int8-head, int4, q4, "
+                                          r"gguf-groups, got 'int3'"):
         EngineConfig(quantization="int3")
 
 

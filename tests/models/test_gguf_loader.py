@@ -37,88 +37,18 @@ from hybridserve.models.loaders.gguf_rope_freqs import llama3_factors  # noqa: E
 from hybridserve.models.loaders.gguf_loader import CONVERSION_MARKER, convert_gguf  # noqa: E402
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint  # noqa: E402
 
-LLAMA_HEADS, LLAMA_KV_HEADS, LLAMA_HEAD_DIM = 4, 2, 16
+from tests.helpers.tiny_gguf import LLAMA_HEAD_DIM, write_tiny_llama  # noqa: E402
+
 LLAMA3_SCALING = {
     "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
 }
-
-
-def _interleave_rope_rows(rows: np.ndarray, heads: int) -> np.ndarray:
-    """What llama.cpp's converter does to HF Q/K rows: per head, halves -> interleaved pairs."""
-    return rows.reshape(heads, 2, rows.shape[0] // heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
-
-
-def _write_tiny_llama(path: Path, rope_freqs: np.ndarray | None = None) -> dict[str, np.ndarray]:
-    """Write a 2-layer Llama GGUF (Q8_0 and F32 tensors, SentencePiece vocab); return its HF weights."""
-    from gguf import GGMLQuantizationType as Q
-    from gguf.quants import quantize
-
-    pieces = ["▁", "▁h", "e", "l", "o", "h", "▁he", "ll", "▁hell", "▁hello"]
-    pieces += ["w", "r", "d", "▁w", "▁wo", "▁world"]
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
-    config = transformers.LlamaConfig(
-        vocab_size=len(tokens), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=LLAMA_HEADS, num_key_value_heads=LLAMA_KV_HEADS, head_dim=LLAMA_HEAD_DIM,
-        rms_norm_eps=1e-5, tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    hf = {k: v.numpy().copy() for k, v in transformers.LlamaForCausalLM(config).state_dict().items()}
-    rng = np.random.default_rng(0)
-    for name in hf:
-        if name.endswith("norm.weight"):  # random, so a wrong offset would show
-            hf[name] = (1 + 0.1 * rng.standard_normal(hf[name].shape)).astype(np.float32)
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_context_length(256)
-    writer.add_embedding_length(64)
-    writer.add_block_count(2)
-    writer.add_feed_forward_length(128)
-    writer.add_head_count(LLAMA_HEADS)
-    writer.add_head_count_kv(LLAMA_KV_HEADS)
-    writer.add_rope_dimension_count(LLAMA_HEAD_DIM)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(tokens)
-    writer.add_token_scores([0.0] * 259 + [-float(i) for i in range(len(pieces))])
-    writer.add_token_types([2, 3, 3] + [6] * 256 + [1] * len(pieces))
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_unk_token_id(0)
-
-    def add(name: str, values: np.ndarray, qtype: int = Q.F32) -> None:
-        if qtype == Q.F32:
-            writer.add_tensor(name, values.astype(np.float32))
-        else:
-            writer.add_tensor(name, quantize(values, qtype), raw_dtype=qtype)
-
-    add("token_embd.weight", hf["model.embed_tokens.weight"], Q.Q8_0)
-    add("output_norm.weight", hf["model.norm.weight"])
-    add("output.weight", hf["lm_head.weight"], Q.Q8_0)
-    if rope_freqs is not None:
-        add("rope_freqs.weight", rope_freqs)
-    for i in range(2):
-        layer = f"model.layers.{i}."
-        add(f"blk.{i}.attn_norm.weight", hf[layer + "input_layernorm.weight"])
-        add(f"blk.{i}.ffn_norm.weight", hf[layer + "post_attention_layernorm.weight"])
-        add(f"blk.{i}.attn_q.weight", _interleave_rope_rows(hf[layer + "self_attn.q_proj.weight"], LLAMA_HEADS))
-        add(f"blk.{i}.attn_k.weight", _interleave_rope_rows(hf[layer + "self_attn.k_proj.weight"], LLAMA_KV_HEADS))
-        for gguf_stem, hf_name in [
-            ("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"),
-            ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"), ("ffn_down", "mlp.down_proj"),
-        ]:
-            add(f"blk.{i}.{gguf_stem}.weight", hf[f"{layer}{hf_name}.weight"], Q.Q8_0)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return hf
 
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, np.ndarray], Path]:
     folder = tmp_path_factory.mktemp("tiny_llama")
     gguf_path = folder / "tiny-llama.gguf"
-    hf_weights = _write_tiny_llama(gguf_path)
+    hf_weights = write_tiny_llama(gguf_path)
     converted = convert_gguf(gguf_path, cache_dir=folder / "cache", progress=False)
     return gguf_path, hf_weights, converted
 
@@ -160,7 +90,7 @@ def test_markup_tokens_are_single_tags_without_whitespace(text: str, markup: boo
 def test_llama3_rope_freqs_become_hf_rope_scaling(tmp_path: Path) -> None:
     factors = llama3_factors(10000.0, LLAMA_HEAD_DIM, LLAMA3_SCALING).astype(np.float32)
     assert factors[0] == 1.0 and factors[-1] == 8.0 and 1.0 < factors[-2] < 8.0  # all three regions
-    _write_tiny_llama(tmp_path / "l3.gguf", rope_freqs=factors)
+    write_tiny_llama(tmp_path / "l3.gguf", rope_freqs=factors)
     converted = convert_gguf(tmp_path / "l3.gguf", cache_dir=tmp_path / "cache", progress=False)
     scaling = json.loads((converted / "config.json").read_text())["rope_scaling"]
     assert scaling == {"rope_type": "llama3", **LLAMA3_SCALING}
@@ -170,7 +100,7 @@ def test_llama3_rope_freqs_become_hf_rope_scaling(tmp_path: Path) -> None:
 
 
 def test_unknown_rope_freqs_curve_is_refused(tmp_path: Path) -> None:
-    _write_tiny_llama(tmp_path / "odd.gguf", rope_freqs=np.linspace(1, 3, LLAMA_HEAD_DIM // 2))
+    write_tiny_llama(tmp_path / "odd.gguf", rope_freqs=np.linspace(1, 3, LLAMA_HEAD_DIM // 2))
     with pytest.raises(ConfigError, match="rope_freqs"):
         convert_gguf(tmp_path / "odd.gguf", cache_dir=tmp_path / "cache", progress=False)
 
@@ -184,7 +114,7 @@ def test_cache_hit_reads_no_header_and_rewrites_nothing(tiny_llama: tuple[Path, 
 
 
 def test_interrupted_conversion_leaves_no_cache(tmp_path: Path, monkeypatch) -> None:
-    _write_tiny_llama(tmp_path / "m.gguf")
+    write_tiny_llama(tmp_path / "m.gguf")
     monkeypatch.setattr(gguf_loader, "_save_tokenizer", _must_not_be_called)
     with pytest.raises(AssertionError):
         convert_gguf(tmp_path / "m.gguf", cache_dir=tmp_path / "cache", progress=False)

@@ -23,8 +23,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridserve.models.config import ModelConfig
-from hybridserve.models.layers.head import INT4_LAYERS, OutputHead, ReleaseRows, head_quantization
+from hybridserve.core.errors import ConfigError
+from hybridserve.models.layers.head import GROUP_LAYERS, INT4_LAYERS, OutputHead, ReleaseRows, head_quantization
 from hybridserve.models.layers.int4 import make_int4_linear
+from hybridserve.models.layers.int8_groups import GroupWeights, make_group_linear
 from hybridserve.models.platform.heap import release_free_heap
 from hybridserve.models.arch.compiled_chains import ChainsByRows, int8_chains_by_rows
 from hybridserve.models.arch.int8_chains import Int8Chains, Int8Layer
@@ -80,6 +82,19 @@ class DecoderLayerWeights(nn.Module):
         self.gate_up_bias = p(2 * cfg.intermediate_size) if cfg.mlp_bias else None
         self.down = p(cfg.hidden_size, cfg.intermediate_size)
         self.down_bias = p(cfg.hidden_size) if cfg.mlp_bias and row_bias else None
+        # Under --quantization gguf-groups the loader sets the four linears' int8 groups here
+        # and leaves their parameters above empty (models/loaders/loader.py).
+        self.groups: LayerGroups | None = None
+
+
+class LayerGroups(NamedTuple):
+    """One layer's linears as int8 groups (models/layers/int8_groups.py), fused as the
+    parameters are: q | k | v rows, gate | up rows."""
+
+    qkv: GroupWeights
+    o: GroupWeights
+    gate_up: GroupWeights
+    down: GroupWeights
 
 
 class LayerSmoothing(NamedTuple):
@@ -114,6 +129,18 @@ def _int4_layer_linears(w: DecoderLayerWeights, release: bool) -> LayerLinears:
         made[name], made[name + "_residual"] = make_int4_linear(getattr(w, name), getattr(w, name + "_bias"))
         if release:
             _release(getattr(w, name))
+    return LayerLinears(**{f: made[f] for f in LayerLinears._fields})
+
+
+def _group_layer_linears(w: DecoderLayerWeights) -> LayerLinears:
+    """The layer's matmuls on its int8 groups (make_group_linear), in and out in the model
+    dtype; ConfigError where the loader set none (the weights came from no GGUF's groups)."""
+    if w.groups is None:
+        raise ConfigError("--quantization gguf-groups needs the layers' int8 groups: load the model from a GGUF "
+                          "with that mode")
+    made = {}
+    for name in ("qkv", "o", "gate_up", "down"):
+        made[name], made[name + "_residual"] = make_group_linear(getattr(w.groups, name), getattr(w, name + "_bias"))
     return LayerLinears(**{f: made[f] for f in LayerLinears._fields})
 
 
@@ -291,11 +318,14 @@ class DecoderLM(StagedModel):
         are int8 x int8, the element-wise chains between them compiled for large steps unless
         `compile` is False (compiled_chains.py); without, the model-dtype layers' element-wise
         work is compiled for large steps likewise where decoder_chains.py covers the layers.
-        With quantization INT4_LAYERS, int4 groups (models/layers/int4.py). `head_factors`:
-        the int8 x int8 head's smoothing (the final norm already divided by them)."""
+        With quantization INT4_LAYERS, int4 groups (models/layers/int4.py); with GROUP_LAYERS,
+        the int8 groups the loader set on each layer (LayerGroups). `head_factors`: the int8
+        x int8 head's smoothing (the final norm already divided by them)."""
         self.int8_layers = smoothing is not None
         if quantization == INT4_LAYERS:
             self._linears = [_int4_layer_linears(w, release_weights) for w in self.layers]
+        elif quantization == GROUP_LAYERS:
+            self._linears = [_group_layer_linears(w) for w in self.layers]
         elif smoothing is None:
             self._linears = [_layer_linears(w, release_weights) for w in self.layers]
         else:

@@ -59,6 +59,8 @@ ARGMAX_SPAN = 128
 FEW_ROWS = 4
 INT4_GROUP_SIZE = 32  # hidden-dim weights sharing one int4 scale and offset (as GGUF's Q4_K sub-blocks)
 INT4_LAYERS = "q4"  # --quantization: the decoder's linears as int4 groups (models/layers/int4.py)
+# --quantization: the decoder's linears as the GGUF's own int8 groups (models/layers/int8_groups.py)
+GROUP_LAYERS = "gguf-groups"
 _INT4_LEVELS = 15  # largest 4-bit value
 _INT4_MIDPOINT = 8  # the kernel subtracts this from each 4-bit value before scaling
 
@@ -112,9 +114,11 @@ def row_max(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def head_quantization(quantization: str) -> str:
     """The head's representation under a model-wide --quantization: "int8" (every linear),
-    "int8-head" (the head only) and INT4_LAYERS (the decoder's linears in int4; the head,
-    a Q8_0 tensor in the default GGUF, keeps int8's accuracy) all quantize the head to int8."""
-    return "int8" if quantization in ("int8-head", INT4_LAYERS) else quantization
+    "int8-head" (the head only), INT4_LAYERS (the decoder's linears in int4; the head,
+    a Q8_0 tensor in the default GGUF, keeps int8's accuracy) and GROUP_LAYERS (the
+    decoder's linears as the GGUF's groups; the head as int8-head makes it) all quantize
+    the head to int8."""
+    return "int8" if quantization in ("int8-head", INT4_LAYERS, GROUP_LAYERS) else quantization
 
 
 def _shifted(release_rows: ReleaseRows, offset: int, start: int, stop: int) -> None:

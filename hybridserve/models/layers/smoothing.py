@@ -33,6 +33,7 @@ calibrate worse (measured: mean |logprob difference| 0.072 against 0.029 with te
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -41,7 +42,8 @@ import torch.nn.functional as F
 
 from hybridserve.models.arch.decoder import DecoderLM, LayerSmoothing
 from hybridserve.models.layers.int8 import QUANTIZE_BLOCK_ROWS, BlockDone
-from hybridserve.models.layers.linear import LayerLinears
+from hybridserve.models.layers.int8_groups import make_group_linear
+from hybridserve.models.layers.linear import LayerLinears, Linear
 
 # Share of the activation's range moved onto the weights. Of 0.4, 0.5, 0.6, 0.75 and 0.85, 0.6 kept
 # Gemma 3 270M's greedy streams closest to float32 (benchmarks/quant_accuracy.py).
@@ -117,19 +119,22 @@ class _SequencesAttention:
         return (probs @ v).transpose(0, 1).reshape(T, -1)
 
 
-def _recorder(name: str, weight: torch.Tensor, bias: torch.Tensor | None,  # type: ignore[no-untyped-def]
-              maxima: dict[str, torch.Tensor]):
+def _dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+def _recorder(name: str, plain: Linear, maxima: dict[str, torch.Tensor]):  # type: ignore[no-untyped-def]
     def record(x: torch.Tensor) -> None:
         m = x.detach().abs().amax(dim=0).float()
         maxima[name] = torch.maximum(maxima[name], m) if name in maxima else m
 
     def linear(x: torch.Tensor) -> torch.Tensor:
         record(x)
-        return F.linear(x, weight, bias)
+        return plain(x)
 
     def residual(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         record(x)
-        return h + F.linear(x, weight, bias)
+        return h + plain(x)
 
     return linear, residual
 
@@ -145,13 +150,19 @@ class Calibration(NamedTuple):
 def input_maxima(model: DecoderLM, sequences: list[list[int]]) -> Calibration:
     """The Calibration of `model` on `sequences`. Runs the layers as plain matmuls of the
     unquantized weights and their biases (qkv's bias reaches o's input, gate_up's reaches
-    down's)."""
+    down's); a layer holding int8 groups instead (--quantization gguf-groups) multiplies by
+    them, its only weights."""
     maxima: list[dict[str, torch.Tensor]] = [{} for _ in model.layers]
     linears = []
     for w, m in zip(model.layers, maxima):
         made = {}
         for name in ("qkv", "o", "gate_up", "down"):
-            made[name], made[name + "_residual"] = _recorder(name, getattr(w, name), getattr(w, name + "_bias"), m)
+            bias = getattr(w, name + "_bias")
+            if w.groups is None:
+                plain = partial(_dense, weight=getattr(w, name), bias=bias)
+            else:
+                plain, _ = make_group_linear(getattr(w.groups, name), bias)
+            made[name], made[name + "_residual"] = _recorder(name, plain, m)
         linears.append(LayerLinears(**{f: made[f] for f in LayerLinears._fields}))
     saved, model._linears = model._linears, linears
     device = model.final_norm.device if model.final_norm is not None else torch.device("cpu")

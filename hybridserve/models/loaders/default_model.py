@@ -63,9 +63,10 @@ def default_cache_key(package: ModuleType) -> str:
     return f"sha256-{package.EXPECTED_SHA256[:16]}"
 
 
-def default_model_path(progress: bool = True, dtype: str = "float32") -> Path:
+def default_model_path(progress: bool = True, dtype: str = "float32", groups: bool = False) -> Path:
     """The converted HF directory of the default model in `dtype` (the serving dtype, so the
-    runner maps the weights as stored), assembling and converting on first use.
+    runner maps the weights as stored), assembling and converting on first use; `groups`:
+    the form that keeps the decoder linears' int8 groups (gguf_loader.convert_gguf).
 
     Raises MissingExtraError when the gemma extra is absent, ConfigError when the installed
     package's chunks are missing or corrupt.
@@ -73,12 +74,12 @@ def default_model_path(progress: bool = True, dtype: str = "float32") -> Path:
     package = _model_package()
     gguf_stem = Path(package.MODEL_NAME).stem
     key = default_cache_key(package)
-    cached = find_converted(gguf_stem, key, dtype)
+    cached = find_converted(gguf_stem, key, dtype, groups=groups)
     if cached is not None:
         return cached
     gguf_path = _assemble(package, progress)
     try:
-        return convert_gguf(gguf_path, dtype=dtype, progress=progress, cache_key=key)
+        return convert_gguf(gguf_path, dtype=dtype, progress=progress, cache_key=key, groups=groups)
     finally:
         shutil.rmtree(gguf_path.parent, ignore_errors=True)
 
@@ -112,16 +113,18 @@ def _assemble(package: ModuleType, progress: bool) -> Path:
         raise ConfigError(f"could not write the assembled model under {assembly_root}: {error}") from None
 
 
-def resolve_model_path(model: str | os.PathLike[str] | None, progress: bool = True, dtype: str = "float32") -> Path:
+def resolve_model_path(model: str | os.PathLike[str] | None, progress: bool = True, dtype: str = "float32",
+                       groups: bool = False) -> Path:
     """A local HF checkpoint directory for a --model value.
 
     None or "gemma3-270m" -> the default model, converted to `dtype`; a GGUF file (or a folder holding exactly one
-    .gguf and no config.json) -> its cached conversion; a folder with config.json -> itself;
+    .gguf and no config.json) -> its cached conversion (with `groups`, the form that keeps the
+    decoder linears' int8 groups); a folder with config.json -> itself;
     ORG/NAME that is no local path -> its Hugging Face Hub snapshot (models/loaders/hub.py).
     Anything else raises ConfigError naming the path.
     """
     if model is None or str(model) == DEFAULT_MODEL_NAME:
-        return default_model_path(progress, dtype)
+        return default_model_path(progress, dtype, groups)
     path = Path(model).expanduser()
     if not path.exists():
         if looks_like_repo_id(str(model)):
@@ -132,25 +135,25 @@ def resolve_model_path(model: str | os.PathLike[str] | None, progress: bool = Tr
             return path
         gguf_files = sorted(path.glob("*.gguf"))
         if len(gguf_files) == 1:
-            return convert_gguf(gguf_files[0], dtype=dtype, progress=progress)
+            return convert_gguf(gguf_files[0], dtype=dtype, progress=progress, groups=groups)
         raise ConfigError(f"{path} is not a model: no config.json and not exactly one .gguf file in it")
     if not has_gguf_magic(path):
         raise ConfigError(f"{path} is not a model: not a GGUF file and not a Hugging Face directory")
-    return convert_gguf(path, dtype=dtype, progress=progress)
+    return convert_gguf(path, dtype=dtype, progress=progress, groups=groups)
 
 
 def tokenizer_dir_at_hand(model: str | os.PathLike[str] | None) -> Path | None:
     """A directory holding the tokenizer of --model `model` that exists now, with nothing to
     convert or download: a local HF folder, or a cached conversion of the default model in any
-    dtype (the conversion writes the same tokenizer files whatever the dtype); None otherwise.
+    dtype and form (the conversion writes the same tokenizer files whatever the dtype); None otherwise.
     For a process that needs only the tokenizer and would rather not wait for the model."""
     if model is None or str(model) == DEFAULT_MODEL_NAME:
         try:
             package = _model_package()
         except MissingExtraError:
             return None
-        found = (find_converted(Path(package.MODEL_NAME).stem, default_cache_key(package), dtype)
-                 for dtype in SUPPORTED_DTYPES)
+        found = (find_converted(Path(package.MODEL_NAME).stem, default_cache_key(package), dtype, groups=groups)
+                 for dtype in SUPPORTED_DTYPES for groups in (False, True))
         return next((path for path in found if path is not None), None)
     path = Path(model).expanduser()
     return path if path.is_dir() and (path / "config.json").is_file() else None

@@ -21,13 +21,16 @@ ggml's layouts (ggml-quants.c, dequantize_row_*):
   high nibble and bits 6-7.
 - Q4_K: models/loaders/gguf_q4.py; w = d * sc * q - dmin * m per 32, q in 0..15.
 
-Not on the load path yet: the GGUF is converted to dequantized tensors (gguf_loader.py);
-a mode serving these groups (benchmarks/results/group_int8_kernels.md) reads them here.
+On the load path under `--quantization gguf-groups`: the conversion (gguf_loader.py) keeps
+each decoder linear's groups in the cached checkpoint as `<weight name>_values` (int8),
+`_scale` and, for Q4_K, `_offset` (float32), in place of its dequantized weight
+(`group_parts`); the loader (loader.py) reads them back as the layers' GroupWeights.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import re
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -95,6 +98,15 @@ def q4_k_int8_groups(raw: np.ndarray, rows: int, cols: int) -> Int8Groups:
 
 
 _READERS = {Q8_0_TYPE: q8_0_groups, Q5_0_TYPE: q5_0_groups, Q6_K_TYPE: q6_k_groups, Q4_K_TYPE: q4_k_int8_groups}
+# Per type: the weights per group, and whether the format has an offset per group.
+_LAYOUTS = {Q8_0_TYPE: (_BLOCK, False), Q5_0_TYPE: (_BLOCK, False), Q6_K_TYPE: (_Q6_K_GROUP, False),
+            Q4_K_TYPE: (_BLOCK, True)}
+# The decoder linears (HF names) that --quantization gguf-groups keeps as groups.
+_DECODER_LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
+GROUP_PARTS = ("values", "scale", "offset")  # stored as `<weight name>_<part>`, in this order
+# The families whose layers the decoder loader fills (models/loaders/loader._fill): their
+# linears are the plain q, k, v, o, gate, up, down that the groups replace.
+GROUP_FAMILIES = ("gemma3", "llama", "cohere2", "olmo3", "exaone4")
 
 
 def int8_groups(ggml_type: int, type_name: str, raw: np.ndarray, rows: int, cols: int) -> Int8Groups:
@@ -105,3 +117,46 @@ def int8_groups(ggml_type: int, type_name: str, raw: np.ndarray, rows: int, cols
     if reader is None:
         raise ConfigError(f"int8 groups are read from Q8_0, Q5_0, Q6_K and Q4_K tensors, not {type_name}")
     return reader(raw, rows, cols)
+
+
+def check_group_family(family: str, architecture: str) -> None:
+    """ConfigError unless `family` is one of GROUP_FAMILIES (`architecture`: the GGUF's name)."""
+    if family not in GROUP_FAMILIES:
+        raise ConfigError(f"--quantization gguf-groups serves {', '.join(GROUP_FAMILIES)} models, "
+                          f"not {architecture}")
+
+
+def is_decoder_linear(hf_name: str) -> bool:
+    """Whether `hf_name` is a decoder layer's q, k, v, o, gate, up or down weight."""
+    return _DECODER_LINEAR.fullmatch(hf_name) is not None
+
+
+def group_parts(hf_name: str, gguf_name: str, type_name: str, ggml_type: int, rows: int, cols: int
+                ) -> list[tuple[str, tuple[int, int], str]]:
+    """(name, shape, numpy dtype) of each part a `rows` x `cols` tensor of `ggml_type` is
+    stored as, in GROUP_PARTS order; ConfigError naming the GGUF tensor and its type where
+    that type is not int8 groups."""
+    layout = _LAYOUTS.get(ggml_type)
+    if layout is None:
+        raise ConfigError(f"--quantization gguf-groups reads Q8_0, Q5_0, Q6_K and Q4_K tensors; "
+                          f"{gguf_name} is {type_name}")
+    group_size, has_offset = layout
+    if cols % group_size:
+        raise ConfigError(f"{gguf_name}: rows of {cols} weights are not whole groups of {group_size}")
+    shapes = [(rows, cols), (rows, cols // group_size)] + ([(rows, cols // group_size)] if has_offset else [])
+    return [(f"{hf_name}_{part}", shape, dtype)
+            for part, shape, dtype in zip(GROUP_PARTS, shapes, ("int8", "float32", "float32"))]
+
+
+def row_order(fix: Callable[[np.ndarray], np.ndarray], gguf_name: str, rows: int) -> np.ndarray | None:
+    """The row permutation the conversion's fix-up `fix` (values [rows, cols] -> values)
+    applies, found by fixing the row indices themselves; None where it leaves the rows as
+    they are. ConfigError where it does more than reorder rows (groups cannot follow a
+    change of values)."""
+    index = np.arange(rows, dtype=np.float32).reshape(rows, 1)  # exact in float32 below 2**24 rows
+    fixed = np.asarray(fix(index)).reshape(-1)
+    order = fixed.astype(np.int64)
+    if fixed.shape != (rows,) or not np.array_equal(order, fixed) or not np.array_equal(np.sort(order), index[:, 0]):
+        raise ConfigError(f"--quantization gguf-groups cannot keep {gguf_name} as groups: "
+                          "its conversion changes values, not only the order of its rows")
+    return None if np.array_equal(order, index[:, 0]) else order

@@ -5,8 +5,12 @@ result is cached; every later start returns the cached directory without reading
 
 Cache layout, under `$HYBRIDSERVE_CACHE_DIR` (default `~/.cache/hybridserve`):
 
-    converted/<gguf stem>-<key>-<dtype>-v<CONVERTER_VERSION>/
+    converted/<gguf stem>-<key>-<dtype>[-groups]-v<CONVERTER_VERSION>/
         config.json  model.safetensors  tokenizer.json  tokenizer_config.json  hybridserve-conversion.json
+
+A `-groups` conversion (for `--quantization gguf-groups`) holds each decoder linear as the
+GGUF's own int8 groups instead of its dequantized weight (gguf_groups.group_parts); the
+form is part of the name, so neither mode ever reads the other's checkpoint.
 
 Invariants:
 - A directory under `converted/` with that name is complete: it is written under a temporary
@@ -54,9 +58,11 @@ _TOKENIZER_TYPES = {"gemma3": "gemma3_text"}
 # Rows dequantized at a time from a vocabulary-sized tensor: Gemma 3's 262k x 640 embedding
 # is 671 MB in float32, and gguf's numpy dequantizer makes temporaries of a similar size.
 _DEQUANTIZE_BLOCK_ROWS = 32768
-# bfloat16: its raw bits; uint8: packed quantized bytes (gpt-oss's MXFP4 experts) kept as they are.
-_NUMPY_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "int16", "uint8": "uint8"}
-_SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "uint8": "U8"}
+# bfloat16: its raw bits; uint8: packed quantized bytes (gpt-oss's MXFP4 experts) kept as they are;
+# int8: the values of int8 groups (gguf_groups.py).
+_NUMPY_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "int16", "uint8": "uint8", "int8": "int8"}
+_SAFETENSORS_DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16", "uint8": "U8", "int8": "I8"}
+GROUPS_SUFFIX = "-groups"  # in the cache folder's name of a conversion that keeps int8 groups
 
 
 def say(progress: bool, message: str) -> None:
@@ -76,16 +82,20 @@ def gguf_file_key(gguf_path: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def converted_dir(gguf_stem: str, cache_key: str, dtype: str, cache_dir: str | Path | None = None) -> Path:
-    """Where the conversion of a GGUF with this stem and key, in this dtype, lives (or would)."""
+def converted_dir(gguf_stem: str, cache_key: str, dtype: str, cache_dir: str | Path | None = None,
+                  groups: bool = False) -> Path:
+    """Where the conversion of a GGUF with this stem and key, in this dtype, lives (or would);
+    `groups`: the form that keeps the decoder linears' int8 groups (the module docstring)."""
     safe_stem = re.sub(r"[^A-Za-z0-9._-]+", "_", gguf_stem)[:80] or "model"
     safe_key = re.sub(r"[^A-Za-z0-9._-]+", "_", cache_key)[:80]
-    return cache_root(cache_dir) / "converted" / f"{safe_stem}-{safe_key}-{dtype}-v{CONVERTER_VERSION}"
+    form = GROUPS_SUFFIX if groups else ""
+    return cache_root(cache_dir) / "converted" / f"{safe_stem}-{safe_key}-{dtype}{form}-v{CONVERTER_VERSION}"
 
 
-def find_converted(gguf_stem: str, cache_key: str, dtype: str, cache_dir: str | Path | None = None) -> Path | None:
+def find_converted(gguf_stem: str, cache_key: str, dtype: str, cache_dir: str | Path | None = None,
+                   groups: bool = False) -> Path | None:
     """The cached conversion directory if it exists and is complete, else None."""
-    target = converted_dir(gguf_stem, cache_key, dtype, cache_dir)
+    target = converted_dir(gguf_stem, cache_key, dtype, cache_dir, groups)
     return target if (target / CONVERSION_MARKER).is_file() else None
 
 
@@ -101,12 +111,16 @@ def convert_gguf(
     dtype: str = "float32",
     progress: bool = True,
     cache_key: str | None = None,
+    groups: bool = False,
 ) -> Path:
     """Convert a GGUF file to a cached HF checkpoint directory and return that directory.
 
-    A second call with the same file (or `cache_key`) and dtype returns the cached directory
-    after reading about 1 MiB (nothing with `cache_key`). Raises ConfigError when the path does
-    not exist, is not a GGUF file, or holds an unsupported architecture or tensor type.
+    A second call with the same file (or `cache_key`), dtype and form returns the cached
+    directory after reading about 1 MiB (nothing with `cache_key`). `groups`: the decoder
+    linears are kept as the file's int8 groups (--quantization gguf-groups; the module
+    docstring). Raises ConfigError when the path does not exist, is not a GGUF file, or
+    holds an unsupported architecture or tensor type (with `groups`, a decoder linear of a
+    type that is not int8 groups).
     """
     if dtype not in SUPPORTED_DTYPES:
         raise ConfigError(f"dtype must be one of {', '.join(SUPPORTED_DTYPES)}, got {dtype!r}")
@@ -116,7 +130,7 @@ def convert_gguf(
     if not has_gguf_magic(path):
         raise ConfigError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
     key = cache_key or gguf_file_key(path)
-    cached = find_converted(path.stem, key, dtype, cache_dir)
+    cached = find_converted(path.stem, key, dtype, cache_dir, groups)
     if cached is not None:
         return cached
     from hybridserve.models.loaders.gguf_arch import arch_spec_for
@@ -125,15 +139,20 @@ def convert_gguf(
     started = time.perf_counter()
     header = read_gguf_header(path)
     spec = arch_spec_for(header)
+    if groups:
+        from hybridserve.models.loaders.gguf_groups import check_group_family
+
+        check_group_family(spec.family, header.architecture)
     config = spec.build_config(header)
-    target = converted_dir(path.stem, key, dtype, cache_dir)
+    target = converted_dir(path.stem, key, dtype, cache_dir, groups)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.parent / f".tmp-{target.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     staging.mkdir()
     try:
-        say(progress, f"first start: converting {path.name} ({header.architecture}) to a {dtype} checkpoint")
+        form = " (the decoder linears as int8 groups)" if groups else ""
+        say(progress, f"first start: converting {path.name} ({header.architecture}) to a {dtype} checkpoint{form}")
         say(progress, f"caching the tensors as {dtype} safetensors in {target}, each as it is dequantized")
-        _convert_tensors(header, spec, config, staging / "model.safetensors", dtype, progress)
+        _convert_tensors(header, spec, config, staging / "model.safetensors", dtype, progress, groups)
         release_free_heap()  # gguf's dequantizer temporaries, before the tokenizer is built
         (staging / "config.json").write_text(json.dumps({**config, "torch_dtype": dtype}, indent=2) + "\n")
         say(progress, "building the tokenizer from the GGUF's embedded vocabulary")
@@ -146,6 +165,7 @@ def convert_gguf(
             "cache_key": key,
             "architecture": header.architecture,
             "dtype": dtype,
+            "int8_groups": groups,
             "conversion_seconds": round(time.perf_counter() - started, 2),
         }
         (staging / CONVERSION_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
@@ -168,9 +188,10 @@ def _publish(staging: Path, target: Path) -> None:
 
 
 def _convert_tensors(header: Any, spec: Any, config: dict[str, Any], path: Path, dtype: str,
-                     progress: bool) -> None:
+                     progress: bool, groups: bool = False) -> None:
     """Every mapped tensor with HF names and llama.cpp's fix-ups undone, written in `dtype`
-    to the safetensors file `path` as it is dequantized.
+    to the safetensors file `path` as it is dequantized; with `groups`, the decoder linears
+    as their int8 groups instead (_group_arrays).
 
     One tensor at a time (a vocabulary-sized one in row blocks), never the whole model: the
     shapes are known from the GGUF header, so the file's header is written first and each
@@ -180,13 +201,13 @@ def _convert_tensors(header: Any, spec: Any, config: dict[str, Any], path: Path,
     from tqdm import tqdm
 
     planned = spec.plan(header)
+    stored = [_stored_as(tensor, dtype, groups) for tensor in planned]
     entries: dict[str, Any] = {}
     offset = 0
-    for tensor in planned:
-        stored = "uint8" if tensor.part is not None else dtype  # packed parts keep their bytes
-        size = int(np.prod(tensor.shape, dtype=np.int64)) * np.dtype(_NUMPY_DTYPES[stored]).itemsize
-        entries[tensor.hf_name] = {"dtype": _SAFETENSORS_DTYPES[stored], "shape": list(tensor.shape),
-                                   "data_offsets": [offset, offset + size]}
+    for name, shape, kind in (output for outputs in stored for output in outputs):
+        size = int(np.prod(shape, dtype=np.int64)) * np.dtype(_NUMPY_DTYPES[kind]).itemsize
+        entries[name] = {"dtype": _SAFETENSORS_DTYPES[kind], "shape": list(shape),
+                         "data_offsets": [offset, offset + size]}
         offset += size
     # The "pt" format tag is what transformers requires to load the file.
     header_bytes = json.dumps({"__metadata__": {"format": "pt"}, **entries}, separators=(",", ":")).encode()
@@ -197,14 +218,56 @@ def _convert_tensors(header: Any, spec: Any, config: dict[str, Any], path: Path,
         disable=not progress, file=sys.stderr, leave=False,
     ) as bar:
         file.write(len(header_bytes).to_bytes(8, "little") + header_bytes)
-        for tensor in planned:
+        for tensor, outputs in zip(planned, stored):
             if tensor.part is not None:
-                file.write(memoryview(np.ascontiguousarray(_packed_part(header, tensor), np.uint8)).cast("B"))
+                blocks: Any = [np.ascontiguousarray(_packed_part(header, tensor), np.uint8)]
+            elif outputs[0][0] != tensor.hf_name:  # kept as groups
+                blocks = _group_arrays(header, tensor, spec, config)
             else:
-                for block in _dequantized_blocks(header, tensor, spec, config):
-                    file.write(memoryview(_in_dtype(block, dtype)).cast("B"))
+                blocks = (_in_dtype(block, dtype) for block in _dequantized_blocks(header, tensor, spec, config))
+            for block in blocks:
+                file.write(memoryview(block).cast("B"))
             if tensor.part in (None, 0):  # a packed merge's parts share their sources: count them once
                 bar.update(sum(int(np.prod(info.shape, dtype=np.int64)) for info in tensor.sources))
+
+
+def _stored_as(tensor: Any, dtype: str, groups: bool) -> list[tuple[str, tuple[int, ...], str]]:
+    """(name, shape, stored dtype) of what one planned tensor is written as: a packed part as
+    uint8; with `groups`, a decoder linear as its group parts (ConfigError where its type is
+    not int8 groups); anything else in `dtype`."""
+    from hybridserve.models.loaders.gguf_groups import group_parts, is_decoder_linear
+
+    if tensor.part is not None:
+        return [(tensor.hf_name, tensor.shape, "uint8")]
+    if groups and tensor.merge is None and is_decoder_linear(tensor.hf_name):
+        info = tensor.sources[0]
+        return group_parts(tensor.hf_name, info.name, _type_name(info.ggml_type), info.ggml_type, *info.shape)
+    return [(tensor.hf_name, tensor.shape, dtype)]
+
+
+def _type_name(ggml_type: int) -> str:
+    from gguf import GGMLQuantizationType
+
+    try:
+        return GGMLQuantizationType(ggml_type).name
+    except ValueError:
+        return f"ggml type {ggml_type}"
+
+
+def _group_arrays(header: Any, tensor: Any, spec: Any, config: dict[str, Any]) -> list[np.ndarray]:
+    """A decoder linear's int8 groups (values, scale, offset where the type has one), the
+    rows in the order the spec's fix-up puts them (llama's Q/K rows: gguf_groups.row_order)."""
+    import numpy as np
+
+    from hybridserve.models.loaders.gguf_groups import int8_groups, row_order
+    from hybridserve.models.loaders.gguf_header import tensor_bytes
+
+    info = tensor.sources[0]
+    rows, cols = info.shape
+    read = int8_groups(info.ggml_type, _type_name(info.ggml_type), tensor_bytes(header, info), rows, cols)
+    order = row_order(lambda values: spec.fix_tensor(tensor.hf_name, values, config), info.name, rows)
+    parts = [part for part in (read.values, read.scale, read.offset) if part is not None]
+    return [np.ascontiguousarray(part if order is None else part[order]) for part in parts]
 
 
 def _packed_part(header: Any, tensor: Any) -> np.ndarray:

@@ -30,7 +30,9 @@ from hybridserve.models.layers.int8 import BlockDone, int8_gemm_available
 from hybridserve.models.arch.llama4 import Llama4LM
 from hybridserve.models.loaders.llama4_loader import fill_llama4, interleaved_to_half_split
 from hybridserve.models.parallel import PipelineStage, TPGroup, group_rows
-from hybridserve.models.layers.head import head_quantization
+from hybridserve.models.layers.head import GROUP_LAYERS, head_quantization
+from hybridserve.models.loaders.layer_groups import (check_groups_load, check_holds_groups, fill_layer_groups,
+                                                     move_layer_groups)
 from hybridserve.models.layers.smoothing import Encode, Smoothing, calibration_sequences, file_encoder, smooth
 
 if TYPE_CHECKING:
@@ -44,7 +46,9 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
                tp: TPGroup | None = None, encode: Encode | None = None, compile: bool = True) -> DecoderLM | MambaLM:
     """Build a DecoderLM (a MambaLM for Mamba2 / Bamba, its subclasses Lfm2LM for LFM2, JambaLM for Jamba
     and Qwen3NextLM for Qwen3-Next) from an HF directory, weights on `device` in `dtype`, the output head
-    quantized as `quantization` says (none, int8, int4: see models/layers/head.py).
+    quantized as `quantization` says (none, int8, int4: see models/layers/head.py); under
+    GROUP_LAYERS the decoder's linears are the int8 groups a GGUF's conversion kept
+    (layer_groups.py; ConfigError for a checkpoint without them or a model they cannot serve).
     With `stage` and `tp` (models/parallel.py) only that pipeline stage's layers are read, cut
     to that tensor-parallel rank's heads and columns (ConfigError where the sizes do not divide).
     `encode` (the engine's tokenizer) tokenizes the int8 calibration texts (models/layers/smoothing.py);
@@ -53,6 +57,9 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
     cfg = load_model_config(model_dir)
     if stage is not None:
         stage.layers(cfg.num_layers)  # ConfigError now, before any weight is read
+    groups = quantization == GROUP_LAYERS
+    if groups:
+        check_groups_load(cfg, tp)
     if cfg.family == "falcon_h1":  # a mixer beside attention in every layer: two cache layers each
         from hybridserve.models.loaders.falcon_h1_loader import load_falcon_h1_model
 
@@ -74,6 +81,7 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
 
         return load_jamba_model(model_dir, cfg, device, dtype, stage, tp)
     checkpoint = open_checkpoint(model_dir)
+    check_holds_groups(checkpoint.names(), model_dir, groups)
     if cfg.architecture == GEMMA3_MULTIMODAL:
         checkpoint = TextCheckpoint(checkpoint)  # its language model, under the causal-LM names
     w = Weights(checkpoint, dtype)
@@ -87,8 +95,10 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu",
         model = gpt_oss
     else:  # Cohere2: its own block (parallel attention + MLP, LayerNorm) on the same weights
         model = (Cohere2LM if cfg.family == "cohere2" else DecoderLM)(cfg, dtype, stage, tp)
-        _fill(model, cfg, w)
+        _fill(model, cfg, w, groups)
     place_weights(model, cfg, w, device)
+    if groups:
+        move_layer_groups(list(model.layers), torch.device(device))
     model.setup_rope(torch.device(device), cfg.max_position_embeddings)
     head_name = _EMBED_NAME if cfg.tie_word_embeddings else "lm_head.weight"
     # The head's smoothing reads every row of a mapped head once more: its pages go back as read.
@@ -159,8 +169,9 @@ def _head_release(w: Weights, head_name: str) -> Callable[[int, int], None]:
     return release
 
 
-def _fill(model: DecoderLM, cfg: ModelConfig, w: Weights) -> None:
-    """HF tensors into `model` (its stage's layers, its rank's share); `cfg` the global config."""
+def _fill(model: DecoderLM, cfg: ModelConfig, w: Weights, groups: bool = False) -> None:
+    """HF tensors into `model` (its stage's layers, its rank's share); `cfg` the global config;
+    `groups`: the linears' weights as int8 groups (layer_groups.py)."""
     H, hd, I = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     nq = cfg.num_heads
     gemma = cfg.gemma_norm
@@ -187,11 +198,15 @@ def _fill(model: DecoderLM, cfg: ModelConfig, w: Weights) -> None:
             qk = _same_rows
             if cfg.family == "cohere2" and cfg.layer_types[i] in cfg.rope:
                 qk = partial(interleaved_to_half_split, head_dim=hd)  # Cohere rotates pairs (2i, 2i+1): see cohere2.py
-            # Assigned, not copied: a tensor in the model dtype stays a view of the mapped file.
-            layer.qkv.data = take_qkv(w, cfg, tp, a, qk=qk)
+            if groups:
+                fill_layer_groups(layer, cfg, w, p, qk)
+            else:  # assigned, not copied: a tensor in the model dtype stays a view of the mapped file
+                layer.qkv.data = take_qkv(w, cfg, tp, a, qk=qk)
+                layer.o.data = tp.shard(w.take(a + "o_proj.weight", (H, nq * hd)), 1)
+                layer.gate_up.data = take_gate_up(w, tp, p + "mlp.", (I, H))
+                layer.down.data = tp.shard(w.take(p + "mlp.down_proj.weight", (H, I)), 1)
             if layer.qkv_bias is not None:
                 layer.qkv_bias.copy_(take_qkv(w, cfg, tp, a, "bias", qk=qk))
-            layer.o.data = tp.shard(w.take(a + "o_proj.weight", (H, nq * hd)), 1)
             if cfg.o_bias:
                 take_row_bias(w, layer.o_bias, a + "o_proj.bias", H)
             if layer.qk_norm is not None and cfg.qk_norm_over_projection:
@@ -210,11 +225,9 @@ def _fill(model: DecoderLM, cfg: ModelConfig, w: Weights) -> None:
             if layer.post_ffn_norm is not None:
                 layer.post_ffn_norm.copy_(norm(p + "post_feedforward_layernorm.weight", H))
             m = p + "mlp."
-            layer.gate_up.data = take_gate_up(w, tp, m, (I, H))
             if layer.gate_up_bias is not None:
                 layer.gate_up_bias.copy_(take_gate_up(w, tp, m, (I,), "bias"))
                 take_row_bias(w, layer.down_bias, m + "down_proj.bias", H)
-            layer.down.data = tp.shard(w.take(m + "down_proj.weight", (H, I)), 1)
             w.release_taken()
 
 

@@ -119,9 +119,11 @@ def describe(dtype: str, quantization: str, flags: frozenset[str] | set[str]) ->
     """The start-up line saying what was chosen and why."""
     native = sorted(NATIVE_BF16_FLAGS & set(flags))
     why = f"native bf16: {', '.join(native)}" if native else "no native bf16 (avx512_bf16 / amx_bf16)"
-    if quantization in ("int8", "int8-head"):
+    if quantization in ("int8", "int8-head", "gguf-groups"):  # the last two: an int8 head
         dot = sorted(NATIVE_INT8_DOT_FLAGS & set(flags))
         why += f"; int8 dot products: {', '.join(dot)}" if dot else "; int8 GEMM on AVX2, weights in 63 levels"
+    if quantization == "gguf-groups":
+        why += "; the decoder's linears as the GGUF's own int8 groups"
     return f"dtype {dtype}, quantization {quantization} ({why})"
 
 

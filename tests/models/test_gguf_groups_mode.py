@@ -1,0 +1,171 @@
+"""--quantization gguf-groups: a GGUF's decoder linears served as the file's own int8 groups.
+
+Tiny Llama and Gemma 3 GGUFs (tests/helpers/tiny_gguf.py) with hidden size 256, so every
+linear can be Q8_0, Q5_0, Q6_K or Q4_K: each layer mixes all four, q and k among them (in
+the Llama their rows reordered per head by the conversion, which the groups must follow;
+the Gemma adds sandwich and q/k norms), so the fused qkv and
+gate|up stack parts of different group sizes, with and without offsets. In float32 the
+groups' weights are exactly the dequantized ones, so the decoder computes what
+`--quantization none` computes up to float summation order. The whole model is compared
+with `int8-head`, whose head is gguf-groups' own: against `none` the int8 head's rounding
+alone moves one greedy token of eight on this random model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("numpy")
+pytest.importorskip("gguf")
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+
+from hybridserve import LLM, SamplingParams  # noqa: E402
+from hybridserve.core.errors import ConfigError  # noqa: E402
+from hybridserve.entrypoints import cli  # noqa: E402
+from hybridserve.models.layers.head import GROUP_LAYERS  # noqa: E402
+from hybridserve.models.arch.compiled_chains import DEFAULT_MIN_ROWS  # noqa: E402
+from hybridserve.models.loaders.gguf_loader import convert_gguf  # noqa: E402
+from hybridserve.models.loaders.loader import load_model  # noqa: E402
+
+from tests.helpers.int8_gemma3 import LENGTHS, prefill  # noqa: E402
+from tests.helpers.tiny_gguf import write_tiny_gemma3, write_tiny_llama  # noqa: E402
+
+HIDDEN, INTERMEDIATE = 256, 512
+# Per layer, the types of q, k, v, o, gate, up, down.
+LAYER_TYPES = [(Q.Q8_0, Q.Q5_0, Q.Q6_K, Q.Q4_K, Q.Q4_K, Q.Q6_K, Q.Q8_0),
+               (Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_0, Q.Q6_K, Q.Q5_0, Q.Q4_K)]
+STEMS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+PROMPT_IDS = [1, 268, 274, 270, 262, 5, 9, 40, 77, 120]
+
+
+def _types(override: dict[str, Q] | None = None) -> dict[str, Q]:
+    types = {f"blk.{i}.{stem}.weight": t for i, row in enumerate(LAYER_TYPES) for stem, t in zip(STEMS, row)}
+    return {**types, **(override or {})}
+
+
+WRITERS = {"llama": write_tiny_llama, "gemma3": write_tiny_gemma3}
+
+
+@pytest.fixture(scope="module", params=sorted(WRITERS))
+def mixed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("groups") / f"mixed-{request.param}.gguf"
+    WRITERS[request.param](path, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, linear_types=_types())
+    return path
+
+
+def _model(path: Path, cache: Path, quantization: str, dtype: str = "float32",  # type: ignore[no-untyped-def]
+           compile: bool = True):
+    converted = convert_gguf(path, cache_dir=cache, dtype=dtype, progress=False, groups=quantization == GROUP_LAYERS)
+    return load_model(converted, "cpu", getattr(torch, dtype), quantization, compile=compile)
+
+
+def test_the_decoder_computes_what_the_dequantized_weights_compute(mixed: Path, tmp_path: Path) -> None:
+    # int8-head: the same head as gguf-groups, whose smoothing divides the final norm
+    # (models/layers/smoothing.py), over the dequantized decoder.
+    groups, dense = _model(mixed, tmp_path, GROUP_LAYERS), _model(mixed, tmp_path, "int8-head")
+    ours, reference = prefill(groups, [12]), prefill(dense, [12])
+    # Same float32 weights, other summation orders: a few float32 ulps of the values' size.
+    torch.testing.assert_close(ours, reference, rtol=1e-5, atol=1e-5 * reference.abs().max().item())
+    logits, reference_logits = groups.logits(ours), dense.logits(reference)
+    apart = (logits - reference_logits).abs().max()
+    top = reference_logits.topk(2, dim=-1).values
+    assert apart < 1e-4 and bool(((top[:, 0] - top[:, 1]) > 10 * apart).all())  # every row's greedy token is clear
+    assert torch.equal(logits.argmax(dim=-1), reference_logits.argmax(dim=-1))
+    for layer, (lin_groups, lin_dense) in enumerate(zip(groups._linears, dense._linears)):
+        x = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(layer))
+        torch.testing.assert_close(lin_groups.qkv(x), lin_dense.qkv(x), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(lin_groups.gate_up(x), lin_dense.gate_up(x), rtol=1e-5, atol=1e-6)
+
+
+def test_a_large_bf16_step_gives_the_eager_hidden_states(mixed: Path, tmp_path: Path) -> None:
+    """bf16 activations in and out of the groups' matmuls; a step of DEFAULT_MIN_ROWS rows or
+    more takes the large-step chains (native kernels where built, else compiled), which
+    call the same LayerLinears as the eager loop."""
+    model = _model(mixed, tmp_path, GROUP_LAYERS, "bfloat16")
+    assert sum(LENGTHS) >= DEFAULT_MIN_ROWS and model._dtype_chains is not None
+    large = prefill(model, LENGTHS)
+    assert large.dtype == torch.bfloat16 and model._dtype_chains._compiled is not None
+    assert torch.equal(large, prefill(_model(mixed, tmp_path, GROUP_LAYERS, "bfloat16", compile=False), LENGTHS))
+
+
+def test_the_layers_hold_int8_groups_and_no_float_weight(mixed: Path, tmp_path: Path) -> None:
+    model = _model(mixed, tmp_path, GROUP_LAYERS)
+    for w in model.layers:
+        assert w.groups is not None
+        for name in ("qkv", "o", "gate_up", "down"):
+            assert getattr(w, name).numel() == 0  # the dense parameter is empty
+            assert getattr(w.groups, name).values.dtype == torch.int8
+        held = {name for name, p in w.named_parameters() if p.is_floating_point() and p.numel()}
+        assert held and held <= set(model._NORMS)  # the norms alone
+        assert w.groups.qkv.group_size == w.groups.gate_up.group_size == 16  # a Q6_K part each: the smallest
+    first, second = model.layers
+    assert first.groups.gate_up.offset is not None and second.groups.qkv.offset is not None  # Q4_K parts
+    assert first.groups.qkv.offset is None and second.groups.gate_up.offset is None
+
+
+def _greedy(model: str | Path, quantization: str) -> list[int]:
+    llm = LLM(str(model), quantization=quantization, dtype="float32", max_model_len=128, progress=False)
+    try:
+        out = llm.generate([PROMPT_IDS], SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                           use_tqdm=False)
+        return list(out[0].token_ids)
+    finally:
+        llm.shutdown()
+
+
+def test_the_cache_keeps_each_mode_apart(mixed: Path, tmp_path: Path, monkeypatch) -> None:
+    """none, then gguf-groups, then none again from one cache folder: each start finds its
+    own conversion; the head is int8 in both, so the greedy tokens agree."""
+    monkeypatch.setenv("HYBRIDSERVE_CACHE_DIR", str(tmp_path))
+    first = _greedy(mixed, "int8-head")
+    groups = _greedy(mixed, GROUP_LAYERS)
+    again = _greedy(mixed, "int8-head")
+    assert first == again == groups
+    folders = sorted(p.name for p in (tmp_path / "converted").iterdir())
+    assert len(folders) == 2 and sum("-groups-" in f for f in folders) == 1, folders
+    for folder in folders:
+        names = json.loads(_safetensors_header(tmp_path / "converted" / folder / "model.safetensors"))
+        grouped = "-groups-" in folder
+        assert ("model.layers.0.self_attn.q_proj.weight_values" in names) is grouped
+        assert ("model.layers.0.self_attn.q_proj.weight" in names) is not grouped
+        if grouped:  # the groups' folder named as a model, in another mode
+            with pytest.raises(ConfigError, match="holds int8 groups .* load it with that mode"):
+                load_model(tmp_path / "converted" / folder, "cpu", torch.float32, "int8-head")
+
+
+def _safetensors_header(path: Path) -> str:
+    with path.open("rb") as file:
+        return file.read(int.from_bytes(file.read(8), "little")).decode()
+
+
+def test_non_gguf_checkpoints_and_other_tensor_types_are_one_line_errors(tmp_path: Path) -> None:
+    write_tiny_llama(tmp_path / "plain.gguf")
+    dense = convert_gguf(tmp_path / "plain.gguf", cache_dir=tmp_path, dtype="float32", progress=False)  # HF
+    with pytest.raises(ConfigError, match="needs a GGUF model: .* holds no int8 groups") as error:
+        LLM(str(dense), quantization=GROUP_LAYERS, dtype="float32", progress=False)
+    assert "\n" not in str(error.value)
+    for stem, qtype in (("attn_v", Q.Q4_0), ("ffn_down", Q.F16)):
+        path = tmp_path / f"{qtype.name}.gguf"
+        write_tiny_llama(path, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
+                         linear_types=_types({f"blk.1.{stem}.weight": qtype}))
+        with pytest.raises(ConfigError, match=f"blk.1.{stem}.weight is {qtype.name}") as error:
+            LLM(str(path), quantization=GROUP_LAYERS, dtype="float32", progress=False)
+        assert "\n" not in str(error.value)
+    assert not list((tmp_path / "converted").glob("*-groups-*"))  # nothing half-converted is left
+
+
+def test_the_cli_exits_2_with_one_line(tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("HYBRIDSERVE_CACHE_DIR", str(tmp_path))
+    path = tmp_path / "f32-qk.gguf"
+    write_tiny_llama(path)  # q and k stored as F32
+    rc = cli.main(["generate", "--model", str(path), "--quantization", GROUP_LAYERS, "--quiet", "hello"])
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "" and err.count("\n") == 1 and "Traceback" not in err
+    assert "blk.0.attn_q.weight is F32" in err

@@ -162,8 +162,11 @@ def test_each_row_count_takes_its_path(monkeypatch: pytest.MonkeyPatch) -> None:
     assert KERNEL.path(FOLDED_MIN_ROWS, torch.bfloat16, packed) == "exact"  # width 4: not whole 32s
     assert KERNEL.path(EXPAND_MIN_ROWS, torch.float32, wide) == "vector"  # float32: the exact loop always
     monkeypatch.setattr(KERNEL, "amx", False)
+    monkeypatch.setattr(KERNEL, "native_bf16", True)
     assert [KERNEL.path(r, torch.bfloat16, wide) for r in (1, EXPAND_MIN_ROWS_NO_AMX - 1, EXPAND_MIN_ROWS_NO_AMX)] \
         == ["vector", "vector", "expand"]
+    monkeypatch.setattr(KERNEL, "native_bf16", False)  # torch's bf16 GEMM in software: the loop always
+    assert KERNEL.path(4 * EXPAND_MIN_ROWS, torch.bfloat16, wide) == "vector"
 
 
 @needs_kernel

@@ -149,6 +149,15 @@ AMX_TARGET static void amx_configure(int64_t gs) {
 
 AMX_TARGET static void amx_release(void) { _tile_release(); }
 
+/* Part `part` of `parts` of the `bytes` at next, fetched into L2: a tile's products run from
+ * caches, so the next tile's values stream in meanwhile instead of after them. */
+static inline void prefetch_part(const int8_t *next, int64_t bytes, int64_t part, int64_t parts) {
+    if (!next) return;
+    const int64_t chunk = (bytes + parts - 1) / parts;
+    for (int64_t b = part * chunk; b < (part + 1) * chunk && b < bytes; b += 64)
+        _mm_prefetch((const char *)(next + b), _MM_HINT_T1);
+}
+
 /* Values [K][TILE] int8 of one tile -> bf16 pairs [K / 2][TILE][2]. */
 AMX_TARGET static void expand_pairs(const int8_t *vt, int64_t K, uint16_t *pairs) {
     for (int64_t k = 0; k < K; k += 2) {
@@ -185,7 +194,8 @@ AMX_TARGET static void expand_weights(const int8_t *vt, const float *st, const f
  * input and weight tile loaded serves two products (tiles 0-3 the four sums, 4 and 5 the
  * row blocks' inputs, 6 and 7 the two tiles' weights). res0 / res1: [M][TILE] each. */
 AMX_TARGET static void amx_tiles_folded(const uint16_t *xpad, int64_t M, int64_t K, const uint16_t *pairs0,
-                                        const uint16_t *pairs1, float *res0, float *res1) {
+                                        const uint16_t *pairs1, float *res0, float *res1, const int8_t *next,
+                                        int64_t next_bytes) {
     int64_t m0 = 0;
     for (; m0 + 2 * AMX_ROWS <= M; m0 += 2 * AMX_ROWS) {
         _tile_zero(0);
@@ -193,6 +203,7 @@ AMX_TARGET static void amx_tiles_folded(const uint16_t *xpad, int64_t M, int64_t
         _tile_zero(2);
         _tile_zero(3);
         for (int64_t k = 0; k < K; k += 32) {
+            if (m0 == 0) prefetch_part(next, next_bytes, k / 32, K / 32);
             _tile_loadd(4, xpad + m0 * K + k, K * 2);
             _tile_loadd(5, xpad + (m0 + AMX_ROWS) * K + k, K * 2);
             _tile_loadd(6, pairs0 + k * TILE, TILE * 4);
@@ -211,6 +222,7 @@ AMX_TARGET static void amx_tiles_folded(const uint16_t *xpad, int64_t M, int64_t
         _tile_zero(0);
         _tile_zero(1);
         for (int64_t k = 0; k < K; k += 32) {
+            if (m0 == 0) prefetch_part(next, next_bytes, k / 32, K / 32);
             _tile_loadd(4, xpad + m0 * K + k, K * 2);
             _tile_loadd(6, pairs0 + k * TILE, TILE * 4);
             _tile_loadd(7, pairs1 + k * TILE, TILE * 4);
@@ -233,7 +245,7 @@ AMX_TARGET static void amx_tiles_folded(const uint16_t *xpad, int64_t M, int64_t
 
 AMX_TARGET static void amx_tile(const uint16_t *xpad, const float *xsum, int64_t M, int64_t K, int64_t groups,
                                 int64_t gs, const int8_t *vt, const float *st, const float *ot, uint16_t *pairs,
-                                float *res) {
+                                float *res, const int8_t *next) {
     expand_pairs(vt, K, pairs);
     float sums[4 * AMX_ROWS * TILE] __attribute__((aligned(64)));
     for (int64_t m0 = 0; m0 < M; m0 += AMX_ROWS) {
@@ -242,6 +254,7 @@ AMX_TARGET static void amx_tile(const uint16_t *xpad, const float *xsum, int64_t
         for (int r = 0; r < AMX_ROWS; r++) acc[r] = _mm512_setzero_ps();
         for (int64_t g0 = 0; g0 < groups; g0 += 4) {
             const int n = groups - g0 < 4 ? (int)(groups - g0) : 4;
+            if (m0 == 0) prefetch_part(next, K * TILE, g0 / 4, (groups + 3) / 4);
             AMX_PRODUCT(0, g0);
             if (n > 1) AMX_PRODUCT(1, g0 + 1);
             if (n > 2) AMX_PRODUCT(2, g0 + 2);
@@ -332,12 +345,16 @@ int group_linear(const void *x, int32_t x_bf16, int64_t ldx, int64_t M, int64_t 
                         for (int64_t tt = t, i = 0; i < 2; tt = t1, i++)
                             expand_weights(values + tt * K * TILE, scale + tt * groups * TILE,
                                            offset ? offset + tt * groups * TILE : NULL, K, gs, pairs + i * K * TILE);
-                        amx_tiles_folded(xpad, padded, K, pairs, pairs1, res, res1);
+                        const int64_t after = t + 2 < tiles ? t + 2 : -1;  /* the next unit of a static schedule */
+                        amx_tiles_folded(xpad, padded, K, pairs, pairs1, res, res1,
+                                         after < 0 ? NULL : values + after * K * TILE,
+                                         (after + 2 <= tiles ? 2 : 1) * K * TILE);
                         store_rows(res, M, 0, t, x_bf16, bias, residual, ldr, out, ldo);
                         if (t1 != t) store_rows(res1, M, 0, t1, x_bf16, bias, residual, ldr, out, ldo);
                     } else {
                         amx_tile(xpad, xsum, padded, K, groups, gs, values + t * K * TILE, scale + t * groups * TILE,
-                                 offset ? offset + t * groups * TILE : NULL, pairs, res);
+                                 offset ? offset + t * groups * TILE : NULL, pairs, res,
+                                 t + 1 < tiles ? values + (t + 1) * K * TILE : NULL);
                         store_rows(res, M, 0, t, x_bf16, bias, residual, ldr, out, ldo);
                     }
                 }

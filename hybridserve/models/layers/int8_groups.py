@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridserve.core.errors import ConfigError
-from hybridserve.models.platform.cpu_features import read_cpu_flags
+from hybridserve.models.platform.cpu_features import has_native_bf16, read_cpu_flags
 from hybridserve.models.platform.native_build import build, checked
 
 SOURCE = Path(__file__).with_name("int8_groups.c")
@@ -36,11 +36,12 @@ TILE = 16  # output columns per tile of the packed layout (int8_groups.c's TILE)
 PATHS = {"vector": 0, "exact": 1, "folded": 2, "expand": -1}
 # Rows of bf16 inputs from which each path takes over (benchmarks/group_linear.py --paths,
 # benchmarks/results/group_int8_kernels.md): with AMX, exact, then folded, then expand;
-# without, the vector loop up to EXPAND_MIN_ROWS.
-AMX_MIN_ROWS = 4
-FOLDED_MIN_ROWS = 48
+# with native bf16 but no AMX, expand from EXPAND_MIN_ROWS_NO_AMX; without native bf16 the
+# vector loop at every row count (torch's bf16 GEMM is software there).
+AMX_MIN_ROWS = 3
+FOLDED_MIN_ROWS = 32
 EXPAND_MIN_ROWS = 512
-EXPAND_MIN_ROWS_NO_AMX = 8
+EXPAND_MIN_ROWS_NO_AMX = 64
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 ResidualLinear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -171,8 +172,9 @@ class GroupKernel:
         expand.restype = None
         self._expand = expand
         # AMX: built in (an x86-64 AVX-512 build), on this CPU, and its tile state granted by Linux.
-        self.amx = (bool(library.group_linear_has_amx()) and "amx_bf16" in read_cpu_flags()
-                    and bool(library.group_linear_amx_ready()))
+        flags = read_cpu_flags()
+        self.amx = bool(library.group_linear_has_amx()) and "amx_bf16" in flags and bool(library.group_linear_amx_ready())
+        self.native_bf16 = has_native_bf16(flags)
 
     @staticmethod
     def packable(groups: GroupWeights) -> bool:
@@ -211,7 +213,7 @@ class GroupKernel:
         if dtype != torch.bfloat16:
             return "vector"
         if not self.amx:
-            return "vector" if rows < EXPAND_MIN_ROWS_NO_AMX else "expand"
+            return "expand" if self.native_bf16 and rows >= EXPAND_MIN_ROWS_NO_AMX else "vector"
         if rows >= EXPAND_MIN_ROWS:
             return "expand"
         if rows >= FOLDED_MIN_ROWS and packed.shape[1] % 32 == 0:

@@ -30,6 +30,7 @@ from hybridserve import LLM, SamplingParams  # noqa: E402
 from hybridserve.core.errors import ConfigError  # noqa: E402
 from hybridserve.entrypoints import cli  # noqa: E402
 from hybridserve.models.layers.head import GROUP_LAYERS  # noqa: E402
+from hybridserve.models.layers.int8_groups import GroupWeights, PackedGroups  # noqa: E402
 from hybridserve.models.arch.compiled_chains import DEFAULT_MIN_ROWS  # noqa: E402
 from hybridserve.models.loaders.gguf_loader import convert_gguf  # noqa: E402
 from hybridserve.models.loaders.loader import load_model  # noqa: E402
@@ -95,19 +96,30 @@ def test_a_large_bf16_step_gives_the_eager_hidden_states(mixed: Path, tmp_path: 
     assert torch.equal(large, prefill(_model(mixed, tmp_path, GROUP_LAYERS, "bfloat16", compile=False), LENGTHS))
 
 
+def _held_groups(linear: object) -> object:
+    """The int8 groups a layer's linear reads: the kernel's packed tiles or, on the general
+    path, the groups themselves (what its closure holds)."""
+    cells = [c.cell_contents for c in getattr(linear, "__closure__", None) or ()]
+    held = [c for c in cells if isinstance(c, (PackedGroups, GroupWeights))]
+    assert len(held) == 1
+    return held[0]
+
+
 def test_the_layers_hold_int8_groups_and_no_float_weight(mixed: Path, tmp_path: Path) -> None:
+    """After the load the linears hold the only copy of the groups (the layers let go of the
+    row-major ones once packed) and the layers no float weight but their norms."""
     model = _model(mixed, tmp_path, GROUP_LAYERS)
-    for w in model.layers:
-        assert w.groups is not None
+    for w, linears in zip(model.layers, model._linears):
+        assert w.groups is None
         for name in ("qkv", "o", "gate_up", "down"):
             assert getattr(w, name).numel() == 0  # the dense parameter is empty
-            assert getattr(w.groups, name).values.dtype == torch.int8
+            assert _held_groups(getattr(linears, name)).values.dtype == torch.int8
         held = {name for name, p in w.named_parameters() if p.is_floating_point() and p.numel()}
         assert held and held <= set(model._NORMS)  # the norms alone
-        assert w.groups.qkv.group_size == w.groups.gate_up.group_size == 16  # a Q6_K part each: the smallest
-    first, second = model.layers
-    assert first.groups.gate_up.offset is not None and second.groups.qkv.offset is not None  # Q4_K parts
-    assert first.groups.qkv.offset is None and second.groups.gate_up.offset is None
+        assert _held_groups(linears.qkv).group_size == _held_groups(linears.gate_up).group_size == 16  # a Q6_K part each
+    first, second = model._linears
+    assert _held_groups(first.gate_up).offset is not None and _held_groups(second.qkv).offset is not None  # Q4_K parts
+    assert _held_groups(first.qkv).offset is None and _held_groups(second.gate_up).offset is None
 
 
 def _greedy(model: str | Path, quantization: str) -> list[int]:

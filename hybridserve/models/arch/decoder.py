@@ -132,15 +132,19 @@ def _int4_layer_linears(w: DecoderLayerWeights, release: bool) -> LayerLinears:
     return LayerLinears(**{f: made[f] for f in LayerLinears._fields})
 
 
-def _group_layer_linears(w: DecoderLayerWeights) -> LayerLinears:
+def _group_layer_linears(w: DecoderLayerWeights, release: bool) -> LayerLinears:
     """The layer's matmuls on its int8 groups (make_group_linear), in and out in the model
-    dtype; ConfigError where the loader set none (the weights came from no GGUF's groups)."""
+    dtype; ConfigError where the loader set none (the weights came from no GGUF's groups).
+    With `release`, the layer lets go of its groups: the linears hold what they read (the
+    kernel's packed copy, or the groups themselves on the general path)."""
     if w.groups is None:
         raise ConfigError("--quantization gguf-groups needs the layers' int8 groups: load the model from a GGUF "
                           "with that mode")
     made = {}
     for name in ("qkv", "o", "gate_up", "down"):
         made[name], made[name + "_residual"] = make_group_linear(getattr(w.groups, name), getattr(w, name + "_bias"))
+    if release:
+        w.groups = None
     return LayerLinears(**{f: made[f] for f in LayerLinears._fields})
 
 
@@ -325,7 +329,7 @@ class DecoderLM(StagedModel):
         if quantization == INT4_LAYERS:
             self._linears = [_int4_layer_linears(w, release_weights) for w in self.layers]
         elif quantization == GROUP_LAYERS:
-            self._linears = [_group_layer_linears(w) for w in self.layers]
+            self._linears = [_group_layer_linears(w, release_weights) for w in self.layers]
         elif smoothing is None:
             self._linears = [_layer_linears(w, release_weights) for w in self.layers]
         else:

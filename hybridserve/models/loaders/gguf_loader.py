@@ -307,6 +307,8 @@ def _in_dtype(values: np.ndarray, dtype: str) -> np.ndarray:
     if dtype == "bfloat16":
         import torch
 
+        if not values.flags.writeable:  # a view of the mapped file (an F32 tensor): torch wants writable memory
+            values = values.copy()
         return torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy()
     return values.astype(_NUMPY_DTYPES[dtype], copy=False)
 

@@ -30,6 +30,7 @@
 #define TILE 16
 #define NV (TILE / LANES)
 #define ROW_BLOCK 4
+#define EXPAND_ROWS 4 /* group_expand's rows of the transposed weight per step: TILE * 4 bytes of values */
 
 typedef int32_t vi __attribute__((vector_size(LANES * 4)));
 
@@ -408,18 +409,21 @@ int group_linear(const void *x, int32_t x_bf16, int64_t ldx, int64_t M, int64_t 
 void group_expand(const int8_t *values, const float *scale, const float *offset, int64_t N, int64_t K, int64_t gs,
                   uint16_t *out, int32_t num_threads) {
     const int64_t groups = K / gs, tiles = N / TILE;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (tiles > 1)
-    for (int64_t t = 0; t < tiles; t++) {
-        const int8_t *vt = values + t * K * TILE;
-        for (int64_t g = 0; g < groups; g++) {
-            vf s[NV], o[NV];
-            for (int v = 0; v < NV; v++) {
-                s[v] = load_f32(scale + (t * groups + g) * TILE + v * LANES);
-                o[v] = offset ? load_f32(offset + (t * groups + g) * TILE + v * LANES) : splat(0.0f);
+    /* Rows of out EXPAND_ROWS at a time, each written front to back: a tile's values for those
+     * k are one cache line, and the writes stream instead of filling each line piecewise. */
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (K > EXPAND_ROWS)
+    for (int64_t k0 = 0; k0 < K; k0 += EXPAND_ROWS) {
+        const int64_t rows = K - k0 < EXPAND_ROWS ? K - k0 : EXPAND_ROWS;
+        for (int64_t t = 0; t < tiles; t++) {
+            const int8_t *vt = values + t * K * TILE;
+            for (int64_t k = k0; k < k0 + rows; k++) {
+                const int64_t g = k / gs;
+                for (int v = 0; v < NV; v++) {
+                    const vf s = load_f32(scale + (t * groups + g) * TILE + v * LANES);
+                    const vf o = offset ? load_f32(offset + (t * groups + g) * TILE + v * LANES) : splat(0.0f);
+                    store_bf16(out + k * N + t * TILE + v * LANES, round_bf16(load_i8(vt + k * TILE + v * LANES) * s + o));
+                }
             }
-            for (int64_t k = g * gs; k < (g + 1) * gs; k++)
-                for (int v = 0; v < NV; v++)
-                    store_bf16(out + k * N + t * TILE + v * LANES, round_bf16(load_i8(vt + k * TILE + v * LANES) * s[v] + o[v]));
         }
     }
 }

@@ -50,9 +50,10 @@ def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "hybridserve.entrypoints.cli", *args]
 
 
-def generate_peak_mb() -> float:
+def generate_peak_mb(flags: tuple[str, ...] = ()) -> float:
     """Peak RSS (MB) of one `hybridserve generate` run."""
-    child = subprocess.Popen(_cli("generate"), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    child = subprocess.Popen(_cli("generate", *flags), env=_env(), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
     _, status, usage = os.wait4(child.pid, 0)
     if status:
         raise SystemExit(f"hybridserve generate failed (status {status})")
@@ -121,11 +122,13 @@ def main() -> int:
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="the serve run's requests' (0: greedy)")
+    p.add_argument("--generate-flags", default="", help="more flags for `hybridserve generate`")
     p.add_argument("--serve-flags", default="", help="more flags for `hybridserve serve`, e.g. '--no-compile'")
     a = p.parse_args()
     print(f"# commit {checkout_commit()}; {cpu_description()}; load {os.getloadavg()[0]:.1f}")
     if a.only in (None, "generate"):
-        print(f"generate: peak RSS {generate_peak_mb():.0f} MB", flush=True)
+        flags = tuple(a.generate_flags.split())
+        print(f"generate{' ' + a.generate_flags if flags else ''}: peak RSS {generate_peak_mb(flags):.0f} MB", flush=True)
     if a.only in (None, "serve"):
         started, peak = serve_peak_mb(a.requests, a.prompt_tokens, a.max_tokens, a.temperature,
                                       tuple(a.serve_flags.split()))

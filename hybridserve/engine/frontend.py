@@ -85,7 +85,7 @@ def build_engine_parts(config: EngineConfig, progress: bool = True, keep_tokeniz
     from hybridserve.executor.torch.spec_decode import NgramDrafter
     from hybridserve.models.config import load_model_config
     from hybridserve.models.platform.cpu_features import choose_dtype, choose_quantization, describe, read_cpu_flags
-    from hybridserve.models.loaders.default_model import resolve_model_path
+    from hybridserve.models.loaders.default_model import groups_servable, resolve_model_path
     from hybridserve.models.layers.head import GROUP_LAYERS
     from hybridserve.models.loaders.gguf_loader import say
     from hybridserve.models.kv_specs import model_kv_layer_specs
@@ -93,7 +93,11 @@ def build_engine_parts(config: EngineConfig, progress: bool = True, keep_tokeniz
     device = resolve_device(config.device)
     flags = read_cpu_flags()
     dtype = choose_dtype(config.dtype, device.type, flags)
-    quantization = choose_quantization(config.quantization, config.dtype, device.type, flags)
+    # auto may take the GGUF's own groups: in one process (a tensor-parallel split would cut
+    # them; pipeline stages with groups are not measured), on the CPU
+    servable = (config.quantization == "auto" and device.type == "cpu" and not config.is_multiprocess
+                and groups_servable(config.model))
+    quantization = choose_quantization(config.quantization, config.dtype, device.type, flags, servable)
     path = resolve_model_path(config.model, progress=progress, dtype=dtype, groups=quantization == GROUP_LAYERS)
     model_cfg = load_model_config(path)
     groups = group_layers(model_kv_layer_specs(model_cfg, config.block_size, dtype))

@@ -39,6 +39,7 @@ from hybridserve.models.layers.int8 import (FBGEMM, QUANTIZERS, BlockDone, int8_
 from hybridserve.models.layers.linear import make_linear
 from hybridserve.models.layers.span_kernel import KERNEL
 from hybridserve.models.layers.span_logits import SPAN, LogitsBuffer, SpanLogits, padded_width
+from hybridserve.models.platform.cpu_features import GGUF_GROUPS
 from hybridserve.models.platform.heap import release_free_heap
 
 # Vocabulary rows per packed / quantized chunk: small enough that one chunk's logits stay
@@ -60,7 +61,7 @@ FEW_ROWS = 4
 INT4_GROUP_SIZE = 32  # hidden-dim weights sharing one int4 scale and offset (as GGUF's Q4_K sub-blocks)
 INT4_LAYERS = "q4"  # --quantization: the decoder's linears as int4 groups (models/layers/int4.py)
 # --quantization: the decoder's linears as the GGUF's own int8 groups (models/layers/int8_groups.py)
-GROUP_LAYERS = "gguf-groups"
+GROUP_LAYERS = GGUF_GROUPS
 _INT4_LEVELS = 15  # largest 4-bit value
 _INT4_MIDPOINT = 8  # the kernel subtracts this from each 4-bit value before scaling
 

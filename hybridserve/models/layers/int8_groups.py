@@ -240,6 +240,12 @@ class GroupKernel:
             if residual.stride(-1) != 1:
                 residual = residual.contiguous()
         path = path or self.path(rows, x.dtype, packed)
+        if path not in PATHS:
+            raise ValueError(f"no int8-group path {path!r}: {', '.join(PATHS)}")
+        if path in ("exact", "folded") and not (self.amx and x.dtype == torch.bfloat16):
+            raise ValueError(f"the {path} path needs AMX and bf16 inputs")  # AMX code without AMX would fault
+        if path == "folded" and k % 32:
+            raise ValueError(f"the folded path steps through the inputs 32 at a time, not {k}")
         if path == "expand":
             return self._expand_mm(x, packed, bias, residual).to(out_dtype)
         if rows:

@@ -11,8 +11,9 @@ w = (q - 8) * scale + offset, scale = d*sc_j and offset = 8*scale - dmin*m_j. Bo
 computed in float32 from an fp16 and a 6-bit integer, so they are exact in float32; the
 kernel takes them in bf16, which rounds them (models/layers/int4.py).
 
-Not on the load path yet: a GGUF is converted to a checkpoint of dequantized tensors
-(gguf_loader.py), so `--quantization q4` quantizes those again per group by min and max.
+`--quantization q4` does not read these blocks: it loads the GGUF's conversion to
+dequantized tensors (gguf_loader.py) and quantizes those again per group by min and max
+(`--quantization gguf-groups` reads them, as int8 groups: gguf_groups.py).
 That gives back the file's 4-bit values for 79% of the default model's Q4_K groups (the
 others span less than the full 0..15); reading these blocks instead needs the conversion to
 keep them, as it keeps gpt-oss's MXFP4 experts.

@@ -149,7 +149,7 @@ class EngineConfig:
                 "16+), the head int8; gguf-groups (a GGUF model only): the decoder's linears as the file's own "
                 "Q8_0 / Q5_0 / Q6_K / Q4_K blocks, int8 values with a scale per group (its exact values, "
                 "about 1.1-1.25 bytes per weight), the head int8 as int8-head",
-        "default_note": "int8-head where bf16 is native (gguf-groups there with AMX for a GGUF it serves, the "
+        "default_note": "int8-head where bf16 is native (gguf-groups there for a GGUF it serves, the "
                         "default model included), int8 on other CPUs with an int8 GEMM, unless --dtype float32 is "
                         "given, the exact reference; else none"})
     # The decoder's element-wise chains compiled (inductor's C++ backend) for steps of many rows

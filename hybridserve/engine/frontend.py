@@ -94,9 +94,10 @@ def build_engine_parts(config: EngineConfig, progress: bool = True, keep_tokeniz
     flags = read_cpu_flags()
     dtype = choose_dtype(config.dtype, device.type, flags)
     # auto may take the GGUF's own groups: in one process (a tensor-parallel split would cut
-    # them; pipeline stages with groups are not measured), on the CPU
+    # them; pipeline stages with groups are not measured), on the CPU, with their native
+    # kernel built (the general path expands every weight at every call)
     servable = (config.quantization == "auto" and device.type == "cpu" and not config.is_multiprocess
-                and groups_servable(config.model))
+                and groups_servable(config.model) and _group_kernel_built())
     quantization = choose_quantization(config.quantization, config.dtype, device.type, flags, servable)
     path = resolve_model_path(config.model, progress=progress, dtype=dtype, groups=quantization == GROUP_LAYERS)
     model_cfg = load_model_config(path)
@@ -141,6 +142,12 @@ def build_engine_parts(config: EngineConfig, progress: bool = True, keep_tokeniz
         executor.shutdown()
         raise
     return EngineParts(config, tokenizer, path, model_cfg, settings.max_model_len, eos, extra, grammar, engine=engine)
+
+
+def _group_kernel_built() -> bool:
+    from hybridserve.models.layers.int8_groups import group_kernel
+
+    return group_kernel() is not None
 
 
 def _distributed_executor(config: EngineConfig, path: Path, device: str, dtype: str, quantization: str,

@@ -53,10 +53,11 @@ def test_quantization_choice() -> None:
     assert choose_quantization("auto", "auto", "cpu", vnni) == "int8-head"
     assert choose_quantization("auto", "bfloat16", "cpu", vnni) == "int8-head"
     assert choose_quantization("auto", "auto", "cpu", frozenset(SAPPHIRE_RAPIDS_AMX)) == "int8-head"
-    # a GGUF whose decoder is int8 groups: its own values where AMX multiplies them fastest
+    # a GGUF whose decoder is int8 groups (its kernel built): its own values where bf16 is native
     assert choose_quantization("auto", "auto", "cpu", frozenset(SAPPHIRE_RAPIDS_AMX), True) == "gguf-groups"
     assert choose_quantization("auto", "bfloat16", "cpu", frozenset(SAPPHIRE_RAPIDS_AMX), True) == "gguf-groups"
-    assert choose_quantization("auto", "auto", "cpu", vnni, True) == "int8-head"  # no AMX
+    assert choose_quantization("auto", "auto", "cpu", vnni, True) == "gguf-groups"  # AVX512-BF16, no AMX
+    assert choose_quantization("auto", "auto", "cpu", frozenset({"avx2", "avx_vnni"}), True) == "int8"
     assert choose_quantization("auto", "float32", "cpu", frozenset(SAPPHIRE_RAPIDS_AMX), True) == "none"
     assert choose_quantization("auto", "auto", "cpu", frozenset(EPYC_AVX2), True) == "int8"
     # int8 dot products without native bf16: a bf16 decoder would run float32 kernels, so every linear int8

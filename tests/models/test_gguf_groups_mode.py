@@ -223,13 +223,15 @@ def _chosen(model: Path, flags: set[str], monkeypatch: pytest.MonkeyPatch, **kwa
 
 def test_auto_takes_the_groups_of_a_servable_gguf_where_amx_is(mixed: Path, tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """auto on a CPU with AMX and native bf16 serves a servable GGUF's groups; without AMX,
-    or for a model that holds none, the decoder stays bf16 with the int8 head."""
+    """auto on a CPU with native bf16 (AMX, or AVX512-BF16 alone) serves a servable GGUF's
+    groups; for a model that holds none the decoder stays bf16 with the int8 head; without
+    native bf16 every linear is int8, and a float32 model named is the exact reference."""
     amx = {"avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile"}
     no_amx = amx - {"amx_bf16", "amx_int8", "amx_tile"}
     monkeypatch.setenv("HYBRIDSERVE_CACHE_DIR", str(tmp_path))
     assert _chosen(mixed, amx, monkeypatch) == GROUP_LAYERS
-    assert _chosen(mixed, no_amx, monkeypatch) == "int8-head"
+    assert _chosen(mixed, no_amx, monkeypatch) == GROUP_LAYERS
+    assert _chosen(mixed, {"avx2", "fma", "avx_vnni"}, monkeypatch) == "int8"
     assert _chosen(mixed, amx, monkeypatch, dtype="float32") == "none"  # float32 named: the exact reference
     dense = convert_gguf(mixed, cache_dir=tmp_path, dtype="bfloat16", progress=False)
     assert _chosen(dense, amx, monkeypatch) == "int8-head"

@@ -21,6 +21,7 @@ from hybridserve.core.errors import ConfigError  # noqa: E402
 from hybridserve.models.layers import int8_groups  # noqa: E402
 from hybridserve.models.layers.int8_groups import (  # noqa: E402
     AMX_MIN_ROWS,
+    DPBF16_MIN_ROWS,
     EXPAND_MIN_ROWS,
     EXPAND_MIN_ROWS_NO_AMX,
     FOLDED_MIN_ROWS,
@@ -36,8 +37,9 @@ from tests.helpers.native_kernels import check_refused  # noqa: E402
 KERNEL = group_kernel()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C compiler: the kernel is not built")
 # The paths this CPU runs: the AMX ones where the kernel found AMX.
-PATHS = ["vector", "expand"] + (["exact", "folded"] if KERNEL is not None and KERNEL.amx else [])
-EXACT_PATHS = {"vector", "exact"}
+PATHS = (["vector", "expand"] + (["exact", "folded"] if KERNEL is not None and KERNEL.amx else [])
+         + (["dpbf16"] if KERNEL is not None and KERNEL.dpbf16 else []))
+EXACT_PATHS = {"vector", "exact", "dpbf16"}
 BF16_EPS = 2.0 ** -8  # bf16's relative rounding bound (8 significant bits)
 
 
@@ -163,9 +165,12 @@ def test_each_row_count_takes_its_path(monkeypatch: pytest.MonkeyPatch) -> None:
     assert KERNEL.path(EXPAND_MIN_ROWS, torch.float32, wide) == "vector"  # float32: the exact loop always
     monkeypatch.setattr(KERNEL, "amx", False)
     monkeypatch.setattr(KERNEL, "native_bf16", True)
-    assert [KERNEL.path(r, torch.bfloat16, wide) for r in (1, EXPAND_MIN_ROWS_NO_AMX - 1, EXPAND_MIN_ROWS_NO_AMX)] \
-        == ["vector", "vector", "expand"]
+    monkeypatch.setattr(KERNEL, "dpbf16", True)
+    assert [KERNEL.path(r, torch.bfloat16, wide) for r in (1, DPBF16_MIN_ROWS - 1, DPBF16_MIN_ROWS,
+                                                              EXPAND_MIN_ROWS_NO_AMX - 1, EXPAND_MIN_ROWS_NO_AMX)] \
+        == ["vector", "vector", "dpbf16", "dpbf16", "expand"]
     monkeypatch.setattr(KERNEL, "native_bf16", False)  # torch's bf16 GEMM in software: the loop always
+    monkeypatch.setattr(KERNEL, "dpbf16", False)
     assert KERNEL.path(4 * EXPAND_MIN_ROWS, torch.bfloat16, wide) == "vector"
 
 

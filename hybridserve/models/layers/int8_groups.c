@@ -6,8 +6,8 @@
  * Every product of an int8 value and an input (bf16 or float32) is exact in float32, each
  * group's sum is multiplied once by its scale, and the output is rounded once to the
  * input's dtype: the file's values times the input, float32 rounding aside. That holds on
- * the vector loop (group_linear's amx 0, any CPU) and on AMX_EXACT's tile products per
- * group; for larger steps AMX_FOLDED and group_expand round each weight to bf16 first
+ * the vector loop (group_linear's amx 0, any CPU), on AMX_EXACT's tile products per group
+ * and on DPBF16's pair products (AVX512-BF16 without AMX); for larger steps AMX_FOLDED and group_expand round each weight to bf16 first
  * (the arithmetic of a bf16 model), which lets a tile product run over all of K.
  *
  * Layout: the weight in tiles of TILE output columns, values [N / TILE][K][TILE] (the
@@ -107,6 +107,8 @@ static inline float load_any(const void *p, int bf16, int64_t i) {
 #define AMX_ROWS 16
 #define AMX_EXACT 1  /* group_linear's amx: per-group tile products, the file's values exactly */
 #define AMX_FOLDED 2 /* the weights rounded to bf16 per tile, products over all of K (K % 32 == 0) */
+#define DPBF16 3     /* no AMX: AVX512-BF16 pair products per group, the file's values exactly */
+#define DP_ROWS 8    /* rows per register block of the DPBF16 path */
 #define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16")))
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -160,13 +162,67 @@ static inline void prefetch_part(const int8_t *next, int64_t bytes, int64_t part
 }
 
 /* Values [K][TILE] int8 of one tile -> bf16 pairs [K / 2][TILE][2]. */
-AMX_TARGET static void expand_pairs(const int8_t *vt, int64_t K, uint16_t *pairs) {
+#define DPBF16_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
+
+DPBF16_TARGET static void expand_pairs(const int8_t *vt, int64_t K, uint16_t *pairs) {
     for (int64_t k = 0; k < K; k += 2) {
         const __m128i a = _mm_loadu_si128((const __m128i *)(vt + k * TILE));
         const __m128i b = _mm_loadu_si128((const __m128i *)(vt + (k + 1) * TILE));
         const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpacklo_epi8(a, b)));
         const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_unpackhi_epi8(a, b)));
         _mm512_storeu_si512((void *)(pairs + k * TILE), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+}
+
+/* DPBF16: `mb` (a constant once inlined) rows of bf16 x from row m0 of one tile, from its
+ * values in pair layout: per group, one vdpbf16ps per pair of k and row (the two exact
+ * products and the accumulator summed in float32), then the group's sum times its scale
+ * (and its offset times the rows' input sums), as the other exact paths. */
+static inline __attribute__((always_inline)) DPBF16_TARGET void dp_rows(
+    const int mb, const uint16_t *x, int64_t ldx, int64_t groups, int64_t gs, const uint16_t *pairs,
+    const float *st, const float *ot, const float *xsum, float *res) {
+    __m512 tot[DP_ROWS];
+    for (int r = 0; r < mb; r++) tot[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512 acc[DP_ROWS];
+        for (int r = 0; r < mb; r++) acc[r] = _mm512_setzero_ps();
+        for (int64_t kk = g * gs / 2; kk < (g + 1) * gs / 2; kk++) {
+            const __m512bh w = (__m512bh)_mm512_load_si512((const void *)(pairs + kk * 2 * TILE));
+            for (int r = 0; r < mb; r++) {
+                int32_t pair;
+                memcpy(&pair, x + r * ldx + 2 * kk, sizeof pair);
+                acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(pair), w);
+            }
+        }
+        const __m512 scale = _mm512_loadu_ps(st + g * TILE);
+        for (int r = 0; r < mb; r++) tot[r] = _mm512_fmadd_ps(scale, acc[r], tot[r]);
+        if (ot) {
+            const __m512 offset = _mm512_loadu_ps(ot + g * TILE);
+            for (int r = 0; r < mb; r++) tot[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xsum[r * groups + g]), tot[r]);
+        }
+    }
+    for (int r = 0; r < mb; r++) _mm512_storeu_ps(res + r * TILE, tot[r]);
+}
+
+DPBF16_TARGET static void dp_tile(const uint16_t *x, int64_t M, int64_t K, int64_t groups, int64_t gs,
+                                  const int8_t *vt, const float *st, const float *ot, const float *xsum,
+                                  uint16_t *pairs, float *res) {
+    expand_pairs(vt, K, pairs);
+    for (int64_t m0 = 0; m0 < M; m0 += DP_ROWS) {
+        const int mb = M - m0 < DP_ROWS ? (int)(M - m0) : DP_ROWS;
+        const uint16_t *xm = x + m0 * K;
+        const float *sm = xsum + m0 * groups;
+        float *rm = res + m0 * TILE;
+        switch (mb) {
+        case 1: dp_rows(1, xm, K, groups, gs, pairs, st, ot, sm, rm); break;
+        case 2: dp_rows(2, xm, K, groups, gs, pairs, st, ot, sm, rm); break;
+        case 3: dp_rows(3, xm, K, groups, gs, pairs, st, ot, sm, rm); break;
+        case 4: dp_rows(4, xm, K, groups, gs, pairs, st, ot, sm, rm); break;
+        case 5: dp_rows(5, xm, K, groups, gs, pairs, st, ot, sm, rm); break;
+        case 6: dp_rows(6, xm, K, groups, gs, pairs, st, ot, sm, rm); break;
+        case 7: dp_rows(7, xm, K, groups, gs, pairs, st, ot, sm, rm); break;
+        default: dp_rows(DP_ROWS, xm, K, groups, gs, pairs, st, ot, sm, rm); break;
+        }
     }
 }
 
@@ -315,7 +371,7 @@ int group_linear(const void *x, int32_t x_bf16, int64_t ldx, int64_t M, int64_t 
             for (int64_t m = 0; m < M; m++) {
                 const uint16_t *row = (const uint16_t *)x + m * ldx;
                 memcpy(xpad + m * K, row, (size_t)K * sizeof(uint16_t));
-                if (offset && amx == AMX_EXACT)
+                if (offset && amx != AMX_FOLDED)
                     for (int64_t g = 0; g < groups; g++) {
                         float sum = 0.0f;
                         for (int64_t k = g * gs; k < (g + 1) * gs; k++) sum += bf16_to_f32(row[k]);
@@ -330,7 +386,7 @@ int group_linear(const void *x, int32_t x_bf16, int64_t ldx, int64_t M, int64_t 
                 if (!pairs || !res) {
 #pragma omp atomic write
                     failed = 1;
-                } else {
+                } else if (amx != DPBF16) {
                     amx_configure(amx == AMX_FOLDED ? 32 : gs);
                 }
                 const int64_t step = amx == AMX_FOLDED ? 2 : 1, units = (tiles + step - 1) / step;
@@ -352,6 +408,10 @@ int group_linear(const void *x, int32_t x_bf16, int64_t ldx, int64_t M, int64_t 
                                          (after + 2 <= tiles ? 2 : 1) * K * TILE);
                         store_rows(res, M, 0, t, x_bf16, bias, residual, ldr, out, ldo);
                         if (t1 != t) store_rows(res1, M, 0, t1, x_bf16, bias, residual, ldr, out, ldo);
+                    } else if (amx == DPBF16) {
+                        dp_tile(xpad, M, K, groups, gs, values + t * K * TILE, scale + t * groups * TILE,
+                                offset ? offset + t * groups * TILE : NULL, xsum, pairs, res);
+                        store_rows(res, M, 0, t, x_bf16, bias, residual, ldr, out, ldo);
                     } else {
                         amx_tile(xpad, xsum, padded, K, groups, gs, values + t * K * TILE, scale + t * groups * TILE,
                                  offset ? offset + t * groups * TILE : NULL, pairs, res,
@@ -359,7 +419,7 @@ int group_linear(const void *x, int32_t x_bf16, int64_t ldx, int64_t M, int64_t 
                         store_rows(res, M, 0, t, x_bf16, bias, residual, ldr, out, ldo);
                     }
                 }
-                if (pairs && res) amx_release();
+                if (pairs && res && amx != DPBF16) amx_release();
                 free(pairs);
                 free(res);
             }
@@ -426,6 +486,15 @@ void group_expand(const int8_t *values, const float *scale, const float *offset,
             }
         }
     }
+}
+
+/* 1 where this build has the DPBF16 path (the CPU's avx512_bf16 then says whether it runs). */
+int group_linear_has_dpbf16(void) {
+#ifdef HAVE_AMX
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 /* 1 where this build has the AMX path (group_linear_amx_ready then says whether it runs). */

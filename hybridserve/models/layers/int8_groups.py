@@ -31,17 +31,19 @@ from hybridserve.models.platform.native_build import build, checked
 SOURCE = Path(__file__).with_name("int8_groups.c")
 TILE = 16  # output columns per tile of the packed layout (int8_groups.c's TILE)
 # The kernel's paths (int8_groups.c's amx argument): the vector loop, AMX tile products per
-# group (the file's values exactly) and AMX over the weights rounded to bf16; "expand" is
+# group (the file's values exactly) and AMX over the weights rounded to bf16; without AMX,
+# AVX512-BF16 pair products per group ("dpbf16", the file's values exactly); "expand" is
 # the weight rounded to bf16 at each call and multiplied by torch's GEMM (large steps).
-PATHS = {"vector": 0, "exact": 1, "folded": 2, "expand": -1}
+PATHS = {"vector": 0, "exact": 1, "folded": 2, "dpbf16": 3, "expand": -1}
 # Rows of bf16 inputs from which each path takes over (benchmarks/group_linear.py --paths,
 # benchmarks/results/group_int8_kernels.md): with AMX, exact, then folded, then expand;
-# with native bf16 but no AMX, expand from EXPAND_MIN_ROWS_NO_AMX; without native bf16 the
-# vector loop at every row count (torch's bf16 GEMM is software there).
+# with AVX512-BF16 but no AMX, dpbf16, then expand from EXPAND_MIN_ROWS_NO_AMX; without
+# native bf16 the vector loop at every row count (torch's bf16 GEMM is software there).
 AMX_MIN_ROWS = 3
+DPBF16_MIN_ROWS = 4
 FOLDED_MIN_ROWS = 32
 EXPAND_MIN_ROWS = 512
-EXPAND_MIN_ROWS_NO_AMX = 64
+EXPAND_MIN_ROWS_NO_AMX = 512
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 ResidualLinear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -175,6 +177,7 @@ class GroupKernel:
         flags = read_cpu_flags()
         self.amx = bool(library.group_linear_has_amx()) and "amx_bf16" in flags and bool(library.group_linear_amx_ready())
         self.native_bf16 = has_native_bf16(flags)
+        self.dpbf16 = bool(library.group_linear_has_dpbf16()) and "avx512_bf16" in flags
 
     @staticmethod
     def packable(groups: GroupWeights) -> bool:
@@ -213,7 +216,9 @@ class GroupKernel:
         if dtype != torch.bfloat16:
             return "vector"
         if not self.amx:
-            return "expand" if self.native_bf16 and rows >= EXPAND_MIN_ROWS_NO_AMX else "vector"
+            if self.native_bf16 and rows >= EXPAND_MIN_ROWS_NO_AMX:
+                return "expand"
+            return "dpbf16" if self.dpbf16 and rows >= DPBF16_MIN_ROWS else "vector"
         if rows >= EXPAND_MIN_ROWS:
             return "expand"
         if rows >= FOLDED_MIN_ROWS and packed.shape[1] % 32 == 0:
@@ -244,6 +249,8 @@ class GroupKernel:
             raise ValueError(f"no int8-group path {path!r}: {', '.join(PATHS)}")
         if path in ("exact", "folded") and not (self.amx and x.dtype == torch.bfloat16):
             raise ValueError(f"the {path} path needs AMX and bf16 inputs")  # AMX code without AMX would fault
+        if path == "dpbf16" and not (self.dpbf16 and x.dtype == torch.bfloat16):
+            raise ValueError("the dpbf16 path needs AVX512-BF16 and bf16 inputs")
         if path == "folded" and k % 32:
             raise ValueError(f"the folded path steps through the inputs 32 at a time, not {k}")
         if path == "expand":
@@ -275,7 +282,7 @@ def _mismatch(kernel: GroupKernel) -> str:
     row is off by far more), at rows of every row block's remainder, with offsets, a bias
     and a residual, in groups of 16 and 32, float32 inputs on the vector loop."""
     g = torch.Generator().manual_seed(0)
-    paths = ["vector", "expand"] + (["exact", "folded"] if kernel.amx else [])
+    paths = ["vector", "expand"] + (["exact", "folded"] if kernel.amx else []) + (["dpbf16"] if kernel.dpbf16 else [])
     for size in (16, 32):
         groups = GroupWeights(torch.randint(-128, 128, (48, 96), dtype=torch.int8, generator=g),
                               torch.rand(48, 96 // size, generator=g), torch.randn(48, 96 // size, generator=g), size)

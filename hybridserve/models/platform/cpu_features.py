@@ -26,8 +26,10 @@ Why these rules (figures: benchmarks/results/cpu_kernels.md and cpu_peers.md):
   1.1 bytes a weight instead of bf16's 2, the head int8 as in int8-head. With AMX its
   kernels beat the bf16 decoder from one row to 64 (one stream 1.27x, 16 x 64 1.10x, 64 x
   128 even; prefill 1.09x slower: benchmarks/results/group_int8_kernels.md) at the same
-  KL divergence, in less memory, so `auto` takes it there when the model is such a GGUF
-  (`groups_servable`). Without AMX its vector loop wins at one row but loses at 4-64.
+  KL divergence, in less memory; with AVX512-BF16 alone (measured with AMX hidden) its
+  decoder matmuls take 0.50-0.95x bf16's at 1-8 rows and 1.03-1.11x at 16-1024. So where
+  bf16 is native `auto` takes it when the model is such a GGUF (`groups_servable`) and
+  the kernel is built. Without native bf16 (AVX2) it loses batches by a third: int8 stays.
 - On AVX2 alone (no native bf16, no VNNI) `auto` serves float32 activations with the same
   int8 x int8 linears, the weights narrowed to 63 levels so that AVX2's int16 pair sums
   cannot saturate (models/layers/int8.py), through fbgemm's int8 GEMM: faster than float32
@@ -114,8 +116,9 @@ def choose_quantization(requested: str, requested_dtype: str, device_type: str,
     """The quantization to serve with: `requested` unless it is "auto" (the rules and their
     measurements: this module's docstring). "auto" on a CPU with an int8 GEMM
     (has_int8_gemm) is int8-head where bf16 is native and the model is served in bf16 —
-    gguf-groups instead where the CPU has AMX and `groups_servable` (the model is a GGUF
-    whose decoder gguf-groups serves: default_model.groups_servable) — and int8 elsewhere;
+    gguf-groups instead where `groups_servable` (the model is a GGUF whose decoder
+    gguf-groups serves, default_model.groups_servable, and its kernel is built) — and
+    int8 elsewhere;
     "none" on other devices and CPUs, and where the user named float32 as the dtype
     (`requested_dtype`): a float32 model asked for by name is the exact reference that
     equals HF token for token."""
@@ -125,7 +128,7 @@ def choose_quantization(requested: str, requested_dtype: str, device_type: str,
         return "none"
     if not (has_native_bf16(flags) and requested_dtype in ("auto", "bfloat16")):
         return "int8"
-    return GGUF_GROUPS if groups_servable and AMX_BF16 in flags else "int8-head"
+    return GGUF_GROUPS if groups_servable else "int8-head"
 
 
 def describe(dtype: str, quantization: str, flags: frozenset[str] | set[str]) -> str:

@@ -98,9 +98,11 @@ static inline float load_any(const void *p, int bf16, int64_t i) {
  * are stored and added times the group's scale (and its offset times the rows' sums of
  * the group's inputs) to 16 output registers: the same arithmetic as the vector path, the
  * file's values exactly. Compiled with target attributes, called only where the CPU has
- * amx_bf16 and the kernel obtained the tile state from Linux (group_linear_amx_ready). */
+ * amx_bf16 and the kernel obtained the tile state from Linux (group_linear_amx_ready).
+ * Without AMX, DPBF16 takes the same expanded pairs through AVX512-BF16's vdpbf16ps
+ * (dp_tile), called only where the CPU has avx512_bf16. */
 #if defined(__x86_64__) && defined(__GNUC__) && (defined(__clang__) || __GNUC__ >= 11) && defined(__AVX512F__)
-#define HAVE_AMX 1
+#define HAVE_X86_TARGETS 1 /* functions compiled for AMX and AVX512-BF16 by target attributes */
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -161,9 +163,9 @@ static inline void prefetch_part(const int8_t *next, int64_t bytes, int64_t part
         _mm_prefetch((const char *)(next + b), _MM_HINT_T1);
 }
 
-/* Values [K][TILE] int8 of one tile -> bf16 pairs [K / 2][TILE][2]. */
 #define DPBF16_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
 
+/* Values [K][TILE] int8 of one tile -> bf16 pairs [K / 2][TILE][2]. */
 DPBF16_TARGET static void expand_pairs(const int8_t *vt, int64_t K, uint16_t *pairs) {
     for (int64_t k = 0; k < K; k += 2) {
         const __m128i a = _mm_loadu_si128((const __m128i *)(vt + k * TILE));
@@ -361,7 +363,7 @@ int group_linear(const void *x, int32_t x_bf16, int64_t ldx, int64_t M, int64_t 
                  const float *scale, const float *offset, int64_t N, int64_t gs, const float *bias,
                  const void *residual, int64_t ldr, void *out, int64_t ldo, int32_t num_threads, int32_t amx) {
     const int64_t groups = K / gs, tiles = N / TILE;
-#ifdef HAVE_AMX
+#ifdef HAVE_X86_TARGETS
     if (amx && x_bf16) {
         const int64_t padded = (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
         uint16_t *xpad = calloc((size_t)(padded * K), sizeof(uint16_t));
@@ -490,7 +492,7 @@ void group_expand(const int8_t *values, const float *scale, const float *offset,
 
 /* 1 where this build has the DPBF16 path (the CPU's avx512_bf16 then says whether it runs). */
 int group_linear_has_dpbf16(void) {
-#ifdef HAVE_AMX
+#ifdef HAVE_X86_TARGETS
     return 1;
 #else
     return 0;
@@ -499,7 +501,7 @@ int group_linear_has_dpbf16(void) {
 
 /* 1 where this build has the AMX path (group_linear_amx_ready then says whether it runs). */
 int group_linear_has_amx(void) {
-#ifdef HAVE_AMX
+#ifdef HAVE_X86_TARGETS
     return 1;
 #else
     return 0;

@@ -185,6 +185,18 @@ def test_make_group_linear_keeps_only_the_packed_tiles() -> None:
     assert not any(isinstance(c, GroupWeights) for c in cells)  # the row-major copy is not held
 
 
+def test_groups_wider_than_a_tile_row_take_the_general_path() -> None:
+    """A group of 64 weights (no GGUF block is, but a GroupWeights may be) is past what the
+    exact AMX path's tile row holds: not packed, so the general path multiplies it, as the
+    groups say (hand-checked: every value 1, scale 0.5, inputs 1: 64 x 0.5 = 32 per output)."""
+    groups = GroupWeights(torch.ones(16, 128, dtype=torch.int8), torch.full((16, 2), 0.5), None, 64)
+    assert not GroupKernel.packable(groups)
+    assert GroupKernel.packable(groups.regrouped(32))
+    linear, _ = make_group_linear(groups, None)
+    out = linear(torch.ones(3, 128, dtype=torch.bfloat16))
+    assert out.dtype == torch.bfloat16 and torch.equal(out.float(), torch.full((3, 16), 64.0))
+
+
 def test_bad_weights_are_refused() -> None:
     good = hand_groups()
     with pytest.raises(ConfigError, match="whole groups"):

@@ -30,6 +30,9 @@ from hybridserve.models.platform.native_build import build, checked
 
 SOURCE = Path(__file__).with_name("int8_groups.c")
 TILE = 16  # output columns per tile of the packed layout (int8_groups.c's TILE)
+# The largest group the kernel takes: the exact AMX path multiplies one group per tile
+# product, and a tile row holds 32 bf16 (64 bytes). GGUF's blocks are 16 or 32 weights.
+MAX_KERNEL_GROUP = 32
 # The kernel's paths (int8_groups.c's amx argument): the vector loop, AMX tile products per
 # group (the file's values exactly) and AMX over the weights rounded to bf16; without AMX,
 # AVX512-BF16 pair products per group ("dpbf16", the file's values exactly); "expand" is
@@ -182,9 +185,10 @@ class GroupKernel:
     @staticmethod
     def packable(groups: GroupWeights) -> bool:
         """Whole tiles of output rows and groups of an even size (the kernel's two
-        accumulator sets take alternate weights)."""
+        accumulator sets take alternate weights) up to MAX_KERNEL_GROUP."""
         rows, _ = groups.values.shape
-        return rows % TILE == 0 and groups.group_size % 2 == 0 and groups.values.device.type == "cpu"
+        size = groups.group_size
+        return rows % TILE == 0 and size % 2 == 0 and size <= MAX_KERNEL_GROUP and groups.values.device.type == "cpu"
 
     @staticmethod
     def pack(groups: GroupWeights) -> PackedGroups:

@@ -1,4 +1,4 @@
-"""Time of Gemma 3 270M's int8 matmuls per decode step: float32 and the three int8 x int8 paths.
+"""Time of Gemma 3 270M's int8 matmuls per decode step: float32 and the int8 x int8 paths.
 
     python benchmarks/int8_rows.py                    # 1, 2, 4 and 16 rows, this CPU
     python benchmarks/int8_rows.py --isa avx2         # as on a CPU with AVX2 alone
@@ -10,13 +10,14 @@ decode step does (far larger than the caches):
 - decoder: 18 layers of qkv 1536 x 640, o 640 x 1024, gate|up 4096 x 640, down 640 x 2048
   (100 MB of int8, 400 MB of float32);
 - head: 8 chunks of 32768 x 640 vocabulary rows (168 MB of int8, 671 MB of float32).
-Every weight is multiplied once per pass, activations quantized per call, four ways:
+Every weight is multiplied once per pass, activations quantized per call, five ways:
 `float32`, oneDNN's packed float32 GEMM (models/layers/linear.py, what --dtype float32 runs);
 `packed`, W8A8Linear.general (oneDNN's packed u8 x s8 GEMM); `plain`, W8A8Linear.plain
-(torch._int_mm on the plain weight); `fbgemm`, W8A8Linear.fbgemm (fbgemm's u8 x s8 GEMM).
+(torch._int_mm on the plain weight); `fbgemm`, W8A8Linear.fbgemm (fbgemm's u8 x s8 GEMM);
+`amx`, W8A8Linear.amx (int8_amx.c on AMX's integer tiles; n/a without them).
 The int8 weights take this CPU's levels (127, or 63 on AVX2 alone:
 models/layers/int8.gemm_weight_levels). Prints the median of --repeat passes, alternating the
-four, with the CPU flags, load, commit and threads. `--isa avx2` runs the measurement in a
+five, with the CPU flags, load, commit and threads. `--isa avx2` runs the measurement in a
 process limited as cpu_features.as_avx2_env says (how the AVX2 choices of
 models/layers/int8.int8_path were measured on an AVX-512 machine).
 
@@ -41,13 +42,15 @@ import torch  # noqa: E402
 from common import median_seconds, rerun_as_avx2, torch_header  # noqa: E402
 from hybridserve.models.layers.int8 import (W8A8Linear, gemm_weight_levels, int8_gemm_available,  # noqa: E402
                                            quantize_gemm_weight)
+from hybridserve.models.layers.int8_amx import amx_kernel  # noqa: E402
 from hybridserve.models.layers.linear import make_linear  # noqa: E402
 
 LAYERS = 18
 SHAPES = [(1536, 640), (640, 1024), (4096, 640), (640, 2048)]  # [out, in] of qkv, o, gate|up, down
 HEAD_CHUNKS = [(32768, 640)] * 8  # models/layers/head.py's chunks of Gemma 3 270M's 262,144-row head
-PATHS = ("float32", "packed", "plain", "fbgemm")
-COLUMNS = {"float32": "float32", "packed": "int8 packed", "plain": "int8 plain", "fbgemm": "int8 fbgemm"}
+PATHS = ("float32", "packed", "plain", "fbgemm", "amx")
+COLUMNS = {"float32": "float32", "packed": "int8 packed", "plain": "int8 plain", "fbgemm": "int8 fbgemm",
+           "amx": "int8 amx"}
 PEAK_ROWS = 1024
 
 
@@ -58,7 +61,8 @@ def _weights(shapes: list[tuple[int, int]], g: torch.Generator) -> list[tuple[in
         w = torch.randn(n, k, generator=g) * 0.02
         dense, _, _ = make_linear(w, None)
         int8 = W8A8Linear(*quantize_gemm_weight(w))
-        made.append((k, {"float32": dense, "packed": int8.general, "plain": int8.plain, "fbgemm": int8.fbgemm}))
+        made.append((k, {"float32": dense, "packed": int8.general, "plain": int8.plain, "fbgemm": int8.fbgemm,
+                         "amx": int8.amx if amx_kernel() is not None else None}))
     return made
 
 
@@ -89,7 +93,8 @@ def _peak(repeat: int, g: torch.Generator) -> None:
     n = HEAD_CHUNKS[0][0]
     x = torch.randn(PEAK_ROWS, k, generator=g)
     square = torch.randn(2048, 2048, generator=g)
-    runs = {path: (lambda f=fs[path]: f(x), PEAK_ROWS * n * k) for path in PATHS if path != "plain"}
+    runs = {path: (lambda f=fs[path]: f(x), PEAK_ROWS * n * k) for path in PATHS
+            if path != "plain" and fs[path] is not None}
     runs["float32 2048^3 matmul"] = (lambda: square @ square, 2048 ** 3)
     print(f"\n| {PEAK_ROWS} rows x {n} x {k} | GMAC/s |\n|---|---:|")
     for name, (f, macs) in runs.items():  # torch._int_mm ("plain") is skipped: far off the others on AVX2

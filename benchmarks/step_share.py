@@ -12,9 +12,10 @@ alternate between two kinds, in the same run, so both see the same machine:
 - traced: the same kind of step run under a dispatch mode that times each weight matmul
   (aten.mm / addmm / _int_mm, oneDNN's and fbgemm's int8 linears, oneDNN's packed linear)
   as it runs, inside the real step: the matmuls alone at the kernels' rates, on the
-  activations and caches the step really has; the int8-group linears of gguf-groups
-  (models/layers/int8_groups.py, native code no dispatch mode sees) are timed per call
-  the same way. Attention's batched products (bmm) are not weight matmuls and count as
+  activations and caches the step really has; the native kernels no dispatch mode sees
+  (native_matmuls: the int8-group linears of gguf-groups, models/layers/int8_groups.py;
+  the AMX int8 products and the head's argmax over them, models/layers/int8_amx.py) are
+  timed per call the same way. Attention's batched products (bmm) are not weight matmuls and count as
   outside.
 Printed per row count: the medians of the step and of its matmuls (ms), the ops a traced
 step dispatches (every aten op, views included: a count that does not move with the
@@ -44,6 +45,12 @@ WEIGHT_MATMULS = {
 }
 
 
+def native_matmuls(group_kernel, amx_kernel):  # type: ignore[no-untyped-def]
+    """The native kernels' weight matmuls (class, method): the int8 groups' linears and the
+    AMX int8 products, the head's argmax among them (a product whose outputs it reduces)."""
+    return [(group_kernel, "__call__"), (amx_kernel, "__call__"), (amx_kernel, "argmax")]
+
+
 def matmul_timer():  # type: ignore[no-untyped-def]
     """A dispatch mode whose `seconds` sums the wall time of the weight matmuls run under it,
     and whose `ops` counts every op dispatched under it (views included)."""
@@ -58,22 +65,28 @@ def matmul_timer():  # type: ignore[no-untyped-def]
             self.in_native = False  # inside a timed native linear: its own torch ops are its work
 
         def __enter__(self):  # type: ignore[no-untyped-def]
+            from hybridserve.models.layers.int8_amx import AmxKernel
             from hybridserve.models.layers.int8_groups import GroupKernel
 
-            real, timer = GroupKernel.__call__, self
+            timer, restores = self, []
 
-            def timed(kernel, *args, **kwargs):  # type: ignore[no-untyped-def]
-                start = time.perf_counter()
-                timer.in_native = True
-                try:
-                    return real(kernel, *args, **kwargs)
-                finally:
-                    timer.in_native = False
-                    timer.seconds += time.perf_counter() - start
-                    timer.calls += 1
+            def timed_version(real):  # type: ignore[no-untyped-def]
+                def timed(kernel, *args, **kwargs):  # type: ignore[no-untyped-def]
+                    start = time.perf_counter()
+                    timer.in_native = True
+                    try:
+                        return real(kernel, *args, **kwargs)
+                    finally:
+                        timer.in_native = False
+                        timer.seconds += time.perf_counter() - start
+                        timer.calls += 1
+                return timed
 
-            self._restore = lambda: setattr(GroupKernel, "__call__", real)
-            GroupKernel.__call__ = timed
+            for owner, name in native_matmuls(GroupKernel, AmxKernel):
+                real = getattr(owner, name)
+                setattr(owner, name, timed_version(real))
+                restores.append((owner, name, real))
+            self._restore = lambda: [setattr(owner, name, real) for owner, name, real in restores]
             return super().__enter__()
 
         def __exit__(self, *exc):  # type: ignore[no-untyped-def]

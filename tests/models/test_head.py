@@ -28,6 +28,7 @@ from hybridserve.models.layers.head import (  # noqa: E402
     row_max,
 )
 from hybridserve.models.layers.int8 import (  # noqa: E402
+    AMX,
     FBGEMM,
     PACKED,
     PLAIN,
@@ -38,6 +39,7 @@ from hybridserve.models.layers.int8 import (  # noqa: E402
     quantize_int8_rows,
     quantize_rows_uint8,
 )
+from hybridserve.models.layers.int8_amx import amx_kernel  # noqa: E402
 from hybridserve.models.loaders.safetensors_map import MappedCheckpoint  # noqa: E402
 from hybridserve.models.layers.span_logits import SPAN  # noqa: E402
 
@@ -163,13 +165,18 @@ def test_greedy_is_argmax_of_the_logits(weight: torch.Tensor, quantization: str,
         assert head.greedy_by_chunks(x, 0.5) == head.greedy_few_rows(x, 0.5) == head.greedy(x, 0.5)
 
 
-@pytest.mark.parametrize("path", [PACKED, PLAIN, FBGEMM])
+needs_amx = pytest.mark.skipif(amx_kernel() is None, reason="no AMX int8 tiles (or no compiler) here")
+
+
+@pytest.mark.parametrize("path", [PACKED, PLAIN, FBGEMM, AMX])
 def test_chunk_rows_follow_the_int8_path(path: str, weight: torch.Tensor, monkeypatch) -> None:
     # fbgemm's path takes smaller chunks (FBGEMM_HEAD_CHUNK_ROWS: 40,000 rows are 5 chunks,
     # the last of 7,232 rows); the others HEAD_CHUNK_ROWS. Every chunking gives the same greedy
     # tokens as the argmax of the whole logits.
     if path == FBGEMM and not fbgemm_available():
         pytest.skip("this torch has no fbgemm")
+    if path == AMX and amx_kernel() is None:
+        pytest.skip("no AMX int8 tiles (or no compiler) here")
     monkeypatch.setattr("hybridserve.models.layers.head.int8_gemm_available", lambda: True)
     monkeypatch.setattr("hybridserve.models.layers.head.int8_path", lambda: path)
     released: list[tuple[int, int]] = []
@@ -194,6 +201,34 @@ def test_greedy_ties_pick_the_first_index_across_and_within_chunks() -> None:
     for head in (OutputHead(w, "none"), OutputHead(w.bfloat16(), "none")):
         for greedy in (head.greedy_by_chunks, head.greedy_few_rows):
             assert greedy(x.to(head.out_dtype), None) == [3, HEAD_CHUNK_ROWS + 2]
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 3, 16, 70])
+def test_the_amx_heads_fused_greedy_takes_the_tokens_of_the_general_paths(weight: torch.Tensor, rows: int,
+                                                                          monkeypatch) -> None:
+    # greedy_fused (each chunk's argmax in the kernel, no logits written) against the general
+    # paths over the same kernel's logits, at row counts inside and past a row tile
+    monkeypatch.setattr("hybridserve.models.layers.head.int8_path", lambda: AMX)
+    head = OutputHead(weight, "int8")
+    x = _hidden(rows) * torch.linspace(0.5, 4.0, rows)[:, None]
+    fused = head.greedy_fused(x)
+    assert fused == head.greedy_by_chunks(x, None) == head.greedy_few_rows(x, None) == head.greedy(x, None)
+    assert fused == head(x).argmax(dim=-1).tolist()
+
+
+@needs_amx
+def test_the_amx_heads_fused_greedy_breaks_ties_to_the_first_index(monkeypatch) -> None:
+    # equal maxima in two chunks, and twice within the second chunk (columns of different
+    # 16-column tiles, far enough apart that the kernel's two threads each see one)
+    monkeypatch.setattr("hybridserve.models.layers.head.int8_path", lambda: AMX)
+    w = torch.zeros(VOCAB, HIDDEN)
+    w[3, 0] = w[HEAD_CHUNK_ROWS + 5, 0] = 1.0
+    w[HEAD_CHUNK_ROWS + 7000, 1] = w[HEAD_CHUNK_ROWS + 2, 1] = 1.0
+    x = torch.zeros(2, HIDDEN)
+    x[0, 0] = x[1, 1] = 1.0
+    head = OutputHead(w, "int8")
+    assert head.greedy_fused(x) == head.greedy(x, None) == [3, HEAD_CHUNK_ROWS + 2]
 
 
 def _int8_releases(chunks: list[tuple[int, int]]) -> list[tuple[int, int]]:

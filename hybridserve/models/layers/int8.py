@@ -31,6 +31,7 @@ from typing import Callable
 
 import torch
 
+from hybridserve.models.layers.int8_amx import AmxWeight, amx_kernel, pack, unpack
 from hybridserve.models.platform.cpu_features import has_int8_dot, has_int8_gemm, read_cpu_flags
 
 # Rows quantized at a time: float32 temporaries of 512 x hidden (1.3 MB each at Gemma 3's
@@ -43,6 +44,9 @@ UINT8_ZERO_POINT = 128  # a symmetric int8 activation stored as uint8 (oneDNN's 
 # (int8 activations [S, K] as the kernel takes them, their float32 per-row scale [S, 1], or None
 # to leave it to the caller) -> float32 [S, N]
 Int8Matmul = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+# (int8 activations, their per-row scale or None) -> (each row's largest output of the
+# Int8Matmul with the same operands, float32 [S]; the first column holding it, int64 [S])
+Int8Argmax = Callable[[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
 # (first row, row past the last) of a weight the quantizer has read for the last time
 BlockDone = Callable[[int, int], None]
 
@@ -95,12 +99,12 @@ def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def levels_for(path: str, levels: torch.Tensor) -> torch.Tensor:
     """Whole levels in -127..127 (float32, from quantize_rows_float's rule) stored as `path`'s
-    kernel takes them: uint8 around 128 (packed), int8 (plain) or the float32 levels
+    kernel takes them: uint8 around 128 (packed), int8 (plain, amx) or the float32 levels
     themselves (fbgemm). Out of place, so it can close a compiled chain of element-wise
     ops (models/arch/int8_chains.py) as well as QUANTIZERS' eager ones."""
     if path == PACKED:
         return (levels + UINT8_ZERO_POINT).to(torch.uint8)
-    return levels.to(torch.int8) if path == PLAIN else levels
+    return levels.to(torch.int8) if path in (PLAIN, AMX) else levels
 
 
 def quantize_int8_rows(weight: torch.Tensor, levels: int = INT8_LEVELS, block_done: BlockDone | None = None,
@@ -234,17 +238,37 @@ def fbgemm_matmul(packed: torch.ScriptObject) -> Int8Matmul:
     return matmul
 
 
-PACKED, PLAIN, FBGEMM = "packed", "plain", "fbgemm"  # the int8 x int8 paths, see int8_path
-QUANTIZERS = {PACKED: quantize_rows_uint8, PLAIN: quantize_rows_int8, FBGEMM: quantize_rows_float}
+PACKED, PLAIN, FBGEMM, AMX = "packed", "plain", "fbgemm", "amx"  # the int8 x int8 paths, see int8_path
+QUANTIZERS = {PACKED: quantize_rows_uint8, PLAIN: quantize_rows_int8, FBGEMM: quantize_rows_float,
+              AMX: quantize_rows_int8}
 
 
-def choose_int8_path(flags: frozenset[str] | set[str], fbgemm: bool) -> str:
+def amx_matmul(weight: AmxWeight, scale: torch.Tensor) -> Int8Matmul:
+    """The same product as plain_matmul, bit for bit, on AMX's integer tiles (int8_amx.py):
+    (signed x_values from quantize_rows_int8, x_scale) -> x W^T in float32."""
+    kernel = amx_kernel()
+    if kernel is None:
+        raise ValueError("the amx int8 path needs amx_int8 and its kernel built")
+
+    def matmul(x: torch.Tensor, x_scale: torch.Tensor | None) -> torch.Tensor:
+        return kernel(x, weight, scale, x_scale)  # x_scale applied in the kernel's epilogue
+
+    return matmul
+
+
+def choose_int8_path(flags: frozenset[str] | set[str], fbgemm: bool, amx: bool = False) -> str:
     """The path of the int8 x int8 matmuls, at every row count, on a CPU with these flags,
     `fbgemm` saying whether torch has fbgemm (fbgemm_available). One path, so that each
     weight is held in one layout: a second layout for some row counts would double the
     int8 weights' memory (the plain and the packed decoder of Gemma 3 270M were 2 x 100 MB).
 
-    With int8 dot products: packed (oneDNN's packed GEMM). It is the fastest from 2 rows
+    With AMX's int8 tiles and their kernel built (`amx`: int8_amx.amx_kernel): amx, where
+    oneDNN's packed GEMM took 1.4-1.5x as long from 1 to 16 rows (Gemma 3 270M's decoder
+    and head; at 64 rows 0.9-1.1x, and the head's greedy argmax, which the amx kernel
+    takes without writing the logits, 0.8x: `python benchmarks/int8_rows.py`,
+    benchmarks/results/int8_kernels.md).
+
+    Else with int8 dot products: packed (oneDNN's packed GEMM). It is the fastest from 2 rows
     on; torch._int_mm on the plain rows was faster at one row on an idle machine, by the
     packed GEMM's fixed cost per call, which is all that one path gives up
     (`python benchmarks/int8_rows.py`, benchmarks/results/cpu_kernels.md,
@@ -254,6 +278,8 @@ def choose_int8_path(flags: frozenset[str] | set[str], fbgemm: bool) -> str:
     to 16 rows and torch._int_mm only somewhat faster, while fbgemm's GEMM is faster than
     both at every size (`python benchmarks/int8_rows.py --isa avx2 --rows 1,4,16,64
     --repeat 7`, benchmarks/results/cpu_kernels.md). Without fbgemm in the build: plain."""
+    if amx and "amx_int8" in flags:
+        return AMX
     if has_int8_dot(flags):
         return PACKED
     return FBGEMM if fbgemm else PLAIN
@@ -262,7 +288,8 @@ def choose_int8_path(flags: frozenset[str] | set[str], fbgemm: bool) -> str:
 @cache
 def int8_path() -> str:
     """choose_int8_path for this CPU and torch."""
-    return choose_int8_path(read_cpu_flags(), fbgemm_available())
+    flags = read_cpu_flags()
+    return choose_int8_path(flags, fbgemm_available(), "amx_int8" in flags and amx_kernel() is not None)
 
 
 def int8_matmul(path: str, values: torch.Tensor, scale: torch.Tensor) -> Int8Matmul:
@@ -271,19 +298,38 @@ def int8_matmul(path: str, values: torch.Tensor, scale: torch.Tensor) -> Int8Mat
     return _kernel(path, _layout(path, values, scale), scale)
 
 
-WeightLayout = torch.Tensor | torch.ScriptObject  # the weight as one path's kernel holds it
+def int8_matmul_and_argmax(path: str, values: torch.Tensor, scale: torch.Tensor
+                           ) -> tuple[Int8Matmul, Int8Argmax | None]:
+    """int8_matmul's kernel, and on the amx path beside it (on the same weight layout) the
+    kernel's row argmax of the same product, which writes no outputs (None elsewhere)."""
+    layout = _layout(path, values, scale)
+    if path != AMX:
+        return _kernel(path, layout, scale), None
+    assert isinstance(layout, AmxWeight)
+    kernel = amx_kernel()
+    if kernel is None:
+        raise ValueError("the amx int8 path needs amx_int8 and its kernel built")
+    return amx_matmul(layout, scale), lambda x, x_scale: kernel.argmax(x, layout, scale, x_scale)
+
+
+WeightLayout = torch.Tensor | torch.ScriptObject | AmxWeight  # the weight as one path's kernel holds it
 
 
 def _layout(path: str, values: torch.Tensor, scale: torch.Tensor) -> WeightLayout:
-    """The weight as `path`'s kernel holds it: packed for oneDNN or fbgemm, or the plain rows."""
+    """The weight as `path`'s kernel holds it: packed for oneDNN, fbgemm or AMX, or the plain rows."""
     if path == FBGEMM:
         return fbgemm_pack(values, scale)
+    if path == AMX:
+        return pack(values)
     return onednn_pack(values) if path == PACKED else values
 
 
 def _kernel(path: str, layout: WeightLayout, scale: torch.Tensor) -> Int8Matmul:
     if path == FBGEMM:
         return fbgemm_matmul(layout)
+    if path == AMX:
+        assert isinstance(layout, AmxWeight)
+        return amx_matmul(layout, scale)
     return (w8a8_matmul if path == PACKED else plain_matmul)(layout, scale)
 
 
@@ -291,6 +337,9 @@ def _plain_values(path: str, layout: WeightLayout) -> torch.Tensor:
     """The int8 weight rows [N, K] that `path`'s layout holds."""
     if path == FBGEMM:
         return fbgemm_values(layout)
+    if path == AMX:
+        assert isinstance(layout, AmxWeight)
+        return unpack(layout)
     return onednn_values(layout) if path == PACKED else layout
 
 
@@ -364,3 +413,7 @@ class W8A8Linear:
     def fbgemm(self, x: torch.Tensor) -> torch.Tensor:
         """fbgemm's GEMM on the levels as float32."""
         return self._run(FBGEMM, x)
+
+    def amx(self, x: torch.Tensor) -> torch.Tensor:
+        """AMX's integer tiles on signed activations (int8_amx.c; where the CPU has them)."""
+        return self._run(AMX, x)

@@ -103,8 +103,7 @@ static inline float load_any(const void *p, int bf16, int64_t i) {
  * (dp_tile), called only where the CPU has avx512_bf16. */
 #if defined(__x86_64__) && defined(__GNUC__) && (defined(__clang__) || __GNUC__ >= 11) && defined(__AVX512F__)
 #define HAVE_X86_TARGETS 1 /* functions compiled for AMX and AVX512-BF16 by target attributes */
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_tiles.h"
 
 #define AMX_ROWS 16
 #define AMX_EXACT 1  /* group_linear's amx: per-group tile products, the file's values exactly */
@@ -112,19 +111,8 @@ static inline float load_any(const void *p, int bf16, int64_t i) {
 #define DPBF16 3     /* no AMX: AVX512-BF16 pair products per group, the file's values exactly */
 #define DP_ROWS 8    /* rows per register block of the DPBF16 path */
 #define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16")))
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
 /* 1 where Linux lets this process use AMX's tile data (asked for once), else 0. */
-int group_linear_amx_ready(void) {
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-}
+int group_linear_amx_ready(void) { return amx_request_tiles(); }
 
 /* The exact path's tiles: 0-3 four groups' sums (16 rows x 16 float32) in flight, 4 a row
  * block's inputs of one group (16 rows x gs bf16), 5 the group's values (gs / 2 pairs of
@@ -146,10 +134,7 @@ AMX_TARGET static void amx_configure(int64_t gs) {
         cfg.rows[t] = AMX_ROWS;
         cfg.colsb[t] = TILE * 4;
     }
-    /* GCC's _tile_loadconfig tells the compiler it reads one byte of cfg, so without this
-     * barrier the other fields' stores may be dropped (ldtilecfg then faults). */
-    __asm__ __volatile__("" : : "r"(&cfg) : "memory");
-    _tile_loadconfig(&cfg);
+    amx_load_config(&cfg);
 }
 
 AMX_TARGET static void amx_release(void) { _tile_release(); }

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from hybridserve.core.errors import ConfigError
 from hybridserve.models.platform.cpu_features import has_native_bf16, read_cpu_flags
+from hybridserve.models.platform.huge_pages import on_huge_pages
 from hybridserve.models.platform.native_build import build, checked
 
 SOURCE = Path(__file__).with_name("int8_groups.c")
@@ -192,9 +193,12 @@ class GroupKernel:
 
     @staticmethod
     def pack(groups: GroupWeights) -> PackedGroups:
+        """The weight in the kernel's tiles, on transparent huge pages where Linux offers them
+        (a step streams them whole: models/platform/huge_pages.py)."""
         groups.check()
-        offset = None if groups.offset is None else _tiles(groups.offset)
-        return PackedGroups(_tiles(groups.values), _tiles(groups.scale), offset, groups.group_size)
+        offset = None if groups.offset is None else on_huge_pages(_tiles(groups.offset))
+        return PackedGroups(on_huge_pages(_tiles(groups.values)), on_huge_pages(_tiles(groups.scale)), offset,
+                            groups.group_size)
 
     def _expand_mm(self, x: torch.Tensor, packed: PackedGroups, bias: torch.Tensor | None,
                    residual: torch.Tensor | None) -> torch.Tensor:

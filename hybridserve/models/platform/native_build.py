@@ -2,8 +2,8 @@
 with ctypes.
 
 A kernel's source sits beside the Python that calls it (e.g. models/layers/span_summaries.c);
-what kernels share (the vector type, bf16 conversions) is native_vectors.h in this folder,
-which every build has on its include path.
+what kernels share (the vector type, bf16 conversions; AMX's tile setup) is native_vectors.h
+and amx_tiles.h in this folder, which every build has on its include path.
 It is compiled for the instructions `read_cpu_flags` reports (AVX-512, or AVX2 + FMA, or
 the target's baseline), never `-march=native`: a cache folder shared by machines of
 different CPUs (a home directory on NFS) then holds one library per instruction set, and a

@@ -1,0 +1,178 @@
+"""int8 x int8 matmuls on AMX's integer tiles: int8.py's `amx` path, where the CPU has
+amx_int8 and the kernel (int8_amx.c) is built.
+
+The product is int8.plain_matmul's, bit for bit: int32 sums of the signed activations'
+levels times the weight's, each converted to float32 once and multiplied by its row's
+scale. What differs is the speed at decode's row counts: the kernel streams the weight once
+per call in the order it is stored (on huge pages) and multiplies up to 64 rows per loaded
+tile; oneDNN's packed GEMM took 1.4-1.5x as long from 1 to 16 rows
+(`python benchmarks/int8_rows.py`, benchmarks/results/int8_kernels.md). `argmax` reduces
+each row of the product to its maximum and first column inside the kernel: greedy decoding's
+head (models/layers/head.py greedy_fused) writes no logits.
+
+`AmxWeight` holds a weight in the kernel's tiles (`pack`, and `unpack` back to the rows for
+the other paths); `AmxKernel` calls the library; `amx_kernel()` builds and checks it once
+(None where it cannot run here: the other int8 paths serve then).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from hybridserve.models.platform.cpu_features import read_cpu_flags
+from hybridserve.models.platform.huge_pages import on_huge_pages
+from hybridserve.models.platform.native_build import build, checked
+
+SOURCE = Path(__file__).with_name("int8_amx.c")
+TILE = 16  # output rows of the weight per tile (int8_amx.c's TILE)
+K_BLOCK = 64  # int8 inputs per tile row (int8_amx.c's K_BLOCK)
+QUAD = 4  # consecutive inputs AMX pairs per column in its B operand
+
+
+class AmxWeight(NamedTuple):
+    """A weight [n, k] of int8 values in int8_amx.c's tiles: `tiles` [N / TILE, K / K_BLOCK,
+    K_BLOCK / QUAD, TILE, QUAD] with N, K padded to whole tiles and blocks by zero weights."""
+
+    tiles: torch.Tensor
+    n: int
+    k: int
+
+    @property
+    def padded_k(self) -> int:
+        return self.tiles.shape[1] * K_BLOCK
+
+
+def _round_up(value: int, step: int) -> int:
+    return -(-value // step) * step
+
+
+def pack(values: torch.Tensor) -> AmxWeight:
+    """int8 weight rows [n, k] in the kernel's tiles (a copy; `values` is not kept), on
+    transparent huge pages where Linux offers them (a step streams them whole:
+    models/platform/huge_pages.py)."""
+    if values.dtype != torch.int8 or values.dim() != 2:
+        raise ValueError(f"an AMX int8 weight is a 2-d int8 tensor, got {values.dtype} {tuple(values.shape)}")
+    n, k = values.shape
+    padded = torch.nn.functional.pad(values, (0, _round_up(k, K_BLOCK) - k, 0, _round_up(n, TILE) - n))
+    big_n, big_k = padded.shape
+    # [tile, column, block, row, quad] -> [tile, block, row, column, quad]
+    tiles = padded.view(big_n // TILE, TILE, big_k // K_BLOCK, K_BLOCK // QUAD, QUAD).permute(0, 2, 3, 1, 4)
+    return AmxWeight(on_huge_pages(tiles), n, k)
+
+
+def unpack(weight: AmxWeight) -> torch.Tensor:
+    """The int8 weight rows [n, k] that `weight` holds."""
+    tiles = weight.tiles
+    rows = tiles.permute(0, 3, 1, 2, 4).reshape(tiles.shape[0] * TILE, weight.padded_k)
+    return rows[: weight.n, : weight.k].contiguous()
+
+
+class AmxKernel:
+    """int8_amx.c's matmul: (int8 activations [S, k], the weight's tiles, float32 scale per
+    weight row [n], float32 scale per activation row [S, 1] or None) -> float32 [S, n]."""
+
+    def __init__(self) -> None:
+        library = build("int8_amx", SOURCE)
+        flags = read_cpu_flags()
+        if not (library.int8_amx_built() and "amx_int8" in flags and library.int8_amx_ready()):
+            raise ValueError("no AMX int8 tiles here")
+        fn = library.int8_amx_matmul
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        fn.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, i64, ctypes.c_int32]
+        fn.restype = ctypes.c_int
+        self._fn = fn
+        argmax = library.int8_amx_argmax
+        argmax.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ctypes.c_int32]
+        argmax.restype = ctypes.c_int
+        self._argmax = argmax
+
+    def __call__(self, x: torch.Tensor, weight: AmxWeight, scale: torch.Tensor,
+                 row_scale: torch.Tensor | None = None) -> torch.Tensor:
+        x, scale, row_scale = self._operands(x, weight, scale, row_scale)
+        out = torch.empty(x.shape[0], weight.n, dtype=torch.float32)
+        failed = self._fn(x.data_ptr(), x.stride(0), x.shape[0], weight.padded_k, weight.tiles.data_ptr(),
+                          scale.data_ptr(), None if row_scale is None else row_scale.data_ptr(), weight.n,
+                          out.data_ptr(), out.stride(0), torch.get_num_threads())
+        if failed:
+            raise MemoryError(f"the AMX int8 kernel could not allocate its scratch (code {failed})")
+        return out
+
+    def argmax(self, x: torch.Tensor, weight: AmxWeight, scale: torch.Tensor,
+               row_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(each row's largest output, float32 [S]; the first column holding it, int64 [S]) of
+        the product __call__ gives, without writing it. NaN outputs never win (int8 sums
+        times finite scales give none)."""
+        x, scale, row_scale = self._operands(x, weight, scale, row_scale)
+        rows = x.shape[0]
+        best = torch.empty(rows, dtype=torch.float32)
+        index = torch.empty(rows, dtype=torch.int64)
+        failed = self._argmax(x.data_ptr(), x.stride(0), rows, weight.padded_k, weight.tiles.data_ptr(),
+                              scale.data_ptr(), None if row_scale is None else row_scale.data_ptr(), weight.n,
+                              best.data_ptr(), index.data_ptr(), torch.get_num_threads())
+        if failed:
+            raise MemoryError(f"the AMX int8 kernel could not allocate its scratch (code {failed})")
+        return best, index
+
+    def _operands(self, x: torch.Tensor, weight: AmxWeight, scale: torch.Tensor, row_scale: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The inputs as the kernel reads them (checked; k and the scale padded to whole blocks)."""
+        if x.dtype != torch.int8 or x.dim() != 2 or x.shape[1] != weight.k:
+            raise ValueError(f"AMX int8 input must be int8 [rows, {weight.k}], got {x.dtype} {tuple(x.shape)}")
+        if scale.dtype != torch.float32 or scale.shape != (weight.n,):
+            raise ValueError(f"AMX int8 scale must be float32 [{weight.n}]")
+        rows = x.shape[0]
+        if row_scale is not None:
+            if row_scale.dtype != torch.float32 or row_scale.numel() != rows:
+                raise ValueError(f"AMX int8 row scale must be float32 [{rows}, 1]")
+            row_scale = row_scale.contiguous()
+        if weight.padded_k != weight.k:  # the kernel reads whole blocks of k: zero-padded rows
+            x = torch.nn.functional.pad(x, (0, weight.padded_k - weight.k))
+        elif x.stride(1) != 1:
+            x = x.contiguous()
+        if weight.n % TILE:  # the kernel reads a scale for each padded column (masked, never stored)
+            scale = torch.nn.functional.pad(scale, (0, TILE - weight.n % TILE))
+        return x, scale, row_scale
+
+
+def _plain_product(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, row_scale: torch.Tensor
+                   ) -> torch.Tensor:
+    """What the kernel must give: int8.plain_matmul's product (torch._int_mm), without
+    importing int8.py (which imports this module)."""
+    return torch._int_mm(x, values.t()).mul(scale).mul_(row_scale)
+
+
+def _mismatch(kernel: AmxKernel) -> str:
+    """'' when the kernel gives torch._int_mm's product bit for bit on shapes that cross every
+    padding and row tile boundary (including values of +-127 whose sums leave 24 bits), else
+    what differs."""
+    generator = torch.Generator().manual_seed(0)
+    for rows, n, k in ((1, 48, 64), (17, 40, 200), (70, 16, 128), (33, 100, 640)):
+        values = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator)
+        values[0] = 127
+        x = torch.randint(-127, 128, (rows, k), dtype=torch.int8, generator=generator)
+        x[0] = 127
+        scale = torch.rand(n, generator=generator) + 0.5
+        row_scale = torch.rand(rows, 1, generator=generator) + 0.5
+        expected = _plain_product(x, values, scale, row_scale)
+        got = kernel(x, pack(values), scale, row_scale)
+        if not torch.equal(got, expected):
+            return f"differs from torch._int_mm at {rows} x {n} x {k}"
+        best, index = kernel.argmax(x, pack(values), scale, row_scale)
+        top = expected.max(dim=1)
+        if not (torch.equal(best, top.values) and torch.equal(index, top.indices)):
+            return f"its argmax differs from torch's at {rows} x {n} x {k}"
+    return ""
+
+
+@cache
+def amx_kernel() -> AmxKernel | None:
+    """The kernel, built and checked on first use; None where it cannot run here (no AMX,
+    no compiler, or a result that differs), and the other int8 paths serve."""
+    if "amx_int8" not in read_cpu_flags():
+        return None
+    return checked(AmxKernel, _mismatch, "int8 matmuls take oneDNN's packed GEMM")

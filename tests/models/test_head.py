@@ -231,6 +231,24 @@ def test_the_amx_heads_fused_greedy_breaks_ties_to_the_first_index(monkeypatch) 
     assert head.greedy_fused(x) == head.greedy(x, None) == [3, HEAD_CHUNK_ROWS + 2]
 
 
+@needs_amx
+@pytest.mark.parametrize("rows", [5, 17, 70])
+def test_the_amx_heads_fused_span_logits_are_the_general_paths_bit_for_bit(weight: torch.Tensor, rows: int,
+                                                                          monkeypatch) -> None:
+    # The first chunk's logits and summaries from the kernel's one pass (its last chunk is
+    # not whole spans: the general route), against a head on the plain path (the same
+    # products bit for bit) whose chunks the summary kernel reads back
+    monkeypatch.setattr("hybridserve.models.layers.head.int8_path", lambda: AMX)
+    fused = OutputHead(weight, "int8")
+    monkeypatch.setattr("hybridserve.models.layers.head.int8_path", lambda: PLAIN)
+    general = OutputHead(weight, "int8")
+    x = _hidden(rows) * torch.linspace(0.1, 10.0, rows)[:, None]
+    inv_t = torch.rand(rows, generator=torch.Generator().manual_seed(3)) * 5 + 0.1
+    a, b = fused.span_logits(x, inv_t, None), general.span_logits(x, inv_t, None)
+    assert torch.equal(a.logits, b.logits)
+    assert torch.equal(a.span_max, b.span_max) and torch.equal(a.span_sum, b.span_sum)
+
+
 def _int8_releases(chunks: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """What an int8 head gives back, in order: each chunk's blocks of QUANTIZE_BLOCK_ROWS
     rows as the quantizer reads them, then the whole chunk once it is packed."""

@@ -47,3 +47,21 @@ def test_a_refused_advice_keeps_the_tensor(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(huge_pages.mmap, "mmap", Refusing)
     t = torch.ones(HUGE_PAGE, dtype=torch.int8)
     assert on_huge_pages(t) is t
+
+
+@needs_madvise
+def test_only_the_weights_whole_huge_pages_are_advised(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 3.5 huge pages: the advice covers 3 from the aligned start; the last half page stays
+    # on 4 KB pages (advised, it would be resident past the weight's end)
+    advised: list[tuple[int, ...]] = []
+
+    class Recording(mmap.mmap):
+        def madvise(self, *args: int) -> None:
+            advised.append(args)
+            super().madvise(*args)
+
+    monkeypatch.setattr(huge_pages.mmap, "mmap", Recording)
+    placed = on_huge_pages(torch.ones(7 * HUGE_PAGE // 2, dtype=torch.int8))
+    (option, start, length), = advised
+    assert option == mmap.MADV_HUGEPAGE and start % mmap.PAGESIZE == 0 and start < HUGE_PAGE
+    assert length == 3 * HUGE_PAGE and placed.data_ptr() % HUGE_PAGE == 0 and bool(placed.eq(1).all())

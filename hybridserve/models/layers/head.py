@@ -34,12 +34,12 @@ from typing import Callable
 import torch
 
 from hybridserve.core.errors import ConfigError
-from hybridserve.models.layers.int8 import (FBGEMM, QUANTIZERS, BlockDone, Int8Argmax, int8_gemm_available,
-                                           int8_matmul_and_argmax, int8_path, quantize_gemm_weight,
-                                           quantize_int8_rows)
+from hybridserve.models.layers.int8 import (FBGEMM, QUANTIZERS, BlockDone, int8_gemm_available, int8_matmul,
+                                           int8_path, quantize_gemm_weight, quantize_int8_rows)
+from hybridserve.models.layers.int8_amx import AmxProduct
 from hybridserve.models.layers.linear import make_linear
 from hybridserve.models.layers.span_kernel import KERNEL
-from hybridserve.models.layers.span_logits import SPAN, LogitsBuffer, SpanLogits, padded_width
+from hybridserve.models.layers.span_logits import EXP_FLOOR, SPAN, LogitsBuffer, SpanLogits, padded_width
 from hybridserve.models.platform.cpu_features import GGUF_GROUPS
 from hybridserve.models.platform.heap import release_free_heap
 
@@ -150,49 +150,48 @@ class OutputHead:
         on_fbgemm = self._int8_activations and self._int8_path == FBGEMM
         self.chunk_rows = chunk_rows or (FBGEMM_HEAD_CHUNK_ROWS if on_fbgemm else HEAD_CHUNK_ROWS)
         self._chunks: list[Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]] = []
-        # Each chunk's row argmax without writing its logits, where its kernel has one (int8.py's amx path)
-        argmaxes: list[Int8Argmax | None] = []
         self._logits_buffer = LogitsBuffer(self.vocab_size)
         for start in range(0, self.vocab_size, self.chunk_rows):
             stop = min(start + self.chunk_rows, self.vocab_size)
             # A quantized chunk gives back each block of source rows once it is read (the
             # chunk's source pages are not all resident beside its int8 values and packed copy).
             block_done = None if release_rows is None else partial(_shifted, release_rows, start)
-            kernel, argmax, reads_source = self._chunk_kernel(weight[start:stop], block_done)
+            kernel, reads_source = self._chunk_kernel(weight[start:stop], block_done)
             self._chunks.append(kernel)
-            argmaxes.append(argmax)
             if release_rows is not None and not reads_source:
                 release_rows(start, stop)
             # The chunk's unpacked values and temporaries are freed now, but glibc keeps
             # such holes resident in the heap: without this the default model's int8 head
             # cost 20 MB of RSS per 10 MB chunk (see models/platform/heap.py).
             release_free_heap()
-        self._chunk_argmax = None if None in argmaxes else [a for a in argmaxes if a is not None]
+        # Where every chunk's kernel is the AMX int8 one, its fused reductions (greedy_fused,
+        # span_logits' fused pieces); else None.
+        self._fused: list[AmxProduct] | None = None
+        if all(isinstance(chunk, AmxProduct) for chunk in self._chunks):
+            self._fused = [chunk for chunk in self._chunks if isinstance(chunk, AmxProduct)]
 
     def _chunk_kernel(self, w: torch.Tensor, block_done: BlockDone | None
-                      ) -> tuple[Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor], Int8Argmax | None, bool]:
-        """(the matmul of one chunk of rows, its row argmax where the kernel has one, whether it
-        still reads `w` itself); the int8 quantizers call `block_done` for each block of `w`'s
-        rows they are done with."""
+                      ) -> tuple[Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor], bool]:
+        """(the matmul of one chunk of rows, whether it still reads `w` itself); the int8
+        quantizers call `block_done` for each block of `w`'s rows they are done with."""
         if self.quantization == "int8":
             if self._int8_activations:
-                values, scale = quantize_gemm_weight(w, block_done, self._column_factors)
-                return *int8_matmul_and_argmax(self._int8_path, values, scale), False
+                return int8_matmul(self._int8_path, *quantize_gemm_weight(w, block_done, self._column_factors)), False
             values, scale = quantize_int8_rows(w, block_done=block_done)
             scale_bf16 = scale.to(torch.bfloat16)
-            return (lambda x, _: torch._weight_int8pack_mm(x, values, scale_bf16)), None, False
+            return (lambda x, _: torch._weight_int8pack_mm(x, values, scale_bf16)), False
         if self.quantization == "int4":
             values, scale, offset = quantize_int4_groups(w)
             group_size = w.shape[1] // scale.shape[1]
             packed_values = torch._convert_weight_to_int4pack_for_cpu(values, 1)
             scale_offset = torch.stack([scale.t(), offset.t()], dim=-1).contiguous().to(torch.bfloat16)
-            return (lambda x, _: torch._weight_int4pack_mm_for_cpu(x, packed_values, group_size, scale_offset)), None, False
+            return (lambda x, _: torch._weight_int4pack_mm_for_cpu(x, packed_values, group_size, scale_offset)), False
         if self.quantization != "none":
             raise ConfigError(f"unknown head quantization {self.quantization!r}; use none, int8 or int4")
         # Packed where that pays (bf16 as float32 on CPUs without native bf16), else the plain
         # weight is the kernel's input and must stay.
         linear, _, packed = make_linear(w, None)
-        return (lambda x, _: linear(x)), None, not packed
+        return (lambda x, _: linear(x)), not packed
 
     def _input(self, hidden: torch.Tensor) -> HeadInput:
         """The chunks' input, made once per call (quantizing per chunk would repeat it)."""
@@ -213,7 +212,7 @@ class OutputHead:
         """argmax of each row's logits (the first index among equal maxima, as argmax):
         greedy_by_chunks, the general path, or up to FEW_ROWS rows greedy_few_rows; where
         every chunk's kernel has its own argmax and nothing is soft-capped, greedy_fused."""
-        if self._chunk_argmax is not None and not softcap:
+        if self._fused is not None and not softcap:
             return self.greedy_fused(hidden)
         if hidden.shape[0] <= FEW_ROWS:
             return self.greedy_few_rows(hidden, softcap)
@@ -240,9 +239,9 @@ class OutputHead:
         """greedy_by_chunks' tokens from the chunks' own argmax kernels (int8.py's amx path),
         which write no logits: each chunk's (max, first index) of the same values its matmul
         gives, then the first chunk holding the maximum, as greedy_by_chunks merges them."""
-        assert self._chunk_argmax is not None
+        assert self._fused is not None
         values, row_scale = self._input(hidden)
-        found = [argmax(values, row_scale) for argmax in self._chunk_argmax]
+        found = [chunk.argmax(values, row_scale) for chunk in self._fused]
         if len(found) == 1:
             return found[0][1].tolist()
         winner = torch.stack([best for best, _ in found], dim=1).max(dim=1).indices
@@ -285,7 +284,10 @@ class OutputHead:
             values, row_scale = x
             for i, chunk in enumerate(self._chunks):
                 padded_chunk = pad and i == len(self._chunks) - 1
-                if row_scale is not None and not softcap and not padded_chunk:
+                if isinstance(chunk, AmxProduct) and not softcap and not padded_chunk:
+                    # the kernel summarises each span as its logits come out (the same values)
+                    out, peak, mass = chunk.span_logits(values, row_scale, inv_t, EXP_FLOOR)
+                elif row_scale is not None and not softcap and not padded_chunk:
                     # int8 activations: their row scale applied in the summaries' own pass
                     # (one pass less over a chunk that no longer fits in cache at 64 rows)
                     out = chunk(values, None)

@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from hybridserve.models.layers.int8_amx import AmxWeight, amx_kernel, pack, unpack
+from hybridserve.models.layers.int8_amx import AmxProduct, AmxWeight, amx_kernel, pack, unpack
 from hybridserve.models.platform.cpu_features import has_int8_dot, has_int8_gemm, read_cpu_flags
 
 # Rows quantized at a time: float32 temporaries of 512 x hidden (1.3 MB each at Gemma 3's
@@ -44,9 +44,6 @@ UINT8_ZERO_POINT = 128  # a symmetric int8 activation stored as uint8 (oneDNN's 
 # (int8 activations [S, K] as the kernel takes them, their float32 per-row scale [S, 1], or None
 # to leave it to the caller) -> float32 [S, N]
 Int8Matmul = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
-# (int8 activations, their per-row scale or None) -> (each row's largest output of the
-# Int8Matmul with the same operands, float32 [S]; the first column holding it, int64 [S])
-Int8Argmax = Callable[[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
 # (first row, row past the last) of a weight the quantizer has read for the last time
 BlockDone = Callable[[int, int], None]
 
@@ -243,17 +240,14 @@ QUANTIZERS = {PACKED: quantize_rows_uint8, PLAIN: quantize_rows_int8, FBGEMM: qu
               AMX: quantize_rows_int8}
 
 
-def amx_matmul(weight: AmxWeight, scale: torch.Tensor) -> Int8Matmul:
+def amx_matmul(weight: AmxWeight, scale: torch.Tensor) -> AmxProduct:
     """The same product as plain_matmul, bit for bit, on AMX's integer tiles (int8_amx.py):
-    (signed x_values from quantize_rows_int8, x_scale) -> x W^T in float32."""
+    (signed x_values from quantize_rows_int8, x_scale) -> x W^T in float32, x_scale applied
+    in the kernel; with the kernel's fused reductions beside it (AmxProduct)."""
     kernel = amx_kernel()
     if kernel is None:
         raise ValueError("the amx int8 path needs amx_int8 and its kernel built")
-
-    def matmul(x: torch.Tensor, x_scale: torch.Tensor | None) -> torch.Tensor:
-        return kernel(x, weight, scale, x_scale)  # x_scale applied in the kernel's epilogue
-
-    return matmul
+    return AmxProduct(kernel, weight, scale)
 
 
 def choose_int8_path(flags: frozenset[str] | set[str], fbgemm: bool, amx: bool = False) -> str:
@@ -296,20 +290,6 @@ def int8_matmul(path: str, values: torch.Tensor, scale: torch.Tensor) -> Int8Mat
     """The kernel of `path` for int8 weight rows (`values`, `scale` from quantize_gemm_weight);
     it takes what QUANTIZERS[path] makes of the activations."""
     return _kernel(path, _layout(path, values, scale), scale)
-
-
-def int8_matmul_and_argmax(path: str, values: torch.Tensor, scale: torch.Tensor
-                           ) -> tuple[Int8Matmul, Int8Argmax | None]:
-    """int8_matmul's kernel, and on the amx path beside it (on the same weight layout) the
-    kernel's row argmax of the same product, which writes no outputs (None elsewhere)."""
-    layout = _layout(path, values, scale)
-    if path != AMX:
-        return _kernel(path, layout, scale), None
-    assert isinstance(layout, AmxWeight)
-    kernel = amx_kernel()
-    if kernel is None:
-        raise ValueError("the amx int8 path needs amx_int8 and its kernel built")
-    return amx_matmul(layout, scale), lambda x, x_scale: kernel.argmax(x, layout, scale, x_scale)
 
 
 WeightLayout = torch.Tensor | torch.ScriptObject | AmxWeight  # the weight as one path's kernel holds it

@@ -8,7 +8,9 @@
  * here because a pass of its own over the output cost more than the products at 64 rows.
  * int8_amx_argmax gives each row's largest output and the first column holding it without
  * writing the outputs (greedy decoding's output head: at 64 rows the logits it would
- * write and read back are 64 MB a step).
+ * write and read back are 64 MB a step). int8_amx_span_logits writes the outputs and
+ * summarises each span of SPAN of them while they are in L1 (sampling's output head,
+ * models/layers/span_logits.py), instead of a second pass reading them back.
  *
  * Why a kernel of its own: a decode step multiplies a few rows by a large weight (the
  * output head: 168 MB of int8 for Gemma 3's vocabulary), so its time is the weight's bytes.
@@ -39,6 +41,7 @@
 #define HAVE_AMX_INT8 1
 #include <immintrin.h>
 #include "amx_tiles.h"
+#include "span_summary.h"
 
 #define AMX_TARGET __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw")))
 /* 1 where Linux lets this process use AMX's tile data (asked for once), else 0. */
@@ -231,6 +234,73 @@ int int8_amx_argmax(const int8_t *x, int64_t ldx, int64_t M, int64_t K, const in
     return failed ? -1 : 0;
 }
 
+/* As int8_amx_matmul for N whole spans (N % SPAN == 0), and besides, each span's summary
+ * of the stored outputs at its row's inverse temperature inv_t[m] (span_summary.h's
+ * summarise_group, as span_summaries.c computes it): peak and mass [M, N / SPAN],
+ * contiguous. Returns as int8_amx_matmul (-2 also for N not whole spans). */
+int int8_amx_span_logits(const int8_t *x, int64_t ldx, int64_t M, int64_t K, const int8_t *w, const float *scale,
+                         const float *row_scale, int64_t N, float *out, int64_t ldo, const float *inv_t,
+                         float exp_floor, float *peak, float *mass, int32_t num_threads) {
+    if (K % K_BLOCK || N % SPAN) return -2;
+    if (M <= 0 || N <= 0) return 0;
+    const int64_t padded = (M + TILE - 1) / TILE * TILE, spans = N / SPAN;
+    int8_t *xpad = aligned_alloc(64, (size_t)(padded * K));
+    if (!xpad) return -1;
+    for (int64_t m = 0; m < M; m++) memcpy(xpad + m * K, x + m * ldx, (size_t)K);
+    memset(xpad + M * K, 0, (size_t)((padded - M) * K));
+    const int stream = M >= STREAM_MIN_ROWS;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (spans > 1)
+    {
+        int32_t sums[ROW_TILES][TILE * TILE] __attribute__((aligned(64)));
+        /* a row block's outputs of one span: 64 rows x SPAN float32, 32 KB, in L1 */
+        float *block = aligned_alloc(64, (size_t)(ROW_TILES * TILE * SPAN) * sizeof(float));
+        if (!block) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            configure();
+        }
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < spans; j++) {
+            if (!block) continue;
+            for (int64_t m0 = 0; m0 < M; m0 += ROW_TILES * TILE) {
+                const int64_t rows = M - m0 < ROW_TILES * TILE ? M - m0 : ROW_TILES * TILE;
+                for (int64_t i = 0; i < SPAN / TILE; i++) {
+                    const int64_t t = j * (SPAN / TILE) + i;
+                    tile_sums(xpad, K, m0, (int)((rows + TILE - 1) / TILE), w + t * K * TILE, sums);
+                    const __m512 s = _mm512_loadu_ps(scale + t * TILE);
+                    for (int64_t r = 0; r < rows; r++) {
+                        __m512 v = _mm512_mul_ps(
+                            _mm512_cvtepi32_ps(_mm512_load_si512(sums[r / TILE] + (r % TILE) * TILE)), s);
+                        if (row_scale) v = _mm512_mul_ps(v, _mm512_set1_ps(row_scale[m0 + r]));
+                        _mm512_store_ps(block + r * SPAN + i * TILE, v);
+                    }
+                }
+                for (int64_t r = 0; r < rows; r++) {
+                    const int64_t m = m0 + r;
+                    float *row = block + r * SPAN;
+                    summarise_group(row, 0, 1, 0, 1.0f, inv_t[m], exp_floor, peak + m * spans + j, mass + m * spans + j);
+                    float *dst = out + m * ldo + j * SPAN;
+                    const int aligned = !((uintptr_t)dst & 63);
+                    for (int i = 0; i < SPAN; i += TILE) {
+                        const __m512 v = _mm512_load_ps(row + i);
+                        if (stream && aligned)
+                            _mm512_stream_ps(dst + i, v);
+                        else
+                            _mm512_storeu_ps(dst + i, v);
+                    }
+                }
+            }
+        }
+        _mm_sfence();
+        if (block) release_tiles();
+        free(block);
+    }
+    free(xpad);
+    return failed ? -1 : 0;
+}
+
 int int8_amx_built(void) { return 1; }
 #else
 int int8_amx_ready(void) { return 0; }
@@ -246,6 +316,14 @@ int int8_amx_argmax(const int8_t *x, int64_t ldx, int64_t M, int64_t K, const in
                     const float *row_scale, int64_t N, float *best, int64_t *index, int32_t num_threads) {
     (void)x, (void)ldx, (void)M, (void)K, (void)w, (void)scale, (void)row_scale, (void)N, (void)best, (void)index;
     (void)num_threads;
+    return -3;
+}
+
+int int8_amx_span_logits(const int8_t *x, int64_t ldx, int64_t M, int64_t K, const int8_t *w, const float *scale,
+                         const float *row_scale, int64_t N, float *out, int64_t ldo, const float *inv_t,
+                         float exp_floor, float *peak, float *mass, int32_t num_threads) {
+    (void)x, (void)ldx, (void)M, (void)K, (void)w, (void)scale, (void)row_scale, (void)N, (void)out, (void)ldo;
+    (void)inv_t, (void)exp_floor, (void)peak, (void)mass, (void)num_threads;
     return -3;
 }
 

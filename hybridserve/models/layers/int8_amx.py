@@ -30,6 +30,7 @@ from hybridserve.models.platform.native_build import build, checked
 
 SOURCE = Path(__file__).with_name("int8_amx.c")
 TILE = 16  # output rows of the weight per tile (int8_amx.c's TILE)
+SPAN = 128  # outputs per span summary (span_summary.h's SPAN; models/layers/span_logits.SPAN)
 K_BLOCK = 64  # int8 inputs per tile row (int8_amx.c's K_BLOCK)
 QUAD = 4  # consecutive inputs AMX pairs per column in its B operand
 
@@ -90,6 +91,11 @@ class AmxKernel:
         argmax.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ctypes.c_int32]
         argmax.restype = ctypes.c_int
         self._argmax = argmax
+        spans = library.int8_amx_span_logits
+        spans.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, i64, ptr, ctypes.c_float, ptr, ptr,
+                          ctypes.c_int32]
+        spans.restype = ctypes.c_int
+        self._span_logits = spans
 
     def __call__(self, x: torch.Tensor, weight: AmxWeight, scale: torch.Tensor,
                  row_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -118,6 +124,30 @@ class AmxKernel:
             raise MemoryError(f"the AMX int8 kernel could not allocate its scratch (code {failed})")
         return best, index
 
+    def span_logits(self, x: torch.Tensor, weight: AmxWeight, scale: torch.Tensor, row_scale: torch.Tensor | None,
+                    inv_temperature: torch.Tensor, exp_floor: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(__call__'s product, float32 [S, n]; and each span of SPAN of its columns summarised
+        as models/layers/span_logits.py defines, span_max and span_sum [S, n / SPAN], at
+        each row's inverse temperature, float32 [S]) in one pass: the summaries are those
+        span_native's kernel gives for the same logits, bit for bit. n must be whole spans."""
+        x, scale, row_scale = self._operands(x, weight, scale, row_scale)
+        rows = x.shape[0]
+        if weight.n % SPAN:
+            raise ValueError(f"span logits need whole spans of {SPAN} columns, not {weight.n}")
+        inv_t = inv_temperature.to(torch.float32).contiguous()
+        if inv_t.shape != (rows,):
+            raise ValueError(f"the inverse temperatures must be [{rows}], got {tuple(inv_t.shape)}")
+        out = torch.empty(rows, weight.n, dtype=torch.float32)
+        peak = torch.empty(rows, weight.n // SPAN, dtype=torch.float32)
+        mass = torch.empty(rows, weight.n // SPAN, dtype=torch.float32)
+        failed = self._span_logits(x.data_ptr(), x.stride(0), rows, weight.padded_k, weight.tiles.data_ptr(),
+                                   scale.data_ptr(), None if row_scale is None else row_scale.data_ptr(), weight.n,
+                                   out.data_ptr(), out.stride(0), inv_t.data_ptr(), exp_floor, peak.data_ptr(),
+                                   mass.data_ptr(), torch.get_num_threads())
+        if failed:
+            raise MemoryError(f"the AMX int8 kernel could not allocate its scratch (code {failed})")
+        return out, peak, mass
+
     def _operands(self, x: torch.Tensor, weight: AmxWeight, scale: torch.Tensor, row_scale: torch.Tensor | None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The inputs as the kernel reads them (checked; k and the scale padded to whole blocks)."""
@@ -139,6 +169,25 @@ class AmxKernel:
         return x, scale, row_scale
 
 
+class AmxProduct:
+    """One weight's product on the kernel, its scale bound: called, int8.Int8Matmul's
+    contract ((int8 activations, their row scale or None) -> float32 [S, n]); `argmax` and
+    `span_logits` the kernel's reductions of the same product (models/layers/head.py)."""
+
+    def __init__(self, kernel: AmxKernel, weight: AmxWeight, scale: torch.Tensor) -> None:
+        self.kernel, self.weight, self.scale = kernel, weight, scale
+
+    def __call__(self, x: torch.Tensor, x_scale: torch.Tensor | None) -> torch.Tensor:
+        return self.kernel(x, self.weight, self.scale, x_scale)
+
+    def argmax(self, x: torch.Tensor, x_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kernel.argmax(x, self.weight, self.scale, x_scale)
+
+    def span_logits(self, x: torch.Tensor, x_scale: torch.Tensor | None, inv_temperature: torch.Tensor,
+                    exp_floor: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.kernel.span_logits(x, self.weight, self.scale, x_scale, inv_temperature, exp_floor)
+
+
 def _plain_product(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, row_scale: torch.Tensor
                    ) -> torch.Tensor:
     """What the kernel must give: int8.plain_matmul's product (torch._int_mm), without
@@ -151,7 +200,7 @@ def _mismatch(kernel: AmxKernel) -> str:
     padding and row tile boundary (including values of +-127 whose sums leave 24 bits), else
     what differs."""
     generator = torch.Generator().manual_seed(0)
-    for rows, n, k in ((1, 48, 64), (17, 40, 200), (70, 16, 128), (33, 100, 640)):
+    for rows, n, k in ((1, 48, 64), (17, 40, 200), (70, 256, 128), (33, 100, 640)):
         values = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator)
         values[0] = 127
         x = torch.randint(-127, 128, (rows, k), dtype=torch.int8, generator=generator)
@@ -166,6 +215,13 @@ def _mismatch(kernel: AmxKernel) -> str:
         top = expected.max(dim=1)
         if not (torch.equal(best, top.values) and torch.equal(index, top.indices)):
             return f"its argmax differs from torch's at {rows} x {n} x {k}"
+        if n % SPAN == 0:
+            logits, peak, mass = kernel.span_logits(x, pack(values), scale, row_scale, torch.ones(rows), -87.0)
+            spans = expected.view(rows, -1, SPAN)
+            reference_mass = torch.exp(spans - spans.amax(dim=-1, keepdim=True)).sum(dim=-1)
+            if not (torch.equal(logits, expected) and torch.equal(peak, spans.amax(dim=-1))
+                    and torch.allclose(mass, reference_mass, rtol=1e-5, atol=0.0)):
+                return f"its span logits differ from torch's at {rows} x {n} x {k}"
     return ""
 
 

@@ -7,8 +7,9 @@ of int8) took 9.5 ms a step on 4 KB pages and 6.7 ms on 2 MB pages, one row, the
 kernel (benchmarks/results/int8_kernels.md). The kernel's own weight layouts (int8_amx.py's
 tiles, int8_groups.py's) are copied here once, at load.
 
-Memory: the mapping is rounded up to a whole huge page and aligned to one; the pages past
-the weight's end are never written, so they are never resident.
+Memory: the weight starts on a huge page boundary and only its whole huge pages are advised;
+its last partial one stays on 4 KB pages and the mapping's pages past its end are never
+written, so nothing past the weight is resident.
 """
 
 from __future__ import annotations
@@ -29,13 +30,14 @@ def on_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.device.type != "cpu" or nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return tensor
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        region.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:  # THP compiled out or disabled
-        region.close()
-        return tensor
     raw = torch.frombuffer(region, dtype=torch.uint8)  # the tensor keeps the mapping alive
     start = -raw.data_ptr() % HUGE_PAGE
+    try:  # whole huge pages only: a last partial one would be resident past the weight's end
+        region.madvise(mmap.MADV_HUGEPAGE, start, nbytes // HUGE_PAGE * HUGE_PAGE)
+    except OSError:  # THP compiled out or disabled
+        del raw
+        region.close()
+        return tensor
     placed = raw[start : start + nbytes].view(tensor.dtype).view(tensor.shape)
     placed.copy_(tensor)
     return placed

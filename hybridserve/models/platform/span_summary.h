@@ -1,0 +1,84 @@
+/* One span's summary, shared by the kernels that summarise logits
+ * (models/layers/span_summaries.c over stored logits; models/layers/int8_amx.c as its
+ * products come out): the span's maximum m and its mass, the sum of
+ * exp(max((x - m) * inv_t, exp_floor)) (0 for a span that is all -inf); both use
+ * summarise_group, so the same logits give the same summaries bit for bit.
+ * The exponential is range reduction to 2^n * e^r (|r| <= ln 2 / 2) with e^r's Taylor
+ * polynomial to degree 8: its truncation (< 1e-9 relative) is below float32 rounding. */
+
+#ifndef HYBRIDSERVE_SPAN_SUMMARY_H
+#define HYBRIDSERVE_SPAN_SUMMARY_H
+
+#include <math.h>
+#include <stdint.h>
+
+#include "native_vectors.h"
+
+#define SPAN 128
+
+/* GROUP spans side by side fill the registers without spilling: AVX-512 has 32 of them,
+ * AVX2 and SSE 16. */
+#if LANES == 16
+#define GROUP 8
+#else
+#define GROUP 4
+#endif
+
+typedef int32_t vi __attribute__((vector_size(LANES * 4)));
+
+/* exp(x) for x in [-87, 0] (the caller's floor keeps it there: 2^n stays a normal float). */
+static inline vf exp_nonpositive(vf x) {
+    const vf round_shift = splat(12582912.0f); /* 1.5 * 2^23: adding it rounds to an integer */
+    vf n = (x * splat(1.44269504088896341f) + round_shift) - round_shift;
+    vf r = x - n * splat(0.693145751953125f); /* ln 2 in two parts: r stays exact */
+    r = r - n * splat(1.42860682030941723212e-6f);
+    vf p = splat(1.0f / 40320.0f);
+    p = p * r + splat(1.0f / 5040.0f);
+    p = p * r + splat(1.0f / 720.0f);
+    p = p * r + splat(1.0f / 120.0f);
+    p = p * r + splat(1.0f / 24.0f);
+    p = p * r + splat(1.0f / 6.0f);
+    p = p * r + splat(0.5f);
+    p = p * r + splat(1.0f);
+    p = p * r + splat(1.0f);
+    vi two_n = (__builtin_convertvector(n, vi) + 127) << 23;
+    return p * (vf)two_n;
+}
+
+/* Spans j0 .. j0 + count - 1 (count <= GROUP) of one row, each logit first multiplied by
+ * `factor` in place where `scaled`. */
+/* Always inlined: each call site's constant count and flag then unroll its loops, with
+ * the lanes in registers (left to its own judgement GCC calls one generic copy for AVX2). */
+static inline __attribute__((always_inline)) void
+summarise_group(float *row, int64_t j0, int count, int scaled, float factor, float inv_t, float exp_floor,
+                float *peak, float *mass) {
+    vf lane_max[GROUP], shift[GROUP], acc[GROUP];
+    float m[GROUP];
+    const vf row_factor = splat(factor);
+    for (int g = 0; g < count; g++) lane_max[g] = splat(-INFINITY);
+    for (int b = 0; b < SPAN; b += LANES)
+        for (int g = 0; g < count; g++) {
+            float *p = row + (j0 + g) * SPAN + b;
+            vf v = load_f32(p);
+            if (scaled) {
+                v = v * row_factor; /* stored, then used only by the max: never fused into later arithmetic */
+                store_f32(p, v);
+            }
+            lane_max[g] = vmax(lane_max[g], v);
+        }
+    for (int g = 0; g < count; g++) {
+        m[g] = lanes_max(lane_max[g]);
+        shift[g] = splat(m[g] == -INFINITY ? 0.0f : m[g]); /* an all -inf span: no -inf - -inf */
+        acc[g] = splat(0.0f);
+    }
+    const vf by_temperature = splat(inv_t), lowest = splat(exp_floor);
+    for (int b = 0; b < SPAN; b += LANES)
+        for (int g = 0; g < count; g++)
+            acc[g] += exp_nonpositive(vmax((load_f32(row + (j0 + g) * SPAN + b) - shift[g]) * by_temperature, lowest));
+    for (int g = 0; g < count; g++) {
+        peak[j0 + g] = m[g];
+        mass[j0 + g] = m[g] == -INFINITY ? 0.0f : lanes_sum(acc[g]);
+    }
+}
+
+#endif

@@ -59,7 +59,8 @@ def pack(values: torch.Tensor) -> AmxWeight:
     if values.dtype != torch.int8 or values.dim() != 2:
         raise ValueError(f"an AMX int8 weight is a 2-d int8 tensor, got {values.dtype} {tuple(values.shape)}")
     n, k = values.shape
-    padded = torch.nn.functional.pad(values, (0, _round_up(k, K_BLOCK) - k, 0, _round_up(n, TILE) - n))
+    pad_k, pad_n = _round_up(k, K_BLOCK) - k, _round_up(n, TILE) - n
+    padded = torch.nn.functional.pad(values, (0, pad_k, 0, pad_n)) if pad_k or pad_n else values.contiguous()
     big_n, big_k = padded.shape
     # [tile, column, block, row, quad] -> [tile, block, row, column, quad]
     tiles = padded.view(big_n // TILE, TILE, big_k // K_BLOCK, K_BLOCK // QUAD, QUAD).permute(0, 2, 3, 1, 4)

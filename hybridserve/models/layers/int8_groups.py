@@ -160,7 +160,8 @@ class PackedGroups(NamedTuple):
 
 
 def _tiles(t: torch.Tensor) -> torch.Tensor:
-    return t.view(t.shape[0] // TILE, TILE, t.shape[1]).transpose(1, 2).contiguous()
+    """t [N, C] as the kernel's tiles [N / TILE, C, TILE], a view (on_huge_pages copies it)."""
+    return t.view(t.shape[0] // TILE, TILE, t.shape[1]).transpose(1, 2)
 
 
 class GroupKernel:

@@ -24,11 +24,12 @@ HUGE_PAGE = 2 << 20  # bytes in an x86-64 transparent huge page
 def on_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of CPU `tensor` in memory advised for transparent huge pages,
     aligned to one; `tensor` itself (made contiguous) where that is not offered (not
-    Linux, THP disabled) or not worth it (under one huge page, not on the CPU)."""
-    tensor = tensor.contiguous()
+    Linux, THP disabled) or not worth it (under one huge page, not on the CPU). A strided
+    view (a layout's permutation) is copied into the mapping directly: no contiguous copy
+    of it is made first (one weight less at the load's peak)."""
     nbytes = tensor.numel() * tensor.element_size()
     if tensor.device.type != "cpu" or nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return tensor
+        return tensor.contiguous()
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = torch.frombuffer(region, dtype=torch.uint8)  # the tensor keeps the mapping alive
     start = -raw.data_ptr() % HUGE_PAGE
@@ -37,7 +38,7 @@ def on_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
     except OSError:  # THP compiled out or disabled
         del raw
         region.close()
-        return tensor
+        return tensor.contiguous()
     placed = raw[start : start + nbytes].view(tensor.dtype).view(tensor.shape)
     placed.copy_(tensor)
     return placed

@@ -5,6 +5,8 @@ counts across the kernel's row tiles and paddings (hypothesis)."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -21,6 +23,7 @@ from hybridserve.models.layers.int8 import (  # noqa: E402
     quantize_rows_int8,
     quantize_rows_uint8,
 )
+from hybridserve.models.layers import int8_amx  # noqa: E402
 from hybridserve.models.layers.int8_amx import AmxWeight, amx_kernel, pack, unpack  # noqa: E402
 
 KERNEL = amx_kernel()
@@ -51,6 +54,20 @@ def test_the_amx_path_is_taken_only_with_amx_int8_and_its_kernel() -> None:
     assert choose_int8_path(amx, fbgemm=True, amx=True) == AMX
     assert choose_int8_path(amx, fbgemm=True, amx=False) == PACKED  # no kernel built
     assert choose_int8_path(vnni, fbgemm=True, amx=True) == PACKED  # no tiles on this CPU
+
+
+def test_without_the_tile_state_there_is_no_kernel_and_no_warning(monkeypatch: pytest.MonkeyPatch,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    # A CPU with amx_int8 under a Linux that does not grant the tile state (before 5.16):
+    # the other int8 paths serve, which is not worth a warning
+    class Denied:
+        ready = False
+
+    monkeypatch.setattr(int8_amx, "AmxKernel", Denied)
+    monkeypatch.setattr(int8_amx, "read_cpu_flags", lambda: frozenset({"avx512f", "amx_int8"}))
+    with caplog.at_level(logging.WARNING):
+        assert int8_amx.amx_kernel.__wrapped__() is None
+    assert not caplog.records
 
 
 def test_a_weight_that_is_not_int8_rows_is_refused() -> None:

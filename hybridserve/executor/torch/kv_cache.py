@@ -17,15 +17,14 @@ a masked read of it is always finite.
 
 from __future__ import annotations
 
-import mmap
 from math import prod
 
-import numpy as np
 import torch
 
 from hybridserve.config import parse_size
 from hybridserve.core.errors import ConfigError
 from hybridserve.core.kv.spec import AttentionSpec, KVCacheConfig, KVCacheGroup, MambaSpec, bytes_per_block
+from hybridserve.executor.torch.kv_pages import zero_buffers
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -62,30 +61,15 @@ def _check_specs(config: KVCacheConfig) -> str:
     return next(iter(dtypes))
 
 
-def _zeros(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero-filled [rows, cols] buffer. On CPU fresh zero pages that the kernel hands out
-    only when written: a pool sized for the default budget (1 GiB) then costs memory only
-    for the blocks requests actually fill.
-
-    Where the kernel offers transparent huge pages on request (Linux, MADV_HUGEPAGE) the
-    pool asks for them. The block pool hands out blocks never used before until every one
-    has been (its free queue keeps freed blocks findable for the prefix cache), so a new
-    server's K/V writes land on untouched pages, and a 4 KB page fault per few tokens
-    costs more than the write itself (benchmarks/results/kv_pool_huge_pages.md). Resident
-    memory still grows with the blocks used, 2 MB at a time per slot buffer."""
+def _slot_buffers(count: int, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """`count` zero-filled [rows, cols] buffers. On CPU fresh zero pages that the kernel
+    hands out only when written (kv_pages.py, which also picks their page size): a pool
+    sized for the default budget (1 GiB) then costs memory only for the blocks requests
+    actually fill."""
     nbytes = rows * cols * torch.tensor([], dtype=dtype).element_size()
     if device.type != "cpu" or nbytes == 0:
-        return torch.zeros(rows, cols, dtype=dtype, device=device)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        try:
-            region.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:  # THP compiled out or disabled: 4 KB pages, as without the hint
-            pass
-        raw = torch.frombuffer(region, dtype=torch.uint8)  # the tensor keeps the mapping alive
-    else:  # calloc, through numpy: fresh zero pages too
-        raw = torch.from_numpy(np.zeros(nbytes, dtype=np.uint8))
-    return raw.view(dtype).view(rows, cols)
+        return [torch.zeros(rows, cols, dtype=dtype, device=device) for _ in range(count)]
+    return [raw.view(dtype).view(rows, cols) for raw in zero_buffers(count, nbytes)]
 
 
 class MambaPages:
@@ -131,7 +115,7 @@ class PagedKVCache:
         elem = torch.tensor([], dtype=dtype).element_size()
         page_elems = max(g.spec.page_size_bytes for g in config.groups) // elem
         num_slots = max(len(g.layer_names) for g in config.groups)
-        self.buffers = [_zeros(config.num_blocks, page_elems, dtype, device) for _ in range(num_slots)]
+        self.buffers = _slot_buffers(num_slots, config.num_blocks, page_elems, dtype, device)
         self.layer_group: dict[str, int] = {}
         self.layer_view: dict[str, torch.Tensor] = {}
         self.state_pages: dict[str, MambaPages] = {}

@@ -12,9 +12,11 @@ parameters) and its bytes set the decode speed, so it gets its own representatio
   nearest). The quantizer hands each block of source rows back to `release_rows` as soon
   as it has read it, so a chunk's bf16 source is never all resident beside its int8
   values and packed copy (the load's peak). On an x86 CPU with int8 dot products (VNNI / AMX-INT8) or AVX2 the hidden
-  states are quantized too, per row (symmetric, 127 levels, stored as uint8 around 128),
-  and oneDNN's int8 GEMM multiplies them (`onednn.qlinear_pointwise`; on AVX2 alone
-  fbgemm's, with the weights narrowed to 63 levels: models/layers/int8.py): at a decode
+  states are quantized too, per row (symmetric, 127 levels), and an int8 GEMM multiplies
+  them (with AMX's integer tiles int8_amx.c, which also reduces each chunk to greedy's
+  argmax or to sampling's span summaries as it goes; with VNNI oneDNN's
+  `onednn.qlinear_pointwise`; on AVX2 alone fbgemm's, with the weights narrowed to 63
+  levels: models/layers/int8.py): at a decode
   batch of 64 the head is compute-bound, and the int8 dot products run several times
   faster than bf16 ones without AMX (`benchmarks/int8_rows.py`). Elsewhere PyTorch's
   weight-only int8 kernel (`_weight_int8pack_mm`) multiplies bfloat16 activations.
@@ -123,6 +125,16 @@ def head_quantization(quantization: str) -> str:
     return "int8" if quantization in ("int8-head", INT4_LAYERS, GROUP_LAYERS) else quantization
 
 
+def _first_chunk_max(values: list[torch.Tensor], indices: list[torch.Tensor]) -> list[int]:
+    """Each row's token from its chunks' (max, vocabulary index of the first max), chunks in
+    vocabulary order: the first chunk holding the row's maximum, as one argmax over the
+    whole row picks."""
+    if len(values) == 1:
+        return indices[0].tolist()
+    winner = torch.stack(values, dim=1).max(dim=1).indices  # first chunk holding the maximum
+    return torch.stack(indices, dim=1).gather(1, winner[:, None]).squeeze(1).tolist()
+
+
 def _shifted(release_rows: ReleaseRows, offset: int, start: int, stop: int) -> None:
     """release_rows of a chunk's rows [start, stop), the chunk starting at row `offset`."""
     release_rows(offset + start, offset + stop)
@@ -166,9 +178,8 @@ class OutputHead:
             release_free_heap()
         # Where every chunk's kernel is the AMX int8 one, its fused reductions (greedy_fused,
         # span_logits' fused pieces); else None.
-        self._fused: list[AmxProduct] | None = None
-        if all(isinstance(chunk, AmxProduct) for chunk in self._chunks):
-            self._fused = [chunk for chunk in self._chunks if isinstance(chunk, AmxProduct)]
+        fused = [chunk for chunk in self._chunks if isinstance(chunk, AmxProduct)]
+        self._fused: list[AmxProduct] | None = fused if len(fused) == len(self._chunks) else None
 
     def _chunk_kernel(self, w: torch.Tensor, block_done: BlockDone | None
                       ) -> tuple[Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor], bool]:
@@ -230,10 +241,7 @@ class OutputHead:
             best, index = row_max(out)
             values.append(best.float())
             indices.append(index + start)
-        if len(values) == 1:
-            return indices[0].tolist()
-        winner = torch.stack(values, dim=1).max(dim=1).indices  # first chunk holding the maximum
-        return torch.stack(indices, dim=1).gather(1, winner[:, None]).squeeze(1).tolist()
+        return _first_chunk_max(values, indices)
 
     def greedy_fused(self, hidden: torch.Tensor) -> list[int]:
         """greedy_by_chunks' tokens from the chunks' own argmax kernels (int8.py's amx path),
@@ -242,12 +250,8 @@ class OutputHead:
         assert self._fused is not None
         values, row_scale = self._input(hidden)
         found = [chunk.argmax(values, row_scale) for chunk in self._fused]
-        if len(found) == 1:
-            return found[0][1].tolist()
-        winner = torch.stack([best for best, _ in found], dim=1).max(dim=1).indices
-        indices = torch.stack([index + start for (_, index), start in zip(found, range(0, self.vocab_size,
-                                                                                      self.chunk_rows))], dim=1)
-        return indices.gather(1, winner[:, None]).squeeze(1).tolist()
+        starts = range(0, self.vocab_size, self.chunk_rows)
+        return _first_chunk_max([best for best, _ in found], [index + start for (_, index), start in zip(found, starts)])
 
     def greedy_few_rows(self, hidden: torch.Tensor, softcap: float | None) -> list[int]:
         """greedy_by_chunks' tokens, for a few rows (one stream's decode step): every chunk's

@@ -169,7 +169,6 @@ int int8_amx_matmul(const int8_t *x, int64_t ldx, int64_t M, int64_t K, const in
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
             const int8_t *wt = w + t * K * TILE;
-            _mm_prefetch((const char *)(wt + 2 * K * TILE), _MM_HINT_T1);
             for (int64_t m0 = 0; m0 < M; m0 += ROW_TILES * TILE) {
                 const int64_t rows = M - m0 < ROW_TILES * TILE ? M - m0 : ROW_TILES * TILE;
                 tile_sums(xpad, K, m0, (int)((rows + TILE - 1) / TILE), wt, sums);

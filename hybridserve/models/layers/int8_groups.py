@@ -248,7 +248,6 @@ class GroupKernel:
         rows, (n, k) = x.shape[0], packed.shape
         if x.shape[1] != k:
             raise ValueError(f"input of width {x.shape[1]} for a weight of width {k}")
-        out = torch.empty(rows, n, dtype=x.dtype)
         if residual is not None:
             residual = residual.to(x.dtype)
             if residual.stride(-1) != 1:
@@ -264,6 +263,7 @@ class GroupKernel:
             raise ValueError(f"the folded path steps through the inputs 32 at a time, not {k}")
         if path == "expand":
             return self._expand_mm(x, packed, bias, residual).to(out_dtype)
+        out = torch.empty(rows, n, dtype=x.dtype)
         if rows:
             failed = self._fn(x.data_ptr(), int(x.dtype == torch.bfloat16), x.stride(0), rows, k,
                               packed.values.data_ptr(), packed.scale.data_ptr(),

@@ -6,13 +6,15 @@ levels times the weight's, each converted to float32 once and multiplied by its 
 scale. What differs is the speed at decode's row counts: the kernel streams the weight once
 per call in the order it is stored (on huge pages) and multiplies up to 64 rows per loaded
 tile; oneDNN's packed GEMM took 1.4-1.5x as long from 1 to 16 rows
-(`python benchmarks/int8_rows.py`, benchmarks/results/int8_kernels.md). `argmax` reduces
-each row of the product to its maximum and first column inside the kernel: greedy decoding's
-head (models/layers/head.py greedy_fused) writes no logits.
+(`python benchmarks/int8_rows.py`, benchmarks/results/int8_kernels.md). Two reductions of
+the product run inside the kernel, for the output head (models/layers/head.py): `argmax`,
+each row's maximum and first column (greedy decoding writes no logits), and `span_logits`,
+the logits with each span's summary (span_logits.py) computed while they are in L1.
 
 `AmxWeight` holds a weight in the kernel's tiles (`pack`, and `unpack` back to the rows for
-the other paths); `AmxKernel` calls the library; `amx_kernel()` builds and checks it once
-(None where it cannot run here: the other int8 paths serve then).
+the other paths); `AmxKernel` calls the library; `AmxProduct` is one weight's product with
+its scale bound (what int8.py's amx path hands out); `amx_kernel()` builds and checks the
+kernel once (None where it cannot run here: the other int8 paths serve then).
 """
 
 from __future__ import annotations

@@ -5,12 +5,13 @@ Weights are int8 per output row (symmetric, scale = row max / levels; 127 levels
 row at every call (symmetric, 127 levels) and stored as uint8 around 128 because
 oneDNN's int8 GEMM (`onednn.qlinear_pointwise`) takes unsigned activations. The GEMM
 returns float32 with the weight scales applied; the per-row activation scale is applied
-after it, since the kernel takes only one activation scale per tensor. Beside it run two
+after it, since the kernel takes only one activation scale per tensor. Beside it run three
 more paths with the same result bit for bit (W8A8Linear): `torch._int_mm` on signed int8
-activations and the plain weight rows, and fbgemm's int8 GEMM
+activations and the plain weight rows; fbgemm's int8 GEMM
 (`quantized.linear_with_input_q_dq_qweight_dq_output_fp32`), which quantizes its float
-input itself. One path serves every row count on a given CPU (int8_path), so each weight
-is held in one layout only.
+input itself; and this project's kernel on AMX's integer tiles (int8_amx.py, signed
+activations, both scales applied in its epilogue). One path serves every row count on a
+given CPU (int8_path), so each weight is held in one layout only.
 
 Why int8 activations at all: without AMX, a decode batch of 16-64 rows makes the matmuls
 compute-bound, and VNNI's int8 dot products do twice the multiply-adds per instruction of
@@ -327,10 +328,11 @@ class W8A8Linear:
     """x [S, K] (float) -> x W^T in float32, int8 x int8: `x` quantized per row at each
     call, the int8 weight rows (`values`, `scale` from quantize_gemm_weight) fixed.
 
-    Three paths, which sum the same int32 products and scale them the same way, so they
-    agree bit for bit (tests/models/test_int8_layers.py): `general`, oneDNN's packed u8 x s8
-    GEMM (w8a8_matmul); `plain`, torch._int_mm on signed activations and the plain int8
-    weight (plain_matmul); `fbgemm`, fbgemm's u8 x s8 GEMM (fbgemm_matmul). One serves every
+    Four paths, which sum the same int32 products and scale them the same way, so they
+    agree bit for bit (tests/models/test_int8_layers.py, test_int8_amx.py): `general`,
+    oneDNN's packed u8 x s8 GEMM (w8a8_matmul); `plain`, torch._int_mm on signed activations
+    and the plain int8 weight (plain_matmul); `fbgemm`, fbgemm's u8 x s8 GEMM (fbgemm_matmul);
+    `amx`, AMX's s8 x s8 tiles (amx_matmul, where the CPU has them). One serves every
     row count on this CPU (int8_path). Invariant: once built, it holds the weight in that
     path's layout alone (`weight_layouts` == 1; the decoder of Gemma 3 270M is 100 MB of
     int8 once, not twice); another path's layout is made from it on first call (tests,

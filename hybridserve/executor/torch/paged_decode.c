@@ -10,7 +10,9 @@
  * masked positions are never read.
  *
  * Arithmetic: float32 throughout (bf16 keys and values widened exactly), the scale folded
- * into the query, optional soft-capping tanh(s / cap) * cap of the scores, and optional
+ * into the query, optional soft-capping tanh(s / cap) * cap of the scores, the softmax's
+ * exponentials a vector at a time (span_summary.h's exp, below float32 rounding; each
+ * score's exponent floored at -87, where a term is ~1e-38 of the sum's first), and optional
  * per-head sinks (a learned logit that joins the softmax's denominator only: the running
  * maximum starts at it, with a sum of one). The output is rounded once to the cache's
  * dtype (round to nearest even, as torch converts).
@@ -24,6 +26,7 @@
 #include <string.h>
 
 #include "native_vectors.h"
+#include "span_summary.h"
 
 /* Keys scored before each update of the running maximum: enough to amortise the rescale
  * of the accumulators, few enough for their scores to stay in L1. */
@@ -94,13 +97,43 @@ attend(const void *q, int64_t q_head_stride, const char *cache, int64_t block_by
             /* top is finite: a tile holds at least one key */
             const float keep = m[h] == -INFINITY ? 0.0f : expf(m[h] - top);
             float sum = 0.0f;
-            for (int j = 0; j < n; j++) sum += s[h][j] = expf(s[h][j] - top);
+            int j = 0;
+            /* a vector of exponentials at a time: one libm expf per score was a third of a key's time */
+            for (; j + LANES <= n; j += LANES) {
+                vf e = exp_nonpositive(vmax(load_f32(&s[h][j]) - splat(top), splat(-87.0f)));
+                store_f32(&s[h][j], e);
+            }
+            for (; j < n; j++) s[h][j] = expf(s[h][j] - top);
+            for (j = 0; j < n; j++) sum += s[h][j];
             l[h] = l[h] * keep + sum;
             m[h] = top;
             if (keep != 1.0f)
                 for (int64_t i = 0; i < d; i++) acc[h][i] *= keep;
         }
-        for (int64_t i = 0; i < full; i += LANES) {
+        /* Two column chunks at a time: each accumulator is a chain of n dependent adds, and
+         * 2 x nh chains keep the FMA units busier than nh (the same sums, in the same order). */
+        int64_t i = 0;
+        for (; i + LANES < full; i += 2 * LANES) {
+            vf a[HEADS], b[HEADS];
+            for (int h = 0; h < nh; h++) {
+                a[h] = load_f32(&acc[h][i]);
+                b[h] = load_f32(&acc[h][i + LANES]);
+            }
+            for (int j = 0; j < n; j++) {
+                const vf v = load_row(key[j] + value_bytes, i, bf16);
+                const vf w = load_row(key[j] + value_bytes, i + LANES, bf16);
+                for (int h = 0; h < nh; h++) {
+                    const vf p = splat(s[h][j]);
+                    a[h] += p * v;
+                    b[h] += p * w;
+                }
+            }
+            for (int h = 0; h < nh; h++) {
+                store_f32(&acc[h][i], a[h]);
+                store_f32(&acc[h][i + LANES], b[h]);
+            }
+        }
+        for (; i < full; i += LANES) {
             vf a[HEADS];
             for (int h = 0; h < nh; h++) a[h] = load_f32(&acc[h][i]);
             for (int j = 0; j < n; j++) {

@@ -3,8 +3,10 @@
  * products come out): the span's maximum m and its mass, the sum of
  * exp(max((x - m) * inv_t, exp_floor)) (0 for a span that is all -inf); both use
  * summarise_group, so the same logits give the same summaries bit for bit.
- * The exponential is range reduction to 2^n * e^r (|r| <= ln 2 / 2) with e^r's Taylor
- * polynomial to degree 8: its truncation (< 1e-9 relative) is below float32 rounding. */
+ * The exponential (exp_nonpositive, also the paged decode kernel's softmax,
+ * executor/torch/paged_decode.c) is range reduction to 2^n * e^r (|r| <= ln 2 / 2) with
+ * e^r's Taylor polynomial to degree 8: its truncation (< 1e-9 relative) is below float32
+ * rounding. */
 
 #ifndef HYBRIDSERVE_SPAN_SUMMARY_H
 #define HYBRIDSERVE_SPAN_SUMMARY_H

@@ -31,6 +31,7 @@
 #define NV (TILE / LANES)
 #define ROW_BLOCK 4
 #define EXPAND_ROWS 4 /* group_expand's rows of the transposed weight per step: TILE * 4 bytes of values */
+#define PREFETCH_BYTES 2048 /* how far ahead of its loads the vector loop asks for weights */
 
 typedef int32_t vi __attribute__((vector_size(LANES * 4)));
 
@@ -67,6 +68,10 @@ static inline __attribute__((always_inline)) void tile_rows(const int mb, const 
                 for (int v = 0; v < NV; v++) acc[p][r][v] = splat(0.0f);
         const int8_t *w = vt + g * gs * TILE;
         const float *xg = xf + g * gs;
+        /* The weights PREFETCH_BYTES on (this tile's later groups, then the next tile's, which
+         * a static schedule gives the same thread) asked into L2 now: one row read the
+         * decoder at 15-17 GB/s without it (benchmarks/results/group_int8_kernels.md). */
+        for (int64_t c = 0; c < gs * TILE; c += 64) __builtin_prefetch(w + PREFETCH_BYTES + c, 0, 2);
         for (int64_t k = 0; k < gs; k += 2)
             for (int p = 0; p < 2; p++)
                 for (int v = 0; v < NV; v++) {

@@ -149,6 +149,16 @@ static void merge_lanes(const float *lane_max, const int32_t *lane_at, int64_t M
         }
 }
 
+/* x's M rows copied K apart and followed by zero rows up to `padded` (whole row tiles, which
+ * the tile loads read), 64-byte aligned; NULL where it cannot be allocated. */
+static int8_t *padded_rows(const int8_t *x, int64_t ldx, int64_t M, int64_t K, int64_t padded) {
+    int8_t *xpad = aligned_alloc(64, (size_t)(padded * K));
+    if (!xpad) return NULL;
+    for (int64_t m = 0; m < M; m++) memcpy(xpad + m * K, x + m * ldx, (size_t)K);
+    memset(xpad + M * K, 0, (size_t)((padded - M) * K));
+    return xpad;
+}
+
 /* x: [M, K] int8, rows ldx apart; w: the tiled layout above ([N padded / TILE] tiles, K a
  * multiple of K_BLOCK); scale: float32 [N padded]; row_scale: float32 [M] or NULL; out:
  * float32 [M, N], rows ldo apart.
@@ -158,10 +168,8 @@ int int8_amx_matmul(const int8_t *x, int64_t ldx, int64_t M, int64_t K, const in
     if (K % K_BLOCK) return -2;
     if (M <= 0 || N <= 0) return 0;
     const int64_t padded = (M + TILE - 1) / TILE * TILE, tiles = (N + TILE - 1) / TILE;
-    int8_t *xpad = aligned_alloc(64, (size_t)(padded * K));
+    int8_t *xpad = padded_rows(x, ldx, M, K, padded);
     if (!xpad) return -1;
-    for (int64_t m = 0; m < M; m++) memcpy(xpad + m * K, x + m * ldx, (size_t)K);
-    memset(xpad + M * K, 0, (size_t)((padded - M) * K));
 #pragma omp parallel num_threads(num_threads) if (tiles > 1)
     {
         int32_t sums[ROW_TILES][TILE * TILE] __attribute__((aligned(64)));
@@ -191,10 +199,8 @@ int int8_amx_argmax(const int8_t *x, int64_t ldx, int64_t M, int64_t K, const in
     for (int64_t m = 0; m < M; m++) index[m] = -1;
     if (N <= 0) return 0;
     const int64_t padded = (M + TILE - 1) / TILE * TILE, tiles = (N + TILE - 1) / TILE;
-    int8_t *xpad = aligned_alloc(64, (size_t)(padded * K));
+    int8_t *xpad = padded_rows(x, ldx, M, K, padded);
     if (!xpad) return -1;
-    for (int64_t m = 0; m < M; m++) memcpy(xpad + m * K, x + m * ldx, (size_t)K);
-    memset(xpad + M * K, 0, (size_t)((padded - M) * K));
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (tiles > 1)
     {
@@ -243,10 +249,8 @@ int int8_amx_span_logits(const int8_t *x, int64_t ldx, int64_t M, int64_t K, con
     if (K % K_BLOCK || N % SPAN) return -2;
     if (M <= 0 || N <= 0) return 0;
     const int64_t padded = (M + TILE - 1) / TILE * TILE, spans = N / SPAN;
-    int8_t *xpad = aligned_alloc(64, (size_t)(padded * K));
+    int8_t *xpad = padded_rows(x, ldx, M, K, padded);
     if (!xpad) return -1;
-    for (int64_t m = 0; m < M; m++) memcpy(xpad + m * K, x + m * ldx, (size_t)K);
-    memset(xpad + M * K, 0, (size_t)((padded - M) * K));
     const int stream = M >= STREAM_MIN_ROWS;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (spans > 1)

@@ -232,21 +232,26 @@ def test_the_amx_heads_fused_greedy_breaks_ties_to_the_first_index(monkeypatch) 
 
 
 @needs_amx
-@pytest.mark.parametrize("rows", [5, 17, 70])
+@pytest.mark.parametrize("rows", [1, 5, 17, 70])
+@pytest.mark.parametrize("whole_spans", [False, True])
 def test_the_amx_heads_fused_span_logits_are_the_general_paths_bit_for_bit(weight: torch.Tensor, rows: int,
-                                                                          monkeypatch) -> None:
-    # The first chunk's logits and summaries from the kernel's one pass (its last chunk is
-    # not whole spans: the general route), against a head on the plain path (the same
-    # products bit for bit) whose chunks the summary kernel reads back
+                                                                          whole_spans: bool, monkeypatch) -> None:
+    # The kernel's one pass against a head on the plain path (the same products bit for bit)
+    # whose chunks the summary kernel reads back. A vocabulary of whole spans takes the fused
+    # route for every chunk (each writing into the reused buffer, whatever the row count);
+    # else the first chunk's kernel summarises and the last chunk takes the general route.
+    w = weight[: HEAD_CHUNK_ROWS + 56 * SPAN] if whole_spans else weight
     monkeypatch.setattr("hybridserve.models.layers.head.int8_path", lambda: AMX)
-    fused = OutputHead(weight, "int8")
+    fused = OutputHead(w, "int8")
     monkeypatch.setattr("hybridserve.models.layers.head.int8_path", lambda: PLAIN)
-    general = OutputHead(weight, "int8")
+    general = OutputHead(w, "int8")
     x = _hidden(rows) * torch.linspace(0.1, 10.0, rows)[:, None]
     inv_t = torch.rand(rows, generator=torch.Generator().manual_seed(3)) * 5 + 0.1
-    a, b = fused.span_logits(x, inv_t, None), general.span_logits(x, inv_t, None)
-    assert torch.equal(a.logits, b.logits)
-    assert torch.equal(a.span_max, b.span_max) and torch.equal(a.span_sum, b.span_sum)
+    for _ in range(2):  # the second call reuses the first one's buffer
+        a, b = fused.span_logits(x, inv_t, None), general.span_logits(x, inv_t, None)
+        assert a.is_dense or not whole_spans
+        assert torch.equal(a.logits, b.logits)
+        assert torch.equal(a.span_max, b.span_max) and torch.equal(a.span_sum, b.span_sum)
 
 
 def _int8_releases(chunks: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -23,7 +23,7 @@ from hybridserve.core.sched.output import LogprobInfo
 from hybridserve.executor.torch.grammar import apply_bitmask
 from hybridserve.executor.torch.logits_controls import TokenHistory, apply_logits_controls
 from hybridserve.executor.torch.sampling_keys import uniforms
-from hybridserve.executor.torch.span_sampler import ATTEMPTS, draw_fast
+from hybridserve.executor.torch.span_sampler import ATTEMPTS, draw
 from hybridserve.models.layers.span_logits import SpanLogits, span_logits_from
 
 # A row's (logprob of its token, top-n alternatives or None), or None without logprobs.
@@ -76,7 +76,7 @@ def sample(logits: SpanLogits | torch.Tensor, rows: list[SampleRow]
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
     min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
     u = torch.from_numpy(uniforms([r.seed for r in rows], [r.position for r in rows], ATTEMPTS + 1))
-    tokens = draw_fast(sl, greedy, top_k, top_p, min_p, u)
+    tokens = draw(sl, greedy, top_k, top_p, min_p, u)
     for i in (sl.span_max.amax(dim=1) == float("-inf")).nonzero().squeeze(1).tolist():
         failed.setdefault(i, "every token of the vocabulary is masked (allowed tokens, bans, grammar)")
     for i in failed:  # any token will do: the engine fails the request

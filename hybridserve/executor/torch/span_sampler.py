@@ -46,9 +46,13 @@ The two paths agree up to float rounding (tests/executor/test_span_sampler.py).
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 
-from hybridserve.models.layers.span_logits import SpanLogits
+from hybridserve.executor.torch.span_draw import UNDECIDED, NativeDraw
+from hybridserve.models.layers.span_logits import SPAN, SpanLogits, span_logits_from
+from hybridserve.models.platform.native_build import checked
 
 # Spans gathered for a filtered row (and at least its top_k): 16 x 128 = 2048 candidate
 # logits. A cut they cannot decide stays exact (decided draw by draw): fewer candidates
@@ -62,6 +66,50 @@ WHOLE_ROW_PREFIXES = (512, 4096, 32768)
 NEG_INF = float("-inf")
 # Draws from the whole distribution tried before drawing from the kept set itself.
 ATTEMPTS = 4
+
+
+def draw(sl: SpanLogits, greedy: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+         u: torch.Tensor) -> torch.Tensor:
+    """draw_fast's tokens: the native draw's (span_draw.c) where it is built and decides a
+    row, draw_fast's for the rows it leaves undecided (the others passed to it as greedy
+    rows, which cost it least), or for every row where it cannot run."""
+    native = _native_draw()
+    tokens = native(sl, greedy, top_k, top_p, min_p, u, ATTEMPTS, CANDIDATE_SPANS) if native is not None else None
+    if tokens is None:
+        return draw_fast(sl, greedy, top_k, top_p, min_p, u)
+    undecided = tokens == UNDECIDED
+    if bool(undecided.any()):
+        rest = draw_fast(sl, greedy | ~undecided, top_k, top_p, min_p, u)
+        tokens[undecided] = rest[undecided]
+    return tokens
+
+
+@cache
+def _native_draw() -> NativeDraw | None:
+    return checked(lambda: NativeDraw(SPAN), _native_mismatch, "sampling draws in draw_fast")
+
+
+def _native_mismatch(native: NativeDraw) -> str:
+    """'' where the native draw gives draw_fast's tokens on a small batch of every kind of
+    row (greedy, temperature, top-k, top-p, min-p, their mix, a masked token)."""
+    g = torch.Generator().manual_seed(0)
+    rows, vocab = 12, 8 * SPAN
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    logits[3, :5] = float("-inf")
+    sl = span_logits_from(logits, torch.linspace(0.5, 2.0, rows))
+    greedy = torch.arange(rows) % 6 == 0
+    top_k = torch.tensor([0, 0, 5, 0, 40, 0, 0, 3, 0, 0, 50, 0])
+    top_p = torch.tensor([1.0, 1.0, 1.0, 0.9, 0.8, 1.0, 1.0, 0.7, 1.0, 0.95, 1.0, 1.0])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.1, 0.0, 0.0, 0.05, 0.02, 0.0, 0.3])
+    u = torch.rand(rows, ATTEMPTS + 1, generator=g, dtype=torch.float64)
+    got = native(sl, greedy, top_k, top_p, min_p, u, ATTEMPTS, CANDIDATE_SPANS)
+    if got is None:
+        return "it does not read float32 logits"
+    want = draw_fast(sl, greedy, top_k, top_p, min_p, u)
+    decided = got != UNDECIDED
+    if not torch.equal(got[decided], want[decided]):
+        return f"tokens {got.tolist()} where draw_fast draws {want.tolist()}"
+    return ""
 
 
 def draw_fast(sl: SpanLogits, greedy: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

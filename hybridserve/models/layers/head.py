@@ -279,9 +279,11 @@ class OutputHead:
         spans: nothing copies the whole vocabulary. A few rows' logits are copied into the
         reused buffer and summarised at once (they stay in cache anyway, and one summary
         costs fewer parallel regions than one per chunk), as are chunks that are not whole
-        spans."""
+        spans. Where every chunk's kernel summarises its own spans: _span_logits_fused."""
         x = self._input(hidden)
         inv_t = inv_temperature.to(torch.float32)
+        if self._fused is not None and not softcap and self.vocab_size % SPAN == 0:
+            return self._span_logits_fused(x, inv_t)
         if hidden.shape[0] > FEW_ROWS and self.chunk_rows % SPAN == 0:
             pad = padded_width(self.vocab_size) - self.vocab_size
             pieces, peaks, masses = [], [], []
@@ -313,6 +315,23 @@ class OutputHead:
         peak, mass = KERNEL.summarise(padded, inv_t)
         return SpanLogits(vocab_size=self.vocab_size, inv_temperature=inv_t, span_max=peak, span_sum=mass,
                           buffer=self._logits_buffer, padded=padded)
+
+    def _span_logits_fused(self, x: HeadInput, inv_t: torch.Tensor) -> SpanLogits:
+        """span_logits where every chunk's kernel summarises its own spans (the AMX int8
+        one) and the vocabulary is whole spans: each chunk writes its logits straight into
+        its columns of the reused buffer, so the logits are dense with no copy, and no
+        step faults in fresh pages for them."""
+        assert self._fused is not None
+        values, row_scale = x
+        padded = self._logits_buffer.rows(values.shape[0])
+        peaks, masses = [], []
+        for start, chunk in zip(range(0, self.vocab_size, self.chunk_rows), self._fused):
+            _, peak, mass = chunk.span_logits(values, row_scale, inv_t, EXP_FLOOR,
+                                              out=padded[:, start : start + chunk.weight.n])
+            peaks.append(peak)
+            masses.append(mass)
+        return SpanLogits(vocab_size=self.vocab_size, inv_temperature=inv_t, span_max=torch.cat(peaks, dim=1),
+                          span_sum=torch.cat(masses, dim=1), buffer=self._logits_buffer, padded=padded)
 
     @staticmethod
     def _chunk_logits(chunk: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor], x: HeadInput,

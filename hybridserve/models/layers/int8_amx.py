@@ -129,11 +129,15 @@ class AmxKernel:
         return best, index
 
     def span_logits(self, x: torch.Tensor, weight: AmxWeight, scale: torch.Tensor, row_scale: torch.Tensor | None,
-                    inv_temperature: torch.Tensor, exp_floor: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    inv_temperature: torch.Tensor, exp_floor: float, out: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(__call__'s product, float32 [S, n]; and each span of SPAN of its columns summarised
         as models/layers/span_logits.py defines, span_max and span_sum [S, n / SPAN], at
         each row's inverse temperature, float32 [S]) in one pass: the summaries are those
-        span_native's kernel gives for the same logits, bit for bit. n must be whole spans."""
+        span_native's kernel gives for the same logits, bit for bit. n must be whole spans.
+        `out`: where the product goes (float32 [S, n], unit column stride, any row stride:
+        columns of a reused buffer, whose pages are resident; a fresh 8 MB tensor per chunk
+        costs a page fault per 4 KB each step), else a new tensor."""
         x, scale, row_scale = self._operands(x, weight, scale, row_scale)
         rows = x.shape[0]
         if weight.n % SPAN:
@@ -141,7 +145,11 @@ class AmxKernel:
         inv_t = inv_temperature.to(torch.float32).contiguous()
         if inv_t.shape != (rows,):
             raise ValueError(f"the inverse temperatures must be [{rows}], got {tuple(inv_t.shape)}")
-        out = torch.empty(rows, weight.n, dtype=torch.float32)
+        if out is None:
+            out = torch.empty(rows, weight.n, dtype=torch.float32)
+        elif out.dtype != torch.float32 or out.shape != (rows, weight.n) or out.stride(1) != 1:
+            raise ValueError(f"span logits' output must be float32 [{rows}, {weight.n}] with unit column stride, "
+                             f"got {out.dtype} {tuple(out.shape)} strides {tuple(out.stride())}")
         peak = torch.empty(rows, weight.n // SPAN, dtype=torch.float32)
         mass = torch.empty(rows, weight.n // SPAN, dtype=torch.float32)
         failed = self._span_logits(x.data_ptr(), x.stride(0), rows, weight.padded_k, weight.tiles.data_ptr(),
@@ -188,8 +196,8 @@ class AmxProduct:
         return self.kernel.argmax(x, self.weight, self.scale, x_scale)
 
     def span_logits(self, x: torch.Tensor, x_scale: torch.Tensor | None, inv_temperature: torch.Tensor,
-                    exp_floor: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.kernel.span_logits(x, self.weight, self.scale, x_scale, inv_temperature, exp_floor)
+                    exp_floor: float, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.kernel.span_logits(x, self.weight, self.scale, x_scale, inv_temperature, exp_floor, out=out)
 
 
 def _plain_product(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, row_scale: torch.Tensor

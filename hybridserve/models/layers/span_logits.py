@@ -103,6 +103,14 @@ class SpanLogits:
     def logits(self) -> torch.Tensor:
         return self.padded[:, : self.vocab_size]
 
+    def pieces(self) -> list[torch.Tensor]:
+        """The logits as they are held, without copying: [padded] when dense, else the
+        pieces side by side (each [S, w], w a multiple of span, in the head's dtype)."""
+        if self._padded is not None:
+            return [self._padded]
+        assert self._pieces is not None
+        return list(self._pieces)
+
     def whole_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """A copy of rows [n] of `padded` ([n, W]), without making the rest dense."""
         if self._padded is not None:

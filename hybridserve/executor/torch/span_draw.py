@@ -1,0 +1,64 @@
+"""span_sampler.draw_fast's draw in native code (span_draw.c says how), built by
+models/platform/native_build.py: the fast path beside draw_fast, which stays the general
+one (rows the native draw leaves undecided, logits held in a dtype other than float32,
+machines without a compiler). tests/executor/test_span_draw.py holds the two to the same
+tokens."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from hybridserve.models.layers.span_logits import SpanLogits
+from hybridserve.models.platform.native_build import build
+
+SOURCE = Path(__file__).with_name("span_draw.c")
+# span_draw.c's mark for a row whose threshold its candidates do not decide.
+UNDECIDED = -1
+
+
+class NativeDraw:
+    """(span logits, per-row parameters, draws) -> tokens [S] int64, UNDECIDED where the
+    caller must draw the row itself; None where the logits are not float32."""
+
+    def __init__(self, span: int) -> None:
+        library = build("span_draw", SOURCE)
+        library.span_draw_span.restype = ctypes.c_int32
+        if (c_span := library.span_draw_span()) != span:
+            raise ValueError(f"span_draw.c reads spans of {c_span} logits, span_logits uses {span}")
+        fn = library.span_draw
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        fn.argtypes = [ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int32, i64, ptr,
+                       ctypes.c_int32]
+        fn.restype = ctypes.c_int
+        self._fn = fn
+        self.span = span
+
+    def __call__(self, sl: SpanLogits, greedy: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                 min_p: torch.Tensor, u: torch.Tensor, attempts: int, candidate_spans: int) -> torch.Tensor | None:
+        pieces = sl.pieces()
+        if any(p.dtype != torch.float32 or p.stride(1) != 1 for p in pieces):
+            return None
+        rows, spans = sl.span_max.shape
+        widths = [p.shape[1] // self.span for p in pieces]
+        first = torch.tensor([0, *widths], dtype=torch.int64).cumsum(0)
+        base = (ctypes.c_void_p * len(pieces))(*(p.data_ptr() for p in pieces))
+        ld = torch.tensor([p.stride(0) for p in pieces], dtype=torch.int64)
+        span_max, span_sum = sl.span_max.contiguous(), sl.span_sum.contiguous()
+        inv_t = sl.inv_temperature.to(torch.float32).contiguous()
+        greedy_u8 = greedy.to(torch.uint8).contiguous()
+        top_k = top_k.to(torch.int64).contiguous()
+        top_p = top_p.to(torch.float32).contiguous()
+        min_p = min_p.to(torch.float32).contiguous()
+        u = u.to(torch.float64).contiguous()
+        if u.shape != (rows, attempts + 1):
+            raise ValueError(f"{rows} rows need draws [{rows}, {attempts + 1}], got {tuple(u.shape)}")
+        tokens = torch.empty(rows, dtype=torch.int64)
+        failed = self._fn(base, ld.data_ptr(), first.data_ptr(), rows, spans, span_max.data_ptr(), span_sum.data_ptr(),
+                          inv_t.data_ptr(), greedy_u8.data_ptr(), top_k.data_ptr(), top_p.data_ptr(), min_p.data_ptr(),
+                          u.data_ptr(), attempts, candidate_spans, tokens.data_ptr(), torch.get_num_threads())
+        if failed:
+            raise MemoryError("the native draw could not allocate its scratch")
+        return tokens

@@ -5,8 +5,10 @@
  * summarise_group, so the same logits give the same summaries bit for bit.
  * The exponential (exp_nonpositive, also the paged decode kernel's softmax,
  * executor/torch/paged_decode.c) is range reduction to 2^n * e^r (|r| <= ln 2 / 2) with
- * e^r's Taylor polynomial to degree 8: its truncation (< 1e-9 relative) is below float32
- * rounding. */
+ * a degree-6 polynomial for e^r, fitted for least maximum relative error on that range
+ * (iteratively reweighted least squares at 200 Chebyshev nodes): 1.9e-9 relative with exact
+ * coefficients, 1.7e-8 with them rounded to float32, so float32 rounding dominates (1.1e-7
+ * evaluated in float32, as Taylor's degree 8 gave with two multiply-adds more per lane). */
 
 #ifndef HYBRIDSERVE_SPAN_SUMMARY_H
 #define HYBRIDSERVE_SPAN_SUMMARY_H
@@ -34,13 +36,11 @@ static inline vf exp_nonpositive(vf x) {
     vf n = (x * splat(1.44269504088896341f) + round_shift) - round_shift;
     vf r = x - n * splat(0.693145751953125f); /* ln 2 in two parts: r stays exact */
     r = r - n * splat(1.42860682030941723212e-6f);
-    vf p = splat(1.0f / 40320.0f);
-    p = p * r + splat(1.0f / 5040.0f);
-    p = p * r + splat(1.0f / 720.0f);
-    p = p * r + splat(1.0f / 120.0f);
-    p = p * r + splat(1.0f / 24.0f);
-    p = p * r + splat(1.0f / 6.0f);
-    p = p * r + splat(0.5f);
+    vf p = splat(0.0013836846919730306f);
+    p = p * r + splat(0.008374815806746483f);
+    p = p * r + splat(0.04166822507977486f);
+    p = p * r + splat(0.16666419804096222f);
+    p = p * r + splat(0.49999991059303284f);
     p = p * r + splat(1.0f);
     p = p * r + splat(1.0f);
     vi two_n = (__builtin_convertvector(n, vi) + 127) << 23;

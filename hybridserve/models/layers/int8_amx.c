@@ -36,6 +36,11 @@
  * without reading their lines first saves a third of the traffic (the sampled head at 64
  * rows: 27 -> 23 ms a step, benchmarks/results/int8_kernels.md). */
 #define STREAM_MIN_ROWS 32
+/* From this many rows the reductions of a weight tile's outputs (the argmax; a span's
+ * summaries, 64 rows x SPAN exponentials) take long enough to hide the next tile (span)
+ * coming into L2, prefetched meanwhile; with fewer rows the hardware prefetchers keep up
+ * and the extra instructions only cost (benchmarks/results/int8_kernels.md). */
+#define PREFETCH_MIN_ROWS 32
 
 #if defined(__x86_64__) && defined(__GNUC__) && (defined(__clang__) || __GNUC__ >= 11) && defined(__AVX512F__)
 #define HAVE_AMX_INT8 1
@@ -92,6 +97,11 @@ AMX_TARGET static void tile_sums(const int8_t *xpad, int64_t K, int64_t m0, int 
 }
 
 AMX_TARGET static void release_tiles(void) { _tile_release(); }
+
+/* Ask for `bytes` from p in L2 (the next weight tile, while this one's outputs are reduced). */
+static inline void prefetch_l2(const int8_t *p, int64_t bytes) {
+    for (int64_t q = 0; q < bytes; q += 64) _mm_prefetch((const char *)p + q, _MM_HINT_T1);
+}
 
 /* out[m, t * TILE + c] = sums * scale (* row_scale[m]) for the rows of this block and the
  * columns < N. */
@@ -180,6 +190,7 @@ int int8_amx_matmul(const int8_t *x, int64_t ldx, int64_t M, int64_t K, const in
             for (int64_t m0 = 0; m0 < M; m0 += ROW_TILES * TILE) {
                 const int64_t rows = M - m0 < ROW_TILES * TILE ? M - m0 : ROW_TILES * TILE;
                 tile_sums(xpad, K, m0, (int)((rows + TILE - 1) / TILE), wt, sums);
+                if (M >= PREFETCH_MIN_ROWS && t + 1 < tiles) prefetch_l2(wt + K * TILE, K * TILE);
                 store_tile(sums, rows, m0, t, scale, row_scale, N, out, ldo, M >= STREAM_MIN_ROWS);
             }
         }
@@ -224,6 +235,7 @@ int int8_amx_argmax(const int8_t *x, int64_t ldx, int64_t M, int64_t K, const in
             for (int64_t m0 = 0; m0 < M; m0 += ROW_TILES * TILE) {
                 const int64_t rows = M - m0 < ROW_TILES * TILE ? M - m0 : ROW_TILES * TILE;
                 tile_sums(xpad, K, m0, (int)((rows + TILE - 1) / TILE), wt, sums);
+                if (M >= PREFETCH_MIN_ROWS && t + 1 < tiles) prefetch_l2(wt + K * TILE, K * TILE);
                 argmax_tile(sums, rows, m0, t, scale, row_scale, N, lane_max, lane_at);
             }
         }
@@ -280,7 +292,14 @@ int int8_amx_span_logits(const int8_t *x, int64_t ldx, int64_t M, int64_t K, con
                         _mm512_store_ps(block + r * SPAN + i * TILE, v);
                     }
                 }
+                /* the next span's weights, a share of them before each row's summary */
+                const int64_t span_bytes = (SPAN / TILE) * K * TILE;
+                const int8_t *next = w + (j + 1) * span_bytes;
+                const int ahead = j + 1 < spans && M >= PREFETCH_MIN_ROWS;
+                const int64_t share = (span_bytes / rows + 63) / 64 * 64;
                 for (int64_t r = 0; r < rows; r++) {
+                    if (ahead && r * share < span_bytes)
+                        prefetch_l2(next + r * share, span_bytes - r * share < share ? span_bytes - r * share : share);
                     const int64_t m = m0 + r;
                     float *row = block + r * SPAN;
                     summarise_group(row, 0, 1, 0, 1.0f, inv_t[m], exp_floor, peak + m * spans + j, mass + m * spans + j);

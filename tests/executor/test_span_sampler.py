@@ -214,7 +214,8 @@ def test_logits_controls_and_bans_change_pieces_in_place_as_they_change_dense_lo
     assert torch.equal(pieced.whole_rows(torch.arange(5)), dense.padded)
     want_max, want_sum = span_stats(dense.padded, dense.inv_temperature)
     assert torch.equal(dense.span_max, want_max)
-    assert torch.equal(dense.span_sum, want_sum)
+    # refreshed by the summary kernel in use (its exponential within float32 rounding of torch's)
+    torch.testing.assert_close(dense.span_sum, want_sum, rtol=1e-6, atol=0.0)
     # By hand, row 0: token 7 (positive, in the history, one output of it) is
     # 2 / 1.25 - (0.5 * 1 + 0.25) in float32; token 3 gained its bias; 11 (after 900) and 2000 are banned.
     assert float(dense.padded[0, 7]) == float(torch.tensor(2.0) / 1.25 - 0.75)

@@ -24,6 +24,7 @@ from hybridserve.executor.torch.grammar import apply_bitmask
 from hybridserve.executor.torch.logits_controls import TokenHistory, apply_logits_controls
 from hybridserve.executor.torch.sampling_keys import uniforms
 from hybridserve.executor.torch.span_sampler import ATTEMPTS, draw
+from hybridserve.models.layers.span_kernel import KERNEL
 from hybridserve.models.layers.span_logits import SpanLogits, span_logits_from
 
 # A row's (logprob of its token, top-n alternatives or None), or None without logprobs.
@@ -141,8 +142,8 @@ def _apply_changes(sl: SpanLogits, rows: list[SampleRow], changed: list[int]) ->
         sl.put(r, t, torch.full(r.shape, float("-inf")))
         sparse_rows.append(r)
         sparse_ids.append(t)
-    sl.refresh_spans(torch.cat(sparse_rows), torch.cat(sparse_ids))
-    sl.refresh_rows(torch.tensor(sorted(set(dense) | set(controls.dense_rows)), dtype=torch.long))
+    sl.refresh_spans(torch.cat(sparse_rows), torch.cat(sparse_ids), KERNEL.summarise)
+    sl.refresh_rows(torch.tensor(sorted(set(dense) | set(controls.dense_rows)), dtype=torch.long), KERNEL.summarise)
     return failed
 
 

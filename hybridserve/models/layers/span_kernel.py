@@ -26,12 +26,10 @@ from typing import Callable
 import torch
 
 from hybridserve.core.errors import one_line
-from hybridserve.models.layers.span_logits import EXP_FLOOR, SPAN, span_stats
+from hybridserve.models.layers.span_logits import EXP_FLOOR, SPAN, Summarise, span_stats
 
 log = logging.getLogger(__name__)
 
-# (chunk, inv_temperature) -> (span max, span mass) of the chunk taken as float32.
-Summarise = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 _NO_COMPILE_ENV = "HYBRIDSERVE_NO_COMPILE"
 
 

@@ -18,6 +18,8 @@ which no sampler ever picks.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 # Token ids per span: the same span as the greedy head's argmax (models/layers/head.ARGMAX_SPAN).
@@ -29,6 +31,10 @@ SPAN = 128
 # raised to exp(-87) ~ 1.6e-38 changes no mass: every mass is at least 1 (its maximum's
 # term) and a span's 128 terms at the floor add under 2.1e-36, far below a float32 ulp of 1.
 EXP_FLOOR = -87.0
+
+
+# (logits [n, k * SPAN], inv_temperature [n]) -> (span max, span mass) [n, k], as span_stats.
+Summarise = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def padded_width(vocab_size: int, span: int = SPAN) -> int:
@@ -189,23 +195,29 @@ class SpanLogits:
                 out.append((k, at, ids[at] - int(self._piece_start[k]) * self.span))
         return out
 
-    def refresh_rows(self, rows: torch.Tensor) -> None:
-        """Recompute the summaries of whole rows (after a dense change such as a grammar mask)."""
+    def refresh_rows(self, rows: torch.Tensor, summarise: Summarise | None = None) -> None:
+        """Recompute the summaries of whole rows (after a dense change such as a grammar mask),
+        with `summarise` ((logits [n, k * span], inv_temperature [n]) -> (span max, span mass)
+        [n, k]: a kernel that computes them as span_stats defines; span_stats itself if None)."""
         if rows.numel():
-            m, s = span_stats(self.padded[rows], self.inv_temperature[rows], self.span)
+            m, s = (summarise or _span_stats)(self.padded[rows], self.inv_temperature[rows])
             self.span_max[rows] = m
             self.span_sum[rows] = s
 
-    def refresh_spans(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+    def refresh_spans(self, rows: torch.Tensor, token_ids: torch.Tensor, summarise: Summarise | None = None) -> None:
         """Recompute the summaries of the spans holding (rows[i], token_ids[i]) (after sparse
-        changes: bans, biases, penalties)."""
+        changes: bans, biases, penalties), with `summarise` as refresh_rows."""
         if not rows.numel():
             return
         keys = torch.unique(rows * self.span_max.shape[1] + token_ids // self.span)
         r, j = keys // self.span_max.shape[1], keys % self.span_max.shape[1]
-        m, s = span_stats(self.take_spans(r, j), self.inv_temperature[r], self.span)
+        m, s = (summarise or _span_stats)(self.take_spans(r, j), self.inv_temperature[r])
         self.span_max[r, j] = m[:, 0]
         self.span_sum[r, j] = s[:, 0]
+
+
+def _span_stats(x: torch.Tensor, inv_temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return span_stats(x, inv_temperature)
 
 
 def span_stats(x: torch.Tensor, inv_temperature: torch.Tensor, span: int = SPAN

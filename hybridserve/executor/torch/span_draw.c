@@ -63,7 +63,37 @@ static int64_t search(const double *cdf, int64_t n, double target) {
 
 static inline float weight(float x, float ref, float inv_t) { return expf((x - ref) * inv_t); }
 
+/* The largest of x[0 .. n - 1] (-inf for none), a vector at a time. */
+static float row_max(const float *x, int64_t n) {
+    vf best = splat(-INFINITY);
+    int64_t j = 0;
+    for (; j + LANES <= n; j += LANES) best = vmax(best, load_f32(x + j));
+    float m = lanes_max(best);
+    for (; j < n; j++) m = x[j] > m ? x[j] : m;
+    return m;
+}
+
 static inline double clamp01(double x) { return x < 0.0 ? 0.0 : (x > 1.0 ? 1.0 : x); }
+
+/* cum[i] = the float64 running sum of one span's weights exp((v - ref) * inv_t) over its
+ * logits v >= theta (ref at least every such v), the others weighing 0: -inf logits (masked
+ * tokens) weigh exactly 0 whatever theta is. The exponentials a vector at a time
+ * (span_summary.h's, floored at EXP_FLOOR_SPANS). */
+static void span_cumulative(const float *v, float ref, float inv_t, float theta, double *cum) {
+    const vf by_t = splat(inv_t), lowest = splat(EXP_FLOOR_SPANS), top = splat(ref), level = splat(theta),
+             none = splat(-INFINITY);
+    double acc = 0.0;
+    for (int b = 0; b < SPAN; b += LANES) {
+        const vf x = load_f32(v + b);
+        const vf e = exp_nonpositive(vmax((x - top) * by_t, lowest));
+        const vi keep = (x >= level) & (x > none);
+        const vf w = (vf)((vi)e & keep);
+        for (int i = 0; i < LANES; i++) {
+            acc += (double)w[i];
+            cum[b + i] = acc;
+        }
+    }
+}
 
 /* x_a: a span by its mass, then a token by the span's weights relative to its maximum. */
 static int64_t draw_whole(const Logits *l, int64_t row, const float *span_max, const double *mass,
@@ -73,11 +103,8 @@ static int64_t draw_whole(const Logits *l, int64_t row, const float *span_max, c
     const double before = j > 0 ? cdf[j - 1] : 0.0;
     const double frac = clamp01((target - before) / mass[j]);
     const float *v = span_at(l, row, j);
-    double w[SPAN], acc = 0.0;
-    for (int i = 0; i < SPAN; i++) {
-        acc += (double)weight(v[i], span_max[j], inv_t);
-        w[i] = acc;
-    }
+    double w[SPAN];
+    span_cumulative(v, span_max[j], inv_t, -INFINITY, w);
     const int64_t within = search(w, SPAN, frac * w[SPAN - 1]);
     *logit = v[within];
     return j * SPAN + within;
@@ -86,13 +113,12 @@ static int64_t draw_whole(const Logits *l, int64_t row, const float *span_max, c
 /* The inverse CDF of u over the logits >= theta, in id order (span_sampler._draw_above). */
 static int64_t draw_above(const Logits *l, int64_t row, const float *span_max, int64_t spans, float peak,
                           float inv_t, float theta, double u, double *mass, double *cdf) {
-    double acc = 0.0;
+    double acc = 0.0, w[SPAN];
     for (int64_t j = 0; j < spans; j++) {
         double m = 0.0;
         if (span_max[j] >= theta) {
-            const float *v = span_at(l, row, j);
-            for (int i = 0; i < SPAN; i++)
-                if (v[i] >= theta) m += (double)weight(v[i], peak, inv_t);
+            span_cumulative(span_at(l, row, j), peak, inv_t, theta, w);
+            m = w[SPAN - 1];
         }
         mass[j] = m;
         acc += m;
@@ -102,13 +128,7 @@ static int64_t draw_above(const Logits *l, int64_t row, const float *span_max, i
     const int64_t j = search(cdf, spans, target);
     const double before = j > 0 ? cdf[j - 1] : 0.0;
     const double frac = clamp01((target - before) / mass[j]);
-    const float *v = span_at(l, row, j);
-    double w[SPAN];
-    acc = 0.0;
-    for (int i = 0; i < SPAN; i++) {
-        if (v[i] >= theta) acc += (double)weight(v[i], peak, inv_t);
-        w[i] = acc;
-    }
+    span_cumulative(span_at(l, row, j), peak, inv_t, theta, w);
     return j * SPAN + search(w, SPAN, frac * w[SPAN - 1]);
 }
 
@@ -138,6 +158,12 @@ static float candidates(const float *span_max, int64_t spans, int64_t count, int
         Ranked top[INSERTION_CANDIDATES]; /* descending, count + 1 of them */
         int64_t held = 0;
         for (int64_t j = 0; j < spans; j++) {
+            /* once full, a whole vector of maxima none above the last held one is passed over */
+            if (held == count + 1 && j % LANES == 0 && j + LANES <= spans &&
+                !(lanes_max(load_f32(span_max + j)) > top[held - 1].value)) {
+                j += LANES - 1;
+                continue;
+            }
             const float v = span_max[j];
             if (held == count + 1 && !(v > top[held - 1].value)) continue;
             int64_t at = held < count + 1 ? held++ : held - 1;
@@ -194,6 +220,13 @@ static Verdict threshold(const Logits *l, int64_t row, const float *span_max, co
     if (!spans_in || !above) goto done;
     const float bound = candidates(span_max, spans, count, spans_in);
     if (isnan(bound)) goto done;
+    /* the candidates' logits are read below: their lines asked for all at once, not one
+     * miss after another */
+    for (int64_t i = 0; i < n_spans; i++)
+        if (span_max[spans_in[i]] > bound) {
+            const char *v = (const char *)span_at(l, row, spans_in[i]);
+            for (int b = 0; b < SPAN * (int)sizeof(float); b += 64) __builtin_prefetch(v + b);
+        }
     const double needed_all = (double)top_p * total;
     t->bound = bound;
     t->needed = needed_all;
@@ -209,8 +242,10 @@ static Verdict threshold(const Logits *l, int64_t row, const float *span_max, co
     for (int64_t i = 0; i < n_spans; i++) {
         if (!(span_max[spans_in[i]] > bound)) continue;
         const float *v = span_at(l, row, spans_in[i]);
-        for (int k = 0; k < SPAN; k++)
-            if (v[k] > bound) above[n++] = v[k];
+        for (int k = 0; k < SPAN; k++) { /* written always, kept if above: no branch to mispredict */
+            above[n] = v[k];
+            n += v[k] > bound;
+        }
     }
     qsort(above, (size_t)n, sizeof *above, descending);
     float floor = -INFINITY;
@@ -275,14 +310,10 @@ static int kept_in_nucleus(const Logits *l, int64_t row, const float *span_max, 
 static int64_t draw_row(const Logits *l, int64_t row, const float *span_max, const float *span_sum,
                         int64_t spans, float inv_t, int greedy, int64_t top_k, float top_p, float min_p,
                         const double *u, int attempts, int64_t candidate_spans, double *mass, double *cdf) {
-    float peak = -INFINITY;
-    int64_t peak_span = 0;
-    for (int64_t j = 0; j < spans; j++)
-        if (span_max[j] > peak) {
-            peak = span_max[j];
-            peak_span = j;
-        }
+    const float peak = row_max(span_max, spans);
     if (peak == -INFINITY) return 0; /* every token masked: the caller reports the row */
+    int64_t peak_span = 0;
+    while (span_max[peak_span] != peak) peak_span++;
     if (greedy) {
         const float *v = span_at(l, row, peak_span);
         int i = 0;

@@ -17,6 +17,9 @@
 #include <stdint.h>
 
 #include "native_vectors.h"
+#if LANES == 16
+#include <immintrin.h>
+#endif
 
 #define SPAN 128
 
@@ -43,8 +46,13 @@ static inline vf exp_nonpositive(vf x) {
     p = p * r + splat(0.49999991059303284f);
     p = p * r + splat(1.0f);
     p = p * r + splat(1.0f);
+#if LANES == 16
+    /* p * 2^n in one instruction (exact: 2^n is a normal float for x >= -87) */
+    return (vf)_mm512_scalef_ps((__m512)p, (__m512)n);
+#else
     vi two_n = (__builtin_convertvector(n, vi) + 127) << 23;
     return p * (vf)two_n;
+#endif
 }
 
 /* Spans j0 .. j0 + count - 1 (count <= GROUP) of one row, each logit first multiplied by

@@ -13,6 +13,7 @@ way HF's output logits report them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 from typing import Callable
 
 import numpy as np
@@ -22,10 +23,12 @@ from hybridserve.core.request import SamplingParams
 from hybridserve.core.sched.output import LogprobInfo
 from hybridserve.executor.torch.grammar import apply_bitmask
 from hybridserve.executor.torch.logits_controls import TokenHistory, apply_logits_controls
+from hybridserve.executor.torch.penalties import NativePenalties, penalties_only
 from hybridserve.executor.torch.sampling_keys import uniforms
 from hybridserve.executor.torch.span_sampler import ATTEMPTS, draw
 from hybridserve.models.layers.span_kernel import KERNEL
-from hybridserve.models.layers.span_logits import SpanLogits, span_logits_from
+from hybridserve.models.layers.span_logits import SPAN, SpanLogits, span_logits_from
+from hybridserve.models.platform.native_build import checked
 
 # A row's (logprob of its token, top-n alternatives or None), or None without logprobs.
 RowLogprobs = tuple[float, list[tuple[int, float]] | None] | None
@@ -128,7 +131,13 @@ def sample_isolated(logits_of: Callable[[list[int]], SpanLogits], rows: list[Sam
 def _apply_changes(sl: SpanLogits, rows: list[SampleRow], changed: list[int]) -> dict[int, str]:
     """Grammar masks, logits controls and min_tokens bans, in that order, on the rows that
     have any; the span summaries brought up to date after them. Only a grammar mask or
-    allowed_token_ids makes the logits dense; the rest change single entries in place."""
+    allowed_token_ids makes the logits dense; the rest change single entries in place.
+    Where every change is a logit bias or a penalty, the native path (penalties.c) does it."""
+    if all(rows[i].history is not None and rows[i].bitmask is None and not rows[i].banned
+           and penalties_only(rows[i].params) for i in changed):
+        native = _native_penalties()
+        if native is not None and native(sl, [(i, rows[i].params, rows[i].history) for i in changed]):
+            return {}
     dense = [i for i in changed if rows[i].bitmask is not None]
     for i in dense:
         apply_bitmask(sl.logits[i], rows[i].bitmask)  # type: ignore[arg-type]
@@ -145,6 +154,32 @@ def _apply_changes(sl: SpanLogits, rows: list[SampleRow], changed: list[int]) ->
     sl.refresh_spans(torch.cat(sparse_rows), torch.cat(sparse_ids), KERNEL.summarise)
     sl.refresh_rows(torch.tensor(sorted(set(dense) | set(controls.dense_rows)), dtype=torch.long), KERNEL.summarise)
     return failed
+
+
+@cache
+def _native_penalties() -> NativePenalties | None:
+    return checked(lambda: NativePenalties(SPAN), _penalties_mismatch, "penalties and logit bias in numpy")
+
+
+def _penalties_mismatch(native: NativePenalties) -> str:
+    """'' where the native penalties change a small batch's logits and summaries as the
+    general path does (bias, each penalty, their mix, a row without controls)."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 6 * SPAN, generator=g) * 3
+    history = TokenHistory([5, 9, 5, 700, 9, 5, 130], num_prompt=3)
+    requests = [(0, SamplingParams(repetition_penalty=1.3), history),
+                (1, SamplingParams(frequency_penalty=0.5, presence_penalty=0.25, logit_bias={9: 1.5, 2: -3.0}), history),
+                (3, SamplingParams(repetition_penalty=0.8, frequency_penalty=0.1, logit_bias={5: 2.0}), history)]
+    a, b = (span_logits_from(logits, torch.linspace(0.5, 2.0, 4)) for _ in range(2))
+    if not native(a, requests):
+        return "it declined a batch it applies"
+    controls, _ = apply_logits_controls(b, requests)
+    b.refresh_spans(controls.rows, controls.ids, KERNEL.summarise)
+    if not torch.equal(a.padded, b.padded):
+        return "its logits differ from the general path's"
+    if not (torch.equal(a.span_max, b.span_max) and torch.equal(a.span_sum, b.span_sum)):
+        return "its span summaries differ from the general path's"
+    return ""
 
 
 def target_logprobs(logits: torch.Tensor, targets: torch.Tensor, n_top: int) -> LogprobInfo:

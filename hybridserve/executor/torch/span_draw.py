@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from hybridserve.models.layers.span_logits import SpanLogits
-from hybridserve.models.platform.native_build import build
+from hybridserve.models.platform.native_build import build_for_spans
 
 SOURCE = Path(__file__).with_name("span_draw.c")
 # span_draw.c's mark for a row whose threshold its candidates do not decide.
@@ -24,10 +24,7 @@ class NativeDraw:
     caller must draw the row itself; None where the logits are not float32."""
 
     def __init__(self, span: int) -> None:
-        library = build("span_draw", SOURCE)
-        library.span_draw_span.restype = ctypes.c_int32
-        if (c_span := library.span_draw_span()) != span:
-            raise ValueError(f"span_draw.c reads spans of {c_span} logits, span_logits uses {span}")
+        library = build_for_spans("span_draw", SOURCE, span)
         fn = library.span_draw
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         fn.argtypes = [ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int32, i64, ptr,

@@ -118,6 +118,17 @@ def build(name: str, source: Path) -> ctypes.CDLL:
         raise NativeBuildError(f"cannot load {target.name}: {exc}") from None
 
 
+def build_for_spans(name: str, source: Path, span: int) -> ctypes.CDLL:
+    """build(name, source) for a kernel that reads logits in spans: its `<name>_span()`
+    must be `span` (models/layers/span_logits.SPAN), else ValueError."""
+    library = build(name, source)
+    reads = getattr(library, f"{name}_span")
+    reads.restype = ctypes.c_int32
+    if (c_span := reads()) != span:
+        raise ValueError(f"{source.name} reads spans of {c_span} logits, span_logits uses {span}")
+    return library
+
+
 def checked(make: Callable[[], K], mismatch: Callable[[K], str], general_path: str) -> K | None:
     """make() (which builds a library), then mismatch(kernel) ('' when its output is right):
     the kernel where both succeed, else None and one warning naming `general_path`, what

@@ -42,6 +42,11 @@ sort for top-p: the reference. The fast path (`draw_fast`) reads the span summar
   spans whose maximum reaches theta (read from those spans only), then a span, then a
   token.
 The two paths agree up to float rounding (tests/executor/test_span_sampler.py).
+
+`draw`, what the sampler calls, runs draw_fast's rule row by row in C (span_draw.c) where
+that is built, and draw_fast itself for the rows the C code leaves undecided (a k-th
+largest logit among ties outside the candidates, an open nucleus whose every draw is
+rejected): the same tokens (tests/executor/test_span_draw.py).
 """
 
 from __future__ import annotations
@@ -86,10 +91,10 @@ def draw(sl: SpanLogits, greedy: torch.Tensor, top_k: torch.Tensor, top_p: torch
 
 @cache
 def _native_draw() -> NativeDraw | None:
-    return checked(lambda: NativeDraw(SPAN), _native_mismatch, "sampling draws in draw_fast")
+    return checked(lambda: NativeDraw(SPAN), _draw_mismatch, "sampling draws in draw_fast")
 
 
-def _native_mismatch(native: NativeDraw) -> str:
+def _draw_mismatch(native: NativeDraw) -> str:
     """'' where the native draw gives draw_fast's tokens on a small batch of every kind of
     row (greedy, temperature, top-k, top-p, min-p, their mix, a masked token)."""
     g = torch.Generator().manual_seed(0)

@@ -294,8 +294,8 @@ int int8_amx_span_logits(const int8_t *x, int64_t ldx, int64_t M, int64_t K, con
                 }
                 /* the next span's weights, a share of them before each row's summary */
                 const int64_t span_bytes = (SPAN / TILE) * K * TILE;
-                const int8_t *next = w + (j + 1) * span_bytes;
                 const int ahead = j + 1 < spans && M >= PREFETCH_MIN_ROWS;
+                const int8_t *next = ahead ? w + (j + 1) * span_bytes : w;
                 const int64_t share = (span_bytes / rows + 63) / 64 * 64;
                 for (int64_t r = 0; r < rows; r++) {
                     if (ahead && r * share < span_bytes)

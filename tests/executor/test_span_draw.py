@@ -122,6 +122,19 @@ def test_rows_the_candidates_cannot_decide_are_left_to_draw_fast(attempts: int, 
 
 
 @needs_native
+def test_a_top_k_over_the_candidate_limit_is_left_to_draw_fast() -> None:
+    # top_k 70000 would have the native draw sort 600 spans' logits per row: undecided there,
+    # drawn by draw_fast; top_k 40 beside it is decided
+    logits = torch.randn(2, 600 * SPAN, generator=torch.Generator().manual_seed(5)) * 3
+    params = [SamplingParams(temperature=1.0, top_k=70000), SamplingParams(temperature=1.0, top_k=40)]
+    sl = span_logits_from(logits, torch.ones(2))
+    u = torch.from_numpy(uniforms([1, 2], [0, 0], span_sampler.ATTEMPTS + 1))
+    got = _native(sl, params, u, span_sampler.ATTEMPTS)
+    assert got[0] == UNDECIDED and got[1] != UNDECIDED
+    assert torch.equal(draw(sl, *_tensors(params), u), draw_fast(sl, *_tensors(params), u))
+
+
+@needs_native
 def test_a_masked_row_and_a_model_dtype_piece() -> None:
     # every token masked: token 0 (the caller fails the row); bf16 pieces: not read (None)
     logits = torch.full((1, 2 * SPAN), float("-inf"))

@@ -39,7 +39,18 @@ static int ascending(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-/* Tokens are keyed token * 2 + (1 if an output), sorted: each token's entries side by side. */
+/* The index of token among ids (ascending, distinct), or -1. */
+static int64_t find(const int64_t *ids, int64_t n, int64_t token) {
+    int64_t lo = 0, hi = n;
+    while (lo < hi) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        if (ids[mid] < token) lo = mid + 1; else hi = mid;
+    }
+    return lo < n && ids[lo] == token ? lo : -1;
+}
+
+/* Tokens are keyed token * 2 + (1 if an output), sorted: each token's entries side by side.
+ * bias_ids ascending (the caller sorts them). */
 /* Returns the spans touched (into spans, repeats allowed), keys: scratch of length entries. */
 static int64_t apply_row(const Logits *l, int64_t row, int64_t vocab, const int64_t *history, int64_t length,
                          int64_t num_prompt, float repetition, float frequency, float presence,
@@ -60,8 +71,8 @@ static int64_t apply_row(const Logits *l, int64_t row, int64_t vocab, const int6
         }
         float *x = logit_at(l, row, token);
         float v = *x;
-        for (int64_t b = 0; b < num_bias; b++)
-            if (bias_ids[b] == token) v = v + bias[b];
+        const int64_t b = find(bias_ids, num_bias, token);
+        if (b >= 0) v = v + bias[b];
         if (repeats && in_history) v = v > 0.0f ? v / repetition : v * repetition;
         if (counts && outputs) v = v - (float)((double)frequency * (double)outputs + (double)presence);
         *x = v;
@@ -91,7 +102,8 @@ static int in_vocabulary(const int64_t *ids, int64_t n, int64_t vocab) {
 }
 
 /* Rows 0 .. rows - 1: history[offset[r] .. offset[r + 1]) with num_prompt[r] prompt tokens
- * first, bias_ids / bias [bias_offset[r] .. bias_offset[r + 1]); span_max, span_sum
+ * first, bias_ids / bias [bias_offset[r] .. bias_offset[r + 1]) (ids ascending within a row);
+ * span_max, span_sum
  * [rows, spans] updated for the touched spans at inv_t[r]. Every row is checked first:
  * where any names a token outside [0, vocab), nothing is changed and 1 is returned (the
  * caller's general path names it). Returns 0 when applied, -1 where scratch could not be

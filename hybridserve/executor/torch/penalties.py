@@ -63,9 +63,10 @@ class NativePenalties:
         repetition = np.array([e[0].repetition_penalty if e else 1.0 for e in by_row], dtype=np.float32)
         frequency = np.array([e[0].frequency_penalty if e else 0.0 for e in by_row], dtype=np.float32)
         presence = np.array([e[0].presence_penalty if e else 0.0 for e in by_row], dtype=np.float32)
-        biases = [e[0].logit_bias or {} if e else {} for e in by_row]
-        bias_ids = np.array([t for b in biases for t in b], dtype=np.int64)
-        bias = np.array([v for b in biases for v in b.values()], dtype=np.float32)
+        # each row's bias in token order: the C side looks tokens up by bisection
+        biases = [sorted(e[0].logit_bias.items()) if e and e[0].logit_bias else [] for e in by_row]
+        bias_ids = np.array([t for b in biases for t, _ in b], dtype=np.int64)
+        bias = np.array([v for b in biases for _, v in b], dtype=np.float32)
         bias_offset = np.zeros(rows + 1, dtype=np.int64)
         np.cumsum([len(b) for b in biases], out=bias_offset[1:])
         inv_t = sl.inv_temperature.to(torch.float32).contiguous()

@@ -28,6 +28,9 @@
 /* The span masses' exponent floor (span_summary.h's exp_nonpositive needs x >= -87): a
  * term at exp(-87) ~ 1.6e-38 moves no float64 cumulative mass of at least 1. */
 #define EXP_FLOOR_SPANS (-87.0f)
+/* A row whose top_k needs more candidate spans than this is left to draw_fast (torch's
+ * topk): sorting most of a large vocabulary's logits per row here would cost more. */
+#define MAX_CANDIDATE_SPANS 512
 /* Candidate sets up to this many spans are kept by insertion (top_k of at most 63). */
 #define INSERTION_CANDIDATES 64
 
@@ -208,12 +211,14 @@ typedef struct {
 
 /* A filtered row's threshold from its candidates: DECIDED; OPEN where the nucleus (without
  * top-k) reaches below `bound`, so that draws at or below bound are decided one at a time
- * (kept_in_nucleus); NOT_HERE where a top-k's k-th largest logit is at or below bound. */
+ * (kept_in_nucleus); NOT_HERE where a top-k's k-th largest logit is at or below bound, or
+ * its candidates would be more than MAX_CANDIDATE_SPANS spans. */
 static Verdict threshold(const Logits *l, int64_t row, const float *span_max, const double *mass, int64_t spans,
                          double total, float peak, float inv_t, int64_t top_k, float top_p,
                          int64_t candidate_spans, Threshold *t) {
     const int64_t count = top_k > candidate_spans ? top_k : candidate_spans;
     const int64_t n_spans = count < spans ? count : spans;
+    if (n_spans > MAX_CANDIDATE_SPANS) return NOT_HERE;
     int64_t *spans_in = malloc((size_t)n_spans * sizeof *spans_in);
     float *above = malloc((size_t)n_spans * SPAN * sizeof *above);
     Verdict verdict = NOT_HERE;

@@ -195,12 +195,20 @@ class SpanLogits:
                 out.append((k, at, ids[at] - int(self._piece_start[k]) * self.span))
         return out
 
+    def _summarise(self, summarise: Summarise | None, x: torch.Tensor, inv_temperature: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """summarise(x, inv_temperature) (a kernel for spans of SPAN), or span_stats at this
+        object's span where none is given."""
+        if summarise is None or self.span != SPAN:
+            return span_stats(x, inv_temperature, self.span)
+        return summarise(x, inv_temperature)
+
     def refresh_rows(self, rows: torch.Tensor, summarise: Summarise | None = None) -> None:
         """Recompute the summaries of whole rows (after a dense change such as a grammar mask),
         with `summarise` ((logits [n, k * span], inv_temperature [n]) -> (span max, span mass)
         [n, k]: a kernel that computes them as span_stats defines; span_stats itself if None)."""
         if rows.numel():
-            m, s = (summarise or _span_stats)(self.padded[rows], self.inv_temperature[rows])
+            m, s = self._summarise(summarise, self.padded[rows], self.inv_temperature[rows])
             self.span_max[rows] = m
             self.span_sum[rows] = s
 
@@ -211,13 +219,9 @@ class SpanLogits:
             return
         keys = torch.unique(rows * self.span_max.shape[1] + token_ids // self.span)
         r, j = keys // self.span_max.shape[1], keys % self.span_max.shape[1]
-        m, s = (summarise or _span_stats)(self.take_spans(r, j), self.inv_temperature[r])
+        m, s = self._summarise(summarise, self.take_spans(r, j), self.inv_temperature[r])
         self.span_max[r, j] = m[:, 0]
         self.span_sum[r, j] = s[:, 0]
-
-
-def _span_stats(x: torch.Tensor, inv_temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return span_stats(x, inv_temperature)
 
 
 def span_stats(x: torch.Tensor, inv_temperature: torch.Tensor, span: int = SPAN

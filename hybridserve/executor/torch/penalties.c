@@ -16,19 +16,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "logit_pieces.h"
 #include "span_summary.h"
-
-typedef struct {
-    float *const *base;   /* each piece's logits [rows, its spans * SPAN] */
-    const int64_t *ld;    /* each piece's row stride */
-    const int64_t *first; /* each piece's first span; one more entry: the row's spans */
-} Logits;
-
-static float *span_at(const Logits *l, int64_t row, int64_t j) {
-    int64_t k = 0;
-    while (j >= l->first[k + 1]) k++;
-    return l->base[k] + row * l->ld[k] + (j - l->first[k]) * SPAN;
-}
 
 static float *logit_at(const Logits *l, int64_t row, int64_t token) {
     return span_at(l, row, token / SPAN) + token % SPAN;

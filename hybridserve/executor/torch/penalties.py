@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from hybridserve.core.request import SamplingParams
+from hybridserve.executor.torch.logit_pieces import LogitPieces
 from hybridserve.executor.torch.logits_controls import TokenHistory
 from hybridserve.models.layers.span_logits import EXP_FLOOR, SpanLogits
 from hybridserve.models.platform.native_build import build_for_spans
@@ -41,11 +42,10 @@ class NativePenalties:
                        ctypes.c_float, ptr, ptr, ctypes.c_int32]
         fn.restype = ctypes.c_int
         self._fn = fn
-        self.span = span
 
     def __call__(self, sl: SpanLogits, requests: Sequence[tuple[int, SamplingParams, TokenHistory]]) -> bool:
-        pieces = sl.pieces()
-        if any(p.dtype != torch.float32 or p.stride(1) != 1 for p in pieces):
+        pieces = LogitPieces.of(sl)
+        if pieces is None:
             return False
         if not sl.span_max.is_contiguous() or not sl.span_sum.is_contiguous():
             return False
@@ -70,12 +70,7 @@ class NativePenalties:
         bias_offset = np.zeros(rows + 1, dtype=np.int64)
         np.cumsum([len(b) for b in biases], out=bias_offset[1:])
         inv_t = sl.inv_temperature.to(torch.float32).contiguous()
-        widths = [p.shape[1] // self.span for p in pieces]
-        first = np.zeros(len(pieces) + 1, dtype=np.int64)
-        np.cumsum(widths, out=first[1:])
-        base = (ctypes.c_void_p * len(pieces))(*(p.data_ptr() for p in pieces))
-        ld = np.array([p.stride(0) for p in pieces], dtype=np.int64)
-        status = self._fn(base, ld.ctypes.data, first.ctypes.data, rows, spans, sl.vocab_size, history.ctypes.data,
+        status = self._fn(*pieces.arguments(), rows, spans, sl.vocab_size, history.ctypes.data,
                           offset.ctypes.data, num_prompt.ctypes.data, repetition.ctypes.data, frequency.ctypes.data,
                           presence.ctypes.data, bias_ids.ctypes.data, bias.ctypes.data, bias_offset.ctypes.data,
                           inv_t.data_ptr(), EXP_FLOOR, sl.span_max.data_ptr(), sl.span_sum.data_ptr(),

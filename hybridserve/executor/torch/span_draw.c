@@ -22,6 +22,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "logit_pieces.h"
 #include "span_summary.h"
 
 #define UNDECIDED (-1)
@@ -33,18 +34,6 @@
 #define MAX_CANDIDATE_SPANS 512
 /* Candidate sets up to this many spans are kept by insertion (top_k of at most 63). */
 #define INSERTION_CANDIDATES 64
-
-typedef struct {
-    const float *const *base; /* each piece's logits [rows, its spans * SPAN] */
-    const int64_t *ld;        /* each piece's row stride */
-    const int64_t *first;     /* each piece's first span; one more entry: the row's spans */
-} Logits;
-
-static const float *span_at(const Logits *l, int64_t row, int64_t j) {
-    int64_t k = 0;
-    while (j >= l->first[k + 1]) k++;
-    return l->base[k] + row * l->ld[k] + (j - l->first[k]) * SPAN;
-}
 
 /* As span_sampler._search: the first i with cdf[i] > target; where rounding lifted the
  * target to the total, the first i reaching the total (which has weight). */
@@ -366,7 +355,7 @@ int32_t span_draw_span(void) { return SPAN; }
  * span_max, span_sum [rows, spans]; u [rows, attempts + 1]; the logits in `pieces` pieces,
  * piece k at base[k] with row stride ld[k] holding spans first[k] .. first[k + 1] - 1.
  * Returns 0, or -1 where scratch could not be allocated. */
-int span_draw(const float *const *base, const int64_t *ld, const int64_t *first, int64_t rows, int64_t spans,
+int span_draw(float *const *base, const int64_t *ld, const int64_t *first, int64_t rows, int64_t spans,
               const float *span_max, const float *span_sum, const float *inv_t, const uint8_t *greedy,
               const int64_t *top_k, const float *top_p, const float *min_p, const double *u, int32_t attempts,
               int64_t candidate_spans, int64_t *tokens, int32_t num_threads) {

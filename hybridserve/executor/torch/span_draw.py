@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from hybridserve.executor.torch.logit_pieces import LogitPieces
 from hybridserve.models.layers.span_logits import SpanLogits
 from hybridserve.models.platform.native_build import build_for_spans
 
@@ -31,18 +32,13 @@ class NativeDraw:
                        ctypes.c_int32]
         fn.restype = ctypes.c_int
         self._fn = fn
-        self.span = span
 
     def __call__(self, sl: SpanLogits, greedy: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                  min_p: torch.Tensor, u: torch.Tensor, attempts: int, candidate_spans: int) -> torch.Tensor | None:
-        pieces = sl.pieces()
-        if any(p.dtype != torch.float32 or p.stride(1) != 1 for p in pieces):
+        pieces = LogitPieces.of(sl)
+        if pieces is None:
             return None
         rows, spans = sl.span_max.shape
-        widths = [p.shape[1] // self.span for p in pieces]
-        first = torch.tensor([0, *widths], dtype=torch.int64).cumsum(0)
-        base = (ctypes.c_void_p * len(pieces))(*(p.data_ptr() for p in pieces))
-        ld = torch.tensor([p.stride(0) for p in pieces], dtype=torch.int64)
         span_max, span_sum = sl.span_max.contiguous(), sl.span_sum.contiguous()
         inv_t = sl.inv_temperature.to(torch.float32).contiguous()
         greedy_u8 = greedy.to(torch.uint8).contiguous()
@@ -53,7 +49,7 @@ class NativeDraw:
         if u.shape != (rows, attempts + 1):
             raise ValueError(f"{rows} rows need draws [{rows}, {attempts + 1}], got {tuple(u.shape)}")
         tokens = torch.empty(rows, dtype=torch.int64)
-        failed = self._fn(base, ld.data_ptr(), first.data_ptr(), rows, spans, span_max.data_ptr(), span_sum.data_ptr(),
+        failed = self._fn(*pieces.arguments(), rows, spans, span_max.data_ptr(), span_sum.data_ptr(),
                           inv_t.data_ptr(), greedy_u8.data_ptr(), top_k.data_ptr(), top_p.data_ptr(), min_p.data_ptr(),
                           u.data_ptr(), attempts, candidate_spans, tokens.data_ptr(), torch.get_num_threads())
         if failed:

@@ -60,6 +60,7 @@ def _case(seed: int, batch: int, heads: int, kv_heads: int, dim: int, block_size
     (2, 6, 3, 7, 16),  # groups of 2, 7 values a head
     (4, 10, 2, 64, 8),  # groups of 5: one whole group of four and one head
     (1, 2, 2, 16, 1),  # no grouping, one token a block
+    (3, 4, 1, 32, 3),  # one pair of vectors a head (AVX-512), blocks of 3: cursors wrap every 3 keys
 ])
 @pytest.mark.parametrize("extra", ["plain", "softcap", "sinks"])
 def test_kernel_equals_attention_written_out(dtype, shape, extra) -> None:
@@ -79,10 +80,12 @@ def test_kernel_equals_attention_written_out(dtype, shape, extra) -> None:
 @needs_kernel
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("extra", ["plain", "sinks"])
-def test_one_stream_split_over_threads(threads: int, extra: str) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_stream_split_over_threads(threads: int, extra: str, dtype: torch.dtype) -> None:
     """One request on one kv head (fewer pairs than threads): its keys are split into ranges
-    on several threads and their states combined; the output is still the written-out one."""
-    q, cache, ids, first, count = _case(3, 1, 4, 1, 64, 4, torch.float32)
+    on several threads and their states combined; the output is still the written-out one
+    (bf16: the states of the pair loads, kept in even / odd order, put back in order)."""
+    q, cache, ids, first, count = _case(3, 1, 4, 1, 64, 4, dtype)
     count = torch.tensor([5 * 4 - int(first[0])])  # every key of the five blocks
     sinks = torch.tensor([0.5, -1.0, 3.0, 0.0]) if extra == "sinks" else None
     before = torch.get_num_threads()
@@ -91,7 +94,11 @@ def test_one_stream_split_over_threads(threads: int, extra: str) -> None:
         got = KERNEL(q, cache, ids, first, count, 0.3, None, sinks)
     finally:
         torch.set_num_threads(before)
-    assert torch.allclose(got.double(), _expected(q, cache, ids, first, count, 0.3, None, sinks), rtol=0, atol=2e-6)
+    want = _expected(q, cache, ids, first, count, 0.3, None, sinks)
+    if dtype == torch.float32:
+        assert torch.allclose(got.double(), want, rtol=0, atol=2e-6)
+    else:  # one rounding to bf16 at the end
+        assert ((got.double() - want).abs() <= want.abs() * 2.0 ** -8 + 1e-6).all()
 
 
 @needs_kernel

@@ -77,17 +77,18 @@ def _mismatch(kernel: PagedDecode) -> str:
     that is not whole vectors, keys starting mid-block and crossing blocks) against the
     same attention in float64, in each dtype it reads; '' when nothing is."""
     g = torch.Generator().manual_seed(0)
-    for dtype in DTYPES:
-        cache_ = torch.randn(6, 4, 2, 2, 20, generator=g).to(dtype)
-        q = torch.randn(2, 6, 20, generator=g).to(dtype)
+    # a head size of whole pairs of vectors (bf16's pair loads, the AVX512-BF16 scores) and one of none
+    for dtype, d in ((dtype, d) for dtype in DTYPES for d in (20, 64)):
+        cache_ = torch.randn(6, 4, 2, 2, d, generator=g).to(dtype)
+        q = torch.randn(2, 6, d, generator=g).to(dtype)
         ids = torch.tensor([[3, 1, 5], [2, 4, 0]])
         first, count = torch.tensor([1, 2]), torch.tensor([10, 3])
         got = kernel(q, cache_, ids, first, count, 0.5, None, None).double()
         for b in range(2):
-            keys = cache_[ids[b]].reshape(-1, 2, 2, 20)[int(first[b]) : int(first[b] + count[b])].double()
+            keys = cache_[ids[b]].reshape(-1, 2, 2, d)[int(first[b]) : int(first[b] + count[b])].double()
             for h in range(6):
                 weights = torch.softmax(keys[:, 0, h // 3] @ q[b, h].double() * 0.5, dim=0)
                 want = weights @ keys[:, 1, h // 3]
                 if not torch.allclose(got[b, h], want, rtol=1e-2, atol=1e-2):
-                    return f"gives wrong outputs ({dtype}, request {b}, head {h})"
+                    return f"gives wrong outputs ({dtype}, head size {d}, request {b}, head {h})"
     return ""

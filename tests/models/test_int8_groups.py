@@ -27,6 +27,7 @@ from hybridserve.models.layers.int8_groups import (  # noqa: E402
     FOLDED_MIN_ROWS,
     GroupKernel,
     GroupWeights,
+    NARROW_VALUES,
     concat_rows,
     group_kernel,
     group_linear_general,
@@ -90,10 +91,13 @@ def test_kernel_paths_by_hand(path: str) -> None:
     assert out.dtype == dtype and out[:, 0].tolist() == [1.75] * 3 and out[:, 1:].eq(1.0).all()
 
 
-def _random_groups(rng: np.random.Generator, out: int, width: int, size: int, offsets: bool) -> GroupWeights:
+def _random_groups(rng: np.random.Generator, out: int, width: int, size: int, offsets: bool,
+                   narrow: bool = False) -> GroupWeights:
+    """Values over all of int8, or narrow ones (NARROW_VALUES: [-64, 63], every block type but Q8_0's)."""
     scale = rng.uniform(0.001, 0.02, (out, width // size)).astype(np.float32)
     offset = rng.uniform(-0.05, 0.05, (out, width // size)).astype(np.float32) if offsets else None
-    return GroupWeights.from_numpy(rng.integers(-128, 128, (out, width), dtype=np.int8), scale, offset, size)
+    low, high = (NARROW_VALUES[0], NARROW_VALUES[1] + 1) if narrow else (-128, 128)
+    return GroupWeights.from_numpy(rng.integers(low, high, (out, width), dtype=np.int8), scale, offset, size)
 
 
 def _reference(x: torch.Tensor, groups: GroupWeights) -> np.ndarray:
@@ -106,30 +110,77 @@ def _reference(x: torch.Tensor, groups: GroupWeights) -> np.ndarray:
     return x.double().numpy() @ w.reshape(rows, width).T
 
 
-def _bound(x: torch.Tensor, groups: GroupWeights, exact: bool, dtype: torch.dtype) -> np.ndarray:
+def _bound(x: torch.Tensor, groups: GroupWeights, exact: bool, dtype: torch.dtype, biased: bool = False
+           ) -> np.ndarray:
     """How far an output may be from the float64 product: float32 sums (a few units of 2^-24
-    of sum |w x| for these widths), bf16-rounded weights (2^-8 of it) where the path rounds
-    them, and one rounding of the output to `dtype`."""
+    of sum |w x| for these widths; where narrow values were summed as q + 192, of the sum of
+    |(|q| + 192) s x| + |o x|), bf16-rounded weights (2^-8 of it) where the path rounds them,
+    and one rounding of the output to `dtype`."""
     magnitude = np.abs(x.double().numpy()) @ np.abs(groups.weight().double().numpy()).T
-    product_error = magnitude * (BF16_EPS if not exact else 64 * 2.0 ** -24)
+    summed = magnitude
+    if biased:
+        v = np.abs(groups.values.numpy().astype(np.float64)) + 192.0
+        rows, width = v.shape
+        w = v.reshape(rows, -1, groups.group_size) * groups.scale.numpy().astype(np.float64)[..., None]
+        if groups.offset is not None:
+            w += np.abs(groups.offset.numpy().astype(np.float64))[..., None]
+        summed = np.abs(x.double().numpy()) @ w.reshape(rows, width).T
+    product_error = magnitude * BF16_EPS if not exact else summed * 64 * 2.0 ** -24
     return product_error + magnitude * (BF16_EPS if dtype == torch.bfloat16 else 2.0 ** -24) + 1e-30
 
 
 @needs_kernel
 @settings(max_examples=40, deadline=None)
 @given(tiles=st.integers(1, 3), width_32s=st.integers(1, 4), size=st.sampled_from([16, 32]), offsets=st.booleans(),
-       rows=st.integers(1, 40), seed=st.integers(0, 2 ** 16), path=st.sampled_from(PATHS + ["auto"]))
+       rows=st.integers(1, 40), seed=st.integers(0, 2 ** 16), path=st.sampled_from(PATHS + ["auto"]),
+       narrow=st.booleans())
 def test_every_path_is_the_groups_product(tiles: int, width_32s: int, size: int, offsets: bool, rows: int,
-                                          seed: int, path: str) -> None:
+                                          seed: int, path: str, narrow: bool) -> None:
+    """Every path, on values of all of int8 or narrow ones (the exact AMX and DPBF16 paths
+    then sum q + 192 and take the bias back out), at rows of one and of two AMX row blocks."""
     rng = np.random.default_rng(seed)
-    groups = _random_groups(rng, 16 * tiles, 32 * width_32s, size, offsets)
+    groups = _random_groups(rng, 16 * tiles, 32 * width_32s, size, offsets, narrow)
     dtype = torch.float32 if path == "vector" and seed % 2 else torch.bfloat16
     x = torch.from_numpy(rng.standard_normal((rows, 32 * width_32s)).astype(np.float32)).to(dtype)
-    got = KERNEL(x, KERNEL.pack(groups), path=None if path == "auto" else path)
-    exact = (path if path != "auto" else KERNEL.path(rows, dtype, KERNEL.pack(groups))) in EXACT_PATHS
+    packed = KERNEL.pack(groups)
+    taken = path if path != "auto" else KERNEL.path(rows, dtype, packed)
+    got = KERNEL(x, packed, path=None if path == "auto" else path)
     assert got.dtype == dtype and got.shape == (rows, 16 * tiles)
     error = np.abs(got.double().numpy() - _reference(x, groups))
-    assert (error <= _bound(x, groups, exact, dtype)).all()
+    biased = packed.narrow and taken in ("exact", "dpbf16")
+    assert (error <= _bound(x, groups, taken in EXACT_PATHS, dtype, biased)).all()
+
+
+def test_narrow_values_are_told_apart() -> None:
+    """NARROW_VALUES' ends are narrow, one step past either is not."""
+    if KERNEL is None:
+        pytest.skip("no C compiler: the kernel is not built")
+    rng = np.random.default_rng(3)
+    for low, high, narrow in ((-64, 63, True), (-65, 63, False), (-64, 64, False), (0, 15, True), (-127, 127, False)):
+        groups = _random_groups(rng, 16, 32, 32, False)
+        values = groups.values.clone()
+        values[0, 0], values[0, 1] = low, high
+        values.clamp_(low, high)
+        assert KERNEL.pack(GroupWeights(values, groups.scale, None, 32)).narrow is narrow, (low, high)
+
+
+@needs_kernel
+@pytest.mark.parametrize("path", [p for p in ("exact", "dpbf16") if p in PATHS])
+def test_narrow_products_by_hand(path: str) -> None:
+    """Narrow values [1, -2 | 3, 4] in groups of 2 (hand_groups) and the same with one value
+    of 100 (not narrow): the first row's outputs are exact either way (1.75 + 100 * 0.25 * 3
+    for the wide one, as every value here is exact in bf16 and float32)."""
+    narrow = hand_groups()
+    assert KERNEL.pack(narrow).narrow
+    values = narrow.values.clone()
+    values[1, 2] = 100
+    wide = GroupWeights(values, narrow.scale.clone(), narrow.offset, 2)
+    wide.scale[1, 1] = 0.25
+    assert not KERNEL.pack(wide).narrow
+    x = torch.tensor([[1.0, 2.0, 3.0, 4.0]] * 5).bfloat16()
+    for groups, second in ((narrow, 0.0), (wide, 75.0)):
+        out = KERNEL(x, KERNEL.pack(groups), torch.full((16,), 2.0), torch.full((5, 16), -1.0).bfloat16(), path=path)
+        assert out[:, 0].tolist() == [1.75] * 5 and out[:, 1].tolist() == [1.0 + second] * 5
 
 
 @settings(max_examples=20, deadline=None)

@@ -92,17 +92,35 @@ static inline __attribute__((always_inline)) void tile_rows(const int mb, const 
         for (int v = 0; v < NV; v++) store_f32(res + r * TILE + v * LANES, tot[r][v]);
 }
 
+/* The sums of one row of bf16 inputs over each of its `groups` groups of gs: a vector at a
+ * time where gs is whole vectors (a scalar chain per group took ~4 cycles an input, ~1 ms a
+ * 16-row decode step once every narrow weight needed the sums). */
+static void group_sums(const uint16_t *row, int64_t groups, int64_t gs, float *out) {
+    for (int64_t g = 0; g < groups; g++) {
+        const uint16_t *in = row + g * gs;
+        if (gs % LANES == 0) {
+            vf acc = splat(0.0f);
+            for (int64_t k = 0; k < gs; k += LANES) acc += load_bf16(in + k);
+            out[g] = lanes_sum(acc);
+        } else {
+            float sum = 0.0f;
+            for (int64_t k = 0; k < gs; k++) sum += bf16_to_f32(in[k]);
+            out[g] = sum;
+        }
+    }
+}
+
 static inline float load_any(const void *p, int bf16, int64_t i) {
     return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
 /* AMX: from a few rows on, the products of a row block and a group are one tile product.
- * Per tile of TILE output columns, every group's values are expanded once to bf16 (exact
- * for int8) in AMX's pair layout; then for each block of AMX_ROWS input rows (bf16, padded
- * with zero rows) one tdpbf16ps per group gives the group's 16 x 16 float32 sums, which
- * are stored and added times the group's scale (and its offset times the rows' sums of
- * the group's inputs) to 16 output registers: the same arithmetic as the vector path, the
- * file's values exactly. Compiled with target attributes, called only where the CPU has
+ * Per tile of TILE output columns, a chunk of groups at a time, the values are expanded to
+ * bf16 (exact for int8) in AMX's pair layout; then for each block of AMX_ROWS input rows
+ * (bf16, padded with zero rows) one tdpbf16ps per group gives the group's 16 x 16 float32
+ * sums, which are stored and added times the group's scale (and its offset times the rows'
+ * sums of the group's inputs) to 16 output registers: the same arithmetic as the vector
+ * path, the file's values exactly. Compiled with target attributes, called only where the CPU has
  * amx_bf16 and the kernel obtained the tile state from Linux (group_linear_amx_ready).
  * Without AMX, DPBF16 takes the same expanded pairs through AVX512-BF16's vdpbf16ps
  * (dp_tile), called only where the CPU has avx512_bf16. */
@@ -119,10 +137,10 @@ static inline float load_any(const void *p, int bf16, int64_t i) {
 /* 1 where Linux lets this process use AMX's tile data (asked for once), else 0. */
 int group_linear_amx_ready(void) { return amx_request_tiles(); }
 
-/* The exact path's tiles: 0-3 four groups' sums (16 rows x 16 float32) in flight, 4 a row
- * block's inputs of one group (16 rows x gs bf16), 5 the group's values (gs / 2 pairs of
- * rows, TILE columns of bf16 pairs). The folded path configures gs = 32 and takes 6 and 7
- * too (amx_tiles_folded). */
+/* The exact path's tiles: 0 a group's sums (16 rows x 16 float32), 4 a row block's inputs
+ * of one group (16 rows x gs bf16), 5 the group's values (gs / 2 pairs of rows, TILE
+ * columns of bf16 pairs). The folded path configures gs = 32 and takes 0-3 for four sums
+ * and 6 and 7 too (amx_tiles_folded). */
 AMX_TARGET static void amx_configure(int64_t gs) {
     tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
@@ -155,8 +173,37 @@ static inline void prefetch_part(const int8_t *next, int64_t bytes, int64_t part
 
 #define DPBF16_TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
 
-/* Values [K][TILE] int8 of one tile -> bf16 pairs [K / 2][TILE][2]. */
-DPBF16_TARGET static void expand_pairs(const int8_t *vt, int64_t K, uint16_t *pairs) {
+/* What expand_pairs adds to narrow values: 128 + 64, so q + NARROW_BIAS spans [128, 255],
+ * one binade, where bf16's 7 fraction bits hold it exactly. */
+#define NARROW_BIAS 192.0f
+
+/* The factor of group g's input sum in a tile's outputs: its offset (zero without one),
+ * less NARROW_BIAS times its scale where the values were expanded narrow, since then
+ * sum_k (q_k + NARROW_BIAS) x_k = sum_k q_k x_k + NARROW_BIAS sum_k x_k. NULL-free only
+ * where one of the two applies (callers check ot || narrow). */
+DPBF16_TARGET static inline __m512 narrow_offset(const float *st, const float *ot, int64_t g, int narrow) {
+    const __m512 offset = ot ? _mm512_loadu_ps(ot + g * TILE) : _mm512_setzero_ps();
+    return narrow ? _mm512_fnmadd_ps(_mm512_set1_ps(NARROW_BIAS), _mm512_loadu_ps(st + g * TILE), offset) : offset;
+}
+
+/* Values [K][TILE] int8 of one tile -> bf16 pairs [K / 2][TILE][2]. Narrow values (all in
+ * [-64, 63]) become q + NARROW_BIAS, whose bf16 is 0x4300 + (q + 64): an add, a
+ * zero-extension and an OR per 32 values instead of two widenings to float32 and a
+ * rounding (~40% less time); the callers take the bias back out with the groups' input
+ * sums (narrow_offset). */
+DPBF16_TARGET static void expand_pairs(const int8_t *vt, int64_t K, uint16_t *pairs, int narrow) {
+    if (narrow) {
+        const __m128i to_unsigned = _mm_set1_epi8(64);
+        const __m512i exponent = _mm512_set1_epi16(0x4300); /* bf16 of 128: the bytes are its 7 fraction bits */
+        for (int64_t k = 0; k < K; k += 2) {
+            const __m128i a = _mm_add_epi8(_mm_loadu_si128((const __m128i *)(vt + k * TILE)), to_unsigned);
+            const __m128i b = _mm_add_epi8(_mm_loadu_si128((const __m128i *)(vt + (k + 1) * TILE)), to_unsigned);
+            const __m256i ab = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi8(a, b)),
+                                                       _mm_unpackhi_epi8(a, b), 1);
+            _mm512_storeu_si512((void *)(pairs + k * TILE), _mm512_or_si512(_mm512_cvtepu8_epi16(ab), exponent));
+        }
+        return;
+    }
     for (int64_t k = 0; k < K; k += 2) {
         const __m128i a = _mm_loadu_si128((const __m128i *)(vt + k * TILE));
         const __m128i b = _mm_loadu_si128((const __m128i *)(vt + (k + 1) * TILE));
@@ -172,7 +219,7 @@ DPBF16_TARGET static void expand_pairs(const int8_t *vt, int64_t K, uint16_t *pa
  * (and its offset times the rows' input sums), as the other exact paths. */
 static inline __attribute__((always_inline)) DPBF16_TARGET void dp_rows(
     const int mb, const uint16_t *x, int64_t ldx, int64_t groups, int64_t gs, const uint16_t *pairs,
-    const float *st, const float *ot, const float *xsum, float *res) {
+    const float *st, const float *ot, const float *xsum, float *res, int narrow) {
     __m512 tot[DP_ROWS];
     for (int r = 0; r < mb; r++) tot[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
@@ -188,8 +235,8 @@ static inline __attribute__((always_inline)) DPBF16_TARGET void dp_rows(
         }
         const __m512 scale = _mm512_loadu_ps(st + g * TILE);
         for (int r = 0; r < mb; r++) tot[r] = _mm512_fmadd_ps(scale, acc[r], tot[r]);
-        if (ot) {
-            const __m512 offset = _mm512_loadu_ps(ot + g * TILE);
+        if (ot || narrow) {
+            const __m512 offset = narrow_offset(st, ot, g, narrow);
             for (int r = 0; r < mb; r++) tot[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xsum[r * groups + g]), tot[r]);
         }
     }
@@ -198,22 +245,22 @@ static inline __attribute__((always_inline)) DPBF16_TARGET void dp_rows(
 
 DPBF16_TARGET static void dp_tile(const uint16_t *x, int64_t M, int64_t K, int64_t groups, int64_t gs,
                                   const int8_t *vt, const float *st, const float *ot, const float *xsum,
-                                  uint16_t *pairs, float *res) {
-    expand_pairs(vt, K, pairs);
+                                  uint16_t *pairs, float *res, int narrow) {
+    expand_pairs(vt, K, pairs, narrow);
     for (int64_t m0 = 0; m0 < M; m0 += DP_ROWS) {
         const int mb = M - m0 < DP_ROWS ? (int)(M - m0) : DP_ROWS;
         const uint16_t *xm = x + m0 * K;
         const float *sm = xsum + m0 * groups;
         float *rm = res + m0 * TILE;
         switch (mb) {
-        case 1: dp_rows(1, xm, K, groups, gs, pairs, st, ot, sm, rm); break;
-        case 2: dp_rows(2, xm, K, groups, gs, pairs, st, ot, sm, rm); break;
-        case 3: dp_rows(3, xm, K, groups, gs, pairs, st, ot, sm, rm); break;
-        case 4: dp_rows(4, xm, K, groups, gs, pairs, st, ot, sm, rm); break;
-        case 5: dp_rows(5, xm, K, groups, gs, pairs, st, ot, sm, rm); break;
-        case 6: dp_rows(6, xm, K, groups, gs, pairs, st, ot, sm, rm); break;
-        case 7: dp_rows(7, xm, K, groups, gs, pairs, st, ot, sm, rm); break;
-        default: dp_rows(DP_ROWS, xm, K, groups, gs, pairs, st, ot, sm, rm); break;
+        case 1: dp_rows(1, xm, K, groups, gs, pairs, st, ot, sm, rm, narrow); break;
+        case 2: dp_rows(2, xm, K, groups, gs, pairs, st, ot, sm, rm, narrow); break;
+        case 3: dp_rows(3, xm, K, groups, gs, pairs, st, ot, sm, rm, narrow); break;
+        case 4: dp_rows(4, xm, K, groups, gs, pairs, st, ot, sm, rm, narrow); break;
+        case 5: dp_rows(5, xm, K, groups, gs, pairs, st, ot, sm, rm, narrow); break;
+        case 6: dp_rows(6, xm, K, groups, gs, pairs, st, ot, sm, rm, narrow); break;
+        case 7: dp_rows(7, xm, K, groups, gs, pairs, st, ot, sm, rm, narrow); break;
+        default: dp_rows(DP_ROWS, xm, K, groups, gs, pairs, st, ot, sm, rm, narrow); break;
         }
     }
 }
@@ -283,45 +330,79 @@ AMX_TARGET static void amx_tiles_folded(const uint16_t *xpad, int64_t M, int64_t
     }
 }
 
-#define AMX_PRODUCT(T, g)                                                                   \
-    do {                                                                                  \
-        _tile_zero(T);                                                                    \
-        _tile_loadd(4, xb + (g) * gs, K * 2);                                             \
-        _tile_loadd(5, pairs + (g) * gs * TILE, TILE * 4);                                \
-        _tile_dpbf16ps(T, 4, 5);                                                          \
-        _tile_stored(T, sums + (T) * AMX_ROWS * TILE, TILE * 4);                          \
-    } while (0)
+/* How many groups' values are expanded at a time: each chunk's pairs are multiplied right
+ * after (they stay in L1), and the values stream in as evenly as the products run, with the
+ * ones CHUNK_PREFETCH_BYTES further on asked into L2 meanwhile. Expanding a whole tile first
+ * (its 20-64 KB of pairs through L2) and prefetching the next tile in bursts left the
+ * weights' reads and the products one after the other: 4-16 rows took ~22% longer
+ * (benchmarks/results/group_int8_kernels.md). */
+#define CHUNK_GROUPS 2
+#define CHUNK_PREFETCH_BYTES 2048
 
+/* Chunk g0 .. g0 + n's values, expanded to pairs (the values CHUNK_PREFETCH_BYTES on asked
+ * into L2 first). */
+AMX_TARGET static inline void expand_chunk(const int8_t *vt, int64_t g0, int n, int64_t gs, uint16_t *pairs,
+                                           int narrow) {
+    const int8_t *chunk = vt + g0 * gs * TILE;
+    for (int64_t b = 0; b < n * gs * TILE; b += 64)
+        _mm_prefetch((const char *)chunk + CHUNK_PREFETCH_BYTES + b, _MM_HINT_T1);
+    expand_pairs(chunk, n * gs, pairs, narrow);
+}
+
+/* One row block's (xb: 16 rows of K inputs; xs: their groups' sums) products with chunk
+ * g0 .. g0 + n's pairs: one tdpbf16ps per group (16 x 16 float32 sums, stored), then the
+ * sums times the group's scale, plus its offset times the rows' input sums (narrow's
+ * correction included), added to acc. */
+static inline __attribute__((always_inline)) AMX_TARGET void chunk_products(
+    const uint16_t *xb, const float *xs, int64_t K, int64_t groups, int64_t gs, int64_t g0, int n,
+    const uint16_t *pairs, const float *st, const float *ot, int narrow, float *sums, __m512 acc[AMX_ROWS]) {
+    for (int j = 0; j < n; j++) {
+        _tile_zero(0);
+        _tile_loadd(4, xb + (g0 + j) * gs, K * 2);
+        _tile_loadd(5, pairs + j * gs * TILE, TILE * 4);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_stored(0, sums + j * AMX_ROWS * TILE, TILE * 4);
+    }
+    for (int j = 0; j < n; j++) {
+        const int64_t g = g0 + j;
+        const __m512 scale = _mm512_loadu_ps(st + g * TILE);
+        const float *sj = sums + j * AMX_ROWS * TILE;
+        for (int r = 0; r < AMX_ROWS; r++) acc[r] = _mm512_fmadd_ps(scale, _mm512_load_ps(sj + r * TILE), acc[r]);
+        if (ot || narrow) {
+            const __m512 offset = narrow_offset(st, ot, g, narrow);
+            for (int r = 0; r < AMX_ROWS; r++)
+                acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xs[r * groups + g]), acc[r]);
+        }
+    }
+}
+
+/* The exact path's tile: rows 0 .. M (a multiple of AMX_ROWS) of one tile of TILE output
+ * columns into res ([M][TILE]), a chunk of groups at a time. One row block (decode's 3-16
+ * rows) keeps its outputs in registers throughout; more keep them in res between chunks. */
 AMX_TARGET static void amx_tile(const uint16_t *xpad, const float *xsum, int64_t M, int64_t K, int64_t groups,
                                 int64_t gs, const int8_t *vt, const float *st, const float *ot, uint16_t *pairs,
-                                float *res, const int8_t *next) {
-    expand_pairs(vt, K, pairs);
-    float sums[4 * AMX_ROWS * TILE] __attribute__((aligned(64)));
-    for (int64_t m0 = 0; m0 < M; m0 += AMX_ROWS) {
-        const uint16_t *xb = xpad + m0 * K;
-        __m512 acc[AMX_ROWS];
+                                float *res, int narrow) {
+    float sums[CHUNK_GROUPS * AMX_ROWS * TILE] __attribute__((aligned(64)));
+    __m512 acc[AMX_ROWS];
+    if (M == AMX_ROWS) {
         for (int r = 0; r < AMX_ROWS; r++) acc[r] = _mm512_setzero_ps();
-        for (int64_t g0 = 0; g0 < groups; g0 += 4) {
-            const int n = groups - g0 < 4 ? (int)(groups - g0) : 4;
-            if (m0 == 0) prefetch_part(next, K * TILE, g0 / 4, (groups + 3) / 4);
-            AMX_PRODUCT(0, g0);
-            if (n > 1) AMX_PRODUCT(1, g0 + 1);
-            if (n > 2) AMX_PRODUCT(2, g0 + 2);
-            if (n > 3) AMX_PRODUCT(3, g0 + 3);
-            for (int j = 0; j < n; j++) {
-                const int64_t g = g0 + j;
-                const __m512 scale = _mm512_loadu_ps(st + g * TILE);
-                const float *sj = sums + j * AMX_ROWS * TILE;
-                for (int r = 0; r < AMX_ROWS; r++)
-                    acc[r] = _mm512_fmadd_ps(scale, _mm512_load_ps(sj + r * TILE), acc[r]);
-                if (ot) {
-                    const __m512 offset = _mm512_loadu_ps(ot + g * TILE);
-                    for (int r = 0; r < AMX_ROWS; r++)
-                        acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xsum[(m0 + r) * groups + g]), acc[r]);
-                }
-            }
+        for (int64_t g0 = 0; g0 < groups; g0 += CHUNK_GROUPS) {
+            const int n = groups - g0 < CHUNK_GROUPS ? (int)(groups - g0) : CHUNK_GROUPS;
+            expand_chunk(vt, g0, n, gs, pairs, narrow);
+            chunk_products(xpad, xsum, K, groups, gs, g0, n, pairs, st, ot, narrow, sums, acc);
         }
-        for (int r = 0; r < AMX_ROWS; r++) _mm512_storeu_ps(res + (m0 + r) * TILE, acc[r]);
+        for (int r = 0; r < AMX_ROWS; r++) _mm512_store_ps(res + r * TILE, acc[r]);
+        return;
+    }
+    memset(res, 0, sizeof(float) * (size_t)(M * TILE));
+    for (int64_t g0 = 0; g0 < groups; g0 += CHUNK_GROUPS) {
+        const int n = groups - g0 < CHUNK_GROUPS ? (int)(groups - g0) : CHUNK_GROUPS;
+        expand_chunk(vt, g0, n, gs, pairs, narrow);
+        for (int64_t m0 = 0; m0 < M; m0 += AMX_ROWS) {
+            for (int r = 0; r < AMX_ROWS; r++) acc[r] = _mm512_load_ps(res + (m0 + r) * TILE);
+            chunk_products(xpad + m0 * K, xsum + m0 * groups, K, groups, gs, g0, n, pairs, st, ot, narrow, sums, acc);
+            for (int r = 0; r < AMX_ROWS; r++) _mm512_store_ps(res + (m0 + r) * TILE, acc[r]);
+        }
     }
 }
 #endif
@@ -348,10 +429,13 @@ static void store_rows(const float *res, int64_t rows, int64_t m0, int64_t t, in
 /* x: [M, K] bf16 (x_bf16) or float32, rows ldx elements apart; values, scale, offset (or
  * NULL): the tiled layout above, N a multiple of TILE, K of gs, gs even; bias: float32 [N]
  * or NULL; residual: [M, N] in x's dtype, rows ldr apart, or NULL; out: [M, N] in x's
- * dtype, rows ldo apart. Returns 0, or -1 where its scratch cannot be allocated. */
+ * dtype, rows ldo apart; narrow: every value is in [-64, 63] (the exact AMX and DPBF16
+ * paths then expand them faster, expand_pairs). Returns 0, or -1 where its scratch cannot
+ * be allocated. */
 int group_linear(const void *x, int32_t x_bf16, int64_t ldx, int64_t M, int64_t K, const int8_t *values,
                  const float *scale, const float *offset, int64_t N, int64_t gs, const float *bias,
-                 const void *residual, int64_t ldr, void *out, int64_t ldo, int32_t num_threads, int32_t amx) {
+                 const void *residual, int64_t ldr, void *out, int64_t ldo, int32_t num_threads, int32_t amx,
+                 int32_t narrow) {
     const int64_t groups = K / gs, tiles = N / TILE;
 #ifdef HAVE_X86_TARGETS
     if (amx && x_bf16) {
@@ -363,12 +447,7 @@ int group_linear(const void *x, int32_t x_bf16, int64_t ldx, int64_t M, int64_t 
             for (int64_t m = 0; m < M; m++) {
                 const uint16_t *row = (const uint16_t *)x + m * ldx;
                 memcpy(xpad + m * K, row, (size_t)K * sizeof(uint16_t));
-                if (offset && amx != AMX_FOLDED)
-                    for (int64_t g = 0; g < groups; g++) {
-                        float sum = 0.0f;
-                        for (int64_t k = g * gs; k < (g + 1) * gs; k++) sum += bf16_to_f32(row[k]);
-                        xsum[m * groups + g] = sum;
-                    }
+                if ((offset || narrow) && amx != AMX_FOLDED) group_sums(row, groups, gs, xsum + m * groups);
             }
 #pragma omp parallel num_threads(num_threads) if (tiles > 1)
             {
@@ -402,12 +481,11 @@ int group_linear(const void *x, int32_t x_bf16, int64_t ldx, int64_t M, int64_t 
                         if (t1 != t) store_rows(res1, M, 0, t1, x_bf16, bias, residual, ldr, out, ldo);
                     } else if (amx == DPBF16) {
                         dp_tile(xpad, M, K, groups, gs, values + t * K * TILE, scale + t * groups * TILE,
-                                offset ? offset + t * groups * TILE : NULL, xsum, pairs, res);
+                                offset ? offset + t * groups * TILE : NULL, xsum, pairs, res, narrow);
                         store_rows(res, M, 0, t, x_bf16, bias, residual, ldr, out, ldo);
                     } else {
                         amx_tile(xpad, xsum, padded, K, groups, gs, values + t * K * TILE, scale + t * groups * TILE,
-                                 offset ? offset + t * groups * TILE : NULL, pairs, res,
-                                 t + 1 < tiles ? values + (t + 1) * K * TILE : NULL);
+                                 offset ? offset + t * groups * TILE : NULL, pairs, res, narrow);
                         store_rows(res, M, 0, t, x_bf16, bias, residual, ldr, out, ldo);
                     }
                 }

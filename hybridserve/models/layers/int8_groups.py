@@ -34,6 +34,10 @@ TILE = 16  # output columns per tile of the packed layout (int8_groups.c's TILE)
 # The largest group the kernel takes: the exact AMX path multiplies one group per tile
 # product, and a tile row holds 32 bf16 (64 bytes). GGUF's blocks are 16 or 32 weights.
 MAX_KERNEL_GROUP = 32
+# The values whose tiles the kernel's exact paths expand narrow (int8_groups.c's
+# expand_pairs: q + 192 stays inside one binade of bf16): 7 bits, which every block type of
+# models/loaders/gguf_groups.py but Q8_0 keeps to.
+NARROW_VALUES = (-64, 63)
 # The kernel's paths (int8_groups.c's amx argument): the vector loop, AMX tile products per
 # group (the file's values exactly) and AMX over the weights rounded to bf16; without AMX,
 # AVX512-BF16 pair products per group ("dpbf16", the file's values exactly); "expand" is
@@ -146,12 +150,14 @@ def group_linear_general(x: torch.Tensor, groups: GroupWeights, bias: torch.Tens
 
 class PackedGroups(NamedTuple):
     """GroupWeights in the kernel's tiles (int8_groups.c): values [out / TILE, in, TILE],
-    scale and offset [out / TILE, in / group_size, TILE]."""
+    scale and offset [out / TILE, in / group_size, TILE]; narrow: every value is in
+    NARROW_VALUES (Q4_K, Q5_0, Q6_K blocks; Q8_0's are not), which the kernel expands faster."""
 
     values: torch.Tensor
     scale: torch.Tensor
     offset: torch.Tensor | None
     group_size: int
+    narrow: bool = False
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -171,7 +177,7 @@ class GroupKernel:
         library = build("int8_groups", SOURCE)
         fn = library.group_linear
         i64, i32, ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
-        fn.argtypes = [ptr, i32, i64, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, i64, ptr, i64, i32, i32]
+        fn.argtypes = [ptr, i32, i64, i64, i64, ptr, ptr, ptr, i64, i64, ptr, ptr, i64, ptr, i64, i32, i32, i32]
         fn.restype = ctypes.c_int
         self._fn = fn
         expand = library.group_expand
@@ -198,8 +204,10 @@ class GroupKernel:
         (a step streams them whole: models/platform/huge_pages.py)."""
         groups.check()
         offset = None if groups.offset is None else on_huge_pages(_tiles(groups.offset))
+        narrow = groups.values.numel() > 0 and NARROW_VALUES[0] <= int(groups.values.min()) \
+            and int(groups.values.max()) <= NARROW_VALUES[1]
         return PackedGroups(on_huge_pages(_tiles(groups.values)), on_huge_pages(_tiles(groups.scale)), offset,
-                            groups.group_size)
+                            groups.group_size, narrow)
 
     def _expand_mm(self, x: torch.Tensor, packed: PackedGroups, bias: torch.Tensor | None,
                    residual: torch.Tensor | None) -> torch.Tensor:
@@ -271,7 +279,7 @@ class GroupKernel:
                               None if bias is None else bias.data_ptr(),
                               None if residual is None else residual.data_ptr(),
                               0 if residual is None else residual.stride(0), out.data_ptr(), n,
-                              torch.get_num_threads(), PATHS[path])
+                              torch.get_num_threads(), PATHS[path], int(packed.narrow))
             if failed:
                 raise MemoryError(f"int8 groups: no memory for a {rows} x {k} input's float32 copy")
         return out if out.dtype == out_dtype else out.to(out_dtype)
@@ -289,11 +297,12 @@ def _mismatch(kernel: GroupKernel) -> str:
     within 2^-7 of the sum of the terms' magnitudes (one bf16 rounding of the output, and
     of each weight where the path rounds the weights to bf16: a wrong scale, offset, tile or
     row is off by far more), at rows of every row block's remainder, with offsets, a bias
-    and a residual, in groups of 16 and 32, float32 inputs on the vector loop."""
+    and a residual, in groups of 16 and 32, on narrow values too, float32 inputs on the
+    vector loop."""
     g = torch.Generator().manual_seed(0)
     paths = ["vector", "expand"] + (["exact", "folded"] if kernel.amx else []) + (["dpbf16"] if kernel.dpbf16 else [])
-    for size in (16, 32):
-        groups = GroupWeights(torch.randint(-128, 128, (48, 96), dtype=torch.int8, generator=g),
+    for size, (low, high) in ((16, (-128, 128)), (32, (-128, 128)), (32, (NARROW_VALUES[0], NARROW_VALUES[1] + 1))):
+        groups = GroupWeights(torch.randint(low, high, (48, 96), dtype=torch.int8, generator=g),
                               torch.rand(48, 96 // size, generator=g), torch.randn(48, 96 // size, generator=g), size)
         bias = torch.randn(48, generator=g)
         packed = kernel.pack(groups)
@@ -305,7 +314,8 @@ def _mismatch(kernel: GroupKernel) -> str:
                     expected = group_linear_general(x, groups, bias, h).float()
                     magnitude = x.float().abs() @ groups.weight().abs().t() + h.float().abs() + bias.abs()
                     if not ((got - expected).abs() <= magnitude * 2.0 ** -7).all():
-                        return f"the {path} path differs from the general path at {rows} {dtype} rows, groups of {size}"
+                        return (f"the {path} path differs from the general path at {rows} {dtype} rows, groups of "
+                                f"{size}, values in [{low}, {high})")
     return ""
 
 

@@ -213,20 +213,39 @@ DPBF16_TARGET static void expand_pairs(const int8_t *vt, int64_t K, uint16_t *pa
     }
 }
 
+/* How many groups' values are expanded at a time: each chunk's pairs are multiplied right
+ * after (they stay in L1), and the values stream in as evenly as the products run, with the
+ * ones CHUNK_PREFETCH_BYTES further on asked into L2 meanwhile. Expanding a whole tile first
+ * (its 20-64 KB of pairs through L2) and prefetching the next tile in bursts left the
+ * weights' reads and the products one after the other: 4-16 rows took ~22% longer
+ * (benchmarks/results/group_int8_kernels.md). */
+#define CHUNK_GROUPS 2
+#define CHUNK_PREFETCH_BYTES 2048
+
+/* Chunk g0 .. g0 + n's values, expanded to pairs (the values CHUNK_PREFETCH_BYTES on asked
+ * into L2 first). */
+DPBF16_TARGET static inline void expand_chunk(const int8_t *vt, int64_t g0, int n, int64_t gs, uint16_t *pairs,
+                                              int narrow) {
+    const int8_t *chunk = vt + g0 * gs * TILE;
+    for (int64_t b = 0; b < n * gs * TILE; b += 64)
+        _mm_prefetch((const char *)chunk + CHUNK_PREFETCH_BYTES + b, _MM_HINT_T1);
+    expand_pairs(chunk, n * gs, pairs, narrow);
+}
+
 /* DPBF16: `mb` (a constant once inlined) rows of bf16 x from row m0 of one tile, from its
  * values in pair layout: per group, one vdpbf16ps per pair of k and row (the two exact
  * products and the accumulator summed in float32), then the group's sum times its scale
  * (and its offset times the rows' input sums), as the other exact paths. */
 static inline __attribute__((always_inline)) DPBF16_TARGET void dp_rows(
-    const int mb, const uint16_t *x, int64_t ldx, int64_t groups, int64_t gs, const uint16_t *pairs,
-    const float *st, const float *ot, const float *xsum, float *res, int narrow) {
+    const int mb, const uint16_t *x, int64_t ldx, int64_t groups, int64_t gs, int64_t g0, int64_t g1,
+    const uint16_t *pairs, const float *st, const float *ot, const float *xsum, float *res, int narrow) {
     __m512 tot[DP_ROWS];
-    for (int r = 0; r < mb; r++) tot[r] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
+    for (int r = 0; r < mb; r++) tot[r] = g0 ? _mm512_loadu_ps(res + r * TILE) : _mm512_setzero_ps();
+    for (int64_t g = g0; g < g1; g++) {
         __m512 acc[DP_ROWS];
         for (int r = 0; r < mb; r++) acc[r] = _mm512_setzero_ps();
         for (int64_t kk = g * gs / 2; kk < (g + 1) * gs / 2; kk++) {
-            const __m512bh w = (__m512bh)_mm512_load_si512((const void *)(pairs + kk * 2 * TILE));
+            const __m512bh w = (__m512bh)_mm512_load_si512((const void *)(pairs + (kk - g0 * gs / 2) * 2 * TILE));
             for (int r = 0; r < mb; r++) {
                 int32_t pair;
                 memcpy(&pair, x + r * ldx + 2 * kk, sizeof pair);
@@ -246,21 +265,25 @@ static inline __attribute__((always_inline)) DPBF16_TARGET void dp_rows(
 DPBF16_TARGET static void dp_tile(const uint16_t *x, int64_t M, int64_t K, int64_t groups, int64_t gs,
                                   const int8_t *vt, const float *st, const float *ot, const float *xsum,
                                   uint16_t *pairs, float *res, int narrow) {
-    expand_pairs(vt, K, pairs, narrow);
-    for (int64_t m0 = 0; m0 < M; m0 += DP_ROWS) {
-        const int mb = M - m0 < DP_ROWS ? (int)(M - m0) : DP_ROWS;
-        const uint16_t *xm = x + m0 * K;
-        const float *sm = xsum + m0 * groups;
-        float *rm = res + m0 * TILE;
-        switch (mb) {
-        case 1: dp_rows(1, xm, K, groups, gs, pairs, st, ot, sm, rm, narrow); break;
-        case 2: dp_rows(2, xm, K, groups, gs, pairs, st, ot, sm, rm, narrow); break;
-        case 3: dp_rows(3, xm, K, groups, gs, pairs, st, ot, sm, rm, narrow); break;
-        case 4: dp_rows(4, xm, K, groups, gs, pairs, st, ot, sm, rm, narrow); break;
-        case 5: dp_rows(5, xm, K, groups, gs, pairs, st, ot, sm, rm, narrow); break;
-        case 6: dp_rows(6, xm, K, groups, gs, pairs, st, ot, sm, rm, narrow); break;
-        case 7: dp_rows(7, xm, K, groups, gs, pairs, st, ot, sm, rm, narrow); break;
-        default: dp_rows(DP_ROWS, xm, K, groups, gs, pairs, st, ot, sm, rm, narrow); break;
+    for (int64_t g0 = 0; g0 < groups; g0 += CHUNK_GROUPS) {
+        const int n = groups - g0 < CHUNK_GROUPS ? (int)(groups - g0) : CHUNK_GROUPS;
+        const int64_t g1 = g0 + n;
+        expand_chunk(vt, g0, n, gs, pairs, narrow);
+        for (int64_t m0 = 0; m0 < M; m0 += DP_ROWS) {
+            const int mb = M - m0 < DP_ROWS ? (int)(M - m0) : DP_ROWS;
+            const uint16_t *xm = x + m0 * K;
+            const float *sm = xsum + m0 * groups;
+            float *rm = res + m0 * TILE;
+            switch (mb) {
+            case 1: dp_rows(1, xm, K, groups, gs, g0, g1, pairs, st, ot, sm, rm, narrow); break;
+            case 2: dp_rows(2, xm, K, groups, gs, g0, g1, pairs, st, ot, sm, rm, narrow); break;
+            case 3: dp_rows(3, xm, K, groups, gs, g0, g1, pairs, st, ot, sm, rm, narrow); break;
+            case 4: dp_rows(4, xm, K, groups, gs, g0, g1, pairs, st, ot, sm, rm, narrow); break;
+            case 5: dp_rows(5, xm, K, groups, gs, g0, g1, pairs, st, ot, sm, rm, narrow); break;
+            case 6: dp_rows(6, xm, K, groups, gs, g0, g1, pairs, st, ot, sm, rm, narrow); break;
+            case 7: dp_rows(7, xm, K, groups, gs, g0, g1, pairs, st, ot, sm, rm, narrow); break;
+            default: dp_rows(DP_ROWS, xm, K, groups, gs, g0, g1, pairs, st, ot, sm, rm, narrow); break;
+            }
         }
     }
 }
@@ -328,25 +351,6 @@ AMX_TARGET static void amx_tiles_folded(const uint16_t *xpad, int64_t M, int64_t
         _tile_stored(0, res0 + m0 * TILE, TILE * 4);
         _tile_stored(1, res1 + m0 * TILE, TILE * 4);
     }
-}
-
-/* How many groups' values are expanded at a time: each chunk's pairs are multiplied right
- * after (they stay in L1), and the values stream in as evenly as the products run, with the
- * ones CHUNK_PREFETCH_BYTES further on asked into L2 meanwhile. Expanding a whole tile first
- * (its 20-64 KB of pairs through L2) and prefetching the next tile in bursts left the
- * weights' reads and the products one after the other: 4-16 rows took ~22% longer
- * (benchmarks/results/group_int8_kernels.md). */
-#define CHUNK_GROUPS 2
-#define CHUNK_PREFETCH_BYTES 2048
-
-/* Chunk g0 .. g0 + n's values, expanded to pairs (the values CHUNK_PREFETCH_BYTES on asked
- * into L2 first). */
-AMX_TARGET static inline void expand_chunk(const int8_t *vt, int64_t g0, int n, int64_t gs, uint16_t *pairs,
-                                           int narrow) {
-    const int8_t *chunk = vt + g0 * gs * TILE;
-    for (int64_t b = 0; b < n * gs * TILE; b += 64)
-        _mm_prefetch((const char *)chunk + CHUNK_PREFETCH_BYTES + b, _MM_HINT_T1);
-    expand_pairs(chunk, n * gs, pairs, narrow);
 }
 
 /* One row block's (xb: 16 rows of K inputs; xs: their groups' sums) products with chunk

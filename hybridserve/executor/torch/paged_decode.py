@@ -77,7 +77,7 @@ def _mismatch(kernel: PagedDecode) -> str:
     that is not whole vectors, keys starting mid-block and crossing blocks) against the
     same attention in float64, in each dtype it reads; '' when nothing is."""
     g = torch.Generator().manual_seed(0)
-    # a head size of whole pairs of vectors (bf16's pair loads, the AVX512-BF16 scores) and one of none
+    # a head size of whole pairs of vectors (attend_pairs, where the cache is bf16) and one of none
     for dtype, d in ((dtype, d) for dtype in DTYPES for d in (20, 64)):
         cache_ = torch.randn(6, 4, 2, 2, d, generator=g).to(dtype)
         q = torch.randn(2, 6, d, generator=g).to(dtype)

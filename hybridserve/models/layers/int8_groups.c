@@ -215,20 +215,21 @@ DPBF16_TARGET static void expand_pairs(const int8_t *vt, int64_t K, uint16_t *pa
 
 /* How many groups' values are expanded at a time: each chunk's pairs are multiplied right
  * after (they stay in L1), and the values stream in as evenly as the products run, with the
- * ones CHUNK_PREFETCH_BYTES further on asked into L2 meanwhile. Expanding a whole tile first
- * (its 20-64 KB of pairs through L2) and prefetching the next tile in bursts left the
- * weights' reads and the products one after the other: 4-16 rows took ~22% longer
- * (benchmarks/results/group_int8_kernels.md). */
+ * ones CHUNK_PREFETCH_BYTES further on (one and a half chunks of groups of 32) asked into L1
+ * meanwhile. Expanding a whole tile first (its 20-64 KB of pairs through L2) and prefetching
+ * the next tile in bursts left the weights' reads and the products one after the other: 4-16
+ * rows took ~22% longer (benchmarks/results/group_int8_kernels.md; into L2, or 2-4 KB
+ * ahead, 3-10% longer than this). */
 #define CHUNK_GROUPS 2
-#define CHUNK_PREFETCH_BYTES 2048
+#define CHUNK_PREFETCH_BYTES 1536
 
 /* Chunk g0 .. g0 + n's values, expanded to pairs (the values CHUNK_PREFETCH_BYTES on asked
- * into L2 first). */
+ * for first). */
 DPBF16_TARGET static inline void expand_chunk(const int8_t *vt, int64_t g0, int n, int64_t gs, uint16_t *pairs,
                                               int narrow) {
     const int8_t *chunk = vt + g0 * gs * TILE;
     for (int64_t b = 0; b < n * gs * TILE; b += 64)
-        _mm_prefetch((const char *)chunk + CHUNK_PREFETCH_BYTES + b, _MM_HINT_T1);
+        _mm_prefetch((const char *)chunk + CHUNK_PREFETCH_BYTES + b, _MM_HINT_T0);
     expand_pairs(chunk, n * gs, pairs, narrow);
 }
 

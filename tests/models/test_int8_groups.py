@@ -151,10 +151,9 @@ def test_every_path_is_the_groups_product(tiles: int, width_32s: int, size: int,
     assert (error <= _bound(x, groups, taken in EXACT_PATHS, dtype, biased)).all()
 
 
+@needs_kernel
 def test_narrow_values_are_told_apart() -> None:
     """NARROW_VALUES' ends are narrow, one step past either is not."""
-    if KERNEL is None:
-        pytest.skip("no C compiler: the kernel is not built")
     rng = np.random.default_rng(3)
     for low, high, narrow in ((-64, 63, True), (-65, 63, False), (-64, 64, False), (0, 15, True), (-127, 127, False)):
         groups = _random_groups(rng, 16, 32, 32, False)

@@ -12,7 +12,11 @@ Kernels (each one's general path is what runs when it is off):
 - residual_norms: each residual add with the RMSNorms around it (models/layers/residual_norms.c;
   off: the eager chain);
 - act_mul: the MLP's act(gate) * up from a table of the activation's values
-  (models/layers/act_mul.c; off: the eager activation and multiply).
+  (models/layers/act_mul.c; off: the eager activation and multiply);
+- decode_stack: a decode step's layers in one native call (models/arch/decode_stack.c,
+  calling the kernels above; off: the decoder's loop calling them from Python).
+The four kernels' A/B runs the loop (the stack off on both sides): the stack calls them
+from C whatever the module globals say.
 For each kernel and row count, R random-id prompts of 8-64 tokens are generated greedily,
 on and off alternating within each round; a step's time is (generate N+1 tokens -
 generate 1) / N, and the median over rounds is printed with the ratio and how many
@@ -49,21 +53,23 @@ KERNELS = {
     "residual_norms": (decoder, "residual_norms_kernel", residual_norms_kernel),
     "act_mul": (decoder, "act_mul_kernel", act_mul_kernel),
 }
+STACK = "decode_stack"  # switched on the model (its decode_stack attribute), not by a module global
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--kernels", default=",".join(KERNELS), help=f"comma-separated, of {', '.join(KERNELS)}")
+    p.add_argument("--kernels", default=",".join([*KERNELS, STACK]),
+                   help=f"comma-separated, of {', '.join([*KERNELS, STACK])}")
     p.add_argument("--rows", default="1,16,64")
     p.add_argument("--steps", type=int, default=32, help="decode steps per timed generate")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: the engine's governor)")
     a = p.parse_args()
     names = a.kernels.split(",")
-    if unknown := [n for n in names if n not in KERNELS]:
-        print(f"error: unknown kernel {unknown[0]!r}; choose from {', '.join(KERNELS)}", file=sys.stderr)
+    if unknown := [n for n in names if n not in KERNELS and n != STACK]:
+        print(f"error: unknown kernel {unknown[0]!r}; choose from {', '.join([*KERNELS, STACK])}", file=sys.stderr)
         return 2
-    built = {n: KERNELS[n][2]() for n in names}
+    built = {n: KERNELS[n][2]() for n in names if n != STACK}
     if missing := [n for n, k in built.items() if k is None]:
         print(f"error: the {missing[0]} kernel could not be built (no C compiler?)", file=sys.stderr)
         return 2
@@ -72,16 +78,25 @@ def main() -> int:
     print("| kernel | rows | on ms / step | off ms / step | off / on | same tokens |")
     print("|---|---:|---:|---:|---:|---:|")
     llm = LLM(None, progress=False, enable_prefix_caching=False, num_threads=a.threads)
+    model = llm.parts.engine.executor.runner.model
+    stack = getattr(model, "decode_stack", None)
+    if STACK in names and stack is None:
+        print("error: the default model has no decode stack here (no C compiler?)", file=sys.stderr)
+        llm.shutdown()
+        return 2
     try:
         for name in names:
-            module, attr, _ = KERNELS[name]
-            kernel = built[name]
             for rows in (int(r) for r in a.rows.split(",")):
                 rng = random.Random(rows)
                 batch = [[rng.randrange(5, 262000) for _ in range(rng.randint(8, 64))] for _ in range(rows)]
 
                 def generate(on: bool, tokens: int):  # type: ignore[no-untyped-def]
-                    setattr(module, attr, (lambda: kernel) if on else (lambda: None))
+                    if name == STACK:
+                        model.decode_stack = stack if on else None
+                    else:
+                        model.decode_stack = None
+                        module, attr, _ = KERNELS[name]
+                        setattr(module, attr, (lambda: built[name]) if on else (lambda: None))
                     params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=0.0)
                     t = time.perf_counter()
                     out = llm.generate(batch, params, use_tqdm=False)
@@ -96,7 +111,10 @@ def main() -> int:
                         whole, tokens[on] = generate(on, a.steps + 1)
                         first, _ = generate(on, 1)
                         times[on].append((whole - first) / a.steps * 1e3)
-                setattr(module, attr, KERNELS[name][2])
+                if name != STACK:
+                    module, attr, getter = KERNELS[name]
+                    setattr(module, attr, getter)
+                model.decode_stack = stack
                 fast, general = statistics.median(times[True]), statistics.median(times[False])
                 same = sum(x == y for x, y in zip(tokens[True], tokens[False]))
                 print(f"| {name} | {rows} | {fast:.1f} | {general:.1f} | {general / fast:.2f} | {same} / {rows} |")

@@ -12,7 +12,9 @@ alternate between two kinds, in the same run, so both see the same machine:
 - traced: the same kind of step run under a dispatch mode that times each weight matmul
   (aten.mm / addmm / _int_mm, oneDNN's and fbgemm's int8 linears, oneDNN's packed linear)
   as it runs, inside the real step: the matmuls alone at the kernels' rates, on the
-  activations and caches the step really has; the native kernels no dispatch mode sees
+  activations and caches the step really has. Where the model's decode stack
+  (models/arch/decode_stack.py) takes the step, its layers' linears are called from C: the
+  stack adds their wall time up itself (DecodeStack.linear_seconds); the native kernels no dispatch mode sees
   (native_matmuls: the int8-group linears of gguf-groups, models/layers/int8_groups.py;
   the AMX int8 products and the head's argmax over them, models/layers/int8_amx.py) are
   timed per call the same way. Attention's batched products (bmm) are not weight matmuls and count as
@@ -26,6 +28,7 @@ from switching counts between the two kinds of steps.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import random
 import statistics
 import sys
@@ -131,10 +134,19 @@ class StepRecorder:
             out = self.inner(so)
             self.step_seconds.append(time.perf_counter() - start)
             return out
-        with matmul_timer() as timer:
-            out = self.inner(so)
-        self.matmul_seconds.append(timer.seconds)
-        self.matmul_calls.append(timer.calls)
+        stack = getattr(self.runner.model, "decode_stack", None)
+        in_stack = ctypes.c_double(0.0)
+        if stack is not None:
+            stack.linear_seconds = in_stack
+        try:
+            with matmul_timer() as timer:
+                out = self.inner(so)
+        finally:
+            if stack is not None:
+                stack.linear_seconds = None
+        self.matmul_seconds.append(timer.seconds + in_stack.value)
+        # the stack's linears: four a layer, where it took the step
+        self.matmul_calls.append(timer.calls + (4 * len(stack.layer_ids) if in_stack.value else 0))
         self.ops.append(timer.ops)
         return out
 

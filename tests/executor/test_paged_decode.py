@@ -201,7 +201,7 @@ def test_without_a_compiler_the_general_path_serves(monkeypatch) -> None:
         tables.lengths[:, 0] = 2
         cache = torch.randn(len(WINDOWS), 7, BS, 2, KV_HEADS, DIM)
         step = _decode_step(np.array([5]), cache, tables, True, None)
-        assert step._decode is None
+        assert step.decode_kernel is None
         out = step.attention(0, torch.randn(1, HEADS, DIM), torch.randn(1, 2, KV_HEADS, DIM))
         assert out.shape == (1, HEADS * DIM) and torch.isfinite(out).all()
     finally:

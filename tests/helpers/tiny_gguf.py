@@ -25,9 +25,20 @@ LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v":
            "ffn_down": "mlp.down_proj"}
 _PIECES = ["▁", "▁h", "e", "l", "o", "h", "▁he", "ll", "▁hell", "▁hello", "w", "r", "d", "▁w", "▁wo", "▁world"]
 TOKENS = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + _PIECES
+# Per layer, the ggml types of q, k, v, o, gate, up, down (LINEARS' order): every linear of a
+# hidden size of 256 can be any of them, so each layer mixes all four (group sizes 32 and
+# 16, with and without offsets).
+MIXED_LAYER_TYPES = [(Q.Q8_0, Q.Q5_0, Q.Q6_K, Q.Q4_K, Q.Q4_K, Q.Q6_K, Q.Q8_0),
+                     (Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_0, Q.Q6_K, Q.Q5_0, Q.Q4_K)]
 # K-quant block: (weights, bytes, byte offsets of its fp16 fields, slice of its int8 sub-block scales or None)
 _K_BLOCKS = {Q.Q6_K: (256, 210, (208,), slice(192, 208)), Q.Q4_K: (256, 144, (0, 2), None)}
 
+
+
+def mixed_linear_types(override: dict[str, Q] | None = None) -> dict[str, Q]:
+    """{GGUF name: ggml type} of both layers' linears as MIXED_LAYER_TYPES, then `override`."""
+    types = {f"blk.{i}.{stem}.weight": t for i, row in enumerate(MIXED_LAYER_TYPES) for stem, t in zip(LINEARS, row)}
+    return {**types, **(override or {})}
 
 def interleave_rope_rows(rows: np.ndarray, heads: int) -> np.ndarray:
     """What llama.cpp's converter does to HF Q/K rows: per head, halves -> interleaved pairs."""

@@ -31,26 +31,17 @@ from hybridserve import LLM, SamplingParams  # noqa: E402
 from hybridserve.core.errors import ConfigError  # noqa: E402
 from hybridserve.entrypoints import cli  # noqa: E402
 from hybridserve.models.layers.head import GROUP_LAYERS  # noqa: E402
-from hybridserve.models.layers.int8_groups import GroupWeights, PackedGroups  # noqa: E402
+from hybridserve.models.layers.int8_groups import GroupWeights, PackedGroups, PackedLinear  # noqa: E402
 from hybridserve.models.arch.compiled_chains import DEFAULT_MIN_ROWS  # noqa: E402
 from hybridserve.models.loaders.default_model import groups_servable  # noqa: E402
 from hybridserve.models.loaders.gguf_loader import convert_gguf, groups_refusal  # noqa: E402
 from hybridserve.models.loaders.loader import load_model  # noqa: E402
 
 from tests.helpers.int8_gemma3 import LENGTHS, prefill  # noqa: E402
-from tests.helpers.tiny_gguf import write_tiny_gemma3, write_tiny_llama  # noqa: E402
+from tests.helpers.tiny_gguf import mixed_linear_types, write_tiny_gemma3, write_tiny_llama  # noqa: E402
 
 HIDDEN, INTERMEDIATE = 256, 512
-# Per layer, the types of q, k, v, o, gate, up, down.
-LAYER_TYPES = [(Q.Q8_0, Q.Q5_0, Q.Q6_K, Q.Q4_K, Q.Q4_K, Q.Q6_K, Q.Q8_0),
-               (Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_0, Q.Q6_K, Q.Q5_0, Q.Q4_K)]
-STEMS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 PROMPT_IDS = [1, 268, 274, 270, 262, 5, 9, 40, 77, 120]
-
-
-def _types(override: dict[str, Q] | None = None) -> dict[str, Q]:
-    types = {f"blk.{i}.{stem}.weight": t for i, row in enumerate(LAYER_TYPES) for stem, t in zip(STEMS, row)}
-    return {**types, **(override or {})}
 
 
 WRITERS = {"llama": write_tiny_llama, "gemma3": write_tiny_gemma3}
@@ -59,7 +50,7 @@ WRITERS = {"llama": write_tiny_llama, "gemma3": write_tiny_gemma3}
 @pytest.fixture(scope="module", params=sorted(WRITERS))
 def mixed(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("groups") / f"mixed-{request.param}.gguf"
-    WRITERS[request.param](path, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, linear_types=_types())
+    WRITERS[request.param](path, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, linear_types=mixed_linear_types())
     return path
 
 
@@ -108,6 +99,8 @@ def test_a_large_bf16_step_gives_the_eager_hidden_states(mixed: Path, tmp_path: 
 def _held_groups(linear: object) -> object:
     """The int8 groups a layer's linear reads: the kernel's packed tiles or, on the general
     path, the groups themselves (what its closure holds)."""
+    if isinstance(linear, PackedLinear):
+        return linear.packed
     cells = [c.cell_contents for c in getattr(linear, "__closure__", None) or ()]
     held = [c for c in cells if isinstance(c, (PackedGroups, GroupWeights))]
     assert len(held) == 1
@@ -175,7 +168,7 @@ def test_non_gguf_checkpoints_and_other_tensor_types_are_one_line_errors(tmp_pat
     for stem, qtype in (("attn_v", Q.Q4_0), ("ffn_down", Q.F16)):
         path = tmp_path / f"{qtype.name}.gguf"
         write_tiny_llama(path, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
-                         linear_types=_types({f"blk.1.{stem}.weight": qtype}))
+                         linear_types=mixed_linear_types({f"blk.1.{stem}.weight": qtype}))
         with pytest.raises(ConfigError, match=f"blk.1.{stem}.weight is {qtype.name}") as error:
             LLM(str(path), quantization=GROUP_LAYERS, dtype="float32", progress=False)
         assert "\n" not in str(error.value)
@@ -198,10 +191,10 @@ def test_groups_servable_reads_the_header(tmp_path: Path) -> None:
     Face folder or a missing path is not servable."""
     good = tmp_path / "good" / "model.gguf"
     good.parent.mkdir()
-    write_tiny_llama(good, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, linear_types=_types())
+    write_tiny_llama(good, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, linear_types=mixed_linear_types())
     bad = tmp_path / "bad.gguf"
     write_tiny_llama(bad, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE,
-                     linear_types=_types({"blk.1.ffn_down.weight": Q.Q4_0}))
+                     linear_types=mixed_linear_types({"blk.1.ffn_down.weight": Q.Q4_0}))
     assert groups_refusal(good) == "" and groups_servable(str(good)) and groups_servable(str(good.parent))
     assert "blk.1.ffn_down.weight is Q4_0" in groups_refusal(bad) and not groups_servable(str(bad))
     dense = convert_gguf(good, cache_dir=tmp_path, dtype="float32", progress=False)  # an HF folder

@@ -105,7 +105,7 @@ class StepAttention:
         `in_place_decode`: decode batches read the blocks in place where the kernel is
         built (False: always gather, the general path)."""
         self.layers = layers
-        self._decode: PagedDecode | None = paged_decode() if in_place_decode else None
+        self.decode_kernel: PagedDecode | None = paged_decode() if in_place_decode else None
         self.scale = scale
         self.softcap = softcap
         self.num_tokens = T = int(counts.sum())
@@ -156,6 +156,19 @@ class StepAttention:
                 plans=[plan_of[(g, b)] for b in range(len(self.batches))],
             ))
 
+    def decode_plan(self, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(slots [T], block ids [T, NB], first key [T], key count [T]) of `group`, all int64
+        and contiguous, where this step is what `attention` hands the in-place decode kernel
+        for it: one token per request, every token written to its slot, no padding. None
+        otherwise (models/arch/decode_stack.py then leaves the step to the model's loop)."""
+        if self.decode_kernel is None or len(self.batches) != 1 or self.batches[0].row_slice != (0, self.num_tokens):
+            return None
+        gp = self.groups[group]
+        plan, ids = gp.plans[0], gp.gather_ids[0]
+        if gp.write_sel is not None or plan.key_count is None or plan.first_key is None or ids is None:
+            return None
+        return gp.slots.contiguous(), ids.view(self.num_tokens, -1).contiguous(), plan.first_key, plan.key_count
+
     def attention(self, layer_idx: int, q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor | None = None
                   ) -> torch.Tensor:
         """q [T, H, D], kv [T, 2, KVH, D] -> [T, H*D]; also stores this step's K/V. `sinks` [H]:
@@ -196,10 +209,10 @@ class StepAttention:
             qb = q[layout.q_gather].view(B, C, H, D)
             fresh = kv[layout.q_gather].view(B, C, *kv.shape[1:]) if plan.from_batch or plan.num_blocks == 0 else None
         ids = gp.gather_ids[b]
-        if (plan.key_count is not None and layout.row_slice is not None and self._decode is not None
-                and self._decode.supports(q, cache)):
+        if (plan.key_count is not None and layout.row_slice is not None and self.decode_kernel is not None
+                and self.decode_kernel.supports(q, cache)):
             a, e = layout.row_slice
-            out = self._decode(q[a:e], cache, ids.view(B, -1), plan.first_key, plan.key_count, self.scale,
+            out = self.decode_kernel(q[a:e], cache, ids.view(B, -1), plan.first_key, plan.key_count, self.scale,
                                self.softcap, sinks)
             return out.view(B, C, H, D)
         if ids is None:

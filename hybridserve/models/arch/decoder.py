@@ -26,6 +26,7 @@ from hybridserve.models.config import ModelConfig
 from hybridserve.core.errors import ConfigError
 from hybridserve.models.layers.head import GROUP_LAYERS, INT4_LAYERS, OutputHead, ReleaseRows, head_quantization
 from hybridserve.models.layers.int4 import make_int4_linear
+from hybridserve.models.arch.decode_stack import DecodeStack
 from hybridserve.models.layers.int8_groups import GroupWeights, make_group_linear
 from hybridserve.models.platform.heap import release_free_heap
 from hybridserve.models.arch.compiled_chains import ChainsByRows, int8_chains_by_rows
@@ -296,6 +297,8 @@ class DecoderLM(StagedModel):
         self._large_act = decoder_chains.large_step_act(cfg.activation, self._act)
         # act_mul.c's tables, by activation and width
         self._act_tables: dict[tuple[Callable[[torch.Tensor], torch.Tensor], int], torch.Tensor] = {}
+        # forward's fast path for decode steps (build_linears); None (tests, benchmarks): the loop alone
+        self.decode_stack: DecodeStack | None = None
 
     def _layer_weights(self, layer_idx: int, dtype: torch.dtype) -> DecoderLayerWeights:
         """Layer `layer_idx`'s parameters (a hook: Llama 4 sizes its dense MLPs per layer)."""
@@ -353,6 +356,7 @@ class DecoderLM(StagedModel):
 
             self._dtype_chains = ChainsByRows(None, build if compile else None, "decoder chains",
                                               check=lambda chains: decoder_chains.agreeing(chains, sample))
+        self.decode_stack = DecodeStack.build(self) if quantization == GROUP_LAYERS else None
         if self.stage.is_last:
             assert self.lm_head is not None, "weights not loaded"
             self._head = OutputHead(self.lm_head, head_quantization(quantization), release_head_rows,
@@ -412,11 +416,21 @@ class DecoderLM(StagedModel):
         kernel = act_mul_kernel() if self.dtype == torch.bfloat16 and gate_up.device.type == "cpu" else None
         if kernel is None or not kernel.supports(gate_up):
             return act_mul_eager(gate_up, act) if general is None else general(gate_up)
-        key = (act, gate_up.shape[1] // 2)  # the table is made in the layout act is called in
+        table = self._act_table(act, gate_up.shape[1] // 2)
+        assert table is not None
+        return kernel(gate_up, table)
+
+    def _act_table(self, act: Callable[[torch.Tensor], torch.Tensor], width: int) -> torch.Tensor | None:
+        """act_mul.c's table of `act` for gates `width` wide (made once; the table is made in
+        the layout act is called in); None where the kernel is not built."""
+        key = (act, width)
         table = self._act_tables.get(key)
         if table is None:
+            kernel = act_mul_kernel()
+            if kernel is None:
+                return None
             table = self._act_tables[key] = kernel.table(*key)
-        return kernel(gate_up, table)
+        return table
 
     def _layer_norms(self, w: DecoderLayerWeights) -> LayerNorms:
         if self.cfg.sandwich_norm:
@@ -464,6 +478,12 @@ class DecoderLM(StagedModel):
         norms = residual_norms_kernel() if native else None
         # A step the compiled chains may take normalises as they do, eager or not (rms_norm).
         exact = self._dtype_chains is not None and T >= self._dtype_chains.min_rows
+        if self.decode_stack is not None and chains is None and not exact:
+            # The loop below in one native call, for the decode steps it takes (decode_stack.py).
+            table = self._act_table(self._act, cfg.intermediate_size)
+            final = None if table is None else self.decode_stack(h, rope, backend, table)
+            if final is not None:
+                return self.stage_output(final)
         if chains is not None:
             assert self._dtype_chains is not None
             try:

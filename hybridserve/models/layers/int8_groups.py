@@ -319,6 +319,22 @@ def _mismatch(kernel: GroupKernel) -> str:
     return ""
 
 
+class PackedLinear:
+    """A group weight in the kernel's tiles as a Linear: what decode_stack.py reads (the
+    kernel, its tiles and bias) besides the call."""
+
+    __slots__ = ("kernel", "packed", "bias")
+
+    def __init__(self, kernel: GroupKernel, packed: PackedGroups, bias: torch.Tensor | None) -> None:
+        self.kernel, self.packed, self.bias = kernel, packed, bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(x, self.packed, self.bias)
+
+    def residual(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel(x, self.packed, self.bias, h)
+
+
 def make_group_linear(groups: GroupWeights, bias: torch.Tensor | None) -> tuple[Linear, ResidualLinear]:
     """(linear, residual_linear) for a group weight: inputs and outputs in the activations'
     dtype (bf16 or float32), products and sums in float32."""
@@ -326,15 +342,8 @@ def make_group_linear(groups: GroupWeights, bias: torch.Tensor | None) -> tuple[
     bias32 = None if bias is None else bias.detach().float()
     kernel = group_kernel() if GroupKernel.packable(groups) else None
     if kernel is not None:
-        packed = kernel.pack(groups)  # the only copy kept: the caller drops `groups`
-
-        def fast_linear(x: torch.Tensor) -> torch.Tensor:
-            return kernel(x, packed, bias32)
-
-        def fast_residual(h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-            return kernel(x, packed, bias32, h)
-
-        return fast_linear, fast_residual
+        fast = PackedLinear(kernel, kernel.pack(groups), bias32)  # the only copy kept: the caller drops `groups`
+        return fast, fast.residual
 
     def linear(x: torch.Tensor) -> torch.Tensor:
         return group_linear_general(x, groups, bias32)

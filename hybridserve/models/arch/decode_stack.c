@@ -1,0 +1,155 @@
+/* A decode step's decoder layers in one native call (models/arch/decode_stack.py calls it):
+ * DecoderLM.forward's loop for a sandwich-norm decoder on int8 groups, walked here instead
+ * of in Python. Each step calls the same kernels, with the same arguments, in the same order
+ * as that loop does through their Python wrappers:
+ *   x = rms_norm(h) * input_norm                           (the first layer only)
+ *   per layer:
+ *     qkv = x W_qkv                                         group_linear
+ *     q, k = rms_norm per head * qk_norm, then RoPE         qk_norm_rope
+ *     the cache slot of each row <- its k | v               (a row copy, as index_copy_)
+ *     attn = paged attention of q over the cached keys      paged_decode_attention
+ *     h, x = h + rms_norm(attn W_o) * w, rms_norm(..) * w'  residual_norms
+ *     act = act(gate) * up of x W_gate_up                   group_linear, act_mul
+ *     h, x = h + rms_norm(act W_down) * w, the next layer's input norm (none after the last)
+ * so the hidden states are bit for bit the loop's. Why: at decode sizes the loop spent about
+ * as long in Python, ctypes and torch's dispatch around ~180 kernel calls a step as the
+ * kernels outside the matmuls took.
+ *
+ * The kernels live in their own libraries; their addresses come in `struct kernels`. The
+ * caller's buffers hold every intermediate; nothing is allocated here. */
+
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+typedef int (*group_linear_fn)(const void *x, int32_t x_bf16, int64_t ldx, int64_t rows, int64_t k,
+                               const int8_t *values, const float *scale, const float *offset, int64_t n,
+                               int64_t group_size, const float *bias, const void *residual, int64_t ldr, void *out,
+                               int64_t ldo, int32_t threads, int32_t path, int32_t narrow);
+typedef void (*qk_norm_rope_fn)(uint16_t *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t hd,
+                                const uint16_t *weight, double eps, double inv_dim, const uint16_t *cos,
+                                const uint16_t *sin, int32_t threads);
+typedef void (*residual_norms_fn)(const uint16_t *h, int64_t h_stride, const uint16_t *y, int64_t y_stride,
+                                  int64_t rows, int64_t dim, const uint16_t *w1, const uint16_t *w2, double eps,
+                                  double inv_dim, uint16_t *h_out, uint16_t *x_out, int32_t threads);
+typedef void (*rms_norms_fn)(const uint16_t *h, int64_t h_stride, int64_t rows, int64_t dim, const uint16_t *w,
+                             double eps, double inv_dim, uint16_t *x_out, int32_t threads);
+typedef void (*paged_decode_fn)(const void *q, int64_t q_row_stride, const void *cache, int64_t block_stride,
+                                int64_t block_size, int64_t kv_heads, int64_t d, const int64_t *ids,
+                                int64_t blocks_per_row, const int64_t *first, const int64_t *count, int64_t batch,
+                                int64_t heads, float scale, float softcap, const float *sinks, void *out,
+                                int32_t bf16, int32_t threads);
+typedef void (*act_mul_fn)(const uint16_t *gate_up, int64_t stride, int64_t rows, int64_t width,
+                           const uint16_t *table, uint16_t *out, int32_t threads);
+
+struct kernels {
+    group_linear_fn linear;
+    qk_norm_rope_fn qk_norm_rope;
+    residual_norms_fn residual_norms;
+    rms_norms_fn rms_norms;
+    paged_decode_fn attend;
+    act_mul_fn act_mul;
+};
+
+/* One weight in group_linear's tiles: [n, k] in groups of group_size. */
+struct linear {
+    const int8_t *values;
+    const float *scale, *offset, *bias;
+    int64_t n, k, group_size;
+    int32_t narrow;
+};
+
+enum { QKV, O, GATE_UP, DOWN, LINEARS };
+
+struct layer {
+    struct linear linears[LINEARS];
+    const uint16_t *input_norm, *qk_norm, *post_attn_norm, *pre_ffn_norm, *post_ffn_norm;
+    int64_t group; /* its attention group: which slots, blocks and key ranges it reads */
+    int64_t rope;  /* its RoPE table (RoPE per layer type) */
+};
+
+/* One attention group's decode step: each row's cache slot, its blocks and key range. */
+struct group_step {
+    const int64_t *slots, *ids, *first, *count;
+    int64_t blocks_per_row;
+};
+
+struct rope_step {
+    const uint16_t *cos, *sin; /* [rows, 1, head_dim]; NULL: no RoPE */
+};
+
+struct step {
+    int64_t rows, hidden, heads, kv_heads, head_dim, intermediate, block_size;
+    double eps;
+    float scale, softcap;
+    int32_t paths[LINEARS]; /* group_linear's path per linear (the same for every layer) */
+    int32_t threads;
+    const struct group_step *groups;
+    const struct rope_step *ropes;
+    void *const *caches;       /* per layer: [blocks, block_size, 2, kv_heads, head_dim] bf16 */
+    const int64_t *block_strides; /* per layer, in elements */
+    const uint16_t *act_table;
+    const uint16_t *h;         /* the input [rows, hidden]; read only */
+    uint16_t *h_out[2];        /* the residual stream, alternately */
+    uint16_t *x, *qkv, *attn, *sub, *gate_up, *act;
+    double *linear_seconds; /* where the linears' wall time is added (benchmarks); NULL: not timed */
+};
+
+static double seconds(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static int linear(const struct kernels *k, const struct step *s, const struct linear *w, int32_t path,
+                  const uint16_t *x, int64_t ldx, uint16_t *out) {
+    const double start = s->linear_seconds ? seconds() : 0.0;
+    const int failed = k->linear(x, 1, ldx, s->rows, w->k, w->values, w->scale, w->offset, w->n, w->group_size, w->bias,
+                                 NULL, 0, out, w->n, s->threads, path, w->narrow);
+    if (s->linear_seconds) *s->linear_seconds += seconds() - start;
+    return failed;
+}
+
+/* Copies each row's k | v (adjacent in qkv after q) into its cache slot. */
+static void write_kv(const struct step *s, const struct group_step *g, uint16_t *cache, int64_t qkv_width) {
+    const int64_t slot = 2 * s->kv_heads * s->head_dim;
+    for (int64_t r = 0; r < s->rows; r++)
+        memcpy(cache + g->slots[r] * slot, s->qkv + r * qkv_width + s->heads * s->head_dim, slot * sizeof(uint16_t));
+}
+
+/* Runs the layers; returns which h_out holds the final residual stream (0 or 1), or -1
+ * where a linear failed (group_linear: no memory for an input copy). */
+int decode_stack(const struct kernels *k, const struct layer *layers, int64_t num_layers, const struct step *s) {
+    const int64_t rows = s->rows, hidden = s->hidden, hd = s->head_dim;
+    const int64_t qkv_width = layers[0].linears[QKV].n;
+    const double inv_hidden = 1.0 / (double)hidden, inv_hd = 1.0 / (double)hd;
+    const uint16_t *h = s->h;
+    int next = 0;
+    k->rms_norms(h, hidden, rows, hidden, layers[0].input_norm, s->eps, inv_hidden, s->x, s->threads);
+    for (int64_t i = 0; i < num_layers; i++) {
+        const struct layer *L = &layers[i];
+        const struct group_step *g = &s->groups[L->group];
+        const struct rope_step *r = &s->ropes[L->rope];
+        if (linear(k, s, &L->linears[QKV], s->paths[QKV], s->x, hidden, s->qkv)) return -1;
+        k->qk_norm_rope(s->qkv, rows, qkv_width, s->heads + s->kv_heads, hd, L->qk_norm, s->eps, inv_hd, r->cos, r->sin,
+                        s->threads);
+        write_kv(s, g, s->caches[i], qkv_width);
+        k->attend(s->qkv, qkv_width, s->caches[i], s->block_strides[i], s->block_size, s->kv_heads, hd, g->ids,
+                  g->blocks_per_row, g->first, g->count, rows, s->heads, s->scale, s->softcap, NULL, s->attn, 1,
+                  s->threads);
+        if (linear(k, s, &L->linears[O], s->paths[O], s->attn, s->heads * hd, s->sub)) return -1;
+        k->residual_norms(h, hidden, s->sub, hidden, rows, hidden, L->post_attn_norm, L->pre_ffn_norm, s->eps,
+                          inv_hidden, s->h_out[next], s->x, s->threads);
+        h = s->h_out[next];
+        next ^= 1;
+        if (linear(k, s, &L->linears[GATE_UP], s->paths[GATE_UP], s->x, hidden, s->gate_up)) return -1;
+        k->act_mul(s->gate_up, 2 * s->intermediate, rows, s->intermediate, s->act_table, s->act, s->threads);
+        if (linear(k, s, &L->linears[DOWN], s->paths[DOWN], s->act, s->intermediate, s->sub)) return -1;
+        const uint16_t *following = i + 1 < num_layers ? layers[i + 1].input_norm : NULL;
+        k->residual_norms(h, hidden, s->sub, hidden, rows, hidden, L->post_ffn_norm, following, s->eps, inv_hidden,
+                          s->h_out[next], following ? s->x : NULL, s->threads);
+        h = s->h_out[next];
+        next ^= 1;
+    }
+    return next ^ 1;
+}

@@ -1,0 +1,242 @@
+"""A decode step's decoder layers as one native call: decode_stack.c (it says what it runs
+and why), built by models/platform/native_build.py.
+
+DecoderLM.forward's loop is the general path; this is its fast path for the steps and
+models the C loop walks, taken before the loop and bit for bit the same hidden states
+(tests/models/test_decode_stack.py). `DecodeStack.build` makes one for a model whose layers
+are all what that loop does: bf16 on the CPU, one rank, sandwich norms with q/k norms
+(Gemma 3), every linear a packed int8-group weight (--quantization gguf-groups) of one
+shape per role in every layer (the kernel's path depends on the shape alone; group sizes
+may differ), and every native kernel the loop calls built. A step is taken (`__call__`
+answers its final residual stream; None leaves it to the loop) when:
+- the step's attention hands every group to its in-place decode kernel
+  (StepAttention.decode_plan: one token per request, every slot written, no padding), whose
+  address the stack calls;
+- its rows take one of the group kernel's own paths (not the expand path of prefill-sized
+  steps, whose product is torch's GEMM);
+- the caller says it is not a step the large-step chains normalise with exact sums.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridserve.models.layers.act_mul import act_mul_kernel
+from hybridserve.models.layers.int8_groups import PATHS, PackedLinear
+from hybridserve.models.layers.qk_norm_rope import qk_norm_rope_kernel
+from hybridserve.models.layers.residual_norms import residual_norms_kernel
+from hybridserve.core.errors import one_line
+from hybridserve.models.platform.native_build import NativeBuildError, build
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("decode_stack.c")
+ROLES = ("qkv", "o", "gate_up", "down")  # decode_stack.c's QKV, O, GATE_UP, DOWN
+_i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
+
+
+class _Kernels(ctypes.Structure):
+    _fields_ = [("linear", _ptr), ("qk_norm_rope", _ptr), ("residual_norms", _ptr), ("rms_norms", _ptr),
+                ("attend", _ptr), ("act_mul", _ptr)]
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("values", _ptr), ("scale", _ptr), ("offset", _ptr), ("bias", _ptr), ("n", _i64), ("k", _i64),
+                ("group_size", _i64), ("narrow", _i32)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("linears", _Linear * len(ROLES)), ("input_norm", _ptr), ("qk_norm", _ptr), ("post_attn_norm", _ptr),
+                ("pre_ffn_norm", _ptr), ("post_ffn_norm", _ptr), ("group", _i64), ("rope", _i64)]
+
+
+class _GroupStep(ctypes.Structure):
+    _fields_ = [("slots", _ptr), ("ids", _ptr), ("first", _ptr), ("count", _ptr), ("blocks_per_row", _i64)]
+
+
+class _RopeStep(ctypes.Structure):
+    _fields_ = [("cos", _ptr), ("sin", _ptr)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("rows", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
+                ("intermediate", _i64), ("block_size", _i64), ("eps", ctypes.c_double), ("scale", ctypes.c_float),
+                ("softcap", ctypes.c_float), ("paths", _i32 * len(ROLES)), ("threads", _i32), ("groups", _ptr),
+                ("ropes", _ptr), ("caches", _ptr), ("block_strides", _ptr), ("act_table", _ptr), ("h", _ptr),
+                ("h_out", _ptr * 2), ("x", _ptr), ("qkv", _ptr), ("attn", _ptr), ("sub", _ptr), ("gate_up", _ptr),
+                ("act", _ptr), ("linear_seconds", _ptr)]
+
+
+@cache
+def _library() -> Any:
+    """decode_stack.c's library, or None (one warning) where it cannot be built."""
+    try:
+        fn = build("decode_stack", SOURCE).decode_stack
+    except (NativeBuildError, OSError) as exc:
+        log.warning("decode steps run the decoder's loop: the native stack is not used (%s)", one_line(exc))
+        return None
+    fn.argtypes = [ctypes.POINTER(_Kernels), ctypes.POINTER(_Layer), _i64, ctypes.POINTER(_Step)]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _address(function: Any) -> int:
+    """Where a loaded library's function (a kernel wrapper's ctypes function) starts."""
+    address = ctypes.cast(function, _ptr).value
+    assert address is not None
+    return address
+
+
+def _ptr_of(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class DecodeStack:
+    """The layers of one DecoderLM as decode_stack.c's structs (module docstring: which)."""
+
+    def __init__(self, model: Any, linears: list[list[PackedLinear]], fn: Any) -> None:
+        cfg = model.cfg
+        self._fn = fn
+        self._group_kernel = linears[0][0].kernel
+        self._packed_roles = [linears[0][r].packed for r in range(len(ROLES))]
+        self.layer_ids = list(model.layer_ids)
+        self._rope_types = sorted({cfg.layer_types[i] for i in self.layer_ids})
+        qk, norms, act = qk_norm_rope_kernel(), residual_norms_kernel(), act_mul_kernel()
+        assert qk is not None and norms is not None and act is not None
+        # attend: the step's backend's decode kernel (set by the first step that has one)
+        self._kernels = _Kernels(_address(self._group_kernel._fn), _address(qk._fn), _address(norms._fn),
+                                 _address(norms._norms), None, _address(act._fn))
+        self._attend: Any = None
+        self._layers = (_Layer * len(linears))()
+        self._held: list[torch.Tensor] = []  # what the structs point into
+        for layer, w, i, lins in zip(self._layers, model.layers, self.layer_ids, linears):
+            for r, lin in enumerate(lins):
+                p = lin.packed
+                layer.linears[r] = _Linear(p.values.data_ptr(), p.scale.data_ptr(), _ptr_of(p.offset),
+                                           _ptr_of(lin.bias), p.shape[0], p.shape[1], p.group_size, int(p.narrow))
+                self._held += [t for t in (p.values, p.scale, p.offset, lin.bias) if t is not None]
+            for name in ("input_norm", "qk_norm", "post_attn_norm", "pre_ffn_norm", "post_ffn_norm"):
+                setattr(layer, name, getattr(w, name).data_ptr())
+                self._held.append(getattr(w, name))
+            layer.rope = self._rope_types.index(cfg.layer_types[i])
+            layer.group = -1  # set by the first step (the backend says which group a layer reads)
+        self._groups_of_layers: tuple[int, ...] = ()
+        self._paths: dict[int, tuple[int, ...] | None] = {}
+        self._step = _Step(hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
+                           head_dim=cfg.head_dim, intermediate=cfg.intermediate_size, eps=float(model._eps))
+        self._qkv_width = self._layers[0].linears[0].n
+        # Benchmarks (step_share.py) set a c_double: every step adds its linears' wall time to it.
+        self.linear_seconds: ctypes.c_double | None = None
+
+    @classmethod
+    def build(cls, model: Any) -> DecodeStack | None:
+        """The stack of `model`'s layers (a DecoderLM: typed Any, as decoder.py imports this
+        module), or None where one of them is not what the C loop walks (module docstring)
+        or the library or a kernel is not built."""
+        cfg = model.cfg
+        if (model.dtype != torch.bfloat16 or model._eps.device.type != "cpu" or model.tp is not None
+                or not cfg.sandwich_norm or model._projection_norm is not None or not model.layers
+                or not model._linears or model.int8_layers):
+            return None
+        linears = [[getattr(lin, role) for role in ROLES] for lin in model._linears]
+        if not all(isinstance(lin, PackedLinear) for lins in linears for lin in lins):
+            return None
+        shapes = [tuple(lin.packed.shape for lin in lins) for lins in linears]  # group sizes may differ
+        if any(s != shapes[0] for s in shapes):
+            return None
+        qk, norms, act = qk_norm_rope_kernel(), residual_norms_kernel(), act_mul_kernel()
+        if qk is None or norms is None or act is None:
+            return None
+        heads, hd = cfg.num_heads + cfg.num_kv_heads, cfg.head_dim
+        qk_rows = torch.zeros(1, heads, hd, dtype=torch.bfloat16)
+        cos = torch.zeros(1, 1, hd, dtype=torch.bfloat16)
+        h = torch.zeros(1, cfg.hidden_size, dtype=torch.bfloat16)
+        for w, i in zip(model.layers, model.layer_ids):
+            if any(getattr(w, name) is None for name in ("input_norm", "qk_norm", "post_attn_norm", "pre_ffn_norm",
+                                                           "post_ffn_norm")):
+                return None
+            if not qk.supports(qk_rows, w.qk_norm, cos if cfg.layer_types[i] in model._rope else None):
+                return None
+            if not (norms.supports(h, h, w.post_attn_norm, w.pre_ffn_norm)
+                    and norms.supports(h, h, w.post_ffn_norm, w.input_norm)):
+                return None
+        if not act.supports(torch.zeros(1, 2 * cfg.intermediate_size, dtype=torch.bfloat16)):
+            return None
+        if cfg.num_heads % cfg.num_kv_heads or linears[0][0].packed.shape[0] != (heads + cfg.num_kv_heads) * hd:
+            return None
+        fn = _library()
+        return None if fn is None else cls(model, linears, fn)
+
+    def _paths_for(self, rows: int) -> tuple[int, ...] | None:
+        """group_linear's path code per role at `rows` rows; None where one is the expand path."""
+        if rows not in self._paths:
+            names = [self._group_kernel.path(rows, torch.bfloat16, packed) for packed in self._packed_roles]
+            self._paths[rows] = None if "expand" in names else tuple(PATHS[n] for n in names)
+        return self._paths[rows]
+
+    def __call__(self, h: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]], backend: Any,
+                 act_table: torch.Tensor) -> torch.Tensor | None:
+        """The final residual stream of the step whose input is h [rows, hidden] (bf16), or
+        None where the step is not one the stack takes (module docstring)."""
+        rows = h.shape[0]
+        paths = self._paths_for(rows) if rows else None
+        decode_plan, attend = getattr(backend, "decode_plan", None), getattr(backend, "decode_kernel", None)
+        if paths is None or decode_plan is None or attend is None:
+            return None
+        entries = [backend.layers[i] for i in self.layer_ids]  # (group, cache) per layer
+        groups = tuple(g for g, _ in entries)
+        plans = {g: decode_plan(g) for g in set(groups)}
+        if any(p is None for p in plans.values()):
+            return None
+        caches = [c for _, c in entries]
+        block_size = caches[0].shape[1]
+        if not all(c.dtype == torch.bfloat16 and c.is_contiguous() and c.shape[1:3] == (block_size, 2) for c in caches):
+            return None
+        ropes = [rope.get(t, (None, None)) for t in self._rope_types]
+        for cos, sin in ropes:
+            if cos is not None and not (cos.shape == (rows, 1, self._step.head_dim) and cos.is_contiguous()
+                                        and sin.is_contiguous() and cos.dtype == torch.bfloat16):
+                return None
+        if attend is not self._attend:
+            self._kernels.attend, self._attend = _address(attend._fn), attend
+        if groups != self._groups_of_layers:
+            order = sorted(plans)
+            for layer, g in zip(self._layers, groups):
+                layer.group = order.index(g)
+            self._groups_of_layers = groups
+        group_steps = (_GroupStep * len(plans))(*[
+            _GroupStep(slots.data_ptr(), ids.data_ptr(), first.data_ptr(), count.data_ptr(), ids.shape[1])
+            for slots, ids, first, count in (plans[g] for g in sorted(plans))])  # type: ignore[misc]
+        rope_steps = (_RopeStep * len(ropes))(*[_RopeStep(_ptr_of(cos), _ptr_of(sin)) for cos, sin in ropes])
+        cache_ptrs = (_ptr * len(caches))(*[c.data_ptr() for c in caches])
+        strides = (_i64 * len(caches))(*[c.stride(0) for c in caches])
+        s = self._step
+        hidden, inter = s.hidden, s.intermediate
+        h = h.contiguous()
+        out = [torch.empty(rows, hidden, dtype=torch.bfloat16) for _ in range(2)]
+        x, sub = torch.empty(rows, hidden, dtype=torch.bfloat16), torch.empty(rows, hidden, dtype=torch.bfloat16)
+        qkv = torch.empty(rows, self._qkv_width, dtype=torch.bfloat16)
+        attn = torch.empty(rows, s.heads * s.head_dim, dtype=torch.bfloat16)
+        gate_up = torch.empty(rows, 2 * inter, dtype=torch.bfloat16)
+        act = torch.empty(rows, inter, dtype=torch.bfloat16)
+        s.rows, s.block_size = rows, block_size
+        s.scale, s.softcap = backend.scale, backend.softcap or 0.0
+        s.paths[:] = paths
+        s.threads = torch.get_num_threads()
+        s.groups, s.ropes = ctypes.addressof(group_steps), ctypes.addressof(rope_steps)
+        s.caches, s.block_strides = ctypes.addressof(cache_ptrs), ctypes.addressof(strides)
+        s.act_table, s.h = act_table.data_ptr(), h.data_ptr()
+        s.h_out[0], s.h_out[1] = out[0].data_ptr(), out[1].data_ptr()
+        s.x, s.qkv, s.attn, s.sub = x.data_ptr(), qkv.data_ptr(), attn.data_ptr(), sub.data_ptr()
+        s.gate_up, s.act = gate_up.data_ptr(), act.data_ptr()
+        s.linear_seconds = None if self.linear_seconds is None else ctypes.addressof(self.linear_seconds)
+        final = self._fn(ctypes.byref(self._kernels), self._layers, len(self._layers), ctypes.byref(s))
+        if final < 0:
+            raise MemoryError(f"int8 groups: no memory for a {rows}-row input's float32 copy")
+        return out[final]

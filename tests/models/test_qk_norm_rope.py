@@ -68,6 +68,28 @@ def test_equals_the_eager_chain_bit_for_bit(rows: int, heads: int, hd: int, rope
 
 
 @needs_kernel
+def test_subnormal_values_round_as_the_eager_chain() -> None:
+    """A q/k weight of 2^-130 on some lanes makes the normalised values there subnormal
+    (below 2^-126), and RoPE rounds those again: where the build rounds with AVX512-BF16's
+    conversion (which flushes subnormal inputs), they must still round as torch does."""
+    rows, heads, hd = 4, 3, 4 * KERNEL.lanes
+    g = torch.Generator().manual_seed(9)
+    qk = (torch.randn(rows, heads, hd, generator=g) * 5).to(torch.bfloat16)
+    lanes = torch.arange(heads * hd).view(heads, hd)
+    weight = torch.where(lanes % 3 == 0, torch.tensor(2.0**-130), 1 + torch.randn(heads, hd, generator=g))
+    weight = weight.to(torch.bfloat16)
+    angles = torch.randn(rows, 1, hd, generator=g) * 50
+    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
+    for rope in ((cos, sin), (None, None)):  # with RoPE the subnormals are its inputs, without they are the output
+        want = qk.clone()
+        qk_norm_rope_eager(want, weight, EPS, *rope)
+        assert rope[0] is not None or (want.float().abs() < 2.0**-126).logical_and(want != 0).any()
+        got = qk.clone()
+        KERNEL(got, weight, EPS, *rope)
+        assert torch.equal(got, want)
+
+
+@needs_kernel
 def test_supports_only_what_it_reads() -> None:
     hd = 4 * KERNEL.lanes
     qk = torch.zeros(2, 3, hd, dtype=torch.bfloat16)

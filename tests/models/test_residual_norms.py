@@ -69,6 +69,27 @@ def test_equals_the_eager_chain_bit_for_bit(rows: int, dim: int, second: bool) -
 
 
 @needs_kernel
+def test_subnormal_values_round_as_the_eager_chain() -> None:
+    """Outputs and inputs below float32's smallest normal (2^-126): a weight of 2^-130 makes
+    y's normalised values x 2^-130 subnormal, and h holds subnormals too. Where the build
+    rounds with AVX512-BF16's conversion, which flushes subnormal inputs to zero, those
+    lanes must still round as torch does (native_vectors.h)."""
+    dim, rows = 4 * KERNEL.lanes, 8
+    g = torch.Generator().manual_seed(5)
+    y = (torch.randn(rows, dim, generator=g) * 3).to(torch.bfloat16)
+    h = (torch.randn(rows, dim, generator=g) * 2.0**-128).to(torch.bfloat16)  # subnormal and normal values
+    h[::2] = (torch.randn(rows // 2, dim, generator=g) * 4).to(torch.bfloat16)  # every other row: normal
+    tiny = torch.full((dim,), 2.0**-130, dtype=torch.bfloat16)
+    w1 = torch.where(torch.arange(dim) % 3 == 0, tiny, (1 + torch.randn(dim, generator=g)).to(torch.bfloat16))
+    w2 = torch.where(torch.arange(dim) % 5 == 0, tiny, torch.ones(dim, dtype=torch.bfloat16))
+    want_h, want_x = residual_norms_eager(h, y, w1, w2, EPS)
+    assert (want_h.float().abs() < 2.0**-126).logical_and(want_h != 0).sum() > dim  # subnormal results made
+    assert (want_x.float().abs() < 2.0**-126).logical_and(want_x != 0).any()
+    got_h, got_x = KERNEL(h, y, w1, w2, EPS)
+    assert torch.equal(got_h, want_h) and torch.equal(got_x, want_x)
+
+
+@needs_kernel
 def test_supports_only_what_it_reads() -> None:
     dim = 4 * KERNEL.lanes
     h, y = torch.zeros(2, dim, dtype=torch.bfloat16), torch.zeros(2, dim, dtype=torch.bfloat16)

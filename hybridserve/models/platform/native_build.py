@@ -4,8 +4,8 @@ with ctypes.
 A kernel's source sits beside the Python that calls it (e.g. models/layers/span_summaries.c);
 what kernels share (the vector type, bf16 conversions; AMX's tile setup) is native_vectors.h
 and amx_tiles.h in this folder, which every build has on its include path.
-It is compiled for the instructions `read_cpu_flags` reports (AVX-512, or AVX2 + FMA, or
-the target's baseline), never `-march=native`: a cache folder shared by machines of
+It is compiled for the instructions `read_cpu_flags` reports (AVX-512, with AVX512-BF16
+where the CPU and the compiler have it; or AVX2 + FMA; or the target's baseline), never `-march=native`: a cache folder shared by machines of
 different CPUs (a home directory on NFS) then holds one library per instruction set, and a
 run that plays another CPU (HYBRIDSERVE_CPU_FLAGS, benchmarks' `--isa avx2`) gets that
 CPU's code. The library's name carries a digest of the source, the flags and the
@@ -27,7 +27,9 @@ import os
 import platform
 import shutil
 import subprocess
+import tempfile
 import uuid
+from functools import cache
 from pathlib import Path
 from typing import Callable, TypeVar
 
@@ -53,7 +55,10 @@ def isa_flags(cpu_flags: frozenset[str], machine: str | None = None) -> tuple[st
     if (machine or platform.machine()).lower() not in _X86:
         return ()
     if {"avx512f", "avx2", "fma"} <= cpu_flags:
-        return ("-mavx512f", "-mavx2", "-mfma")
+        # AVX512-BF16's conversion rounds a float32 vector to bf16 in one instruction
+        # (native_vectors.h's round_bf16), where the CPU has it
+        bf16 = ("-mavx512bf16",) if {"avx512_bf16", "avx512bw"} <= cpu_flags else ()
+        return ("-mavx512f", "-mavx2", "-mfma", *bf16)
     if {"avx2", "fma"} <= cpu_flags:
         return ("-mavx2", "-mfma")
     return ()
@@ -65,6 +70,29 @@ def _compiler() -> str:
     if path is None:
         raise NativeBuildError(f"no C compiler: {name!r} is not on PATH (set {CC_ENV})")
     return path
+
+
+# Flags a compiler may be too old for (GCC 9 and Clang 9 first took it): dropped where it
+# refuses them, so the kernels still build, with their portable code.
+OPTIONAL_FLAGS = ("-mavx512bf16",)
+
+
+@cache
+def _accepts(cc: str, flag: str) -> bool:
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp) / "empty.c"
+        source.write_text("int hybridserve_probe;\n")
+        try:
+            out = subprocess.run([cc, flag, "-c", str(source), "-o", str(Path(tmp) / "empty.o")],
+                                 capture_output=True, timeout=BUILD_TIMEOUT_S)
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+        return out.returncode == 0
+
+
+def _accepted(cc: str, flags: tuple[str, ...]) -> tuple[str, ...]:
+    """`flags` without the optional ones the compiler `cc` refuses."""
+    return tuple(f for f in flags if f not in OPTIONAL_FLAGS or _accepts(cc, f))
 
 
 def _compiler_version(cc: str) -> str:
@@ -90,7 +118,7 @@ def build(name: str, source: Path) -> ctypes.CDLL:
     (written under a temporary name and renamed, so concurrent builds never load a
     half-written file)."""
     cc = _compiler()
-    flags = (*BASE_FLAGS, f"-I{INCLUDE_DIR}", *isa_flags(read_cpu_flags()))
+    flags = (*BASE_FLAGS, f"-I{INCLUDE_DIR}", *_accepted(cc, isa_flags(read_cpu_flags())))
     target = library_path(name, source, flags, _compiler_version(cc))
     if not target.exists():
         try:

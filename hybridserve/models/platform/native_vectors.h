@@ -63,12 +63,34 @@ static inline uint16_t f32_to_bf16(float f) {
 }
 
 /* f32_to_bf16 on every lane, the result kept as the float32 that holds the bf16 value. */
-static inline vf round_bf16(vf x) {
+static inline vf round_bf16_emulated(vf x) {
     const vu w = (vu)x;
     const vu rounded = (w + 0x7fffu + ((w >> 16) & 1u)) & 0xffff0000u;
     const vu nan = (vu)((w & 0x7fffffffu) > 0x7f800000u);
     return (vf)((rounded & ~nan) | ((w | 0x00400000u) & 0xffff0000u & nan));
 }
+
+#if defined(__AVX512BF16__) && LANES == 16
+#include <immintrin.h>
+/* round_bf16_emulated in one instruction where the CPU has AVX512-BF16 (the build passes
+ * -mavx512bf16 only then): its conversion rounds to nearest even and quiets a NaN as the
+ * emulation does, but flushes subnormal inputs to zero, so lanes holding one (rare: the
+ * kernels' values are normalised activations) take the emulation. */
+static inline vf round_bf16(vf x) {
+    const __m512 v = (__m512)x;
+    const __m256i halves = (__m256i)_mm512_cvtneps_pbh(v);
+    const vf fast = (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(halves), 16);
+    /* |x| - 1 below 0x7fffff (unsigned): |x| is a nonzero subnormal */
+    const __m512i magnitude = _mm512_and_si512((__m512i)v, _mm512_set1_epi32(0x7fffffff));
+    const __mmask16 subnormal = _mm512_cmplt_epu32_mask(_mm512_sub_epi32(magnitude, _mm512_set1_epi32(1)),
+                                                        _mm512_set1_epi32(0x007fffff));
+    if (__builtin_expect(subnormal != 0, 0))
+        return (vf)_mm512_mask_blend_ps(subnormal, (__m512)fast, (__m512)round_bf16_emulated(x));
+    return fast;
+}
+#else
+static inline vf round_bf16(vf x) { return round_bf16_emulated(x); }
+#endif
 
 /* Stores lanes that already hold bf16 values (round_bf16's) as bf16. */
 static inline void store_bf16(uint16_t *p, vf x) {

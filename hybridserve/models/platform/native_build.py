@@ -5,13 +5,14 @@ A kernel's source sits beside the Python that calls it (e.g. models/layers/span_
 what kernels share (the vector type, bf16 conversions; AMX's tile setup) is native_vectors.h
 and amx_tiles.h in this folder, which every build has on its include path.
 It is compiled for the instructions `read_cpu_flags` reports (AVX-512, with AVX512-BF16
-where the CPU and the compiler have it; or AVX2 + FMA; or the target's baseline), never `-march=native`: a cache folder shared by machines of
-different CPUs (a home directory on NFS) then holds one library per instruction set, and a
-run that plays another CPU (HYBRIDSERVE_CPU_FLAGS, benchmarks' `--isa avx2`) gets that
-CPU's code. The library's name carries a digest of the source, the flags and the
-compiler's version, so an edit or another compiler builds anew. With `-fopenmp` the
-library uses the OpenMP runtime already in the process (torch's libgomp, matched by its
-soname), so its parallel loops share torch's thread pool.
+where the CPU and the compiler have it; or AVX2 + FMA; or the target's baseline), never
+`-march=native`: a cache folder shared by machines of different CPUs (a home directory on
+NFS) then holds one library per instruction set, and a run that plays another CPU
+(HYBRIDSERVE_CPU_FLAGS, benchmarks' `--isa avx2`) gets that CPU's code. The library's name
+carries a digest of the source, the flags and the compiler's version, so an edit or another
+compiler builds anew. With `-fopenmp` the library uses the OpenMP runtime already in the
+process (torch's libgomp, matched by its soname), so its parallel loops share torch's thread
+pool.
 
 Anything that goes wrong (no compiler, a failed build, a library that will not load)
 raises NativeBuildError with one line saying what; callers keep their general path
@@ -79,6 +80,7 @@ OPTIONAL_FLAGS = ("-mavx512bf16",)
 
 @cache
 def _accepts(cc: str, flag: str) -> bool:
+    """Whether the compiler `cc` compiles an empty file with `flag` (asked once per run)."""
     with tempfile.TemporaryDirectory() as tmp:
         source = Path(tmp) / "empty.c"
         source.write_text("int hybridserve_probe;\n")

@@ -53,6 +53,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -103,7 +104,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def tree_sum(pid: int, measure) -> float:  # type: ignore[no-untyped-def]
+def tree_sum(pid: int, measure: Callable[[Any], float]) -> float:
     """measure(process) summed over pid and its live descendants (0 once pid is gone)."""
     import psutil
 
@@ -310,7 +311,7 @@ def main() -> int:
     tmp_dir = tempfile.TemporaryDirectory()
     tmp = Path(tmp_dir.name)
 
-    def measure(server: Server, rnd: int, w: int, wname: str, others: list[Server]) -> None:
+    def run_workload(server: Server, rnd: int, w: int, wname: str, others: list[Server]) -> None:
         nonlocal idle_share
         rate, sampling = loads[wname]
         before = [tree_cpu_seconds(o.proc.pid) for o in others]
@@ -334,7 +335,7 @@ def main() -> int:
                     server = Server(name, a, tmp)
                     try:
                         for w, wname in enumerate(loads):
-                            measure(server, rnd, w, wname, [])
+                            run_workload(server, rnd, w, wname, [])
                     finally:
                         rss[name] = max(rss.get(name, 0), server.stop())
                 continue
@@ -345,7 +346,7 @@ def main() -> int:
                 for w, wname in enumerate(loads):
                     order = up if (rnd + w) % 2 == 0 else up[::-1]
                     for server in order:
-                        measure(server, rnd, w, wname, [o for o in up if o is not server])
+                        run_workload(server, rnd, w, wname, [o for o in up if o is not server])
             finally:
                 for server in up:
                     rss[server.name] = max(rss.get(server.name, 0), server.stop())

@@ -36,6 +36,12 @@
  * without reading their lines first saves a third of the traffic (the sampled head at 64
  * rows: 27 -> 23 ms a step, benchmarks/results/int8_kernels.md). */
 #define STREAM_MIN_ROWS 32
+/* The same for span logits from this many rows: their [rows, vocabulary] float32 (16 MB at
+ * 16 rows of Gemma 3's) are far larger than L2, and the sampler reads only a few spans of
+ * each row back, so stores through the caches only evict the weight stream (the sampled
+ * head at 8 and 16 rows: benchmarks/results/int8_kernels.md). A matmul's output
+ * (STREAM_MIN_ROWS) is read whole by the next op, which finds it in the caches below 32 rows. */
+#define SPAN_STREAM_MIN_ROWS 16
 /* From this many rows the reductions of a weight tile's outputs (the argmax; a span's
  * summaries, 64 rows x SPAN exponentials) take long enough to hide the next tile (span)
  * coming into L2, prefetched meanwhile; with fewer rows the hardware prefetchers keep up
@@ -263,7 +269,7 @@ int int8_amx_span_logits(const int8_t *x, int64_t ldx, int64_t M, int64_t K, con
     const int64_t padded = (M + TILE - 1) / TILE * TILE, spans = N / SPAN;
     int8_t *xpad = padded_rows(x, ldx, M, K, padded);
     if (!xpad) return -1;
-    const int stream = M >= STREAM_MIN_ROWS;
+    const int stream = M >= SPAN_STREAM_MIN_ROWS;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (spans > 1)
     {

@@ -3,13 +3,15 @@
     python benchmarks/head_chunks.py                     # chunks of 16384 and 32768 rows
     python benchmarks/head_chunks.py --chunks 8192,16384,32768,65536 --rows 1,16,64
     python benchmarks/head_chunks.py --isa avx2 --chunks 8192,32768 --rows 1,16,64   # fbgemm's path
-    python benchmarks/head_chunks.py --chunks 32768 --rows 1,8,16,64 --pass greedy,sampled
+    python benchmarks/head_chunks.py --chunks 32768 --rows 1,8,16,64 --pass greedy,sampled,summaries
 
 A random [262144, 640] bfloat16 head (the default model's shape) is quantized as `--quantization
 int8` does, once per chunk size, and `OutputHead.greedy` (int8 GEMM per chunk, then the argmax)
 is timed on random hidden states: the median of --repeat passes. `--pass sampled` times
 `OutputHead.span_logits` instead, what a sampled decode step's head does (every logit
-written, each span summarised at temperature 1); the passes named alternate pass by pass. The whole head (168 MB of int8)
+written, each span summarised at temperature 1), and `--pass summaries` the same with
+stored=False (the span summaries only, as a batch of greedy and plain temperature rows
+has them); the passes named alternate pass by pass. The whole head (168 MB of int8)
 is far larger than the caches, so each pass streams it from memory as a decode step does.
 `--isa avx2` measures in a process run as on a CPU with AVX2 alone (cpu_features.as_avx2_env),
 where the int8 head runs on fbgemm's GEMM (models/layers/int8.int8_path).
@@ -42,11 +44,11 @@ def main() -> int:
     p.add_argument("--repeat", type=int, default=9)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--isa", choices=["native", "avx2"], default="native")
-    p.add_argument("--pass", dest="passes", default="greedy", help="comma list of greedy, sampled")
+    p.add_argument("--pass", dest="passes", default="greedy", help="comma list of greedy, sampled, summaries")
     a = p.parse_args()
     passes = a.passes.split(",")
-    if unknown := [name for name in passes if name not in ("greedy", "sampled")]:
-        p.error(f"unknown pass {', '.join(unknown)}: use greedy, sampled")
+    if unknown := [name for name in passes if name not in ("greedy", "sampled", "summaries")]:
+        p.error(f"unknown pass {', '.join(unknown)}: use greedy, sampled, summaries")
     if a.isa == "avx2" and (rc := rerun_as_avx2()) is not None:
         return rc
     print(torch_header(a.threads, ("avx512_bf16", "avx512_vnni", "amx")))
@@ -62,7 +64,8 @@ def main() -> int:
             x = torch.randn(rows, HIDDEN)
             inv_t = torch.ones(rows)
             run = {"greedy": lambda x=x: out.greedy(x, None),
-                   "sampled": lambda x=x, inv_t=inv_t: out.span_logits(x, inv_t, None)}
+                   "sampled": lambda x=x, inv_t=inv_t: out.span_logits(x, inv_t, None),
+                   "summaries": lambda x=x, inv_t=inv_t: out.span_logits(x, inv_t, None, stored=False)}
             for name in passes:
                 run[name]()  # warm-up
             times: dict[str, list[float]] = {name: [] for name in passes}

@@ -145,3 +145,32 @@ def test_a_masked_row_and_a_model_dtype_piece() -> None:
                       buffer=sl._buffer, pieces=[sl.padded.bfloat16()])
     assert native is not None
     assert native(bf16, *_tensors([SamplingParams(temperature=1.0)]), u, 4, CANDIDATE_SPANS) is None
+
+
+@needs_native
+def test_logits_not_stored_draw_the_stored_logits_tokens(monkeypatch) -> None:
+    # An AMX int8 head (two chunks of whole spans) keeping only the span summaries: the draw
+    # computes each span it reads again, and every row kind gets the tokens it gets from the
+    # stored logits. A batch of greedy and plain temperature rows reads one span per row and
+    # leaves the logits unstored; the filtered rows' candidates are computed the same way.
+    from hybridserve.models.layers.head import HEAD_CHUNK_ROWS, OutputHead
+    from hybridserve.models.layers.int8 import AMX
+    from hybridserve.models.layers.int8_amx import amx_kernel
+    if amx_kernel() is None:
+        pytest.skip("no AMX int8 tiles (or no compiler) here")
+    monkeypatch.setattr("hybridserve.models.layers.head.int8_path", lambda: AMX)
+    g = torch.Generator().manual_seed(7)
+    head = OutputHead(torch.randn(HEAD_CHUNK_ROWS + 40 * SPAN, 64, generator=g) * 0.05, "int8")
+    params = [SamplingParams(**c) for c in COMBOS for _ in range(3)]
+    rows = [SampleRow(p, seed=i, position=9) for i, p in enumerate(params)]
+    x = torch.randn(len(rows), 64, generator=g) * 4
+    inv_t = inv_temperatures(rows)
+    u = torch.from_numpy(uniforms([r.seed for r in rows], [r.position for r in rows], span_sampler.ATTEMPTS + 1))
+    want = draw(head.span_logits(x, inv_t, None), *_tensors(params), u)
+    unstored = head.span_logits(x, inv_t, None, stored=False)
+    assert torch.equal(draw(unstored, *_tensors(params), u), want)
+    plain = [i for i, p in enumerate(params) if p.top_k == 0 and p.top_p == 1.0 and p.min_p == 0.0]
+    assert len(plain) >= 3 * 3  # greedy, 1.0, 0.05
+    unstored = head.span_logits(x[plain], inv_t[plain], None, stored=False)
+    assert torch.equal(draw(unstored, *_tensors([params[i] for i in plain]), u[plain]), want[plain])
+    assert unstored.source is not None  # nothing made them dense

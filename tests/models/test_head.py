@@ -254,6 +254,48 @@ def test_the_amx_heads_fused_span_logits_are_the_general_paths_bit_for_bit(weigh
         assert torch.equal(a.span_max, b.span_max) and torch.equal(a.span_sum, b.span_sum)
 
 
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 17, 70])
+def test_summaries_without_stored_logits_and_the_spans_computed_again_are_the_stored_ones(
+        weight: torch.Tensor, rows: int, monkeypatch) -> None:
+    # Two chunks of whole spans; 70 rows cross the kernel's 64-row blocks.
+    monkeypatch.setattr("hybridserve.models.layers.head.int8_path", lambda: AMX)
+    head = OutputHead(weight[: HEAD_CHUNK_ROWS + 56 * SPAN], "int8")
+    x = _hidden(rows) * torch.linspace(0.1, 10.0, rows)[:, None]
+    inv_t = torch.rand(rows, generator=torch.Generator().manual_seed(3)) * 5 + 0.1
+    stored = head.span_logits(x, inv_t, None)
+    unstored = head.span_logits(x, inv_t, None, stored=False)
+    assert stored.source is None and unstored.source is not None
+    assert torch.equal(unstored.span_max, stored.span_max) and torch.equal(unstored.span_sum, stored.span_sum)
+    # a span at a time, as native samplers read them: first, last, and both sides of the chunk edge
+    fill, context = unstored.source.native()
+    assert fill and context
+    spans = stored.span_max.shape[1]
+    source = unstored.source._spans
+    for r in {0, rows // 2, rows - 1}:
+        for j in (0, HEAD_CHUNK_ROWS // SPAN - 1, HEAD_CHUNK_ROWS // SPAN, spans - 1):
+            assert torch.equal(source.span(r, j), stored.padded[r, j * SPAN : (j + 1) * SPAN])
+    with pytest.raises(IndexError):
+        source.span(rows, 0)
+    # any other use computes them all, into the reused buffer: the stored logits
+    expected = stored.logits.clone()
+    stored.logits.fill_(float("nan"))  # the buffer they share: whatever is there is overwritten
+    assert torch.equal(unstored.logits, expected)
+    assert unstored.source is None and unstored.is_dense
+
+
+@needs_amx
+def test_stored_false_changes_nothing_where_the_head_has_no_fused_kernel(weight: torch.Tensor,
+                                                                          monkeypatch) -> None:
+    # a vocabulary that is not whole spans (and a plain-path head) keeps its logits as before
+    monkeypatch.setattr("hybridserve.models.layers.head.int8_path", lambda: AMX)
+    head = OutputHead(weight, "int8")
+    x, inv_t = _hidden(3), torch.ones(3)
+    a, b = head.span_logits(x, inv_t, None), head.span_logits(x, inv_t, None, stored=False)
+    assert b.source is None
+    assert torch.equal(a.logits, b.logits) and torch.equal(a.span_sum, b.span_sum)
+
+
 def _int8_releases(chunks: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """What an int8 head gives back, in order: each chunk's blocks of QUANTIZE_BLOCK_ROWS
     rows as the quantizer reads them, then the whole chunk once it is packed."""

@@ -120,3 +120,63 @@ def test_the_amx_path_agrees_with_the_other_paths_bit_for_bit(rows: int, k: int,
     assert torch.equal(linear.plain(x), expected)
     values, scale = quantize_rows_int8(x)
     assert torch.equal(linear.quantized(AMX, values, scale), expected)
+
+
+def _raw_kernel() -> int8_amx.AmxKernel | None:
+    """The kernel as built, without amx_kernel()'s own check (which these tests stand beside)."""
+    if "amx_int8" not in int8_amx.read_cpu_flags():
+        return None
+    try:
+        kernel = int8_amx.AmxKernel()
+    except (OSError, RuntimeError):  # no compiler here
+        return None
+    return kernel if kernel.ready else None
+
+
+RAW = _raw_kernel()
+
+
+@pytest.mark.skipif(RAW is None, reason="no AMX int8 tiles (or no compiler): the kernel does not run here")
+@pytest.mark.parametrize("k", [640, 200])  # whole blocks of k; padded to 256
+@pytest.mark.parametrize("with_row_scale", [True, False])
+def test_a_span_computed_again_is_the_product_bit_for_bit(k: int, with_row_scale: bool) -> None:
+    # Two chunks (2 and 3 spans) of weights and inputs reaching +-127 (sums past 24 bits):
+    # each span of each row as int8_amx_fill_span computes it, against torch._int_mm's
+    # product with the same two scalings, and the summaries-only call against span_logits'.
+    assert RAW is not None
+    g = torch.Generator().manual_seed(k)
+    rows = 5
+    weights = [torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g) for n in (256, 384)]
+    weights[0][3] = 127
+    scales = [torch.rand(w.shape[0], generator=g) + 0.5 for w in weights]
+    x = torch.randint(-127, 128, (rows, k), dtype=torch.int8, generator=g)
+    x[1] = 127
+    x[2] = -127
+    row_scale = torch.rand(rows, 1, generator=g) + 0.5 if with_row_scale else None
+    chunks = [int8_amx.AmxProduct(RAW, pack(w), s) for w, s in zip(weights, scales)]
+    source = int8_amx.AmxSpanSource(chunks, x, row_scale)
+    assert source.spans == 5 and source.rows == rows
+    product = torch.cat([torch._int_mm(x, w.t()).float().mul(s) for w, s in zip(weights, scales)], dim=1)
+    if row_scale is not None:
+        product.mul_(row_scale)
+    for r in range(rows):
+        for j in range(5):
+            assert torch.equal(source.span(r, j), product[r, j * 128 : (j + 1) * 128]), (r, j)
+    inv_t = torch.linspace(0.5, 2.0, rows)
+    for chunk in chunks:
+        _, peak, mass = chunk.span_logits(x, row_scale, inv_t, -87.0)
+        alone = chunk.span_summaries(x, row_scale, inv_t, -87.0)
+        assert torch.equal(alone[0], peak) and torch.equal(alone[1], mass)
+
+
+@pytest.mark.skipif(RAW is None, reason="no AMX int8 tiles (or no compiler): the kernel does not run here")
+def test_a_span_source_refuses_chunks_it_cannot_serve() -> None:
+    assert RAW is not None
+    w = torch.ones(128, 64, dtype=torch.int8)
+    x = torch.ones(2, 64, dtype=torch.int8)
+    with pytest.raises(ValueError, match="whole spans"):
+        int8_amx.AmxSpanSource([int8_amx.AmxProduct(RAW, pack(w[:100]), torch.ones(100))], x, None)
+    with pytest.raises(ValueError, match="share one kernel and k"):
+        int8_amx.AmxSpanSource([int8_amx.AmxProduct(RAW, pack(w), torch.ones(128)),
+                                int8_amx.AmxProduct(RAW, pack(torch.ones(128, 128, dtype=torch.int8)), torch.ones(128))],
+                               x, None)

@@ -39,7 +39,7 @@ from hybridserve.executor.torch.logits_controls import TokenHistory
 from hybridserve.executor.torch.mamba_states import GroupSubset, MambaLayout, StepBackend, StepMambaStates
 from hybridserve.executor.torch.requests import BlockTables, RequestState
 from hybridserve.executor.torch.sampler import (SampleRow, inv_temperatures, is_greedy, logprob_info,
-                                                sample_isolated, target_logprobs)
+                                                reads_one_span_per_row, sample_isolated, target_logprobs)
 from hybridserve.executor.torch.spec_decode import NgramDrafter, num_accepted
 from hybridserve.models.arch.decoder import DecoderLM
 from hybridserve.models.kv_specs import cached_layers, layer_index
@@ -376,7 +376,9 @@ class ModelRunner:
                                    masks[i][j] if i in masks else None)
                          for i, w in zip(samplers, widths) for j in range(w)]
             inv_t = inv_temperatures(rows_info)
-            tokens, lps, failed_rows = sample_isolated(lambda r: self.model.span_logits(hidden[r], inv_t[r]), rows_info)
+            stored = not reads_one_span_per_row(rows_info, self.model.cfg.vocab_size)
+            tokens, lps, failed_rows = sample_isolated(
+                lambda r: self.model.span_logits(hidden[r], inv_t[r], stored=stored), rows_info)
             if failed_rows:
                 row_owner = [i for i, w in zip(samplers, widths) for _ in range(w)]
                 for r, reason in failed_rows.items():

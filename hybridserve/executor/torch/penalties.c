@@ -102,7 +102,7 @@ int penalties_apply(float *const *base, const int64_t *ld, const int64_t *first,
                     const float *repetition, const float *frequency, const float *presence, const int64_t *bias_ids,
                     const float *bias, const int64_t *bias_offset, const float *inv_t, float exp_floor,
                     float *span_max, float *span_sum, int32_t num_threads) {
-    const Logits l = {base, ld, first};
+    const Logits l = {base, ld, first, NULL, NULL}; /* held: penalties write them */
     for (int64_t r = 0; r < rows; r++)
         if (!in_vocabulary(history + offset[r], offset[r + 1] - offset[r], vocab) ||
             !in_vocabulary(bias_ids + bias_offset[r], bias_offset[r + 1] - bias_offset[r], vocab))

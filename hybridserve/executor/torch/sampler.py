@@ -53,6 +53,22 @@ def is_greedy(params: SamplingParams) -> bool:
     return params.temperature == 0.0 or params.top_k == 1
 
 
+def reads_one_span_per_row(rows: list[SampleRow], vocab_size: int) -> bool:
+    """Whether sampling these rows reads the logits of one span per row only: every row
+    greedy (its maximum's span), or drawing at a temperature with no filter (top-k below
+    the vocabulary, top-p, min-p: their candidates are a dozen spans), logits change, ban,
+    grammar mask or logprobs. Then the head need not store its logits
+    (OutputHead.span_logits with stored=False): the span a row draws from is computed
+    again, bit for bit, and any other use of them computes them all first."""
+    for r in rows:
+        p = r.params
+        if p.logprobs is not None or r.banned or r.history is not None or r.bitmask is not None:
+            return False
+        if not is_greedy(p) and ((0 < p.top_k < vocab_size) or p.top_p < 1.0 or p.min_p > 0.0):
+            return False
+    return True
+
+
 def inv_temperatures(rows: list[SampleRow]) -> torch.Tensor:
     """[S] float32 1 / temperature (1 for greedy rows, which ignore it): what the span
     summaries are taken at."""

@@ -215,8 +215,8 @@ static Verdict threshold(const Logits *l, int64_t row, const float *span_max, co
     const float bound = candidates(span_max, spans, count, spans_in);
     if (isnan(bound)) goto done;
     /* the candidates' logits are read below: their lines asked for all at once, not one
-     * miss after another */
-    for (int64_t i = 0; i < n_spans; i++)
+     * miss after another (logits not held are computed when read instead) */
+    for (int64_t i = 0; i < n_spans && !l->fill; i++)
         if (span_max[spans_in[i]] > bound) {
             const char *v = (const char *)span_at(l, row, spans_in[i]);
             for (int b = 0; b < SPAN * (int)sizeof(float); b += 64) __builtin_prefetch(v + b);
@@ -353,13 +353,14 @@ int32_t span_draw_span(void) { return SPAN; }
 
 /* tokens[r] for rows 0 .. rows - 1 (UNDECIDED where the candidates do not decide theta);
  * span_max, span_sum [rows, spans]; u [rows, attempts + 1]; the logits in `pieces` pieces,
- * piece k at base[k] with row stride ld[k] holding spans first[k] .. first[k + 1] - 1.
+ * piece k at base[k] with row stride ld[k] holding spans first[k] .. first[k + 1] - 1, or,
+ * where fill is not NULL, not held: each span read is fill(source, row, span, out).
  * Returns 0, or -1 where scratch could not be allocated. */
 int span_draw(float *const *base, const int64_t *ld, const int64_t *first, int64_t rows, int64_t spans,
               const float *span_max, const float *span_sum, const float *inv_t, const uint8_t *greedy,
               const int64_t *top_k, const float *top_p, const float *min_p, const double *u, int32_t attempts,
-              int64_t candidate_spans, int64_t *tokens, int32_t num_threads) {
-    const Logits l = {base, ld, first};
+              int64_t candidate_spans, int64_t *tokens, int32_t num_threads, SpanFill fill, const void *source) {
+    const Logits l = {base, ld, first, fill, source};
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (rows > 1)
     {

@@ -22,22 +22,30 @@ UNDECIDED = -1
 
 class NativeDraw:
     """(span logits, per-row parameters, draws) -> tokens [S] int64, UNDECIDED where the
-    caller must draw the row itself; None where the logits are not float32."""
+    caller must draw the row itself; None where the logits are not float32. Logits not held
+    (SpanLogits.source) stay so: the spans the draw reads are computed as it reads them."""
 
     def __init__(self, span: int) -> None:
         library = build_for_spans("span_draw", SOURCE, span)
         fn = library.span_draw
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         fn.argtypes = [ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int32, i64, ptr,
-                       ctypes.c_int32]
+                       ctypes.c_int32, ptr, ptr]
         fn.restype = ctypes.c_int
         self._fn = fn
 
     def __call__(self, sl: SpanLogits, greedy: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                  min_p: torch.Tensor, u: torch.Tensor, attempts: int, candidate_spans: int) -> torch.Tensor | None:
-        pieces = LogitPieces.of(sl)
-        if pieces is None:
-            return None
+        fill: int | None = None
+        context: int | None = None
+        if sl.source is not None:  # logits not held: the spans it reads are computed as it reads them
+            fill, context = sl.source.native()
+            arguments: tuple = (None, None, None)
+        else:
+            pieces = LogitPieces.of(sl)
+            if pieces is None:
+                return None
+            arguments = pieces.arguments()
         rows, spans = sl.span_max.shape
         span_max, span_sum = sl.span_max.contiguous(), sl.span_sum.contiguous()
         inv_t = sl.inv_temperature.to(torch.float32).contiguous()
@@ -49,9 +57,10 @@ class NativeDraw:
         if u.shape != (rows, attempts + 1):
             raise ValueError(f"{rows} rows need draws [{rows}, {attempts + 1}], got {tuple(u.shape)}")
         tokens = torch.empty(rows, dtype=torch.int64)
-        failed = self._fn(*pieces.arguments(), rows, spans, span_max.data_ptr(), span_sum.data_ptr(),
+        failed = self._fn(*arguments, rows, spans, span_max.data_ptr(), span_sum.data_ptr(),
                           inv_t.data_ptr(), greedy_u8.data_ptr(), top_k.data_ptr(), top_p.data_ptr(), min_p.data_ptr(),
-                          u.data_ptr(), attempts, candidate_spans, tokens.data_ptr(), torch.get_num_threads())
+                          u.data_ptr(), attempts, candidate_spans, tokens.data_ptr(), torch.get_num_threads(),
+                          fill, context)
         if failed:
             raise MemoryError("the native draw could not allocate its scratch")
         return tokens

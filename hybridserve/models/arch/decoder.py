@@ -642,12 +642,14 @@ class DecoderLM(StagedModel):
         assert self._head is not None
         return self._head.greedy(hidden, self.cfg.final_softcap)
 
-    def span_logits(self, hidden: torch.Tensor, inv_temperature: torch.Tensor) -> SpanLogits:
-        """The logits of the rows that sample, with the span summaries sampling reads."""
+    def span_logits(self, hidden: torch.Tensor, inv_temperature: torch.Tensor, stored: bool = True) -> SpanLogits:
+        """The logits of the rows that sample, with the span summaries sampling reads; with
+        `stored` False the head may keep only the summaries (its logits are then computed
+        again where they are read: OutputHead.span_logits)."""
         if self._head is None:
             self.build_linears(release_weights=False)
         assert self._head is not None
-        return self._head.span_logits(hidden, inv_temperature, self.cfg.final_softcap)
+        return self._head.span_logits(hidden, inv_temperature, self.cfg.final_softcap, stored=stored)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocab logits for the rows that sample only (the head dominates large vocabularies)."""

@@ -182,8 +182,9 @@ class MambaLM(StagedModel):
     def greedy_tokens(self, hidden: torch.Tensor) -> list[int]:
         return self.logits(hidden).argmax(dim=-1).tolist()
 
-    def span_logits(self, hidden: torch.Tensor, inv_temperature: torch.Tensor) -> SpanLogits:
-        """The logits of the rows that sample, with the span summaries sampling reads."""
+    def span_logits(self, hidden: torch.Tensor, inv_temperature: torch.Tensor, stored: bool = True) -> SpanLogits:
+        """The logits of the rows that sample, with the span summaries sampling reads (always
+        stored: `stored` False is a hint this head has no use for)."""
         if self._logits_buffer is None:
             self._logits_buffer = LogitsBuffer(self.cfg.vocab_size)
         return span_logits_from(self.logits(hidden), inv_temperature, self._logits_buffer)

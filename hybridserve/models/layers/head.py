@@ -38,7 +38,7 @@ import torch
 from hybridserve.core.errors import ConfigError
 from hybridserve.models.layers.int8 import (FBGEMM, QUANTIZERS, BlockDone, int8_gemm_available, int8_matmul,
                                            int8_path, quantize_gemm_weight, quantize_int8_rows)
-from hybridserve.models.layers.int8_amx import AmxProduct
+from hybridserve.models.layers.int8_amx import AmxProduct, AmxSpanSource
 from hybridserve.models.layers.linear import make_linear
 from hybridserve.models.layers.span_kernel import KERNEL
 from hybridserve.models.layers.span_logits import EXP_FLOOR, SPAN, LogitsBuffer, SpanLogits, padded_width
@@ -270,7 +270,8 @@ class OutputHead:
             out = torch.tanh(out.to(self.out_dtype) / softcap) * softcap
         return row_max(out)[1].tolist()
 
-    def span_logits(self, hidden: torch.Tensor, inv_temperature: torch.Tensor, softcap: float | None) -> SpanLogits:
+    def span_logits(self, hidden: torch.Tensor, inv_temperature: torch.Tensor, softcap: float | None,
+                    stored: bool = True) -> SpanLogits:
         """The logits as the chunks' kernels compute them (int8 kernels: float32; __call__
         rounds them to the model dtype, which sampling has no use for), soft-capped in
         float32, with their span summaries (models/layers/span_logits.py). Above FEW_ROWS rows,
@@ -279,11 +280,12 @@ class OutputHead:
         spans: nothing copies the whole vocabulary. A few rows' logits are copied into the
         reused buffer and summarised at once (they stay in cache anyway, and one summary
         costs fewer parallel regions than one per chunk), as are chunks that are not whole
-        spans. Where every chunk's kernel summarises its own spans: _span_logits_fused."""
+        spans. Where every chunk's kernel summarises its own spans: _span_logits_fused, which
+        with `stored` False keeps only the summaries (elsewhere `stored` changes nothing)."""
         x = self._input(hidden)
         inv_t = inv_temperature.to(torch.float32)
         if self._fused is not None and not softcap and self.vocab_size % SPAN == 0:
-            return self._span_logits_fused(x, inv_t)
+            return self._span_logits_fused(x, inv_t) if stored else self._span_summaries_fused(x, inv_t)
         if hidden.shape[0] > FEW_ROWS and self.chunk_rows % SPAN == 0:
             pad = padded_width(self.vocab_size) - self.vocab_size
             pieces, peaks, masses = [], [], []
@@ -333,8 +335,42 @@ class OutputHead:
         return SpanLogits(vocab_size=self.vocab_size, inv_temperature=inv_t, span_max=torch.cat(peaks, dim=1),
                           span_sum=torch.cat(masses, dim=1), buffer=self._logits_buffer, padded=padded)
 
+    def _span_summaries_fused(self, x: HeadInput, inv_t: torch.Tensor) -> SpanLogits:
+        """_span_logits_fused's summaries, bit for bit, without storing the logits (67 MB a
+        step at 64 rows of Gemma 3's vocabulary): they are computed again where they are
+        read (_ChunkSource), a span at a time or, at the first dense need, all at once."""
+        assert self._fused is not None
+        values, row_scale = x
+        found = [chunk.span_summaries(values, row_scale, inv_t, EXP_FLOOR) for chunk in self._fused]
+        return SpanLogits(vocab_size=self.vocab_size, inv_temperature=inv_t,
+                          span_max=torch.cat([peak for peak, _ in found], dim=1),
+                          span_sum=torch.cat([mass for _, mass in found], dim=1), buffer=self._logits_buffer,
+                          source=_ChunkSource(self._fused, values, row_scale, inv_t, self.chunk_rows))
+
     @staticmethod
     def _chunk_logits(chunk: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor], x: HeadInput,
                       softcap: float | None) -> torch.Tensor:
         out = chunk(*x)
         return torch.tanh(out.float() / softcap) * softcap if softcap else out
+
+
+class _ChunkSource:
+    """The logits of an AMX head's chunks that _span_summaries_fused did not store
+    (span_logits.LogitsSource): all of them by the chunks' kernels, as _span_logits_fused
+    stores them; a span at a time by AmxSpanSource, built on the first native request."""
+
+    def __init__(self, chunks: list[AmxProduct], values: torch.Tensor, row_scale: torch.Tensor | None,
+                 inv_t: torch.Tensor, chunk_rows: int) -> None:
+        self._chunks, self._values, self._row_scale, self._inv_t = chunks, values, row_scale, inv_t
+        self._chunk_rows = chunk_rows
+        self._spans: AmxSpanSource | None = None
+
+    def materialize(self, padded: torch.Tensor) -> None:
+        for start, chunk in zip(range(0, padded.shape[1], self._chunk_rows), self._chunks):
+            chunk.span_logits(self._values, self._row_scale, self._inv_t, EXP_FLOOR,
+                              out=padded[:, start : start + chunk.weight.n])
+
+    def native(self) -> tuple[int, int]:
+        if self._spans is None:
+            self._spans = AmxSpanSource(self._chunks, self._values, self._row_scale)
+        return self._spans.fill_address, self._spans.address

@@ -260,7 +260,9 @@ int int8_amx_argmax(const int8_t *x, int64_t ldx, int64_t M, int64_t K, const in
 /* As int8_amx_matmul for N whole spans (N % SPAN == 0), and besides, each span's summary
  * of the stored outputs at its row's inverse temperature inv_t[m] (span_summary.h's
  * summarise_group, as span_summaries.c computes it): peak and mass [M, N / SPAN],
- * contiguous. Returns as int8_amx_matmul (-2 also for N not whole spans). */
+ * contiguous. With out NULL only the summaries are made (a sampler that reads a span or
+ * two of each row computes them again with int8_amx_fill_span). Returns as
+ * int8_amx_matmul (-2 also for N not whole spans). */
 int int8_amx_span_logits(const int8_t *x, int64_t ldx, int64_t M, int64_t K, const int8_t *w, const float *scale,
                          const float *row_scale, int64_t N, float *out, int64_t ldo, const float *inv_t,
                          float exp_floor, float *peak, float *mass, int32_t num_threads) {
@@ -309,6 +311,7 @@ int int8_amx_span_logits(const int8_t *x, int64_t ldx, int64_t M, int64_t K, con
                     const int64_t m = m0 + r;
                     float *row = block + r * SPAN;
                     summarise_group(row, 0, 1, 0, 1.0f, inv_t[m], exp_floor, peak + m * spans + j, mass + m * spans + j);
+                    if (!out) continue; /* summaries only: int8_amx_fill_span gives a span again */
                     float *dst = out + m * ldo + j * SPAN;
                     const int aligned = !((uintptr_t)dst & 63);
                     for (int i = 0; i < SPAN; i += TILE) {
@@ -327,6 +330,54 @@ int int8_amx_span_logits(const int8_t *x, int64_t ldx, int64_t M, int64_t K, con
     }
     free(xpad);
     return failed ? -1 : 0;
+}
+
+/* Where a sampler finds a head's logits that were summarised but not stored: the
+ * activations as the kernel took them (x: rows ldx apart, K of them, padded to whole
+ * blocks; row_scale [M] or NULL) and the head's chunks, chunk c holding spans
+ * first_span[c] .. first_span[c + 1] - 1 in its tiles w[c] with their scales scale[c]. */
+typedef struct {
+    const int8_t *x;
+    int64_t ldx, K;
+    const float *row_scale;
+    int64_t chunks;
+    const int8_t *const *w;
+    const float *const *scale;
+    const int64_t *first_span;
+} SpanSource;
+
+/* out[0 .. SPAN - 1] = span `span` of row `row` of the product int8_amx_span_logits stores
+ * there, bit for bit: the same exact int32 sums (here AVX512-VNNI's u8 x s8 dot products
+ * of x + 128, less 128 times each column's weight sum), converted and scaled in the same
+ * two roundings. One row's span reads its 128 weight rows (80 KB at Gemma 3's width). */
+__attribute__((target("avx512f,avx512bw,avx512vnni")))
+void int8_amx_fill_span(const void *source, int64_t row, int64_t span, float *out) {
+    const SpanSource *src = source;
+    int64_t c = 0;
+    while (span >= src->first_span[c + 1]) c++;
+    const int64_t K = src->K, blocks = K / K_BLOCK;
+    const int8_t *x = src->x + row * src->ldx;
+    const __m512i flip = _mm512_set1_epi8((char)0x80), ones = _mm512_set1_epi8(1);
+    for (int64_t i = 0; i < SPAN / TILE; i++) {
+        const int64_t t = (span - src->first_span[c]) * (SPAN / TILE) + i;
+        const int8_t *wt = src->w[c] + t * K * TILE;
+        __m512i shifted = _mm512_setzero_si512(), column_sum = _mm512_setzero_si512();
+        for (int64_t kb = 0; kb < blocks; kb++)
+            for (int r = 0; r < K_BLOCK / 4; r++) {
+                /* tile row r of block kb: for each of the TILE columns, the weights of
+                 * k = 64 kb + 4 r .. + 3 (int8_amx.py's layout) */
+                const __m512i w4 = _mm512_loadu_si512(wt + (kb * (K_BLOCK / 4) + r) * 64);
+                int32_t quad;
+                memcpy(&quad, x + kb * K_BLOCK + 4 * r, sizeof quad);
+                const __m512i x4 = _mm512_xor_si512(_mm512_set1_epi32(quad), flip); /* x + 128 as u8 */
+                shifted = _mm512_dpbusd_epi32(shifted, x4, w4);
+                column_sum = _mm512_dpbusd_epi32(column_sum, ones, w4);
+            }
+        const __m512i sums = _mm512_sub_epi32(shifted, _mm512_slli_epi32(column_sum, 7));
+        __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_loadu_ps(src->scale[c] + t * TILE));
+        if (src->row_scale) v = _mm512_mul_ps(v, _mm512_set1_ps(src->row_scale[row]));
+        _mm512_storeu_ps(out + i * TILE, v);
+    }
 }
 
 int int8_amx_built(void) { return 1; }
@@ -353,6 +404,10 @@ int int8_amx_span_logits(const int8_t *x, int64_t ldx, int64_t M, int64_t K, con
     (void)x, (void)ldx, (void)M, (void)K, (void)w, (void)scale, (void)row_scale, (void)N, (void)out, (void)ldo;
     (void)inv_t, (void)exp_floor, (void)peak, (void)mass, (void)num_threads;
     return -3;
+}
+
+void int8_amx_fill_span(const void *source, int64_t row, int64_t span, float *out) {
+    (void)source, (void)row, (void)span, (void)out; /* never called: int8_amx_built() is 0 */
 }
 
 int int8_amx_built(void) { return 0; }

@@ -100,6 +100,12 @@ class AmxKernel:
                           ctypes.c_int32]
         spans.restype = ctypes.c_int
         self._span_logits = spans
+        fill = library.int8_amx_fill_span
+        fill.argtypes = [ptr, i64, i64, ptr]
+        fill.restype = None
+        self._fill = fill
+        # what native samplers call for a span of logits that were summarised, not stored
+        self.fill_address: int = ctypes.cast(fill, ctypes.c_void_p).value or 0
 
     def __call__(self, x: torch.Tensor, weight: AmxWeight, scale: torch.Tensor,
                  row_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -138,6 +144,26 @@ class AmxKernel:
         `out`: where the product goes (float32 [S, n], unit column stride, any row stride:
         columns of a reused buffer, whose pages are resident; a fresh 8 MB tensor per chunk
         costs a page fault per 4 KB each step), else a new tensor."""
+        rows = x.shape[0]
+        if out is None:
+            out = torch.empty(rows, weight.n, dtype=torch.float32)
+        elif out.dtype != torch.float32 or out.shape != (rows, weight.n) or out.stride(1) != 1:
+            raise ValueError(f"span logits' output must be float32 [{rows}, {weight.n}] with unit column stride, "
+                             f"got {out.dtype} {tuple(out.shape)} strides {tuple(out.stride())}")
+        peak, mass = self._spans(x, weight, scale, row_scale, inv_temperature, exp_floor, out)
+        return out, peak, mass
+
+    def span_summaries(self, x: torch.Tensor, weight: AmxWeight, scale: torch.Tensor,
+                       row_scale: torch.Tensor | None, inv_temperature: torch.Tensor, exp_floor: float
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """span_logits' span_max and span_sum, bit for bit, without storing the product (at 64
+        rows of Gemma 3's vocabulary, 67 MB a step): a sampler that reads a span or two of
+        each row has them computed again (AmxSpanSource)."""
+        return self._spans(x, weight, scale, row_scale, inv_temperature, exp_floor, None)
+
+    def _spans(self, x: torch.Tensor, weight: AmxWeight, scale: torch.Tensor, row_scale: torch.Tensor | None,
+               inv_temperature: torch.Tensor, exp_floor: float, out: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         x, scale, row_scale = self._operands(x, weight, scale, row_scale)
         rows = x.shape[0]
         if weight.n % SPAN:
@@ -145,20 +171,16 @@ class AmxKernel:
         inv_t = inv_temperature.to(torch.float32).contiguous()
         if inv_t.shape != (rows,):
             raise ValueError(f"the inverse temperatures must be [{rows}], got {tuple(inv_t.shape)}")
-        if out is None:
-            out = torch.empty(rows, weight.n, dtype=torch.float32)
-        elif out.dtype != torch.float32 or out.shape != (rows, weight.n) or out.stride(1) != 1:
-            raise ValueError(f"span logits' output must be float32 [{rows}, {weight.n}] with unit column stride, "
-                             f"got {out.dtype} {tuple(out.shape)} strides {tuple(out.stride())}")
         peak = torch.empty(rows, weight.n // SPAN, dtype=torch.float32)
         mass = torch.empty(rows, weight.n // SPAN, dtype=torch.float32)
         failed = self._span_logits(x.data_ptr(), x.stride(0), rows, weight.padded_k, weight.tiles.data_ptr(),
                                    scale.data_ptr(), None if row_scale is None else row_scale.data_ptr(), weight.n,
-                                   out.data_ptr(), out.stride(0), inv_t.data_ptr(), exp_floor, peak.data_ptr(),
-                                   mass.data_ptr(), torch.get_num_threads())
+                                   None if out is None else out.data_ptr(), 0 if out is None else out.stride(0),
+                                   inv_t.data_ptr(), exp_floor, peak.data_ptr(), mass.data_ptr(),
+                                   torch.get_num_threads())
         if failed:
             raise MemoryError(f"the AMX int8 kernel could not allocate its scratch (code {failed})")
-        return out, peak, mass
+        return peak, mass
 
     def _operands(self, x: torch.Tensor, weight: AmxWeight, scale: torch.Tensor, row_scale: torch.Tensor | None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -199,6 +221,57 @@ class AmxProduct:
                     exp_floor: float, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.kernel.span_logits(x, self.weight, self.scale, x_scale, inv_temperature, exp_floor, out=out)
 
+    def span_summaries(self, x: torch.Tensor, x_scale: torch.Tensor | None, inv_temperature: torch.Tensor,
+                       exp_floor: float) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kernel.span_summaries(x, self.weight, self.scale, x_scale, inv_temperature, exp_floor)
+
+
+class _SourceFields(ctypes.Structure):
+    """int8_amx.c's SpanSource."""
+
+    _fields_ = [("x", ctypes.c_void_p), ("ldx", ctypes.c_int64), ("K", ctypes.c_int64),
+                ("row_scale", ctypes.c_void_p), ("chunks", ctypes.c_int64), ("w", ctypes.c_void_p),
+                ("scale", ctypes.c_void_p), ("first_span", ctypes.c_void_p)]
+
+
+class AmxSpanSource:
+    """The logits of products summarised without being stored (span_summaries), a span at a
+    time: chunks[c] holds the columns after those of chunks[:c] (each whole spans, all of
+    one k), x and x_scale the activations they were given. `span(row, j)` computes span j
+    of a row in Python's thread; native code calls int8_amx_fill_span at `fill_address` with
+    `address` (this object must outlive those calls). Bit for bit the values span_logits
+    stores (int8_amx.c)."""
+
+    def __init__(self, chunks: list[AmxProduct], x: torch.Tensor, x_scale: torch.Tensor | None) -> None:
+        first = chunks[0]
+        if any(c.kernel is not first.kernel or c.weight.k != first.weight.k or c.weight.n % SPAN for c in chunks):
+            raise ValueError("a span source's chunks share one kernel and k, each whole spans")
+        self.kernel = first.kernel
+        x, _, x_scale = self.kernel._operands(x, first.weight, first.scale, x_scale)
+        self.rows = x.shape[0]
+        scales = [c.scale.contiguous() for c in chunks]
+        self._held = (x, x_scale, chunks, scales)  # what the pointers below point into
+        self._w = (ctypes.c_void_p * len(chunks))(*(c.weight.tiles.data_ptr() for c in chunks))
+        self._scale = (ctypes.c_void_p * len(chunks))(*(scale.data_ptr() for scale in scales))
+        self._first = (ctypes.c_int64 * (len(chunks) + 1))(0)
+        for c, chunk in enumerate(chunks):
+            self._first[c + 1] = self._first[c] + chunk.weight.n // SPAN
+        self.spans = self._first[len(chunks)]
+        self._fields = _SourceFields(x.data_ptr(), x.stride(0), first.weight.padded_k,
+                                     None if x_scale is None else x_scale.data_ptr(), len(chunks),
+                                     ctypes.cast(self._w, ctypes.c_void_p), ctypes.cast(self._scale, ctypes.c_void_p),
+                                     ctypes.cast(self._first, ctypes.c_void_p))
+        self.address: int = ctypes.addressof(self._fields)
+        self.fill_address = self.kernel.fill_address
+
+    def span(self, row: int, j: int) -> torch.Tensor:
+        """Span j of row `row`, float32 [SPAN]."""
+        if not (0 <= row < self.rows and 0 <= j < self.spans):
+            raise IndexError(f"span {j} of row {row}: the source has {self.rows} rows of {self.spans} spans")
+        out = torch.empty(SPAN, dtype=torch.float32)
+        self.kernel._fill(self.address, row, j, out.data_ptr())
+        return out
+
 
 def _plain_product(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, row_scale: torch.Tensor
                    ) -> torch.Tensor:
@@ -215,7 +288,7 @@ def _mismatch(kernel: AmxKernel) -> str:
     if not kernel.ready:
         return ""
     generator = torch.Generator().manual_seed(0)
-    for rows, n, k in ((1, 48, 64), (17, 40, 200), (70, 256, 128), (33, 100, 640)):
+    for rows, n, k in ((1, 48, 64), (17, 40, 200), (70, 256, 128), (33, 100, 640), (20, 384, 640)):
         values = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator)
         values[0] = 127
         x = torch.randint(-127, 128, (rows, k), dtype=torch.int8, generator=generator)
@@ -237,6 +310,13 @@ def _mismatch(kernel: AmxKernel) -> str:
             if not (torch.equal(logits, expected) and torch.equal(peak, spans.amax(dim=-1))
                     and torch.allclose(mass, reference_mass, rtol=1e-5, atol=0.0)):
                 return f"its span logits differ from torch's at {rows} x {n} x {k}"
+            summaries = kernel.span_summaries(x, pack(values), scale, row_scale, torch.ones(rows), -87.0)
+            if not (torch.equal(summaries[0], peak) and torch.equal(summaries[1], mass)):
+                return f"its span summaries alone differ from those beside the logits at {rows} x {n} x {k}"
+            source = AmxSpanSource([AmxProduct(kernel, pack(values), scale)], x, row_scale)
+            for r, j in ((0, 0), (rows - 1, n // SPAN - 1), (rows // 2, n // SPAN // 2)):
+                if not torch.equal(source.span(r, j), spans[r, j]):
+                    return f"a span computed again differs from the stored one at {rows} x {n} x {k}"
     return ""
 
 

@@ -7,18 +7,20 @@ the row's maximum, its total mass and which span a draw lands in by reading 1/SP
 row, and reads the logits themselves only inside the spans it needs (see
 executor/torch/span_sampler.py).
 
-The logits are held one of two ways. Dense: one float32 [rows, padded vocab] buffer per
+The logits are held one of three ways. Dense: one float32 [rows, padded vocab] buffer per
 process, reused from step to step (a fresh tensor of that size each step costs a page
 fault per 4 KiB). In pieces: the output head's chunk outputs as its kernels returned
 them, so a step that only draws never copies the whole vocabulary; spans are read from
 the pieces, and the first dense need (a logits change, logprobs, a rare whole-row search)
-copies the pieces into the buffer once. Padding past the vocabulary is -inf in both,
+copies the pieces into the buffer once. Not held at all: a LogitsSource computes them
+again, a span at a time for native code that reads a span or two of each row, or all
+of them into the buffer at the first other need. Padding past the vocabulary is -inf,
 which no sampler ever picks.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
@@ -35,6 +37,20 @@ EXP_FLOOR = -87.0
 
 # (logits [n, k * SPAN], inv_temperature [n]) -> (span max, span mass) [n, k], as span_stats.
 Summarise = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+class LogitsSource(Protocol):
+    """Where logits that were summarised but not stored come from, exactly as they would
+    have been stored."""
+
+    def materialize(self, padded: torch.Tensor) -> None:
+        """Write every logit into padded [S, W] (float32; its padding columns are left as
+        they are, -inf)."""
+
+    def native(self) -> tuple[int, int]:
+        """(address of a C function void fill(const void *context, int64_t row, int64_t span,
+        float *out) writing span `span` of a row's logits to out[0 .. SPAN - 1], its
+        context's address); both valid while this object lives."""
 
 
 def padded_width(vocab_size: int, span: int = SPAN) -> int:
@@ -65,13 +81,14 @@ class SpanLogits:
     EXP_FLOOR))), 0 for a span whose logits are all -inf. Whoever changes logits (through `padded` or
     `logits`, which make them dense first) restores the summaries (refresh_rows /
     refresh_spans). Held in pieces, each piece is [S, w] with w a multiple of span, and
-    the pieces side by side are `padded`."""
+    the pieces side by side are `padded`. Given by a `source`, the logits are not held: the
+    first use of them other than a native kernel's (`source`) makes them dense."""
 
     def __init__(self, *, vocab_size: int, inv_temperature: torch.Tensor, span_max: torch.Tensor,
                  span_sum: torch.Tensor, buffer: LogitsBuffer, padded: torch.Tensor | None = None,
-                 pieces: list[torch.Tensor] | None = None) -> None:
-        if (padded is None) == (pieces is None):
-            raise ValueError("SpanLogits holds its logits either dense (padded) or in pieces")
+                 pieces: list[torch.Tensor] | None = None, source: LogitsSource | None = None) -> None:
+        if sum(held is not None for held in (padded, pieces, source)) != 1:
+            raise ValueError("SpanLogits holds its logits dense (padded), in pieces, or not (a source)")
         self.vocab_size = vocab_size
         self.inv_temperature = inv_temperature  # [S] float32
         self.span_max = span_max  # [S, W / span]
@@ -80,6 +97,7 @@ class SpanLogits:
         self._buffer = buffer
         self._padded = padded
         self._pieces = pieces
+        self._source = source
         if pieces is not None:
             self._piece_spans = torch.tensor([p.shape[1] // self.span for p in pieces])
             self._piece_start = torch.cat([torch.zeros(1, dtype=torch.long), self._piece_spans.cumsum(0)])
@@ -93,8 +111,22 @@ class SpanLogits:
         return self._padded is not None
 
     @property
+    def source(self) -> LogitsSource | None:
+        """The source of logits not held (None once they are)."""
+        return self._source
+
+    def _hold(self) -> None:
+        """Logits not held are computed into the buffer: from here on they are dense."""
+        if self._source is not None:
+            padded = self._buffer.rows(self.num_rows)
+            self._source.materialize(padded)
+            self._padded, self._source = padded, None
+
+    @property
     def padded(self) -> torch.Tensor:
-        """The logits as one dense [S, W] tensor (copied out of the pieces on first use)."""
+        """The logits as one dense [S, W] tensor (copied out of the pieces, or computed from
+        the source, on first use)."""
+        self._hold()
         if self._padded is None:
             assert self._pieces is not None
             padded = self._buffer.rows(self.num_rows)
@@ -112,6 +144,7 @@ class SpanLogits:
     def pieces(self) -> list[torch.Tensor]:
         """The logits as they are held, without copying: [padded] when dense, else the
         pieces side by side (each [S, w], w a multiple of span, in the head's dtype)."""
+        self._hold()
         if self._padded is not None:
             return [self._padded]
         assert self._pieces is not None
@@ -119,6 +152,7 @@ class SpanLogits:
 
     def whole_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """A copy of rows [n] of `padded` ([n, W]), without making the rest dense."""
+        self._hold()
         if self._padded is not None:
             return self._padded[rows]
         assert self._pieces is not None
@@ -142,6 +176,7 @@ class SpanLogits:
         holding any (one block when dense), each with the positions i it holds (None:
         all, in order): what take_spans returns before putting them back in order, for
         callers that reduce each span and need no order."""
+        self._hold()
         if self._padded is not None:
             keys = rows * self.span_max.shape[1] + js
             return [(None, self._padded.view(-1, self.span).index_select(0, keys))]
@@ -160,6 +195,7 @@ class SpanLogits:
 
     def at(self, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The logits at (rows[i], ids[i]), [n] float32, read in place (dense or in pieces)."""
+        self._hold()
         if self._padded is not None:
             return self._padded[rows, ids]
         assert self._pieces is not None
@@ -173,6 +209,7 @@ class SpanLogits:
         without making pieces dense: the summaries are the caller's to refresh. A piece
         in a narrower dtype than float32 is widened first, so that a value is stored as a
         dense float32 buffer would store it."""
+        self._hold()
         if self._padded is not None:
             self._padded[rows, ids] = values
             return

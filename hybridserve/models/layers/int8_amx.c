@@ -259,7 +259,7 @@ int int8_amx_argmax(const int8_t *x, int64_t ldx, int64_t M, int64_t K, const in
 
 /* As int8_amx_matmul for N whole spans (N % SPAN == 0), and besides, each span's summary
  * of the stored outputs at its row's inverse temperature inv_t[m] (span_summary.h's
- * summarise_group, as span_summaries.c computes it): peak and mass [M, N / SPAN],
+ * summarise_spans, as span_summaries.c computes it): peak and mass [M, N / SPAN],
  * contiguous. With out NULL only the summaries are made (a sampler that reads a span or
  * two of each row computes them again with int8_amx_fill_span). Returns as
  * int8_amx_matmul (-2 also for N not whole spans). */
@@ -305,21 +305,28 @@ int int8_amx_span_logits(const int8_t *x, int64_t ldx, int64_t M, int64_t K, con
                 const int ahead = j + 1 < spans && M >= PREFETCH_MIN_ROWS;
                 const int8_t *next = ahead ? w + (j + 1) * span_bytes : w;
                 const int64_t share = (span_bytes / rows + 63) / 64 * 64;
-                for (int64_t r = 0; r < rows; r++) {
-                    if (ahead && r * share < span_bytes)
-                        prefetch_l2(next + r * share, span_bytes - r * share < share ? span_bytes - r * share : share);
-                    const int64_t m = m0 + r;
-                    float *row = block + r * SPAN;
-                    summarise_group(row, 0, 1, 0, 1.0f, inv_t[m], exp_floor, peak + m * spans + j, mass + m * spans + j);
+                for (int64_t r0 = 0; r0 < rows; r0 += GROUP) {
+                    const int64_t count = rows - r0 < GROUP ? rows - r0 : GROUP;
+                    for (int64_t r = r0; r < r0 + count; r++)
+                        if (ahead && r * share < span_bytes)
+                            prefetch_l2(next + r * share, span_bytes - r * share < share ? span_bytes - r * share : share);
+                    /* GROUP rows' spans side by side (their exponentials interleaved) */
+                    float *first = block + r0 * SPAN, *pk = peak + (m0 + r0) * spans + j, *ms = mass + (m0 + r0) * spans + j;
+                    if (count == GROUP)
+                        summarise_spans(first, GROUP, 0, 1.0f, inv_t + m0 + r0, 1, exp_floor, pk, ms, spans);
+                    else
+                        summarise_spans(first, (int)count, 0, 1.0f, inv_t + m0 + r0, 1, exp_floor, pk, ms, spans);
                     if (!out) continue; /* summaries only: int8_amx_fill_span gives a span again */
-                    float *dst = out + m * ldo + j * SPAN;
-                    const int aligned = !((uintptr_t)dst & 63);
-                    for (int i = 0; i < SPAN; i += TILE) {
-                        const __m512 v = _mm512_load_ps(row + i);
-                        if (stream && aligned)
-                            _mm512_stream_ps(dst + i, v);
-                        else
-                            _mm512_storeu_ps(dst + i, v);
+                    for (int64_t r = r0; r < r0 + count; r++) {
+                        float *dst = out + (m0 + r) * ldo + j * SPAN;
+                        const int aligned = !((uintptr_t)dst & 63);
+                        for (int i = 0; i < SPAN; i += TILE) {
+                            const __m512 v = _mm512_load_ps(block + r * SPAN + i);
+                            if (stream && aligned)
+                                _mm512_stream_ps(dst + i, v);
+                            else
+                                _mm512_storeu_ps(dst + i, v);
+                        }
                     }
                 }
             }

@@ -2,7 +2,8 @@
  * (models/layers/span_summaries.c over stored logits; models/layers/int8_amx.c as its
  * products come out): the span's maximum m and its mass, the sum of
  * exp(max((x - m) * inv_t, exp_floor)) (0 for a span that is all -inf); both use
- * summarise_group, so the same logits give the same summaries bit for bit.
+ * summarise_spans (directly or through summarise_group), so the same logits give the same
+ * summaries bit for bit.
  * The exponential (exp_nonpositive, also the paged decode kernel's softmax,
  * executor/torch/paged_decode.c) is range reduction to 2^n * e^r (|r| <= ln 2 / 2) with
  * a degree-6 polynomial for e^r, fitted for least maximum relative error on that range
@@ -55,20 +56,23 @@ static inline vf exp_nonpositive(vf x) {
 #endif
 }
 
-/* Spans j0 .. j0 + count - 1 (count <= GROUP) of one row, each logit first multiplied by
- * `factor` in place where `scaled`. */
-/* Always inlined: each call site's constant count and flag then unroll its loops, with
+/* count <= GROUP spans of SPAN floats, span g at first + g * SPAN (side by side in a row,
+ * or a block's rows), each logit first multiplied by `factor` in place where `scaled`;
+ * span g at inverse temperature inv_t[each ? g : 0], its maximum and mass written to
+ * peak[g * step] and mass[g * step]. The spans' lanes are worked side by side: one span's
+ * exponentials alone leave the vector units waiting on each polynomial's chain. */
+/* Always inlined: each call site's constant count and flags then unroll its loops, with
  * the lanes in registers (left to its own judgement GCC calls one generic copy for AVX2). */
 static inline __attribute__((always_inline)) void
-summarise_group(float *row, int64_t j0, int count, int scaled, float factor, float inv_t, float exp_floor,
-                float *peak, float *mass) {
-    vf lane_max[GROUP], shift[GROUP], acc[GROUP];
+summarise_spans(float *first, int count, int scaled, float factor, const float *inv_t, int each, float exp_floor,
+                float *peak, float *mass, int64_t step) {
+    vf lane_max[GROUP], shift[GROUP], acc[GROUP], by_temperature[GROUP];
     float m[GROUP];
     const vf row_factor = splat(factor);
     for (int g = 0; g < count; g++) lane_max[g] = splat(-INFINITY);
     for (int b = 0; b < SPAN; b += LANES)
         for (int g = 0; g < count; g++) {
-            float *p = row + (j0 + g) * SPAN + b;
+            float *p = first + g * SPAN + b;
             vf v = load_f32(p);
             if (scaled) {
                 v = v * row_factor; /* stored, then used only by the max: never fused into later arithmetic */
@@ -80,15 +84,24 @@ summarise_group(float *row, int64_t j0, int count, int scaled, float factor, flo
         m[g] = lanes_max(lane_max[g]);
         shift[g] = splat(m[g] == -INFINITY ? 0.0f : m[g]); /* an all -inf span: no -inf - -inf */
         acc[g] = splat(0.0f);
+        by_temperature[g] = splat(inv_t[each ? g : 0]);
     }
-    const vf by_temperature = splat(inv_t), lowest = splat(exp_floor);
+    const vf lowest = splat(exp_floor);
     for (int b = 0; b < SPAN; b += LANES)
         for (int g = 0; g < count; g++)
-            acc[g] += exp_nonpositive(vmax((load_f32(row + (j0 + g) * SPAN + b) - shift[g]) * by_temperature, lowest));
+            acc[g] += exp_nonpositive(vmax((load_f32(first + g * SPAN + b) - shift[g]) * by_temperature[g], lowest));
     for (int g = 0; g < count; g++) {
-        peak[j0 + g] = m[g];
-        mass[j0 + g] = m[g] == -INFINITY ? 0.0f : lanes_sum(acc[g]);
+        peak[g * step] = m[g];
+        mass[g * step] = m[g] == -INFINITY ? 0.0f : lanes_sum(acc[g]);
     }
+}
+
+/* Spans j0 .. j0 + count - 1 (count <= GROUP) of one row at one inverse temperature, into
+ * peak[j0 ..] and mass[j0 ..]: summarise_spans over a row. */
+static inline __attribute__((always_inline)) void
+summarise_group(float *row, int64_t j0, int count, int scaled, float factor, float inv_t, float exp_floor,
+                float *peak, float *mass) {
+    summarise_spans(row + j0 * SPAN, count, scaled, factor, &inv_t, 0, exp_floor, peak + j0, mass + j0, 1);
 }
 
 #endif

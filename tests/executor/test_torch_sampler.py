@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 
 from hybridserve.core.request import SamplingParams  # noqa: E402
 from hybridserve.executor.torch.logits_controls import TokenHistory  # noqa: E402
-from hybridserve.executor.torch.sampler import SampleRow, logprob_info, sample  # noqa: E402
+from hybridserve.executor.torch.sampler import SampleRow, logprob_info, reads_one_span_per_row, sample  # noqa: E402
 from hybridserve.executor.torch.sampling_keys import uniforms  # noqa: E402
 
 # probabilities 0.5, 0.3, 0.15, 0.05 over 4 tokens
@@ -220,3 +220,30 @@ def test_a_row_that_cannot_be_sampled_fails_alone() -> None:
     assert sorted(failed) == [0, 1]
     assert "masked" in failed[0] and "token 9" in failed[1]
     assert tokens[2] == 0 and all(0 <= t < 4 for t in tokens)
+
+
+def test_which_batches_read_one_span_per_row() -> None:
+    # The head keeps only span summaries for these (OutputHead.span_logits, stored=False).
+    vocab = 1000
+
+    def one(**params: float) -> list[SampleRow]:
+        return [SampleRow(SamplingParams(**params))]
+
+    assert reads_one_span_per_row(one(temperature=0.0), vocab)
+    assert reads_one_span_per_row(one(temperature=1.0), vocab)
+    assert reads_one_span_per_row(one(temperature=0.7, top_k=1), vocab)  # top-k 1 is greedy
+    assert reads_one_span_per_row(one(temperature=0.7, top_k=vocab), vocab)  # keeps every token
+    assert reads_one_span_per_row(one(temperature=0.0, top_p=0.5), vocab)  # greedy: filters unread
+    assert not reads_one_span_per_row(one(temperature=0.7, top_k=40), vocab)
+    assert not reads_one_span_per_row(one(temperature=0.7, top_p=0.9), vocab)
+    assert not reads_one_span_per_row(one(temperature=1.0, min_p=0.05), vocab)
+    assert not reads_one_span_per_row(one(temperature=1.0, logprobs=0), vocab)
+    assert not reads_one_span_per_row([SampleRow(SamplingParams(temperature=1.0), banned=(1,))], vocab)
+    assert not reads_one_span_per_row(
+        [SampleRow(SamplingParams(temperature=1.0, presence_penalty=0.5), history=TokenHistory([3, 4], 1))], vocab)
+    assert not reads_one_span_per_row(
+        [SampleRow(SamplingParams(temperature=1.0), bitmask=torch.zeros(32, dtype=torch.int32))], vocab)
+    # one filtered row makes the whole batch store its logits
+    mixed = one(temperature=0.0) + one(temperature=1.0)
+    assert reads_one_span_per_row(mixed, vocab)
+    assert not reads_one_span_per_row(mixed + one(temperature=0.7, top_p=0.95), vocab)

@@ -55,9 +55,9 @@ def is_greedy(params: SamplingParams) -> bool:
 
 def reads_one_span_per_row(rows: list[SampleRow], vocab_size: int) -> bool:
     """Whether sampling these rows reads the logits of one span per row only: every row
-    greedy (its maximum's span), or drawing at a temperature with no filter (top-k below
-    the vocabulary, top-p, min-p: their candidates are a dozen spans), logits change, ban,
-    grammar mask or logprobs. Then the head need not store its logits
+    greedy (it reads its maximum's span) or drawing at a temperature alone (no top-k below
+    the vocabulary, top-p or min-p, which read a dozen spans or more), and none with logits
+    controls, bans, a grammar mask or logprobs. Then the head need not store its logits
     (OutputHead.span_logits with stored=False): the span a row draws from is computed
     again, bit for bit, and any other use of them computes them all first."""
     for r in rows:

@@ -174,3 +174,32 @@ def test_logits_not_stored_draw_the_stored_logits_tokens(monkeypatch) -> None:
     unstored = head.span_logits(x[plain], inv_t[plain], None, stored=False)
     assert torch.equal(draw(unstored, *_tensors([params[i] for i in plain]), u[plain]), want[plain])
     assert unstored.source is not None  # nothing made them dense
+
+
+@needs_native
+def test_logits_not_stored_are_computed_whole_for_penalties_and_logprobs(monkeypatch) -> None:
+    # Rows the runner would not give unstored logits (penalties, a bias, logprobs) still
+    # sample as from stored ones when they get them: every use other than the native draw
+    # computes the whole logits first (the same values), then changes them.
+    from hybridserve.executor.torch.logits_controls import TokenHistory
+    from hybridserve.executor.torch.sampler import sample
+    from hybridserve.models.layers.head import HEAD_CHUNK_ROWS, OutputHead
+    from hybridserve.models.layers.int8 import AMX
+    from hybridserve.models.layers.int8_amx import amx_kernel
+    if amx_kernel() is None:
+        pytest.skip("no AMX int8 tiles (or no compiler) here")
+    monkeypatch.setattr("hybridserve.models.layers.head.int8_path", lambda: AMX)
+    g = torch.Generator().manual_seed(11)
+    head = OutputHead(torch.randn(HEAD_CHUNK_ROWS + 40 * SPAN, 64, generator=g) * 0.05, "int8")
+    history = TokenHistory([5, 9, 5, 700, 33000, 9], num_prompt=2)
+    params = [SamplingParams(temperature=0.9, repetition_penalty=1.3, presence_penalty=0.5, seed=1),
+              SamplingParams(temperature=1.0, logit_bias={33001: 5.0, 7: -3.0}, seed=2),
+              SamplingParams(temperature=0.8, logprobs=3, seed=3), SamplingParams(temperature=0.0)]
+    rows = [SampleRow(p, seed=i, position=4, history=history if i < 2 else None) for i, p in enumerate(params)]
+    x = torch.randn(len(rows), 64, generator=g) * 4
+    inv_t = inv_temperatures(rows)
+    stored_tokens, stored_lps, _ = sample(head.span_logits(x, inv_t, None), rows)
+    unstored = head.span_logits(x, inv_t, None, stored=False)
+    tokens, lps, failed = sample(unstored, rows)
+    assert not failed and tokens == stored_tokens and lps == stored_lps
+    assert unstored.source is None  # the changes made them dense

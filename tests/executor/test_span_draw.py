@@ -147,20 +147,26 @@ def test_a_masked_row_and_a_model_dtype_piece() -> None:
     assert native(bf16, *_tensors([SamplingParams(temperature=1.0)]), u, 4, CANDIDATE_SPANS) is None
 
 
-@needs_native
-def test_logits_not_stored_draw_the_stored_logits_tokens(monkeypatch) -> None:
-    # An AMX int8 head (two chunks of whole spans) keeping only the span summaries: the draw
-    # computes each span it reads again, and every row kind gets the tokens it gets from the
-    # stored logits. A batch of greedy and plain temperature rows reads one span per row and
-    # leaves the logits unstored; the filtered rows' candidates are computed the same way.
+def _amx_head(monkeypatch, g: torch.Generator):
+    """An int8 head on AMX's integer tiles (skips where they are not), two chunks of whole
+    spans, its weight drawn from g."""
     from hybridserve.models.layers.head import HEAD_CHUNK_ROWS, OutputHead
     from hybridserve.models.layers.int8 import AMX
     from hybridserve.models.layers.int8_amx import amx_kernel
     if amx_kernel() is None:
         pytest.skip("no AMX int8 tiles (or no compiler) here")
     monkeypatch.setattr("hybridserve.models.layers.head.int8_path", lambda: AMX)
+    return OutputHead(torch.randn(HEAD_CHUNK_ROWS + 40 * SPAN, 64, generator=g) * 0.05, "int8")
+
+
+@needs_native
+def test_logits_not_stored_draw_the_stored_logits_tokens(monkeypatch) -> None:
+    # An AMX int8 head (two chunks of whole spans) keeping only the span summaries: the draw
+    # computes each span it reads again, and every row kind gets the tokens it gets from the
+    # stored logits. A batch of greedy and plain temperature rows reads one span per row and
+    # leaves the logits unstored; the filtered rows' candidates are computed the same way.
     g = torch.Generator().manual_seed(7)
-    head = OutputHead(torch.randn(HEAD_CHUNK_ROWS + 40 * SPAN, 64, generator=g) * 0.05, "int8")
+    head = _amx_head(monkeypatch, g)
     params = [SamplingParams(**c) for c in COMBOS for _ in range(3)]
     rows = [SampleRow(p, seed=i, position=9) for i, p in enumerate(params)]
     x = torch.randn(len(rows), 64, generator=g) * 4
@@ -183,14 +189,8 @@ def test_logits_not_stored_are_computed_whole_for_penalties_and_logprobs(monkeyp
     # computes the whole logits first (the same values), then changes them.
     from hybridserve.executor.torch.logits_controls import TokenHistory
     from hybridserve.executor.torch.sampler import sample
-    from hybridserve.models.layers.head import HEAD_CHUNK_ROWS, OutputHead
-    from hybridserve.models.layers.int8 import AMX
-    from hybridserve.models.layers.int8_amx import amx_kernel
-    if amx_kernel() is None:
-        pytest.skip("no AMX int8 tiles (or no compiler) here")
-    monkeypatch.setattr("hybridserve.models.layers.head.int8_path", lambda: AMX)
     g = torch.Generator().manual_seed(11)
-    head = OutputHead(torch.randn(HEAD_CHUNK_ROWS + 40 * SPAN, 64, generator=g) * 0.05, "int8")
+    head = _amx_head(monkeypatch, g)
     history = TokenHistory([5, 9, 5, 700, 33000, 9], num_prompt=2)
     params = [SamplingParams(temperature=0.9, repetition_penalty=1.3, presence_penalty=0.5, seed=1),
               SamplingParams(temperature=1.0, logit_bias={33001: 5.0, 7: -3.0}, seed=2),

@@ -19,16 +19,13 @@
 #include "logit_pieces.h"
 #include "span_summary.h"
 
+/* The logit of token in a row, its whole span asked for too: the span's summary is taken
+ * afresh once the row's entries are changed, and its lines then come in together rather
+ * than one miss after another (the logits were streamed past the caches). */
 static float *logit_at(const Logits *l, int64_t row, int64_t token) {
-    return span_at(l, row, token / SPAN) + token % SPAN;
-}
-
-/* Ask for the whole span holding token: its summary is taken afresh once the row's
- * entries are changed, and the span's lines then come in together rather than one miss
- * after another (the logits were streamed past the caches). */
-static void prefetch_span(const Logits *l, int64_t row, int64_t token) {
-    const char *span = (const char *)span_at(l, row, token / SPAN);
-    for (int b = 0; b < SPAN * (int)sizeof(float); b += 64) __builtin_prefetch(span + b, 1);
+    float *span = span_at(l, row, token / SPAN);
+    for (int b = 0; b < SPAN; b += 64 / (int)sizeof(float)) __builtin_prefetch(span + b, 1);
+    return span + token % SPAN;
 }
 
 static int ascending(const void *a, const void *b) {
@@ -66,7 +63,6 @@ static int64_t apply_row(const Logits *l, int64_t row, int64_t vocab, const int6
             in_history++;
             outputs += keys[i] & 1;
         }
-        prefetch_span(l, row, token);
         float *x = logit_at(l, row, token);
         float v = *x;
         const int64_t b = find(bias_ids, num_bias, token);
@@ -84,7 +80,6 @@ static int64_t apply_row(const Logits *l, int64_t row, int64_t vocab, const int6
             if (keys[mid] / 2 < token) lo = mid + 1; else hi = mid;
         }
         if (lo < n && keys[lo] / 2 == token) continue;
-        prefetch_span(l, row, token);
         float *x = logit_at(l, row, token);
         *x = *x + bias[b];
         spans[touched++] = token / SPAN;

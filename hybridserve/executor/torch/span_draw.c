@@ -216,11 +216,12 @@ static Verdict threshold(const Logits *l, int64_t row, const float *span_max, co
     if (isnan(bound)) goto done;
     /* the candidates' logits are read below: their lines asked for all at once, not one
      * miss after another (logits not held are computed when read instead) */
-    for (int64_t i = 0; i < n_spans && !l->fill; i++)
-        if (span_max[spans_in[i]] > bound) {
-            const char *v = (const char *)span_at(l, row, spans_in[i]);
-            for (int b = 0; b < SPAN * (int)sizeof(float); b += 64) __builtin_prefetch(v + b);
-        }
+    if (!l->fill)
+        for (int64_t i = 0; i < n_spans; i++)
+            if (span_max[spans_in[i]] > bound) {
+                const char *v = (const char *)span_at(l, row, spans_in[i]);
+                for (int b = 0; b < SPAN * (int)sizeof(float); b += 64) __builtin_prefetch(v + b);
+            }
     const double needed_all = (double)top_p * total;
     t->bound = bound;
     t->needed = needed_all;

@@ -310,7 +310,8 @@ int int8_amx_span_logits(const int8_t *x, int64_t ldx, int64_t M, int64_t K, con
                     for (int64_t r = r0; r < r0 + count; r++)
                         if (ahead && r * share < span_bytes)
                             prefetch_l2(next + r * share, span_bytes - r * share < share ? span_bytes - r * share : share);
-                    /* GROUP rows' spans side by side (their exponentials interleaved) */
+                    /* GROUP rows' spans side by side (their exponentials interleaved); a
+                     * constant count lets the whole group's loops unroll */
                     float *first = block + r0 * SPAN, *pk = peak + (m0 + r0) * spans + j, *ms = mass + (m0 + r0) * spans + j;
                     if (count == GROUP)
                         summarise_spans(first, GROUP, 0, 1.0f, inv_t + m0 + r0, 1, exp_floor, pk, ms, spans);

@@ -32,7 +32,7 @@ def step_with_and_without(monkeypatch: Any, model: Any, lengths: list[int], kern
 
     calls = []
     real = kernel_class.__call__
-    monkeypatch.setattr(kernel_class, "__call__", lambda self, *a: calls.append(1) or real(self, *a))
+    monkeypatch.setattr(kernel_class, "__call__", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
     with_kernel = prefill(model, lengths)
     monkeypatch.setattr(decoder_module, getter_name, lambda: None)
     return len(calls), with_kernel, prefill(model, lengths)

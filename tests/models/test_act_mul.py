@@ -48,6 +48,12 @@ def test_products_by_hand() -> None:
     assert out.shape == (1, 32) and out.dtype == torch.bfloat16
     assert out[0, :5].float().tolist() == [1.515625, 1.015625, -1.5, -0.5, 0.0]
     assert out[0, 5:].float().abs().sum() == 0
+    # written into the rows of a larger result where `out` is given, its other rows untouched
+    whole = torch.full((3, 32), 9.0, dtype=torch.bfloat16)
+    assert KERNEL(gate_up, KERNEL.table(_identity, 32), out=whole[1:2]).data_ptr() == whole[1].data_ptr()
+    assert torch.equal(whole[1], out[0]) and bool((whole[[0, 2]] == 9.0).all())
+    with pytest.raises(ValueError, match="not an output for 1 x 32 bf16 values"):
+        KERNEL(gate_up, KERNEL.table(_identity, 32), out=whole[:2])
 
 
 @needs_kernel

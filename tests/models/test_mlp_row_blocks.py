@@ -57,3 +57,39 @@ def test_a_prefill_in_row_blocks_gives_the_same_hidden_states() -> None:
     whole = prefill(model, LENGTHS)
     model.mlp_block_rows = 16  # 150 rows in 10 blocks
     assert torch.equal(prefill(model, LENGTHS), whole)
+
+
+def test_the_model_dtype_product_takes_twice_the_rows_in_bf16() -> None:
+    # 16 MiB / (2 x 2048 columns x 2 bytes) = 2048 rows: a default 2048-token step in one block.
+    assert block_rows(2048, 2) == 2048
+    assert block_rows(2048, 4) == block_rows(2048) == 1024
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_bf16_large_step_in_row_blocks_gives_the_same_hidden_states(native: bool, monkeypatch) -> None:
+    """The model-dtype decoder's large step writes each block's act * up into its rows of
+    one result (the native kernel's `out`, or a copy on the general path): the hidden states
+    of one block, bit for bit."""
+    from hybridserve.models.arch import decoder as decoder_module
+    from hybridserve.models.layers.act_mul import act_mul_kernel
+    from hybridserve.models.loaders.loader import load_model
+    from tests.helpers import hf_tiny
+
+    if native and act_mul_kernel() is None:
+        pytest.skip("no C compiler: the act * up kernel is not built")
+    if not native:  # the general act * up: eager, as the chains' fallback
+        monkeypatch.setattr(decoder_module, "act_mul_kernel", lambda: None)
+    model = load_model(hf_tiny.tiny_model_dir("gemma3"), "cpu", torch.bfloat16, "none", compile=True)
+    assert model.dtype_mlp_block_rows >= sum(LENGTHS)
+    whole = prefill(model, LENGTHS)
+    written: list[int] = []
+    real = model._act_mul
+
+    def act_mul(gate_up, act, general=None, out=None):  # type: ignore[no-untyped-def]
+        written.append(-1 if out is None else out.shape[0])
+        return real(gate_up, act, general, out=out)
+
+    monkeypatch.setattr(model, "_act_mul", act_mul)
+    model.dtype_mlp_block_rows = 16  # 150 rows in 10 blocks of 15
+    assert torch.equal(prefill(model, LENGTHS), whole)
+    assert written == [15] * 10 * model.cfg.num_layers

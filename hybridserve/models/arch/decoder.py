@@ -290,7 +290,10 @@ class DecoderLM(StagedModel):
         # The model-dtype layers' element-wise work compiled for large steps (decoder_chains.py);
         # eager is forward's own loop (None).
         self._dtype_chains: ChainsByRows[DecoderChains | None] | None = None
-        self.mlp_block_rows = block_rows(cfg.intermediate_size)  # gate|up's rows per call (mlp_row_blocks.py)
+        # gate|up's rows per call in large steps (mlp_row_blocks.py): the int8 layers' product
+        # is float32, the model-dtype layers' is in the model's dtype (twice the rows in bf16)
+        self.mlp_block_rows = block_rows(cfg.intermediate_size)
+        self.dtype_mlp_block_rows = block_rows(cfg.intermediate_size, torch.empty((), dtype=dtype).element_size())
         self._act = {"silu": F.silu, "gelu": F.gelu,
                      "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}[cfg.activation]
         # Steps the compiled chains may take (compiled or not) use theirs, as exact_sums.
@@ -410,15 +413,18 @@ class DecoderLM(StagedModel):
         return frozenset(chains)
 
     def _act_mul(self, gate_up: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor],
-                 general: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+                 general: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
         """act(gate) * up of gate_up [rows, 2 x intermediate]: the native kernel where it takes
-        these rows (bit for bit act's values, from its table), else `general` (None: eager)."""
+        these rows (bit for bit act's values, from its table), else `general` (None: eager);
+        written into `out` where given (contiguous, [rows, intermediate]), which it returns."""
         kernel = act_mul_kernel() if self.dtype == torch.bfloat16 and gate_up.device.type == "cpu" else None
         if kernel is None or not kernel.supports(gate_up):
-            return act_mul_eager(gate_up, act) if general is None else general(gate_up)
+            y = act_mul_eager(gate_up, act) if general is None else general(gate_up)
+            return y if out is None else out.copy_(y)
         table = self._act_table(act, gate_up.shape[1] // 2)
         assert table is not None
-        return kernel(gate_up, table)
+        return kernel(gate_up, table, out=out)
 
     def _act_table(self, act: Callable[[torch.Tensor], torch.Tensor], width: int) -> torch.Tensor | None:
         """act_mul.c's table of `act` for gates `width` wide (made once; the table is made in
@@ -550,7 +556,7 @@ class DecoderLM(StagedModel):
                               norms_kernel: ResidualNorms | None) -> torch.Tensor:
         """forward's loop for a large step, its element-wise work in decoder_chains' compiled
         functions (only for layers _chains_cover_layers says they cover); gate|up and its
-        activation in row blocks, as the int8 layers take them (mlp_row_blocks.py). The q/k
+        activation in row blocks (_gate_up_act). The q/k
         norm + RoPE, the sandwich norms' adds and act * up go to the native kernels where
         they are built: the same values (each chain's, bit for bit) in half the time or less."""
         cfg = self.cfg
@@ -575,15 +581,28 @@ class DecoderLM(StagedModel):
             else:
                 h, x = self._chain_residual(chains, norms_kernel, h, lin.o(attn), norms.out, norms.ffn)
             assert x is not None
-            parts = [self._act_mul(lin.gate_up(x[a:b]), self._large_act, chains.act_mul)
-                     for a, b in row_blocks(T, self.mlp_block_rows)]
-            y = parts[0] if len(parts) == 1 else torch.cat(parts)
+            y = self._gate_up_act(lin, x, chains.act_mul)
             next_norm = layers[k + 1][1].input_norm if k + 1 < len(layers) else None
             if norms.down is None:
                 h, x = self._chain_residual(chains, norms_kernel, lin.down_residual(h, y), None, None, next_norm)
             else:
                 h, x = self._chain_residual(chains, norms_kernel, h, lin.down(y), norms.down, next_norm)
         return h
+
+    def _gate_up_act(self, lin: LayerLinears, x: torch.Tensor,
+                     general: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """act(gate) * up of a large step's rows x: gate|up in row blocks of at most
+        dtype_mlp_block_rows (mlp_row_blocks.py), each block's act * up written into its rows
+        of one result (rows are independent: the same values as one call)."""
+        blocks = row_blocks(x.shape[0], self.dtype_mlp_block_rows)
+        first = lin.gate_up(x[: blocks[0][1]])
+        if len(blocks) == 1:
+            return self._act_mul(first, self._large_act, general)
+        y = first.new_empty(x.shape[0], first.shape[1] // 2)
+        self._act_mul(first, self._large_act, general, out=y[: blocks[0][1]])
+        for a, b in blocks[1:]:
+            self._act_mul(lin.gate_up(x[a:b]), self._large_act, general, out=y[a:b])
+        return y
 
     def _chain_residual(self, chains: DecoderChains, kernel: ResidualNorms | None, h: torch.Tensor,
                         out: torch.Tensor | None, out_norm: torch.Tensor | None, next_norm: torch.Tensor | None

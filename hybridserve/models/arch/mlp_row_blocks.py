@@ -7,7 +7,8 @@ fault per 4 KiB of its output on every call; a product of at most BLOCK_BYTES is
 from the heap the previous block gave back. Rows are independent through the product and
 the activation chain (per-row activation scales, element-wise work, per-row quantization),
 so blocks give the same levels and scales bit for bit as one call
-(tests/models/test_mlp_row_blocks.py).
+(tests/models/test_mlp_row_blocks.py). The model-dtype decoder's large steps (decoder.py)
+cut their gate|up product, in the model's dtype, by the same bytes.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ from hybridserve.models.arch.int8_chains import Int8Chains, Int8Layer, Quantized
 BLOCK_BYTES = 16 << 20
 
 
-def block_rows(intermediate_size: int) -> int:
-    """The most rows of one block for a layer of this intermediate size (at least 1)."""
-    return max(1, BLOCK_BYTES // (2 * intermediate_size * 4))
+def block_rows(intermediate_size: int, value_bytes: int = 4) -> int:
+    """The most rows of one block for a layer of this intermediate size whose product holds
+    `value_bytes` a value (float32 for the int8 layers; the model's dtype for its own), at
+    least 1."""
+    return max(1, BLOCK_BYTES // (2 * intermediate_size * value_bytes))
 
 
 def row_blocks(rows: int, max_rows: int) -> list[tuple[int, int]]:

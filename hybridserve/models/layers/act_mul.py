@@ -75,11 +75,16 @@ class ActMul:
         return (gate_up.device.type == "cpu" and gate_up.dtype == torch.bfloat16 and gate_up.dim() == 2
                 and gate_up.stride(1) == 1 and gate_up.shape[1] % (2 * WIDTH_MULTIPLE) == 0)
 
-    def __call__(self, gate_up: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    def __call__(self, gate_up: torch.Tensor, table: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """act(gate) * up [rows, width], written into `out` where given (contiguous bf16 of
+        that shape: a row block of a larger step's result, so no concatenation)."""
         rows, width = gate_up.shape[0], gate_up.shape[1] // 2
         if table.shape != ((1 << 16) + 1,) or table.dtype != torch.bfloat16 or not table.is_contiguous():
             raise ValueError(f"not an activation table: {table.dtype} {tuple(table.shape)}")
-        out = torch.empty(rows, width, dtype=torch.bfloat16)
+        if out is None:
+            out = torch.empty(rows, width, dtype=torch.bfloat16)
+        elif out.shape != (rows, width) or out.dtype != torch.bfloat16 or not out.is_contiguous():
+            raise ValueError(f"not an output for {rows} x {width} bf16 values: {out.dtype} {tuple(out.shape)}")
         if rows:
             self._fn(gate_up.data_ptr(), gate_up.stride(0), rows, width, table.data_ptr(), out.data_ptr(),
                      torch.get_num_threads())

@@ -15,7 +15,10 @@ chat template, transformers renders it, so such directories take the transformer
 a template given later (--chat-template) loads transformers on first use.
 
 FileTokenizer offers the part of a transformers fast tokenizer's interface the engine
-reads (text/tokenizer.Tokenizer, text/structured_output.GrammarBackend).
+reads (text/tokenizer.Tokenizer, text/structured_output.GrammarBackend). Where the folder
+also holds a sentencepiece model of the same tokenizer (text/spm_tokenizer.py, checked
+against the Rust one when written), that encodes and a DecodeTable decodes: the Rust
+tokenizer is then read only for what they do not answer (llguidance's grammar tokenizer).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any, Sequence
 from hybridserve.core.errors import ConfigError
 from hybridserve.models.loaders.gguf_loader import CONVERSION_MARKER
 from hybridserve.text.decode_table import DecodeTable
+from hybridserve.text.spm_tokenizer import SpmTokenizer
 
 _CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 
@@ -69,12 +73,16 @@ class FileTokenizer:
         self._path = path
         self._backend: Any = None
         self._size: int | None = None
+        self._spm = SpmTokenizer.load(path)
+        self._has_spm = self._spm is not None  # the folder's, read again after `release`
+        # what decodes after release(keep_decoding=True), or always beside a sentencepiece
+        # model: made here, so that its construction's transient is behind the loader's trim
+        self._table: DecodeTable | None = None if self._spm is None else self._spm.decode_table()
         config = _read_config(path)
         self.bos_token_id = self._token_id(config.get("bos_token"))
         self.eos_token_id = self._token_id(config.get("eos_token"))
         self._full: Any = None
         self._encoded: dict[str, list[int]] = {}  # texts encoded before a release (with the special prefix)
-        self._table: DecodeTable | None = None  # what decodes after release(keep_decoding=True)
 
     @property
     def backend_tokenizer(self) -> Any:
@@ -97,35 +105,58 @@ class FileTokenizer:
         `encode` answers them (with the special prefix) from memory. With `keep_decoding`,
         `decode` is served from a DecodeTable (a few MB) where the decoder allows one
         (text/decode_table.py), instead of reading the tokenizer again. Anything else
-        reads it again: a transient of about 350 MB for Gemma 3's."""
+        reads it again: a transient of about 350 MB for Gemma 3's, or, where the folder has
+        a sentencepiece model (dropped here too, ~40 MB), that model, in a fraction of a second."""
         for text in texts:
             self._encoded[text] = self.encode(text)
-        if keep_decoding and self._table is None:
+        if keep_decoding and self._table is None:  # (a sentencepiece folder's is made with it)
             self._table = DecodeTable.from_backend(self.backend_tokenizer)
+        elif not keep_decoding and self._has_spm:
+            self._table = None
         self._backend = None
+        self._spm = None
+
+    def _spm_tokenizer(self) -> SpmTokenizer:
+        """The folder's sentencepiece tokenizer (only where it has one), read again after `release`."""
+        if self._spm is None:
+            self._spm = SpmTokenizer.load(self._path)
+            if self._spm is None:
+                raise ConfigError(f"cannot read the tokenizer in {self._path} again")
+        return self._spm
 
     def _token_id(self, value: Any) -> int | None:
         content = _token_content(value)
-        return None if content is None else self.backend_tokenizer.token_to_id(content)
+        if content is None:
+            return None
+        if self._has_spm:
+            return self._spm_tokenizer().token_to_id(content)
+        return self.backend_tokenizer.token_to_id(content)
 
     def __len__(self) -> int:
         if self._size is None:  # kept: asking a released tokenizer its size would read it again
-            self._size = int(self.backend_tokenizer.get_vocab_size(with_added_tokens=True))
+            self._size = len(self._spm_tokenizer()) if self._has_spm else \
+                int(self.backend_tokenizer.get_vocab_size(with_added_tokens=True))
         return self._size
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if add_special_tokens and text in self._encoded:
             return list(self._encoded[text])
+        if self._has_spm:
+            return self._spm_tokenizer().encode(text, add_special_tokens)
         return list(self.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
-        if self._backend is None and self._table is not None:
+        if self._table is None and self._has_spm:
+            self._table = self._spm_tokenizer().decode_table()
+        if (self._backend is None or self._has_spm) and self._table is not None:
             return self._table.decode(ids, skip_special_tokens)
         return str(self.backend_tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 
     def get_added_vocab(self) -> dict[str, int]:
         """{added token's text: id}, as a transformers tokenizer's get_added_vocab (the
         special token ids text/tokenizer.Tokenizer.special_token_id looks up)."""
+        if self._has_spm:
+            return dict(self._spm_tokenizer().added)
         decoder = self.backend_tokenizer.get_added_tokens_decoder()
         return {token.content: token_id for token_id, token in decoder.items()}
 

@@ -20,13 +20,17 @@ delta back while it ends in U+FFFD (a multi-byte character split across tokens).
 from __future__ import annotations
 
 import copy
+import logging
 import threading
 from pathlib import Path
 from typing import Any, Sequence
 
 from hybridserve.core.errors import ConfigError, RequestError
 from hybridserve.models.platform.heap import release_free_heap
+from hybridserve.text import spm_tokenizer
 from hybridserve.text.file_tokenizer import FileTokenizer, serves_without_transformers
+
+log = logging.getLogger(__name__)
 
 PLAIN_CHAT_ROLES = {"system": "System", "user": "User", "assistant": "Assistant"}
 PLAIN_CHAT_STOPS = ("\nUser:", "\nAssistant:")
@@ -56,7 +60,8 @@ class Tokenizer:
         # fast path matters).
         self._encode_lock = threading.Lock()
         self._decode_lock = threading.Lock()
-        backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+        # (a FileTokenizer's backend is read only when asked for: not here)
+        backend = None if isinstance(hf_tokenizer, FileTokenizer) else getattr(hf_tokenizer, "backend_tokenizer", None)
         if isinstance(hf_tokenizer, FileTokenizer):
             # Through the FileTokenizer, not its backend: it may drop the backend (release)
             # and decode from its table (text/decode_table.py).
@@ -77,6 +82,10 @@ class Tokenizer:
         if not any((path / name).is_file() for name in _TOKENIZER_FILES):
             return None
         if serves_without_transformers(path):  # a converted GGUF's: no transformers, no torch
+            if spm_tokenizer.available():  # its sentencepiece model, once (text/spm_tokenizer.py)
+                why_not = spm_tokenizer.build(path)
+                if why_not is not None:
+                    log.info("%s: the Rust tokenizer serves, no sentencepiece model: %s", path, why_not)
             tokenizer = cls(FileTokenizer(path))
             release_free_heap()  # the parse of tokenizer.json leaves hundreds of MB of freed heap
             return tokenizer

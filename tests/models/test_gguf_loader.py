@@ -280,6 +280,32 @@ def test_default_model_logits_and_tokenizer_match_transformers(gemma_start: dict
     _assert_file_tokenizer_matches(gemma_start["first"], our_tokenizer, [2, 9259, 255999, 1902, 256000, 108, 1])
 
 
+@pytest.mark.gemma
+def test_default_models_sentencepiece_model_encodes_as_its_rust_tokenizer(gemma_start: dict) -> None:
+    """Where sentencepiece is installed (the serve and test extras), the converted Gemma 3
+    tokenizer is served by its sentencepiece model (text/spm_tokenizer.py): random texts of
+    its pieces, added tokens, whitespace and other scripts encode as the Rust tokenizer does."""
+    pytest.importorskip("sentencepiece")
+    pytest.importorskip("google.protobuf")
+    import random
+
+    from tokenizers import Tokenizer as RustTokenizer
+
+    from hybridserve.text.tokenizer import Tokenizer
+
+    ours = Tokenizer.from_dir(gemma_start["first"])
+    assert ours.hf._has_spm and ours.hf._backend is None
+    rust = RustTokenizer.from_file(str(gemma_start["first"] / "tokenizer.json"))
+    rng = random.Random(12345)
+    pieces = sorted(rust.get_vocab())
+    other = list("  \n\t.,!?0123456789") + ["\u00e9", "\u4e2d\u6587", "\U0001f600", "<start_of_turn>", "<eos>", "<unk>"]
+    for _ in range(2000):
+        text = "".join(rng.choice(pieces).replace("\u2581", " ") if rng.random() < 0.6 else rng.choice(other)
+                       for _ in range(rng.randrange(1, 20)))
+        for special in (True, False):
+            assert ours.encode(text, add_special_tokens=special) == rust.encode(text, add_special_tokens=special).ids
+
+
 # ---------------------------------------------- the converted tokenizer without transformers
 
 _TOKENIZER_TEXTS = ["hello world", "the  hello", "héllo\nwo", "", " leading space", "émoji 🤖 日本語",

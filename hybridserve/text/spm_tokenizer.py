@@ -259,7 +259,13 @@ class SpmTokenizer:
         return int(self._encoder.get_piece_size())
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._encoder.encode(text)
+        """UnicodeError for text that is not Unicode (lone surrogates), as the Rust library's
+        binding raises for it (sentencepiece's raises a RuntimeError)."""
+        try:
+            ids = self._encoder.encode(text)
+        except RuntimeError:
+            text.encode()  # raises UnicodeEncodeError where that was the cause
+            raise
         return self.bos_prefix + ids if add_special_tokens else ids
 
     def token_to_id(self, token: str) -> int | None:

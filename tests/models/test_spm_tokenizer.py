@@ -18,6 +18,7 @@ pytest.importorskip("sentencepiece")
 pytest.importorskip("google.protobuf")
 from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors  # noqa: E402
 
+from hybridserve.core.errors import RequestError  # noqa: E402
 from hybridserve.models.loaders.gguf_loader import CONVERSION_MARKER  # noqa: E402
 from hybridserve.text import spm_tokenizer  # noqa: E402
 from hybridserve.text.spm_tokenizer import SPM_FILE, SPM_INFO, SpmTokenizer, build, compatible  # noqa: E402
@@ -165,6 +166,9 @@ def test_a_converted_folder_is_served_without_the_rust_tokenizer(tmp_path: Path)
     assert ours.hf.get_added_vocab() == {t: rust.token_to_id(t) for t in SPECIALS + [t for t, _ in ADDED]}
     assert ours.special_token_id("<start_of_turn>") == rust.token_to_id("<start_of_turn>")
     assert ours.hf._backend is None  # none of the above read tokenizer.json's Rust tokenizer
+    with pytest.raises(RequestError, match="prompt"):  # a lone surrogate: a request's error, as with the Rust one
+        ours.encode("a\ud800b", param="prompt")
+    assert ours.encode("a\x00b") == rust.encode("a\x00b").ids
     ours.hf.release()  # the core process's release drops the sentencepiece model too
     assert ours.hf._spm is None and ours.encode(text) == ids and ours.hf._backend is None
     mtime = (folder / SPM_FILE).stat().st_mtime_ns

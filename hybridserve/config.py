@@ -158,6 +158,13 @@ class EngineConfig:
     compile: bool = field(default=True, metadata={
         "section": "model", "help": "compile the element-wise work between the decoder's matmuls for "
                                     "prefill-sized steps (needs a C++ compiler; without one the engine stays eager)"})
+    # Each request's logits computed alike whatever it is batched with (executor/torch:
+    # DecoderLM.make_batch_invariant and the attention's per-token queries): a seeded request
+    # then gives the same tokens alone or beside any others. Slower steps; the GGUF's int8
+    # groups on the CPU only (other linears' GEMMs depend on the row count).
+    batch_invariant: bool = field(default=False, metadata={
+        "section": "model", "help": "compute each request's logits alike whatever it is batched with (slower; "
+                                    "a GGUF's int8 groups on the CPU)"})
     num_threads: int | None = field(default=None, metadata={
         "section": "model", "help": "torch CPU threads", "default_note": "torch's choice"})
     # Sliding-window groups hold only the window and each chunk's tail (None: on when the
@@ -222,7 +229,7 @@ class EngineConfig:
                 f"max_num_batched_tokens must be >= num_speculative_tokens + 1; the smallest value that "
                 f"works is {self.num_speculative_tokens + 1}"
             )
-        for name in ("async_scheduling", "enable_prefix_caching", "compile"):
+        for name in ("async_scheduling", "enable_prefix_caching", "compile", "batch_invariant"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if parse_size("kv_offload_memory", self.kv_offload_memory, allow_zero=True) > 0 \

@@ -102,8 +102,12 @@ def build_engine_parts(config: EngineConfig, progress: bool = True, keep_tokeniz
     path = resolve_model_path(config.model, progress=progress, dtype=dtype, groups=quantization == GROUP_LAYERS)
     model_cfg = load_model_config(path)
     groups = group_layers(model_kv_layer_specs(model_cfg, config.block_size, dtype))
+    if config.batch_invariant and config.is_multiprocess:
+        raise ConfigError("batch_invariant runs the model in one process (no pipeline or tensor parallelism)")
+    # A batch-invariant step reads every token's keys back from the cache: each needs its block.
+    window_tail = False if config.batch_invariant else config.window_tail_allocation
     settings = resolve_engine_settings(config, groups, model_cfg.max_position_embeddings,
-                                       window_tail=SchedulerConfig(window_tail_allocation=config.window_tail_allocation)
+                                       window_tail=SchedulerConfig(window_tail_allocation=window_tail)
                                        .resolve_window_tail(TorchExecutor.computes_in_chunk_attention_from_batch))
     tokenizer = load_tokenizer(config, path)
     eos, extra = _stop_token_ids(path, model_cfg, tokenizer)
@@ -127,6 +131,7 @@ def build_engine_parts(config: EngineConfig, progress: bool = True, keep_tokeniz
         executor = TorchExecutor(path, device=device, dtype=TORCH_DTYPES[dtype], quantization=quantization,
                                  use_worker_thread=config.async_scheduling and device.type != "cpu",
                                  seed=config.seed, num_threads=config.num_threads, compile=config.compile,
+                                 batch_invariant=config.batch_invariant,
                                  drafter=NgramDrafter(config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max),
                                  grammar=grammar, encode=encode)
     try:

@@ -53,6 +53,7 @@ _NORMALIZER = {"type": "Replace", "pattern": {"String": " "}, "content": _SPACE}
 _PRE_TOKENIZERS = (None, {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious",
                           "invert": False})
 _CHECK_TEXTS = 3000  # random texts in the check corpus, besides the fixed ones
+_BYTE_PIECES = frozenset(f"<0x{b:02X}>" for b in range(256))
 
 
 def available() -> bool:
@@ -82,7 +83,7 @@ def compatible(spec: dict[str, Any]) -> str | None:
     if spec.get("decoder") != SUPPORTED_DECODER:
         return "a decoder other than SentencePiece's"
     vocab = model.get("vocab") or {}
-    if any(f"<0x{b:02X}>" not in vocab for b in range(256)):
+    if any(piece not in vocab for piece in _BYTE_PIECES):
         return "not every byte has a token"
     for added in spec.get("added_tokens") or []:
         if added.get("normalized") or added.get("lstrip") or added.get("rstrip") or added.get("single_word"):
@@ -113,7 +114,8 @@ def _bos_prefix(spec: dict[str, Any]) -> list[int] | None:
 
 def _model_proto(spec: dict[str, Any]) -> bytes:
     """sentencepiece's BPE model of tokenizer.json's `spec` (compatible): every id's piece,
-    added tokens user-defined, byte tokens bytes, the rest scored by merge rank."""
+    added tokens user-defined, byte tokens bytes, the pieces merges make scored by merge
+    rank, characters as they are, and any other piece unused (never encoded to)."""
     from sentencepiece import sentencepiece_model_pb2 as pb
 
     model = spec["model"]
@@ -121,7 +123,6 @@ def _model_proto(spec: dict[str, Any]) -> bytes:
     for rank, merge in enumerate(model.get("merges") or []):
         left, right = merge if isinstance(merge, list) else merge.split(" ", 1)
         first_rank.setdefault(left + right, rank)
-    unmerged = float(len(first_rank) + 1)  # pieces no merge makes: single characters
     added = {a["id"] for a in spec.get("added_tokens") or []}
     proto = pb.ModelProto()
     kind = pb.ModelProto.SentencePiece
@@ -133,12 +134,15 @@ def _model_proto(spec: dict[str, Any]) -> bytes:
         entry.piece = piece
         if token_id in added:
             entry.type = kind.USER_DEFINED
-        elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">") and \
-                piece == f"<0x{int(piece[3:5], 16):02X}>":
+        elif piece in _BYTE_PIECES:
             entry.type = kind.BYTE
-        else:
+        elif piece in first_rank:
             entry.type = kind.NORMAL
-            entry.score = -float(first_rank.get(piece, unmerged))
+            entry.score = -float(first_rank[piece])
+        elif len(piece) == 1:  # a character: where the BPE starts from
+            entry.type = kind.NORMAL
+        else:  # a piece no merge makes: the Rust BPE never gives it, nor may sentencepiece
+            entry.type = kind.UNUSED
     proto.trainer_spec.model_type = pb.TrainerSpec.BPE
     proto.trainer_spec.byte_fallback = True
     # No id of sentencepiece's own: the unknown, BOS, EOS and pad tokens are added tokens here.

@@ -169,7 +169,7 @@ def test_decode_step_in_place_equals_gather_and_sdpa(dtype, softcap, monkeypatch
     kv = torch.randn(n, 2, KV_HEADS, DIM, generator=g).to(dtype)
     calls = []
     real_call = PagedDecode.__call__
-    monkeypatch.setattr(PagedDecode, "__call__", lambda self, *a: calls.append(1) or real_call(self, *a))
+    monkeypatch.setattr(PagedDecode, "__call__", lambda self, *a, **k: calls.append(1) or real_call(self, *a, **k))
     for layer in range(len(WINDOWS)):
         general = _decode_step(starts, cache.clone(), tables, False, softcap).attention(layer, q, kv)
         in_place = _decode_step(starts, cache, tables, True, softcap).attention(layer, q, kv)

@@ -50,6 +50,7 @@ def _gemma_style() -> Tokenizer:
             if left in vocab and right in vocab:
                 merges.append((left, right))
         vocab[piece] = len(vocab)
+    vocab["sat"] = len(vocab)  # a piece no merge makes: never encoded to
     for text, _ in ADDED:
         vocab[text] = len(vocab)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", fuse_unk=True, byte_fallback=True))
@@ -85,6 +86,8 @@ def test_by_hand(built: tuple[SpmTokenizer, Tokenizer]) -> None:
     # merges make the words; added tokens are cut out as written, the longest first
     assert ours.encode(" the cat\n\n<start_of_turn> sat") == [ids["<bos>"], ids["\u2581the"], ids["\u2581cat"],
                                                               ids["\n\n"], ids["<start_of_turn>"], ids["\u2581sat"]]
+    # "sat" is a piece, but no merge makes it: "s" and "at", as the Rust BPE gives them
+    assert ours.encode("sat", add_special_tokens=False) == [rust.token_to_id("s"), rust.token_to_id("at")]
     # "q" has no piece: its UTF-8 byte, as the Rust byte fallback gives it
     assert ours.encode("q", add_special_tokens=False) == [rust.token_to_id("<0x71>")]
     assert ours.token_to_id("<eos>") == 1 and ours.token_to_id("\u2581hello") == rust.token_to_id("\u2581hello")

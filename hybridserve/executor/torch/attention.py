@@ -98,14 +98,28 @@ class StepAttention:
     def __init__(self, layers: list[tuple[int, torch.Tensor]], groups: list[int | None], tables: BlockTables,
                  block_size: int, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray, scale: float,
                  softcap: float | None, device: torch.device, dtype: torch.dtype,
-                 chunks: list[int | None] | None = None, in_place_decode: bool = True) -> None:
+                 chunks: list[int | None] | None = None, in_place_decode: bool = True,
+                 per_token: bool = False) -> None:
         """`layers[i]` = (group, cache view) of model layer i; `groups[g]` = window of group g
         (None: not sliding); `chunks[g]` = attention chunk size of a chunked-local group g
         (None or omitted: not chunked); rows/starts/counts: per request of the step.
         `in_place_decode`: decode batches read the blocks in place where the kernel is
-        built (False: always gather, the general path)."""
+        built (False: always gather, the general path). `per_token` (a batch-invariant
+        model's steps): every token is a query of its own, its keys read back from the
+        cache after the step's writes by the in-place kernel, which never splits a query's
+        keys between threads: each row's attention is then computed alike whatever the
+        step holds (RuntimeError where the kernel is not built, or a token has no block)."""
         self.layers = layers
         self.decode_kernel: PagedDecode | None = paged_decode() if in_place_decode else None
+        self.per_token = per_token
+        if per_token:
+            if self.decode_kernel is None:
+                raise RuntimeError("batch-invariant attention needs the in-place decode kernel (a C compiler)")
+            if int(counts.sum()) != len(counts):  # each token a request of one, at its position
+                req_offsets = np.cumsum(counts) - counts
+                tok_req = np.repeat(np.arange(len(counts)), counts)
+                starts = starts[tok_req] + (np.arange(len(tok_req)) - req_offsets[tok_req])
+                rows, counts = rows[tok_req], np.ones(len(tok_req), dtype=counts.dtype)
         self.scale = scale
         self.softcap = softcap
         self.num_tokens = T = int(counts.sum())
@@ -129,9 +143,12 @@ class StepAttention:
         # Groups that share (window, chunk, read mode) share their key plans and gather together.
         plans: dict[_PlanKey, KeyPlan] = {}
         by_plan: dict[_PlanKey, list[int]] = {}
+        if per_token and not all_real.all():
+            raise RuntimeError("batch-invariant attention reads every token's keys back: a token has no block "
+                               "(window-tail allocation must be off)")
         for b, layout in enumerate(self.batches):
             # Nothing cached for any request of the batch: its keys are all in the batch.
-            nothing_cached = not starts[layout.req].any()
+            nothing_cached = not starts[layout.req].any() and not per_token
             for g, window in enumerate(groups):
                 by_plan.setdefault((b, window, chunk_of[g], nothing_cached or not all_real[g]), []).append(g)
         gather_ids: dict[tuple[int, int], torch.Tensor | None] = {}
@@ -213,7 +230,7 @@ class StepAttention:
                 and self.decode_kernel.supports(q, cache)):
             a, e = layout.row_slice
             out = self.decode_kernel(q[a:e], cache, ids.view(B, -1), plan.first_key, plan.key_count, self.scale,
-                               self.softcap, sinks)
+                                     self.softcap, sinks, split_keys=not self.per_token)
             return out.view(B, C, H, D)
         if ids is None:
             keys = fresh  # nothing cached and nothing written: the chunk's own keys

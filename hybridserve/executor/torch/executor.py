@@ -77,12 +77,14 @@ class TorchExecutor(Executor):
                  dtype: torch.dtype = torch.float32, use_worker_thread: bool = True, seed: int = 0,
                  num_threads: int | None = None, drafter: NgramDrafter | None = None,
                  grammar: GrammarBackend | None = None, quantization: str = "none",
-                 encode: Encode | None = None, compile: bool = True) -> None:
+                 encode: Encode | None = None, compile: bool = True, batch_invariant: bool = False) -> None:
         """drafter: fills the draft slots of speculative decoding (default: n-gram sizes 2..4);
         grammar: compiles structured outputs (None: requests with one are refused);
         quantization: of a model loaded from a directory (models/platform/cpu_features.py);
         encode: the tokenizer, for int8's calibration texts (models/layers/smoothing.py);
-        compile: the int8 layers' chains compiled for large steps (models/arch/compiled_chains.py)."""
+        compile: the int8 layers' chains compiled for large steps (models/arch/compiled_chains.py);
+        batch_invariant: each row computed alike whatever the step holds
+        (DecoderLM.make_batch_invariant, the attention's per-token queries), or ConfigError."""
         self.device = resolve_device(device)
         if num_threads is not None:
             torch.set_num_threads(num_threads)
@@ -92,6 +94,11 @@ class TorchExecutor(Executor):
         self._threads = ThreadGovernor(cores) if num_threads is None and self.device.type == "cpu" and cores > 1 else None
         self.model = model if isinstance(model, (DecoderLM, MambaLM)) else load_model(
             model, self.device, dtype, quantization, encode=encode, compile=compile)
+        if batch_invariant:
+            if isinstance(self.model, MambaLM) or self.device.type != "cpu" or paged_decode() is None:
+                raise ConfigError("batch_invariant needs an attention-only model on the CPU with the in-place "
+                                  "decode kernel built (a C compiler)")
+            self.model.make_batch_invariant()
         self.seed = seed
         self.drafter = drafter
         self.grammar = grammar

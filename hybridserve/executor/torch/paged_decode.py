@@ -42,11 +42,14 @@ class PagedDecode:
         return two == 2 and cache.stride()[1:] == (2 * kvh * d, kvh * d, d, 1) and q.shape[1] % kvh == 0
 
     def __call__(self, q: torch.Tensor, cache: torch.Tensor, ids: torch.Tensor, first: torch.Tensor,
-                 count: torch.Tensor, scale: float, softcap: float | None, sinks: torch.Tensor | None
-                 ) -> torch.Tensor:
+                 count: torch.Tensor, scale: float, softcap: float | None, sinks: torch.Tensor | None,
+                 split_keys: bool = True) -> torch.Tensor:
         """q [B, H, D] -> [B, H, D]: each request's query against keys first[b] ..
         first[b] + count[b] - 1, counted from the start of its blocks ids[b] ([B, NB] int64,
-        block ids of `cache` [num_blocks, block_size, 2, KVH, D]). `sinks` [H] or None."""
+        block ids of `cache` [num_blocks, block_size, 2, KVH, D]). `sinks` [H] or None.
+        With fewer (request, kv head) pairs than threads the kernel splits each query's keys
+        between threads and joins their softmax states, which rounds otherwise than one
+        pass: `split_keys` False runs those on one thread instead (batch invariance)."""
         B, H, D = q.shape
         _, bs, _, kvh, d = cache.shape
         if d != D or ids.shape[0] != B or first.shape != (B,) or count.shape != (B,):
@@ -57,10 +60,13 @@ class PagedDecode:
         ids = ids.contiguous()
         sink_values = None if sinks is None else sinks.to(torch.float32).contiguous()
         out = torch.empty(B, H, D, dtype=q.dtype)
+        threads = torch.get_num_threads()
+        if not split_keys and B * kvh < threads:
+            threads = 1
         self._fn(q.data_ptr(), q.stride(0), cache.data_ptr(), cache.stride(0), bs, kvh, D, ids.data_ptr(),
                  ids.shape[1], first.data_ptr(), count.data_ptr(), B, H, scale, softcap or 0.0,
                  None if sink_values is None else sink_values.data_ptr(), out.data_ptr(),
-                 int(q.dtype == torch.bfloat16), torch.get_num_threads())
+                 int(q.dtype == torch.bfloat16), threads)
         return out
 
 

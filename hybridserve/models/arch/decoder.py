@@ -27,7 +27,7 @@ from hybridserve.core.errors import ConfigError
 from hybridserve.models.layers.head import GROUP_LAYERS, INT4_LAYERS, OutputHead, ReleaseRows, head_quantization
 from hybridserve.models.layers.int4 import make_int4_linear
 from hybridserve.models.arch.decode_stack import DecodeStack
-from hybridserve.models.layers.int8_groups import GroupWeights, make_group_linear
+from hybridserve.models.layers.int8_groups import GroupWeights, PackedLinear, make_group_linear
 from hybridserve.models.platform.heap import release_free_heap
 from hybridserve.models.arch.compiled_chains import ChainsByRows, int8_chains_by_rows
 from hybridserve.models.arch.int8_chains import Int8Chains, Int8Layer
@@ -211,6 +211,8 @@ class StagedModel(nn.Module):
     cfg: ModelConfig
     _eps: torch.Tensor
     _embed_scale: torch.Tensor
+    # every row computed alike whatever the step's other rows (DecoderLM.make_batch_invariant)
+    batch_invariant = False
 
     def init_stage(self, cfg: ModelConfig, dtype: torch.dtype, stage: PipelineStage | None,
                    tp: TPGroup | None) -> ModelConfig:
@@ -252,7 +254,7 @@ class StagedModel(nn.Module):
         greedy_tokens), the residual stream to send to the next stage on the others."""
         if self.final_norm is None:
             return h
-        return rms_norm(h, self.final_norm, self._eps, 1.0 / self.cfg.hidden_size)
+        return rms_norm(h, self.final_norm, self._eps, 1.0 / self.cfg.hidden_size, exact_sums=self.batch_invariant)
 
     def add_row_parallel(self, h: torch.Tensor, x: torch.Tensor, linear: Linear, residual: ResidualLinear
                          ) -> torch.Tensor:
@@ -364,6 +366,26 @@ class DecoderLM(StagedModel):
             assert self.lm_head is not None, "weights not loaded"
             self._head = OutputHead(self.lm_head, head_quantization(quantization), release_head_rows,
                                     column_factors=head_factors)
+
+    def make_batch_invariant(self) -> None:
+        """Compute each row of a step as it would be computed in any other step: a request's
+        logits then depend on its own tokens alone, not on what it is batched with or how its
+        prompt is chunked (EngineConfig.batch_invariant; the attention's side is the
+        runner's, executor/torch/attention.py). Every step takes forward's loop (no decode
+        stack, no large-step chains) with one activation and exact norm sums (the native
+        kernels' per-row arithmetic, or float64 sums whose order cannot matter), and every
+        linear one group-kernel path at every row count (GroupKernel.invariant_path), whose
+        rows never share sums. ConfigError for linears without that path: torch's GEMMs pick
+        their blocking by the row count. Call after build_linears."""
+        kernels = [f for lin in self._linears for f in lin if isinstance(f, PackedLinear)]
+        if self.int8_layers or not kernels or len(kernels) != 4 * len(self._linears):
+            raise ConfigError("batch_invariant needs the decoder's linears as a GGUF's int8 groups on the CPU "
+                              "(--quantization gguf-groups): other linears' GEMMs depend on the step's row count")
+        for linear in kernels:
+            linear.path = linear.kernel.invariant_path(self.dtype)
+        self.decode_stack = None
+        self._dtype_chains = None
+        self.batch_invariant = True
 
     @property
     def compiles_large_steps(self) -> bool:
@@ -482,8 +504,9 @@ class DecoderLM(StagedModel):
         native = self.dtype == torch.bfloat16 and h.device.type == "cpu"
         qk_kernel = qk_norm_rope_kernel() if native else None
         norms = residual_norms_kernel() if native else None
-        # A step the compiled chains may take normalises as they do, eager or not (rms_norm).
-        exact = self._dtype_chains is not None and T >= self._dtype_chains.min_rows
+        # A step the compiled chains may take normalises as they do, eager or not (rms_norm);
+        # a batch-invariant model every step.
+        exact = self.batch_invariant or (self._dtype_chains is not None and T >= self._dtype_chains.min_rows)
         if self.decode_stack is not None and chains is None and not exact:
             # The loop below in one native call, for the decode steps it takes (decode_stack.py).
             table = self._act_table(self._act, cfg.intermediate_size)

@@ -242,6 +242,16 @@ class GroupKernel:
             return "folded"
         return "exact" if rows >= AMX_MIN_ROWS else "vector"
 
+    def invariant_path(self, dtype: torch.dtype) -> str:
+        """The path a batch-invariant model takes at every row count for inputs of `dtype`:
+        one whose rows are each computed alike whatever the other rows (the kernel splits
+        the output's columns between threads, never a row's sums), and the fastest such
+        one here for large steps: AMX's exact tiles, else AVX512-BF16's pair products, else
+        the vector loop."""
+        if dtype == torch.bfloat16 and self.amx:
+            return "exact"
+        return "dpbf16" if dtype == torch.bfloat16 and self.dpbf16 else "vector"
+
     def __call__(self, x: torch.Tensor, packed: PackedGroups, bias: torch.Tensor | None = None,
                  residual: torch.Tensor | None = None, path: str | None = None) -> torch.Tensor:
         """x [rows, in] (bf16 or float32; other float dtypes via float32) times the weight,
@@ -323,16 +333,17 @@ class PackedLinear:
     """A group weight in the kernel's tiles as a Linear: what decode_stack.py reads (the
     kernel, its tiles and bias) besides the call."""
 
-    __slots__ = ("kernel", "packed", "bias")
+    __slots__ = ("kernel", "packed", "bias", "path")
 
     def __init__(self, kernel: GroupKernel, packed: PackedGroups, bias: torch.Tensor | None) -> None:
         self.kernel, self.packed, self.bias = kernel, packed, bias
+        self.path: str | None = None  # one path at every row count (batch-invariant models), else by rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernel(x, self.packed, self.bias)
+        return self.kernel(x, self.packed, self.bias, path=self.path)
 
     def residual(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return self.kernel(x, self.packed, self.bias, h)
+        return self.kernel(x, self.packed, self.bias, h, path=self.path)
 
 
 def make_group_linear(groups: GroupWeights, bias: torch.Tensor | None) -> tuple[Linear, ResidualLinear]:

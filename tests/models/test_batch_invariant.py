@@ -44,11 +44,15 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
                         groups=True)
 
 
-def _run(converted: Path, prompts: list[list[int]], **config: object) -> tuple[list[int], list[tuple]]:
+def _run(converted: Path, prompts: list[list[int]], preempted: bool = False, **config: object
+         ) -> tuple[list[int], list[tuple]]:
+    """The first prompt's tokens and (token, logprob, top 5) per token; `preempted`: assert
+    that the run preempted a request."""
     params = SamplingParams(max_tokens=24, temperature=1.0, top_p=0.95, seed=7, logprobs=5, ignore_eos=True)
     with LLM(str(converted), progress=False, dtype="bfloat16", quantization=GROUP_LAYERS, batch_invariant=True,
              enable_prefix_caching=False, **config) as llm:  # type: ignore[arg-type]
         out = llm.generate(prompts, params, use_tqdm=False)[0].outputs[0]
+        assert not preempted or llm.parts.engine.scheduler.stats.num_preemptions > 0
     return list(out.token_ids), [(e.token_id, e.logprob, e.top) for e in out.logprobs]
 
 
@@ -57,6 +61,15 @@ def test_a_request_gives_the_same_logprobs_alone_and_batched(converted: Path) ->
     batched = _run(converted, [PROMPT] + OTHERS, max_num_batched_tokens=24, async_scheduling=True)
     assert alone[0] == batched[0]
     assert alone[1] == batched[1]  # every logprob, bit for bit
+
+
+def test_and_preempted_or_with_drafts(converted: Path) -> None:
+    """Preempted and recomputed in a pool of 8 blocks, or verifying n-gram drafts (rows of
+    several tokens per request): the same tokens and logprobs as alone."""
+    alone = _run(converted, [PROMPT])
+    assert _run(converted, [PROMPT] + OTHERS, preempted=True, num_blocks=12, max_model_len=72,
+                max_num_batched_tokens=32) == alone
+    assert _run(converted, [PROMPT] + OTHERS, num_speculative_tokens=3) == alone
 
 
 def test_linears_without_a_row_invariant_path_are_refused(converted: Path) -> None:

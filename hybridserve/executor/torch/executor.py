@@ -99,6 +99,9 @@ class TorchExecutor(Executor):
                 raise ConfigError("batch_invariant needs an attention-only model on the CPU with the in-place "
                                   "decode kernel built (a C compiler)")
             self.model.make_batch_invariant()
+            # Its steps read every token's keys back from the cache (per-token queries), so each
+            # token needs its block: no window-tail allocation (build_engine reads this).
+            self.computes_in_chunk_attention_from_batch = False
         self.seed = seed
         self.drafter = drafter
         self.grammar = grammar

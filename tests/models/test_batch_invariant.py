@@ -25,7 +25,7 @@ from hybridserve import LLM, SamplingParams  # noqa: E402
 from hybridserve.core.errors import ConfigError  # noqa: E402
 from hybridserve.executor.torch.paged_decode import paged_decode  # noqa: E402
 from hybridserve.models.layers.head import GROUP_LAYERS  # noqa: E402
-from hybridserve.models.layers.int8_groups import group_kernel  # noqa: E402
+from hybridserve.models.layers.int8_groups import GroupWeights, group_kernel  # noqa: E402
 from hybridserve.models.loaders.gguf_loader import convert_gguf  # noqa: E402
 from tests.helpers import hf_tiny  # noqa: E402
 from tests.helpers.tiny_gguf import mixed_linear_types, write_tiny_gemma3  # noqa: E402
@@ -43,6 +43,29 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     write_tiny_gemma3(path, hidden_size=256, intermediate_size=512, linear_types=mixed_linear_types())
     return convert_gguf(path, cache_dir=tmp_path_factory.mktemp("cache"), dtype="bfloat16", progress=False,
                         groups=True)
+
+
+@pytest.mark.parametrize("group_size, offset", [(32, False), (16, True)])
+def test_the_invariant_path_gives_each_row_alike_at_every_row_count_and_thread_count(group_size: int,
+                                                                                  offset: bool) -> None:
+    kernel = group_kernel()
+    g = torch.Generator().manual_seed(group_size)
+    n, k = 272, 256  # an odd count of 16-column tiles: the folded path's lone last tile
+    groups = GroupWeights(torch.randint(-64, 64, (n, k), dtype=torch.int8, generator=g),
+                          torch.rand(n, k // group_size, generator=g) * 0.01,
+                          (torch.rand(n, k // group_size, generator=g) - 0.5) * 0.01 if offset else None, group_size)
+    packed = kernel.pack(groups)
+    path = kernel.invariant_path(torch.bfloat16, packed)
+    x = (torch.randn(70, k, generator=g) * 3).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        whole = kernel(x, packed, path=path)
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            for rows in (1, 2, 3, 16, 17, 33):
+                assert torch.equal(kernel(x[:rows], packed, path=path), whole[:rows]), (path, rows, count)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _outputs(llm: LLM, prompts: list[list[int]]) -> tuple[list[int], list[tuple]]:

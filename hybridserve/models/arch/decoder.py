@@ -382,7 +382,7 @@ class DecoderLM(StagedModel):
             raise ConfigError("batch_invariant needs the decoder's linears as a GGUF's int8 groups on the CPU "
                               "(--quantization gguf-groups): other linears' GEMMs depend on the step's row count")
         for linear in kernels:
-            linear.path = linear.kernel.invariant_path(self.dtype)
+            linear.path = linear.kernel.invariant_path(self.dtype, linear.packed)
         self.decode_stack = None
         self._dtype_chains = None
         self.batch_invariant = True

@@ -242,14 +242,16 @@ class GroupKernel:
             return "folded"
         return "exact" if rows >= AMX_MIN_ROWS else "vector"
 
-    def invariant_path(self, dtype: torch.dtype) -> str:
+    def invariant_path(self, dtype: torch.dtype, packed: PackedGroups) -> str:
         """The path a batch-invariant model takes at every row count for inputs of `dtype`:
         one whose rows are each computed alike whatever the other rows (the kernel splits
         the output's columns between threads, never a row's sums), and the fastest such
-        one here for large steps: AMX's exact tiles, else AVX512-BF16's pair products, else
-        the vector loop."""
+        one here for batches: with AMX the folded tiles (the default's path from 32 rows;
+        benchmarks/results/batch_invariant.md: 2.3x the exact tiles' prefill, 15% slower on
+        one row), or the exact ones where the input width is not a multiple of 32; else
+        AVX512-BF16's pair products; else the vector loop."""
         if dtype == torch.bfloat16 and self.amx:
-            return "exact"
+            return "folded" if packed.shape[1] % 32 == 0 else "exact"
         return "dpbf16" if dtype == torch.bfloat16 and self.dpbf16 else "vector"
 
     def __call__(self, x: torch.Tensor, packed: PackedGroups, bias: torch.Tensor | None = None,

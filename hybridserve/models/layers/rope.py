@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 
+from functools import cache
+
 import torch
 
 from hybridserve.models.config import RopeConfig
@@ -40,6 +42,18 @@ def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+@cache
+def _settle_cos_sin() -> None:
+    """Call cos and sin once on one element before any table: the first call of each in a
+    process, when it is a large multi-threaded one, has given other last bits than every
+    later call in some processes (a RoPE table differing from process to process, and with
+    it the int8 head's smoothing and the logits: benchmarks/results/batch_invariant.md).
+    A first call too small to run on several threads leaves the later ones alike."""
+    one = torch.zeros(1)
+    one.cos()
+    one.sin()
+
+
 class RopeTable:
     """cos and signed sin for positions 0..P-1, grown on demand; [P, head_dim] each.
 
@@ -59,6 +73,7 @@ class RopeTable:
         self._grow(max(1, max_positions))
 
     def _grow(self, size: int) -> None:
+        _settle_cos_sin()
         angles = torch.arange(size, dtype=torch.int64).float()[:, None] * self.inv_freq[None, :]
         cos, sin = angles.cos(), angles.sin()
         if self.scale != 1.0:

@@ -80,8 +80,8 @@ def _llm(converted: Path, **config: object) -> LLM:
                enable_prefix_caching=False, **config)  # type: ignore[arg-type]
 
 
-# Each comparison runs on one loaded model: a load's int8 head is smoothed by its own
-# calibration forward, whose last bits are not the same in every process (test_gguf_groups_mode.py).
+# Each comparison runs on one loaded model, so that it is about the batch alone (loads agree
+# too since rope.py's _settle_cos_sin: tests/models/test_process_determinism.py).
 
 def test_a_request_gives_the_same_logprobs_alone_and_batched(converted: Path) -> None:
     with _llm(converted, max_num_batched_tokens=24, async_scheduling=True) as llm:
@@ -101,7 +101,7 @@ def test_and_preempted_or_with_drafts(converted: Path) -> None:
     with _llm(converted, num_speculative_tokens=3) as llm:
         with_drafts = _outputs(llm, [PROMPT])
         assert _outputs(llm, [PROMPT] + OTHERS) == with_drafts
-    assert with_drafts == alone  # drafts on or off (two loads: their heads came out alike here)
+    assert with_drafts == alone  # drafts on or off (two loads of the model)
 
 
 def test_linears_without_a_row_invariant_path_are_refused(converted: Path) -> None:

@@ -104,11 +104,10 @@ def build_engine_parts(config: EngineConfig, progress: bool = True, keep_tokeniz
     groups = group_layers(model_kv_layer_specs(model_cfg, config.block_size, dtype))
     if config.batch_invariant and config.is_multiprocess:
         raise ConfigError("batch_invariant runs the model in one process (no pipeline or tensor parallelism)")
-    # A batch-invariant step reads every token's keys back from the cache: each needs its block.
-    window_tail = False if config.batch_invariant else config.window_tail_allocation
+    from_batch = TorchExecutor.attends_in_chunk_from_batch(config.batch_invariant)
     settings = resolve_engine_settings(config, groups, model_cfg.max_position_embeddings,
-                                       window_tail=SchedulerConfig(window_tail_allocation=window_tail)
-                                       .resolve_window_tail(TorchExecutor.computes_in_chunk_attention_from_batch))
+                                       window_tail=SchedulerConfig(window_tail_allocation=config.window_tail_allocation)
+                                       .resolve_window_tail(from_batch))
     tokenizer = load_tokenizer(config, path)
     eos, extra = _stop_token_ids(path, model_cfg, tokenizer)
     say(progress, describe(dtype, quantization, flags))  # after the checks: an error stays one line

@@ -73,6 +73,13 @@ class TorchExecutor(Executor):
 
     computes_in_chunk_attention_from_batch = True
 
+    @staticmethod
+    def attends_in_chunk_from_batch(batch_invariant: bool) -> bool:
+        """computes_in_chunk_attention_from_batch for an executor made with `batch_invariant`:
+        a batch-invariant one reads every token's keys back from the cache (per-token
+        queries), so each token needs its block (no window-tail allocation)."""
+        return not batch_invariant
+
     def __init__(self, model: DecoderLM | MambaLM | str | Path, *, device: str | torch.device | None = None,
                  dtype: torch.dtype = torch.float32, use_worker_thread: bool = True, seed: int = 0,
                  num_threads: int | None = None, drafter: NgramDrafter | None = None,
@@ -99,9 +106,7 @@ class TorchExecutor(Executor):
                 raise ConfigError("batch_invariant needs an attention-only model on the CPU with the in-place "
                                   "decode kernel built (a C compiler)")
             self.model.make_batch_invariant()
-            # Its steps read every token's keys back from the cache (per-token queries), so each
-            # token needs its block: no window-tail allocation (build_engine reads this).
-            self.computes_in_chunk_attention_from_batch = False
+            self.computes_in_chunk_attention_from_batch = self.attends_in_chunk_from_batch(batch_invariant)
         self.seed = seed
         self.drafter = drafter
         self.grammar = grammar

@@ -7,7 +7,6 @@ head dim), rope(x) = [x1*cos - x2*sin, x2*cos + x1*sin] with one angle per half-
 from __future__ import annotations
 
 import math
-
 from functools import cache
 
 import torch

@@ -33,9 +33,12 @@ SSE ping events it sends a waiting request read to the client as a reply without
 so requests queued past the ping interval failed: --disable_ping_events True).
 Printed per workload and server: output tok/s per
 round, TTFT and TPOT median and p99 (of the last round), the server's peak RSS (process
-tree, sampled every 0.2 s), and hybridserve's ratio to vLLM; then the offline engine on
-the same batch and sampling (LLM.generate of --num-prompts random prompts), the serving
-path's share of the time. CPU model and flags, commit and load come first.
+tree, sampled every 0.2 s), and hybridserve's ratio to vLLM; then, for the default and
+top_p workloads, the offline engine on the same batch and sampling (LLM.generate of
+--num-prompts random prompts, in a process loaded and warmed up once like the servers,
+timed beside each round's served runs in the alternating order) and the serving path's
+share of the time, 1 - served / offline, per round and its median. CPU model and flags,
+commit and load come first.
 """
 
 from __future__ import annotations
@@ -81,21 +84,27 @@ serve.main(p.parse_args(sys.argv[1:]))
 _OFFLINE = """
 import json, random, sys, time
 from hybridserve import LLM, SamplingParams
-n, inp, out, temperature, top_p = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5])
-llm = LLM(sys.argv[6], progress=False, enable_prefix_caching=False)
-rng = random.Random(0)
+n, inp, out, model = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+llm = LLM(model, progress=False, enable_prefix_caching=False, max_model_len=2048)
 vocab = llm.parts.model_config.vocab_size
-prompts = [[rng.randrange(5, vocab) for _ in range(inp)] for _ in range(n)]
-params = SamplingParams(max_tokens=out, ignore_eos=True, temperature=temperature, top_p=top_p)
-from hybridserve.models.layers.span_kernel import KERNEL
-KERNEL.get()  # the sampling kernel built before timing, as in a server that has sampled before
-llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
-t0 = time.perf_counter()
-outs = llm.generate(prompts, params, use_tqdm=False)
-print(json.dumps({"output_tok_s": sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)}))
+def run(temperature, top_p, seed):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(5, vocab) for _ in range(inp)] for _ in range(n)]
+    params = SamplingParams(max_tokens=out, ignore_eos=True, temperature=temperature, top_p=top_p)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
+run(1.0, 1.0, 999)  # the warm-up the servers get
+print("ready", flush=True)
+for line in sys.stdin:
+    temperature, top_p, seed = line.split()
+    print(json.dumps({"output_tok_s": run(float(temperature), float(top_p), int(seed))}), flush=True)
 llm.shutdown()
 """
 SAMPLING = {"default": [], "top_p": ["--temperature", "0.7", "--top-p", "0.9"]}
+# The same sampling for the offline engine: (temperature, top_p); "default" sends none, and
+# the server's default is OpenAI's temperature 1.0.
+OFFLINE_SAMPLING = {"default": (1.0, 1.0), "top_p": (0.7, 0.9)}
 
 
 def free_port() -> int:
@@ -260,11 +269,40 @@ def workloads(a: argparse.Namespace) -> dict[str, tuple[str, list[str]]]:
     return out
 
 
-def offline(a: argparse.Namespace, temperature: float, top_p: float) -> float:
-    cmd = [sys.executable, "-c", _OFFLINE, str(a.num_prompts), str(a.input_len), str(a.output_len), str(temperature),
-           str(top_p), a.hs_model or a.model_dir]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
-    return json.loads(done.stdout.strip().splitlines()[-1])["output_tok_s"]
+class OfflineEngine:
+    """hybridserve's offline engine (LLM.generate) in a process of its own, loaded and warmed
+    up once like the servers, then timed on the same batch and sampling as each served run,
+    right beside it: the serving path's share is read from pairs measured minutes apart,
+    not from one offline run against rounds of served ones."""
+
+    name = "offline"
+
+    def __init__(self, a: argparse.Namespace) -> None:
+        cmd = [sys.executable, "-c", _OFFLINE, str(a.num_prompts), str(a.input_len), str(a.output_len),
+               a.hs_model or a.model_dir]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO,
+                                     env={**os.environ, "PYTHONPATH": str(REPO)})
+        if self.proc.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"the offline engine exited with {self.proc.wait()} before it was ready")
+
+    def run(self, temperature: float, top_p: float, seed: int) -> float:
+        self.proc.stdin.write(f"{temperature} {top_p} {seed}\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the offline engine exited with {self.proc.wait()}")
+        return json.loads(line)["output_tok_s"]
+
+    def stop(self) -> None:
+        self.proc.stdin.close()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def tok_s_text(result: dict) -> str:
+    return "failed" if "error" in result else f"{result['tok_s']:.1f}"
 
 
 def add_workload_args(ap: argparse.ArgumentParser) -> None:
@@ -306,52 +344,83 @@ def main() -> int:
     print(f"# {model}; {os.cpu_count()} CPUs; flags {flags}; commit {checkout_commit()}; load {os.getloadavg()[0]:.1f}")
     print(f"# {a.num_prompts} requests x {a.input_len} -> {a.output_len} tokens, {a.rounds} rounds, client: vllm bench serve")
     results: dict[tuple[str, str], list[dict]] = {}
+    offline_rates: dict[str, list[tuple[int, float]]] = {}  # workload -> (round, tok/s)
     rss: dict[str, int] = {}
-    idle_share = 0.0  # the most CPU an idle server used while another was measured (cores)
+    idle_share = 0.0  # the most CPU an idle process used while another was measured (cores)
     tmp_dir = tempfile.TemporaryDirectory()
     tmp = Path(tmp_dir.name)
 
-    def run_workload(server: Server, rnd: int, w: int, wname: str, others: list[Server]) -> None:
+    def watching_idle(others: list[Any], measure: Callable[[], Any]) -> Any:
         nonlocal idle_share
-        rate, sampling = loads[wname]
         before = [tree_cpu_seconds(o.proc.pid) for o in others]
         start = time.perf_counter()
-        # Prompts of their own for each workload and round (the same for every server), so
-        # no run reads another's prefix cache.
-        try:
-            r = run_client(a, server.name, server.url, rate, sampling, tmp, seed=100 * rnd + w)
-        except RuntimeError as exc:
-            r = {"error": f"{exc}; the server's last log line: {last_line(server.log.name)!r}"}
+        out = measure()
         wall = time.perf_counter() - start
         for o, b in zip(others, before):
             idle_share = max(idle_share, (tree_cpu_seconds(o.proc.pid) - b) / wall)
+        return out
+
+    def run_workload(server: Server, rnd: int, w: int, wname: str, others: list[Any]) -> None:
+        rate, sampling = loads[wname]
+
+        def measure() -> dict:
+            # Prompts of their own for each workload and round (the same for every server), so
+            # no run reads another's prefix cache.
+            try:
+                return run_client(a, server.name, server.url, rate, sampling, tmp, seed=100 * rnd + w)
+            except RuntimeError as exc:
+                return {"error": f"{exc}; the server's last log line: {last_line(server.log.name)!r}"}
+
+        r = watching_idle(others, measure)
         results.setdefault((wname, server.name), []).append(r)
         print(f"round {rnd} {server.name} {wname}: {r}", file=sys.stderr, flush=True)
 
+    def run_offline(engine: OfflineEngine, rnd: int, w: int, wname: str, others: list[Any]) -> None:
+        temperature, top_p = OFFLINE_SAMPLING[wname]
+        rate = watching_idle(others, lambda: engine.run(temperature, top_p, seed=100 * rnd + w))
+        offline_rates.setdefault(wname, []).append((rnd, rate))
+        print(f"round {rnd} offline {wname}: {rate:.1f} tok/s", file=sys.stderr, flush=True)
+
+    offline_engine = None
+    if not a.no_offline and "hybridserve" in servers:
+        offline_engine = OfflineEngine(a)
     with tmp_dir:
-        for rnd in range(a.rounds):
-            if a.one_server_at_a_time:
-                for name in servers:
-                    server = Server(name, a, tmp)
-                    try:
-                        for w, wname in enumerate(loads):
-                            run_workload(server, rnd, w, wname, [])
-                    finally:
-                        rss[name] = max(rss.get(name, 0), server.stop())
-                continue
-            up: list[Server] = []
-            try:
-                for name in servers:
-                    up.append(Server(name, a, tmp))
-                for w, wname in enumerate(loads):
-                    order = up if (rnd + w) % 2 == 0 else up[::-1]
-                    for server in order:
-                        run_workload(server, rnd, w, wname, [o for o in up if o is not server])
-            finally:
-                for server in up:
-                    rss[server.name] = max(rss.get(server.name, 0), server.stop())
-    if len(servers) > 1 and not a.one_server_at_a_time:
-        print(f"# idle servers used at most {idle_share:.0%} of a core while another was measured")
+        try:
+            for rnd in range(a.rounds):
+                if a.one_server_at_a_time:
+                    for name in servers:
+                        server = Server(name, a, tmp)
+                        try:
+                            for w, wname in enumerate(loads):
+                                run_workload(server, rnd, w, wname, [o for o in [offline_engine] if o])
+                                if name == "hybridserve" and offline_engine and wname in OFFLINE_SAMPLING:
+                                    run_offline(offline_engine, rnd, w, wname, [server])
+                        finally:
+                            rss[name] = max(rss.get(name, 0), server.stop())
+                    continue
+                up: list[Server] = []
+                try:
+                    for name in servers:
+                        up.append(Server(name, a, tmp))
+                    for w, wname in enumerate(loads):
+                        turns: list[Any] = list(up)
+                        if offline_engine and wname in OFFLINE_SAMPLING:
+                            turns.append(offline_engine)
+                        order = turns if (rnd + w) % 2 == 0 else turns[::-1]
+                        for turn in order:
+                            others = [o for o in [*up, offline_engine] if o is not None and o is not turn]
+                            if turn is offline_engine:
+                                run_offline(offline_engine, rnd, w, wname, others)
+                            else:
+                                run_workload(turn, rnd, w, wname, others)
+                finally:
+                    for server in up:
+                        rss[server.name] = max(rss.get(server.name, 0), server.stop())
+        finally:
+            if offline_engine:
+                offline_engine.stop()
+    if (len(servers) > 1 and not a.one_server_at_a_time) or offline_rates:
+        print(f"# idle processes used at most {idle_share:.0%} of a core while another was measured")
     print("\n| workload | server | output tok/s per round | TTFT p50 / p99 ms | TPOT p50 / p99 ms | peak RSS |")
     print("|---|---|---|---|---|---:|")
     for wname in loads:
@@ -369,16 +438,18 @@ def main() -> int:
         theirs = [r["tok_s"] for r in results.get((wname, "vllm"), []) if "error" not in r]
         if ours and theirs:
             print(f"| {wname} | hybridserve / vllm | {statistics.median(ours) / statistics.median(theirs):.2f}x | | | |")
-    if not a.no_offline:
-        print("\n| sampling | offline engine tok/s | served tok/s (median) | serving path's share |")
-        print("|---|---:|---:|---:|")
-        for wname, temperature, top_p in [("default", 1.0, 1.0), ("top_p", 0.7, 0.9)]:
-            served = [r["tok_s"] for r in results.get((wname, "hybridserve"), []) if "error" not in r]
-            if not served:
-                continue
-            rate = offline(a, temperature, top_p)
-            s = statistics.median(served)
-            print(f"| {wname} (T {temperature}, top_p {top_p}) | {rate:.1f} | {s:.1f} | {1 - s / rate:.0%} |")
+    if offline_rates:
+        print("\n| sampling | offline engine tok/s per round | served tok/s per round | serving path's share per round "
+              "| median share |")
+        print("|---|---|---|---|---:|")
+        for wname, runs in offline_rates.items():
+            temperature, top_p = OFFLINE_SAMPLING[wname]
+            served = results.get((wname, "hybridserve"), [])
+            shares = [1 - s["tok_s"] / rate for (_, rate), s in zip(runs, served) if "error" not in s]
+            median = f"{statistics.median(shares):.0%}" if shares else "-"
+            print(f"| {wname} (T {temperature}, top_p {top_p}) | {', '.join(f'{r:.1f}' for _, r in runs)} | "
+                  f"{', '.join(tok_s_text(s) for s in served)} | "
+                  f"{', '.join(f'{x:.0%}' for x in shares)} | {median} |")
     return 0
 
 

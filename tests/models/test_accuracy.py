@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from hybridserve.models.accuracy import Drift, common_prefix, drift
-from hybridserve.models.platform.cpu_features import as_avx2_env, choose_quantization, read_cpu_flags
+from hybridserve.models.platform.cpu_features import as_avx2_env, read_cpu_flags
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -133,6 +133,9 @@ GEMMA_AVX2_BOUNDS = {
     ("bfloat16", "int8-head"): (0.1, 0.06, 0.8),
     ("bfloat16", "int8"): (0.03, 0.13, 1.0),
     ("float32", "int8"): (0.03, 0.13, 1.0),
+    # the AVX2 default for the default model: the GGUF's groups, the head int8 in 63 levels
+    # (measured 0.434 / 0.018 / 0.26)
+    ("float32", "gguf-groups"): (0.25, 0.03, 0.5),
 }
 
 
@@ -155,7 +158,8 @@ def test_gemma_reduced_precision_stays_within_bounds(mode: tuple[str, str], gemm
 @needs_avx2
 def test_gemma_default_on_an_avx2_cpu_stays_within_bounds(gemma_reference) -> None:
     prompts, reference = gemma_reference
-    _within(drift(reference, _streams_as_avx2(None, "auto", "auto", prompts, 128)), GEMMA_AVX2_BOUNDS["float32", "int8"])
+    _within(drift(reference, _streams_as_avx2(None, "auto", "auto", prompts, 128)),
+            GEMMA_AVX2_BOUNDS["float32", "gguf-groups"])
 
 
 @pytest.fixture(scope="module")
@@ -170,15 +174,14 @@ def gemma_reference():
 # Issue 40's bar: the default mode's mean next-token KL divergence from float32 is no larger
 # than llama.cpp's on the same GGUF, 0.00265 nats over the 16 text prompts x 128 teacher-forced
 # positions (benchmarks/kl_accuracy.py; benchmarks/results/quant_accuracy.md: every linear int8
-# 0.0077, the default where bf16 is native (int8-head) 0.0013, 0.0020 over this test's subset;
-# with AMX the default model's GGUF is served as its own int8 groups, gguf-groups, 0.0014).
-# Where bf16 is not native the default keeps every linear int8 (cpu_features.choose_quantization)
-# and does not meet the bar: as on AVX2 alone, float32 + int8 in 63 levels measured 0.0196, so
-# there the bound is that figure with headroom. Checked over the first KL_PROMPTS prompts and
-# KL_TOKENS reference tokens each.
+# 0.0077, int8-head 0.0013, 0.0020 over this test's subset; the default model's GGUF served as
+# its own int8 groups, gguf-groups, the default on every CPU with an int8 GEMM, 0.0014; as on
+# AVX2 alone, where the head's int8 takes 63 levels, 0.0020 against every linear int8's 0.0174).
+# Checked as the benchmark measures it (all its prompts, KL_TOKENS reference tokens each: a
+# subset of 8 x 48 read half as high again for every mode), on this CPU and as on one with AVX2
+# alone.
 LLAMACPP_MEAN_KL = 0.00265
-AVX2_DEFAULT_MEAN_KL = 0.03
-KL_PROMPTS, KL_TOKENS = 8, 48
+KL_TOKENS = 128
 
 
 def _teacher_forced(mode: tuple[str, str], prompts: list[str], continuations: list[list[int]]
@@ -199,19 +202,50 @@ def _teacher_forced(mode: tuple[str, str], prompts: list[str], continuations: li
         llm.shutdown()
 
 
-@pytest.mark.gemma
-def test_gemma_default_mode_is_within_llamacpps_kl_divergence(gemma_reference, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def gemma_kl_reference(gemma_reference, tmp_path_factory) -> tuple[Path, list[str], list[list[int]]]:
+    """(folder of the float32 reference's teacher-forced logits, one .npy per prompt, the
+    prompts, the continuations: the reference's greedy tokens)."""
+    prompts, reference = gemma_reference
+    continuations = [tokens[:KL_TOKENS] for tokens, _ in reference]
+    work = tmp_path_factory.mktemp("kl_reference")
+    for i, logits in enumerate(_teacher_forced(("float32", "none"), prompts, continuations)):
+        np.save(work / f"{i}.npy", logits)
+    return work, prompts, continuations
+
+
+def _default_mode_kl(work: Path, prompts: list[str], continuations: list[list[int]]) -> tuple[float, int]:
+    """(mean KL from the reference logits in `work`, positions) of the default mode,
+    teacher-forced along the same continuations in this process."""
     from hybridserve.models.kl_divergence import KLAccumulator
 
-    prompts, reference = gemma_reference
-    prompts, continuations = prompts[:KL_PROMPTS], [tokens[:KL_TOKENS] for tokens, _ in reference[:KL_PROMPTS]]
-    for i, logits in enumerate(_teacher_forced(("float32", "none"), prompts, continuations)):
-        np.save(tmp_path / f"{i}.npy", logits)
     acc = KLAccumulator()
     for i, logits in enumerate(_teacher_forced(("auto", "auto"), prompts, continuations)):
-        acc.add(np.load(tmp_path / f"{i}.npy"), logits)
+        acc.add(np.load(work / f"{i}.npy"), logits)
     got = acc.summary()
-    assert got.positions == KL_PROMPTS * KL_TOKENS
-    default = choose_quantization("auto", "auto", "cpu", read_cpu_flags(), groups_servable=True)  # the default model
-    bound = LLAMACPP_MEAN_KL if default in ("int8-head", "gguf-groups") else AVX2_DEFAULT_MEAN_KL
-    assert 0 < got.mean_kl <= bound, (default, got)
+    return got.mean_kl, got.positions
+
+
+_KL_CHILD = ("import json, sys; from pathlib import Path; from tests.models.test_accuracy import _default_mode_kl; "
+             "print(json.dumps(_default_mode_kl(Path(sys.argv[1]), *json.load(sys.stdin))))")
+
+
+@pytest.mark.gemma
+def test_gemma_default_mode_is_within_llamacpps_kl_divergence(gemma_kl_reference) -> None:
+    # Here and, where the CPU has AVX2, as on one with AVX2 alone: one test, so that the
+    # reference's logits are computed once.
+    work, prompts, continuations = gemma_kl_reference
+    mean_kl, positions = _default_mode_kl(work, prompts, continuations)
+    assert positions == len(prompts) * KL_TOKENS
+    assert 0 < mean_kl <= LLAMACPP_MEAN_KL, ("this CPU", mean_kl)
+    if "avx2" not in read_cpu_flags():
+        return
+    # The float32 reference from this CPU's kernels: another CPU's float32 rounds differently
+    # only in the last bits, far below the bar.
+    env = {**os.environ, **as_avx2_env(read_cpu_flags())}
+    out = subprocess.run([sys.executable, "-c", _KL_CHILD, str(work)], input=json.dumps([prompts, continuations]),
+                         env=env, capture_output=True, text=True, cwd=REPO, timeout=1200)
+    assert out.returncode == 0, out.stderr[-2000:]
+    mean_kl, positions = json.loads(out.stdout.splitlines()[-1])
+    assert positions == len(prompts) * KL_TOKENS
+    assert 0 < mean_kl <= LLAMACPP_MEAN_KL, ("as on an AVX2 CPU", mean_kl)

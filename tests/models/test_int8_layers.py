@@ -338,11 +338,20 @@ def test_a_smoothed_int8_head_errs_less_on_an_outlier_channel() -> None:
     x = torch.randn(16, 64, generator=g)
     x[:, 5] *= 100
     exact = x @ weight.t()
-    s = smoothing.factors(x.abs().amax(dim=0), weight, smoothing.HEAD_ALPHA)
+    s = smoothing.factors(x.abs().amax(dim=0), weight, smoothing.head_alpha())
     plain = OutputHead(weight, "int8")(x)
     smoothed = OutputHead(weight, "int8", column_factors=s)(x / s)
     plain_err, smoothed_err = float((plain - exact).abs().mean()), float((smoothed - exact).abs().mean())
     assert smoothed_err < plain_err / 2, (plain_err, smoothed_err)
+
+
+def test_the_heads_share_follows_the_gemms_weight_levels(monkeypatch) -> None:
+    # 127 levels (int8 dot products) keep the share chosen there; 63 (AVX2 alone) take the
+    # smaller one measured for them.
+    monkeypatch.setattr(smoothing, "gemm_weight_levels", lambda: 127)
+    assert smoothing.head_alpha() == 0.5
+    monkeypatch.setattr(smoothing, "gemm_weight_levels", lambda: 63)
+    assert smoothing.head_alpha() == 0.2
 
 
 def test_column_factors_are_refused_by_a_head_that_is_not_int8_x_int8() -> None:

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridserve.models.arch.decoder import DecoderLM, LayerSmoothing
-from hybridserve.models.layers.int8 import QUANTIZE_BLOCK_ROWS, BlockDone
+from hybridserve.models.layers.int8 import NARROW_WEIGHT_LEVELS, QUANTIZE_BLOCK_ROWS, BlockDone, gemm_weight_levels
 from hybridserve.models.layers.int8_groups import make_group_linear
 from hybridserve.models.layers.linear import LayerLinears, Linear
 
@@ -49,8 +49,13 @@ from hybridserve.models.layers.linear import LayerLinears, Linear
 # Gemma 3 270M's greedy streams closest to float32 (benchmarks/quant_accuracy.py).
 ALPHA = 0.6
 # The same share for the output head's input (the final norm's output), chosen the same way
-# by the mean next-token KL divergence from float32 (benchmarks/kl_accuracy.py).
+# by the mean next-token KL divergence from float32 (benchmarks/kl_accuracy.py), for the
+# head's int8 weights in 127 levels (int8 dot products: VNNI, AMX) ...
 HEAD_ALPHA = 0.5
+# ... and in 63 (AVX2 alone, int8.gemm_weight_levels), whose coarser weight steps take a
+# smaller share best: of 0.1-0.5 under the default gguf-groups decoder there, 0.2
+# (benchmarks/results/quant_accuracy.md).
+HEAD_ALPHA_NARROW = 0.2
 _FLOOR = 1e-5  # below this, a channel max is treated as this (no division by zero)
 
 CALIBRATION_TEXTS = (
@@ -222,8 +227,13 @@ def smooth(model: DecoderLM, sequences: list[list[int]], layers: bool = True, he
     if head:
         assert model.final_norm is not None and model.lm_head is not None, "the head's smoothing needs both"
         head_factors = _fold_into_norm(model.final_norm,
-                                       factors(maxima.head, model.lm_head, HEAD_ALPHA, block_done=head_rows_read))
+                                       factors(maxima.head, model.lm_head, head_alpha(), block_done=head_rows_read))
     return Smoothing(layers=_smooth_layers(model, maxima.layers) if layers else None, head=head_factors)
+
+
+def head_alpha() -> float:
+    """The head's share for the weight levels this CPU's int8 GEMM takes."""
+    return HEAD_ALPHA_NARROW if gemm_weight_levels() == NARROW_WEIGHT_LEVELS else HEAD_ALPHA
 
 
 def _smooth_layers(model: DecoderLM, maxima: list[dict[str, torch.Tensor]]) -> list[LayerSmoothing]:

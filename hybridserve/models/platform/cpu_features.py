@@ -29,14 +29,18 @@ Why these rules (figures: benchmarks/results/cpu_kernels.md and cpu_peers.md):
   KL divergence, in less memory; with AVX512-BF16 alone (measured with AMX hidden) its
   decoder matmuls take 0.50-0.95x bf16's at 1-8 rows and 1.03-1.11x at 16-1024. So where
   bf16 is native `auto` takes it when the model is such a GGUF (`groups_servable`) and
-  the kernel is built. Without native bf16 (AVX2) it loses batches by a third: int8 stays.
-- On AVX2 alone (no native bf16, no VNNI) `auto` serves float32 activations with the same
-  int8 x int8 linears, the weights narrowed to 63 levels so that AVX2's int16 pair sums
-  cannot saturate (models/layers/int8.py), through fbgemm's int8 GEMM: faster than float32
-  and smaller, at about twice the int8 error of a VNNI CPU (`benchmarks/cpu_peers.py
-  --isa avx2`, benchmarks/quant_accuracy.py). There the decoder's alternative to int8 is
-  float32 kernels (four times the bytes), so `auto` keeps int8 linears. Weight-only int8 (PyTorch's kernel) re-reads
-  the weight per row, slower than bf16 at decode batches: not chosen automatically.
+  the kernel is built.
+- On AVX2 alone (no native bf16, no VNNI) activations are float32 and the int8 x int8
+  GEMM takes weights in 63 levels, so that AVX2's int16 pair sums cannot saturate
+  (models/layers/int8.py). Every linear int8 there is fast (fbgemm) but errs 6.5x llama.cpp's
+  KL divergence (0.0174 against 0.00265, as on such a CPU: benchmarks/kl_accuracy.py under
+  as_avx2_env); the GGUF's own groups (their float32 vector loop) with the int8 head,
+  smoothed for 63 levels, err 0.0020: the bar is met, batches of 16+ pay about a third of
+  their speed (one stream gains a little: benchmarks/results/quant_accuracy.md). So `auto`
+  takes gguf-groups there too where the model is such a GGUF, and int8 for other models,
+  whose alternative is float32 kernels (four times the bytes). Weight-only int8 (PyTorch's
+  kernel) re-reads the weight per row, slower than bf16 at decode batches: not chosen
+  automatically.
 """
 
 from __future__ import annotations
@@ -115,20 +119,19 @@ def choose_quantization(requested: str, requested_dtype: str, device_type: str,
                         flags: frozenset[str] | set[str], groups_servable: bool = False) -> str:
     """The quantization to serve with: `requested` unless it is "auto" (the rules and their
     measurements: this module's docstring). "auto" on a CPU with an int8 GEMM
-    (has_int8_gemm) is int8-head where bf16 is native and the model is served in bf16 —
-    gguf-groups instead where `groups_servable` (the model is a GGUF whose decoder
-    gguf-groups serves, default_model.groups_servable, and its kernel is built) — and
-    int8 elsewhere;
-    "none" on other devices and CPUs, and where the user named float32 as the dtype
-    (`requested_dtype`): a float32 model asked for by name is the exact reference that
-    equals HF token for token."""
+    (has_int8_gemm) is gguf-groups where `groups_servable` (the model is a GGUF whose
+    decoder gguf-groups serves, default_model.groups_servable, and its kernel is built);
+    otherwise int8-head where bf16 is native and the model is served in bf16, and int8
+    elsewhere; "none" on other devices and CPUs, and where the user named float32 as the
+    dtype (`requested_dtype`): a float32 model asked for by name is the exact reference
+    that equals HF token for token."""
     if requested != "auto":
         return requested
     if device_type != "cpu" or not has_int8_gemm(flags) or requested_dtype == "float32":
         return "none"
-    if not (has_native_bf16(flags) and requested_dtype in ("auto", "bfloat16")):
-        return "int8"
-    return GGUF_GROUPS if groups_servable else "int8-head"
+    if groups_servable:
+        return GGUF_GROUPS
+    return "int8-head" if has_native_bf16(flags) and requested_dtype in ("auto", "bfloat16") else "int8"
 
 
 def describe(dtype: str, quantization: str, flags: frozenset[str] | set[str]) -> str:

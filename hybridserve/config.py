@@ -149,9 +149,9 @@ class EngineConfig:
                 "16+), the head int8; gguf-groups (a GGUF model only): the decoder's linears as the file's own "
                 "Q8_0 / Q5_0 / Q6_K / Q4_K blocks, int8 values with a scale per group (its exact values, "
                 "about 1.1-1.25 bytes per weight), the head int8 as int8-head",
-        "default_note": "int8-head where bf16 is native (gguf-groups there for a GGUF it serves, the "
-                        "default model included), int8 on other CPUs with an int8 GEMM, unless --dtype float32 is "
-                        "given, the exact reference; else none"})
+        "default_note": "on a CPU with an int8 GEMM, unless --dtype float32 is given (the exact reference): "
+                        "gguf-groups for a GGUF it serves (the default model included), else int8-head where "
+                        "bf16 is native and int8 elsewhere; else none"})
     # The decoder's element-wise chains compiled (inductor's C++ backend) for steps of many rows
     # (prefill): models/arch/compiled_chains.py (int8 layers), decoder_chains.py (bf16 / float32
     # layers). Off: eager at every size, no compiler used for them.

@@ -214,20 +214,24 @@ def _chosen(model: Path, flags: set[str], monkeypatch: pytest.MonkeyPatch, **kwa
     return seen[0]
 
 
-def test_auto_takes_the_groups_of_a_servable_gguf_where_amx_is(mixed: Path, tmp_path: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """auto on a CPU with native bf16 (AMX, or AVX512-BF16 alone) serves a servable GGUF's
-    groups; for a model that holds none the decoder stays bf16 with the int8 head; without
-    native bf16 every linear is int8, and a float32 model named is the exact reference."""
+def test_auto_takes_the_groups_of_a_servable_gguf_on_every_cpu_with_an_int8_gemm(
+        mixed: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto serves a servable GGUF's groups on a CPU with native bf16 (AMX, or AVX512-BF16
+    alone) and on one without (AVX-VNNI, AVX2 alone); for a model that holds none the decoder
+    stays bf16 with the int8 head where bf16 is native and every linear is int8 elsewhere;
+    a float32 model named is the exact reference."""
     amx = {"avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile"}
     no_amx = amx - {"amx_bf16", "amx_int8", "amx_tile"}
+    avx2 = {"avx2", "fma"}
     monkeypatch.setenv("HYBRIDSERVE_CACHE_DIR", str(tmp_path))
     assert _chosen(mixed, amx, monkeypatch) == GROUP_LAYERS
     assert _chosen(mixed, no_amx, monkeypatch) == GROUP_LAYERS
-    assert _chosen(mixed, {"avx2", "fma", "avx_vnni"}, monkeypatch) == "int8"
+    assert _chosen(mixed, avx2 | {"avx_vnni"}, monkeypatch) == GROUP_LAYERS
+    assert _chosen(mixed, avx2, monkeypatch) == GROUP_LAYERS
     assert _chosen(mixed, amx, monkeypatch, dtype="float32") == "none"  # float32 named: the exact reference
     dense = convert_gguf(mixed, cache_dir=tmp_path, dtype="bfloat16", progress=False)
     assert _chosen(dense, amx, monkeypatch) == "int8-head"
+    assert _chosen(dense, avx2, monkeypatch) == "int8"
 
 
 @pytest.mark.gemma

@@ -62,6 +62,9 @@ def test_quantization_choice() -> None:
     assert choose_quantization("auto", "auto", "cpu", frozenset(EPYC_AVX2), True) == "gguf-groups"
     assert choose_quantization("auto", "float32", "cpu", frozenset(SAPPHIRE_RAPIDS_AMX), True) == "none"
     assert choose_quantization("auto", "float32", "cpu", frozenset(EPYC_AVX2), True) == "none"
+    # the groups' kernels take the dtype auto picks, or bf16 named where it is native
+    assert choose_quantization("auto", "float16", "cpu", frozenset(SAPPHIRE_RAPIDS_AMX), True) == "int8"
+    assert choose_quantization("auto", "bfloat16", "cpu", frozenset(EPYC_AVX2), True) == "int8"
     # int8 dot products without native bf16: a bf16 decoder would run float32 kernels, so every linear int8
     assert choose_quantization("auto", "bfloat16", "cpu", frozenset({"avx2", "avx_vnni"})) == "int8"
     assert choose_quantization("auto", "auto", "cpu", frozenset({"avx2", "avx512f", "avx512_vnni"})) == "int8"

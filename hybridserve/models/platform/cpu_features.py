@@ -120,7 +120,8 @@ def choose_quantization(requested: str, requested_dtype: str, device_type: str,
     """The quantization to serve with: `requested` unless it is "auto" (the rules and their
     measurements: this module's docstring). "auto" on a CPU with an int8 GEMM
     (has_int8_gemm) is gguf-groups where `groups_servable` (the model is a GGUF whose
-    decoder gguf-groups serves, default_model.groups_servable, and its kernel is built);
+    decoder gguf-groups serves, default_model.groups_servable, and its kernel is built) and
+    the dtype is auto's or bf16 where it is native;
     otherwise int8-head where bf16 is native and the model is served in bf16, and int8
     elsewhere; "none" on other devices and CPUs, and where the user named float32 as the
     dtype (`requested_dtype`): a float32 model asked for by name is the exact reference
@@ -129,9 +130,11 @@ def choose_quantization(requested: str, requested_dtype: str, device_type: str,
         return requested
     if device_type != "cpu" or not has_int8_gemm(flags) or requested_dtype == "float32":
         return "none"
-    if groups_servable:
+    native_bf16 = has_native_bf16(flags) and requested_dtype in ("auto", "bfloat16")
+    # the groups' kernels take bf16 or float32 activations: the dtype auto picks, or bf16 named where it is native
+    if groups_servable and (native_bf16 or requested_dtype == "auto"):
         return GGUF_GROUPS
-    return "int8-head" if has_native_bf16(flags) and requested_dtype in ("auto", "bfloat16") else "int8"
+    return "int8-head" if native_bf16 else "int8"
 
 
 def describe(dtype: str, quantization: str, flags: frozenset[str] | set[str]) -> str:

@@ -84,8 +84,8 @@ serve.main(p.parse_args(sys.argv[1:]))
 _OFFLINE = """
 import json, random, sys, time
 from hybridserve import LLM, SamplingParams
-n, inp, out, model = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-llm = LLM(model, progress=False, enable_prefix_caching=False, max_model_len=2048)
+n, inp, out, model = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]  # argv[5]: max model len
+llm = LLM(model, progress=False, enable_prefix_caching=False, max_model_len=int(sys.argv[5]))
 vocab = llm.parts.model_config.vocab_size
 def run(temperature, top_p, seed):
     rng = random.Random(seed)
@@ -101,10 +101,18 @@ for line in sys.stdin:
     print(json.dumps({"output_tok_s": run(float(temperature), float(top_p), int(seed))}), flush=True)
 llm.shutdown()
 """
-SAMPLING = {"default": [], "top_p": ["--temperature", "0.7", "--top-p", "0.9"]}
-# The same sampling for the offline engine: (temperature, top_p); "default" sends none, and
-# the server's default is OpenAI's temperature 1.0.
-OFFLINE_SAMPLING = {"default": (1.0, 1.0), "top_p": (0.7, 0.9)}
+# The bursts' sampling, (temperature, top_p), for the offline engine as for the servers; the
+# client sends none for "default" (the servers' default is OpenAI's temperature 1.0).
+SAMPLING = {"default": (1.0, 1.0), "top_p": (0.7, 0.9)}
+MAX_MODEL_LEN = 2048  # every server's, and the offline engine's
+
+
+def client_sampling(workload: str) -> list[str]:
+    """The client's sampling flags for a burst workload of SAMPLING."""
+    if workload == "default":
+        return []
+    temperature, top_p = SAMPLING[workload]
+    return ["--temperature", str(temperature), "--top-p", str(top_p)]
 
 
 def free_port() -> int:
@@ -192,13 +200,14 @@ def server_command(name: str, a: argparse.Namespace, port: int) -> tuple[list[st
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     if name == "hybridserve":
         return ([sys.executable, "-m", "hybridserve.entrypoints.cli", "serve", "--model", a.hs_model or a.model_dir,
-                 "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048",
-                 *shlex.split(a.hs_args)],
+                 "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(port),
+                 "--max-model-len", str(MAX_MODEL_LEN), *shlex.split(a.hs_args)],
                 {**env, "PYTHONPATH": str(REPO)})
     if name == "vllm":
         return ([a.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", a.model_dir,
-                 "--served-model-name", "m", "--dtype", "bfloat16", "--max-model-len", "2048", "--host", "127.0.0.1",
-                 "--port", str(port)], {**env, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
+                 "--served-model-name", "m", "--dtype", "bfloat16", "--max-model-len", str(MAX_MODEL_LEN),
+                 "--host", "127.0.0.1", "--port", str(port)],
+                {**env, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
     return ([a.llamacpp_python, "-m", "llama_cpp.server", "--model", a.gguf, "--model_alias", "m", "--n_threads",
              str(os.cpu_count() or 2), "--n_ctx", "4096", "--interrupt_requests", "False", "--disable_ping_events", "True",
              "--host", "127.0.0.1", "--port", str(port)], env)
@@ -263,7 +272,7 @@ def workloads(a: argparse.Namespace) -> dict[str, tuple[str, list[str]]]:
             for rate in a.rates.split(","):
                 out[f"poisson-{rate}"] = (rate, ["--temperature", "1.0"])
         elif w in SAMPLING:
-            out[w] = ("inf", SAMPLING[w])
+            out[w] = ("inf", client_sampling(w))
         else:
             raise SystemExit(f"unknown workload {w!r}: default, top_p or poisson")
     return out
@@ -272,14 +281,12 @@ def workloads(a: argparse.Namespace) -> dict[str, tuple[str, list[str]]]:
 class OfflineEngine:
     """hybridserve's offline engine (LLM.generate) in a process of its own, loaded and warmed
     up once like the servers, then timed on the same batch and sampling as each served run,
-    right beside it: the serving path's share is read from pairs measured minutes apart,
-    not from one offline run against rounds of served ones."""
-
-    name = "offline"
+    right beside it: the serving path's share is read from pairs measured side by side, not
+    from one offline run against rounds of served ones."""
 
     def __init__(self, a: argparse.Namespace) -> None:
         cmd = [sys.executable, "-c", _OFFLINE, str(a.num_prompts), str(a.input_len), str(a.output_len),
-               a.hs_model or a.model_dir]
+               a.hs_model or a.model_dir, str(MAX_MODEL_LEN)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO,
                                      env={**os.environ, "PYTHONPATH": str(REPO)})
         if self.proc.stdout.readline().strip() != "ready":
@@ -376,7 +383,7 @@ def main() -> int:
         print(f"round {rnd} {server.name} {wname}: {r}", file=sys.stderr, flush=True)
 
     def run_offline(engine: OfflineEngine, rnd: int, w: int, wname: str, others: list[Any]) -> None:
-        temperature, top_p = OFFLINE_SAMPLING[wname]
+        temperature, top_p = SAMPLING[wname]
         rate = watching_idle(others, lambda: engine.run(temperature, top_p, seed=100 * rnd + w))
         offline_rates.setdefault(wname, []).append((rnd, rate))
         print(f"round {rnd} offline {wname}: {rate:.1f} tok/s", file=sys.stderr, flush=True)
@@ -393,7 +400,7 @@ def main() -> int:
                         try:
                             for w, wname in enumerate(loads):
                                 run_workload(server, rnd, w, wname, [o for o in [offline_engine] if o])
-                                if name == "hybridserve" and offline_engine and wname in OFFLINE_SAMPLING:
+                                if name == "hybridserve" and offline_engine and wname in SAMPLING:
                                     run_offline(offline_engine, rnd, w, wname, [server])
                         finally:
                             rss[name] = max(rss.get(name, 0), server.stop())
@@ -404,7 +411,7 @@ def main() -> int:
                         up.append(Server(name, a, tmp))
                     for w, wname in enumerate(loads):
                         turns: list[Any] = list(up)
-                        if offline_engine and wname in OFFLINE_SAMPLING:
+                        if offline_engine and wname in SAMPLING:
                             turns.append(offline_engine)
                         order = turns if (rnd + w) % 2 == 0 else turns[::-1]
                         for turn in order:
@@ -443,7 +450,7 @@ def main() -> int:
               "| median share |")
         print("|---|---|---|---|---:|")
         for wname, runs in offline_rates.items():
-            temperature, top_p = OFFLINE_SAMPLING[wname]
+            temperature, top_p = SAMPLING[wname]
             served = results.get((wname, "hybridserve"), [])
             shares = [1 - s["tok_s"] / rate for (_, rate), s in zip(runs, served) if "error" not in s]
             median = f"{statistics.median(shares):.0%}" if shares else "-"

@@ -191,7 +191,9 @@ def test_logits_match_hf() -> None:
     pos = backend.step([len(prompt)])
     with torch.inference_mode():
         got = m.logits(m(torch.tensor(prompt), pos, int(pos.max()), backend))
-    assert (got - want).abs().max().item() < 2e-4
+    # float32 both, summed in other orders through the layers (oneDNN's blocked GEMMs, HF's):
+    # measured 1.7e-5 of the largest logit with AVX-512, 1.8e-5 as on AVX2 alone
+    assert (got - want).abs().max().item() < 4e-5 * want.abs().max().item()
 
 
 def test_greedy_with_three_steps_in_flight() -> None:

@@ -4,8 +4,10 @@ and every kernel path against float64 products of the groups' values, for all sh
 group sizes and row counts (hypothesis), each within what its arithmetic allows: the exact
 paths (vector loop, AMX per group) to float32 sums and one rounding of the output, the
 paths over bf16-rounded weights (folded AMX, expand) to bf16's rounding of each weight;
-q, k, v stacked with different group sizes; which path each row count takes; bad input
-refused; a kernel that disagrees is not used."""
+the i16 path (inputs rounded to int16 per group) to that rounding's own bound, worked out
+here, and exactly where the inputs are whole multiples of their step; q, k, v stacked with
+different group sizes; which layout each weight is packed in and which path each row
+count takes; bad input refused; a kernel that disagrees is not used."""
 
 from __future__ import annotations
 
@@ -40,7 +42,8 @@ KERNEL = group_kernel()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C compiler: the kernel is not built")
 # The paths this CPU runs: the AMX ones where the kernel found AMX.
 PATHS = (["vector", "expand"] + (["exact", "folded"] if KERNEL is not None and KERNEL.amx else [])
-         + (["dpbf16"] if KERNEL is not None and KERNEL.dpbf16 else []))
+         + (["dpbf16"] if KERNEL is not None and KERNEL.dpbf16 else [])
+         + (["i16"] if KERNEL is not None and KERNEL.i16 else []))
 EXACT_PATHS = {"vector", "exact", "dpbf16"}
 BF16_EPS = 2.0 ** -8  # bf16's relative rounding bound (8 significant bits)
 
@@ -82,10 +85,10 @@ def test_weights_and_products_by_hand() -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("path", [p for p in PATHS if p != "folded"])  # folded: widths of whole 32s
+@pytest.mark.parametrize("path", [p for p in PATHS if p not in ("folded", "i16")])  # whole 32s; inputs rounded
 def test_kernel_paths_by_hand(path: str) -> None:
     groups = hand_groups()
-    packed = KERNEL.pack(groups)
+    packed = KERNEL.pack(groups, "tiles")
     x = torch.tensor([[1.0, 2.0, 3.0, 4.0]] * 3)
     dtype = torch.float32 if path == "vector" else torch.bfloat16
     out = KERNEL(x.to(dtype), packed, torch.full((16,), 2.0), torch.full((3, 16), -1.0).to(dtype), path=path)
@@ -130,6 +133,15 @@ def _bound(x: torch.Tensor, groups: GroupWeights, exact: bool, dtype: torch.dtyp
     return product_error + magnitude * (BF16_EPS if dtype == torch.bfloat16 else 2.0 ** -24) + 1e-30
 
 
+def _i16_rounding(x: torch.Tensor, groups: GroupWeights) -> np.ndarray:
+    """What rounding the inputs to int16 per group may move an output by: each input is
+    within half its group's step (max |x| / 32767) of what the i16 path multiplies, so at
+    most sum_k |w_k| * step_k / 2, with 1% for the float32 arithmetic of the step itself."""
+    xs = np.abs(x.double().numpy()).reshape(x.shape[0], -1, groups.group_size)
+    half_step = np.repeat(xs.max(axis=-1) / 65534.0, groups.group_size, axis=1)
+    return half_step @ np.abs(groups.weight().double().numpy()).T * 1.01
+
+
 @needs_kernel
 @settings(max_examples=40, deadline=None)
 @given(tiles=st.integers(1, 3), width_32s=st.integers(1, 4), size=st.sampled_from([16, 32]), offsets=st.booleans(),
@@ -141,15 +153,56 @@ def test_every_path_is_the_groups_product(tiles: int, width_32s: int, size: int,
     then sum q + 192 and take the bias back out), at rows of one and of two AMX row blocks."""
     rng = np.random.default_rng(seed)
     groups = _random_groups(rng, 16 * tiles, 32 * width_32s, size, offsets, narrow)
-    dtype = torch.float32 if path == "vector" and seed % 2 else torch.bfloat16
+    dtype = torch.float32 if path in ("vector", "i16") and seed % 2 else torch.bfloat16
     x = torch.from_numpy(rng.standard_normal((rows, 32 * width_32s)).astype(np.float32)).to(dtype)
-    packed = KERNEL.pack(groups)
+    packed = KERNEL.pack(groups, {"auto": None, "i16": "pairs"}.get(path, "tiles"))
     taken = path if path != "auto" else KERNEL.path(rows, dtype, packed)
     got = KERNEL(x, packed, path=None if path == "auto" else path)
     assert got.dtype == dtype and got.shape == (rows, 16 * tiles)
     error = np.abs(got.double().numpy() - _reference(x, groups))
     biased = packed.narrow and taken in ("exact", "dpbf16")
-    assert (error <= _bound(x, groups, taken in EXACT_PATHS, dtype, biased)).all()
+    bound = _bound(x, groups, taken in EXACT_PATHS | {"i16"}, dtype, biased)
+    assert (error <= bound + (_i16_rounding(x, groups) if taken == "i16" else 0.0)).all()
+
+
+@needs_kernel
+@pytest.mark.skipif(KERNEL is None or not KERNEL.i16, reason="no AVX2: no i16 path")
+def test_i16_products_by_hand() -> None:
+    """Inputs that are whole multiples of their group's step (max |x| / 32767) lose nothing
+    to i16's rounding, and int8's ends (Q8_0's values) sum without overflow. Groups of 8:
+    x = 2^-8 [32767, -32767, 1, 2, 0, 0, 0, 0] (sum 3 / 256) and 2^-4 [32767, 5, -3, 0, 0,
+    0, 0, -32767] (sum 2 / 16); output 0's values all 127, then all -128, scales 0.25 and
+    0.5, offsets 1 and -2: (0.25 * 127 + 1) * 3 / 256 + (0.5 * -128 - 2) * 2 / 16
+    = 98.25 / 256 - 8.25 = -7.8662109375; output 1's values zero with the same offsets:
+    3 / 256 - 4 / 16 = -0.23828125; the others zero."""
+    values = torch.zeros(16, 16, dtype=torch.int8)
+    values[0, :8], values[0, 8:] = 127, -128
+    scale, offset = torch.zeros(16, 2), torch.zeros(16, 2)
+    scale[0] = torch.tensor([0.25, 0.5])
+    offset[:2] = torch.tensor([1.0, -2.0])
+    packed = KERNEL.pack(GroupWeights(values, scale, offset, 8), "pairs")
+    assert packed.layout == "pairs" and packed.values.shape == (1, 16, 16)
+    assert packed.values.flatten()[:4].tolist() == [127, 127, 0, 0]  # column 0's first two k, then column 1's
+    first = [v * 2.0 ** -8 for v in (32767, -32767, 1, 2, 0, 0, 0, 0)]
+    second = [v * 2.0 ** -4 for v in (32767, 5, -3, 0, 0, 0, 0, -32767)]
+    out = KERNEL(torch.tensor([first + second] * 5), packed, path="i16")
+    assert out[:, 0].tolist() == [-7.8662109375] * 5 and out[:, 1].tolist() == [-0.23828125] * 5
+    assert out[:, 2:].eq(0).all()
+
+
+@needs_kernel
+@pytest.mark.skipif(KERNEL is None or not KERNEL.i16, reason="no AVX2: no i16 path")
+@pytest.mark.parametrize("size", [2, 6, 10])
+def test_i16_groups_of_odd_eights(size: int) -> None:
+    """Groups that are not whole vectors of 8 (quantized one input at a time) within the
+    bound of i16's rounding, float32 and bf16 inputs."""
+    rng = np.random.default_rng(size)
+    groups = _random_groups(rng, 32, 6 * size, size, True)
+    packed = KERNEL.pack(groups, "pairs")
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.from_numpy(rng.standard_normal((7, 6 * size)).astype(np.float32)).to(dtype)
+        error = np.abs(KERNEL(x, packed).double().numpy() - _reference(x, groups))
+        assert (error <= _bound(x, groups, True, dtype) + _i16_rounding(x, groups)).all()
 
 
 @needs_kernel
@@ -179,7 +232,8 @@ def test_narrow_products_by_hand(path: str) -> None:
     assert not KERNEL.pack(wide).narrow
     x = torch.tensor([[1.0, 2.0, 3.0, 4.0]] * 5).bfloat16()
     for groups, second in ((narrow, 0.0), (wide, 75.0)):
-        out = KERNEL(x, KERNEL.pack(groups), torch.full((16,), 2.0), torch.full((5, 16), -1.0).bfloat16(), path=path)
+        out = KERNEL(x, KERNEL.pack(groups, "tiles"), torch.full((16,), 2.0), torch.full((5, 16), -1.0).bfloat16(),
+                     path=path)
         assert out[:, 0].tolist() == [1.75] * 5 and out[:, 1].tolist() == [1.0 + second] * 5
 
 
@@ -206,8 +260,8 @@ def test_stacked_rows_keep_each_part_s_weights() -> None:
 
 @needs_kernel
 def test_each_row_count_takes_its_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    packed = KERNEL.pack(hand_groups())
-    wide = KERNEL.pack(_random_groups(np.random.default_rng(1), 16, 64, 32, False))
+    packed = KERNEL.pack(hand_groups(), "tiles")
+    wide = KERNEL.pack(_random_groups(np.random.default_rng(1), 16, 64, 32, False), "tiles")
     monkeypatch.setattr(KERNEL, "amx", True)
     assert [KERNEL.path(r, torch.bfloat16, wide) for r in (1, AMX_MIN_ROWS - 1, AMX_MIN_ROWS, FOLDED_MIN_ROWS - 1,
                                                               FOLDED_MIN_ROWS, EXPAND_MIN_ROWS - 1, EXPAND_MIN_ROWS)] \
@@ -220,9 +274,18 @@ def test_each_row_count_takes_its_path(monkeypatch: pytest.MonkeyPatch) -> None:
     assert [KERNEL.path(r, torch.bfloat16, wide) for r in (1, DPBF16_MIN_ROWS - 1, DPBF16_MIN_ROWS,
                                                               EXPAND_MIN_ROWS_NO_AMX - 1, EXPAND_MIN_ROWS_NO_AMX)] \
         == ["vector", "vector", "dpbf16", "dpbf16", "expand"]
-    monkeypatch.setattr(KERNEL, "native_bf16", False)  # torch's bf16 GEMM in software: the loop always
+    monkeypatch.setattr(KERNEL, "native_bf16", False)  # torch's bf16 GEMM in software: never expand
     monkeypatch.setattr(KERNEL, "dpbf16", False)
     assert KERNEL.path(4 * EXPAND_MIN_ROWS, torch.bfloat16, wide) == "vector"
+    if KERNEL.i16:  # every weight packed as pairs there, which i16 takes at every row count
+        for groups in (hand_groups(), _random_groups(np.random.default_rng(4), 16, 64, 16, False, True)):
+            pairs = KERNEL.pack(groups)
+            assert pairs.layout == "pairs"
+            assert {KERNEL.path(r, d, pairs) for r in (1, 2, 64, 4 * EXPAND_MIN_ROWS)
+                    for d in (torch.float32, torch.bfloat16)} == {"i16"}
+            assert KERNEL.invariant_path(torch.float32, pairs) == "i16"
+    monkeypatch.setattr(KERNEL, "i16", False)  # an x86 CPU without AVX2, or another CPU: tiles, the loop
+    assert KERNEL.pack(hand_groups()).layout == "tiles"
 
 
 @needs_kernel
@@ -263,7 +326,7 @@ def test_bad_weights_are_refused() -> None:
 
 @needs_kernel
 def test_a_mismatched_input_or_path_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    packed = KERNEL.pack(hand_groups())
+    packed = KERNEL.pack(hand_groups(), "tiles")
     with pytest.raises(ValueError, match="width 5"):
         KERNEL(torch.zeros(1, 5), packed)
     with pytest.raises(ValueError, match="no int8-group path 'fast'"):
@@ -276,6 +339,17 @@ def test_a_mismatched_input_or_path_is_refused(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(KERNEL, "amx", True)
     with pytest.raises(ValueError, match="32 at a time, not 4"):
         KERNEL(torch.zeros(1, 4, dtype=torch.bfloat16), packed, path="folded")
+    with pytest.raises(ValueError, match="no packed layout 'rows'"):
+        KERNEL.pack(hand_groups(), "rows")
+    with pytest.raises(ValueError, match="the i16 path on a weight packed as tiles"):
+        KERNEL(torch.zeros(1, 4), KERNEL.pack(hand_groups(), "tiles"), path="i16")
+    pairs = KERNEL.pack(hand_groups(), "pairs")
+    for path in ("vector", "expand"):
+        with pytest.raises(ValueError, match=f"the {path} path on a weight packed as pairs"):
+            KERNEL(torch.zeros(1, 4), pairs, path=path)
+    monkeypatch.setattr(KERNEL, "i16", False)  # nor does a CPU without AVX2 reach its code
+    with pytest.raises(ValueError, match="the i16 path on a weight packed as pairs"):
+        KERNEL(torch.zeros(1, 4), pairs, path="i16")
 
 
 @needs_kernel

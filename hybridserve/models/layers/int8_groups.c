@@ -8,7 +8,9 @@
  * input's dtype: the file's values times the input, float32 rounding aside. That holds on
  * the vector loop (group_linear's amx 0, any CPU), on AMX_EXACT's tile products per group
  * and on DPBF16's pair products (AVX512-BF16 without AMX); for larger steps AMX_FOLDED and group_expand round each weight to bf16 first
- * (the arithmetic of a bf16 model), which lets a tile product run over all of K.
+ * (the arithmetic of a bf16 model), which lets a tile product run over all of K. I16 (CPUs
+ * without native bf16) rounds the inputs instead, each row to int16 per group (2^-16 of
+ * the group's largest), for AVX2's integer dot products.
  *
  * Layout: the weight in tiles of TILE output columns, values [N / TILE][K][TILE] (the
  * TILE columns' values of one k side by side, so one vector load feeds TILE outputs),
@@ -431,17 +433,203 @@ static void store_rows(const float *res, int64_t rows, int64_t m0, int64_t t, in
     }
 }
 
+/* I16: AVX2's int16 dot products (vpmaddwd) for CPUs without native bf16, where the vector
+ * loop's float32 products cost a batch a third of the int8 GEMM's speed. The weight is
+ * packed for it (int8_groups.py's "pairs" layout): column c's two consecutive k side by
+ * side, [N / TILE][K / 2][TILE][2] int8. Each row's inputs are quantized per group to int16:
+ * d = max |x| / 32767, xi = round(x / d), each within d / 2 of x (2^-16 of the group's
+ * largest input: far below the bf16 or float32 rounding of the output). One vpmaddwd
+ * multiplies a pair of k of 8 columns (widened to int16) by two inputs and sums them to
+ * int32 (exact: |q| <= 128 and |xi| <= 32767 keep a group of 32's sum within 2^28), the
+ * same instruction count per product as vpmaddubsw's int8 pairs once those are widened;
+ * then each group's sum times its scale and d:
+ *   out[m, n] = sum_g scale[n, g] d[m, g] sum_k q[n, k] xi[m, k] + offset[n, g] sum_k x[m, k]
+ * The offsets take the inputs' own sums (float32), as the other paths do. */
+#if defined(__AVX2__)
+#define HAVE_I16 1
+#define I16 4      /* group_linear's amx: this path */
+#define I16_ROWS 4 /* rows per register block */
+
+/* 8 inputs from p (bf16 or float32) as float32. */
+static inline __m256 i16_load8(const void *p, int32_t x_bf16, int64_t i) {
+    if (x_bf16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))), 16));
+    return _mm256_loadu_ps((const float *)p + i);
+}
+
+static inline float i16_lanes_max(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+static inline float i16_lanes_sum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* One row of K inputs (bf16 or float32) quantized per group of gs: xi (int16) and d, and
+ * the group's float32 sums where xsum is not NULL. Groups of whole 8s a vector at a time. */
+static void i16_quantize_row(const void *x, int32_t x_bf16, int64_t K, int64_t gs, int16_t *xi, float *d,
+                             float *xsum) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    for (int64_t g = 0; g < K / gs; g++) {
+        const int64_t k0 = g * gs;
+        float top = 0.0f, sum = 0.0f;
+        if (gs % 8 == 0) {
+            __m256 amax = _mm256_setzero_ps(), sums = _mm256_setzero_ps();
+            for (int64_t k = 0; k < gs; k += 8) {
+                const __m256 v = i16_load8(x, x_bf16, k0 + k);
+                amax = _mm256_max_ps(amax, _mm256_and_ps(v, magnitude));
+                sums = _mm256_add_ps(sums, v);
+            }
+            top = i16_lanes_max(amax);
+            sum = i16_lanes_sum(sums);
+        } else {
+            for (int64_t k = 0; k < gs; k++) {
+                const float v = load_any(x, x_bf16, k0 + k), a = v < 0.0f ? -v : v;
+                top = a > top ? a : top;
+                sum += v;
+            }
+        }
+        d[g] = top / 32767.0f;
+        if (xsum) xsum[g] = sum;
+        const float inv = top > 0.0f ? 32767.0f / top : 0.0f;
+        int64_t k = 0;
+        if (gs % 8 == 0)
+            for (; k < gs; k += 8) {
+                /* rounded to nearest even (the default rounding mode); packs_epi32 saturates, never needed */
+                const __m256i i = _mm256_cvtps_epi32(_mm256_mul_ps(i16_load8(x, x_bf16, k0 + k), _mm256_set1_ps(inv)));
+                const __m128i packed = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+                _mm_storeu_si128((__m128i *)(xi + k0 + k), packed);
+            }
+        for (; k < gs; k++) xi[k0 + k] = (int16_t)_mm_cvtss_si32(_mm_set_ss(load_any(x, x_bf16, k0 + k) * inv));
+    }
+}
+
+/* acc + vpmaddwd(w, x), in that order: written as two intrinsics, GCC computes a row
+ * block's eight products before their adds, needs more than AVX2's 16 registers and
+ * spills an accumulator and copies the others every step (a 512-row step ~15% slower:
+ * benchmarks/results/group_int8_kernels.md). */
+static inline __m256i i16_madd_add(__m256i acc, __m256i w, __m256i x) {
+    __m256i product;
+    __asm__("vpmaddwd %2, %3, %0\n\tvpaddd %0, %1, %1" : "=&x"(product), "+x"(acc) : "x"(w), "x"(x));
+    return acc;
+}
+
+/* `mb` (a constant once inlined) rows of quantized inputs (xi rows K apart; d and xsum rows
+ * `groups` apart) times one tile's pairs (pt) into res [mb][TILE]. */
+static inline __attribute__((always_inline)) void i16_rows(const int mb, const int16_t *xi, const float *d,
+                                                           const float *xsum, int64_t K, int64_t groups, int64_t gs,
+                                                           const int8_t *pt, const float *st, const float *ot,
+                                                           float *res) {
+    __m256 tot[I16_ROWS][2];
+    for (int r = 0; r < mb; r++) tot[r][0] = tot[r][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m256i acc[I16_ROWS][2];
+        for (int r = 0; r < mb; r++) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+        const int8_t *w = pt + g * gs * TILE;
+        /* the weights PREFETCH_BYTES on, as the vector loop asks for them */
+        for (int64_t c = 0; c < gs * TILE; c += 64) __builtin_prefetch(w + PREFETCH_BYTES + c, 0, 2);
+        for (int64_t k = 0; k < gs; k += 2) {
+            const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + k * TILE)));
+            const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + k * TILE + 16)));
+            for (int r = 0; r < mb; r++) {
+                int32_t two;
+                memcpy(&two, xi + r * K + g * gs + k, sizeof two);
+                const __m256i xb = _mm256_set1_epi32(two);
+                acc[r][0] = i16_madd_add(acc[r][0], w0, xb);
+                acc[r][1] = i16_madd_add(acc[r][1], w1, xb);
+            }
+        }
+        const __m256 s0 = _mm256_loadu_ps(st + g * TILE), s1 = _mm256_loadu_ps(st + g * TILE + 8);
+        for (int r = 0; r < mb; r++) {
+            const __m256 dr = _mm256_set1_ps(d[r * groups + g]);
+            tot[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][0]), _mm256_mul_ps(s0, dr), tot[r][0]);
+            tot[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][1]), _mm256_mul_ps(s1, dr), tot[r][1]);
+        }
+        if (ot) {
+            const __m256 o0 = _mm256_loadu_ps(ot + g * TILE), o1 = _mm256_loadu_ps(ot + g * TILE + 8);
+            for (int r = 0; r < mb; r++) {
+                const __m256 sr = _mm256_set1_ps(xsum[r * groups + g]);
+                tot[r][0] = _mm256_fmadd_ps(o0, sr, tot[r][0]);
+                tot[r][1] = _mm256_fmadd_ps(o1, sr, tot[r][1]);
+            }
+        }
+    }
+    for (int r = 0; r < mb; r++) {
+        _mm256_storeu_ps(res + r * TILE, tot[r][0]);
+        _mm256_storeu_ps(res + r * TILE + 8, tot[r][1]);
+    }
+}
+
+/* group_linear's I16 path (pairs: the weight in the layout above): the inputs quantized
+ * per row (threads take rows), then each tile multiplied by every row block. Returns 0, or
+ * -1 where its scratch cannot be allocated. */
+static int i16_linear(const void *x, int32_t x_bf16, int64_t ldx, int64_t M, int64_t K, const int8_t *pairs,
+                      const float *scale, const float *offset, int64_t N, int64_t gs, const float *bias,
+                      const void *residual, int64_t ldr, void *out, int64_t ldo, int32_t num_threads) {
+    const int64_t groups = K / gs, tiles = N / TILE;
+    const size_t elem = x_bf16 ? sizeof(uint16_t) : sizeof(float);
+    int16_t *xi = malloc(sizeof(int16_t) * (size_t)(M * K));
+    float *d = malloc(sizeof(float) * (size_t)(M * groups * (offset ? 2 : 1)));
+    if (!xi || !d) {
+        free(xi);
+        free(d);
+        return -1;
+    }
+    float *xsum = offset ? d + M * groups : NULL;
+#pragma omp parallel num_threads(num_threads) if (tiles > 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++)
+            i16_quantize_row((const char *)x + (size_t)(m * ldx) * elem, x_bf16, K, gs, xi + m * K, d + m * groups,
+                             xsum ? xsum + m * groups : NULL);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            float res[I16_ROWS * TILE];
+            const int8_t *pt = pairs + t * K * TILE;
+            const float *st = scale + t * groups * TILE, *ot = offset ? offset + t * groups * TILE : NULL;
+            for (int64_t m0 = 0; m0 < M; m0 += I16_ROWS) {
+                const int mb = M - m0 < I16_ROWS ? (int)(M - m0) : I16_ROWS;
+                const int16_t *xm = xi + m0 * K;
+                const float *dm = d + m0 * groups, *sm = xsum ? xsum + m0 * groups : NULL;
+                switch (mb) {
+                case 1: i16_rows(1, xm, dm, sm, K, groups, gs, pt, st, ot, res); break;
+                case 2: i16_rows(2, xm, dm, sm, K, groups, gs, pt, st, ot, res); break;
+                case 3: i16_rows(3, xm, dm, sm, K, groups, gs, pt, st, ot, res); break;
+                default: i16_rows(I16_ROWS, xm, dm, sm, K, groups, gs, pt, st, ot, res); break;
+                }
+                store_rows(res, mb, m0, t, x_bf16, bias, residual, ldr, out, ldo);
+            }
+        }
+    }
+    free(xi);
+    free(d);
+    return 0;
+}
+#endif
+
 /* x: [M, K] bf16 (x_bf16) or float32, rows ldx elements apart; values, scale, offset (or
  * NULL): the tiled layout above, N a multiple of TILE, K of gs, gs even; bias: float32 [N]
  * or NULL; residual: [M, N] in x's dtype, rows ldr apart, or NULL; out: [M, N] in x's
- * dtype, rows ldo apart; narrow: every value is in [-64, 63] (the exact AMX and DPBF16
- * paths then expand them faster, expand_pairs). Returns 0, or -1 where its scratch cannot
- * be allocated. */
+ * dtype, rows ldo apart; amx: the path (0 the vector loop, AMX_EXACT, AMX_FOLDED,
+ * DPBF16, I16; the caller checks the CPU has it, and gives I16 its own layout, the
+ * pairs); narrow: every value is in [-64, 63] (the exact AMX and
+ * DPBF16 paths then expand them faster, expand_pairs). Returns 0, or -1 where its scratch
+ * cannot be allocated. */
 int group_linear(const void *x, int32_t x_bf16, int64_t ldx, int64_t M, int64_t K, const int8_t *values,
                  const float *scale, const float *offset, int64_t N, int64_t gs, const float *bias,
                  const void *residual, int64_t ldr, void *out, int64_t ldo, int32_t num_threads, int32_t amx,
                  int32_t narrow) {
     const int64_t groups = K / gs, tiles = N / TILE;
+#ifdef HAVE_I16
+    if (amx == I16)
+        return i16_linear(x, x_bf16, ldx, M, K, values, scale, offset, N, gs, bias, residual, ldr, out, ldo,
+                          num_threads);
+#endif
 #ifdef HAVE_X86_TARGETS
     if (amx && x_bf16) {
         const int64_t padded = (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
@@ -575,6 +763,15 @@ int group_linear_has_dpbf16(void) {
 /* 1 where this build has the AMX path (group_linear_amx_ready then says whether it runs). */
 int group_linear_has_amx(void) {
 #ifdef HAVE_X86_TARGETS
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* 1 where this build has the I16 path (an AVX2 build: every x86-64 CPU it runs on has it). */
+int group_linear_has_i16(void) {
+#ifdef HAVE_I16
     return 1;
 #else
     return 0;

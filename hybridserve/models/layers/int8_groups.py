@@ -9,8 +9,11 @@ and multiplied by the input's values in float32, the output rounded once to its 
 The native kernel of int8_groups.c (`GroupKernel`, built by models/platform/native_build.py)
 is the fast path beside it: the weight packed once in its tiles, each group's int8 values
 times the input summed in float32 and multiplied once by the group's scale; the two agree
-to float32 rounding (tests/models/test_int8_groups.py). Where no compiler is found, or off
-the CPU, the general path runs.
+to float32 rounding (tests/models/test_int8_groups.py). On CPUs without native bf16 the
+weight is packed in pairs instead, for the i16 path: the inputs rounded to int16 per group
+(2^-16 of the group's largest) and multiplied by AVX2's int16 dot products, the general
+path's result to that rounding. Where no compiler is found, or off the CPU, the general
+path runs.
 """
 
 from __future__ import annotations
@@ -41,12 +44,22 @@ NARROW_VALUES = (-64, 63)
 # The kernel's paths (int8_groups.c's amx argument): the vector loop, AMX tile products per
 # group (the file's values exactly) and AMX over the weights rounded to bf16; without AMX,
 # AVX512-BF16 pair products per group ("dpbf16", the file's values exactly); "expand" is
-# the weight rounded to bf16 at each call and multiplied by torch's GEMM (large steps).
-PATHS = {"vector": 0, "exact": 1, "folded": 2, "dpbf16": 3, "expand": -1}
+# the weight rounded to bf16 at each call and multiplied by torch's GEMM (large steps);
+# "i16" the inputs rounded to int16 per group (2^-16 of the group's largest) and AVX2's
+# int16 dot products, on a weight packed for it alone (LAYOUTS).
+PATHS = {"vector": 0, "exact": 1, "folded": 2, "dpbf16": 3, "i16": 4, "expand": -1}
+# How a packed weight's values lie: "tiles" for every path but i16 (values [N / TILE, K,
+# TILE]); "pairs" for i16 ([N / TILE, K / 2, TILE, 2]: int8_groups.c's I16), which a CPU
+# without native bf16 packs every weight as (benchmarks/results/group_int8_kernels.md).
+LAYOUTS = ("tiles", "pairs")
+# What rounding an input to int16 may move it by, relative to its group's largest: half a
+# step of max |x| / 32767 (int8_groups.c's i16_quantize_row).
+I16_HALF_STEP = 0.5 / 32767
 # Rows of bf16 inputs from which each path takes over (benchmarks/group_linear.py --paths,
 # benchmarks/results/group_int8_kernels.md): with AMX, exact, then folded, then expand;
 # with AVX512-BF16 but no AMX, dpbf16, then expand from EXPAND_MIN_ROWS_NO_AMX; without
-# native bf16 the vector loop at every row count (torch's bf16 GEMM is software there).
+# native bf16 (torch's bf16 GEMM is software there: never expand), i16 at every row count on
+# a weight packed as pairs, the vector loop on others.
 AMX_MIN_ROWS = 3
 DPBF16_MIN_ROWS = 4
 FOLDED_MIN_ROWS = 32
@@ -149,7 +162,8 @@ def group_linear_general(x: torch.Tensor, groups: GroupWeights, bias: torch.Tens
 
 
 class PackedGroups(NamedTuple):
-    """GroupWeights in the kernel's tiles (int8_groups.c): values [out / TILE, in, TILE],
+    """GroupWeights in the kernel's tiles (int8_groups.c): values [out / TILE, in, TILE] as
+    `layout` says (LAYOUTS: tiles, or the i16 path's pairs in the same shape),
     scale and offset [out / TILE, in / group_size, TILE]; narrow: every value is in
     NARROW_VALUES (Q4_K, Q5_0, Q6_K blocks; Q8_0's are not), which the kernel expands faster."""
 
@@ -158,6 +172,7 @@ class PackedGroups(NamedTuple):
     offset: torch.Tensor | None
     group_size: int
     narrow: bool = False
+    layout: str = "tiles"
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -168,6 +183,13 @@ class PackedGroups(NamedTuple):
 def _tiles(t: torch.Tensor) -> torch.Tensor:
     """t [N, C] as the kernel's tiles [N / TILE, C, TILE], a view (on_huge_pages copies it)."""
     return t.view(t.shape[0] // TILE, TILE, t.shape[1]).transpose(1, 2)
+
+
+def _pairs(values: torch.Tensor) -> torch.Tensor:
+    """int8 values [N, K] as the i16 path's pairs: column c's two consecutive k side by
+    side, [N / TILE, K / 2, TILE, 2] viewed as [N / TILE, K, TILE]."""
+    n, k = values.shape
+    return values.view(n // TILE, TILE, k // 2, 2).permute(0, 2, 1, 3).contiguous().view(n // TILE, k, TILE)
 
 
 class GroupKernel:
@@ -189,6 +211,7 @@ class GroupKernel:
         self.amx = bool(library.group_linear_has_amx()) and "amx_bf16" in flags and bool(library.group_linear_amx_ready())
         self.native_bf16 = has_native_bf16(flags)
         self.dpbf16 = bool(library.group_linear_has_dpbf16()) and "avx512_bf16" in flags
+        self.i16 = bool(library.group_linear_has_i16()) and "avx2" in flags
 
     @staticmethod
     def packable(groups: GroupWeights) -> bool:
@@ -198,16 +221,22 @@ class GroupKernel:
         size = groups.group_size
         return rows % TILE == 0 and size % 2 == 0 and size <= MAX_KERNEL_GROUP and groups.values.device.type == "cpu"
 
-    @staticmethod
-    def pack(groups: GroupWeights) -> PackedGroups:
+    def pack(self, groups: GroupWeights, layout: str | None = None) -> PackedGroups:
         """The weight in the kernel's tiles, on transparent huge pages where Linux offers them
-        (a step streams them whole: models/platform/huge_pages.py)."""
+        (a step streams them whole: models/platform/huge_pages.py); in `layout` (tests and
+        benchmarks), else as the paths this CPU takes for it read it: pairs where the CPU
+        has no native bf16, tiles elsewhere."""
         groups.check()
         offset = None if groups.offset is None else on_huge_pages(_tiles(groups.offset))
         narrow = groups.values.numel() > 0 and NARROW_VALUES[0] <= int(groups.values.min()) \
             and int(groups.values.max()) <= NARROW_VALUES[1]
-        return PackedGroups(on_huge_pages(_tiles(groups.values)), on_huge_pages(_tiles(groups.scale)), offset,
-                            groups.group_size, narrow)
+        if layout is None:
+            layout = "pairs" if self.i16 and not (self.native_bf16 or self.amx) else "tiles"
+        if layout not in LAYOUTS:
+            raise ValueError(f"no packed layout {layout!r}: {', '.join(LAYOUTS)}")
+        values = _pairs(groups.values) if layout == "pairs" else _tiles(groups.values)
+        return PackedGroups(on_huge_pages(values), on_huge_pages(_tiles(groups.scale)), offset, groups.group_size,
+                            narrow, layout)
 
     def _expand_mm(self, x: torch.Tensor, packed: PackedGroups, bias: torch.Tensor | None,
                    residual: torch.Tensor | None) -> torch.Tensor:
@@ -219,7 +248,9 @@ class GroupKernel:
         return out if bias is None else (out.float() + bias).to(torch.bfloat16)
 
     def expanded(self, packed: PackedGroups) -> torch.Tensor:
-        """The weight rounded to bf16, transposed: [in, out]."""
+        """The weight rounded to bf16, transposed: [in, out] (from tiles)."""
+        if packed.layout != "tiles":
+            raise ValueError(f"the expand path reads tiles, not {packed.layout}")
         n, k = packed.shape
         out = torch.empty(k, n, dtype=torch.bfloat16)
         self._expand(packed.values.data_ptr(), packed.scale.data_ptr(),
@@ -228,8 +259,12 @@ class GroupKernel:
         return out
 
     def path(self, rows: int, dtype: torch.dtype, packed: PackedGroups) -> str:
-        """The path `rows` rows of `dtype` take (float32 inputs: always the vector loop, whose
-        sums are the file's values times the input's, float32 rounding aside)."""
+        """The path `rows` rows of `dtype` take: i16 at every row count on pairs; on tiles,
+        float32 inputs always take the vector loop, whose sums are the file's values times
+        the input's, float32 rounding aside (float32 named where bf16 is native is a request
+        for that precision)."""
+        if packed.layout == "pairs":
+            return "i16"
         if dtype != torch.bfloat16:
             return "vector"
         if not self.amx:
@@ -250,6 +285,8 @@ class GroupKernel:
         benchmarks/results/batch_invariant.md: 2.3x the exact tiles' prefill, 15% slower on
         one row), or the exact ones where the input width is not a multiple of 32; else
         AVX512-BF16's pair products; else the vector loop."""
+        if packed.layout == "pairs":
+            return "i16"  # each row quantized and multiplied alone
         if dtype == torch.bfloat16 and self.amx:
             return "folded" if packed.shape[1] % 32 == 0 else "exact"
         return "dpbf16" if dtype == torch.bfloat16 and self.dpbf16 else "vector"
@@ -279,6 +316,9 @@ class GroupKernel:
             raise ValueError(f"the {path} path needs AMX and bf16 inputs")  # AMX code without AMX would fault
         if path == "dpbf16" and not (self.dpbf16 and x.dtype == torch.bfloat16):
             raise ValueError("the dpbf16 path needs AVX512-BF16 and bf16 inputs")
+        if (path == "i16") != (packed.layout == "pairs") or (path == "i16" and not self.i16):
+            raise ValueError(f"the {path} path on a weight packed as {packed.layout} (i16 needs AVX2 and pairs, "
+                             "every other path tiles)")
         if path == "folded" and k % 32:
             raise ValueError(f"the folded path steps through the inputs 32 at a time, not {k}")
         if path == "expand":
@@ -304,28 +344,40 @@ def group_kernel() -> GroupKernel | None:
     return checked(GroupKernel, _mismatch, "int8 group linears take the general path")
 
 
+def i16_input_error(x: torch.Tensor, groups: GroupWeights) -> torch.Tensor:
+    """The most the i16 path's rounding of the inputs can move each output: every input is
+    within I16_HALF_STEP of its group's largest of its int16 value, so an output moves by at
+    most the sum over k of |weight| times that."""
+    half_step = x.float().abs().view(x.shape[0], -1, groups.group_size).amax(-1) * I16_HALF_STEP
+    return half_step.repeat_interleave(groups.group_size, dim=1) @ groups.weight().abs().t()
+
+
 def _mismatch(kernel: GroupKernel) -> str:
     """'' when every path this CPU runs gives the general path's result, else what differs:
     within 2^-7 of the sum of the terms' magnitudes (one bf16 rounding of the output, and
     of each weight where the path rounds the weights to bf16: a wrong scale, offset, tile or
-    row is off by far more), at rows of every row block's remainder, with offsets, a bias
-    and a residual, in groups of 16 and 32, on narrow values too, float32 inputs on the
-    vector loop."""
+    row is off by far more), plus, on the i16 path, what its rounding of the inputs allows
+    (i16_input_error), at rows of every row block's remainder, with offsets, a bias and a
+    residual, in groups of 16 and 32, on narrow values too, float32 inputs on the vector
+    loop and i16."""
     g = torch.Generator().manual_seed(0)
     paths = ["vector", "expand"] + (["exact", "folded"] if kernel.amx else []) + (["dpbf16"] if kernel.dpbf16 else [])
+    paths += ["i16"] if kernel.i16 else []
     for size, (low, high) in ((16, (-128, 128)), (32, (-128, 128)), (32, (NARROW_VALUES[0], NARROW_VALUES[1] + 1))):
         groups = GroupWeights(torch.randint(low, high, (48, 96), dtype=torch.int8, generator=g),
                               torch.rand(48, 96 // size, generator=g), torch.randn(48, 96 // size, generator=g), size)
         bias = torch.randn(48, generator=g)
-        packed = kernel.pack(groups)
+        packed = kernel.pack(groups, "tiles")
+        pairs = kernel.pack(groups, "pairs") if kernel.i16 else None
         for path in paths:
             for rows in (1, 2, 3, 4, 5, 9, 17):
-                for dtype in (torch.float32, torch.bfloat16) if path == "vector" else (torch.bfloat16,):
+                for dtype in (torch.float32, torch.bfloat16) if path in ("vector", "i16") else (torch.bfloat16,):
                     x, h = torch.randn(rows, 96, generator=g).to(dtype), torch.randn(rows, 48, generator=g).to(dtype)
-                    got = kernel(x, packed, bias, h, path=path).float()
+                    got = kernel(x, pairs if path == "i16" else packed, bias, h, path=path).float()
                     expected = group_linear_general(x, groups, bias, h).float()
                     magnitude = x.float().abs() @ groups.weight().abs().t() + h.float().abs() + bias.abs()
-                    if not ((got - expected).abs() <= magnitude * 2.0 ** -7).all():
+                    allowed = magnitude * 2.0 ** -7 + (i16_input_error(x, groups) if path == "i16" else 0.0)
+                    if not ((got - expected).abs() <= allowed).all():
                         return (f"the {path} path differs from the general path at {rows} {dtype} rows, groups of "
                                 f"{size}, values in [{low}, {high})")
     return ""

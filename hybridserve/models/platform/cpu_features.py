@@ -34,9 +34,11 @@ Why these rules (figures: benchmarks/results/cpu_kernels.md and cpu_peers.md):
   GEMM takes weights in 63 levels, so that AVX2's int16 pair sums cannot saturate
   (models/layers/int8.py). Every linear int8 there is fast (fbgemm) but errs 6.5x llama.cpp's
   KL divergence (0.0174 against 0.00265, as on such a CPU: benchmarks/kl_accuracy.py under
-  as_avx2_env); the GGUF's own groups (their float32 vector loop) with the int8 head,
-  smoothed for 63 levels, err 0.0020: the bar is met, batches of 16+ pay about a third of
-  their speed (one stream gains a little: benchmarks/results/quant_accuracy.md). So `auto`
+  as_avx2_env); the GGUF's own groups with the int8 head, smoothed for 63 levels, err
+  0.0020: the bar is met. Their kernel's int16 dot products there (inputs rounded to 2^-16
+  of each group's largest, the same 0.0020) serve one stream 1.1x every linear int8, 16 x
+  64 and 64 x 128 0.84-0.87x (prefill's matmuls take 1.3x int8's time:
+  benchmarks/results/group_int8_kernels.md). So `auto`
   takes gguf-groups there too where the model is such a GGUF, and int8 for other models,
   whose alternative is float32 kernels (four times the bytes). Weight-only int8 (PyTorch's
   kernel) re-reads the weight per row, slower than bf16 at decode batches: not chosen

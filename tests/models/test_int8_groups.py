@@ -192,6 +192,29 @@ def test_i16_products_by_hand() -> None:
 
 @needs_kernel
 @pytest.mark.skipif(KERNEL is None or not KERNEL.i16, reason="no AVX2: no i16 path")
+def test_i16_products_are_the_same_sums_with_or_without_vnni(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vpdpwssd (AVX-VNNI, AVX512-VNNI) is vpmaddwd and vpaddd in one, on exact int32 sums:
+    every form this CPU has gives the AVX2 pair's outputs bit for bit, at rows of every row
+    block's remainder."""
+    from hybridserve.models.platform.cpu_features import read_cpu_flags
+
+    flags = read_cpu_flags()
+    forms = [""] + (["avx_vnni"] if "avx_vnni" in flags else []) \
+        + (["avx512_vnni"] if {"avx512_vnni", "avx512vl"} <= flags else [])
+    rng = np.random.default_rng(11)
+    groups = _random_groups(rng, 48, 96, 32, True)
+    packed = KERNEL.pack(groups, "pairs")
+    x = torch.from_numpy(rng.standard_normal((9, 96)).astype(np.float32))
+    outputs = []
+    for form in forms:
+        monkeypatch.setattr(KERNEL, "i16_dot", form)
+        outputs.append([KERNEL(x[:rows], packed, path="i16") for rows in (1, 2, 3, 4, 9)])
+    for other in outputs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(outputs[0], other))
+
+
+@needs_kernel
+@pytest.mark.skipif(KERNEL is None or not KERNEL.i16, reason="no AVX2: no i16 path")
 @pytest.mark.parametrize("size", [2, 6, 10])
 def test_i16_groups_of_odd_eights(size: int) -> None:
     """Groups that are not whole vectors of 8 (quantized one input at a time) within the

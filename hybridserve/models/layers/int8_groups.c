@@ -441,13 +441,20 @@ static void store_rows(const float *res, int64_t rows, int64_t m0, int64_t t, in
  * largest input: far below the bf16 or float32 rounding of the output). One vpmaddwd
  * multiplies a pair of k of 8 columns (widened to int16) by two inputs and sums them to
  * int32 (exact: |q| <= 128 and |xi| <= 32767 keep a group of 32's sum within 2^28), the
- * same instruction count per product as vpmaddubsw's int8 pairs once those are widened;
- * then each group's sum times its scale and d:
+ * same instruction count per product as vpmaddubsw's int8 pairs once those are widened
+ * (and half of it where the CPU has vpdpwssd, AVX-VNNI's or AVX512-VNNI's vpmaddwd and
+ * vpaddd in one); then each group's sum times its scale and d:
  *   out[m, n] = sum_g scale[n, g] d[m, g] sum_k q[n, k] xi[m, k] + offset[n, g] sum_k x[m, k]
  * The offsets take the inputs' own sums (float32), as the other paths do. */
 #if defined(__AVX2__)
 #define HAVE_I16 1
-#define I16 4      /* group_linear's amx: this path */
+#define I16 4      /* group_linear's amx: this path with vpmaddwd + vpaddd */
+#define I16_AVX_VNNI 5    /* with AVX-VNNI's vpdpwssd (the CPU's avx_vnni), the same sums */
+#define I16_AVX512_VNNI 6 /* with AVX512-VNNI's vpdpwssd on 256-bit registers (avx512_vnni, avx512vl) */
+/* The assemblers that know both vpdpwssd forms (binutils 2.36, with GCC 11; Clang 12) */
+#if defined(__x86_64__) && (defined(__clang__) ? __clang_major__ >= 12 : (defined(__GNUC__) && __GNUC__ >= 11))
+#define HAVE_I16_VNNI 1
+#endif
 #define I16_ROWS 4 /* rows per register block */
 
 /* 8 inputs from p (bf16 or float32) as float32. */
@@ -513,7 +520,19 @@ static void i16_quantize_row(const void *x, int32_t x_bf16, int64_t K, int64_t g
  * block's eight products before their adds, needs more than AVX2's 16 registers and
  * spills an accumulator and copies the others every step (a 512-row step ~15% slower:
  * benchmarks/results/group_int8_kernels.md). */
-static inline __m256i i16_madd_add(__m256i acc, __m256i w, __m256i x) {
+static inline __attribute__((always_inline)) __m256i i16_madd_add(const int dot, __m256i acc, __m256i w,
+                                                                    __m256i x) {
+#ifdef HAVE_I16_VNNI
+    /* one instruction where the CPU has it: vpdpwssd is vpmaddwd and vpaddd in one */
+    if (dot == I16_AVX_VNNI) {
+        __asm__("%{vex%} vpdpwssd %2, %1, %0" : "+x"(acc) : "x"(w), "x"(x));
+        return acc;
+    }
+    if (dot == I16_AVX512_VNNI) {
+        __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x));
+        return acc;
+    }
+#endif
     __m256i product;
     __asm__("vpmaddwd %2, %3, %0\n\tvpaddd %0, %1, %1" : "=&x"(product), "+x"(acc) : "x"(w), "x"(x));
     return acc;
@@ -521,7 +540,8 @@ static inline __m256i i16_madd_add(__m256i acc, __m256i w, __m256i x) {
 
 /* `mb` (a constant once inlined) rows of quantized inputs (xi rows K apart; d and xsum rows
  * `groups` apart) times one tile's pairs (pt) into res [mb][TILE]. */
-static inline __attribute__((always_inline)) void i16_rows(const int mb, const int16_t *xi, const float *d,
+static inline __attribute__((always_inline)) void i16_rows(const int mb, const int dot, const int16_t *xi,
+                                                           const float *d,
                                                            const float *xsum, int64_t K, int64_t groups, int64_t gs,
                                                            const int8_t *pt, const float *st, const float *ot,
                                                            float *res) {
@@ -540,8 +560,8 @@ static inline __attribute__((always_inline)) void i16_rows(const int mb, const i
                 int32_t two;
                 memcpy(&two, xi + r * K + g * gs + k, sizeof two);
                 const __m256i xb = _mm256_set1_epi32(two);
-                acc[r][0] = i16_madd_add(acc[r][0], w0, xb);
-                acc[r][1] = i16_madd_add(acc[r][1], w1, xb);
+                acc[r][0] = i16_madd_add(dot, acc[r][0], w0, xb);
+                acc[r][1] = i16_madd_add(dot, acc[r][1], w1, xb);
             }
         }
         const __m256 s0 = _mm256_loadu_ps(st + g * TILE), s1 = _mm256_loadu_ps(st + g * TILE + 8);
@@ -565,12 +585,26 @@ static inline __attribute__((always_inline)) void i16_rows(const int mb, const i
     }
 }
 
-/* group_linear's I16 path (pairs: the weight in the layout above): the inputs quantized
- * per row (threads take rows), then each tile multiplied by every row block. Returns 0, or
- * -1 where its scratch cannot be allocated. */
+/* i16_rows for a block of `mb` rows with `dot` (a constant once inlined) as its products. */
+static inline __attribute__((always_inline)) void i16_block(const int dot, int mb, const int16_t *xm,
+                                                            const float *dm, const float *sm, int64_t K,
+                                                            int64_t groups, int64_t gs, const int8_t *pt,
+                                                            const float *st, const float *ot, float *res) {
+    switch (mb) {
+    case 1: i16_rows(1, dot, xm, dm, sm, K, groups, gs, pt, st, ot, res); break;
+    case 2: i16_rows(2, dot, xm, dm, sm, K, groups, gs, pt, st, ot, res); break;
+    case 3: i16_rows(3, dot, xm, dm, sm, K, groups, gs, pt, st, ot, res); break;
+    default: i16_rows(I16_ROWS, dot, xm, dm, sm, K, groups, gs, pt, st, ot, res); break;
+    }
+}
+
+/* group_linear's I16 paths (pairs: the weight in the layout above; dot: I16 or a VNNI
+ * form the caller found on the CPU): the inputs quantized per row (threads take rows), then
+ * each tile multiplied by every row block. Returns 0, or -1 where its scratch cannot be
+ * allocated. */
 static int i16_linear(const void *x, int32_t x_bf16, int64_t ldx, int64_t M, int64_t K, const int8_t *pairs,
                       const float *scale, const float *offset, int64_t N, int64_t gs, const float *bias,
-                      const void *residual, int64_t ldr, void *out, int64_t ldo, int32_t num_threads) {
+                      const void *residual, int64_t ldr, void *out, int64_t ldo, int32_t num_threads, int dot) {
     const int64_t groups = K / gs, tiles = N / TILE;
     const size_t elem = x_bf16 ? sizeof(uint16_t) : sizeof(float);
     int16_t *xi = malloc(sizeof(int16_t) * (size_t)(M * K));
@@ -596,12 +630,14 @@ static int i16_linear(const void *x, int32_t x_bf16, int64_t ldx, int64_t M, int
                 const int mb = M - m0 < I16_ROWS ? (int)(M - m0) : I16_ROWS;
                 const int16_t *xm = xi + m0 * K;
                 const float *dm = d + m0 * groups, *sm = xsum ? xsum + m0 * groups : NULL;
-                switch (mb) {
-                case 1: i16_rows(1, xm, dm, sm, K, groups, gs, pt, st, ot, res); break;
-                case 2: i16_rows(2, xm, dm, sm, K, groups, gs, pt, st, ot, res); break;
-                case 3: i16_rows(3, xm, dm, sm, K, groups, gs, pt, st, ot, res); break;
-                default: i16_rows(I16_ROWS, xm, dm, sm, K, groups, gs, pt, st, ot, res); break;
-                }
+#ifdef HAVE_I16_VNNI
+                if (dot == I16_AVX_VNNI)
+                    i16_block(I16_AVX_VNNI, mb, xm, dm, sm, K, groups, gs, pt, st, ot, res);
+                else if (dot == I16_AVX512_VNNI)
+                    i16_block(I16_AVX512_VNNI, mb, xm, dm, sm, K, groups, gs, pt, st, ot, res);
+                else
+#endif
+                    i16_block(I16, mb, xm, dm, sm, K, groups, gs, pt, st, ot, res);
                 store_rows(res, mb, m0, t, x_bf16, bias, residual, ldr, out, ldo);
             }
         }
@@ -626,9 +662,9 @@ int group_linear(const void *x, int32_t x_bf16, int64_t ldx, int64_t M, int64_t 
                  int32_t narrow) {
     const int64_t groups = K / gs, tiles = N / TILE;
 #ifdef HAVE_I16
-    if (amx == I16)
+    if (amx == I16 || amx == I16_AVX_VNNI || amx == I16_AVX512_VNNI)
         return i16_linear(x, x_bf16, ldx, M, K, values, scale, offset, N, gs, bias, residual, ldr, out, ldo,
-                          num_threads);
+                          num_threads, amx);
 #endif
 #ifdef HAVE_X86_TARGETS
     if (amx && x_bf16) {
@@ -763,6 +799,15 @@ int group_linear_has_dpbf16(void) {
 /* 1 where this build has the AMX path (group_linear_amx_ready then says whether it runs). */
 int group_linear_has_amx(void) {
 #ifdef HAVE_X86_TARGETS
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* 1 where this build has the I16 path's vpdpwssd forms (the CPU's flags then say which runs). */
+int group_linear_has_i16_vnni(void) {
+#ifdef HAVE_I16_VNNI
     return 1;
 #else
     return 0;

@@ -11,8 +11,8 @@ is the fast path beside it: the weight packed once in its tiles, each group's in
 times the input summed in float32 and multiplied once by the group's scale; the two agree
 to float32 rounding (tests/models/test_int8_groups.py). On CPUs without native bf16 the
 weight is packed in pairs instead, for the i16 path: the inputs rounded to int16 per group
-(2^-16 of the group's largest) and multiplied by AVX2's int16 dot products, the general
-path's result to that rounding. Where no compiler is found, or off the CPU, the general
+(2^-16 of the group's largest) and multiplied by AVX2's int16 dot products (one vpdpwssd
+where the CPU has AVX-VNNI or AVX512-VNNI), the general path's result to that rounding. Where no compiler is found, or off the CPU, the general
 path runs.
 """
 
@@ -48,6 +48,9 @@ NARROW_VALUES = (-64, 63)
 # "i16" the inputs rounded to int16 per group (2^-16 of the group's largest) and AVX2's
 # int16 dot products, on a weight packed for it alone (LAYOUTS).
 PATHS = {"vector": 0, "exact": 1, "folded": 2, "dpbf16": 3, "i16": 4, "expand": -1}
+# The i16 path's products (int8_groups.c's I16 codes): vpmaddwd + vpaddd with AVX2 alone,
+# one vpdpwssd with AVX-VNNI or AVX512-VNNI; exact int32 sums either way.
+I16_DOT = {"": 4, "avx_vnni": 5, "avx512_vnni": 6}
 # How a packed weight's values lie: "tiles" for every path but i16 (values [N / TILE, K,
 # TILE]); "pairs" for i16 ([N / TILE, K / 2, TILE, 2]: int8_groups.c's I16), which a CPU
 # without native bf16 packs every weight as (benchmarks/results/group_int8_kernels.md).
@@ -212,6 +215,10 @@ class GroupKernel:
         self.native_bf16 = has_native_bf16(flags)
         self.dpbf16 = bool(library.group_linear_has_dpbf16()) and "avx512_bf16" in flags
         self.i16 = bool(library.group_linear_has_i16()) and "avx2" in flags
+        # the i16 path's products as one vpdpwssd where the CPU has one (I16_DOT codes)
+        vnni = bool(library.group_linear_has_i16_vnni())
+        self.i16_dot = ("avx512_vnni" if vnni and {"avx512_vnni", "avx512vl"} <= flags
+                        else "avx_vnni" if vnni and "avx_vnni" in flags else "")
 
     @staticmethod
     def packable(groups: GroupWeights) -> bool:
@@ -331,7 +338,8 @@ class GroupKernel:
                               None if bias is None else bias.data_ptr(),
                               None if residual is None else residual.data_ptr(),
                               0 if residual is None else residual.stride(0), out.data_ptr(), n,
-                              torch.get_num_threads(), PATHS[path], int(packed.narrow))
+                              torch.get_num_threads(), I16_DOT[self.i16_dot] if path == "i16" else PATHS[path],
+                              int(packed.narrow))
             if failed:
                 raise MemoryError(f"int8 groups: no memory for a {rows} x {k} input's float32 copy")
         return out if out.dtype == out_dtype else out.to(out_dtype)

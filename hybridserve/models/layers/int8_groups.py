@@ -12,8 +12,8 @@ times the input summed in float32 and multiplied once by the group's scale; the 
 to float32 rounding (tests/models/test_int8_groups.py). On CPUs without native bf16 the
 weight is packed in pairs instead, for the i16 path: the inputs rounded to int16 per group
 (2^-16 of the group's largest) and multiplied by AVX2's int16 dot products (one vpdpwssd
-where the CPU has AVX-VNNI or AVX512-VNNI), the general path's result to that rounding. Where no compiler is found, or off the CPU, the general
-path runs.
+where the CPU has AVX-VNNI or AVX512-VNNI), the general path's result to that rounding.
+Where no compiler is found, or off the CPU, the general path runs.
 """
 
 from __future__ import annotations
@@ -354,8 +354,8 @@ def group_kernel() -> GroupKernel | None:
 
 def i16_input_error(x: torch.Tensor, groups: GroupWeights) -> torch.Tensor:
     """The most the i16 path's rounding of the inputs can move each output: every input is
-    within I16_HALF_STEP of its group's largest of its int16 value, so an output moves by at
-    most the sum over k of |weight| times that."""
+    within I16_HALF_STEP times its group's largest |x| of the value multiplied, so an output
+    moves by at most the sum over k of |weight| times that."""
     half_step = x.float().abs().view(x.shape[0], -1, groups.group_size).amax(-1) * I16_HALF_STEP
     return half_step.repeat_interleave(groups.group_size, dim=1) @ groups.weight().abs().t()
 

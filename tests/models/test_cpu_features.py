@@ -103,6 +103,9 @@ def test_describe_names_the_reason() -> None:
     assert describe("float32", "int8", frozenset(EPYC_AVX2)) == \
         "dtype float32, quantization int8 (no native bf16 (avx512_bf16 / amx_bf16); int8 GEMM on AVX2, " \
         "weights in 63 levels)"
+    assert describe("float32", "gguf-groups", frozenset(EPYC_AVX2)) == \
+        "dtype float32, quantization gguf-groups (no native bf16 (avx512_bf16 / amx_bf16); int8 GEMM on AVX2, " \
+        "weights in 63 levels; the decoder's linears as the GGUF's own int8 groups, int16 dot products)"
 
 
 def test_read_cpu_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

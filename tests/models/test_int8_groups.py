@@ -215,6 +215,25 @@ def test_i16_products_are_the_same_sums_with_or_without_vnni(monkeypatch: pytest
 
 @needs_kernel
 @pytest.mark.skipif(KERNEL is None or not KERNEL.i16, reason="no AVX2: no i16 path")
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_i16_carries_a_non_finite_input_to_its_row(bad: float) -> None:
+    """A row with an infinite or NaN input comes out NaN (as the float32 loop's would not be
+    finite either), groups of 8 and of 6, float32 and bf16; the other rows are untouched."""
+    rng = np.random.default_rng(12)
+    for size in (8, 6):
+        groups = _random_groups(rng, 16, 4 * size, size, False)  # no offsets: the inputs' sums are not read
+        packed = KERNEL.pack(groups, "pairs")
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.from_numpy(rng.standard_normal((3, 4 * size)).astype(np.float32))
+            clean = KERNEL(x.to(dtype), packed)
+            x[1, size + 1] = bad
+            out = KERNEL(x.to(dtype), packed)
+            assert out[1].isnan().all()
+            assert torch.equal(out[0], clean[0]) and torch.equal(out[2], clean[2])
+
+
+@needs_kernel
+@pytest.mark.skipif(KERNEL is None or not KERNEL.i16, reason="no AVX2: no i16 path")
 @pytest.mark.parametrize("size", [2, 6, 10])
 def test_i16_groups_of_odd_eights(size: int) -> None:
     """Groups that are not whole vectors of 8 (quantized one input at a time) within the

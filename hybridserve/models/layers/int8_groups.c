@@ -501,7 +501,10 @@ static void i16_quantize_row(const void *x, int32_t x_bf16, int64_t K, int64_t g
                 sum += v;
             }
         }
-        d[g] = top / 32767.0f;
+        /* an infinite or NaN input (its group's sum is then not finite) makes the group's
+         * products NaN, as the float32 paths' would be, instead of vanishing with the
+         * zero steps of 32767 / inf */
+        d[g] = __builtin_isfinite(sum) ? top / 32767.0f : __builtin_nanf("");
         if (xsum) xsum[g] = sum;
         const float inv = top > 0.0f ? 32767.0f / top : 0.0f;
         int64_t k = 0;

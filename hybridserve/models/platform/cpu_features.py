@@ -148,7 +148,8 @@ def describe(dtype: str, quantization: str, flags: frozenset[str] | set[str]) ->
         why += f"; int8 dot products: {', '.join(dot)}" if dot else "; int8 GEMM on AVX2, weights in 63 levels"
     if quantization == GGUF_GROUPS:
         why += "; the decoder's linears as the GGUF's own int8 groups"
-        why += ", AMX" if AMX_BF16 in flags else ""
+        # without native bf16 their kernel's i16 path (models/layers/int8_groups.py)
+        why += ", AMX" if AMX_BF16 in flags else "" if native else ", int16 dot products"
     return f"dtype {dtype}, quantization {quantization} ({why})"
 
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from hybridserve.models.layers.act_mul import act_mul_kernel
-from hybridserve.models.layers.int8_groups import PATHS, PackedLinear
+from hybridserve.models.layers.int8_groups import PackedLinear
 from hybridserve.models.layers.qk_norm_rope import qk_norm_rope_kernel
 from hybridserve.models.layers.residual_norms import residual_norms_kernel
 from hybridserve.core.errors import one_line
@@ -177,7 +177,7 @@ class DecodeStack:
         """group_linear's path code per role at `rows` rows; None where one is the expand path."""
         if rows not in self._paths:
             names = [self._group_kernel.path(rows, torch.bfloat16, packed) for packed in self._packed_roles]
-            self._paths[rows] = None if "expand" in names else tuple(PATHS[n] for n in names)
+            self._paths[rows] = None if "expand" in names else tuple(self._group_kernel.path_code(n) for n in names)
         return self._paths[rows]
 
     def __call__(self, h: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]], backend: Any,

@@ -265,6 +265,11 @@ class GroupKernel:
                      out.data_ptr(), torch.get_num_threads())
         return out
 
+    def path_code(self, path: str) -> int:
+        """group_linear's code for `path` on this CPU (i16's products by its vpdpwssd where
+        it has one)."""
+        return I16_DOT[self.i16_dot] if path == "i16" else PATHS[path]
+
     def path(self, rows: int, dtype: torch.dtype, packed: PackedGroups) -> str:
         """The path `rows` rows of `dtype` take: i16 at every row count on pairs; on tiles,
         float32 inputs always take the vector loop, whose sums are the file's values times
@@ -338,8 +343,7 @@ class GroupKernel:
                               None if bias is None else bias.data_ptr(),
                               None if residual is None else residual.data_ptr(),
                               0 if residual is None else residual.stride(0), out.data_ptr(), n,
-                              torch.get_num_threads(), I16_DOT[self.i16_dot] if path == "i16" else PATHS[path],
-                              int(packed.narrow))
+                              torch.get_num_threads(), self.path_code(path), int(packed.narrow))
             if failed:
                 raise MemoryError(f"int8 groups: no memory for a {rows} x {k} input's float32 copy")
         return out if out.dtype == out_dtype else out.to(out_dtype)

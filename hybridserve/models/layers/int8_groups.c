@@ -448,7 +448,7 @@ static void store_rows(const float *res, int64_t rows, int64_t m0, int64_t t, in
  * The offsets take the inputs' own sums (float32), as the other paths do. */
 #if defined(__AVX2__)
 #define HAVE_I16 1
-#define I16 4      /* group_linear's amx: this path with vpmaddwd + vpaddd */
+#define I16 4             /* group_linear's amx: this path with vpmaddwd + vpaddd */
 #define I16_AVX_VNNI 5    /* with AVX-VNNI's vpdpwssd (the CPU's avx_vnni), the same sums */
 #define I16_AVX512_VNNI 6 /* with AVX512-VNNI's vpdpwssd on 256-bit registers (avx512_vnni, avx512vl) */
 /* The assemblers that know both vpdpwssd forms (binutils 2.36, with GCC 11; Clang 12) */
@@ -519,10 +519,10 @@ static void i16_quantize_row(const void *x, int32_t x_bf16, int64_t K, int64_t g
     }
 }
 
-/* acc + vpmaddwd(w, x), in that order: written as two intrinsics, GCC computes a row
- * block's eight products before their adds, needs more than AVX2's 16 registers and
- * spills an accumulator and copies the others every step (a 512-row step ~15% slower:
- * benchmarks/results/group_int8_kernels.md). */
+/* acc + vpmaddwd(w, x) as one asm pair, each product added as soon as it is made: written
+ * as two intrinsics, GCC computes a row block's eight products before their adds, needs
+ * more than AVX2's 16 registers, and spills an accumulator and copies the others every
+ * step (benchmarks/results/group_int8_kernels.md). */
 static inline __attribute__((always_inline)) __m256i i16_madd_add(const int dot, __m256i acc, __m256i w,
                                                                     __m256i x) {
 #ifdef HAVE_I16_VNNI

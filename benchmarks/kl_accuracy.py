@@ -187,16 +187,14 @@ def table_row(name: str, kl: KLSummary, d: Drift) -> str:
 
 
 def resolved(mode: str) -> str:
-    """The mode as the engine resolves it for the default model (its GGUF's groups where
-    their kernel is built, as engine/frontend.py decides)."""
-    from hybridserve.models.layers.int8_groups import group_kernel
-    from hybridserve.models.loaders.default_model import groups_servable
+    """The mode as the engine resolves it for the default model."""
+    from hybridserve.engine.frontend import groups_take
     from hybridserve.models.platform.cpu_features import choose_dtype, choose_quantization, read_cpu_flags
 
     dtype, _, quantization = mode.partition("/")
     quantization = quantization or "auto"
     flags = read_cpu_flags()
-    servable = quantization == "auto" and groups_servable(None) and group_kernel() is not None
+    servable = quantization == "auto" and groups_take(None)
     got = f"{choose_dtype(dtype, 'cpu', flags)}/{choose_quantization(quantization, dtype, 'cpu', flags, servable)}"
     return mode if got == mode else f"{mode} (= {got})"
 

@@ -85,7 +85,7 @@ def build_engine_parts(config: EngineConfig, progress: bool = True, keep_tokeniz
     from hybridserve.executor.torch.spec_decode import NgramDrafter
     from hybridserve.models.config import load_model_config
     from hybridserve.models.platform.cpu_features import choose_dtype, choose_quantization, describe, read_cpu_flags
-    from hybridserve.models.loaders.default_model import groups_servable, resolve_model_path
+    from hybridserve.models.loaders.default_model import resolve_model_path
     from hybridserve.models.layers.head import GROUP_LAYERS
     from hybridserve.models.loaders.gguf_loader import say
     from hybridserve.models.kv_specs import model_kv_layer_specs
@@ -97,7 +97,7 @@ def build_engine_parts(config: EngineConfig, progress: bool = True, keep_tokeniz
     # them; pipeline stages with groups are not measured), on the CPU, with their native
     # kernel built (the general path expands every weight at every call)
     servable = (config.quantization == "auto" and device.type == "cpu" and not config.is_multiprocess
-                and groups_servable(config.model) and _group_kernel_built())
+                and groups_take(config.model))
     quantization = choose_quantization(config.quantization, config.dtype, device.type, flags, servable)
     path = resolve_model_path(config.model, progress=progress, dtype=dtype, groups=quantization == GROUP_LAYERS)
     model_cfg = load_model_config(path)
@@ -148,10 +148,14 @@ def build_engine_parts(config: EngineConfig, progress: bool = True, keep_tokeniz
     return EngineParts(config, tokenizer, path, model_cfg, settings.max_model_len, eos, extra, grammar, engine=engine)
 
 
-def _group_kernel_built() -> bool:
+def groups_take(model: str | None) -> bool:
+    """Whether `auto` may serve `model` as its GGUF's own groups on this CPU: a GGUF whose
+    decoder gguf-groups serves, with the groups' native kernel built (the general path
+    expands every weight at every call)."""
     from hybridserve.models.layers.int8_groups import group_kernel
+    from hybridserve.models.loaders.default_model import groups_servable
 
-    return group_kernel() is not None
+    return groups_servable(model) and group_kernel() is not None
 
 
 def _distributed_executor(config: EngineConfig, path: Path, device: str, dtype: str, quantization: str,

@@ -1,11 +1,14 @@
 """act_mul: a gated MLP's act(gate) * up read from a table of the activation's values gives
 products worked out by hand (the bf16 rounding of a tie included), the eager activation and
 multiply bit for bit for every bf16 gate under each activation the decoders use, and tiny
-decoders' steps the eager loop's hidden states bit for bit; a model whose chains the native
+decoders' steps the eager loop's hidden states bit for bit; its float32 form computes SiLU and
+the tanh GELU to a few float32 roundings of values worked out by hand; a model whose chains the native
 kernels all take compiles nothing for its large steps; the kernel refuses what it does not
 read, and one that disagrees is not used (models/layers/act_mul.py)."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 
@@ -14,6 +17,7 @@ F = torch.nn.functional
 
 from hybridserve.models.arch import decoder_chains  # noqa: E402
 from hybridserve.models.layers.act_mul import (  # noqa: E402
+    COMPUTED,
     ActMul,
     act_mul_eager,
     act_mul_kernel,
@@ -84,6 +88,38 @@ def test_every_bf16_gate_equals_the_eager_chain(act, rows: int, width: int, pad:
     got = KERNEL(gate_up, KERNEL.table(act, width))
     assert same_values(got, act_mul_eager(gate_up, act))
     assert got.isnan().sum() == act_mul_eager(gate_up, act).isnan().sum() > 0
+
+
+@needs_kernel
+def test_float32_activations_by_hand() -> None:
+    """SiLU = g * sigmoid(g): sigmoid(+-ln 3) = 3/4 and 1/4, sigmoid(0) = 1/2, so
+    silu(ln 3) = 0.75 ln 3, silu(-ln 3) = -0.25 ln 3; the tanh GELU is
+    0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), here from math.tanh in double, over
+    gates from -6 to 6 (its negative tail, where 1 + tanh cancels, is where torch's float32
+    form loses its digits). Each within 8 float32 roundings of the value; up multiplies;
+    the rows' tails past whole vectors too; NaN stays NaN."""
+    ln3 = math.log(3.0)
+    gates = [ln3, -ln3, 0.0, 2.0, -2.0] + [x / 8 for x in range(-48, 49)] + [float("nan")]
+    width = len(gates)
+    gate = torch.tensor(gates, dtype=torch.float64)
+    up = torch.full((width,), 2.0, dtype=torch.float64)
+    gate_up = torch.cat((gate, up)).float().view(1, -1)
+    g32 = gate_up[0, :width].double()  # the gates as float32 holds them
+    silu = [g / (1 + math.exp(-g)) if g == g else g for g in g32.tolist()]
+    assert silu[:2] == pytest.approx([0.75 * ln3, -0.25 * ln3], rel=1e-7)
+    k = math.sqrt(2 / math.pi)
+    gelu = [0.5 * g * (1 + math.tanh(k * (g + 0.044715 * g**3))) if g == g else g for g in g32.tolist()]
+    for name, want in (("silu", silu), ("gelu_tanh", gelu)):
+        got = KERNEL.computed(gate_up, name).view(-1).double()
+        want_t = 2 * torch.tensor(want, dtype=torch.float64)
+        assert got[-1].isnan()
+        ulps = (got[:-1] - want_t[:-1]).abs() / (want_t[:-1].abs() * 2.0**-23).clamp_min(2.0**-149)
+        assert float(ulps.max()) <= 8, name
+    assert sorted(COMPUTED) == ["gelu_tanh", "silu"]
+    with pytest.raises(ValueError, match="act_mul computes"):
+        KERNEL.computed(gate_up, "gelu")  # the erf GELU is not computed
+    with pytest.raises(ValueError, match="act_mul computes"):
+        KERNEL.computed(gate_up.bfloat16(), "silu")
 
 
 def test_same_values_tells_numbers_apart_and_takes_nan_as_nan() -> None:

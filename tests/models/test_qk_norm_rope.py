@@ -1,7 +1,9 @@
 """qk_norm_rope: the native q/k RMSNorm + RoPE of bf16 decoders gives a head worked out by
 hand, the eager chain with exact sums bit for bit on every shape its loops treat apart, and
-a tiny Gemma 3's step the eager loop's hidden states bit for bit; it refuses what it does
-not read, and a kernel that disagrees is not used (models/layers/qk_norm_rope.py)."""
+a tiny Gemma 3's step the eager loop's hidden states bit for bit; its float32 form (the
+decode stack's on CPUs without native bf16) a head by hand and the eager float32 chain to a
+float32 rounding; it refuses what it does not read, and a kernel that disagrees is not used
+(models/layers/qk_norm_rope.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from hybridserve.models.layers.kernel_checks import float32_close  # noqa: E402
 from hybridserve.models.layers.qk_norm_rope import QKNormRope, qk_norm_rope_eager, qk_norm_rope_kernel  # noqa: E402
 from hybridserve.models.loaders.loader import load_model  # noqa: E402
 from tests.helpers import hf_tiny  # noqa: E402
@@ -68,6 +71,54 @@ def test_equals_the_eager_chain_bit_for_bit(rows: int, heads: int, hd: int, rope
 
 
 @needs_kernel
+def test_a_float32_head_by_hand() -> None:
+    """The bf16 head above in float32 with eps 0, where every step is exact: mean square 4,
+    x / 2 * 3 = +-3, rotated 3 * 0.5 + (-3) * (-1) = 4.5 and -3 * 0.5 + 3 * 1 = 1.5; RoPE
+    alone 3 and 1; the norm alone +-3."""
+    hd = 4 * KERNEL.lanes
+    half = hd // 2
+    zero = torch.tensor(0.0)
+
+    def head() -> torch.Tensor:
+        return torch.cat([torch.full((half,), 2.0), torch.full((half,), -2.0)]).view(1, 1, hd)
+
+    weight = torch.full((1, hd), 3.0)
+    cos = torch.full((1, 1, hd), 0.5)
+    sin = torch.cat([torch.full((half,), -1.0), torch.full((half,), 1.0)]).view(1, 1, hd)
+    for w, (c, s), want in ((weight, (cos, sin), [4.5, 1.5]), (weight, (None, None), [3.0, -3.0]),
+                            (None, (cos, sin), [3.0, 1.0])):
+        x = head()
+        assert KERNEL.supports(x, w, c)
+        KERNEL(x, w, zero, c, s)
+        assert x.view(-1).tolist() == [want[0]] * half + [want[1]] * half
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 40])  # 40 rows x 5 heads: the parallel loop
+@pytest.mark.parametrize("heads, hd", [(5, 256), (2, 128)])
+@pytest.mark.parametrize("rope, norm", [(True, True), (False, True), (True, False)])
+def test_float32_equals_the_eager_chain_to_rounding(rows: int, heads: int, hd: int, rope: bool, norm: bool) -> None:
+    if hd % (2 * KERNEL.lanes):
+        pytest.skip(f"head dim {hd} is not whole vectors of {KERNEL.lanes} per half")
+    g = torch.Generator().manual_seed(rows * 100 + heads * 10 + hd)
+    scale = 10.0 ** torch.randint(-3, 4, (rows, 1), generator=g).float()
+    qkv = torch.randn(rows, (heads + 2) * hd, generator=g) * scale
+    weight = 1 + torch.randn(heads, hd, generator=g) if norm else None
+    angles = torch.randn(rows, 1, hd, generator=g) * 50
+    cos, sin = (angles.cos(), angles.sin()) if rope else (None, None)
+    eps = EPS.float()
+    want = qkv.clone()
+    qk_norm_rope_eager(want[:, : heads * hd].view(rows, heads, hd), weight, eps, cos, sin)
+    got = qkv.clone()
+    view = got[:, : heads * hd].view(rows, heads, hd)
+    assert KERNEL.supports(view, weight, cos)
+    KERNEL(view, weight, eps, cos, sin)
+    for r in range(rows):  # each row against its own scale
+        assert float32_close(got[r, : heads * hd], want[r, : heads * hd])
+    assert torch.equal(got[:, heads * hd :], qkv[:, heads * hd :])
+
+
+@needs_kernel
 def test_subnormal_values_round_as_the_eager_chain() -> None:
     """A q/k weight of 2^-130 on some lanes makes the normalised values there subnormal
     (below 2^-126), and RoPE rounds those again: where the build rounds with AVX512-BF16's
@@ -102,6 +153,11 @@ def test_supports_only_what_it_reads() -> None:
     assert not KERNEL.supports(torch.zeros(2, 3, hd + 2, dtype=torch.bfloat16),
                                torch.ones(3, hd + 2, dtype=torch.bfloat16), None)
     assert not KERNEL.supports(qk, weight, torch.zeros(2, 1, hd))  # float32 tables
+    assert KERNEL.supports(qk.float(), weight.float(), torch.zeros(2, 1, hd))  # all float32
+    assert not KERNEL.supports(qk.float(), weight.float(), torch.zeros(2, 1, hd, dtype=torch.bfloat16))
+    one = KERNEL.lanes  # a head of one vector: bf16 takes it, float32 reads each half in whole vectors
+    assert KERNEL.supports(torch.zeros(2, 3, one, dtype=torch.bfloat16), torch.ones(3, one, dtype=torch.bfloat16), None)
+    assert not KERNEL.supports(torch.zeros(2, 3, one), torch.ones(3, one), None)
 
 
 @needs_kernel

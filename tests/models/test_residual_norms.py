@@ -1,8 +1,9 @@
 """residual_norms: a sandwich-norm decoder's residual add and next RMSNorm in one native pass
 gives rows worked out by hand, the eager chain with exact sums bit for bit on every shape
 its loops treat apart, and tiny decoders' steps the eager loop's hidden states bit for bit
-(sandwich norms, post-norms); it refuses what it does not read, and a kernel that
-disagrees is not used (models/layers/residual_norms.py)."""
+(sandwich norms, post-norms); its float32 form (the decode stack's on CPUs without native
+bf16) rows by hand and the eager float32 chain to a float32 rounding; it refuses what it
+does not read, and a kernel that disagrees is not used (models/layers/residual_norms.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from hybridserve.models.arch import decoder as decoder_module  # noqa: E402
+from hybridserve.models.layers.kernel_checks import float32_close  # noqa: E402
 from hybridserve.models.layers.residual_norms import (  # noqa: E402
     ResidualNorms,
     residual_norms_eager,
@@ -69,6 +71,42 @@ def test_equals_the_eager_chain_bit_for_bit(rows: int, dim: int, second: bool) -
 
 
 @needs_kernel
+def test_a_float32_row_by_hand() -> None:
+    """The bf16 row above in float32 with eps 0, every step exact: y / 2 = +-1, h' = 1 | 7,
+    mean square 25, h' / 5 * 5 = 1 | 7."""
+    half = 4 * KERNEL.lanes
+    zero = torch.tensor(0.0)
+    y = torch.cat([torch.full((half,), 2.0), torch.full((half,), -2.0)]).view(1, -1)
+    h = torch.cat([torch.zeros(half), torch.full((half,), 8.0)]).view(1, -1)
+    ones, fives = torch.ones(2 * half), torch.full((2 * half,), 5.0)
+    assert KERNEL.supports(h, y, ones, fives)
+    h_new, x = KERNEL(h, y, ones, fives, zero)
+    assert x is not None and h_new.dtype == x.dtype == torch.float32
+    assert h_new.view(-1).tolist() == x.view(-1).tolist() == [1.0] * half + [7.0] * half
+    assert KERNEL.norm(h_new, fives, zero).view(-1).tolist() == [1.0] * half + [7.0] * half
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 40])  # 40 rows: the parallel loop
+@pytest.mark.parametrize("dim", [640, 1152])
+def test_float32_equals_the_eager_chain_to_rounding(rows: int, dim: int) -> None:
+    if dim % KERNEL.lanes:
+        pytest.skip(f"width {dim} is not whole vectors of {KERNEL.lanes}")
+    g = torch.Generator().manual_seed(rows * 10 + dim)
+    scale = 10.0 ** torch.randint(-3, 4, (rows, 1), generator=g).float()
+    h = torch.randn(rows, dim, generator=g) * scale
+    y = (torch.randn(rows, dim + 8, generator=g) * 40)[:, :dim]
+    w1, w2 = (1 + torch.randn(dim, generator=g) for _ in range(2))
+    eps = EPS.float()
+    want_h, want_x = residual_norms_eager(h, y, w1, w2, eps)
+    got_h, got_x = KERNEL(h, y, w1, w2, eps)
+    assert got_x is not None and want_x is not None
+    for r in range(rows):  # each row against its own scale
+        assert float32_close(got_h[r], want_h[r]) and float32_close(got_x[r], want_x[r])
+        assert float32_close(KERNEL.norm(y, w1, eps)[r], rms_norm(y, w1, eps, 1.0 / dim, exact_sums=True)[r])
+
+
+@needs_kernel
 def test_subnormal_values_round_as_the_eager_chain() -> None:
     """Outputs and inputs below float32's smallest normal (2^-126): a weight of 2^-130 makes
     y's normalised values x 2^-130 subnormal, and h holds subnormals too. Where the build
@@ -98,6 +136,7 @@ def test_supports_only_what_it_reads() -> None:
     assert not KERNEL.supports(h.float(), y, w, None)
     assert not KERNEL.supports(h, y.float(), w, None)
     assert not KERNEL.supports(h, y, w.float(), None)
+    assert KERNEL.supports(h.float(), y.float(), w.float(), w.float())  # all float32
     assert not KERNEL.supports(h, y, w, w[: dim // 2])
     assert not KERNEL.supports(h, torch.zeros(dim, 2, dtype=torch.bfloat16).t(), w, None)  # columns strided
     odd = torch.zeros(2, dim + 2, dtype=torch.bfloat16)

@@ -11,9 +11,14 @@
  *     h, x = h + rms_norm(attn W_o) * w, rms_norm(..) * w'  residual_norms
  *     act = act(gate) * up of x W_gate_up                   group_linear, act_mul
  *     h, x = h + rms_norm(act W_down) * w, the next layer's input norm (none after the last)
- * so the hidden states are bit for bit the loop's. Why: at decode sizes the loop spent about
- * as long in Python, ctypes and torch's dispatch around ~180 kernel calls a step as the
- * kernels outside the matmuls took.
+ * so a bf16 model's hidden states are bit for bit the loop's. Why: at decode sizes the loop
+ * spent about as long in Python, ctypes and torch's dispatch around ~180 kernel calls a step
+ * as the kernels outside the matmuls took.
+ *
+ * A float32 model (a CPU without native bf16) walks the same steps with the kernels' float32
+ * forms (the norms with exact sums, the activation computed rather than looked up), which
+ * equal its loop's eager chain to a float32 rounding, not bit for bit: the loop sums squares
+ * in ATen's order and takes ATen's activation.
  *
  * The kernels live in their own libraries; their addresses come in `struct kernels`. The
  * caller's buffers hold every intermediate; nothing is allocated here. */
@@ -26,14 +31,16 @@ typedef int (*group_linear_fn)(const void *x, int32_t x_bf16, int64_t ldx, int64
                                const int8_t *values, const float *scale, const float *offset, int64_t n,
                                int64_t group_size, const float *bias, const void *residual, int64_t ldr, void *out,
                                int64_t ldo, int32_t threads, int32_t path, int32_t narrow);
-typedef void (*qk_norm_rope_fn)(uint16_t *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t hd,
-                                const uint16_t *weight, double eps, double inv_dim, const uint16_t *cos,
-                                const uint16_t *sin, int32_t threads);
-typedef void (*residual_norms_fn)(const uint16_t *h, int64_t h_stride, const uint16_t *y, int64_t y_stride,
-                                  int64_t rows, int64_t dim, const uint16_t *w1, const uint16_t *w2, double eps,
-                                  double inv_dim, uint16_t *h_out, uint16_t *x_out, int32_t threads);
-typedef void (*rms_norms_fn)(const uint16_t *h, int64_t h_stride, int64_t rows, int64_t dim, const uint16_t *w,
-                             double eps, double inv_dim, uint16_t *x_out, int32_t threads);
+/* Each element-wise kernel's bf16 form, or its float32 one (the same arguments): the
+ * element pointers are the model's dtype. */
+typedef void (*qk_norm_rope_fn)(void *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t hd,
+                                const void *weight, double eps, double inv_dim, const void *cos, const void *sin,
+                                int32_t threads);
+typedef void (*residual_norms_fn)(const void *h, int64_t h_stride, const void *y, int64_t y_stride, int64_t rows,
+                                  int64_t dim, const void *w1, const void *w2, double eps, double inv_dim, void *h_out,
+                                  void *x_out, int32_t threads);
+typedef void (*rms_norms_fn)(const void *h, int64_t h_stride, int64_t rows, int64_t dim, const void *w, double eps,
+                             double inv_dim, void *x_out, int32_t threads);
 typedef void (*paged_decode_fn)(const void *q, int64_t q_row_stride, const void *cache, int64_t block_stride,
                                 int64_t block_size, int64_t kv_heads, int64_t d, const int64_t *ids,
                                 int64_t blocks_per_row, const int64_t *first, const int64_t *count, int64_t batch,
@@ -41,6 +48,8 @@ typedef void (*paged_decode_fn)(const void *q, int64_t q_row_stride, const void 
                                 int32_t bf16, int32_t threads);
 typedef void (*act_mul_fn)(const uint16_t *gate_up, int64_t stride, int64_t rows, int64_t width,
                            const uint16_t *table, uint16_t *out, int32_t threads);
+typedef void (*act_mul_f32_fn)(const float *gate_up, int64_t stride, int64_t rows, int64_t width, int32_t act,
+                               float *out, int32_t threads);
 
 struct kernels {
     group_linear_fn linear;
@@ -48,7 +57,8 @@ struct kernels {
     residual_norms_fn residual_norms;
     rms_norms_fn rms_norms;
     paged_decode_fn attend;
-    act_mul_fn act_mul;
+    act_mul_fn act_mul;         /* bf16: the activation from a table */
+    act_mul_f32_fn act_mul_f32; /* float32: the activation computed */
 };
 
 /* One weight in group_linear's tiles: [n, k] in groups of group_size. */
@@ -63,7 +73,7 @@ enum { QKV, O, GATE_UP, DOWN, LINEARS };
 
 struct layer {
     struct linear linears[LINEARS];
-    const uint16_t *input_norm, *qk_norm, *post_attn_norm, *pre_ffn_norm, *post_ffn_norm;
+    const void *input_norm, *qk_norm, *post_attn_norm, *pre_ffn_norm, *post_ffn_norm;
     int64_t group; /* its attention group: which slots, blocks and key ranges it reads */
     int64_t rope;  /* its RoPE table (RoPE per layer type) */
 };
@@ -75,7 +85,7 @@ struct group_step {
 };
 
 struct rope_step {
-    const uint16_t *cos, *sin; /* [rows, 1, head_dim]; NULL: no RoPE */
+    const void *cos, *sin; /* [rows, 1, head_dim]; NULL: no RoPE */
 };
 
 struct step {
@@ -84,14 +94,16 @@ struct step {
     float scale, softcap;
     int32_t paths[LINEARS]; /* group_linear's path per linear (the same for every layer) */
     int32_t threads;
+    int32_t f32;        /* the activations, caches, norm weights and tables: float32 (else bf16) */
+    int32_t activation; /* float32: act_mul_f32's activation code */
     const struct group_step *groups;
     const struct rope_step *ropes;
-    void *const *caches;       /* per layer: [blocks, block_size, 2, kv_heads, head_dim] bf16 */
+    void *const *caches;       /* per layer: [blocks, block_size, 2, kv_heads, head_dim] */
     const int64_t *block_strides; /* per layer, in elements */
-    const uint16_t *act_table;
-    const uint16_t *h;         /* the input [rows, hidden]; read only */
-    uint16_t *h_out[2];        /* the residual stream, alternately */
-    uint16_t *x, *qkv, *attn, *sub, *gate_up, *act;
+    const uint16_t *act_table; /* bf16 only */
+    const void *h;             /* the input [rows, hidden]; read only */
+    void *h_out[2];            /* the residual stream, alternately */
+    void *x, *qkv, *attn, *sub, *gate_up, *act;
     double *linear_seconds; /* where the linears' wall time is added (benchmarks); NULL: not timed */
 };
 
@@ -102,19 +114,27 @@ static double seconds(void) {
 }
 
 static int linear(const struct kernels *k, const struct step *s, const struct linear *w, int32_t path,
-                  const uint16_t *x, int64_t ldx, uint16_t *out) {
+                  const void *x, int64_t ldx, void *out) {
     const double start = s->linear_seconds ? seconds() : 0.0;
-    const int failed = k->linear(x, 1, ldx, s->rows, w->k, w->values, w->scale, w->offset, w->n, w->group_size, w->bias,
+    const int failed = k->linear(x, !s->f32, ldx, s->rows, w->k, w->values, w->scale, w->offset, w->n, w->group_size, w->bias,
                                  NULL, 0, out, w->n, s->threads, path, w->narrow);
     if (s->linear_seconds) *s->linear_seconds += seconds() - start;
     return failed;
 }
 
 /* Copies each row's k | v (adjacent in qkv after q) into its cache slot. */
-static void write_kv(const struct step *s, const struct group_step *g, uint16_t *cache, int64_t qkv_width) {
-    const int64_t slot = 2 * s->kv_heads * s->head_dim;
+static void write_kv(const struct step *s, const struct group_step *g, void *cache, int64_t qkv_width) {
+    const int64_t elem = s->f32 ? 4 : 2, slot = 2 * s->kv_heads * s->head_dim * elem;
+    const char *qkv = (const char *)s->qkv + s->heads * s->head_dim * elem;
     for (int64_t r = 0; r < s->rows; r++)
-        memcpy(cache + g->slots[r] * slot, s->qkv + r * qkv_width + s->heads * s->head_dim, slot * sizeof(uint16_t));
+        memcpy((char *)cache + g->slots[r] * slot, qkv + r * qkv_width * elem, slot);
+}
+
+static void act_mul(const struct kernels *k, const struct step *s) {
+    if (s->f32)
+        k->act_mul_f32(s->gate_up, 2 * s->intermediate, s->rows, s->intermediate, s->activation, s->act, s->threads);
+    else
+        k->act_mul(s->gate_up, 2 * s->intermediate, s->rows, s->intermediate, s->act_table, s->act, s->threads);
 }
 
 /* Runs the layers; returns which h_out holds the final residual stream (0 or 1), or -1
@@ -123,7 +143,7 @@ int decode_stack(const struct kernels *k, const struct layer *layers, int64_t nu
     const int64_t rows = s->rows, hidden = s->hidden, hd = s->head_dim;
     const int64_t qkv_width = layers[0].linears[QKV].n;
     const double inv_hidden = 1.0 / (double)hidden, inv_hd = 1.0 / (double)hd;
-    const uint16_t *h = s->h;
+    const void *h = s->h;
     int next = 0;
     k->rms_norms(h, hidden, rows, hidden, layers[0].input_norm, s->eps, inv_hidden, s->x, s->threads);
     for (int64_t i = 0; i < num_layers; i++) {
@@ -135,7 +155,7 @@ int decode_stack(const struct kernels *k, const struct layer *layers, int64_t nu
                         s->threads);
         write_kv(s, g, s->caches[i], qkv_width);
         k->attend(s->qkv, qkv_width, s->caches[i], s->block_strides[i], s->block_size, s->kv_heads, hd, g->ids,
-                  g->blocks_per_row, g->first, g->count, rows, s->heads, s->scale, s->softcap, NULL, s->attn, 1,
+                  g->blocks_per_row, g->first, g->count, rows, s->heads, s->scale, s->softcap, NULL, s->attn, !s->f32,
                   s->threads);
         if (linear(k, s, &L->linears[O], s->paths[O], s->attn, s->heads * hd, s->sub)) return -1;
         k->residual_norms(h, hidden, s->sub, hidden, rows, hidden, L->post_attn_norm, L->pre_ffn_norm, s->eps,
@@ -143,9 +163,9 @@ int decode_stack(const struct kernels *k, const struct layer *layers, int64_t nu
         h = s->h_out[next];
         next ^= 1;
         if (linear(k, s, &L->linears[GATE_UP], s->paths[GATE_UP], s->x, hidden, s->gate_up)) return -1;
-        k->act_mul(s->gate_up, 2 * s->intermediate, rows, s->intermediate, s->act_table, s->act, s->threads);
+        act_mul(k, s);
         if (linear(k, s, &L->linears[DOWN], s->paths[DOWN], s->act, s->intermediate, s->sub)) return -1;
-        const uint16_t *following = i + 1 < num_layers ? layers[i + 1].input_norm : NULL;
+        const void *following = i + 1 < num_layers ? layers[i + 1].input_norm : NULL;
         k->residual_norms(h, hidden, s->sub, hidden, rows, hidden, L->post_ffn_norm, following, s->eps, inv_hidden,
                           s->h_out[next], following ? s->x : NULL, s->threads);
         h = s->h_out[next];

@@ -2,9 +2,12 @@
 and why), built by models/platform/native_build.py.
 
 DecoderLM.forward's loop is the general path; this is its fast path for the steps and
-models the C loop walks, taken before the loop and bit for bit the same hidden states
+models the C loop walks, taken before the loop: in bf16 bit for bit the same hidden states,
+in float32 (CPUs without native bf16) the same to float32 rounding, the kernels' float32
+forms summing norms exactly and computing the activation where the loop takes ATen's
 (tests/models/test_decode_stack.py). `DecodeStack.build` makes one for a model whose layers
-are all what that loop does: bf16 on the CPU, one rank, sandwich norms with q/k norms
+are all what that loop does: bf16 or float32 on the CPU (float32: SiLU or the tanh GELU,
+act_mul.COMPUTED), one rank, sandwich norms with q/k norms
 (Gemma 3), every linear a packed int8-group weight (--quantization gguf-groups) of one
 shape per role in every layer (the kernel's path depends on the shape alone; group sizes
 may differ), and every native kernel the loop calls built. A step is taken (`__call__`
@@ -27,7 +30,7 @@ from typing import Any
 
 import torch
 
-from hybridserve.models.layers.act_mul import act_mul_kernel
+from hybridserve.models.layers.act_mul import COMPUTED, act_mul_kernel
 from hybridserve.models.layers.int8_groups import PackedLinear
 from hybridserve.models.layers.qk_norm_rope import qk_norm_rope_kernel
 from hybridserve.models.layers.residual_norms import residual_norms_kernel
@@ -43,7 +46,7 @@ _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
 
 class _Kernels(ctypes.Structure):
     _fields_ = [("linear", _ptr), ("qk_norm_rope", _ptr), ("residual_norms", _ptr), ("rms_norms", _ptr),
-                ("attend", _ptr), ("act_mul", _ptr)]
+                ("attend", _ptr), ("act_mul", _ptr), ("act_mul_f32", _ptr)]
 
 
 class _Linear(ctypes.Structure):
@@ -67,7 +70,8 @@ class _RopeStep(ctypes.Structure):
 class _Step(ctypes.Structure):
     _fields_ = [("rows", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
                 ("intermediate", _i64), ("block_size", _i64), ("eps", ctypes.c_double), ("scale", ctypes.c_float),
-                ("softcap", ctypes.c_float), ("paths", _i32 * len(ROLES)), ("threads", _i32), ("groups", _ptr),
+                ("softcap", ctypes.c_float), ("paths", _i32 * len(ROLES)), ("threads", _i32), ("f32", _i32),
+                ("activation", _i32), ("groups", _ptr),
                 ("ropes", _ptr), ("caches", _ptr), ("block_strides", _ptr), ("act_table", _ptr), ("h", _ptr),
                 ("h_out", _ptr * 2), ("x", _ptr), ("qkv", _ptr), ("attn", _ptr), ("sub", _ptr), ("gate_up", _ptr),
                 ("act", _ptr), ("linear_seconds", _ptr)]
@@ -103,6 +107,8 @@ class DecodeStack:
     def __init__(self, model: Any, linears: list[list[PackedLinear]], fn: Any) -> None:
         cfg = model.cfg
         self._fn = fn
+        self.dtype: torch.dtype = model.dtype
+        f32 = self.dtype == torch.float32
         self._group_kernel = linears[0][0].kernel
         self._packed_roles = [linears[0][r].packed for r in range(len(ROLES))]
         self.layer_ids = list(model.layer_ids)
@@ -110,8 +116,12 @@ class DecodeStack:
         qk, norms, act = qk_norm_rope_kernel(), residual_norms_kernel(), act_mul_kernel()
         assert qk is not None and norms is not None and act is not None
         # attend: the step's backend's decode kernel (set by the first step that has one)
-        self._kernels = _Kernels(_address(self._group_kernel._fn), _address(qk._fn), _address(norms._fn),
-                                 _address(norms._norms), None, _address(act._fn))
+        if f32:
+            self._kernels = _Kernels(_address(self._group_kernel._fn), _address(qk._fn_f32), _address(norms._fn_f32),
+                                     _address(norms._norms_f32), None, None, _address(act._fn_f32))
+        else:
+            self._kernels = _Kernels(_address(self._group_kernel._fn), _address(qk._fn), _address(norms._fn),
+                                     _address(norms._norms), None, _address(act._fn), None)
         self._attend: Any = None
         self._layers = (_Layer * len(linears))()
         self._held: list[torch.Tensor] = []  # what the structs point into
@@ -129,7 +139,8 @@ class DecodeStack:
         self._groups_of_layers: tuple[int, ...] = ()
         self._paths: dict[int, tuple[int, ...] | None] = {}
         self._step = _Step(hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads,
-                           head_dim=cfg.head_dim, intermediate=cfg.intermediate_size, eps=float(model._eps))
+                           head_dim=cfg.head_dim, intermediate=cfg.intermediate_size, eps=float(model._eps),
+                           f32=int(f32), activation=COMPUTED.get(cfg.activation, -1))
         self._qkv_width = self._layers[0].linears[0].n
         # Benchmarks (step_share.py) set a c_double: every step adds its linears' wall time to it.
         self.linear_seconds: ctypes.c_double | None = None
@@ -139,8 +150,8 @@ class DecodeStack:
         """The stack of `model`'s layers (a DecoderLM: typed Any, as decoder.py imports this
         module), or None where one of them is not what the C loop walks (module docstring)
         or the library or a kernel is not built."""
-        cfg = model.cfg
-        if (model.dtype != torch.bfloat16 or model._eps.device.type != "cpu" or model.tp is not None
+        cfg, dtype = model.cfg, model.dtype
+        if (dtype not in (torch.bfloat16, torch.float32) or model._eps.device.type != "cpu" or model.tp is not None
                 or not cfg.sandwich_norm or model._projection_norm is not None or not model.layers
                 or not model._linears or model.int8_layers):
             return None
@@ -154,9 +165,9 @@ class DecodeStack:
         if qk is None or norms is None or act is None:
             return None
         heads, hd = cfg.num_heads + cfg.num_kv_heads, cfg.head_dim
-        qk_rows = torch.zeros(1, heads, hd, dtype=torch.bfloat16)
-        cos = torch.zeros(1, 1, hd, dtype=torch.bfloat16)
-        h = torch.zeros(1, cfg.hidden_size, dtype=torch.bfloat16)
+        qk_rows = torch.zeros(1, heads, hd, dtype=dtype)
+        cos = torch.zeros(1, 1, hd, dtype=dtype)
+        h = torch.zeros(1, cfg.hidden_size, dtype=dtype)
         for w, i in zip(model.layers, model.layer_ids):
             if any(getattr(w, name) is None for name in ("input_norm", "qk_norm", "post_attn_norm", "pre_ffn_norm",
                                                            "post_ffn_norm")):
@@ -166,7 +177,8 @@ class DecodeStack:
             if not (norms.supports(h, h, w.post_attn_norm, w.pre_ffn_norm)
                     and norms.supports(h, h, w.post_ffn_norm, w.input_norm)):
                 return None
-        if not act.supports(torch.zeros(1, 2 * cfg.intermediate_size, dtype=torch.bfloat16)):
+        gate_up = torch.zeros(1, 2 * cfg.intermediate_size, dtype=dtype)
+        if not (act.supports(gate_up) if dtype == torch.bfloat16 else act.supports_computed(gate_up, cfg.activation)):
             return None
         if cfg.num_heads % cfg.num_kv_heads or linears[0][0].packed.shape[0] != (heads + cfg.num_kv_heads) * hd:
             return None
@@ -176,15 +188,18 @@ class DecodeStack:
     def _paths_for(self, rows: int) -> tuple[int, ...] | None:
         """group_linear's path code per role at `rows` rows; None where one is the expand path."""
         if rows not in self._paths:
-            names = [self._group_kernel.path(rows, torch.bfloat16, packed) for packed in self._packed_roles]
+            names = [self._group_kernel.path(rows, self.dtype, packed) for packed in self._packed_roles]
             self._paths[rows] = None if "expand" in names else tuple(self._group_kernel.path_code(n) for n in names)
         return self._paths[rows]
 
     def __call__(self, h: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]], backend: Any,
-                 act_table: torch.Tensor) -> torch.Tensor | None:
-        """The final residual stream of the step whose input is h [rows, hidden] (bf16), or
-        None where the step is not one the stack takes (module docstring)."""
-        rows = h.shape[0]
+                 act_table: torch.Tensor | None) -> torch.Tensor | None:
+        """The final residual stream of the step whose input is h [rows, hidden] (the model's
+        dtype), or None where the step is not one the stack takes (module docstring).
+        act_table: act_mul's table of the model's activation (bf16; float32 computes it)."""
+        rows, dtype = h.shape[0], self.dtype
+        if act_table is None and dtype == torch.bfloat16:
+            return None
         paths = self._paths_for(rows) if rows else None
         decode_plan, attend = getattr(backend, "decode_plan", None), getattr(backend, "decode_kernel", None)
         if paths is None or decode_plan is None or attend is None:
@@ -196,12 +211,12 @@ class DecodeStack:
             return None
         caches = [c for _, c in entries]
         block_size = caches[0].shape[1]
-        if not all(c.dtype == torch.bfloat16 and c.is_contiguous() and c.shape[1:3] == (block_size, 2) for c in caches):
+        if not all(c.dtype == dtype and c.is_contiguous() and c.shape[1:3] == (block_size, 2) for c in caches):
             return None
         ropes = [rope.get(t, (None, None)) for t in self._rope_types]
         for cos, sin in ropes:
             if cos is not None and not (cos.shape == (rows, 1, self._step.head_dim) and cos.is_contiguous()
-                                        and sin.is_contiguous() and cos.dtype == torch.bfloat16):
+                                        and sin.is_contiguous() and cos.dtype == dtype):
                 return None
         if attend is not self._attend:
             self._kernels.attend, self._attend = _address(attend._fn), attend
@@ -219,19 +234,19 @@ class DecodeStack:
         s = self._step
         hidden, inter = s.hidden, s.intermediate
         h = h.contiguous()
-        out = [torch.empty(rows, hidden, dtype=torch.bfloat16) for _ in range(2)]
-        x, sub = torch.empty(rows, hidden, dtype=torch.bfloat16), torch.empty(rows, hidden, dtype=torch.bfloat16)
-        qkv = torch.empty(rows, self._qkv_width, dtype=torch.bfloat16)
-        attn = torch.empty(rows, s.heads * s.head_dim, dtype=torch.bfloat16)
-        gate_up = torch.empty(rows, 2 * inter, dtype=torch.bfloat16)
-        act = torch.empty(rows, inter, dtype=torch.bfloat16)
+        out = [torch.empty(rows, hidden, dtype=dtype) for _ in range(2)]
+        x, sub = torch.empty(rows, hidden, dtype=dtype), torch.empty(rows, hidden, dtype=dtype)
+        qkv = torch.empty(rows, self._qkv_width, dtype=dtype)
+        attn = torch.empty(rows, s.heads * s.head_dim, dtype=dtype)
+        gate_up = torch.empty(rows, 2 * inter, dtype=dtype)
+        act = torch.empty(rows, inter, dtype=dtype)
         s.rows, s.block_size = rows, block_size
         s.scale, s.softcap = backend.scale, backend.softcap or 0.0
         s.paths[:] = paths
         s.threads = torch.get_num_threads()
         s.groups, s.ropes = ctypes.addressof(group_steps), ctypes.addressof(rope_steps)
         s.caches, s.block_strides = ctypes.addressof(cache_ptrs), ctypes.addressof(strides)
-        s.act_table, s.h = act_table.data_ptr(), h.data_ptr()
+        s.act_table, s.h = _ptr_of(act_table), h.data_ptr()
         s.h_out[0], s.h_out[1] = out[0].data_ptr(), out[1].data_ptr()
         s.x, s.qkv, s.attn, s.sub = x.data_ptr(), qkv.data_ptr(), attn.data_ptr(), sub.data_ptr()
         s.gate_up, s.act = gate_up.data_ptr(), act.data_ptr()

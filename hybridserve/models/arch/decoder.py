@@ -509,8 +509,9 @@ class DecoderLM(StagedModel):
         exact = self.batch_invariant or (self._dtype_chains is not None and T >= self._dtype_chains.min_rows)
         if self.decode_stack is not None and chains is None and not exact:
             # The loop below in one native call, for the decode steps it takes (decode_stack.py).
-            table = self._act_table(self._act, cfg.intermediate_size)
-            final = None if table is None else self.decode_stack(h, rope, backend, table)
+            # bf16 takes the activation from act_mul's table; float32 computes it
+            table = self._act_table(self._act, cfg.intermediate_size) if self.dtype == torch.bfloat16 else None
+            final = self.decode_stack(h, rope, backend, table)
             if final is not None:
                 return self.stage_output(final)
         if chains is not None:

@@ -5,7 +5,12 @@ models/platform/native_build.py.
 `act_mul_eager` is the general path it equals bit for bit. `ActMul.table(act, width)` makes
 a table from an activation (any element-wise function of one bf16 value: SiLU, GELU, the
 tanh GELU, ...); `ActMul.supports` says which inputs the kernel takes, and the decoder
-keeps the general path for the rest and where no compiler is found."""
+keeps the general path for the rest and where no compiler is found.
+
+float32 rows (the decode stack of a float32 model, models/arch/decode_stack.py) take
+`ActMul.computed`: the activations of COMPUTED (the config's names) computed in C, within
+a few float32 roundings of torch's (closer than torch's own tanh GELU in its negative tail,
+where 1 + tanh cancels)."""
 
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from hybridserve.models.layers.kernel_checks import float32_close
 from hybridserve.models.platform.native_build import build, checked
 
 SOURCE = Path(__file__).with_name("act_mul.c")
@@ -26,6 +32,8 @@ SOURCE = Path(__file__).with_name("act_mul.c")
 # then divides every row, so the eager activation takes its vector loop for every value, as
 # it does for the table's, and never the scalar tail (another exp: other last bits).
 WIDTH_MULTIPLE = 32
+# act_mul.c's codes of the activations its float32 form computes, by ModelConfig.activation
+COMPUTED = {"silu": 0, "gelu_tanh": 1}
 
 Activation = Callable[[torch.Tensor], torch.Tensor]
 
@@ -52,6 +60,9 @@ class ActMul:
         fn.argtypes = [ptr, i64, i64, i64, ptr, ptr, ctypes.c_int32]
         fn.restype = None
         self._fn = fn
+        self._fn_f32 = library.act_mul_f32
+        self._fn_f32.argtypes = [ptr, i64, i64, i64, ctypes.c_int32, ptr, ctypes.c_int32]
+        self._fn_f32.restype = None
 
     @staticmethod
     def table(act: Activation, width: int) -> torch.Tensor:
@@ -74,6 +85,26 @@ class ActMul:
         """bf16 rows on the CPU (unit column stride) whose halves are WIDTH_MULTIPLE wide."""
         return (gate_up.device.type == "cpu" and gate_up.dtype == torch.bfloat16 and gate_up.dim() == 2
                 and gate_up.stride(1) == 1 and gate_up.shape[1] % (2 * WIDTH_MULTIPLE) == 0)
+
+    @staticmethod
+    def supports_computed(gate_up: torch.Tensor, activation: str) -> bool:
+        """What `computed` takes: float32 rows on the CPU (unit column stride) and an
+        activation of COMPUTED."""
+        return (activation in COMPUTED and gate_up.device.type == "cpu" and gate_up.dtype == torch.float32
+                and gate_up.dim() == 2 and gate_up.stride(1) == 1 and gate_up.shape[1] % 2 == 0)
+
+    def computed(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+        """act(gate) * up [rows, width] of float32 rows, the activation (COMPUTED's name)
+        computed."""
+        if not self.supports_computed(gate_up, activation):
+            raise ValueError(f"act_mul computes {sorted(COMPUTED)} on float32 CPU rows, not {activation} on "
+                             f"{gate_up.dtype} {tuple(gate_up.shape)}")
+        rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(rows, width)
+        if rows:
+            self._fn_f32(gate_up.data_ptr(), gate_up.stride(0), rows, width, COMPUTED[activation], out.data_ptr(),
+                         torch.get_num_threads())
+        return out
 
     def __call__(self, gate_up: torch.Tensor, table: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """act(gate) * up [rows, width], written into `out` where given (contiguous bf16 of
@@ -100,8 +131,8 @@ def act_mul_kernel() -> ActMul | None:
 
 def _mismatch(kernel: ActMul) -> str:
     """'' when the kernel equals the eager chain bit for bit (NaN as NaN) with every bf16
-    value as a gate (rows wider than the vectors, a step over the parallel threshold), else
-    what differs."""
+    value as a gate (rows wider than the vectors, a step over the parallel threshold), and
+    its computed float32 activations to a float32 rounding, else what differs."""
     g = torch.Generator().manual_seed(0)
     rows, width = 16, 1 << 12
     gate = every_bf16().view(rows, width)
@@ -110,6 +141,10 @@ def _mismatch(kernel: ActMul) -> str:
     act = F.silu
     if not same_values(kernel(gate_up, kernel.table(act, width)), act_mul_eager(gate_up, act)):
         return "differs from the eager chain"
+    gate_up = torch.cat((torch.randn(rows, width, generator=g) * 4, up.float()), dim=1)
+    for name, eager in (("silu", F.silu), ("gelu_tanh", lambda x: F.gelu(x, approximate="tanh"))):
+        if not float32_close(kernel.computed(gate_up, name), act_mul_eager(gate_up, eager)):
+            return f"differs from the eager chain (float32, {name})"
     return ""
 
 

@@ -19,6 +19,11 @@
  * takes need not be copied. Products of two bf16 values are exact in float32, so whether
  * the compiler fuses a product with the following add changes nothing.
  *
+ * qk_norm_rope_f32 (a float32 decoder's decode stack, models/arch/decode_stack.c) takes the
+ * same steps on float32 heads without the roundings to bf16; it equals the eager float32
+ * chain with exact sums to a float32 rounding (a compiler may contract u * cos with the add
+ * after it, where ATen's addcmul need not).
+ *
  * Written with GCC / Clang vector extensions (the compiler flags pick the instructions);
  * OpenMP spreads the (row, head) pairs over torch's threads for steps of several rows. */
 
@@ -88,5 +93,38 @@ void qk_norm_rope(uint16_t *x, int64_t rows, int64_t row_stride, int64_t heads, 
         const int64_t r = k / heads, h = k % heads;
         norm_rope_head(x + r * row_stride + h * hd, hd, weight ? weight + h * hd : NULL, eps, inv_dim,
                        cos ? cos + r * hd : NULL, sin ? sin + r * hd : NULL);
+    }
+}
+
+/* norm_rope_head of a float32 head. */
+static void norm_rope_head_f32(float *x, int64_t hd, const float *weight, double eps, double inv_dim, const float *cos,
+                               const float *sin) {
+    float uf[MAX_HEAD_DIM] __attribute__((aligned(64)));
+    if (weight) {
+        const vf by = splat(exact_inverse_rms(x, hd, eps, inv_dim));
+        for (int64_t i = 0; i < hd; i += LANES) store_f32(uf + i, (load_f32(x + i) * by) * load_f32(weight + i));
+    } else {
+        memcpy(uf, x, sizeof(float) * hd);
+    }
+    if (!cos) {
+        memcpy(x, uf, sizeof(float) * hd);
+        return;
+    }
+    const int64_t half = hd / 2;
+    for (int64_t i = 0; i < hd; i += LANES) {
+        const vf rolled = load_f32(uf + (i < half ? i + half : i - half));
+        store_f32(x + i, load_f32(uf + i) * load_f32(cos + i) + rolled * load_f32(sin + i));
+    }
+}
+
+/* qk_norm_rope of float32 rows, weight and tables; hd / 2 is a multiple of LANES too. */
+void qk_norm_rope_f32(float *x, int64_t rows, int64_t row_stride, int64_t heads, int64_t hd, const float *weight,
+                      double eps, double inv_dim, const float *cos, const float *sin, int32_t num_threads) {
+    const int64_t pairs = rows * heads;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (pairs >= PARALLEL_PAIRS)
+    for (int64_t k = 0; k < pairs; k++) {
+        const int64_t r = k / heads, h = k % heads;
+        norm_rope_head_f32(x + r * row_stride + h * hd, hd, weight ? weight + h * hd : NULL, eps, inv_dim,
+                           cos ? cos + r * hd : NULL, sin ? sin + r * hd : NULL);
     }
 }

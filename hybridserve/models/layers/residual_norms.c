@@ -16,6 +16,11 @@
  * with inv the exact inverse RMS of exact_rms.h. No product feeds an add in float32 here,
  * so no compiler contraction can change a rounding.
  *
+ * The float32 forms (residual_norms_f32, rms_norms_f32: a float32 decoder's decode stack,
+ * models/arch/decode_stack.c) take the same steps without the roundings to bf16; they equal
+ * the eager float32 chain with exact sums to a float32 rounding (a compiler may contract a
+ * product with the add after it, which eager ATen need not do).
+ *
  * Written with GCC / Clang vector extensions (the compiler flags pick the instructions);
  * OpenMP spreads the rows over torch's threads for steps of several rows. */
 
@@ -74,4 +79,35 @@ void rms_norms(const uint16_t *h, int64_t h_stride, int64_t rows, int64_t dim, c
         for (int64_t i = 0; i < dim; i += LANES) store_f32(buffer + i, load_bf16(h + r * h_stride + i));
         norm_row(buffer, dim, w, eps, inv_dim, x_out + r * dim);
     }
+}
+
+/* x = (h * inv) * w of one float32 row. */
+static void norm_row_f32(const float *h, int64_t dim, const float *w, double eps, double inv_dim, float *x_out) {
+    const vf by = splat(exact_inverse_rms(h, dim, eps, inv_dim));
+    for (int64_t i = 0; i < dim; i += LANES) store_f32(x_out + i, (load_f32(h + i) * by) * load_f32(w + i));
+}
+
+static void row_f32(const float *h, const float *y, int64_t dim, const float *w1, const float *w2, double eps,
+                    double inv_dim, float *h_out, float *x_out) {
+    const vf by = splat(exact_inverse_rms(y, dim, eps, inv_dim));
+    for (int64_t i = 0; i < dim; i += LANES)
+        store_f32(h_out + i, load_f32(h + i) + (load_f32(y + i) * by) * load_f32(w1 + i));
+    if (w2) norm_row_f32(h_out, dim, w2, eps, inv_dim, x_out);
+}
+
+/* residual_norms of float32 rows and weights (h_out may not alias y). */
+void residual_norms_f32(const float *h, int64_t h_stride, const float *y, int64_t y_stride, int64_t rows, int64_t dim,
+                        const float *w1, const float *w2, double eps, double inv_dim, float *h_out, float *x_out,
+                        int32_t num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows >= PARALLEL_ROWS)
+    for (int64_t r = 0; r < rows; r++)
+        row_f32(h + r * h_stride, y + r * y_stride, dim, w1, w2, eps, inv_dim, h_out + r * dim,
+                w2 ? x_out + r * dim : NULL);
+}
+
+/* rms_norms of float32 rows and weight. */
+void rms_norms_f32(const float *h, int64_t h_stride, int64_t rows, int64_t dim, const float *w, double eps,
+                   double inv_dim, float *x_out, int32_t num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows >= PARALLEL_ROWS)
+    for (int64_t r = 0; r < rows; r++) norm_row_f32(h + r * h_stride, dim, w, eps, inv_dim, x_out + r * dim);
 }

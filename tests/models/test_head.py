@@ -39,6 +39,7 @@ from hybridserve.models.layers.int8 import (  # noqa: E402
     quantize_int8_rows,
     quantize_rows_uint8,
 )
+from hybridserve.models.layers.chunk_argmax import chunk_argmax_kernel  # noqa: E402
 from hybridserve.models.layers.int8_amx import amx_kernel  # noqa: E402
 from hybridserve.models.loaders.safetensors_map import MappedCheckpoint  # noqa: E402
 from hybridserve.models.layers.span_logits import SPAN  # noqa: E402
@@ -149,6 +150,7 @@ def test_int4_head_equals_matmul_of_its_dequantized_weight(weight: torch.Tensor)
     torch.testing.assert_close(got, expected, rtol=2e-2, atol=3e-3)
 
 
+ARGMAX = chunk_argmax_kernel()  # greedy_native's kernel; None where no compiler builds it
 # int8 activations exist only for the int8 head, on a CPU with an int8 GEMM.
 _GREEDY_CASES = [("none", False), ("int8", False), ("int4", False)] + (
     [("int8", True)] if int8_gemm_available() else [])
@@ -163,6 +165,8 @@ def test_greedy_is_argmax_of_the_logits(weight: torch.Tensor, quantization: str,
         assert head.greedy(x, None) == head(x).argmax(dim=-1).tolist()
         assert head.greedy(x, 0.5) == (torch.tanh(head(x) / 0.5) * 0.5).argmax(dim=-1).tolist()
         assert head.greedy_by_chunks(x, 0.5) == head.greedy_few_rows(x, 0.5) == head.greedy(x, 0.5)
+        if ARGMAX is not None:
+            assert head.greedy_native(x, ARGMAX) == head.greedy_by_chunks(x, None)
 
 
 needs_amx = pytest.mark.skipif(amx_kernel() is None, reason="no AMX int8 tiles (or no compiler) here")
@@ -170,7 +174,7 @@ needs_amx = pytest.mark.skipif(amx_kernel() is None, reason="no AMX int8 tiles (
 
 @pytest.mark.parametrize("path", [PACKED, PLAIN, FBGEMM, AMX])
 def test_chunk_rows_follow_the_int8_path(path: str, weight: torch.Tensor, monkeypatch) -> None:
-    # fbgemm's path takes smaller chunks (FBGEMM_HEAD_CHUNK_ROWS: 40,000 rows are 5 chunks,
+    # fbgemm's path takes smaller chunks (FBGEMM_HEAD_CHUNK_ROWS: 40,000 rows are 3 chunks,
     # the last of 7,232 rows); the others HEAD_CHUNK_ROWS. Every chunking gives the same greedy
     # tokens as the argmax of the whole logits.
     if path == FBGEMM and not fbgemm_available():
@@ -182,8 +186,8 @@ def test_chunk_rows_follow_the_int8_path(path: str, weight: torch.Tensor, monkey
     released: list[tuple[int, int]] = []
     head = OutputHead(weight, "int8", lambda a, b: released.append((a, b)))
     if path == FBGEMM:
-        assert head.chunk_rows == FBGEMM_HEAD_CHUNK_ROWS == 8192
-        assert released == _int8_releases([(0, 8192), (8192, 16384), (16384, 24576), (24576, 32768), (32768, VOCAB)])
+        assert head.chunk_rows == FBGEMM_HEAD_CHUNK_ROWS == 16384
+        assert released == _int8_releases([(0, 16384), (16384, 32768), (32768, VOCAB)])
     else:
         assert head.chunk_rows == HEAD_CHUNK_ROWS
         assert released == _int8_releases([(0, HEAD_CHUNK_ROWS), (HEAD_CHUNK_ROWS, VOCAB)])
@@ -201,6 +205,8 @@ def test_greedy_ties_pick_the_first_index_across_and_within_chunks() -> None:
     for head in (OutputHead(w, "none"), OutputHead(w.bfloat16(), "none")):
         for greedy in (head.greedy_by_chunks, head.greedy_few_rows):
             assert greedy(x.to(head.out_dtype), None) == [3, HEAD_CHUNK_ROWS + 2]
+        if ARGMAX is not None:  # float32 chunks by the kernel, bf16 ones by row_max
+            assert head.greedy_native(x.to(head.out_dtype), ARGMAX) == [3, HEAD_CHUNK_ROWS + 2]
 
 
 @needs_amx
@@ -375,6 +381,53 @@ def test_row_max_is_max_over_the_row_ties_included(rows: int, spans: int, extra:
     assert torch.equal(indices, expected.indices)
     first = [(row == row.max()).nonzero()[0].item() for row in x]  # the first maximal index, plainly
     assert indices.tolist() == first
+
+
+@pytest.mark.skipif(ARGMAX is None, reason="no C compiler: chunk_argmax is not built")
+@settings(max_examples=80, deadline=None)
+@given(rows=st.integers(1, 12), cols=st.integers(1, 300), levels=st.integers(1, 5), seed=st.integers(0, 2**16),
+       scaled=st.booleans(), special=st.sampled_from(["none", "nan", "-inf", "all -inf", "zeros"]))
+def test_chunk_argmax_is_row_max_of_the_scaled_chunk(rows: int, cols: int, levels: int, seed: int, scaled: bool,
+                                                     special: str) -> None:
+    """chunk_argmax.c against the general path, row_max of chunk * row_scale: few distinct
+    values make ties within and across vector lanes common; a NaN wins at the first NaN, -inf
+    values lose, a row all -inf gives its first column, signed zeros come back as the
+    first of them holds; the chunk's start is added; rows of any width (tails past whole
+    vectors) and a stride wider than the row."""
+    assert ARGMAX is not None
+    g = torch.Generator().manual_seed(seed)
+    wide = torch.randint(-levels, levels + 1, (rows, cols + 3), generator=g).float() * 0.75
+    chunk = wide[:, :cols]
+    if special == "nan":
+        chunk[0, cols // 2] = chunk[0, cols - 1] = float("nan")
+    elif special == "-inf":
+        chunk[:, ::2] = float("-inf")
+    elif special == "all -inf":
+        chunk[-1] = float("-inf")
+    elif special == "zeros":
+        chunk[:] = torch.where(torch.rand(rows, cols, generator=g) < 0.5, torch.tensor(-0.0), torch.tensor(0.0))
+    scale = torch.rand(rows, 1, generator=g) + 0.25 if scaled else None
+    best, index = torch.empty(rows), torch.empty(rows, dtype=torch.int64)
+    ARGMAX(chunk, scale, 1000, best, index)
+    want_best, want_index = row_max(chunk if scale is None else chunk * scale)
+    assert index.tolist() == (want_index + 1000).tolist()
+    assert torch.equal(best.isnan(), want_best.isnan())
+    ok = ~best.isnan()
+    assert torch.equal(best[ok].view(torch.int32), want_best[ok].view(torch.int32))  # bits: -0 is not +0
+
+
+def test_chunk_argmax_refuses_what_it_does_not_read() -> None:
+    if ARGMAX is None:
+        pytest.skip("no C compiler: chunk_argmax is not built")
+    best, index = torch.empty(2), torch.empty(2, dtype=torch.int64)
+    assert not ARGMAX.supports(torch.zeros(2, 8, dtype=torch.bfloat16))
+    assert not ARGMAX.supports(torch.zeros(8, 2).t()) and not ARGMAX.supports(torch.zeros(2, 0))
+    with pytest.raises(ValueError, match="reads float32 CPU rows"):
+        ARGMAX(torch.zeros(2, 8, dtype=torch.bfloat16), None, 0, best, index)
+    with pytest.raises(ValueError, match="outputs for 2 rows"):
+        ARGMAX(torch.zeros(2, 8), None, 0, best, index.int())
+    with pytest.raises(ValueError, match="row_scale"):
+        ARGMAX(torch.zeros(2, 8), torch.ones(3), 0, best, index)
 
 
 @pytest.mark.parametrize("chunk_rows", [None, 8192, 1000])  # the default, per-chunk spans, and chunks off the span

@@ -36,6 +36,7 @@ from typing import Callable
 import torch
 
 from hybridserve.core.errors import ConfigError
+from hybridserve.models.layers.chunk_argmax import ChunkArgmax, chunk_argmax_kernel
 from hybridserve.models.layers.int8 import (FBGEMM, QUANTIZERS, BlockDone, int8_gemm_available, int8_matmul,
                                            int8_path, quantize_gemm_weight, quantize_int8_rows)
 from hybridserve.models.layers.int8_amx import AmxProduct, AmxSpanSource
@@ -51,10 +52,10 @@ from hybridserve.models.platform.heap import release_free_heap
 # (`benchmarks/head_chunks.py`; benchmarks/results/head_chunks.md).
 HEAD_CHUNK_ROWS = 32768
 # Vocabulary rows per chunk on fbgemm's int8 path (AVX2 alone, models/layers/int8.int8_path):
-# there [64, 32768] float32 logits (8 MB) fall out of cache before the argmax reads them,
-# and smaller chunks win at 64 rows; with VNNI, 32768 stays faster
-# (`python benchmarks/head_chunks.py --isa avx2`; benchmarks/results/head_chunks.md).
-FBGEMM_HEAD_CHUNK_ROWS = 8192
+# there [64, 32768] float32 logits (8 MB) fall out of cache before the argmax reads them, so
+# 32768 loses at 64 rows, while each chunk's call costs its own fixed time, which smaller
+# chunks repeat (`python benchmarks/head_chunks.py --isa avx2`; benchmarks/results/head_chunks.md).
+FBGEMM_HEAD_CHUNK_ROWS = 16384
 # Columns per span of row_max's first pass: short enough that searching the winning span
 # again costs little, long enough that the span maxima are few.
 ARGMAX_SPAN = 128
@@ -222,12 +223,14 @@ class OutputHead:
     def greedy(self, hidden: torch.Tensor, softcap: float | None) -> list[int]:
         """argmax of each row's logits (the first index among equal maxima, as argmax):
         greedy_by_chunks, the general path, or up to FEW_ROWS rows greedy_few_rows; where
-        every chunk's kernel has its own argmax and nothing is soft-capped, greedy_fused."""
+        every chunk's kernel has its own argmax and nothing is soft-capped, greedy_fused;
+        else, where nothing is soft-capped and chunk_argmax.c is built, greedy_native."""
         if self._fused is not None and not softcap:
             return self.greedy_fused(hidden)
         if hidden.shape[0] <= FEW_ROWS:
             return self.greedy_few_rows(hidden, softcap)
-        return self.greedy_by_chunks(hidden, softcap)
+        kernel = None if softcap else chunk_argmax_kernel()
+        return self.greedy_by_chunks(hidden, softcap) if kernel is None else self.greedy_native(hidden, kernel)
 
     def greedy_by_chunks(self, hidden: torch.Tensor, softcap: float | None) -> list[int]:
         """greedy's tokens without building the full logits: each chunk reduces to its (max,
@@ -242,6 +245,25 @@ class OutputHead:
             values.append(best.float())
             indices.append(index + start)
         return _first_chunk_max(values, indices)
+
+    def greedy_native(self, hidden: torch.Tensor, kernel: ChunkArgmax) -> list[int]:
+        """greedy_by_chunks' tokens (no softcap), each float32 chunk reduced by `kernel` in one
+        call (chunk_argmax.c: the max of its products times the row scale and the first
+        index, which row_max gives for the scaled chunk) instead of row_max's eager ops, into
+        one [chunks, rows] pair merged once; a chunk of another dtype takes row_max."""
+        values, row_scale = self._input(hidden)
+        rows = values.shape[0]
+        best = torch.empty(len(self._chunks), rows)
+        index = torch.empty(len(self._chunks), rows, dtype=torch.int64)
+        for c, (start, chunk) in enumerate(zip(range(0, self.vocab_size, self.chunk_rows), self._chunks)):
+            out = chunk(values, None)
+            if kernel.supports(out):
+                kernel(out, row_scale, start, best[c], index[c])
+                continue
+            peak, first = row_max(out if row_scale is None else out.mul_(row_scale))
+            best[c], index[c] = peak, first + start
+        winner = best.max(dim=0).indices  # the first chunk holding each row's maximum
+        return index.gather(0, winner[None]).squeeze(0).tolist()
 
     def greedy_fused(self, hidden: torch.Tensor) -> list[int]:
         """greedy_by_chunks' tokens from the chunks' own argmax kernels (int8.py's amx path),

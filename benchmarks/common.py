@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from hybridserve.models.platform.cpu_features import CPU_FLAGS_ENV, as_avx2_env, read_cpu_flags
+from hybridserve.models.platform.cpu_features import CPU_FLAGS_ENV, as_isa_env, read_cpu_flags
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -57,19 +57,26 @@ def torch_header(threads: int | None, flag_prefixes: tuple[str, ...]) -> str:
 
 
 def isa_limits() -> str:
-    """The kernel libraries' ISA limits in force in this process (as_avx2_env sets them)."""
+    """The kernel libraries' ISA limits in force in this process (as_isa_env sets them)."""
     return "; ".join(f"{name}={os.environ.get(name, 'unset')}" for name in ("ONEDNN_MAX_CPU_ISA", "FBGEMM_ENABLE_INSTRUCTIONS"))
 
 
 def rerun_as_avx2() -> int | None:
     """The exit code of this script run again as on an AVX2 CPU, or None where this process
     already runs so (the variables are set) and should measure."""
+    return rerun_as("avx2")
+
+
+def rerun_as(isa: str) -> int | None:
+    """rerun_as_avx2 for any of cpu_features.ISA_KINDS (as_isa_env), from a CPU that has
+    what that kind has."""
     if CPU_FLAGS_ENV in os.environ:
         return None
-    if "avx2" not in read_cpu_flags():
-        print(f"{os.path.basename(sys.argv[0])}: --isa avx2 needs an x86 CPU with AVX2", file=sys.stderr)
+    needed = {"avx2": "avx2", "avx512": "avx512f", "avx512-bf16": "avx512_bf16"}[isa]
+    if needed not in read_cpu_flags():
+        print(f"{os.path.basename(sys.argv[0])}: --isa {isa} needs an x86 CPU with {needed}", file=sys.stderr)
         return 2
-    return subprocess.run([sys.executable, *sys.argv], env={**os.environ, **as_avx2_env(read_cpu_flags())}).returncode
+    return subprocess.run([sys.executable, *sys.argv], env={**os.environ, **as_isa_env(isa, read_cpu_flags())}).returncode
 
 
 def tree_status_kib(pid: int, field: str) -> int:

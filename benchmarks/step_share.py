@@ -2,6 +2,7 @@
 
     python benchmarks/step_share.py                       # the default model, 1, 16 and 64 rows
     python benchmarks/step_share.py --rows 16 --steps 24 --threads 2
+    python benchmarks/step_share.py --isa avx2            # as on a CPU with AVX2 alone
 
 The goal this answers (issue 40): time outside the matmuls at most 20% of a decode step,
 on every CPU. For R rows, R prompts of random ids (--prompt-len each) are generated
@@ -23,6 +24,10 @@ Printed per row count: the medians of the step and of its matmuls (ms), the ops 
 step dispatches (every aten op, views included: a count that does not move with the
 machine's load), and the share outside = 1 - matmuls / step. A fixed thread count (--threads) keeps the thread governor
 from switching counts between the two kinds of steps.
+--isa runs the measurement as on another kind of CPU (cpu_features.as_isa_env: avx2,
+AVX2 alone; avx512, AVX-512 without BF16 or VNNI; avx512-bf16, BF16 and VNNI without AMX):
+the engine then chooses its dtype and kernels as there, and oneDNN / fbgemm run that
+CPU's code.
 """
 
 from __future__ import annotations
@@ -38,7 +43,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # this checkout's hybridserve, whatever is installed
 
-from common import torch_header  # noqa: E402
+from common import rerun_as, torch_header  # noqa: E402
+
+from hybridserve.models.platform.cpu_features import ISA_KINDS  # noqa: E402
 
 # Ops that multiply activations by a weight matrix, by (namespace, op name).
 WEIGHT_MATMULS = {
@@ -161,7 +168,10 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--steps", type=int, default=32, help="decode steps per row count (half timed, half traced)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--isa", choices=("native", *ISA_KINDS), default="native", help="run as on this kind of CPU")
     args = p.parse_args()
+    if args.isa != "native" and (code := rerun_as(args.isa)) is not None:
+        sys.exit(code)
 
     from hybridserve import LLM, SamplingParams
 

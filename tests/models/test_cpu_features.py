@@ -13,7 +13,9 @@ from hybridserve.config import EngineConfig
 from hybridserve.core.errors import ConfigError
 from hybridserve.models.platform.cpu_features import (
     CPU_FLAGS_ENV,
+    ISA_KINDS,
     as_avx2_env,
+    as_isa_env,
     choose_dtype,
     choose_quantization,
     describe,
@@ -88,6 +90,24 @@ def test_as_avx2_env_hides_what_an_avx2_cpu_lacks() -> None:
     assert env == {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2",
                    CPU_FLAGS_ENV: "avx2 f16c fma"}
     assert choose_dtype("auto", "cpu", frozenset(env[CPU_FLAGS_ENV].split())) == "float32"
+
+
+def test_as_isa_env_runs_as_each_kind_of_cpu() -> None:
+    spr = frozenset({"fma", "avx2", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "avx512_fp16",
+                     "avx512_bitalg", "avx_vnni", "amx_bf16", "amx_int8", "amx_tile", "f16c"})
+    envs = {isa: as_isa_env(isa, spr) for isa in ISA_KINDS}
+    assert envs["avx2"] == as_avx2_env(spr)
+    # Skylake-SP: AVX-512's core flags alone, float32 activations (no native bf16)
+    assert envs["avx512"] == {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX512",
+                              CPU_FLAGS_ENV: "avx2 avx512bw avx512f avx512vl f16c fma"}
+    # Zen 4: BF16 and VNNI kept, AMX, FP16 and AVX-VNNI gone, bf16 activations
+    assert envs["avx512-bf16"] == {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16",
+                                   CPU_FLAGS_ENV: "avx2 avx512_bf16 avx512_bitalg avx512_vnni avx512bw avx512f avx512vl "
+                                                  "f16c fma"}
+    dtypes = [choose_dtype("auto", "cpu", frozenset(envs[isa][CPU_FLAGS_ENV].split())) for isa in ISA_KINDS]
+    assert dtypes == ["float32", "float32", "bfloat16"]
+    with pytest.raises(ValueError, match="unknown CPU kind 'sse4'"):
+        as_isa_env("sse4", spr)
 
 
 def test_describe_names_the_reason() -> None:

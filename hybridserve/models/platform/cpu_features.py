@@ -63,6 +63,12 @@ GGUF_GROUPS = "gguf-groups"  # --quantization: the decoder as the GGUF's own int
 NATIVE_INT8_DOT_FLAGS = frozenset({"avx512_vnni", "avx_vnni", "amx_int8"})
 # Prefixes of the flags a CPU with AVX2 alone lacks (as_avx2_env hides them).
 NOT_AVX2_PREFIXES = ("avx512", "amx", "avx_vnni", "avx_ne_convert", "avx_ifma")
+# The AVX-512 flags of a Skylake-SP class CPU (as_isa_env("avx512") keeps only these).
+SKYLAKE_AVX512 = frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"})
+# Prefixes of the flags a Zen 4 class CPU (AVX512-BF16 and VNNI, no AMX) lacks.
+NOT_ZEN4_PREFIXES = ("amx", "avx512_fp16", "avx_vnni", "avx_ne_convert", "avx_ifma")
+# The CPU kinds as_isa_env makes a process run as.
+ISA_KINDS = ("avx2", "avx512", "avx512-bf16")
 
 
 def read_cpu_flags(cpuinfo: Path = CPUINFO) -> frozenset[str]:
@@ -89,9 +95,28 @@ def as_avx2_env(flags: frozenset[str] | set[str]) -> dict[str, str]:
     alone (no AVX-512, AMX or VNNI): oneDNN, fbgemm and ATen limited to AVX2 code, and hybridserve
     choosing from `flags` less what such a CPU lacks. How AVX2 choices are measured and
     tested on the AVX-512 machines we have (benchmarks/cpu_peers.py --isa avx2)."""
-    kept = " ".join(sorted(f for f in flags if not f.startswith(NOT_AVX2_PREFIXES)))
-    return {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2",
-            CPU_FLAGS_ENV: kept}
+    return as_isa_env("avx2", flags)
+
+
+def as_isa_env(isa: str, flags: frozenset[str] | set[str]) -> dict[str, str]:
+    """as_avx2_env for each kind of CPU of ISA_KINDS: "avx2" (AVX2 alone), "avx512"
+    (AVX-512 without BF16, VNNI or AMX: Skylake-SP class; oneDNN and fbgemm limited to
+    AVX512_CORE code), "avx512-bf16" (AVX512-BF16 and VNNI without AMX: Zen 4 class; oneDNN
+    limited to AVX512_CORE_BF16); hybridserve choosing from `flags` less what that CPU
+    lacks. How goal-1-style measurements reach every CPU kind from one AMX machine
+    (benchmarks/step_share.py --isa)."""
+    if isa == "avx2":
+        kept = {f for f in flags if not f.startswith(NOT_AVX2_PREFIXES)}
+        limits = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"}
+    elif isa == "avx512":
+        kept = {f for f in flags if f in SKYLAKE_AVX512 or not f.startswith(NOT_AVX2_PREFIXES)}
+        limits = {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX512"}
+    elif isa == "avx512-bf16":
+        kept = {f for f in flags if not f.startswith(NOT_ZEN4_PREFIXES)}
+        limits = {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}
+    else:
+        raise ValueError(f"unknown CPU kind {isa!r}; use one of {', '.join(ISA_KINDS)}")
+    return {**limits, CPU_FLAGS_ENV: " ".join(sorted(kept))}
 
 
 def has_native_bf16(flags: frozenset[str] | set[str]) -> bool:

@@ -76,7 +76,8 @@ def rerun_as(isa: str) -> int | None:
     if needed not in read_cpu_flags():
         print(f"{os.path.basename(sys.argv[0])}: --isa {isa} needs an x86 CPU with {needed}", file=sys.stderr)
         return 2
-    return subprocess.run([sys.executable, *sys.argv], env={**os.environ, **as_isa_env(isa, read_cpu_flags())}).returncode
+    env = {**os.environ, **as_isa_env(isa, read_cpu_flags())}
+    return subprocess.run([sys.executable, *sys.argv], env=env).returncode
 
 
 def tree_status_kib(pid: int, field: str) -> int:

@@ -1,6 +1,6 @@
 """A gated MLP's act(gate) * up for bf16 rows in one native pass, the activation read from a
-table of its eager values: the C kernel of act_mul.c (it says why and how), built by
-models/platform/native_build.py.
+table of its eager values (float32 rows, for the decode stack: computed): the C kernel of
+act_mul.c (it says why and how), built by models/platform/native_build.py.
 
 `act_mul_eager` is the general path it equals bit for bit. `ActMul.table(act, width)` makes
 a table from an activation (any element-wise function of one bf16 value: SiLU, GELU, the

@@ -1,10 +1,12 @@
-"""The q/k heads' RMSNorm and RoPE of a bf16 decoder layer in one native pass: the C kernel
-of qk_norm_rope.c (it says why and how), built by models/platform/native_build.py.
+"""The q/k heads' RMSNorm and RoPE of a decoder layer in one native pass (bf16; float32 for the
+decode stack): the C kernel of qk_norm_rope.c (it says why and how), built by
+models/platform/native_build.py.
 
 `qk_norm_rope_eager` is the general path it equals bit for bit in bf16 (the decoder's own
 chain with exact sums) and to a float32 rounding in float32 (the float32 form serves the
-decode stack, models/arch/decode_stack.py); `QKNormRope.supports` says which inputs the kernel takes, and the
-decoder keeps the general path for the rest and where no compiler is found."""
+decode stack, models/arch/decode_stack.py); `QKNormRope.supports` says which inputs the
+kernel takes, and the decoder keeps the general path for the rest and where no compiler is
+found."""
 
 from __future__ import annotations
 
@@ -14,9 +16,9 @@ from pathlib import Path
 
 import torch
 
+from hybridserve.models.layers.kernel_checks import float32_close
 from hybridserve.models.layers.rms_norm import rms_norm
 from hybridserve.models.layers.rope import apply_rope_
-from hybridserve.models.layers.kernel_checks import float32_close
 from hybridserve.models.platform.native_build import build, checked
 
 SOURCE = Path(__file__).with_name("qk_norm_rope.c")
@@ -75,10 +77,10 @@ class QKNormRope:
             if cos.shape != (T, 1, hd) or sin.shape != cos.shape or not sin.is_contiguous():
                 raise ValueError(f"rope tables {tuple(cos.shape)} / {tuple(sin.shape)} for {T} rows of {hd}")
         if T:
-            (self._fn if qk.dtype == torch.bfloat16 else self._fn_f32)(qk.data_ptr(), T, qk.stride(0), heads, hd, None if weight is None else weight.data_ptr(),
-                     float(eps), 1.0 / hd,
-                     None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(),
-                     torch.get_num_threads())
+            fn = self._fn if qk.dtype == torch.bfloat16 else self._fn_f32
+            fn(qk.data_ptr(), T, qk.stride(0), heads, hd, None if weight is None else weight.data_ptr(), float(eps),
+               1.0 / hd, None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(),
+               torch.get_num_threads())
 
 
 @cache

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from hybridserve.models.layers.rms_norm import rms_norm
 from hybridserve.models.layers.kernel_checks import float32_close
+from hybridserve.models.layers.rms_norm import rms_norm
 from hybridserve.models.platform.native_build import build, checked
 
 SOURCE = Path(__file__).with_name("residual_norms.c")
@@ -72,8 +72,9 @@ class ResidualNorms:
         rows, dim = h.shape
         x_out = torch.empty(rows, dim, dtype=h.dtype)
         if rows:
-            (self._norms if h.dtype == torch.bfloat16 else self._norms_f32)(h.data_ptr(), h.stride(0), rows, dim, w.data_ptr(), float(eps), 1.0 / dim, x_out.data_ptr(),
-                        torch.get_num_threads())
+            fn = self._norms if h.dtype == torch.bfloat16 else self._norms_f32
+            fn(h.data_ptr(), h.stride(0), rows, dim, w.data_ptr(), float(eps), 1.0 / dim, x_out.data_ptr(),
+               torch.get_num_threads())
         return x_out
 
     def __call__(self, h: torch.Tensor, y: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor | None,
@@ -82,9 +83,10 @@ class ResidualNorms:
         h_out = torch.empty(rows, dim, dtype=h.dtype)
         x_out = None if w2 is None else torch.empty(rows, dim, dtype=h.dtype)
         if rows:
-            (self._fn if h.dtype == torch.bfloat16 else self._fn_f32)(h.data_ptr(), h.stride(0), y.data_ptr(), y.stride(0), rows, dim, w1.data_ptr(),
-                     None if w2 is None else w2.data_ptr(), float(eps), 1.0 / dim, h_out.data_ptr(),
-                     None if x_out is None else x_out.data_ptr(), torch.get_num_threads())
+            fn = self._fn if h.dtype == torch.bfloat16 else self._fn_f32
+            fn(h.data_ptr(), h.stride(0), y.data_ptr(), y.stride(0), rows, dim, w1.data_ptr(),
+               None if w2 is None else w2.data_ptr(), float(eps), 1.0 / dim, h_out.data_ptr(),
+               None if x_out is None else x_out.data_ptr(), torch.get_num_threads())
         return h_out, x_out
 
 

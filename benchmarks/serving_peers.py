@@ -3,6 +3,7 @@
     python benchmarks/serving_peers.py --model-dir DIR --vllm-python $VLLM_CPU_VENV/bin/python
     python benchmarks/serving_peers.py --model-dir DIR --vllm-python ... --rounds 2 --workloads default,top_p
     python benchmarks/serving_peers.py --model-dir DIR --vllm-python ... --llamacpp-python $LLAMACPP_VENV/bin/python --gguf FILE
+    python benchmarks/serving_peers.py --model-dir DIR --vllm-python ... --isa avx2 --vllm-dtype float32
 
 DIR is an HF model directory both servers load (Gemma 3 270M: `prepare_gemma.py DIR` of
 ../shared/peers/vllm_cpu, which also builds the vllm-cpu venv). Each round starts every
@@ -22,8 +23,8 @@ another's prefix cache):
   temperature 1.0; vLLM also applies the model's generation_config.json);
 - top_p: all at once, temperature 0.7 and top_p 0.9, as chat clients send;
 - poisson-R: Poisson arrivals at R requests/s (--rates), temperature 1.0.
-Servers: `hybridserve serve` (its defaults), `vllm serve` (bf16, its CPU defaults with no
-reserved core, 2 GiB of KV), and llama.cpp's server (llama-cpp-python's, on --gguf)
+Servers: `hybridserve serve` (its defaults), `vllm serve` (bf16, or --vllm-dtype; its CPU
+defaults with no reserved core, 2 GiB of KV), and llama.cpp's server (llama-cpp-python's, on --gguf)
 where --llamacpp-python is given (a venv with llama-cpp-python[server] built with
 CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_AMX_INT8=OFF
 -DGGML_CPU_REPACK=OFF": its AMX/repacked build crashes on a streamed completion, as the
@@ -62,7 +63,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from common import checkout_commit  # noqa: E402
-from hybridserve.models.platform.cpu_features import read_cpu_flags  # noqa: E402
+from hybridserve.models.platform.cpu_features import CPU_FLAGS_ENV, ISA_KINDS, as_isa_env, read_cpu_flags  # noqa: E402
 
 _CLIENT = """
 import argparse, os, sys, uuid
@@ -196,8 +197,13 @@ class Server:
         return peak
 
 
+def isa_env(a: argparse.Namespace) -> dict[str, str]:
+    """The variables that run a server (or the offline engine) as on --isa's CPU kind."""
+    return {} if a.isa == "native" else as_isa_env(a.isa, read_cpu_flags())
+
+
 def server_command(name: str, a: argparse.Namespace, port: int) -> tuple[list[str], dict]:
-    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", **isa_env(a))
     if name == "hybridserve":
         return ([sys.executable, "-m", "hybridserve.entrypoints.cli", "serve", "--model", a.hs_model or a.model_dir,
                  "--served-model-name", "m", "--host", "127.0.0.1", "--port", str(port),
@@ -205,7 +211,7 @@ def server_command(name: str, a: argparse.Namespace, port: int) -> tuple[list[st
                 {**env, "PYTHONPATH": str(REPO)})
     if name == "vllm":
         return ([a.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", a.model_dir,
-                 "--served-model-name", "m", "--dtype", "bfloat16", "--max-model-len", str(MAX_MODEL_LEN),
+                 "--served-model-name", "m", "--dtype", a.vllm_dtype, "--max-model-len", str(MAX_MODEL_LEN),
                  "--host", "127.0.0.1", "--port", str(port)],
                 {**env, "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"})
     return ([a.llamacpp_python, "-m", "llama_cpp.server", "--model", a.gguf, "--model_alias", "m", "--n_threads",
@@ -288,7 +294,7 @@ class OfflineEngine:
         cmd = [sys.executable, "-c", _OFFLINE, str(a.num_prompts), str(a.input_len), str(a.output_len),
                a.hs_model or a.model_dir, str(MAX_MODEL_LEN)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO,
-                                     env={**os.environ, "PYTHONPATH": str(REPO)})
+                                     env={**os.environ, **isa_env(a), "PYTHONPATH": str(REPO)})
         if self.proc.stdout.readline().strip() != "ready":
             raise RuntimeError(f"the offline engine exited with {self.proc.wait()} before it was ready")
 
@@ -337,6 +343,12 @@ def main() -> int:
     ap.add_argument("--servers", default="hybridserve,vllm,llamacpp")
     ap.add_argument("--hs-args", default="", help="more `hybridserve serve` flags, one string (e.g. '--num-threads 2')")
     ap.add_argument("--no-offline", action="store_true", help="skip the offline engine runs")
+    ap.add_argument("--isa", choices=("native", *ISA_KINDS), default="native",
+                    help="run every server and the offline engine as on this kind of CPU (cpu_features.as_isa_env: "
+                         "oneDNN / ATen / fbgemm limited, hybridserve choosing from its flags; llama.cpp's and "
+                         "vLLM's own kernels keep what their builds detect)")
+    ap.add_argument("--vllm-dtype", default="bfloat16", help="vllm serve's --dtype (float32 is its faster one "
+                    "without native bf16)")
     ap.add_argument("--one-server-at-a-time", action="store_true",
                     help="start each server alone and run every workload on it before the next (less memory; "
                          "a drifting machine then moves one server's figures and not the other's)")
@@ -350,6 +362,9 @@ def main() -> int:
     flags = " ".join(sorted(f for f in read_cpu_flags() if f.startswith(("avx", "amx"))))
     print(f"# {model}; {os.cpu_count()} CPUs; flags {flags}; commit {checkout_commit()}; load {os.getloadavg()[0]:.1f}")
     print(f"# {a.num_prompts} requests x {a.input_len} -> {a.output_len} tokens, {a.rounds} rounds, client: vllm bench serve")
+    if a.isa != "native":
+        limits = " ".join(f"{k}={v}" for k, v in isa_env(a).items() if k != CPU_FLAGS_ENV)
+        print(f"# run as on an {a.isa} CPU: {limits}; vllm serve --dtype {a.vllm_dtype}")
     results: dict[tuple[str, str], list[dict]] = {}
     offline_rates: dict[str, list[tuple[int, float]]] = {}  # workload -> (round, tok/s)
     rss: dict[str, int] = {}

@@ -36,12 +36,13 @@ Why these rules (figures: benchmarks/results/cpu_kernels.md and cpu_peers.md):
   KL divergence (0.0174 against 0.00265, as on such a CPU: benchmarks/kl_accuracy.py under
   as_avx2_env); the GGUF's own groups with the int8 head, smoothed for 63 levels, err
   0.0020: the bar is met. Their kernel's int16 dot products there (inputs rounded to 2^-16
-  of each group's largest, the same 0.0020) serve one stream 1.1x every linear int8, 16 x
-  64 and 64 x 128 0.84-0.94x (prefill's matmuls take 1.3x int8's time:
-  benchmarks/results/group_int8_kernels.md). So `auto` takes gguf-groups there too where
-  the model is such a GGUF, and int8 for other models, whose alternative is float32
-  kernels (four times the bytes). Weight-only int8 (PyTorch's kernel) re-reads the weight
-  per row, slower than bf16 at decode batches: not chosen automatically.
+  of each group's largest, the same 0.0020), in the float32 decode stack, serve one stream
+  1.5x, 16 x 64 1.43x and 64 x 128 0.98x every linear int8 (prefill's matmuls take 1.3x
+  int8's time: benchmarks/results/cpu_peers.md, group_int8_kernels.md). So `auto` takes
+  gguf-groups there too where the model is such a GGUF, and int8 for other models, whose
+  alternative is float32 kernels (four times the bytes). Weight-only int8 (PyTorch's
+  kernel) re-reads the weight per row, slower than bf16 at decode batches: not chosen
+  automatically.
 """
 
 from __future__ import annotations

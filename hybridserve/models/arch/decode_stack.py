@@ -116,12 +116,10 @@ class DecodeStack:
         qk, norms, act = qk_norm_rope_kernel(), residual_norms_kernel(), act_mul_kernel()
         assert qk is not None and norms is not None and act is not None
         # attend: the step's backend's decode kernel (set by the first step that has one)
-        if f32:
-            self._kernels = _Kernels(_address(self._group_kernel._fn), _address(qk._fn_f32), _address(norms._fn_f32),
-                                     _address(norms._norms_f32), None, None, _address(act._fn_f32))
-        else:
-            self._kernels = _Kernels(_address(self._group_kernel._fn), _address(qk._fn), _address(norms._fn),
-                                     _address(norms._norms), None, _address(act._fn), None)
+        residual, rms = norms.functions(self.dtype)
+        act_fns = (None, _address(act._fn_f32)) if f32 else (_address(act._fn), None)  # computed or by table
+        self._kernels = _Kernels(_address(self._group_kernel._fn), _address(qk.function(self.dtype)),
+                                 _address(residual), _address(rms), None, *act_fns)
         self._attend: Any = None
         self._layers = (_Layer * len(linears))()
         self._held: list[torch.Tensor] = []  # what the structs point into

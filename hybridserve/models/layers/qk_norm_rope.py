@@ -52,6 +52,10 @@ class QKNormRope:
         self._fn_f32 = library.qk_norm_rope_f32
         self._fn_f32.argtypes, self._fn_f32.restype = fn.argtypes, None
 
+    def function(self, dtype: torch.dtype):  # type: ignore[no-untyped-def]
+        """The C function for heads of `dtype` (bf16 or float32; the decode stack calls it too)."""
+        return self._fn if dtype == torch.bfloat16 else self._fn_f32
+
     def supports(self, qk: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor | None) -> bool:
         """bf16 or float32 on the CPU, each row's heads contiguous (the qkv projection's rows
         may be wider), a head dim the kernel's vectors divide (float32: its halves too), a
@@ -77,7 +81,7 @@ class QKNormRope:
             if cos.shape != (T, 1, hd) or sin.shape != cos.shape or not sin.is_contiguous():
                 raise ValueError(f"rope tables {tuple(cos.shape)} / {tuple(sin.shape)} for {T} rows of {hd}")
         if T:
-            fn = self._fn if qk.dtype == torch.bfloat16 else self._fn_f32
+            fn = self.function(qk.dtype)
             fn(qk.data_ptr(), T, qk.stride(0), heads, hd, None if weight is None else weight.data_ptr(), float(eps),
                1.0 / hd, None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(),
                torch.get_num_threads())

@@ -53,6 +53,11 @@ class ResidualNorms:
         self._fn_f32.argtypes, self._fn_f32.restype = fn.argtypes, None
         self._norms_f32.argtypes, self._norms_f32.restype = norms.argtypes, None
 
+    def functions(self, dtype: torch.dtype):  # type: ignore[no-untyped-def]
+        """(residual_norms, rms_norms): the C functions for rows of `dtype` (bf16 or float32;
+        the decode stack calls them too)."""
+        return (self._fn, self._norms) if dtype == torch.bfloat16 else (self._fn_f32, self._norms_f32)
+
     def supports(self, h: torch.Tensor, y: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor | None) -> bool:
         """bf16 or float32 rows on the CPU (unit column stride), a width the kernel's vectors
         divide, contiguous weights of that width and dtype."""
@@ -72,7 +77,7 @@ class ResidualNorms:
         rows, dim = h.shape
         x_out = torch.empty(rows, dim, dtype=h.dtype)
         if rows:
-            fn = self._norms if h.dtype == torch.bfloat16 else self._norms_f32
+            fn = self.functions(h.dtype)[1]
             fn(h.data_ptr(), h.stride(0), rows, dim, w.data_ptr(), float(eps), 1.0 / dim, x_out.data_ptr(),
                torch.get_num_threads())
         return x_out
@@ -83,7 +88,7 @@ class ResidualNorms:
         h_out = torch.empty(rows, dim, dtype=h.dtype)
         x_out = None if w2 is None else torch.empty(rows, dim, dtype=h.dtype)
         if rows:
-            fn = self._fn if h.dtype == torch.bfloat16 else self._fn_f32
+            fn = self.functions(h.dtype)[0]
             fn(h.data_ptr(), h.stride(0), y.data_ptr(), y.stride(0), rows, dim, w1.data_ptr(),
                None if w2 is None else w2.data_ptr(), float(eps), 1.0 / dim, h_out.data_ptr(),
                None if x_out is None else x_out.data_ptr(), torch.get_num_threads())

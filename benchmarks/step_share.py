@@ -57,8 +57,8 @@ WEIGHT_MATMULS = {
 
 def native_matmuls(group_kernel, amx_kernel):  # type: ignore[no-untyped-def]
     """The native kernels' weight matmuls (class, method): the int8 groups' linears and the
-    AMX int8 products, the head's argmax among them (a product whose outputs it reduces)."""
-    return [(group_kernel, "__call__"), (amx_kernel, "__call__"), (amx_kernel, "argmax")]
+    AMX int8 products, the head's argmax among them (products whose outputs it reduces)."""
+    return [(group_kernel, "__call__"), (amx_kernel, "__call__"), (amx_kernel, "argmax_chunks")]
 
 
 def matmul_timer():  # type: ignore[no-untyped-def]

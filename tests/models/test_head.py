@@ -238,6 +238,24 @@ def test_the_amx_heads_fused_greedy_breaks_ties_to_the_first_index(monkeypatch) 
 
 
 @needs_amx
+@pytest.mark.parametrize("last", [HEAD_CHUNK_ROWS + 7233, HEAD_CHUNK_ROWS + 7247])
+def test_the_amx_heads_fused_greedy_reads_a_last_chunk_of_part_tiles(last: int, monkeypatch) -> None:
+    # Three chunks in one kernel call, the last ending inside a 16-column tile: each row's
+    # maximum planted by hand at a chunk's last column, at the vocabulary's last (in the
+    # part tile) and at the first column of the second chunk; the others zero.
+    monkeypatch.setattr("hybridserve.models.layers.head.int8_path", lambda: AMX)
+    vocab = HEAD_CHUNK_ROWS + last
+    w = torch.zeros(vocab, HIDDEN)
+    targets = [HEAD_CHUNK_ROWS - 1, vocab - 1, HEAD_CHUNK_ROWS, 2 * HEAD_CHUNK_ROWS - 1]
+    for row, column in enumerate(targets):
+        w[column, row] = 1.0
+    x = torch.eye(len(targets), HIDDEN)
+    head = OutputHead(w, "int8")
+    assert len(head._chunks) == 3
+    assert head.greedy_fused(x) == head.greedy_by_chunks(x, None) == targets
+
+
+@needs_amx
 @pytest.mark.parametrize("rows", [1, 5, 17, 70])
 @pytest.mark.parametrize("whole_spans", [False, True])
 def test_the_amx_heads_fused_span_logits_are_the_general_paths_bit_for_bit(weight: torch.Tensor, rows: int,

@@ -266,14 +266,13 @@ class OutputHead:
         return index.gather(0, winner[None]).squeeze(0).tolist()
 
     def greedy_fused(self, hidden: torch.Tensor) -> list[int]:
-        """greedy_by_chunks' tokens from the chunks' own argmax kernels (int8.py's amx path),
-        which write no logits: each chunk's (max, first index) of the same values its matmul
-        gives, then the first chunk holding the maximum, as greedy_by_chunks merges them."""
+        """greedy_by_chunks' tokens from the AMX kernel's argmax (int8.py's amx path), which
+        writes no logits: the first column holding each row's maximum of the same values the
+        chunks' matmuls give, over every chunk in one call (the first chunk holding the
+        maximum, as greedy_by_chunks merges them)."""
         assert self._fused is not None
         values, row_scale = self._input(hidden)
-        found = [chunk.argmax(values, row_scale) for chunk in self._fused]
-        starts = range(0, self.vocab_size, self.chunk_rows)
-        return _first_chunk_max([best for best, _ in found], [index + start for (_, index), start in zip(found, starts)])
+        return self._fused[0].kernel.argmax_chunks(values, self._fused, row_scale)[1].tolist()
 
     def greedy_few_rows(self, hidden: torch.Tensor, softcap: float | None) -> list[int]:
         """greedy_by_chunks' tokens, for a few rows (one stream's decode step): every chunk's

@@ -6,8 +6,8 @@
  * row_scale with the same two roundings in the same order, bit for bit
  * (int8.plain_matmul), whatever the order of the sums. The input row's scale is applied
  * here because a pass of its own over the output cost more than the products at 64 rows.
- * int8_amx_argmax gives each row's largest output and the first column holding it without
- * writing the outputs (greedy decoding's output head: at 64 rows the logits it would
+ * int8_amx_argmax_chunks gives each row's largest output and the first column holding it
+ * without writing the outputs (greedy decoding's output head: at 64 rows the logits it would
  * write and read back are 64 MB a step). int8_amx_span_logits writes the outputs and
  * summarises each span of SPAN of them while they are in L1 (sampling's output head,
  * models/layers/span_logits.py), instead of a second pass reading them back.
@@ -129,15 +129,16 @@ AMX_TARGET static void store_tile(int32_t sums[ROW_TILES][TILE * TILE], int64_t 
 }
 
 /* For the rows of this block: each lane's largest output so far (lane_max[m][c], over the
- * columns n = c mod TILE seen) and its column (lane_at). A later column replaces the kept
+ * columns n = c mod TILE seen) and its column (lane_at: `column` + n, the column in the
+ * whole product of a weight that is one chunk of it). A later column replaces the kept
  * one only when larger, so among equal values each lane keeps its first. */
 AMX_TARGET static void argmax_tile(int32_t sums[ROW_TILES][TILE * TILE], int64_t rows, int64_t m0, int64_t t,
-                                   const float *scale, const float *row_scale, int64_t N, float *lane_max,
-                                   int32_t *lane_at) {
+                                   int64_t column, const float *scale, const float *row_scale, int64_t N,
+                                   float *lane_max, int32_t *lane_at) {
     const int64_t n0 = t * TILE, cols = N - n0 < TILE ? N - n0 : TILE;
     const __mmask16 keep = (__mmask16)((1u << cols) - 1u);
     const __m512 s = _mm512_maskz_loadu_ps(keep, scale + n0);
-    const __m512i at = _mm512_add_epi32(_mm512_set1_epi32((int32_t)n0),
+    const __m512i at = _mm512_add_epi32(_mm512_set1_epi32((int32_t)(column + n0)),
                                         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
     for (int64_t r = 0; r < rows; r++) {
         __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums[r / TILE] + (r % TILE) * TILE)), s);
@@ -207,15 +208,44 @@ int int8_amx_matmul(const int8_t *x, int64_t ldx, int64_t M, int64_t K, const in
     return 0;
 }
 
-/* As int8_amx_matmul, but instead of out: best[m] = max_n out[m, n] and index[m] = the
- * first n holding it (float32 [M], int64 [M]). Returns as int8_amx_matmul. */
-int int8_amx_argmax(const int8_t *x, int64_t ldx, int64_t M, int64_t K, const int8_t *w, const float *scale,
-                    const float *row_scale, int64_t N, float *best, int64_t *index, int32_t num_threads) {
+/* The weight tile holding global tile t of int8_amx_argmax_chunks' chunks (first_tile[c]:
+ * chunk c's first tile; chunk c's columns start at first_column[c]): its tiles, its scale,
+ * its column count and where its columns start. */
+typedef struct {
+    const int8_t *w;
+    const float *scale;
+    int64_t n, local, column;
+} chunk_tile;
+
+static inline chunk_tile tile_of(int64_t t, int64_t chunks, const int64_t *first_tile, const int8_t *const *w,
+                                 const float *const *scale, const int64_t *N, const int64_t *first_column, int64_t K) {
+    int64_t c = 0;
+    while (c + 1 < chunks && first_tile[c + 1] <= t) c++;
+    const int64_t local = t - first_tile[c];
+    return (chunk_tile){w[c] + local * K * TILE, scale[c], N[c], local, first_column[c]};
+}
+
+/* As int8_amx_matmul over `chunks` weights side by side (chunk c: w[c], scale[c], N[c]
+ * columns, which are columns first_column[c] .. of the whole product), but instead of
+ * out: best[m] = the largest output of row m and index[m] = the first whole-product
+ * column holding it (float32 [M], int64 [M]); the chunks' columns must be in increasing
+ * order. One call for the whole of a head split into chunks: its tiles are shared out
+ * among the threads as one sequence (no thread waits at the end of each chunk), and the
+ * input is copied once. Returns as int8_amx_matmul (-2 also for columns past int32). */
+int int8_amx_argmax_chunks(const int8_t *x, int64_t ldx, int64_t M, int64_t K, int64_t chunks,
+                           const int8_t *const *w, const float *const *scale, const int64_t *N,
+                           const int64_t *first_column, const float *row_scale, float *best, int64_t *index,
+                           int32_t num_threads) {
     if (K % K_BLOCK) return -2;
     if (M <= 0) return 0;
     for (int64_t m = 0; m < M; m++) index[m] = -1;
-    if (N <= 0) return 0;
-    const int64_t padded = (M + TILE - 1) / TILE * TILE, tiles = (N + TILE - 1) / TILE;
+    int64_t first_tile[chunks + 1];
+    first_tile[0] = 0;
+    for (int64_t c = 0; c < chunks; c++) first_tile[c + 1] = first_tile[c] + (N[c] + TILE - 1) / TILE;
+    const int64_t tiles = first_tile[chunks];
+    if (tiles <= 0) return 0;
+    if (first_column[chunks - 1] + N[chunks - 1] > INT32_MAX) return -2; /* lane_at's columns are int32 */
+    const int64_t padded = (M + TILE - 1) / TILE * TILE;
     int8_t *xpad = padded_rows(x, ldx, M, K, padded);
     if (!xpad) return -1;
     int failed = 0;
@@ -237,12 +267,13 @@ int int8_amx_argmax(const int8_t *x, int64_t ldx, int64_t M, int64_t K, const in
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
             if (!lane_max || !lane_at) continue;
-            const int8_t *wt = w + t * K * TILE;
+            const chunk_tile at = tile_of(t, chunks, first_tile, w, scale, N, first_column, K);
             for (int64_t m0 = 0; m0 < M; m0 += ROW_TILES * TILE) {
                 const int64_t rows = M - m0 < ROW_TILES * TILE ? M - m0 : ROW_TILES * TILE;
-                tile_sums(xpad, K, m0, (int)((rows + TILE - 1) / TILE), wt, sums);
-                if (M >= PREFETCH_MIN_ROWS && t + 1 < tiles) prefetch_l2(wt + K * TILE, K * TILE);
-                argmax_tile(sums, rows, m0, t, scale, row_scale, N, lane_max, lane_at);
+                tile_sums(xpad, K, m0, (int)((rows + TILE - 1) / TILE), at.w, sums);
+                if (M >= PREFETCH_MIN_ROWS && t + 1 < tiles)
+                    prefetch_l2(tile_of(t + 1, chunks, first_tile, w, scale, N, first_column, K).w, K * TILE);
+                argmax_tile(sums, rows, m0, at.local, at.column, at.scale, row_scale, at.n, lane_max, lane_at);
             }
         }
         if (lane_max && lane_at) {
@@ -399,10 +430,12 @@ int int8_amx_matmul(const int8_t *x, int64_t ldx, int64_t M, int64_t K, const in
     return -3; /* not built here: int8_amx.py never calls it then */
 }
 
-int int8_amx_argmax(const int8_t *x, int64_t ldx, int64_t M, int64_t K, const int8_t *w, const float *scale,
-                    const float *row_scale, int64_t N, float *best, int64_t *index, int32_t num_threads) {
-    (void)x, (void)ldx, (void)M, (void)K, (void)w, (void)scale, (void)row_scale, (void)N, (void)best, (void)index;
-    (void)num_threads;
+int int8_amx_argmax_chunks(const int8_t *x, int64_t ldx, int64_t M, int64_t K, int64_t chunks,
+                           const int8_t *const *w, const float *const *scale, const int64_t *N,
+                           const int64_t *first_column, const float *row_scale, float *best, int64_t *index,
+                           int32_t num_threads) {
+    (void)x, (void)ldx, (void)M, (void)K, (void)chunks, (void)w, (void)scale, (void)N, (void)first_column;
+    (void)row_scale, (void)best, (void)index, (void)num_threads;
     return -3;
 }
 

@@ -7,8 +7,9 @@ scale. What differs is the speed at decode's row counts: the kernel streams the 
 per call in the order it is stored (on huge pages) and multiplies up to 64 rows per loaded
 tile; oneDNN's packed GEMM took 1.4-1.5x as long from 1 to 16 rows
 (`python benchmarks/int8_rows.py`, benchmarks/results/int8_kernels.md). Two reductions of
-the product run inside the kernel, for the output head (models/layers/head.py): `argmax`,
-each row's maximum and first column (greedy decoding writes no logits), and `span_logits`,
+the product run inside the kernel, for the output head (models/layers/head.py):
+`argmax_chunks`, each row's maximum and first column over every chunk of the head in one
+call (greedy decoding writes no logits), and `span_logits`,
 the logits with each span's summary (span_logits.py) computed while they are in L1.
 
 `AmxWeight` holds a weight in the kernel's tiles (`pack`, and `unpack` back to the rows for
@@ -91,10 +92,10 @@ class AmxKernel:
         fn.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, i64, ctypes.c_int32]
         fn.restype = ctypes.c_int
         self._fn = fn
-        argmax = library.int8_amx_argmax
-        argmax.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ctypes.c_int32]
-        argmax.restype = ctypes.c_int
-        self._argmax = argmax
+        chunks = library.int8_amx_argmax_chunks
+        chunks.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int32]
+        chunks.restype = ctypes.c_int
+        self._argmax_chunks = chunks
         spans = library.int8_amx_span_logits
         spans.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, i64, ptr, ctypes.c_float, ptr, ptr,
                           ctypes.c_int32]
@@ -118,18 +119,30 @@ class AmxKernel:
             raise MemoryError(f"the AMX int8 kernel could not allocate its scratch (code {failed})")
         return out
 
-    def argmax(self, x: torch.Tensor, weight: AmxWeight, scale: torch.Tensor,
-               row_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def argmax_chunks(self, x: torch.Tensor, products: list[AmxProduct], row_scale: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """(each row's largest output, float32 [S]; the first column holding it, int64 [S]) of
-        the product __call__ gives, without writing it. NaN outputs never win (int8 sums
+        the product of `products`' weights side by side (each one of this kernel's
+        AmxProducts, all of one k, their columns consecutive columns of one product), without
+        writing it: one call for every chunk of a head. NaN outputs never win (int8 sums
         times finite scales give none)."""
-        x, scale, row_scale = self._operands(x, weight, scale, row_scale)
-        rows = x.shape[0]
+        if not products:
+            raise ValueError("argmax_chunks needs at least one product")
+        operands = [self._operands(x, p.weight, p.scale, row_scale) for p in products]
+        x, _, row_scale = operands[0]
+        rows, count = x.shape[0], len(products)
+        tiles = (ctypes.c_void_p * count)(*[p.weight.tiles.data_ptr() for p in products])
+        scales = (ctypes.c_void_p * count)(*[scale.data_ptr() for _, scale, _ in operands])
+        widths = [p.weight.n for p in products]
+        columns = (ctypes.c_int64 * count)(*widths)
+        firsts = (ctypes.c_int64 * count)(*[sum(widths[:c]) for c in range(count)])
         best = torch.empty(rows, dtype=torch.float32)
         index = torch.empty(rows, dtype=torch.int64)
-        failed = self._argmax(x.data_ptr(), x.stride(0), rows, weight.padded_k, weight.tiles.data_ptr(),
-                              scale.data_ptr(), None if row_scale is None else row_scale.data_ptr(), weight.n,
-                              best.data_ptr(), index.data_ptr(), torch.get_num_threads())
+        failed = self._argmax_chunks(x.data_ptr(), x.stride(0), rows, products[0].weight.padded_k, count, tiles,
+                                     scales, columns, firsts, None if row_scale is None else row_scale.data_ptr(),
+                                     best.data_ptr(), index.data_ptr(), torch.get_num_threads())
+        if failed == -2:
+            raise ValueError(f"AMX argmax over {sum(widths)} columns: past int32, or k not whole blocks")
         if failed:
             raise MemoryError(f"the AMX int8 kernel could not allocate its scratch (code {failed})")
         return best, index
@@ -205,17 +218,15 @@ class AmxKernel:
 
 class AmxProduct:
     """One weight's product on the kernel, its scale bound: called, int8.Int8Matmul's
-    contract ((int8 activations, their row scale or None) -> float32 [S, n]); `argmax` and
-    `span_logits` the kernel's reductions of the same product (models/layers/head.py)."""
+    contract ((int8 activations, their row scale or None) -> float32 [S, n]); `span_logits`
+    and `span_summaries` the kernel's reductions of the same product (the kernel's
+    `argmax_chunks` takes a head's products together: models/layers/head.py)."""
 
     def __init__(self, kernel: AmxKernel, weight: AmxWeight, scale: torch.Tensor) -> None:
         self.kernel, self.weight, self.scale = kernel, weight, scale
 
     def __call__(self, x: torch.Tensor, x_scale: torch.Tensor | None) -> torch.Tensor:
         return self.kernel(x, self.weight, self.scale, x_scale)
-
-    def argmax(self, x: torch.Tensor, x_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.kernel.argmax(x, self.weight, self.scale, x_scale)
 
     def span_logits(self, x: torch.Tensor, x_scale: torch.Tensor | None, inv_temperature: torch.Tensor,
                     exp_floor: float, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -299,7 +310,9 @@ def _mismatch(kernel: AmxKernel) -> str:
         got = kernel(x, pack(values), scale, row_scale)
         if not torch.equal(got, expected):
             return f"differs from torch._int_mm at {rows} x {n} x {k}"
-        best, index = kernel.argmax(x, pack(values), scale, row_scale)
+        cut = n // 3  # two chunks, the first not whole tiles
+        halves = [AmxProduct(kernel, pack(values[:cut]), scale[:cut]), AmxProduct(kernel, pack(values[cut:]), scale[cut:])]
+        best, index = kernel.argmax_chunks(x, halves, row_scale)
         top = expected.max(dim=1)
         if not (torch.equal(best, top.values) and torch.equal(index, top.indices)):
             return f"its argmax differs from torch's at {rows} x {n} x {k}"

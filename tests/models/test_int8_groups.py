@@ -29,6 +29,9 @@ from hybridserve.models.layers.int8_groups import (  # noqa: E402
     FOLDED_MIN_ROWS,
     GroupKernel,
     GroupWeights,
+    fill_pairs,
+    unpack_pairs,
+    zero_pairs,
     NARROW_VALUES,
     PackedLinear,
     concat_rows,
@@ -398,3 +401,42 @@ def test_a_mismatched_input_or_path_is_refused(monkeypatch: pytest.MonkeyPatch) 
 def test_a_kernel_that_disagrees_is_not_used(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     check_refused(monkeypatch, caplog, GroupKernel, int8_groups.group_kernel,
                   lambda real, self, *args, **kw: real(self, *args, **kw) * 1.5, "general path")
+
+
+def test_pairs_filled_in_parts_give_back_each_part() -> None:
+    # A 48 x 64 weight in groups of 32 made in two parts (16 rows, then 32), packed into
+    # zero pairs: each part's values and scales come back exactly, the pairs are the layout
+    # pack makes, and a group kernel reads them as it reads pack's (where built)
+    g = torch.Generator().manual_seed(3)
+    values = torch.randint(-128, 128, (48, 64), dtype=torch.int8, generator=g)
+    scale = torch.rand(48, 2, generator=g)
+    packed = zero_pairs(48, 64, 32)
+    assert packed.shape == (48, 64) and not packed.values.any()
+    fill_pairs(packed, 16, GroupWeights(values[16:], scale[16:], None, 32))
+    fill_pairs(packed, 0, GroupWeights(values[:16], scale[:16], None, 32))
+    for start, stop in ((0, 16), (16, 48), (0, 48)):
+        got_values, got_scale = unpack_pairs(packed, start, stop)
+        assert torch.equal(got_values, values[start:stop]) and torch.equal(got_scale, scale[start:stop])
+    # in memory, as the i16 path reads them: k 0 and 1 of output row 0, then of row 1, ...;
+    # after the tile's 16 rows, k 2 and 3 of row 0
+    memory = packed.values[0].flatten()
+    assert memory[:4].tolist() == [values[0, 0], values[0, 1], values[1, 0], values[1, 1]]
+    assert memory[32:34].tolist() == [values[0, 2], values[0, 3]]
+    kernel = group_kernel()
+    if kernel is not None and kernel.i16:
+        reference = kernel.pack(GroupWeights(values, scale, None, 32), "pairs")
+        assert torch.equal(packed.values, reference.values) and torch.equal(packed.scale, reference.scale)
+
+
+def test_pairs_refuse_parts_that_do_not_fit() -> None:
+    with pytest.raises(ValueError):
+        zero_pairs(40, 64, 32)  # rows not whole tiles
+    packed = zero_pairs(32, 64, 32)
+    part = GroupWeights(torch.zeros(16, 64, dtype=torch.int8), torch.ones(16, 2), None, 32)
+    for first in (8, 32):  # not a tile boundary; past the end
+        with pytest.raises(ValueError):
+            fill_pairs(packed, first, part)
+    with pytest.raises(ValueError):
+        fill_pairs(packed, 0, GroupWeights(torch.zeros(16, 64, dtype=torch.int8), torch.ones(16, 4), None, 16))
+    with pytest.raises(ValueError):
+        unpack_pairs(packed, 0, 40)

@@ -40,6 +40,9 @@ from hybridserve.models.layers.chunk_argmax import ChunkArgmax, chunk_argmax_ker
 from hybridserve.models.layers.int8 import (FBGEMM, QUANTIZERS, BlockDone, int8_gemm_available, int8_matmul,
                                            int8_path, quantize_gemm_weight, quantize_int8_rows)
 from hybridserve.models.layers.int8_amx import AmxProduct, AmxSpanSource
+from hybridserve.models.layers.int8_groups import TILE as GROUP_TILE
+from hybridserve.models.layers.int8_groups import (MAX_KERNEL_GROUP, GroupKernel, GroupWeights, PackedGroups, fill_pairs,
+                                                  group_kernel, unpack_pairs, zero_pairs)
 from hybridserve.models.layers.linear import make_linear
 from hybridserve.models.layers.span_kernel import KERNEL
 from hybridserve.models.layers.span_logits import EXP_FLOOR, SPAN, LogitsBuffer, SpanLogits, padded_width
@@ -62,6 +65,15 @@ ARGMAX_SPAN = 128
 # Up to this many rows span_logits summarises its whole buffer at once, and greedy reduces
 # whole rows once, not chunk by chunk.
 FEW_ROWS = 4
+# Up to this many rows a head on fbgemm's int8 path (AVX2 without VNNI:
+# models/layers/int8.int8_path) multiplies on the int8-group kernel's i16 path instead, from
+# a copy of its int8 values packed for that path: fbgemm's GEMM reads a few rows' head at
+# well under the memory's speed, the i16 loop near it; from about 16 rows fbgemm's int8
+# products are the faster (benchmarks/results/head_chunks.md, "few rows on the i16 path").
+I16_HEAD_MAX_ROWS = 8
+# The group size of that copy: each row's one scale repeated per group (the i16 kernel's
+# int32 sums are exact for groups of up to MAX_KERNEL_GROUP of any int8 values).
+I16_HEAD_GROUP = MAX_KERNEL_GROUP
 INT4_GROUP_SIZE = 32  # hidden-dim weights sharing one int4 scale and offset (as GGUF's Q4_K sub-blocks)
 INT4_LAYERS = "q4"  # --quantization: the decoder's linears as int4 groups (models/layers/int4.py)
 # --quantization: the decoder's linears as the GGUF's own int8 groups (models/layers/int8_groups.py)
@@ -141,6 +153,50 @@ def _shifted(release_rows: ReleaseRows, offset: int, start: int, stop: int) -> N
     release_rows(offset + start, offset + stop)
 
 
+def _i16_head_kernel(weight: torch.Tensor) -> GroupKernel | None:
+    """The int8-group kernel where a head of `weight`'s shape takes its i16 path for a few
+    rows (I16_HEAD_MAX_ROWS): built, packing pairs on this CPU (the i16 path is its
+    decoder's: no native bf16, no AMX), the hidden size whole groups and the vocabulary
+    whole tiles (so is every chunk then); else None."""
+    n, k = weight.shape
+    if weight.device.type != "cpu" or k % I16_HEAD_GROUP or n % GROUP_TILE:
+        return None
+    kernel = group_kernel()
+    if kernel is None:
+        return None
+    return kernel if kernel.packs_pairs else None
+
+
+class _PairsChunk:
+    """A chunk's int8 x int8 product on fbgemm (int8.Int8Matmul's contract), packed from
+    rows start .. stop of the head's i16 copy (their int8 values and row scales, as
+    quantize_gemm_weight gave them) the first time it is called."""
+
+    def __init__(self, pairs: PackedGroups, start: int, stop: int) -> None:
+        self._pairs: PackedGroups | None = pairs
+        self._start, self._stop = start, stop
+        self._matmul: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
+
+    def __call__(self, x: torch.Tensor, x_scale: torch.Tensor | None) -> torch.Tensor:
+        return self.packed()(x, x_scale)
+
+    def packed(self) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
+        """The product on fbgemm, packed now if not yet (the copy no longer referenced)."""
+        if self._matmul is None:
+            assert self._pairs is not None
+            values, scale = unpack_pairs(self._pairs, self._start, self._stop)
+            self._matmul, self._pairs = int8_matmul(FBGEMM, values, scale[:, 0].contiguous()), None
+            del values
+            release_free_heap()  # the unpacked values' hole (see OutputHead.__init__'s loop)
+        return self._matmul
+
+
+def _i16_product(kernel: GroupKernel, packed: PackedGroups, x: torch.Tensor, _: torch.Tensor | None) -> torch.Tensor:
+    """One chunk's product on the i16 copy, float32 (a chunk's contract: the second input,
+    int8 activations' row scale, is never given here)."""
+    return kernel(x.float(), packed)
+
+
 class OutputHead:
     """hidden [S, K] -> logits [S, N] in the model dtype, from per-chunk kernels."""
 
@@ -163,13 +219,22 @@ class OutputHead:
         on_fbgemm = self._int8_activations and self._int8_path == FBGEMM
         self.chunk_rows = chunk_rows or (FBGEMM_HEAD_CHUNK_ROWS if on_fbgemm else HEAD_CHUNK_ROWS)
         self._chunks: list[Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]] = []
+        # A few rows' products on the int8-group kernel's i16 path (I16_HEAD_MAX_ROWS), where
+        # the head is on fbgemm and the kernel packs pairs here: the chunks' int8 values, the
+        # whole vocabulary in one weight (one call a step), from which each chunk's fbgemm
+        # product is packed when a step of more rows first needs it (_PairsChunk: a head
+        # that serves a few rows a step, one stream's, never holds those).
+        self._i16_kernel = _i16_head_kernel(weight) if on_fbgemm else None
+        self._i16: PackedGroups | None = None
+        if self._i16_kernel is not None:
+            self._i16 = zero_pairs(self.vocab_size, weight.shape[1], I16_HEAD_GROUP)
         self._logits_buffer = LogitsBuffer(self.vocab_size)
         for start in range(0, self.vocab_size, self.chunk_rows):
             stop = min(start + self.chunk_rows, self.vocab_size)
             # A quantized chunk gives back each block of source rows once it is read (the
             # chunk's source pages are not all resident beside its int8 values and packed copy).
             block_done = None if release_rows is None else partial(_shifted, release_rows, start)
-            kernel, reads_source = self._chunk_kernel(weight[start:stop], block_done)
+            kernel, reads_source = self._chunk_kernel(weight[start:stop], block_done, start)
             self._chunks.append(kernel)
             if release_rows is not None and not reads_source:
                 release_rows(start, stop)
@@ -182,13 +247,21 @@ class OutputHead:
         fused = [chunk for chunk in self._chunks if isinstance(chunk, AmxProduct)]
         self._fused: list[AmxProduct] | None = fused if len(fused) == len(self._chunks) else None
 
-    def _chunk_kernel(self, w: torch.Tensor, block_done: BlockDone | None
+    def _chunk_kernel(self, w: torch.Tensor, block_done: BlockDone | None, first_row: int
                       ) -> tuple[Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor], bool]:
-        """(the matmul of one chunk of rows, whether it still reads `w` itself); the int8
-        quantizers call `block_done` for each block of `w`'s rows they are done with."""
+        """(the matmul of one chunk of rows, vocabulary rows first_row.., whether it still
+        reads `w` itself); the int8 quantizers call `block_done` for each block of `w`'s
+        rows they are done with. The i16 copy (where the head has one) gets the chunk's int8
+        values too."""
         if self.quantization == "int8":
             if self._int8_activations:
-                return int8_matmul(self._int8_path, *quantize_gemm_weight(w, block_done, self._column_factors)), False
+                values, scale = quantize_gemm_weight(w, block_done, self._column_factors)
+                if self._i16 is not None:
+                    groups = values.shape[1] // I16_HEAD_GROUP
+                    fill_pairs(self._i16, first_row, GroupWeights(values, scale[:, None].expand(-1, groups).contiguous(),
+                                                                  None, I16_HEAD_GROUP))
+                    return _PairsChunk(self._i16, first_row, first_row + values.shape[0]), False
+                return int8_matmul(self._int8_path, values, scale), False
             values, scale = quantize_int8_rows(w, block_done=block_done)
             scale_bf16 = scale.to(torch.bfloat16)
             return (lambda x, _: torch._weight_int8pack_mm(x, values, scale_bf16)), False
@@ -214,20 +287,40 @@ class OutputHead:
             return QUANTIZERS[self._int8_path](x)
         return x.to(torch.bfloat16), None
 
+    def same_products_at_every_row_count(self) -> None:
+        """fbgemm's products at every row count, packed now, and the i16 copy dropped (a
+        batch-invariant model: a row's logits must not depend on how many rows its step
+        holds)."""
+        for chunk in self._chunks:
+            if isinstance(chunk, _PairsChunk):
+                chunk.packed()
+        self._i16_kernel, self._i16 = None, None
+
+    def _products(self, hidden: torch.Tensor
+                  ) -> tuple[list[Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]], HeadInput]:
+        """The chunks' products for `hidden` and their input: up to I16_HEAD_MAX_ROWS rows
+        the i16 copies where the head has them (their input the hidden states themselves,
+        which the kernel rounds to int16 per group), else the chunks on _input."""
+        kernel, packed = self._i16_kernel, self._i16
+        if kernel is not None and packed is not None and hidden.shape[0] <= I16_HEAD_MAX_ROWS:
+            return [partial(_i16_product, kernel, packed)], (hidden.contiguous(), None)
+        return self._chunks, self._input(hidden)
+
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        x = self._input(hidden)
-        if len(self._chunks) == 1:
-            return self._chunks[0](*x).to(self.out_dtype)
-        return torch.cat([chunk(*x) for chunk in self._chunks], dim=1).to(self.out_dtype)
+        chunks, x = self._products(hidden)
+        if len(chunks) == 1:
+            return chunks[0](*x).to(self.out_dtype)
+        return torch.cat([chunk(*x) for chunk in chunks], dim=1).to(self.out_dtype)
 
     def greedy(self, hidden: torch.Tensor, softcap: float | None) -> list[int]:
         """argmax of each row's logits (the first index among equal maxima, as argmax):
-        greedy_by_chunks, the general path, or up to FEW_ROWS rows greedy_few_rows; where
+        greedy_by_chunks, the general path, or up to FEW_ROWS rows (I16_HEAD_MAX_ROWS where
+        the head has its i16 copy) greedy_few_rows; where
         every chunk's kernel has its own argmax and nothing is soft-capped, greedy_fused;
         else, where nothing is soft-capped and chunk_argmax.c is built, greedy_native."""
         if self._fused is not None and not softcap:
             return self.greedy_fused(hidden)
-        if hidden.shape[0] <= FEW_ROWS:
+        if hidden.shape[0] <= max(FEW_ROWS, I16_HEAD_MAX_ROWS if self._i16 is not None else 0):
             return self.greedy_few_rows(hidden, softcap)
         kernel = None if softcap else chunk_argmax_kernel()
         return self.greedy_by_chunks(hidden, softcap) if kernel is None else self.greedy_native(hidden, kernel)
@@ -282,9 +375,10 @@ class OutputHead:
         few on warm caches); reducing once instead of per chunk runs those ops once. The
         same token: row_max takes the first maximal index of the whole row, as the first
         chunk holding the maximum and the first index within it."""
-        values, row_scale = self._input(hidden)
+        chunks, (values, row_scale) = self._products(hidden)
         # int8 activations' row scale applied once to the whole rows: the same products
-        out = torch.cat([chunk(values, None) for chunk in self._chunks], dim=1)
+        # (on the i16 copies, the same weights times inputs rounded to int16, not int8)
+        out = torch.cat([chunk(values, None) for chunk in chunks], dim=1)
         if row_scale is not None:
             out.mul_(row_scale)
         if softcap:
@@ -303,16 +397,17 @@ class OutputHead:
         costs fewer parallel regions than one per chunk), as are chunks that are not whole
         spans. Where every chunk's kernel summarises its own spans: _span_logits_fused, which
         with `stored` False keeps only the summaries (elsewhere `stored` changes nothing)."""
-        x = self._input(hidden)
         inv_t = inv_temperature.to(torch.float32)
         if self._fused is not None and not softcap and self.vocab_size % SPAN == 0:
+            x = self._input(hidden)
             return self._span_logits_fused(x, inv_t) if stored else self._span_summaries_fused(x, inv_t)
+        chunks, x = self._products(hidden)
         if hidden.shape[0] > FEW_ROWS and self.chunk_rows % SPAN == 0:
             pad = padded_width(self.vocab_size) - self.vocab_size
             pieces, peaks, masses = [], [], []
             values, row_scale = x
-            for i, chunk in enumerate(self._chunks):
-                padded_chunk = pad and i == len(self._chunks) - 1
+            for i, chunk in enumerate(chunks):
+                padded_chunk = pad and i == len(chunks) - 1
                 if isinstance(chunk, AmxProduct) and not softcap and not padded_chunk:
                     # the kernel summarises each span as its logits come out (the same values)
                     out, peak, mass = chunk.span_logits(values, row_scale, inv_t, EXP_FLOOR)
@@ -332,7 +427,7 @@ class OutputHead:
             return SpanLogits(vocab_size=self.vocab_size, inv_temperature=inv_t, span_max=torch.cat(peaks, dim=1),
                               span_sum=torch.cat(masses, dim=1), buffer=self._logits_buffer, pieces=pieces)
         padded = self._logits_buffer.rows(hidden.shape[0])
-        for start, chunk in zip(range(0, self.vocab_size, self.chunk_rows), self._chunks):
+        for start, chunk in zip(range(0, self.vocab_size, self.chunk_rows), chunks):
             out = self._chunk_logits(chunk, x, softcap)
             padded[:, start : start + out.shape[1]].copy_(out)
         peak, mass = KERNEL.summarise(padded, inv_t)

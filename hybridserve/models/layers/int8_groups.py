@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from hybridserve.core.errors import ConfigError
 from hybridserve.models.platform.cpu_features import has_native_bf16, read_cpu_flags
-from hybridserve.models.platform.huge_pages import on_huge_pages
+from hybridserve.models.platform.huge_pages import on_huge_pages, zeros_on_huge_pages
 from hybridserve.models.platform.native_build import build, checked
 
 SOURCE = Path(__file__).with_name("int8_groups.c")
@@ -195,6 +195,44 @@ def _pairs(values: torch.Tensor) -> torch.Tensor:
     return values.view(n // TILE, TILE, k // 2, 2).permute(0, 2, 1, 3).contiguous().view(n // TILE, k, TILE)
 
 
+def zero_pairs(rows: int, cols: int, group_size: int) -> PackedGroups:
+    """A [rows, cols] weight in the i16 path's pairs with no offset, all zero (on huge
+    pages), to be filled a block of rows at a time by fill_pairs (a weight made in parts,
+    as a head's chunks are, packed without a whole copy beside it)."""
+    if rows % TILE or cols % group_size or group_size % 2:
+        raise ValueError(f"pairs of {rows} x {cols} in groups of {group_size}: rows whole tiles of {TILE}, "
+                         "columns whole groups, groups even")
+    return PackedGroups(zeros_on_huge_pages((rows // TILE, cols, TILE), torch.int8),
+                        zeros_on_huge_pages((rows // TILE, cols // group_size, TILE), torch.float32), None,
+                        group_size, False, "pairs")
+
+
+def fill_pairs(packed: PackedGroups, first_row: int, groups: GroupWeights) -> None:
+    """Rows first_row .. of zero_pairs' `packed` from `groups` (no offset, packed's group
+    size, first_row and the row count whole tiles)."""
+    groups.check()
+    rows, cols = groups.values.shape
+    if (packed.layout != "pairs" or groups.offset is not None or groups.group_size != packed.group_size
+            or cols != packed.shape[1] or first_row % TILE or rows % TILE or first_row + rows > packed.shape[0]):
+        raise ValueError(f"rows {first_row}..{first_row + rows} of {cols} in groups of {groups.group_size} do not "
+                         f"fit pairs {packed.shape} in groups of {packed.group_size}")
+    tiles = slice(first_row // TILE, (first_row + rows) // TILE)
+    packed.values[tiles] = _pairs(groups.values)
+    packed.scale[tiles] = _tiles(groups.scale)
+
+
+def unpack_pairs(packed: PackedGroups, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 values [stop - start, cols], float32 scale [stop - start, cols / group_size])
+    of rows start .. stop of a weight in pairs (whole tiles), as fill_pairs was given them."""
+    if packed.layout != "pairs" or start % TILE or stop % TILE or not 0 <= start <= stop <= packed.shape[0]:
+        raise ValueError(f"rows {start}..{stop} of pairs {packed.shape} (whole tiles of {TILE})")
+    tiles = slice(start // TILE, stop // TILE)
+    n, k = stop - start, packed.shape[1]
+    values = packed.values[tiles].reshape(n // TILE, k // 2, TILE, 2).permute(0, 2, 1, 3).reshape(n, k)
+    scale = packed.scale[tiles].transpose(1, 2).reshape(n, -1)
+    return values, scale
+
+
 class GroupKernel:
     """group_linear_general's result from the C kernel, for the weights `packable` takes."""
 
@@ -220,6 +258,12 @@ class GroupKernel:
         self.i16_dot = ("avx512_vnni" if vnni and {"avx512_vnni", "avx512vl"} <= flags
                         else "avx_vnni" if vnni and "avx_vnni" in flags else "")
 
+    @property
+    def packs_pairs(self) -> bool:
+        """Whether pack lays weights out in pairs here (the i16 path: AVX2 without native
+        bf16 or AMX), else in tiles."""
+        return self.i16 and not (self.native_bf16 or self.amx)
+
     @staticmethod
     def packable(groups: GroupWeights) -> bool:
         """Whole tiles of output rows and groups of an even size (the kernel's two
@@ -238,7 +282,7 @@ class GroupKernel:
         narrow = groups.values.numel() > 0 and NARROW_VALUES[0] <= int(groups.values.min()) \
             and int(groups.values.max()) <= NARROW_VALUES[1]
         if layout is None:
-            layout = "pairs" if self.i16 and not (self.native_bf16 or self.amx) else "tiles"
+            layout = "pairs" if self.packs_pairs else "tiles"
         if layout not in LAYOUTS:
             raise ValueError(f"no packed layout {layout!r}: {', '.join(LAYOUTS)}")
         values = _pairs(groups.values) if layout == "pairs" else _tiles(groups.values)

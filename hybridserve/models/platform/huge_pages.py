@@ -28,8 +28,29 @@ def on_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
     view (a layout's permutation) is copied into the mapping directly: no contiguous copy
     of it is made first (one weight less at the load's peak)."""
     nbytes = tensor.numel() * tensor.element_size()
-    if tensor.device.type != "cpu" or nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+    if tensor.device.type != "cpu":
         return tensor.contiguous()
+    placed = _huge_page_zeros(tensor.shape, tensor.dtype)
+    if placed is None:
+        return tensor.contiguous()
+    placed.copy_(tensor)
+    return placed
+
+
+def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero CPU tensor in memory advised for transparent huge pages as on_huge_pages
+    places a copy (a weight filled in parts, each written once: no whole copy beside it);
+    torch.zeros where that is not offered or worth it. Its pages are committed as written."""
+    placed = _huge_page_zeros(shape, dtype)
+    return torch.zeros(shape, dtype=dtype) if placed is None else placed
+
+
+def _huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    """A fresh zero mapping of `shape` advised for huge pages from a huge page boundary
+    (whole huge pages only), or None (not offered, or under one huge page)."""
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return None
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     raw = torch.frombuffer(region, dtype=torch.uint8)  # the tensor keeps the mapping alive
     start = -raw.data_ptr() % HUGE_PAGE
@@ -38,7 +59,5 @@ def on_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
     except OSError:  # THP compiled out or disabled
         del raw
         region.close()
-        return tensor.contiguous()
-    placed = raw[start : start + nbytes].view(tensor.dtype).view(tensor.shape)
-    placed.copy_(tensor)
-    return placed
+        return None
+    return raw[start : start + nbytes].view(dtype).view(shape)

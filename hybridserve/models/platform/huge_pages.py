@@ -27,7 +27,6 @@ def on_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
     Linux, THP disabled) or not worth it (under one huge page, not on the CPU). A strided
     view (a layout's permutation) is copied into the mapping directly: no contiguous copy
     of it is made first (one weight less at the load's peak)."""
-    nbytes = tensor.numel() * tensor.element_size()
     if tensor.device.type != "cpu":
         return tensor.contiguous()
     placed = _huge_page_zeros(tensor.shape, tensor.dtype)

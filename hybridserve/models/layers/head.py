@@ -224,10 +224,9 @@ class OutputHead:
         # whole vocabulary in one weight (one call a step), from which each chunk's fbgemm
         # product is packed when a step of more rows first needs it (_PairsChunk: a head
         # that serves a few rows a step, one stream's, never holds those).
-        self._i16_kernel = _i16_head_kernel(weight) if on_fbgemm else None
-        self._i16: PackedGroups | None = None
-        if self._i16_kernel is not None:
-            self._i16 = zero_pairs(self.vocab_size, weight.shape[1], I16_HEAD_GROUP)
+        self._i16: tuple[GroupKernel, PackedGroups] | None = None
+        if on_fbgemm and (i16_kernel := _i16_head_kernel(weight)) is not None:
+            self._i16 = i16_kernel, zero_pairs(self.vocab_size, weight.shape[1], I16_HEAD_GROUP)
         self._logits_buffer = LogitsBuffer(self.vocab_size)
         for start in range(0, self.vocab_size, self.chunk_rows):
             stop = min(start + self.chunk_rows, self.vocab_size)
@@ -257,10 +256,10 @@ class OutputHead:
             if self._int8_activations:
                 values, scale = quantize_gemm_weight(w, block_done, self._column_factors)
                 if self._i16 is not None:
-                    groups = values.shape[1] // I16_HEAD_GROUP
-                    fill_pairs(self._i16, first_row, GroupWeights(values, scale[:, None].expand(-1, groups).contiguous(),
-                                                                  None, I16_HEAD_GROUP))
-                    return _PairsChunk(self._i16, first_row, first_row + values.shape[0]), False
+                    pairs, groups = self._i16[1], values.shape[1] // I16_HEAD_GROUP
+                    fill_pairs(pairs, first_row, GroupWeights(values, scale[:, None].expand(-1, groups).contiguous(),
+                                                              None, I16_HEAD_GROUP))
+                    return _PairsChunk(pairs, first_row, first_row + values.shape[0]), False
                 return int8_matmul(self._int8_path, values, scale), False
             values, scale = quantize_int8_rows(w, block_done=block_done)
             scale_bf16 = scale.to(torch.bfloat16)
@@ -294,16 +293,15 @@ class OutputHead:
         for chunk in self._chunks:
             if isinstance(chunk, _PairsChunk):
                 chunk.packed()
-        self._i16_kernel, self._i16 = None, None
+        self._i16 = None
 
     def _products(self, hidden: torch.Tensor
                   ) -> tuple[list[Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]], HeadInput]:
         """The chunks' products for `hidden` and their input: up to I16_HEAD_MAX_ROWS rows
         the i16 copies where the head has them (their input the hidden states themselves,
         which the kernel rounds to int16 per group), else the chunks on _input."""
-        kernel, packed = self._i16_kernel, self._i16
-        if kernel is not None and packed is not None and hidden.shape[0] <= I16_HEAD_MAX_ROWS:
-            return [partial(_i16_product, kernel, packed)], (hidden.contiguous(), None)
+        if self._i16 is not None and hidden.shape[0] <= I16_HEAD_MAX_ROWS:
+            return [partial(_i16_product, *self._i16)], (hidden.contiguous(), None)
         return self._chunks, self._input(hidden)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -320,7 +318,7 @@ class OutputHead:
         else, where nothing is soft-capped and chunk_argmax.c is built, greedy_native."""
         if self._fused is not None and not softcap:
             return self.greedy_fused(hidden)
-        if hidden.shape[0] <= max(FEW_ROWS, I16_HEAD_MAX_ROWS if self._i16 is not None else 0):
+        if hidden.shape[0] <= (FEW_ROWS if self._i16 is None else max(FEW_ROWS, I16_HEAD_MAX_ROWS)):
             return self.greedy_few_rows(hidden, softcap)
         kernel = None if softcap else chunk_argmax_kernel()
         return self.greedy_by_chunks(hidden, softcap) if kernel is None else self.greedy_native(hidden, kernel)

@@ -268,11 +268,13 @@ int int8_amx_argmax_chunks(const int8_t *x, int64_t ldx, int64_t M, int64_t K, i
         for (int64_t t = 0; t < tiles; t++) {
             if (!lane_max || !lane_at) continue;
             const chunk_tile at = tile_of(t, chunks, first_tile, w, scale, N, first_column, K);
+            const int8_t *next = M >= PREFETCH_MIN_ROWS && t + 1 < tiles
+                                     ? tile_of(t + 1, chunks, first_tile, w, scale, N, first_column, K).w
+                                     : NULL;
             for (int64_t m0 = 0; m0 < M; m0 += ROW_TILES * TILE) {
                 const int64_t rows = M - m0 < ROW_TILES * TILE ? M - m0 : ROW_TILES * TILE;
                 tile_sums(xpad, K, m0, (int)((rows + TILE - 1) / TILE), at.w, sums);
-                if (M >= PREFETCH_MIN_ROWS && t + 1 < tiles)
-                    prefetch_l2(tile_of(t + 1, chunks, first_tile, w, scale, N, first_column, K).w, K * TILE);
+                if (next) prefetch_l2(next, K * TILE);
                 argmax_tile(sums, rows, m0, at.local, at.column, at.scale, row_scale, at.n, lane_max, lane_at);
             }
         }

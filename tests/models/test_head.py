@@ -22,8 +22,7 @@ from hybridserve.models.layers.head import (  # noqa: E402
     FBGEMM_HEAD_CHUNK_ROWS,
     FEW_ROWS,
     HEAD_CHUNK_ROWS,
-    I16_HEAD_GROUP,
-    I16_HEAD_MAX_ROWS,
+    QUADS_WHOLE_MAX_ROWS,
     OutputHead,
     dequantize_int4_groups,
     quantize_int4_groups,
@@ -43,7 +42,7 @@ from hybridserve.models.layers.int8 import (  # noqa: E402
 )
 from hybridserve.models.layers.chunk_argmax import chunk_argmax_kernel  # noqa: E402
 from hybridserve.models.layers.int8_amx import amx_kernel  # noqa: E402
-from hybridserve.models.layers.int8_groups import GroupKernel, GroupWeights, group_kernel, i16_input_error  # noqa: E402
+from hybridserve.models.layers.int8_quads import quads_kernel  # noqa: E402
 from hybridserve.models.loaders.safetensors_map import MappedCheckpoint  # noqa: E402
 from hybridserve.models.layers.span_logits import SPAN  # noqa: E402
 
@@ -139,56 +138,75 @@ def test_int8_head_with_int8_activations_equals_matmul_of_both_dequantized(weigh
     x_values, x_scale = quantize_rows_uint8(x)
     expected = F.linear((x_values.float() - 128) * x_scale, values.float() * scale[:, None])
     head = OutputHead(weight, "int8")
-    head.same_products_at_every_row_count()  # no few-row i16 copy (the test below): the int8 x int8 product
     got = head(x)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)  # exact int32 sums, float32 scaling
     assert OutputHead(weight.bfloat16(), "int8")(x.bfloat16()).dtype == torch.bfloat16  # the model dtype
 
 
-@pytest.fixture
-def i16_head(weight: torch.Tensor, monkeypatch) -> OutputHead:
-    """An int8 head on fbgemm with its few-row copy on the group kernel's i16 path, as a CPU
-    with AVX2 alone builds it (forced here on any x86 CPU with AVX2)."""
-    kernel = group_kernel()
-    if not (fbgemm_available() and kernel is not None and kernel.i16):
-        pytest.skip("no fbgemm or no i16 group kernel here")
+def _narrow_fbgemm_path(monkeypatch) -> None:
+    """The head's int8 path as on a CPU with AVX2 alone (forced on any x86 CPU with AVX2):
+    fbgemm's, weights narrowed to 63 levels."""
+    monkeypatch.setattr("hybridserve.models.layers.head.int8_gemm_available", lambda: True)
     monkeypatch.setattr("hybridserve.models.layers.head.int8_path", lambda: FBGEMM)
-    monkeypatch.setattr(GroupKernel, "packs_pairs", property(lambda self: True))
+    monkeypatch.setattr("hybridserve.models.layers.int8.gemm_weight_levels", lambda: 63)
+
+
+@pytest.fixture
+def quads_head(weight: torch.Tensor, monkeypatch) -> OutputHead:
+    """An int8 head on int8_quads.c's kernel, as a CPU with AVX2 alone builds it."""
+    if quads_kernel() is None:
+        pytest.skip("no int8_quads kernel here (no AVX2 or no compiler)")
+    _narrow_fbgemm_path(monkeypatch)
     head = OutputHead(weight, "int8")
-    assert head._i16 is not None
+    assert head._quads is not None
     return head
 
 
-@pytest.mark.parametrize("rows", [1, 3, I16_HEAD_MAX_ROWS])
-def test_a_few_rows_of_an_fbgemm_head_take_its_values_on_the_i16_path(i16_head: OutputHead, weight: torch.Tensor,
-                                                                       rows: int) -> None:
-    # The head's own int8 values and row scales times the inputs rounded to int16 per group
-    # of 32: within i16_input_error (what that rounding can move an output) of the exact
-    # product of the inputs with those values, float32 summing aside; greedy takes its argmax
+def _narrow_expected(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The int8 x int8 product of 63-level weight rows and 127-level activation rows, from
+    both sides dequantized in float64 (exact int32 sums, two float32 scales after them)."""
+    values, scale = quantize_int8_rows(weight, 63)
+    x_values, x_scale = quantize_rows_uint8(x)
+    return ((x_values.double() - 128) @ values.double().t()) * scale.double() * x_scale.double()
+
+
+@pytest.mark.parametrize("rows", [1, 3, QUADS_WHOLE_MAX_ROWS, QUADS_WHOLE_MAX_ROWS + 1, 16])
+def test_a_quads_head_multiplies_exactly_at_every_row_count(quads_head: OutputHead, weight: torch.Tensor,
+                                                            rows: int) -> None:
+    # A few rows in one product of the whole vocabulary, more chunk by chunk: the same exact
+    # sums either way, so a row's logits do not depend on how many rows its step holds
     x = _hidden(rows) * torch.linspace(0.5, 4.0, rows)[:, None]
-    values, scale = quantize_gemm_weight(weight)
-    groups = GroupWeights(values, scale[:, None].expand(-1, HIDDEN // I16_HEAD_GROUP).contiguous(), None,
-                          I16_HEAD_GROUP)
-    exact = x.double() @ (values.double() * scale.double()[:, None]).t()
-    got = i16_head(x)
-    allowed = i16_input_error(x, groups).double() + 1e-5 * (x.double().abs() @ groups.weight().double().abs().t())
-    assert ((got.double() - exact).abs() <= allowed).all()
-    assert i16_head.greedy(x, None) == got.argmax(dim=-1).tolist()
-    summaries = i16_head.span_logits(x, torch.ones(rows), None)
+    got = quads_head(x)
+    torch.testing.assert_close(got.double(), _narrow_expected(weight, x), rtol=1e-6, atol=1e-6)
+    assert torch.equal(quads_head(x[:1]), got[:1])
+    assert quads_head.greedy(x, None) == got.argmax(dim=-1).tolist()
+    assert quads_head.greedy_by_chunks(x, 0.5) == (torch.tanh(got / 0.5) * 0.5).argmax(dim=-1).tolist()
+    summaries = quads_head.span_logits(x, torch.ones(rows), None)
     assert torch.equal(summaries.logits[:, :VOCAB], got)
 
 
-def test_more_rows_of_an_fbgemm_head_take_its_int8_products(i16_head: OutputHead, weight: torch.Tensor) -> None:
-    # Past I16_HEAD_MAX_ROWS the copy is not read: the int8 x int8 product, exactly
-    rows = I16_HEAD_MAX_ROWS + 1
-    x = _hidden(rows)
-    values, scale = quantize_gemm_weight(weight)
-    x_values, x_scale = quantize_rows_uint8(x)
-    expected = F.linear((x_values.float() - 128) * x_scale, values.float() * scale[:, None])
-    torch.testing.assert_close(i16_head(x), expected, rtol=1e-5, atol=1e-5)
-    i16_head.same_products_at_every_row_count()  # batch invariance: one product at every row count
-    torch.testing.assert_close(i16_head(x[:1]), expected[:1], rtol=1e-5, atol=1e-5)
+def test_a_quads_head_equals_fbgemms_chunks_bit_for_bit(quads_head: OutputHead, weight: torch.Tensor,
+                                                      monkeypatch) -> None:
+    # Where int8_quads.c is not built the head keeps fbgemm's packed chunks: the same products
+    if not fbgemm_available():
+        pytest.skip("this torch has no fbgemm")
+    monkeypatch.setattr("hybridserve.models.layers.head.quads_kernel", lambda: None)
+    fbgemm_head = OutputHead(weight, "int8")
+    assert fbgemm_head._quads is None
+    for rows in (1, QUADS_WHOLE_MAX_ROWS + 1):
+        x = _hidden(rows)
+        assert torch.equal(quads_head(x), fbgemm_head(x))
+        assert quads_head.greedy(x, None) == fbgemm_head.greedy(x, None)
+
+
+def test_a_quads_head_holds_its_values_once(quads_head: OutputHead) -> None:
+    # One int8 weight of the vocabulary (chunks are views of it) and a scale and column sum
+    # per row: no second packed copy for another row count
+    kernel, whole = quads_head._quads
+    assert whole.shape == (VOCAB, HIDDEN)
+    assert whole.values.untyped_storage().nbytes() < VOCAB * HIDDEN + (4 << 20)  # its huge-page alignment
+    assert len(quads_head._chunks) == 3  # FBGEMM_HEAD_CHUNK_ROWS: 16384, 16384, 7232
 
 
 def test_int4_head_equals_matmul_of_its_dequantized_weight(weight: torch.Tensor) -> None:

@@ -375,7 +375,8 @@ class DecoderLM(StagedModel):
         stack, no large-step chains) with one activation and exact norm sums (the native
         kernels' per-row arithmetic, or float64 sums whose order cannot matter), and every
         linear one group-kernel path at every row count (GroupKernel.invariant_path), whose
-        rows never share sums, and the output head one product at every row count. ConfigError for linears without that path: torch's GEMMs pick
+        rows never share sums; the output head's int8 x int8 products are exact int32 sums at
+        every row count. ConfigError for linears without that path: torch's GEMMs pick
         their blocking by the row count. Call after build_linears."""
         kernels = [f for lin in self._linears for f in lin if isinstance(f, PackedLinear)]
         if self.int8_layers or not kernels or len(kernels) != 4 * len(self._linears):
@@ -383,8 +384,6 @@ class DecoderLM(StagedModel):
                               "(--quantization gguf-groups): other linears' GEMMs depend on the step's row count")
         for linear in kernels:
             linear.path = linear.kernel.invariant_path(self.dtype, linear.packed)
-        if self._head is not None:
-            self._head.same_products_at_every_row_count()
         self.decode_stack = None
         self._dtype_chains = None
         self.batch_invariant = True

@@ -15,8 +15,9 @@ parameters) and its bytes set the decode speed, so it gets its own representatio
   states are quantized too, per row (symmetric, 127 levels), and an int8 GEMM multiplies
   them (with AMX's integer tiles int8_amx.c, which also reduces each chunk to greedy's
   argmax or to sampling's span summaries as it goes; with VNNI oneDNN's
-  `onednn.qlinear_pointwise`; on AVX2 alone fbgemm's, with the weights narrowed to 63
-  levels: models/layers/int8.py): at a decode
+  `onednn.qlinear_pointwise`; on AVX2 alone int8_quads.c's u8 x s8 products, with the
+  weights narrowed to 63 levels, or fbgemm's where that kernel is not built:
+  models/layers/int8.py, int8_quads.py): at a decode
   batch of 64 the head is compute-bound, and the int8 dot products run several times
   faster than bf16 ones without AMX (`benchmarks/int8_rows.py`). Elsewhere PyTorch's
   weight-only int8 kernel (`_weight_int8pack_mm`) multiplies bfloat16 activations.
@@ -37,12 +38,14 @@ import torch
 
 from hybridserve.core.errors import ConfigError
 from hybridserve.models.layers.chunk_argmax import ChunkArgmax, chunk_argmax_kernel
-from hybridserve.models.layers.int8 import (FBGEMM, QUANTIZERS, BlockDone, int8_gemm_available, int8_matmul,
-                                           int8_path, quantize_gemm_weight, quantize_int8_rows)
+from hybridserve.models.layers import int8
+from hybridserve.models.layers.int8 import (FBGEMM, NARROW_WEIGHT_LEVELS, QUANTIZERS, BlockDone, int8_gemm_available,
+                                           int8_matmul, int8_path, quantize_gemm_weight, quantize_int8_rows,
+                                           quantize_rows_uint8)
 from hybridserve.models.layers.int8_amx import AmxProduct, AmxSpanSource
-from hybridserve.models.layers.int8_groups import TILE as GROUP_TILE
-from hybridserve.models.layers.int8_groups import (MAX_KERNEL_GROUP, GroupKernel, GroupWeights, PackedGroups, fill_pairs,
-                                                  group_kernel, unpack_pairs, zero_pairs)
+from hybridserve.models.layers.int8_quads import TILE as QUADS_TILE
+from hybridserve.models.layers.int8_quads import (QuadsKernel, QuadsWeight, fill_quads, quads_fit, quads_kernel,
+                                                 quads_matmul, zero_quads)
 from hybridserve.models.layers.linear import make_linear
 from hybridserve.models.layers.span_kernel import KERNEL
 from hybridserve.models.layers.span_logits import EXP_FLOOR, SPAN, LogitsBuffer, SpanLogits, padded_width
@@ -65,15 +68,10 @@ ARGMAX_SPAN = 128
 # Up to this many rows span_logits summarises its whole buffer at once, and greedy reduces
 # whole rows once, not chunk by chunk.
 FEW_ROWS = 4
-# Up to this many rows a head on fbgemm's int8 path (AVX2 without VNNI:
-# models/layers/int8.int8_path) multiplies on the int8-group kernel's i16 path instead, from
-# a copy of its int8 values packed for that path: fbgemm's GEMM reads a few rows' head at
-# well under the memory's speed, the i16 loop near it; from about 16 rows fbgemm's int8
-# products are the faster (benchmarks/results/head_chunks.md, "few rows on the i16 path").
-I16_HEAD_MAX_ROWS = 8
-# The group size of that copy: each row's one scale repeated per group (the i16 kernel's
-# int32 sums are exact for groups of up to MAX_KERNEL_GROUP of any int8 values).
-I16_HEAD_GROUP = MAX_KERNEL_GROUP
+# Up to this many rows a head on int8_quads.c's kernel (AVX2 alone) multiplies the whole
+# vocabulary in one call, a few rows' logits then reduced at once; more rows go chunk by
+# chunk, each reduced while in cache (benchmarks/results/head_chunks.md, "one copy").
+QUADS_WHOLE_MAX_ROWS = 8
 INT4_GROUP_SIZE = 32  # hidden-dim weights sharing one int4 scale and offset (as GGUF's Q4_K sub-blocks)
 INT4_LAYERS = "q4"  # --quantization: the decoder's linears as int4 groups (models/layers/int4.py)
 # --quantization: the decoder's linears as the GGUF's own int8 groups (models/layers/int8_groups.py)
@@ -153,48 +151,16 @@ def _shifted(release_rows: ReleaseRows, offset: int, start: int, stop: int) -> N
     release_rows(offset + start, offset + stop)
 
 
-def _i16_head_kernel(weight: torch.Tensor) -> GroupKernel | None:
-    """The int8-group kernel where a head of `weight`'s shape takes its i16 path for a few
-    rows (I16_HEAD_MAX_ROWS): built, packing pairs on this CPU (the i16 path is its
-    decoder's: no native bf16, no AMX), the hidden size whole groups and the vocabulary
-    whole tiles (so is every chunk then); else None."""
+def _quads_head(weight: torch.Tensor) -> tuple[QuadsKernel, QuadsWeight] | None:
+    """(int8_quads.c's kernel, a zero quads weight of `weight`'s shape to fill chunk by chunk)
+    where an int8 x int8 head on fbgemm's path can take it instead: the kernel built, the
+    weights narrowed to 63 levels (a CPU without int8 dot products) and the shape whole
+    tiles and quads; else None (fbgemm's chunks)."""
     n, k = weight.shape
-    if weight.device.type != "cpu" or k % I16_HEAD_GROUP or n % GROUP_TILE:
+    if weight.device.type != "cpu" or int8.gemm_weight_levels() > NARROW_WEIGHT_LEVELS or not quads_fit(n, k):
         return None
-    kernel = group_kernel()
-    if kernel is None:
-        return None
-    return kernel if kernel.packs_pairs else None
-
-
-class _PairsChunk:
-    """A chunk's int8 x int8 product on fbgemm (int8.Int8Matmul's contract), packed from
-    rows start .. stop of the head's i16 copy (their int8 values and row scales, as
-    quantize_gemm_weight gave them) the first time it is called."""
-
-    def __init__(self, pairs: PackedGroups, start: int, stop: int) -> None:
-        self._pairs: PackedGroups | None = pairs
-        self._start, self._stop = start, stop
-        self._matmul: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] | None = None
-
-    def __call__(self, x: torch.Tensor, x_scale: torch.Tensor | None) -> torch.Tensor:
-        return self.packed()(x, x_scale)
-
-    def packed(self) -> Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]:
-        """The product on fbgemm, packed now if not yet (the copy no longer referenced)."""
-        if self._matmul is None:
-            assert self._pairs is not None
-            values, scale = unpack_pairs(self._pairs, self._start, self._stop)
-            self._matmul, self._pairs = int8_matmul(FBGEMM, values, scale[:, 0].contiguous()), None
-            del values
-            release_free_heap()  # the unpacked values' hole (see OutputHead.__init__'s loop)
-        return self._matmul
-
-
-def _i16_product(kernel: GroupKernel, packed: PackedGroups, x: torch.Tensor, _: torch.Tensor | None) -> torch.Tensor:
-    """One chunk's product on the i16 copy, float32 (a chunk's contract: the second input,
-    int8 activations' row scale, is never given here)."""
-    return kernel(x.float(), packed)
+    kernel = quads_kernel()
+    return None if kernel is None else (kernel, zero_quads(n, k))
 
 
 class OutputHead:
@@ -219,14 +185,10 @@ class OutputHead:
         on_fbgemm = self._int8_activations and self._int8_path == FBGEMM
         self.chunk_rows = chunk_rows or (FBGEMM_HEAD_CHUNK_ROWS if on_fbgemm else HEAD_CHUNK_ROWS)
         self._chunks: list[Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]] = []
-        # A few rows' products on the int8-group kernel's i16 path (I16_HEAD_MAX_ROWS), where
-        # the head is on fbgemm and the kernel packs pairs here: the chunks' int8 values, the
-        # whole vocabulary in one weight (one call a step), from which each chunk's fbgemm
-        # product is packed when a step of more rows first needs it (_PairsChunk: a head
-        # that serves a few rows a step, one stream's, never holds those).
-        self._i16: tuple[GroupKernel, PackedGroups] | None = None
-        if on_fbgemm and (i16_kernel := _i16_head_kernel(weight)) is not None:
-            self._i16 = i16_kernel, zero_pairs(self.vocab_size, weight.shape[1], I16_HEAD_GROUP)
+        # On fbgemm's path, int8_quads.c's kernel where it is built: the whole vocabulary in
+        # one weight that every row count reads (chunks are views of it), instead of fbgemm's
+        # packed chunks (int8_quads.py says why)
+        self._quads = _quads_head(weight) if on_fbgemm and self.chunk_rows % QUADS_TILE == 0 else None
         self._logits_buffer = LogitsBuffer(self.vocab_size)
         for start in range(0, self.vocab_size, self.chunk_rows):
             stop = min(start + self.chunk_rows, self.vocab_size)
@@ -250,16 +212,15 @@ class OutputHead:
                       ) -> tuple[Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor], bool]:
         """(the matmul of one chunk of rows, vocabulary rows first_row.., whether it still
         reads `w` itself); the int8 quantizers call `block_done` for each block of `w`'s
-        rows they are done with. The i16 copy (where the head has one) gets the chunk's int8
-        values too."""
+        rows they are done with. On int8_quads.c's kernel the chunk's int8 values fill its
+        rows of the whole weight, and its product reads them there."""
         if self.quantization == "int8":
             if self._int8_activations:
                 values, scale = quantize_gemm_weight(w, block_done, self._column_factors)
-                if self._i16 is not None:
-                    pairs, groups = self._i16[1], values.shape[1] // I16_HEAD_GROUP
-                    fill_pairs(pairs, first_row, GroupWeights(values, scale[:, None].expand(-1, groups).contiguous(),
-                                                              None, I16_HEAD_GROUP))
-                    return _PairsChunk(pairs, first_row, first_row + values.shape[0]), False
+                if self._quads is not None:
+                    kernel, whole = self._quads
+                    fill_quads(whole, first_row, values, scale)
+                    return quads_matmul(kernel, whole.rows(first_row, first_row + values.shape[0])), False
                 return int8_matmul(self._int8_path, values, scale), False
             values, scale = quantize_int8_rows(w, block_done=block_done)
             scale_bf16 = scale.to(torch.bfloat16)
@@ -283,25 +244,16 @@ class OutputHead:
         if self.quantization == "none":
             return x, None
         if self.quantization == "int8" and self._int8_activations:
-            return QUANTIZERS[self._int8_path](x)
+            return quantize_rows_uint8(x) if self._quads is not None else QUANTIZERS[self._int8_path](x)
         return x.to(torch.bfloat16), None
-
-    def same_products_at_every_row_count(self) -> None:
-        """fbgemm's products at every row count, packed now, and the i16 copy dropped (a
-        batch-invariant model: a row's logits must not depend on how many rows its step
-        holds)."""
-        for chunk in self._chunks:
-            if isinstance(chunk, _PairsChunk):
-                chunk.packed()
-        self._i16 = None
 
     def _products(self, hidden: torch.Tensor
                   ) -> tuple[list[Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]], HeadInput]:
-        """The chunks' products for `hidden` and their input: up to I16_HEAD_MAX_ROWS rows
-        the i16 copies where the head has them (their input the hidden states themselves,
-        which the kernel rounds to int16 per group), else the chunks on _input."""
-        if self._i16 is not None and hidden.shape[0] <= I16_HEAD_MAX_ROWS:
-            return [partial(_i16_product, *self._i16)], (hidden.contiguous(), None)
+        """The chunks' products for `hidden` and their input: up to QUADS_WHOLE_MAX_ROWS rows
+        of a head on int8_quads.c's kernel one product of the whole vocabulary (the same
+        values as its chunks'), else the chunks."""
+        if self._quads is not None and hidden.shape[0] <= QUADS_WHOLE_MAX_ROWS:
+            return [quads_matmul(*self._quads)], self._input(hidden)
         return self._chunks, self._input(hidden)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -312,13 +264,13 @@ class OutputHead:
 
     def greedy(self, hidden: torch.Tensor, softcap: float | None) -> list[int]:
         """argmax of each row's logits (the first index among equal maxima, as argmax):
-        greedy_by_chunks, the general path, or up to FEW_ROWS rows (I16_HEAD_MAX_ROWS where
-        the head has its i16 copy) greedy_few_rows; where
+        greedy_by_chunks, the general path, or up to FEW_ROWS rows (QUADS_WHOLE_MAX_ROWS on
+        int8_quads.c's kernel) greedy_few_rows; where
         every chunk's kernel has its own argmax and nothing is soft-capped, greedy_fused;
         else, where nothing is soft-capped and chunk_argmax.c is built, greedy_native."""
         if self._fused is not None and not softcap:
             return self.greedy_fused(hidden)
-        if hidden.shape[0] <= (FEW_ROWS if self._i16 is None else max(FEW_ROWS, I16_HEAD_MAX_ROWS)):
+        if hidden.shape[0] <= (FEW_ROWS if self._quads is None else max(FEW_ROWS, QUADS_WHOLE_MAX_ROWS)):
             return self.greedy_few_rows(hidden, softcap)
         kernel = None if softcap else chunk_argmax_kernel()
         return self.greedy_by_chunks(hidden, softcap) if kernel is None else self.greedy_native(hidden, kernel)
@@ -378,7 +330,6 @@ class OutputHead:
         applied as the eager multiply rounds it: the same token again."""
         chunks, (values, row_scale) = self._products(hidden)
         # int8 activations' row scale applied once to the whole rows: the same products
-        # (on the i16 copies, the same weights times inputs rounded to int16, not int8)
         products = [chunk(values, None) for chunk in chunks]
         out = products[0] if len(products) == 1 else torch.cat(products, dim=1)
         kernel = None if softcap else chunk_argmax_kernel()

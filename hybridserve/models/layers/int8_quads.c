@@ -1,0 +1,101 @@
+/* The int8 x int8 product of models/layers/int8_quads.py on AVX2 alone (its docstring says
+ * where it serves and why): uint8 activations (whole levels + 128, quantize_rows_uint8's)
+ * times int8 weight rows of at most 63 levels, the exact int32 sums scaled by each weight
+ * row's float32 scale.
+ *
+ * Layout ("quads"): the weight [N, K] as [N / TILE][K / 4][TILE][4] int8, four consecutive k
+ * of a column side by side, so one 32-byte load holds four k of eight columns. vpmaddubsw
+ * multiplies those by four broadcast activations and adds each pair into int16 (exact: a pair
+ * is at most 2 x 255 x 63 = 32,130, within int16, which is why the weights have 63 levels on
+ * this CPU: int8.gemm_weight_levels); vpmaddwd by ones adds the two pairs of a column into
+ * int32 and vpaddd accumulates. The activations' +128 adds 128 x (the column's sum of
+ * weights) to each sum, taken out by starting the accumulator at -128 x that sum (colsum,
+ * made when the weight is packed). Each sum is at most K x 127 x 63 in magnitude, exact in
+ * int32 and in float32 up to K = 2,096 (2^24 / 8,001): the float32 result is then
+ * float(sum) x scale[n] rounded once, as torch._int_mm's product times the scale gives.
+ *
+ * Threads take tiles of TILE columns; a tile's weights (K x TILE bytes, 10 KB at K = 640)
+ * stay in L1 while every block of ROWS rows reads them. */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define TILE 16 /* columns per tile (int8_quads.py's TILE) */
+
+int quads_tile(void) { return TILE; }
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+
+#define ROWS 4            /* rows per register block: 8 accumulators of AVX2's 16 registers */
+#define PREFETCH_BYTES 1024 /* how far ahead of the loads the weights are asked for */
+
+int quads_available(void) { return 1; }
+
+/* `mb` rows (a constant once inlined) of x (rows ldx apart) times one tile's quads (wt) into
+ * out (rows ldo apart, the tile's first column). */
+static inline __attribute__((always_inline)) void quads_rows(const int mb, const uint8_t *x, int64_t ldx,
+                                                             int64_t K, const int8_t *wt, const int32_t *colsum,
+                                                             const float *scale, float *out, int64_t ldo) {
+    const __m256i ones = _mm256_set1_epi16(1), minus128 = _mm256_set1_epi32(-128);
+    const __m256i start0 = _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i *)colsum), minus128);
+    const __m256i start1 = _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i *)(colsum + 8)), minus128);
+    __m256i acc[ROWS][2];
+    for (int r = 0; r < mb; r++) {
+        acc[r][0] = start0;
+        acc[r][1] = start1;
+    }
+    for (int64_t q = 0; q < K / 4; q++) {
+        const int8_t *w = wt + q * 4 * TILE;
+        __builtin_prefetch(w + PREFETCH_BYTES, 0, 0);
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)w);
+        const __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + 32));
+        for (int r = 0; r < mb; r++) {
+            int32_t four;
+            memcpy(&four, x + r * ldx + q * 4, sizeof four);
+            const __m256i xb = _mm256_set1_epi32(four);
+            acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(_mm256_maddubs_epi16(xb, w0), ones));
+            acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(_mm256_maddubs_epi16(xb, w1), ones));
+        }
+    }
+    const __m256 s0 = _mm256_loadu_ps(scale), s1 = _mm256_loadu_ps(scale + 8);
+    for (int r = 0; r < mb; r++) {
+        _mm256_storeu_ps(out + r * ldo, _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][0]), s0));
+        _mm256_storeu_ps(out + r * ldo + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][1]), s1));
+    }
+}
+
+/* x: uint8 [M, K] (levels + 128), rows ldx apart; w: the quads layout above, N a multiple
+ * of TILE, K of 4; colsum: int32 [N], each column's sum of weights; scale: float32 [N];
+ * out: float32 [M, N], rows ldo apart. */
+void quads_matmul(const uint8_t *x, int64_t ldx, int64_t M, int64_t K, const int8_t *w, const int32_t *colsum,
+                  const float *scale, int64_t N, float *out, int64_t ldo, int32_t num_threads) {
+    const int64_t tiles = N / TILE;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (tiles > 1)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int8_t *wt = w + t * K * TILE;
+        const int32_t *ct = colsum + t * TILE;
+        const float *st = scale + t * TILE;
+        for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
+            const uint8_t *xm = x + m0 * ldx;
+            float *om = out + m0 * ldo + t * TILE;
+            switch (M - m0 < ROWS ? M - m0 : ROWS) {
+            case 1: quads_rows(1, xm, ldx, K, wt, ct, st, om, ldo); break;
+            case 2: quads_rows(2, xm, ldx, K, wt, ct, st, om, ldo); break;
+            case 3: quads_rows(3, xm, ldx, K, wt, ct, st, om, ldo); break;
+            default: quads_rows(ROWS, xm, ldx, K, wt, ct, st, om, ldo); break;
+            }
+        }
+    }
+}
+#else
+int quads_available(void) { return 0; }
+
+void quads_matmul(const uint8_t *x, int64_t ldx, int64_t M, int64_t K, const int8_t *w, const int32_t *colsum,
+                  const float *scale, int64_t N, float *out, int64_t ldo, int32_t num_threads) {
+    (void)x, (void)ldx, (void)M, (void)K, (void)w, (void)colsum, (void)scale, (void)N, (void)out, (void)ldo;
+    (void)num_threads;
+    abort(); /* int8_quads.py never calls it where quads_available() is 0 */
+}
+#endif

@@ -1,0 +1,166 @@
+"""An int8 x int8 product for CPUs with AVX2 alone: int8_quads.c (its comment says how),
+built by models/platform/native_build.py, one weight layout for every row count.
+
+Where it serves: the output head on AVX2 alone (models/layers/head.py), in place of
+fbgemm's GEMM and the i16 copy beside it for a few rows. fbgemm's packed matrix is 1.6x
+the int8 values (a [262144, 640] head packs into 259 MB), and its GEMM reads one row's head
+at well under the memory's speed, so a head that served both one stream and batches held
+its weights twice (168 MB of values on the i16 path, 259 MB packed for fbgemm). This
+kernel reads the one copy at the memory's speed for a row and is faster than fbgemm's
+GEMM from 4 rows to 64 (benchmarks/results/head_chunks.md, "One copy").
+
+The product is plain_matmul's (int8.py) bit for bit: exact int32 sums of the activations'
+levels times the weight's, times the weight row's float32 scale; the activations' row
+scale after it. Checked once against torch._int_mm on made-up extremes before first use;
+where it cannot be built or differs, the head keeps fbgemm (one warning says why).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from hybridserve.models.layers.int8 import NARROW_WEIGHT_LEVELS, UINT8_ZERO_POINT, Int8Matmul
+from hybridserve.models.platform.huge_pages import zeros_on_huge_pages
+from hybridserve.models.platform.native_build import NativeBuildError, build, checked
+
+SOURCE = Path(__file__).with_name("int8_quads.c")
+TILE = 16  # weight rows (output columns) per tile of the layout (int8_quads.c's TILE)
+QUAD = 4  # consecutive k of a column side by side
+
+
+class QuadsWeight(NamedTuple):
+    """int8 weight rows [N, K] of at most NARROW_WEIGHT_LEVELS levels in int8_quads.c's
+    layout: values [N / TILE, K / QUAD, TILE, QUAD]; colsum int32 [N], each row's sum of
+    values; scale float32 [N], each row's scale."""
+
+    values: torch.Tensor
+    colsum: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        tiles, quads, _, _ = self.values.shape
+        return tiles * TILE, quads * QUAD
+
+    def rows(self, start: int, stop: int) -> QuadsWeight:
+        """Rows start .. stop (whole tiles) as views: a chunk of the same memory."""
+        if start % TILE or stop % TILE or not 0 <= start <= stop <= self.shape[0]:
+            raise ValueError(f"rows {start}..{stop} of a quads weight {self.shape} (whole tiles of {TILE})")
+        return QuadsWeight(self.values[start // TILE : stop // TILE], self.colsum[start:stop], self.scale[start:stop])
+
+
+def quads_fit(rows: int, cols: int) -> bool:
+    """Whether a [rows, cols] weight has the layout's shape: whole tiles, whole quads."""
+    return rows > 0 and cols > 0 and rows % TILE == 0 and cols % QUAD == 0
+
+
+def zero_quads(rows: int, cols: int) -> QuadsWeight:
+    """A [rows, cols] quads weight of zeros (values on huge pages), to be filled a block of
+    rows at a time by fill_quads: a weight made in parts, as a head's chunks are, without a
+    whole copy beside it."""
+    if not quads_fit(rows, cols):
+        raise ValueError(f"a quads weight of {rows} x {cols}: rows whole tiles of {TILE}, columns whole quads")
+    return QuadsWeight(zeros_on_huge_pages((rows // TILE, cols // QUAD, TILE, QUAD), torch.int8),
+                       torch.zeros(rows, dtype=torch.int32), torch.zeros(rows, dtype=torch.float32))
+
+
+def fill_quads(weight: QuadsWeight, first_row: int, values: torch.Tensor, scale: torch.Tensor) -> None:
+    """Rows first_row .. of zero_quads' `weight` from int8 `values` [rows, K] and their
+    float32 `scale` [rows] (first_row and rows whole tiles)."""
+    rows, cols = values.shape
+    if (values.dtype != torch.int8 or cols != weight.shape[1] or first_row % TILE or rows % TILE
+            or first_row + rows > weight.shape[0] or scale.shape != (rows,)):
+        raise ValueError(f"int8 rows {first_row}..{first_row + rows} of {cols} do not fit quads {weight.shape}")
+    if rows and not -NARROW_WEIGHT_LEVELS <= int(values.min()) <= int(values.max()) <= NARROW_WEIGHT_LEVELS:
+        raise ValueError(f"quads weights take at most {NARROW_WEIGHT_LEVELS} levels (int16 pairs must not saturate)")
+    weight.values[first_row // TILE : (first_row + rows) // TILE] = (
+        values.view(rows // TILE, TILE, cols // QUAD, QUAD).permute(0, 2, 1, 3))
+    weight.colsum[first_row : first_row + rows] = values.sum(dim=1, dtype=torch.int32)
+    weight.scale[first_row : first_row + rows] = scale
+
+
+def pack_quads(values: torch.Tensor, scale: torch.Tensor) -> QuadsWeight:
+    """int8 values [N, K] and float32 scale [N] as one quads weight."""
+    weight = zero_quads(*values.shape)
+    fill_quads(weight, 0, values, scale)
+    return weight
+
+
+def unpack_quads(weight: QuadsWeight) -> torch.Tensor:
+    """The int8 values [N, K] fill_quads was given."""
+    tiles, quads, _, _ = weight.values.shape
+    return weight.values.permute(0, 2, 1, 3).reshape(tiles * TILE, quads * QUAD)
+
+
+class QuadsKernel:
+    """(uint8 activations [M, K], levels + 128, unit column stride; a QuadsWeight [N, K])
+    -> float32 [M, N]: the exact int32 sums times each weight row's scale."""
+
+    def __init__(self) -> None:
+        library = build("int8_quads", SOURCE)
+        if not library.quads_available():
+            raise NativeBuildError("int8_quads.c was built without AVX2")
+        tile = library.quads_tile
+        tile.restype = ctypes.c_int32
+        if tile() != TILE:
+            raise ValueError(f"int8_quads.c's tiles are {tile()} columns, int8_quads.py's {TILE}")
+        fn = library.quads_matmul
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        fn.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, i64, ctypes.c_int32]
+        fn.restype = None
+        self._fn = fn
+
+    def __call__(self, x: torch.Tensor, weight: QuadsWeight, out: torch.Tensor | None = None) -> torch.Tensor:
+        n, k = weight.shape
+        if x.dtype != torch.uint8 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
+            raise ValueError(f"quads activations: uint8 [rows, {k}] with unit column stride, not {x.dtype} "
+                             f"{tuple(x.shape)}")
+        rows = x.shape[0]
+        if out is None:
+            out = torch.empty(rows, n)
+        elif out.dtype != torch.float32 or out.shape != (rows, n) or out.stride(1) != 1:
+            raise ValueError(f"quads output: float32 [{rows}, {n}] with unit column stride")
+        if rows:
+            self._fn(x.data_ptr(), x.stride(0), rows, k, weight.values.data_ptr(), weight.colsum.data_ptr(),
+                     weight.scale.data_ptr(), n, out.data_ptr(), out.stride(0), torch.get_num_threads())
+        return out
+
+
+@cache
+def quads_kernel() -> QuadsKernel | None:
+    """The kernel, built and checked against torch._int_mm on first use; None where it
+    cannot be built, the CPU lacks AVX2, or it differs (a warning says why)."""
+    return checked(QuadsKernel, _mismatch, "the int8 head stays on fbgemm")
+
+
+def quads_matmul(kernel: QuadsKernel, weight: QuadsWeight) -> Int8Matmul:
+    """int8.Int8Matmul's contract on `weight`: (uint8 activations, their row scale or None)
+    -> float32 products, the row scale applied after the weight's as plain_matmul does."""
+
+    def matmul(x: torch.Tensor, x_scale: torch.Tensor | None) -> torch.Tensor:
+        out = kernel(x, weight)
+        return out if x_scale is None else out.mul_(x_scale)
+
+    return matmul
+
+
+def _mismatch(kernel: QuadsKernel) -> str:
+    """'' when the kernel gives torch._int_mm's sums times the scale bit for bit on made-up
+    extremes (activation levels -127 and 127 against weights -63 and 63, every row count
+    up to a register block and a remainder, two tiles); else what differs."""
+    g = torch.Generator().manual_seed(0)
+    rows, n, k = 7, 2 * TILE, 64
+    values = torch.randint(-NARROW_WEIGHT_LEVELS, NARROW_WEIGHT_LEVELS + 1, (n, k), generator=g, dtype=torch.int8)
+    values[0] = NARROW_WEIGHT_LEVELS
+    values[1] = -NARROW_WEIGHT_LEVELS
+    levels = torch.randint(-127, 128, (rows, k), generator=g, dtype=torch.int32)
+    levels[0], levels[1] = 127, -127
+    scale = torch.rand(n, generator=g) + 0.5
+    got = kernel((levels + UINT8_ZERO_POINT).to(torch.uint8), pack_quads(values, scale))
+    want = torch._int_mm(levels.to(torch.int8), values.t()).mul(scale)
+    return "" if torch.equal(got, want) else "differs from torch._int_mm's sums times the scale"

@@ -31,6 +31,9 @@ from hybridserve.models.platform.native_build import NativeBuildError, build, ch
 SOURCE = Path(__file__).with_name("int8_quads.c")
 TILE = 16  # weight rows (output columns) per tile of the layout (int8_quads.c's TILE)
 QUAD = 4  # consecutive k of a column side by side
+# Rows whose sums fill_quads takes at a time: torch sums int8 into int32 through an int32
+# copy of its input, which for a whole head chunk (16384 x 640) would be 40 MB at the load's peak.
+_SUM_ROWS = 1024
 
 
 class QuadsWeight(NamedTuple):
@@ -80,7 +83,9 @@ def fill_quads(weight: QuadsWeight, first_row: int, values: torch.Tensor, scale:
         raise ValueError(f"quads weights take at most {NARROW_WEIGHT_LEVELS} levels (int16 pairs must not saturate)")
     weight.values[first_row // TILE : (first_row + rows) // TILE] = (
         values.view(rows // TILE, TILE, cols // QUAD, QUAD).permute(0, 2, 1, 3))
-    weight.colsum[first_row : first_row + rows] = values.sum(dim=1, dtype=torch.int32)
+    for start in range(0, rows, _SUM_ROWS):  # the int32 copy a sum makes, a block at a time
+        stop = min(start + _SUM_ROWS, rows)
+        weight.colsum[first_row + start : first_row + stop] = values[start:stop].sum(dim=1, dtype=torch.int32)
     weight.scale[first_row : first_row + rows] = scale
 
 

@@ -184,6 +184,8 @@ def test_a_quads_head_multiplies_exactly_at_every_row_count(quads_head: OutputHe
     assert quads_head.greedy_by_chunks(x, 0.5) == (torch.tanh(got / 0.5) * 0.5).argmax(dim=-1).tolist()
     summaries = quads_head.span_logits(x, torch.ones(rows), None)
     assert torch.equal(summaries.logits[:, :VOCAB], got)
+    whole = VOCAB // SPAN  # the span maxima of the whole spans, from the logits
+    assert torch.equal(summaries.span_max[:, :whole], got[:, : whole * SPAN].reshape(rows, whole, SPAN).amax(-1))
 
 
 def test_a_quads_head_equals_fbgemms_chunks_bit_for_bit(quads_head: OutputHead, weight: torch.Tensor,

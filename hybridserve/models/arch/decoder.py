@@ -304,6 +304,9 @@ class DecoderLM(StagedModel):
         self._act_tables: dict[tuple[Callable[[torch.Tensor], torch.Tensor], int], torch.Tensor] = {}
         # forward's fast path for decode steps (build_linears); None (tests, benchmarks): the loop alone
         self.decode_stack: DecodeStack | None = None
+        # The chains whose work the native kernels' float32 forms take in a float32 model's
+        # large steps (_native_chains): set where its decode steps take those kernels already
+        self._float32_native: frozenset[str] = frozenset()
 
     def _layer_weights(self, layer_idx: int, dtype: torch.dtype) -> DecoderLayerWeights:
         """Layer `layer_idx`'s parameters (a hook: Llama 4 sizes its dense MLPs per layer)."""
@@ -362,6 +365,7 @@ class DecoderLM(StagedModel):
             self._dtype_chains = ChainsByRows(None, build if compile else None, "decoder chains",
                                               check=lambda chains: decoder_chains.agreeing(chains, sample))
         self.decode_stack = DecodeStack.build(self) if quantization == GROUP_LAYERS else None
+        self._float32_native = self._native_chains() if self.dtype == torch.float32 else frozenset()
         if self.stage.is_last:
             assert self.lm_head is not None, "weights not loaded"
             self._head = OutputHead(self.lm_head, head_quantization(quantization), release_head_rows,
@@ -386,6 +390,7 @@ class DecoderLM(StagedModel):
             linear.path = linear.kernel.invariant_path(self.dtype, linear.packed)
         self.decode_stack = None
         self._dtype_chains = None
+        self._float32_native = frozenset()
         self.batch_invariant = True
 
     @property
@@ -414,9 +419,15 @@ class DecoderLM(StagedModel):
     def _native_chains(self) -> frozenset[str]:
         """The chains (decoder_chains' names) whose work native kernels take on every layer of
         this model, so that large steps never compile them: q/k norm and / or RoPE, the
-        residual adds and norms (sandwich or pre-norm layers), act * up; none but for bf16
-        on the CPU, and none whose kernel cannot be built or does not take the model's sizes."""
-        if self.dtype != torch.bfloat16 or self._eps.device.type != "cpu":
+        residual adds and norms (sandwich or pre-norm layers), act * up; none whose kernel
+        cannot be built or does not take the model's sizes. On the CPU alone: bf16 (the
+        kernels give the eager chains' values bit for bit), and float32 where the decode
+        stack serves the model's decode steps: its kernels' float32 forms, equal to the
+        eager chains to a float32 rounding, then compute every step but the general loop's
+        few-row mixed ones (the compiled chains' would be the eager bits, but their compiler
+        is most of a server's memory over its budget: benchmarks/results/memory_peak.md)."""
+        if self._eps.device.type != "cpu" or not (
+                self.dtype == torch.bfloat16 or (self.dtype == torch.float32 and self.decode_stack is not None)):
             return frozenset()
         cfg, chains = self.cfg, set()
         norms = [self._layer_norms(w) for w in self.layers]
@@ -431,16 +442,24 @@ class DecoderLM(StagedModel):
         h = torch.zeros(1, cfg.hidden_size, dtype=self.dtype)
         if residual_kernel is not None and all(_residual_covered(residual_kernel, h, n) for n in norms):
             chains.add("residual")
-        if act_kernel is not None and act_kernel.supports(torch.zeros(1, 2 * cfg.intermediate_size, dtype=self.dtype)):
+        gate_up = torch.zeros(1, 2 * cfg.intermediate_size, dtype=self.dtype)
+        if act_kernel is not None and (act_kernel.supports(gate_up) if self.dtype == torch.bfloat16
+                                       else act_kernel.supports_computed(gate_up, cfg.activation)):
             chains.add("act_mul")
         return frozenset(chains)
 
     def _act_mul(self, gate_up: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor],
                  general: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, computed: bool = False) -> torch.Tensor:
         """act(gate) * up of gate_up [rows, 2 x intermediate]: the native kernel where it takes
         these rows (bit for bit act's values, from its table), else `general` (None: eager);
-        written into `out` where given (contiguous, [rows, intermediate]), which it returns."""
+        written into `out` where given (contiguous, [rows, intermediate]), which it returns.
+        `computed`: float32 rows of a large step in _float32_native's models, whose activation
+        the kernel's float32 form computes."""
+        if computed:
+            kernel = act_mul_kernel()
+            assert kernel is not None and kernel.supports_computed(gate_up, self.cfg.activation)
+            return kernel.computed(gate_up, self.cfg.activation, out=out)
         kernel = act_mul_kernel() if self.dtype == torch.bfloat16 and gate_up.device.type == "cpu" else None
         if kernel is None or not kernel.supports(gate_up):
             y = act_mul_eager(gate_up, act) if general is None else general(gate_up)
@@ -501,13 +520,15 @@ class DecoderLM(StagedModel):
         if not self._linears:
             self.build_linears(release_weights=False)
         chains = None if self._dtype_chains is None else self._dtype_chains.for_rows(T)
-        # bf16 norms by the native kernels where they are built (their chains with exact sums)
-        native = self.dtype == torch.bfloat16 and h.device.type == "cpu"
-        qk_kernel = qk_norm_rope_kernel() if native else None
-        norms = residual_norms_kernel() if native else None
         # A step the compiled chains may take normalises as they do, eager or not (rms_norm);
         # a batch-invariant model every step.
         exact = self.batch_invariant or (self._dtype_chains is not None and T >= self._dtype_chains.min_rows)
+        # bf16 norms by the native kernels where they are built (their chains with exact sums);
+        # a float32 model's large steps by their float32 forms where _native_chains says
+        native = self.dtype == torch.bfloat16 and h.device.type == "cpu"
+        float32_native = self._float32_native if exact else frozenset()
+        qk_kernel = qk_norm_rope_kernel() if native or "qk_out" in float32_native else None
+        norms = residual_norms_kernel() if native or "residual" in float32_native else None
         if self.decode_stack is not None and chains is None and not exact:
             # The loop below in one native call, for the decode steps it takes (decode_stack.py).
             # bf16 takes the activation from act_mul's table; float32 computes it
@@ -552,7 +573,8 @@ class DecoderLM(StagedModel):
             else:
                 h = self.add_row_parallel(h, attn, lin.o, lin.o_residual)
                 x = self._norm(h, w.post_attn_norm, norms, exact)
-            y = self._act_mul(lin.gate_up(x), self._large_act if exact else self._act)
+            y = self._act_mul(lin.gate_up(x), self._large_act if exact else self._act,
+                              computed="act_mul" in float32_native)
             if w.post_ffn_norm is not None:
                 following = self.layers[k + 1].input_norm if k + 1 < len(self.layers) else None
                 h, x_next = self._add_norm(h, self.reduce(lin.down(y)), w.post_ffn_norm, following, norms, exact)
@@ -620,13 +642,14 @@ class DecoderLM(StagedModel):
         dtype_mlp_block_rows (mlp_row_blocks.py), each block's act * up written into its rows
         of one result (rows are independent: the same values as one call)."""
         blocks = row_blocks(x.shape[0], self.dtype_mlp_block_rows)
+        computed = "act_mul" in self._float32_native
         first = lin.gate_up(x[: blocks[0][1]])
         if len(blocks) == 1:
-            return self._act_mul(first, self._large_act, general)
+            return self._act_mul(first, self._large_act, general, computed=computed)
         y = first.new_empty(x.shape[0], first.shape[1] // 2)
-        self._act_mul(first, self._large_act, general, out=y[: blocks[0][1]])
+        self._act_mul(first, self._large_act, general, out=y[: blocks[0][1]], computed=computed)
         for a, b in blocks[1:]:
-            self._act_mul(lin.gate_up(x[a:b]), self._large_act, general, out=y[a:b])
+            self._act_mul(lin.gate_up(x[a:b]), self._large_act, general, out=y[a:b], computed=computed)
         return y
 
     def _chain_residual(self, chains: DecoderChains, kernel: ResidualNorms | None, h: torch.Tensor,

@@ -25,9 +25,11 @@ on first use and checked once against the eager functions on made-up inputs of t
 model's sizes: a chain that differs in any bit runs eager (as inductor's GELU does on AVX2
 CPUs); no compiler or a failed build keeps the eager path for the life of the model, with
 one logged line. `--no-compile` never builds them. A chain whose work native kernels take
-on every layer (decoder.py's _native_chains: bf16 on the CPU) is not compiled at all; where
-that is all three (Gemma 3; pre-norm decoders such as Llama, Qwen, Mistral), nothing is,
-and the compiler is never imported.
+on every layer (decoder.py's _native_chains: bf16 on the CPU, and float32 on the CPU where the
+decode stack serves the model's decode steps) is not compiled at all; where that is all
+three (Gemma 3; pre-norm decoders such as Llama, Qwen, Mistral), nothing is, and the
+compiler is never imported. The float32 kernels equal these chains to a float32 rounding,
+not bit for bit: such a model's large steps then compute as its decode steps do.
 """
 
 from __future__ import annotations

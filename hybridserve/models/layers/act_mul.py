@@ -93,14 +93,17 @@ class ActMul:
         return (activation in COMPUTED and gate_up.device.type == "cpu" and gate_up.dtype == torch.float32
                 and gate_up.dim() == 2 and gate_up.stride(1) == 1 and gate_up.shape[1] % 2 == 0)
 
-    def computed(self, gate_up: torch.Tensor, activation: str) -> torch.Tensor:
+    def computed(self, gate_up: torch.Tensor, activation: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """act(gate) * up [rows, width] of float32 rows, the activation (COMPUTED's name)
-        computed."""
+        computed; written into `out` where given (contiguous float32 of that shape)."""
         if not self.supports_computed(gate_up, activation):
             raise ValueError(f"act_mul computes {sorted(COMPUTED)} on float32 CPU rows, not {activation} on "
                              f"{gate_up.dtype} {tuple(gate_up.shape)}")
         rows, width = gate_up.shape[0], gate_up.shape[1] // 2
-        out = torch.empty(rows, width)
+        if out is None:
+            out = torch.empty(rows, width)
+        elif out.shape != (rows, width) or out.dtype != torch.float32 or not out.is_contiguous():
+            raise ValueError(f"not an output for {rows} x {width} float32 values: {out.dtype} {tuple(out.shape)}")
         if rows:
             self._fn_f32(gate_up.data_ptr(), gate_up.stride(0), rows, width, COMPUTED[activation], out.data_ptr(),
                          torch.get_num_threads())

@@ -2,7 +2,8 @@
 products worked out by hand (the bf16 rounding of a tie included), the eager activation and
 multiply bit for bit for every bf16 gate under each activation the decoders use, and tiny
 decoders' steps the eager loop's hidden states bit for bit; its float32 form computes SiLU and
-the tanh GELU to a few float32 roundings of values worked out by hand; a model whose chains the native
+the tanh GELU to a few float32 roundings of values worked out by hand, in place over the gate
+half or into strided rows alike; a model whose chains the native
 kernels all take compiles nothing for its large steps; the kernel refuses what it does not
 read, and one that disagrees is not used (models/layers/act_mul.py)."""
 
@@ -22,6 +23,7 @@ from hybridserve.models.layers.act_mul import (  # noqa: E402
     act_mul_eager,
     act_mul_kernel,
     every_bf16,
+    gate_half,
     same_values,
 )
 from hybridserve.models.loaders.loader import load_model  # noqa: E402
@@ -120,6 +122,34 @@ def test_float32_activations_by_hand() -> None:
         KERNEL.computed(gate_up, "gelu")  # the erf GELU is not computed
     with pytest.raises(ValueError, match="act_mul computes"):
         KERNEL.computed(gate_up.bfloat16(), "silu")
+
+
+@needs_kernel
+def test_float32_products_in_place_or_into_strided_rows() -> None:
+    """SiLU's values by hand (silu(ln 3) = 0.75 ln 3, silu(0) = 0, silu(-ln 3) = -0.25 ln 3;
+    up = 2): into the gate half itself (rows wider than the vectors, and their tail) and
+    into rows of a wider buffer, the values of a fresh output bit for bit; the up half and
+    the buffer's other columns untouched. An output that overlaps gate_up elsewhere is
+    refused."""
+    ln3 = math.log(3.0)
+    width = 37  # past whole vectors on every CPU: the scalar tail too
+    gates = torch.tensor([ln3, 0.0, -ln3] * 13, dtype=torch.float32)[:width]
+    gate_up = torch.cat((gates, torch.full((width,), 2.0))).view(1, -1).repeat(5, 1)
+    fresh = KERNEL.computed(gate_up, "silu")
+    by_hand = {0: 1.5 * ln3, 1: 0.0, 2: -0.5 * ln3}
+    for j in range(width):
+        assert float(fresh[0, j]) == pytest.approx(by_hand[j % 3], rel=1e-6, abs=1e-7)
+    in_place = gate_up.clone()
+    got = KERNEL.computed(in_place, "silu", out=gate_half(in_place))
+    assert got.data_ptr() == in_place.data_ptr() and got.stride() == (2 * width, 1)
+    assert torch.equal(got, fresh) and bool((in_place[:, width:] == 2.0).all())
+    wide = torch.full((5, width + 3), -7.0)
+    KERNEL.computed(gate_up, "silu", out=wide[:, :width])
+    assert torch.equal(wide[:, :width], fresh) and bool((wide[:, width:] == -7.0).all())
+    with pytest.raises(ValueError, match="must be its gate half"):
+        KERNEL.computed(in_place, "silu", out=in_place[:, 1 : width + 1])
+    with pytest.raises(ValueError, match="not an output"):
+        KERNEL.computed(gate_up, "silu", out=torch.empty(5, width, dtype=torch.float64))
 
 
 def test_same_values_tells_numbers_apart_and_takes_nan_as_nan() -> None:

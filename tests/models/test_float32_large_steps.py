@@ -1,7 +1,8 @@
 """A float32 model whose decode steps take the decode stack (Gemma 3's int8 groups on a CPU
 without native bf16) computes its large steps with the same native kernels' float32 forms
 (decoder.py's _native_chains): to float32 rounding of the eager loop, with --no-compile and
-without alike, and nothing compiled, so a server never imports the compiler for them.
+without alike, and nothing compiled, so a server never imports the compiler for them; act *
+up lands in place over its product's gate half, or in row blocks, with the same bits.
 
 A tiny Gemma 3 GGUF (tests/helpers/tiny_gguf.py: sandwich and q/k norms, the tanh GELU,
 linears of mixed GGUF types) served as its own int8 groups in float32; a step of
@@ -161,3 +162,23 @@ def test_without_the_activation_kernel_act_mul_stays_with_the_chains(gemma: Path
         assert model.decode_stack is None and model._float32_native == frozenset()
     finally:
         llm.shutdown()
+
+
+@needs_kernels
+def test_a_large_step_in_row_blocks_gives_the_one_block_bits(gemma: Path, monkeypatch) -> None:
+    """One block: act * up written over the product's gate half; blocks of 15 rows: each
+    block's into its rows of one result. Rows are independent: the same bits."""
+    rows = _computed_calls(monkeypatch)
+    llm = _llm(gemma, compile=True)
+    try:
+        model = _model(llm)
+        assert model.dtype_mlp_block_rows >= sum(LENGTHS)
+        whole = prefill(model, LENGTHS)
+        assert set(rows) == {sum(LENGTHS)}
+        rows.clear()
+        model.dtype_mlp_block_rows = 16  # 150 rows in 10 blocks of 15
+        blocks = prefill(model, LENGTHS)
+        assert rows == [15] * 10 * model.cfg.num_layers
+    finally:
+        llm.shutdown()
+    assert torch.equal(blocks, whole)

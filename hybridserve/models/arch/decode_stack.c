@@ -49,7 +49,7 @@ typedef void (*paged_decode_fn)(const void *q, int64_t q_row_stride, const void 
 typedef void (*act_mul_fn)(const uint16_t *gate_up, int64_t stride, int64_t rows, int64_t width,
                            const uint16_t *table, uint16_t *out, int32_t threads);
 typedef void (*act_mul_f32_fn)(const float *gate_up, int64_t stride, int64_t rows, int64_t width, int32_t act,
-                               float *out, int32_t threads);
+                               float *out, int64_t out_stride, int32_t threads);
 
 struct kernels {
     group_linear_fn linear;
@@ -132,7 +132,8 @@ static void write_kv(const struct step *s, const struct group_step *g, void *cac
 
 static void act_mul(const struct kernels *k, const struct step *s) {
     if (s->f32)
-        k->act_mul_f32(s->gate_up, 2 * s->intermediate, s->rows, s->intermediate, s->activation, s->act, s->threads);
+        k->act_mul_f32(s->gate_up, 2 * s->intermediate, s->rows, s->intermediate, s->activation, s->act,
+                       s->intermediate, s->threads);
     else
         k->act_mul(s->gate_up, 2 * s->intermediate, s->rows, s->intermediate, s->act_table, s->act, s->threads);
 }

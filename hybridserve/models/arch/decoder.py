@@ -38,7 +38,7 @@ from hybridserve.models.layers.int8 import W8A8Linear, quantize_gemm_weight
 from hybridserve.models.layers.linear import LayerLinears, Linear, ResidualLinear, make_linear
 from hybridserve.models.parallel import PipelineStage, TPGroup, local_config
 from hybridserve.models.layers.projection_norm import ProjectionNorm
-from hybridserve.models.layers.act_mul import act_mul_eager, act_mul_kernel
+from hybridserve.models.layers.act_mul import act_mul_eager, act_mul_kernel, gate_half
 from hybridserve.models.layers.qk_norm_rope import QKNormRope, qk_norm_rope_kernel
 from hybridserve.models.layers.residual_norms import ResidualNorms, residual_norms_kernel
 from hybridserve.models.layers.rms_norm import rms_norm
@@ -573,8 +573,11 @@ class DecoderLM(StagedModel):
             else:
                 h = self.add_row_parallel(h, attn, lin.o, lin.o_residual)
                 x = self._norm(h, w.post_attn_norm, norms, exact)
-            y = self._act_mul(lin.gate_up(x), self._large_act if exact else self._act,
-                              computed="act_mul" in float32_native)
+            gate_up = lin.gate_up(x)
+            computed = "act_mul" in float32_native  # then in place, as _gate_up_act's
+            y = self._act_mul(gate_up, self._large_act if exact else self._act,
+                              out=gate_half(gate_up) if computed else None, computed=computed)
+            del gate_up
             if w.post_ffn_norm is not None:
                 following = self.layers[k + 1].input_norm if k + 1 < len(self.layers) else None
                 h, x_next = self._add_norm(h, self.reduce(lin.down(y)), w.post_ffn_norm, following, norms, exact)
@@ -623,10 +626,14 @@ class DecoderLM(StagedModel):
             else:
                 qkv = chains.qk_out(qkv, norms.qk, cos, sin)
             attn = backend.attention(i, qkv[:, : nq * hd].view(T, nq, hd), qkv[:, nq * hd :].view(T, 2, nkv, hd))
+            # Each product is dropped once read: a step's largest temporaries are its own
+            # layer's, never the last layer's too (the heap keeps its high-water: heap.py).
+            del qkv, qk
             if norms.out is None:  # pre-norm: the residual add fused into the matmul, as forward's
                 h, x = self._chain_residual(chains, norms_kernel, lin.o_residual(h, attn), None, None, norms.ffn)
             else:
                 h, x = self._chain_residual(chains, norms_kernel, h, lin.o(attn), norms.out, norms.ffn)
+            del attn
             assert x is not None
             y = self._gate_up_act(lin, x, chains.act_mul)
             next_norm = layers[k + 1][1].input_norm if k + 1 < len(layers) else None
@@ -634,20 +641,25 @@ class DecoderLM(StagedModel):
                 h, x = self._chain_residual(chains, norms_kernel, lin.down_residual(h, y), None, None, next_norm)
             else:
                 h, x = self._chain_residual(chains, norms_kernel, h, lin.down(y), norms.down, next_norm)
+            del y
         return h
 
     def _gate_up_act(self, lin: LayerLinears, x: torch.Tensor,
                      general: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """act(gate) * up of a large step's rows x: gate|up in row blocks of at most
         dtype_mlp_block_rows (mlp_row_blocks.py), each block's act * up written into its rows
-        of one result (rows are independent: the same values as one call)."""
+        of one result (rows are independent: the same values as one call). A float32 step of
+        one block takes its result in place, in the product's gate half (a view with the
+        product's row stride, which the down projection reads as it is): no second buffer."""
         blocks = row_blocks(x.shape[0], self.dtype_mlp_block_rows)
         computed = "act_mul" in self._float32_native
         first = lin.gate_up(x[: blocks[0][1]])
         if len(blocks) == 1:
-            return self._act_mul(first, self._large_act, general, computed=computed)
+            return self._act_mul(first, self._large_act, general, out=gate_half(first) if computed else None,
+                                 computed=computed)
         y = first.new_empty(x.shape[0], first.shape[1] // 2)
         self._act_mul(first, self._large_act, general, out=y[: blocks[0][1]], computed=computed)
+        del first  # one block's product at a time
         for a, b in blocks[1:]:
             self._act_mul(lin.gate_up(x[a:b]), self._large_act, general, out=y[a:b], computed=computed)
         return y

@@ -112,10 +112,11 @@ static void row_f32(const float *gate, const float *up, int64_t width, int32_t a
 }
 
 /* act_mul of float32 rows with act SILU (0) or GELU_TANH (1) computed; out: [rows, width]
- * contiguous float32. */
+ * float32, out_stride apart. out may be the gate half itself (out == gate_up, out_stride ==
+ * stride): each value is read before its own place is written, and no other value reads it. */
 void act_mul_f32(const float *gate_up, int64_t stride, int64_t rows, int64_t width, int32_t act, float *out,
-                 int32_t num_threads) {
+                 int64_t out_stride, int32_t num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows >= PARALLEL_ROWS)
     for (int64_t r = 0; r < rows; r++)
-        row_f32(gate_up + r * stride, gate_up + r * stride + width, width, act, out + r * width);
+        row_f32(gate_up + r * stride, gate_up + r * stride + width, width, act, out + r * out_stride);
 }

@@ -61,7 +61,7 @@ class ActMul:
         fn.restype = None
         self._fn = fn
         self._fn_f32 = library.act_mul_f32
-        self._fn_f32.argtypes = [ptr, i64, i64, i64, ctypes.c_int32, ptr, ctypes.c_int32]
+        self._fn_f32.argtypes = [ptr, i64, i64, i64, ctypes.c_int32, ptr, i64, ctypes.c_int32]
         self._fn_f32.restype = None
 
     @staticmethod
@@ -95,18 +95,24 @@ class ActMul:
 
     def computed(self, gate_up: torch.Tensor, activation: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """act(gate) * up [rows, width] of float32 rows, the activation (COMPUTED's name)
-        computed; written into `out` where given (contiguous float32 of that shape)."""
+        computed; written into `out` where given: float32 rows of that shape (unit column
+        stride) that overlap gate_up nowhere, or its gate half itself (`gate_half`: the
+        product in place, no new memory)."""
         if not self.supports_computed(gate_up, activation):
             raise ValueError(f"act_mul computes {sorted(COMPUTED)} on float32 CPU rows, not {activation} on "
                              f"{gate_up.dtype} {tuple(gate_up.shape)}")
         rows, width = gate_up.shape[0], gate_up.shape[1] // 2
         if out is None:
             out = torch.empty(rows, width)
-        elif out.shape != (rows, width) or out.dtype != torch.float32 or not out.is_contiguous():
-            raise ValueError(f"not an output for {rows} x {width} float32 values: {out.dtype} {tuple(out.shape)}")
+        elif (out.shape != (rows, width) or out.dtype != torch.float32 or out.device.type != "cpu"
+              or (rows > 1 and out.stride(0) < width) or (width > 1 and out.stride(1) != 1)):
+            raise ValueError(f"not an output for {rows} x {width} float32 values: {out.dtype} {tuple(out.shape)} "
+                             f"strides {out.stride()}")
+        elif _overlap(out, gate_up) and not _same_view(out, gate_half(gate_up)):
+            raise ValueError("an output that overlaps gate_up must be its gate half")
         if rows:
             self._fn_f32(gate_up.data_ptr(), gate_up.stride(0), rows, width, COMPUTED[activation], out.data_ptr(),
-                         torch.get_num_threads())
+                         out.stride(0), torch.get_num_threads())
         return out
 
     def __call__(self, gate_up: torch.Tensor, table: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -123,6 +129,29 @@ class ActMul:
             self._fn(gate_up.data_ptr(), gate_up.stride(0), rows, width, table.data_ptr(), out.data_ptr(),
                      torch.get_num_threads())
         return out
+
+
+def gate_half(gate_up: torch.Tensor) -> torch.Tensor:
+    """The gate half of gate_up rows (a view): where ActMul.computed may write in place."""
+    return gate_up[:, : gate_up.shape[1] // 2]
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last) byte addresses a non-empty 2-D view reaches."""
+    size = t.element_size()
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride())) * size + size
+    return t.data_ptr(), t.data_ptr() + last
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    (a0, a1), (b0, b1) = _span(a), _span(b)
+    return a0 < b1 and b0 < a1
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
 
 
 @cache

@@ -455,7 +455,8 @@ class DecoderLM(StagedModel):
         these rows (bit for bit act's values, from its table), else `general` (None: eager);
         written into `out` where given (contiguous, [rows, intermediate]), which it returns.
         `computed`: float32 rows of a large step in _float32_native's models, whose activation
-        the kernel's float32 form computes."""
+        the kernel's float32 form computes; `out` may then also be gate_up's own gate half
+        (act_mul.gate_half: in place)."""
         if computed:
             kernel = act_mul_kernel()
             assert kernel is not None and kernel.supports_computed(gate_up, self.cfg.activation)

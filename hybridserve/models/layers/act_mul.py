@@ -96,7 +96,7 @@ class ActMul:
     def computed(self, gate_up: torch.Tensor, activation: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """act(gate) * up [rows, width] of float32 rows, the activation (COMPUTED's name)
         computed; written into `out` where given: float32 rows of that shape (unit column
-        stride) that overlap gate_up nowhere, or its gate half itself (`gate_half`: the
+        stride) in other memory than gate_up's, or its gate half itself (`gate_half`: the
         product in place, no new memory)."""
         if not self.supports_computed(gate_up, activation):
             raise ValueError(f"act_mul computes {sorted(COMPUTED)} on float32 CPU rows, not {activation} on "
@@ -108,8 +108,9 @@ class ActMul:
               or (rows > 1 and out.stride(0) < width) or (width > 1 and out.stride(1) != 1)):
             raise ValueError(f"not an output for {rows} x {width} float32 values: {out.dtype} {tuple(out.shape)} "
                              f"strides {out.stride()}")
-        elif _overlap(out, gate_up) and not _same_view(out, gate_half(gate_up)):
-            raise ValueError("an output that overlaps gate_up must be its gate half")
+        elif (out.untyped_storage().data_ptr() == gate_up.untyped_storage().data_ptr()
+              and not _is_gate_half(out, gate_up)):
+            raise ValueError("an output in gate_up's memory must be its gate half")
         if rows:
             self._fn_f32(gate_up.data_ptr(), gate_up.stride(0), rows, width, COMPUTED[activation], out.data_ptr(),
                          out.stride(0), torch.get_num_threads())
@@ -136,22 +137,9 @@ def gate_half(gate_up: torch.Tensor) -> torch.Tensor:
     return gate_up[:, : gate_up.shape[1] // 2]
 
 
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    """[first, last) byte addresses a non-empty 2-D view reaches."""
-    size = t.element_size()
-    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride())) * size + size
-    return t.data_ptr(), t.data_ptr() + last
-
-
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.numel() == 0 or b.numel() == 0:
-        return False
-    (a0, a1), (b0, b1) = _span(a), _span(b)
-    return a0 < b1 and b0 < a1
-
-
-def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+def _is_gate_half(out: torch.Tensor, gate_up: torch.Tensor) -> bool:
+    half = gate_half(gate_up)
+    return out.data_ptr() == half.data_ptr() and out.shape == half.shape and out.stride() == half.stride()
 
 
 @cache

@@ -37,9 +37,9 @@ round, TTFT and TPOT median and p99 (of the last round), the server's peak RSS (
 tree, sampled every 0.2 s), and hybridserve's ratio to vLLM; then, for the default and
 top_p workloads, the offline engine on the same batch and sampling (LLM.generate of
 --num-prompts random prompts, in a process loaded and warmed up once like the servers,
-timed beside each round's served runs in the alternating order) and the serving path's
-share of the time, 1 - served / offline, per round and its median. CPU model and flags,
-commit and load come first.
+timed beside each round's served runs in the alternating order) and what the serving path
+adds to the offline engine's time, offline tok/s / served tok/s - 1 (issue 38's goal 4), per
+round and its median. CPU model and flags, commit and load come first.
 """
 
 from __future__ import annotations
@@ -461,13 +461,13 @@ def main() -> int:
         if ours and theirs:
             print(f"| {wname} | hybridserve / vllm | {statistics.median(ours) / statistics.median(theirs):.2f}x | | | |")
     if offline_rates:
-        print("\n| sampling | offline engine tok/s per round | served tok/s per round | serving path's share per round "
-              "| median share |")
+        print("\n| sampling | offline engine tok/s per round | served tok/s per round | time the serving path adds, "
+              "per round | median |")
         print("|---|---|---|---|---:|")
         for wname, runs in offline_rates.items():
             temperature, top_p = SAMPLING[wname]
             served = results.get((wname, "hybridserve"), [])
-            shares = [1 - s["tok_s"] / rate for (_, rate), s in zip(runs, served) if "error" not in s]
+            shares = [rate / s["tok_s"] - 1 for (_, rate), s in zip(runs, served) if "error" not in s]
             median = f"{statistics.median(shares):.0%}" if shares else "-"
             print(f"| {wname} (T {temperature}, top_p {top_p}) | {', '.join(f'{r:.1f}' for _, r in runs)} | "
                   f"{', '.join(tok_s_text(s) for s in served)} | "

@@ -71,11 +71,18 @@ class Sequences:
         return len(self.prompt_ids)
 
 
+def mode_parts(mode: str) -> tuple[str, str, str]:
+    """DTYPE[/QUANTIZATION[/KV_CACHE_DTYPE]] -> (dtype, quantization, kv cache dtype), auto where left out."""
+    dtype, quantization, kv_dtype = (mode.split("/") + ["", ""])[:3]
+    return dtype, quantization or "auto", kv_dtype or "auto"
+
+
 def open_llm(mode: str):  # type: ignore[no-untyped-def]
     from hybridserve import LLM
 
-    dtype, _, quantization = mode.partition("/")
-    return LLM(None, dtype=dtype, quantization=quantization or "auto", enable_prefix_caching=False, progress=False)
+    dtype, quantization, kv_dtype = mode_parts(mode)
+    return LLM(None, dtype=dtype, quantization=quantization, kv_cache_dtype=kv_dtype, enable_prefix_caching=False,
+               progress=False)
 
 
 def free_running(llm, prompt_ids: list[list[int]], max_tokens: int) -> list[Stream]:  # type: ignore[no-untyped-def]
@@ -117,11 +124,13 @@ def run_reference(prompts: list[str], max_tokens: int, work: Path) -> tuple[Sequ
     return seqs, streams, vocab, same / sum(len(c) for c in seqs.continuations)
 
 
-def run_mode(mode: str, seqs: Sequences, reference: list[Stream], work: Path) -> tuple[KLSummary, Drift]:
+def run_mode(mode: str, seqs: Sequences, reference: list[Stream], work: Path) -> tuple[KLSummary, Drift, str]:
+    """The mode's KL summary, its drift, and the KV cache dtype the engine took."""
     llm = open_llm(mode)
     try:
         kl = kl_against(work, teacher_forced(llm, seqs))
-        return kl, drift(reference, free_running(llm, seqs.prompt_ids, len(seqs.continuations[0])))
+        d = drift(reference, free_running(llm, seqs.prompt_ids, len(seqs.continuations[0])))
+        return kl, d, llm.parts.engine.executor.kv_dtype
     finally:
         llm.shutdown()
 
@@ -186,24 +195,24 @@ def table_row(name: str, kl: KLSummary, d: Drift) -> str:
             f"{d.identical_streams}/{d.num_streams} | {d.mean_abs_logprob_diff:.4f} | {load} |")
 
 
-def resolved(mode: str) -> str:
-    """The mode as the engine resolves it for the default model."""
+def resolved(mode: str, kv_dtype: str) -> str:
+    """The mode as the engine resolves it for the default model (kv_dtype: the cache's, as it took)."""
     from hybridserve.engine.frontend import groups_take
     from hybridserve.models.platform.cpu_features import choose_dtype, choose_quantization, read_cpu_flags
 
-    dtype, _, quantization = mode.partition("/")
-    quantization = quantization or "auto"
+    dtype, quantization, _ = mode_parts(mode)
     flags = read_cpu_flags()
     servable = quantization == "auto" and groups_take(None)
-    got = f"{choose_dtype(dtype, 'cpu', flags)}/{choose_quantization(quantization, dtype, 'cpu', flags, servable)}"
+    got = (f"{choose_dtype(dtype, 'cpu', flags)}/{choose_quantization(quantization, dtype, 'cpu', flags, servable)}"
+           f"/{kv_dtype}")
     return mode if got == mode else f"{mode} (= {got})"
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--modes", default="auto,bfloat16/none,bfloat16/q4",
-                   help="hybridserve modes, comma-separated DTYPE[/QUANTIZATION] (QUANTIZATION defaults to auto, "
-                        "as the engine's); each compared with float32/none")
+                   help="hybridserve modes, comma-separated DTYPE[/QUANTIZATION[/KV_CACHE_DTYPE]] (the last two "
+                        "default to auto, as the engine's); each compared with float32/none")
     p.add_argument("--llamacpp-python", help="python of the llama-cpp-python venv (else llama.cpp is left out)")
     p.add_argument("--gguf", type=Path, help="the GGUF llama.cpp reads (default: assembled from the default model's "
                                              "package)")
@@ -232,8 +241,8 @@ def main() -> int:
               "mean abs dlogprob | load |")
         print("|---|---:|---:|---:|---:|---:|---:|---|", flush=True)
         for mode in a.modes.split(","):
-            kl, d = run_mode(mode, seqs, reference, work)
-            print(table_row(f"hybridserve {resolved(mode)}", kl, d), flush=True)
+            kl, d, kv_dtype = run_mode(mode, seqs, reference, work)
+            print(table_row(f"hybridserve {resolved(mode, kv_dtype)}", kl, d), flush=True)
         if a.llamacpp_python:
             engine, kl, d = run_llamacpp(a.llamacpp_python, gguf, a.threads, a.llamacpp_extra_bufts == "on", prompts,
                                          seqs, vocab, reference, work)

@@ -86,12 +86,12 @@ def main() -> int:
             if mode == EXACT:  # run_mode opens its LLM through kl_accuracy.open_llm and shuts it down
                 kl_accuracy.open_llm = lambda _mode: _open_exact(open_llm, opened)
             try:
-                kl, d = kl_accuracy.run_mode(mode, seqs, reference, work)
+                kl, d, kv_dtype = kl_accuracy.run_mode(mode, seqs, reference, work)
             finally:
                 kl_accuracy.open_llm = open_llm
                 for llm in opened[:-1]:  # the last is the one run_mode shut down
                     llm.shutdown()
-            name = EXACT if mode == EXACT else kl_accuracy.resolved(mode)
+            name = EXACT if mode == EXACT else kl_accuracy.resolved(mode, kv_dtype)
             print(kl_accuracy.table_row(f"hybridserve {name}", kl, d), flush=True)
     return 0
 

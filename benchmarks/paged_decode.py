@@ -5,6 +5,7 @@ write included).
 
     python benchmarks/paged_decode.py                             # rows 1,16,64; 64 and 512 keys
     python benchmarks/paged_decode.py --rows 64 --keys 100 --dtype float32 --threads 1
+    python benchmarks/paged_decode.py --dtype float32 --cache-dtype bfloat16  # a float32 model's bf16 cache
     python benchmarks/paged_decode.py --isa avx2                  # as on a CPU with AVX2 alone
 
 Gemma 3 270M's attention by default (4 query heads on 1 kv head of 256, blocks of 16);
@@ -46,7 +47,9 @@ def main() -> int:
     p.add_argument("--kv-heads", type=int, default=1)
     p.add_argument("--head-dim", type=int, default=256)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bfloat16", help="the query's (the model's)")
+    p.add_argument("--cache-dtype", choices=list(DTYPES), default=None,
+                   help="the cache's (default: --dtype; bfloat16 under float32: a float32 model's bf16 cache)")
     p.add_argument("--layers", type=int, default=18)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--calls", type=int, default=5)
@@ -60,7 +63,9 @@ def main() -> int:
         return 2
     print(torch_header(a.threads, ("avx2", "avx512f", "avx512_bf16", "amx")))
     dtype, bs = DTYPES[a.dtype], a.block_size
-    print(f"{a.heads} heads on {a.kv_heads} kv heads of {a.head_dim}, {a.dtype}, blocks of {bs}, {a.layers} layers, "
+    cache_dtype = DTYPES[a.cache_dtype or a.dtype]
+    print(f"{a.heads} heads on {a.kv_heads} kv heads of {a.head_dim}, {a.dtype} over a {cache_dtype} cache, "
+          f"blocks of {bs}, {a.layers} layers, "
           f"{a.calls} passes x {a.rounds} rounds, paths alternating; microseconds per layer call")
     print("| rows | keys | in place us | gather + SDPA us | gather / in place | in place max abs error | "
           "gather + SDPA max abs error |")
@@ -73,7 +78,7 @@ def main() -> int:
             tables.table = np.zeros((1, rows, per_row), dtype=np.int64)
             tables.table[0] = 1 + np.arange(rows * per_row).reshape(rows, per_row)
             tables.lengths = np.full((1, rows), per_row)
-            caches = [torch.randn(1 + rows * per_row, bs, 2, a.kv_heads, a.head_dim, generator=g).to(dtype)
+            caches = [torch.randn(1 + rows * per_row, bs, 2, a.kv_heads, a.head_dim, generator=g).to(cache_dtype)
                       for _ in range(a.layers)]
             q = torch.randn(rows, a.heads, a.head_dim, generator=g).to(dtype)
             kv = torch.randn(rows, 2, a.kv_heads, a.head_dim, generator=g).to(dtype)
@@ -105,14 +110,15 @@ def main() -> int:
 def reference(q: torch.Tensor, kv: torch.Tensor, cache: torch.Tensor, scale: float, position: int, bs: int
               ) -> torch.Tensor:
     """Layer 0's output in float64 from the values both paths read: request b's keys are its
-    blocks 1 + b * per_row ... laid end to end up to `position`, the step's own K/V last."""
+    blocks 1 + b * per_row ... laid end to end up to `position`, the step's own K/V (in the
+    cache's dtype) last."""
     rows, heads, d = q.shape
     kvh = cache.shape[3]
     per_row = -(-(position + 1) // bs)
     out = torch.empty(rows, heads, d, dtype=torch.float64)
     for b in range(rows):
         tokens = cache[1 + b * per_row : 1 + (b + 1) * per_row].reshape(-1, 2, kvh, d)[: position + 1].double()
-        tokens[position] = kv[b].double()
+        tokens[position] = kv[b].to(cache.dtype).double()  # as the step stores it
         for h in range(heads):
             k = h // (heads // kvh)
             weights = torch.softmax(tokens[:, 0, k] @ q[b, h].double() * scale, dim=0)

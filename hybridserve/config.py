@@ -34,6 +34,7 @@ MODEL_DTYPES = ("float32", "bfloat16", "float16", "auto")  # auto: bfloat16 on C
 # see models/platform/cpu_features.choose_quantization; "q4": models/layers/head.INT4_LAYERS;
 # "gguf-groups": models/layers/head.GROUP_LAYERS
 QUANTIZATIONS = ("auto", "none", "int8", "int8-head", "int4", "q4", "gguf-groups")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")  # auto: models/kv_specs.resolve_kv_dtype
 DISTRIBUTED_BACKENDS = ("mp", "ray")  # how pipeline / tensor parallel workers are started
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30, "t": 1 << 40, "tb": 1 << 40,
@@ -135,11 +136,15 @@ class EngineConfig:
         "section": "engine", "help": "random seed of the sampler of requests without their own seed"})
     device: str | None = field(default=None, metadata={
         "section": "model", "help": "cpu, cuda, cuda:N or auto", "default_note": "cpu"})
-    # Weights, compute and KV cache (the runner stores K/V as computed); "auto" is resolved
-    # at start from the CPU's flags (models/platform/cpu_features.py).
+    # Weights and compute; "auto" is resolved at start from the CPU's flags
+    # (models/platform/cpu_features.py).
     dtype: str = field(default="auto", metadata={
-        "section": "model", "choices": MODEL_DTYPES, "help": "weights, compute and KV cache",
+        "section": "model", "choices": MODEL_DTYPES, "help": "weights and compute",
         "default_note": "bfloat16 where the CPU multiplies bf16 natively, else float32"})
+    kv_cache_dtype: str = field(default="auto", metadata={
+        "section": "model", "choices": KV_CACHE_DTYPES,
+        "help": "the KV cache's dtype: the model's, or bfloat16 under a float32 model of attention layers only",
+        "default_note": "the model's, but bfloat16 under a float32 model with quantized weights"})
     quantization: str = field(default="auto", metadata={
         "section": "model", "choices": QUANTIZATIONS,
         "help": "int8: every linear int8 (int8 x int8 with smoothed activations on x86 CPUs with VNNI / "
@@ -247,6 +252,9 @@ class EngineConfig:
             raise ConfigError(f"dtype must be one of {', '.join(MODEL_DTYPES)}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                              f"got {self.kv_cache_dtype!r}")
         _check_int("num_threads", self.num_threads, 1, optional=True)
         _check_int("pipeline_parallel_size", self.pipeline_parallel_size, 1)
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1)

@@ -88,7 +88,7 @@ def build_engine_parts(config: EngineConfig, progress: bool = True, keep_tokeniz
     from hybridserve.models.loaders.default_model import resolve_model_path
     from hybridserve.models.layers.head import GROUP_LAYERS
     from hybridserve.models.loaders.gguf_loader import say
-    from hybridserve.models.kv_specs import model_kv_layer_specs
+    from hybridserve.models.kv_specs import model_kv_layer_specs, resolve_kv_dtype
 
     device = resolve_device(config.device)
     flags = read_cpu_flags()
@@ -101,7 +101,8 @@ def build_engine_parts(config: EngineConfig, progress: bool = True, keep_tokeniz
     quantization = choose_quantization(config.quantization, config.dtype, device.type, flags, servable)
     path = resolve_model_path(config.model, progress=progress, dtype=dtype, groups=quantization == GROUP_LAYERS)
     model_cfg = load_model_config(path)
-    groups = group_layers(model_kv_layer_specs(model_cfg, config.block_size, dtype))
+    kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype, quantization, model_cfg)
+    groups = group_layers(model_kv_layer_specs(model_cfg, config.block_size, kv_dtype))
     if config.batch_invariant and config.is_multiprocess:
         raise ConfigError("batch_invariant runs the model in one process (no pipeline or tensor parallelism)")
     from_batch = TorchExecutor.attends_in_chunk_from_batch(config.batch_invariant)
@@ -110,7 +111,8 @@ def build_engine_parts(config: EngineConfig, progress: bool = True, keep_tokeniz
                                        .resolve_window_tail(from_batch))
     tokenizer = load_tokenizer(config, path)
     eos, extra = _stop_token_ids(path, model_cfg, tokenizer)
-    say(progress, describe(dtype, quantization, flags))  # after the checks: an error stays one line
+    # after the checks: an error stays one line
+    say(progress, describe(dtype, quantization, flags) + (f"; KV cache {kv_dtype}" if kv_dtype != dtype else ""))
     # Async scheduling overlaps the next step's scheduling with this one's execution. On a
     # GPU a worker thread lets the host run ahead of the kernels; on CPU the model's own
     # threads use every core and a second Python thread only steals them (slower end to end:
@@ -125,9 +127,11 @@ def build_engine_parts(config: EngineConfig, progress: bool = True, keep_tokeniz
         release_tokenizer(tokenizer, keep_decoding=keep_tokenizer, texts=encode_first)
     executor: Any
     if config.is_multiprocess:
-        executor = _distributed_executor(config, path, device.type, dtype, quantization, tokenizer is not None)
+        executor = _distributed_executor(config, path, device.type, dtype, kv_dtype, quantization,
+                                         tokenizer is not None)
     else:
-        executor = TorchExecutor(path, device=device, dtype=TORCH_DTYPES[dtype], quantization=quantization,
+        executor = TorchExecutor(path, device=device, dtype=TORCH_DTYPES[dtype], kv_dtype=TORCH_DTYPES[kv_dtype],
+                                 quantization=quantization,
                                  use_worker_thread=config.async_scheduling and device.type != "cpu",
                                  seed=config.seed, num_threads=config.num_threads, compile=config.compile,
                                  batch_invariant=config.batch_invariant,
@@ -158,7 +162,7 @@ def groups_take(model: str | None) -> bool:
     return groups_servable(model) and group_kernel() is not None
 
 
-def _distributed_executor(config: EngineConfig, path: Path, device: str, dtype: str, quantization: str,
+def _distributed_executor(config: EngineConfig, path: Path, device: str, dtype: str, kv_dtype: str, quantization: str,
                           has_tokenizer: bool) -> Any:
     """Pipeline x tensor parallel workers; each gets an equal share of the CPU threads
     unless num_threads (per worker) says otherwise."""
@@ -170,7 +174,7 @@ def _distributed_executor(config: EngineConfig, path: Path, device: str, dtype: 
     layout = ParallelLayout(config.pipeline_parallel_size, config.tensor_parallel_size)
     threads = config.num_threads or max(1, len(os.sched_getaffinity(0)) // layout.world_size)
     return make_distributed_executor(
-        config.distributed_executor_backend, layout=layout, model_path=str(path), dtype=dtype,
+        config.distributed_executor_backend, layout=layout, model_path=str(path), dtype=dtype, kv_dtype=kv_dtype,
         quantization=quantization, device=device, seed=config.seed, num_threads=threads,
         ngram_sizes=(config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max),
         tokenizer_dir=str(config.tokenizer or path) if has_tokenizer else None,

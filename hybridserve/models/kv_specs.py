@@ -6,6 +6,7 @@ before any weights are loaded.
 
 from __future__ import annotations
 
+from hybridserve.core.errors import ConfigError
 from hybridserve.core.kv.spec import (ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheSpec, MambaSpec,
                                       SlidingWindowSpec)
 from hybridserve.models.config import CHUNKED, LINEAR, SLIDING, ModelConfig
@@ -70,3 +71,37 @@ def model_kv_layer_specs(cfg: ModelConfig, block_size: int, dtype: str = "float3
 def cached_layers(cfg: ModelConfig, layers: range | None = None) -> set[int]:
     """The layers (of `layers`, default all) that have a KV cache spec: every one but MLP-only layers."""
     return {i for i in (range(cfg.num_layers) if layers is None else layers) if cfg.layer_types[i] != MLP_ONLY}
+
+
+def kv_dtype_problem(kv_dtype: str, model_dtype: str, cfg: ModelConfig) -> str:
+    """Why a model computing in `model_dtype` cannot keep its cache in `kv_dtype` ('' where
+    it can): the cache is in the model's own dtype, or in bfloat16 under a float32 model
+    whose layers all attend (its K/V rounded as they are written, widened as attention reads
+    them); recurrent states stay in the model's dtype, which updates them step after step."""
+    if kv_dtype == model_dtype:
+        return ""
+    if (model_dtype, kv_dtype) != ("float32", "bfloat16"):
+        return (f"kv_cache_dtype {kv_dtype} under a {model_dtype} model: the cache is in the model's dtype, "
+                "or bfloat16 under a float32 model")
+    recurrent = sorted({kind for kind in cfg.layer_types if kind in (MAMBA, SHORT_CONV, MAMBA1, LINEAR)})
+    if recurrent:
+        return (f"kv_cache_dtype bfloat16 under a float32 model needs attention layers only; this one has "
+                f"{', '.join(recurrent)} layers, whose states stay float32")
+    return ""
+
+
+def resolve_kv_dtype(requested: str, model_dtype: str, quantization: str, cfg: ModelConfig) -> str:
+    """The KV cache's dtype for `requested` ("auto" or a dtype), or ConfigError. "auto": the
+    model's own dtype, but bfloat16 under a float32 model with quantized weights (quantization
+    not "none": their error is well above bf16's rounding of K/V; llama.cpp keeps a GGUF's
+    cache in f16 alike) where kv_dtype_problem allows it: half the cache's memory, and half
+    the bytes decode attention reads. An unquantized float32 model, the exact reference,
+    keeps float32."""
+    if requested == "auto":
+        if model_dtype == "float32" and quantization != "none" and not kv_dtype_problem("bfloat16", model_dtype, cfg):
+            return "bfloat16"
+        return model_dtype
+    problem = kv_dtype_problem(requested, model_dtype, cfg)
+    if problem:
+        raise ConfigError(problem)
+    return requested

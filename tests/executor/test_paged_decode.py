@@ -41,15 +41,38 @@ def _expected(q, cache, ids, first, count, scale, softcap, sinks) -> torch.Tenso
     return out
 
 
-def _case(seed: int, batch: int, heads: int, kv_heads: int, dim: int, block_size: int, dtype: torch.dtype):
+def _case(seed: int, batch: int, heads: int, kv_heads: int, dim: int, block_size: int, dtype: torch.dtype,
+          cache_dtype: torch.dtype | None = None):
+    """A query in `dtype` over a cache in `cache_dtype` (default: the same)."""
     g = torch.Generator().manual_seed(seed)
     num_blocks, per_row = 24, 5
-    cache = torch.randn(num_blocks, block_size, 2, kv_heads, dim, generator=g).to(dtype)
+    cache = torch.randn(num_blocks, block_size, 2, kv_heads, dim, generator=g).to(cache_dtype or dtype)
     ids = torch.randint(1, num_blocks, (batch, per_row), generator=g)
     first = torch.randint(0, block_size, (batch,), generator=g)
     count = torch.tensor([int(torch.randint(1, per_row * block_size - int(f) + 1, (), generator=g)) for f in first])
     q = torch.randn(batch, heads, dim, generator=g).to(dtype)
     return q, cache, ids, first, count
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(3, 4, 1, 256, 16), (5, 8, 2, 24, 4), (4, 10, 2, 64, 8), (3, 4, 1, 32, 3)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_float32_query_over_a_bf16_cache(shape, threads: int) -> None:
+    """A float32 model keeping K/V in bf16: the float32 query against the bf16 keys and
+    values (widened exactly) gives float32 outputs within float32 sums of the written-out
+    attention over those same bf16 values, with head sizes read as pairs and as single
+    vectors, on one thread and with one stream's keys split."""
+    batch, heads, kv_heads, dim, block_size = shape
+    q, cache, ids, first, count = _case(sum(shape) + 1, *shape, torch.float32, torch.bfloat16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = KERNEL(q, cache, ids, first, count, 0.3, None, None)
+    finally:
+        torch.set_num_threads(before)
+    want = _expected(q, cache, ids, first, count, 0.3, None, None)
+    assert got.dtype == torch.float32 and got.shape == (batch, heads, dim)
+    assert torch.allclose(got.double(), want, rtol=0, atol=2e-5)
 
 
 @needs_kernel
@@ -132,7 +155,8 @@ def test_supports_only_what_it_reads() -> None:
     cache = torch.zeros(4, 4, 2, 1, 8)
     assert PagedDecode.supports(torch.zeros(2, 2, 8), cache)
     assert not PagedDecode.supports(torch.zeros(2, 2, 8, dtype=torch.float16), cache.half())
-    assert not PagedDecode.supports(torch.zeros(2, 2, 8, dtype=torch.bfloat16), cache)  # dtypes differ
+    assert not PagedDecode.supports(torch.zeros(2, 2, 8, dtype=torch.bfloat16), cache)  # a bf16 query, float32 keys
+    assert PagedDecode.supports(torch.zeros(2, 2, 8), cache.bfloat16())  # a float32 model's bf16 cache
     assert not PagedDecode.supports(torch.zeros(2, 2, 8), cache.transpose(1, 2).contiguous().transpose(1, 2))
 
 

@@ -8,7 +8,9 @@ over 16 positions, layer 1 full) served as its own int8 groups in bf16 and in fl
 mixed types (Q8_0, Q4_K, Q6_K, Q5_0: group sizes 32 and 16, with and without offsets). Batches
 of 1, 3 and 40 rows take the group kernel's vector, exact and folded paths where the CPU
 has them (AMX: 3+ and 32+ rows); prompts of up to 60 tokens in blocks of 16 make the
-sliding layer read a moving window over several blocks."""
+sliding layer read a moving window over several blocks. A float32 model keeps its cache in
+bf16 by default (quantized weights: models/kv_specs.resolve_kv_dtype) or in float32 when
+asked: the stack writes and reads either as the loop does."""
 
 from __future__ import annotations
 
@@ -50,9 +52,13 @@ def gemma(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _write(write_tiny_gemma3, tmp_path_factory.mktemp("stack") / "gemma3.gguf")
 
 
-def _llm(path: Path, dtype: str = "bfloat16") -> LLM:
-    return LLM(str(path), quantization=GROUP_LAYERS, dtype=dtype, max_model_len=256, progress=False,
-               enable_prefix_caching=False)
+# (model dtype, KV cache dtype): bf16, then float32 over the default bf16 cache and over a float32 one
+DTYPES = [("bfloat16", "bfloat16"), ("float32", "bfloat16"), ("float32", "float32")]
+
+
+def _llm(path: Path, dtype: str = "bfloat16", kv_cache_dtype: str = "auto") -> LLM:
+    return LLM(str(path), quantization=GROUP_LAYERS, dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_model_len=256,
+               progress=False, enable_prefix_caching=False)
 
 
 def _model(llm: LLM):  # type: ignore[no-untyped-def]
@@ -74,12 +80,13 @@ def _same(dtype: str, stack: torch.Tensor, loop: torch.Tensor) -> bool:
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_every_decode_step_gives_the_loops_hidden_states(gemma: Path, dtype: str) -> None:
+@pytest.mark.parametrize("dtype, kv_dtype", DTYPES)
+def test_every_decode_step_gives_the_loops_hidden_states(gemma: Path, dtype: str, kv_dtype: str) -> None:
     """Each step is computed twice, by forward as it is (the stack where it takes the step)
     and by the loop alone (decode_stack None), on the same inputs and KV cache: the final
     hidden states are the same (_same), and the stack took every pure decode step."""
-    llm = _llm(gemma, dtype)
+    llm = _llm(gemma, dtype, kv_dtype)
+    assert llm.parts.engine.executor.kv_dtype == kv_dtype
     model = _model(llm)
     stack = model.decode_stack
     assert isinstance(stack, DecodeStack)
@@ -119,10 +126,10 @@ def test_every_decode_step_gives_the_loops_hidden_states(gemma: Path, dtype: str
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_the_stack_and_the_loop_give_the_same_tokens(gemma: Path, dtype: str) -> None:
+@pytest.mark.parametrize("dtype, kv_dtype", DTYPES)
+def test_the_stack_and_the_loop_give_the_same_tokens(gemma: Path, dtype: str, kv_dtype: str) -> None:
     """Greedy streams of a mixed batch, the stack on and off in one engine: the same tokens."""
-    llm = _llm(gemma, dtype)
+    llm = _llm(gemma, dtype, kv_dtype)
     model = _model(llm)
     stack = model.decode_stack
     assert stack is not None

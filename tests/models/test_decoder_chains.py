@@ -168,11 +168,17 @@ for name in sys.argv[1:]:  # the native kernels that would take the compiled cha
     setattr(decoder, name, lambda: None)
 prompts = json.load(open("benchmarks/prompts16.json"))
 out = {}
+# A float32 decoder (a CPU without native bf16) keeps a float32 cache here: its compiled chains
+# equal the eager loop to float32 rounding, and a bf16 cache's rounding would turn a last-bit
+# difference into a bf16 step, enough to flip a near-tied token.
+from hybridserve.models.platform.cpu_features import choose_dtype, read_cpu_flags
+kv = "float32" if choose_dtype("auto", "cpu", read_cpu_flags()) == "float32" else "auto"
 for compile in (True, False):
     # Threads fixed: a bf16 GEMM split over another number of threads sums in another order.
-    # The bf16 decoder on every CPU (where bf16 is not native, `auto` makes the layers int8).
-    llm = LLM(compile=compile, quantization="int8-head", num_threads=2, enable_prefix_caching=False,
-              max_model_len=512, progress=False)
+    # The model-dtype decoder on every CPU (`auto` quantization would make the layers int8 where
+    # bf16 is not native).
+    llm = LLM(compile=compile, quantization="int8-head", kv_cache_dtype=kv, num_threads=2,
+              enable_prefix_caching=False, max_model_len=512, progress=False)
     ids = [llm.tokenizer.encode(t) for t in prompts]
     ids += ids[:2]  # past DEFAULT_MIN_ROWS rows in the prefill step
     outs = llm.generate(ids, SamplingParams(max_tokens=24, ignore_eos=True), use_tqdm=False)

@@ -33,7 +33,7 @@ class DistributedDriver(Executor):
         self.layout = layout
         self._model_cfg = load_model_config(spec_args["model_path"])
         check_layout(self._model_cfg, layout)
-        self._kv_dtype: str = spec_args.get("dtype", "float32")
+        self._kv_dtype: str = spec_args.get("kv_dtype") or spec_args.get("dtype", "float32")
 
     @property
     def model_config(self) -> ModelConfig:

@@ -34,6 +34,7 @@ class WorkerSpec:
     model_path: str
     init_method: str  # torch.distributed rendezvous, e.g. tcp://127.0.0.1:PORT
     dtype: str = "float32"
+    kv_dtype: str | None = None  # the KV cache's (None: dtype's); the driver sizes the cache in it
     quantization: str = "none"
     device: str = "cpu"
     seed: int = 0

@@ -23,6 +23,10 @@ be gathered beside real ones; its positions are masked out. A mask only works on
 scores, so this relies on block 0 staying finite: kv_cache.py zero-fills it and the
 runner never writes it (a test checks that it is still all zeros after serving).
 
+The cache is in the model's dtype, or in bf16 under a float32 model (EngineConfig's
+kv_cache_dtype): K/V are then rounded as they are written, and the chunk's own keys read
+from the batch are the rounded ones too, so attention reads the same values either way.
+
 Requests are computed in padded batches: all decode-sized requests together (one
 gather per layer, no per-request loop), long prefill chunks one by one. A batch of
 single-token queries reading after write (a decode step) skips the gather: the kernel of
@@ -188,12 +192,23 @@ class StepAttention:
 
     def attention(self, layer_idx: int, q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor | None = None
                   ) -> torch.Tensor:
-        """q [T, H, D], kv [T, 2, KVH, D] -> [T, H*D]; also stores this step's K/V. `sinks` [H]:
-        a learned logit per head that joins each softmax's denominator only (gpt-oss)."""
+        """q [T, H, D], kv [T, 2, KVH, D] -> [T, H*D] (q's dtype); also stores this step's K/V,
+        converted to the cache's dtype where it differs (a float32 model's bf16 cache).
+        `sinks` [H]: a learned logit per head that joins each softmax's denominator only (gpt-oss)."""
         g, cache = self.layers[layer_idx]  # cache: [num_blocks, bs, 2, KVH, D]
         gp = self.groups[g]
+        if kv.dtype != cache.dtype:
+            # A float32 model keeping K/V in bf16 (executor.py): the chunk's own keys, where
+            # read from the batch, are the rounded ones the cache holds, so a token's
+            # attention does not depend on whether its keys were cached or in its step.
+            stored = kv.to(cache.dtype)
+            if any(p.from_batch or p.num_blocks == 0 for p in gp.plans):
+                kv = stored.to(kv.dtype)
+            kv_written = stored
+        else:
+            kv_written = kv
         if gp.slots.numel():
-            src = kv if gp.write_sel is None else kv[gp.write_sel]
+            src = kv_written if gp.write_sel is None else kv_written[gp.write_sel]
             src = src.reshape(src.shape[0], -1)
             if cache.is_contiguous():
                 cache.view(-1, src.shape[1]).index_copy_(0, gp.slots, src)
@@ -237,6 +252,8 @@ class StepAttention:
         else:
             # Gather whole blocks as flat rows (a plain row copy), then view as token slots.
             keys = cache.view(cache.shape[0], -1).index_select(0, ids).view(B, -1, *cache.shape[2:])
+            if keys.dtype != q.dtype:  # a bf16 cache under a float32 model
+                keys = keys.to(q.dtype)
             if plan.from_batch:
                 keys = torch.cat((keys, fresh), dim=1)
         assert keys is not None

@@ -28,7 +28,7 @@ from hybridserve.executor.torch.threads import ThreadGovernor
 from hybridserve.models.config import ModelConfig
 from hybridserve.models.arch.decoder import DecoderLM
 from hybridserve.models.platform.heap import IdleHeapRelease
-from hybridserve.models.kv_specs import model_kv_layer_specs
+from hybridserve.models.kv_specs import kv_dtype_problem, model_kv_layer_specs
 from hybridserve.models.loaders.loader import load_model
 from hybridserve.models.arch.mamba_lm import MambaLM
 from hybridserve.models.layers.smoothing import Encode
@@ -68,6 +68,10 @@ def build_kv_cache_config(model_cfg: ModelConfig, block_size: int = DEFAULT_BLOC
     return KVCacheConfig(num_blocks=num_blocks, groups=groups)
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return next(k for k, v in TORCH_DTYPES.items() if v == dtype)
+
+
 class TorchExecutor(Executor):
     """Runs a DecoderLM or MambaLM (or an HF model directory) with paged attention."""
 
@@ -81,11 +85,14 @@ class TorchExecutor(Executor):
         return not batch_invariant
 
     def __init__(self, model: DecoderLM | MambaLM | str | Path, *, device: str | torch.device | None = None,
-                 dtype: torch.dtype = torch.float32, use_worker_thread: bool = True, seed: int = 0,
+                 dtype: torch.dtype = torch.float32, kv_dtype: torch.dtype | None = None,
+                 use_worker_thread: bool = True, seed: int = 0,
                  num_threads: int | None = None, drafter: NgramDrafter | None = None,
                  grammar: GrammarBackend | None = None, quantization: str = "none",
                  encode: Encode | None = None, compile: bool = True, batch_invariant: bool = False) -> None:
-        """drafter: fills the draft slots of speculative decoding (default: n-gram sizes 2..4);
+        """kv_dtype: the KV cache's (None: the model's; models/kv_specs.kv_dtype_problem says
+        which others a model may keep, ConfigError otherwise);
+        drafter: fills the draft slots of speculative decoding (default: n-gram sizes 2..4);
         grammar: compiles structured outputs (None: requests with one are refused);
         quantization: of a model loaded from a directory (models/platform/cpu_features.py);
         encode: the tokenizer, for int8's calibration texts (models/layers/smoothing.py);
@@ -107,6 +114,11 @@ class TorchExecutor(Executor):
                                   "decode kernel built (a C compiler)")
             self.model.make_batch_invariant()
             self.computes_in_chunk_attention_from_batch = self.attends_in_chunk_from_batch(batch_invariant)
+        model_dtype = _dtype_name(self.model.dtype)
+        self._kv_dtype = model_dtype if kv_dtype is None else _dtype_name(kv_dtype)
+        problem = kv_dtype_problem(self._kv_dtype, model_dtype, self.model.cfg)
+        if problem:
+            raise ConfigError(problem)
         self.seed = seed
         self.drafter = drafter
         self.grammar = grammar
@@ -128,8 +140,9 @@ class TorchExecutor(Executor):
 
     @property
     def kv_dtype(self) -> str:
-        """The KV cache dtype: the model's own (K/V are written as the model computes them)."""
-        return next(k for k, v in TORCH_DTYPES.items() if v == self.model.dtype)
+        """The KV cache dtype: the model's own, or bfloat16 under a float32 model (K/V rounded
+        as they are written)."""
+        return self._kv_dtype
 
     def kv_layer_specs(self, block_size: int) -> dict[str, KVCacheSpec]:
         return model_kv_layer_specs(self.model.cfg, block_size, self.kv_dtype)

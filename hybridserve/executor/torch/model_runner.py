@@ -90,8 +90,12 @@ class ModelRunner:
         got = {layer_index(n) for n in self.kv.layer_group}
         if got != expected:
             raise ConfigError(f"KV cache config covers layers {sorted(got)}, the model has {sorted(expected)}")
-        if self.kv.buffers[0].dtype != model.dtype:
-            raise ConfigError(f"KV cache dtype {self.kv.buffers[0].dtype} differs from the model's {model.dtype}")
+        kv_dtype = self.kv.buffers[0].dtype
+        bf16_under_float32 = (model.dtype, kv_dtype) == (torch.float32, torch.bfloat16) and not self.kv.state_pages
+        if kv_dtype != model.dtype and not bf16_under_float32:
+            # models/kv_specs.kv_dtype_problem: the model's dtype, or bf16 under float32 attention layers only
+            raise ConfigError(f"KV cache dtype {kv_dtype} under a {model.dtype} model: the cache is in the "
+                              "model's dtype, or bfloat16 under a float32 model of attention layers only")
         # Mamba layers (Mamba2, Bamba): their state blocks, and attention over its own groups.
         self.mamba = MambaLayout(kv_cache_config, self.kv, model.cfg.num_layers) if self.kv.state_pages else None
         if self.mamba is not None:

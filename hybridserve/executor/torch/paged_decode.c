@@ -14,8 +14,9 @@
  * exponentials a vector at a time (span_summary.h's exp, below float32 rounding; each
  * score's exponent floored at -87, where a term is ~1e-38 of the sum's first), and optional
  * per-head sinks (a learned logit that joins the softmax's denominator only: the running
- * maximum starts at it, with a sum of one). The output is rounded once to the cache's
- * dtype (round to nearest even, as torch converts).
+ * maximum starts at it, with a sum of one). The output is rounded once to the query's
+ * dtype (round to nearest even, as torch converts); a float32 query may read a bf16 cache
+ * (a float32 model whose K/V are kept in bf16).
  *
  * Memory: a layer's keys are not in cache when its step reads them, and a request's blocks
  * lie anywhere in the pool, so each key's rows are asked for a few tokens ahead into L1 and
@@ -57,7 +58,7 @@ static inline __attribute__((always_inline)) vf broadcast(const float *x) {
 #endif
 }
 
-/* Element i of a row of keys, values or queries in the cache's dtype. */
+/* Element i of a row of keys, values or queries, bf16 or float32. */
 static inline __attribute__((always_inline)) vf load_row(const void *base, int64_t i, int bf16) {
     return bf16 ? load_bf16((const uint16_t *)base + i) : load_f32((const float *)base + i);
 }
@@ -218,17 +219,19 @@ static inline __attribute__((always_inline)) float capped(float score, float sof
 /* Heads h0 .. h0 + nh - 1 (nh <= HEADS) of one request, all reading one kv head, over its
  * keys first .. first + count - 1 (count may be 0): each head's running state, stored at
  * state + h * (d + 2) as the unnormalised output (d values), the maximum score and the sum
- * of exp(score - maximum). Any head size, float32 or bf16 (widened one vector at a time). */
+ * of exp(score - maximum). Any head size; keys and values float32 or bf16 (bf16 != 0,
+ * widened one vector at a time), the query float32 or bf16 (q_bf16 != 0). */
 static inline __attribute__((always_inline)) void attend(const char *q, int64_t q_head_stride, const key_rows kr,
                                                          int64_t first, int64_t count, int64_t d, float scale,
-                                                         float softcap, int64_t h0, int nh, float *state, int bf16) {
-    const int64_t elem = bf16 ? 2 : 4, full = d - d % LANES;
+                                                         float softcap, int64_t h0, int nh, float *state, int bf16,
+                                                         int q_bf16) {
+    const int64_t full = d - d % LANES;
     float qf[HEADS][d], acc[HEADS][d];
     float m[HEADS], l[HEADS], s[HEADS][KEY_TILE];
     const char *key[KEY_TILE];
     for (int h = 0; h < nh; h++) {
-        const char *row = q + (h0 + h) * q_head_stride * elem;
-        for (int64_t i = 0; i < d; i++) qf[h][i] = load_one(row, i, bf16) * scale;
+        const char *row = q + (h0 + h) * q_head_stride * (q_bf16 ? 2 : 4);
+        for (int64_t i = 0; i < d; i++) qf[h][i] = load_one(row, i, q_bf16) * scale;
     }
     start_heads(nh, d, m, l, acc);
     key_walk walk = walk_from(&kr, first);
@@ -299,21 +302,30 @@ static inline __attribute__((always_inline)) void sums_of_four(const vf d[4], fl
 }
 
 /* attend for bf16 keys and values with d a multiple of PAIR_SPAN, their rows read as pairs:
- * the queries split into even / odd once, the value sums kept split and put back in order
- * as the state is written (attend's products, summed in another order). */
+ * the queries (bf16, or float32 where q_bf16 is 0) split into even / odd once, the value
+ * sums kept split and put back in order as the state is written (attend's products, summed
+ * in another order). */
 static inline __attribute__((always_inline)) void attend_pairs(const char *q, int64_t q_head_stride,
                                                                const key_rows kr, int64_t first, int64_t count,
                                                                int64_t d, float scale, float softcap, int64_t h0,
-                                                               int nh, float *state) {
+                                                               int nh, float *state, int q_bf16) {
     float qs[HEADS][d], acc[HEADS][d];
     float m[HEADS], l[HEADS], s[HEADS][KEY_TILE];
     const char *key[KEY_TILE];
     for (int h = 0; h < nh; h++) {
-        const char *row = q + (h0 + h) * q_head_stride * 2;
+        const char *row = q + (h0 + h) * q_head_stride * (q_bf16 ? 2 : 4);
         for (int64_t c = 0; c < d; c += PAIR_SPAN) {
-            const vu w = load_pairs(row + c * 2);
-            store_f32(&qs[h][c], even_of(w) * splat(scale));
-            store_f32(&qs[h][c + LANES], odd_of(w) * splat(scale));
+            if (q_bf16) {
+                const vu w = load_pairs(row + c * 2);
+                store_f32(&qs[h][c], even_of(w) * splat(scale));
+                store_f32(&qs[h][c + LANES], odd_of(w) * splat(scale));
+            } else {
+                const float *x = (const float *)row + c;
+                for (int i = 0; i < LANES; i++) {
+                    qs[h][c + i] = x[2 * i] * scale;
+                    qs[h][c + LANES + i] = x[2 * i + 1] * scale;
+                }
+            }
         }
     }
     start_heads(nh, d, m, l, acc);
@@ -358,9 +370,10 @@ static inline __attribute__((always_inline)) void attend_pairs(const char *q, in
 
 /* The output of heads h0 .. h0 + nh - 1 from the states of `splits` consecutive key ranges
  * (each HEADS * (d + 2) floats, as attend leaves them): rescaled to the largest maximum,
- * with the sink (a score with a zero value) in the denominator where given. */
+ * with the sink (a score with a zero value) in the denominator where given; out in bf16
+ * where out_bf16, else float32. */
 static void finish(const float *states, int64_t splits, int nh, int64_t d, const float *sinks, int64_t h0, void *out,
-                   int bf16) {
+                   int out_bf16) {
     const int64_t stride = HEADS * (d + 2);
     for (int h = 0; h < nh; h++) {
         float top = sinks ? sinks[h0 + h] : -INFINITY, weight[splits];
@@ -379,7 +392,7 @@ static void finish(const float *states, int64_t splits, int nh, int64_t d, const
             float o = 0.0f;
             for (int64_t j = 0; j < splits; j++) o += states[j * stride + h * (d + 2) + i] * weight[j];
             o *= inv;
-            if (bf16)
+            if (out_bf16)
                 ((uint16_t *)out)[(h0 + h) * d + i] = f32_to_bf16(o);
             else
                 ((float *)out)[(h0 + h) * d + i] = o;
@@ -392,13 +405,15 @@ static void finish(const float *states, int64_t splits, int nh, int64_t d, const
  * `block_stride` elements apart; ids: [batch, blocks_per_row] block ids; first / count:
  * [batch] the first key position (counted from the first gathered block's start) and the
  * number of keys; sinks: [heads] or NULL; softcap <= 0: none; out: [batch, heads, d]
- * contiguous, in the cache's dtype (bf16 != 0: bfloat16, else float32). */
+ * contiguous. Dtypes: the cache's bfloat16 where bf16 != 0, else float32; the query's and
+ * the output's bfloat16 where q_bf16 != 0, else float32 (a float32 model may keep its
+ * cache in bf16). */
 void paged_decode_attention(const void *q, int64_t q_row_stride, const void *cache, int64_t block_stride,
                             int64_t block_size, int64_t kv_heads, int64_t d, const int64_t *ids,
                             int64_t blocks_per_row, const int64_t *first, const int64_t *count, int64_t batch,
                             int64_t heads, float scale, float softcap, const float *sinks, void *out, int32_t bf16,
-                            int32_t num_threads) {
-    const int64_t elem = bf16 ? 2 : 4, group = heads / kv_heads;
+                            int32_t q_bf16, int32_t num_threads) {
+    const int64_t elem = bf16 ? 2 : 4, q_elem = q_bf16 ? 2 : 4, group = heads / kv_heads;
     const int64_t parts = (group + HEADS - 1) / HEADS;
     const int64_t block_bytes = block_stride * elem, token_bytes = 2 * kv_heads * d * elem;
     const int64_t value_bytes = kv_heads * d * elem;
@@ -416,28 +431,30 @@ void paged_decode_attention(const void *q, int64_t q_row_stride, const void *cac
             const int64_t b = item / (kv_heads * parts), kv = item / parts % kv_heads, part = item % parts;
             const int64_t h0 = kv * group + part * HEADS;
             const int nh = group - part * HEADS < HEADS ? (int)(group - part * HEADS) : HEADS;
-            const char *q_row = (const char *)q + b * q_row_stride * elem;
+            const char *q_row = (const char *)q + b * q_row_stride * q_elem;
             const key_rows kr = {(const char *)cache + kv * d * elem, ids + b * blocks_per_row, block_bytes,
                                  token_bytes, value_bytes, d * elem, block_size};
-            char *out_row = (char *)out + b * heads * d * elem;
+            char *out_row = (char *)out + b * heads * d * q_elem;
             const int64_t lo = count[b] * j / splits, hi = count[b] * (j + 1) / splits;
             float own[splits > 1 ? 1 : stride];
             float *state = splits > 1 ? states + k * stride : own;
             /* Constant head counts and dtypes: each call below is its own unrolled loop. */
-#define ATTEND(heads_now, is_bf16) \
-    attend(q_row, d, kr, first[b] + lo, hi - lo, d, scale, softcap, h0, heads_now, state, is_bf16)
-#define ATTEND_PAIRS(heads_now) \
-    attend_pairs(q_row, d, kr, first[b] + lo, hi - lo, d, scale, softcap, h0, heads_now, state)
-            if (bf16 && d % PAIR_SPAN == 0) {
-                if (nh == HEADS) ATTEND_PAIRS(HEADS); else ATTEND_PAIRS(nh);
+#define ATTEND(heads_now, is_bf16, q_is_bf16) \
+    attend(q_row, d, kr, first[b] + lo, hi - lo, d, scale, softcap, h0, heads_now, state, is_bf16, q_is_bf16)
+#define ATTEND_PAIRS(heads_now, q_is_bf16) \
+    attend_pairs(q_row, d, kr, first[b] + lo, hi - lo, d, scale, softcap, h0, heads_now, state, q_is_bf16)
+            if (bf16 && d % PAIR_SPAN == 0 && q_bf16) {
+                if (nh == HEADS) ATTEND_PAIRS(HEADS, 1); else ATTEND_PAIRS(nh, 1);
+            } else if (bf16 && d % PAIR_SPAN == 0) {
+                if (nh == HEADS) ATTEND_PAIRS(HEADS, 0); else ATTEND_PAIRS(nh, 0);
             } else if (bf16) {
-                if (nh == HEADS) ATTEND(HEADS, 1); else ATTEND(nh, 1);
+                if (nh == HEADS) ATTEND(HEADS, 1, q_bf16); else ATTEND(nh, 1, q_bf16);
             } else {
-                if (nh == HEADS) ATTEND(HEADS, 0); else ATTEND(nh, 0);
+                if (nh == HEADS) ATTEND(HEADS, 0, 0); else ATTEND(nh, 0, 0);
             }
 #undef ATTEND
 #undef ATTEND_PAIRS
-            if (splits == 1) finish(state, 1, nh, d, sinks, h0, out_row, bf16);
+            if (splits == 1) finish(state, 1, nh, d, sinks, h0, out_row, q_bf16);
         }
         if (splits > 1) {
 #pragma omp for schedule(static)
@@ -445,7 +462,7 @@ void paged_decode_attention(const void *q, int64_t q_row_stride, const void *cac
                 const int64_t b = item / (kv_heads * parts), kv = item / parts % kv_heads, part = item % parts;
                 const int nh = group - part * HEADS < HEADS ? (int)(group - part * HEADS) : HEADS;
                 finish(states + item * splits * stride, splits, nh, d, sinks, kv * group + part * HEADS,
-                       (char *)out + b * heads * d * elem, bf16);
+                       (char *)out + b * heads * d * q_elem, q_bf16);
             }
         }
     }

@@ -6,7 +6,9 @@
  *   per layer:
  *     qkv = x W_qkv                                         group_linear
  *     q, k = rms_norm per head * qk_norm, then RoPE         qk_norm_rope
- *     the cache slot of each row <- its k | v               (a row copy, as index_copy_)
+ *     the cache slot of each row <- its k | v               (a row copy, as index_copy_;
+ *                                                            rounded to bf16 where a float32
+ *                                                            model's cache is bf16)
  *     attn = paged attention of q over the cached keys      paged_decode_attention
  *     h, x = h + rms_norm(attn W_o) * w, rms_norm(..) * w'  residual_norms
  *     act = act(gate) * up of x W_gate_up                   group_linear, act_mul
@@ -27,6 +29,8 @@
 #include <string.h>
 #include <time.h>
 
+#include "native_vectors.h"
+
 typedef int (*group_linear_fn)(const void *x, int32_t x_bf16, int64_t ldx, int64_t rows, int64_t k,
                                const int8_t *values, const float *scale, const float *offset, int64_t n,
                                int64_t group_size, const float *bias, const void *residual, int64_t ldr, void *out,
@@ -45,7 +49,7 @@ typedef void (*paged_decode_fn)(const void *q, int64_t q_row_stride, const void 
                                 int64_t block_size, int64_t kv_heads, int64_t d, const int64_t *ids,
                                 int64_t blocks_per_row, const int64_t *first, const int64_t *count, int64_t batch,
                                 int64_t heads, float scale, float softcap, const float *sinks, void *out,
-                                int32_t bf16, int32_t threads);
+                                int32_t bf16, int32_t q_bf16, int32_t threads);
 typedef void (*act_mul_fn)(const uint16_t *gate_up, int64_t stride, int64_t rows, int64_t width,
                            const uint16_t *table, uint16_t *out, int32_t threads);
 typedef void (*act_mul_f32_fn)(const float *gate_up, int64_t stride, int64_t rows, int64_t width, int32_t act,
@@ -94,7 +98,8 @@ struct step {
     float scale, softcap;
     int32_t paths[LINEARS]; /* group_linear's path per linear (the same for every layer) */
     int32_t threads;
-    int32_t f32;        /* the activations, caches, norm weights and tables: float32 (else bf16) */
+    int32_t f32;        /* the activations, norm weights and tables: float32 (else bf16) */
+    int32_t kv_bf16;    /* the caches: bf16 (always where f32 is 0), else float32 */
     int32_t activation; /* float32: act_mul_f32's activation code */
     const struct group_step *groups;
     const struct rope_step *ropes;
@@ -122,12 +127,21 @@ static int linear(const struct kernels *k, const struct step *s, const struct li
     return failed;
 }
 
-/* Copies each row's k | v (adjacent in qkv after q) into its cache slot. */
+/* Copies each row's k | v (adjacent in qkv after q) into its cache slot; float32 rows into
+ * a bf16 cache rounded to nearest even, as torch's copy_ converts. */
 static void write_kv(const struct step *s, const struct group_step *g, void *cache, int64_t qkv_width) {
-    const int64_t elem = s->f32 ? 4 : 2, slot = 2 * s->kv_heads * s->head_dim * elem;
+    const int64_t elem = s->f32 ? 4 : 2, values = 2 * s->kv_heads * s->head_dim;
     const char *qkv = (const char *)s->qkv + s->heads * s->head_dim * elem;
+    if (s->f32 && s->kv_bf16) {
+        for (int64_t r = 0; r < s->rows; r++) {
+            const float *row = (const float *)(qkv + r * qkv_width * elem);
+            uint16_t *slot = (uint16_t *)cache + g->slots[r] * values;
+            for (int64_t i = 0; i < values; i++) slot[i] = f32_to_bf16(row[i]);
+        }
+        return;
+    }
     for (int64_t r = 0; r < s->rows; r++)
-        memcpy((char *)cache + g->slots[r] * slot, qkv + r * qkv_width * elem, slot);
+        memcpy((char *)cache + g->slots[r] * values * elem, qkv + r * qkv_width * elem, values * elem);
 }
 
 static void act_mul(const struct kernels *k, const struct step *s) {
@@ -156,8 +170,8 @@ int decode_stack(const struct kernels *k, const struct layer *layers, int64_t nu
                         s->threads);
         write_kv(s, g, s->caches[i], qkv_width);
         k->attend(s->qkv, qkv_width, s->caches[i], s->block_strides[i], s->block_size, s->kv_heads, hd, g->ids,
-                  g->blocks_per_row, g->first, g->count, rows, s->heads, s->scale, s->softcap, NULL, s->attn, !s->f32,
-                  s->threads);
+                  g->blocks_per_row, g->first, g->count, rows, s->heads, s->scale, s->softcap, NULL, s->attn,
+                  s->kv_bf16, !s->f32, s->threads);
         if (linear(k, s, &L->linears[O], s->paths[O], s->attn, s->heads * hd, s->sub)) return -1;
         k->residual_norms(h, hidden, s->sub, hidden, rows, hidden, L->post_attn_norm, L->pre_ffn_norm, s->eps,
                           inv_hidden, s->h_out[next], s->x, s->threads);

@@ -15,6 +15,8 @@ answers its final residual stream; None leaves it to the loop) when:
 - the step's attention hands every group to its in-place decode kernel
   (StepAttention.decode_plan: one token per request, every slot written, no padding), whose
   address the stack calls;
+- every layer's cache is in the model's dtype, or all in bf16 under a float32 model (its
+  K/V rounded as they are written, as the loop's index_copy_ converts them);
 - its rows take one of the group kernel's own paths (not the expand path of prefill-sized
   steps, whose product is torch's GEMM);
 - the caller says it is not a step the large-step chains normalise with exact sums.
@@ -71,7 +73,7 @@ class _Step(ctypes.Structure):
     _fields_ = [("rows", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
                 ("intermediate", _i64), ("block_size", _i64), ("eps", ctypes.c_double), ("scale", ctypes.c_float),
                 ("softcap", ctypes.c_float), ("paths", _i32 * len(ROLES)), ("threads", _i32), ("f32", _i32),
-                ("activation", _i32), ("groups", _ptr),
+                ("kv_bf16", _i32), ("activation", _i32), ("groups", _ptr),
                 ("ropes", _ptr), ("caches", _ptr), ("block_strides", _ptr), ("act_table", _ptr), ("h", _ptr),
                 ("h_out", _ptr * 2), ("x", _ptr), ("qkv", _ptr), ("attn", _ptr), ("sub", _ptr), ("gate_up", _ptr),
                 ("act", _ptr), ("linear_seconds", _ptr)]
@@ -208,8 +210,11 @@ class DecodeStack:
         if any(p is None for p in plans.values()):
             return None
         caches = [c for _, c in entries]
-        block_size = caches[0].shape[1]
-        if not all(c.dtype == dtype and c.is_contiguous() and c.shape[1:3] == (block_size, 2) for c in caches):
+        block_size, cache_dtype = caches[0].shape[1], caches[0].dtype
+        # The caches in the model's dtype, or all in bf16 under a float32 model (write_kv rounds).
+        if cache_dtype != dtype and (dtype, cache_dtype) != (torch.float32, torch.bfloat16):
+            return None
+        if not all(c.dtype == cache_dtype and c.is_contiguous() and c.shape[1:3] == (block_size, 2) for c in caches):
             return None
         ropes = [rope.get(t, (None, None)) for t in self._rope_types]
         for cos, sin in ropes:
@@ -238,7 +243,7 @@ class DecodeStack:
         attn = torch.empty(rows, s.heads * s.head_dim, dtype=dtype)
         gate_up = torch.empty(rows, 2 * inter, dtype=dtype)
         act = torch.empty(rows, inter, dtype=dtype)
-        s.rows, s.block_size = rows, block_size
+        s.rows, s.block_size, s.kv_bf16 = rows, block_size, int(cache_dtype == torch.bfloat16)
         s.scale, s.softcap = backend.scale, backend.softcap or 0.0
         s.paths[:] = paths
         s.threads = torch.get_num_threads()

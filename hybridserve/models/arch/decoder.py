@@ -564,7 +564,8 @@ class DecoderLM(StagedModel):
                     torch.mul(rms_norm(qk, None, eps, inv_hd, exact_sums=exact), w.qk_norm, out=qk)
                 if cos is not None:
                     apply_rope_(qk, cos, sin)  # q and k share positions: one rotation covers both
-            qkv = qkv.to(self.dtype)  # the KV cache's dtype (a no-op unless int8 layers)
+            # the model dtype (a no-op unless int8 layers); attention stores K/V in the cache's
+            qkv = qkv.to(self.dtype)
             attn = backend.attention(i, qkv[:, : nq * hd].view(T, nq, hd), qkv[:, nq * hd :].view(T, 2, nkv, hd))
             if cfg.sandwich_norm:
                 h, x = self._add_norm(h, self.reduce(lin.o(attn)), w.post_attn_norm, w.pre_ffn_norm, norms, exact)

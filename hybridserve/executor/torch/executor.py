@@ -19,7 +19,7 @@ from hybridserve.core.errors import ConfigError
 from hybridserve.core.kv.spec import DEFAULT_BLOCK_SIZE, KVCacheConfig, KVCacheSpec, group_layers
 from hybridserve.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from hybridserve.executor.base import Executor
-from hybridserve.executor.torch.kv_cache import TORCH_DTYPES, num_blocks_for_memory
+from hybridserve.executor.torch.kv_cache import TORCH_DTYPES, dtype_name, num_blocks_for_memory
 from hybridserve.executor.torch.model_runner import ModelRunner
 from hybridserve.executor.torch.offload import OffloadWorker
 from hybridserve.executor.torch.paged_decode import paged_decode
@@ -68,10 +68,6 @@ def build_kv_cache_config(model_cfg: ModelConfig, block_size: int = DEFAULT_BLOC
     return KVCacheConfig(num_blocks=num_blocks, groups=groups)
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return next(k for k, v in TORCH_DTYPES.items() if v == dtype)
-
-
 class TorchExecutor(Executor):
     """Runs a DecoderLM or MambaLM (or an HF model directory) with paged attention."""
 
@@ -114,8 +110,8 @@ class TorchExecutor(Executor):
                                   "decode kernel built (a C compiler)")
             self.model.make_batch_invariant()
             self.computes_in_chunk_attention_from_batch = self.attends_in_chunk_from_batch(batch_invariant)
-        model_dtype = _dtype_name(self.model.dtype)
-        self._kv_dtype = model_dtype if kv_dtype is None else _dtype_name(kv_dtype)
+        model_dtype = dtype_name(self.model.dtype)
+        self._kv_dtype = model_dtype if kv_dtype is None else dtype_name(kv_dtype)
         problem = kv_dtype_problem(self._kv_dtype, model_dtype, self.model.cfg)
         if problem:
             raise ConfigError(problem)

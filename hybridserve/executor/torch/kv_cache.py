@@ -31,6 +31,12 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
 }
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """TORCH_DTYPES' name of `dtype`."""
+    return next(k for k, v in TORCH_DTYPES.items() if v == dtype)
+
 def num_blocks_for_memory(groups: tuple[KVCacheGroup, ...], kv_cache_memory: int | str) -> int:
     """How many blocks (null block included) fit in the budget."""
     budget = parse_size("kv_cache_memory", kv_cache_memory)

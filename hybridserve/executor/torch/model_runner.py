@@ -34,7 +34,7 @@ from hybridserve.core.sched.output import (
 )
 from hybridserve.executor.torch.attention import StepAttention
 from hybridserve.executor.torch.grammar import RequestGrammar
-from hybridserve.executor.torch.kv_cache import PagedKVCache
+from hybridserve.executor.torch.kv_cache import PagedKVCache, dtype_name
 from hybridserve.executor.torch.logits_controls import TokenHistory
 from hybridserve.executor.torch.mamba_states import GroupSubset, MambaLayout, StepBackend, StepMambaStates
 from hybridserve.executor.torch.requests import BlockTables, RequestState
@@ -42,7 +42,7 @@ from hybridserve.executor.torch.sampler import (SampleRow, inv_temperatures, is_
                                                 reads_one_span_per_row, sample_isolated, target_logprobs)
 from hybridserve.executor.torch.spec_decode import NgramDrafter, num_accepted
 from hybridserve.models.arch.decoder import DecoderLM
-from hybridserve.models.kv_specs import cached_layers, layer_index
+from hybridserve.models.kv_specs import cached_layers, kv_dtype_problem, layer_index
 from hybridserve.models.arch.mamba_lm import MambaLM
 from hybridserve.text.structured_output import GrammarBackend
 
@@ -90,12 +90,9 @@ class ModelRunner:
         got = {layer_index(n) for n in self.kv.layer_group}
         if got != expected:
             raise ConfigError(f"KV cache config covers layers {sorted(got)}, the model has {sorted(expected)}")
-        kv_dtype = self.kv.buffers[0].dtype
-        bf16_under_float32 = (model.dtype, kv_dtype) == (torch.float32, torch.bfloat16) and not self.kv.state_pages
-        if kv_dtype != model.dtype and not bf16_under_float32:
-            # models/kv_specs.kv_dtype_problem: the model's dtype, or bf16 under float32 attention layers only
-            raise ConfigError(f"KV cache dtype {kv_dtype} under a {model.dtype} model: the cache is in the "
-                              "model's dtype, or bfloat16 under a float32 model of attention layers only")
+        problem = kv_dtype_problem(dtype_name(self.kv.buffers[0].dtype), dtype_name(model.dtype), model.cfg)
+        if problem:
+            raise ConfigError(problem)
         # Mamba layers (Mamba2, Bamba): their state blocks, and attention over its own groups.
         self.mamba = MambaLayout(kv_cache_config, self.kv, model.cfg.num_layers) if self.kv.state_pages else None
         if self.mamba is not None:

@@ -17,7 +17,8 @@ alternate between two kinds, in the same run, so both see the same machine:
   (models/arch/decode_stack.py) takes the step, its layers' linears are called from C: the
   stack adds their wall time up itself (DecodeStack.linear_seconds); the native kernels no dispatch mode sees
   (native_matmuls: the int8-group linears of gguf-groups, models/layers/int8_groups.py;
-  the AMX int8 products and the head's argmax over them, models/layers/int8_amx.py) are
+  the AMX int8 products and the head's argmax over them, models/layers/int8_amx.py; the
+  AVX2 head's u8 x s8 products, models/layers/int8_quads.py) are
   timed per call the same way. Attention's batched products (bmm) are not weight matmuls and count as
   outside.
 Printed per row count: the medians of the step and of its matmuls (ms), the ops a traced
@@ -55,10 +56,12 @@ WEIGHT_MATMULS = {
 }
 
 
-def native_matmuls(group_kernel, amx_kernel):  # type: ignore[no-untyped-def]
-    """The native kernels' weight matmuls (class, method): the int8 groups' linears and the
-    AMX int8 products, the head's argmax among them (products whose outputs it reduces)."""
-    return [(group_kernel, "__call__"), (amx_kernel, "__call__"), (amx_kernel, "argmax_chunks")]
+def native_matmuls(group_kernel, amx_kernel, quads_kernel):  # type: ignore[no-untyped-def]
+    """The native kernels' weight matmuls (class, method): the int8 groups' linears, the
+    AMX int8 products, the head's argmax among them (products whose outputs it reduces),
+    and the AVX2 head's u8 x s8 products (int8_quads.c)."""
+    return [(group_kernel, "__call__"), (amx_kernel, "__call__"), (amx_kernel, "argmax_chunks"),
+            (quads_kernel, "__call__")]
 
 
 def matmul_timer():  # type: ignore[no-untyped-def]
@@ -77,6 +80,7 @@ def matmul_timer():  # type: ignore[no-untyped-def]
         def __enter__(self):  # type: ignore[no-untyped-def]
             from hybridserve.models.layers.int8_amx import AmxKernel
             from hybridserve.models.layers.int8_groups import GroupKernel
+            from hybridserve.models.layers.int8_quads import QuadsKernel
 
             timer, restores = self, []
 
@@ -92,7 +96,7 @@ def matmul_timer():  # type: ignore[no-untyped-def]
                         timer.calls += 1
                 return timed
 
-            for owner, name in native_matmuls(GroupKernel, AmxKernel):
+            for owner, name in native_matmuls(GroupKernel, AmxKernel, QuadsKernel):
                 real = getattr(owner, name)
                 setattr(owner, name, timed_version(real))
                 restores.append((owner, name, real))

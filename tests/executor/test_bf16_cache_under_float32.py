@@ -22,12 +22,12 @@ from hybridserve.config import EngineConfig  # noqa: E402
 from hybridserve.core.errors import ConfigError  # noqa: E402
 from hybridserve.executor.torch.attention import StepAttention  # noqa: E402
 from hybridserve.executor.torch.paged_decode import paged_decode  # noqa: E402
-from hybridserve.executor.torch.requests import BlockTables  # noqa: E402
 from hybridserve.models.arch.mamba_config import MAMBA  # noqa: E402
 from hybridserve.models.kv_specs import kv_dtype_problem, resolve_kv_dtype  # noqa: E402
 from hybridserve.models.layers.head import GROUP_LAYERS  # noqa: E402
 from hybridserve.models.layers.int8_groups import group_kernel  # noqa: E402
 
+from tests.helpers.block_tables import consecutive_tables  # noqa: E402
 from tests.helpers.tiny_gguf import TOKENS, mixed_linear_types, write_tiny_gemma3  # noqa: E402
 
 BS, HEADS, KV_HEADS, DIM = 4, 4, 2, 16
@@ -35,22 +35,13 @@ WINDOWS, CHUNKS = [None, 6, None], [None, None, 8]  # full, sliding, chunked loc
 BLOCKS = 8  # per request and group
 
 
-def _tables(n: int) -> BlockTables:
-    tables = BlockTables(len(WINDOWS))
-    for grp in range(len(WINDOWS)):
-        for r in range(n):
-            base = 1 + (grp * n + r) * BLOCKS
-            tables.table[grp, r, :BLOCKS] = np.arange(base, base + BLOCKS)
-            tables.lengths[grp, r] = BLOCKS
-    return tables
-
-
 def _run(cache: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, starts: np.ndarray, counts: np.ndarray,
          in_place: bool) -> torch.Tensor:
     """Every layer's attention of one step (float32 queries) over `cache`, which it writes."""
     n = len(starts)
-    step = StepAttention([(g, cache[g]) for g in range(len(WINDOWS))], WINDOWS, _tables(n), BS, np.arange(n),
-                         starts, counts, DIM ** -0.5, None, torch.device("cpu"), torch.float32, chunks=CHUNKS,
+    tables = consecutive_tables(len(WINDOWS), n, BLOCKS)
+    step = StepAttention([(g, cache[g]) for g in range(len(WINDOWS))], WINDOWS, tables, BS, np.arange(n), starts,
+                         counts, DIM ** -0.5, None, torch.device("cpu"), torch.float32, chunks=CHUNKS,
                          in_place_decode=in_place)
     return torch.stack([step.attention(layer, q, kv) for layer in range(len(WINDOWS))])
 

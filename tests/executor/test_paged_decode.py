@@ -16,6 +16,7 @@ from hybridserve.executor.torch.attention import StepAttention  # noqa: E402
 from hybridserve.executor.torch.paged_decode import PagedDecode, paged_decode  # noqa: E402
 from hybridserve.executor.torch.requests import BlockTables  # noqa: E402
 from hybridserve.models.platform.native_build import NativeBuildError  # noqa: E402
+from tests.helpers.block_tables import consecutive_tables  # noqa: E402
 from tests.helpers.native_kernels import check_refused  # noqa: E402
 
 KERNEL = paged_decode()
@@ -54,6 +55,16 @@ def _case(seed: int, batch: int, heads: int, kv_heads: int, dim: int, block_size
     return q, cache, ids, first, count
 
 
+def _on_threads(threads: int, *args) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """The kernel's output with torch's thread count set to `threads` for the call."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return KERNEL(*args)
+    finally:
+        torch.set_num_threads(before)
+
+
 @needs_kernel
 @pytest.mark.parametrize("shape", [(3, 4, 1, 256, 16), (5, 8, 2, 24, 4), (4, 10, 2, 64, 8), (3, 4, 1, 32, 3)])
 @pytest.mark.parametrize("threads", [1, 2])
@@ -64,12 +75,7 @@ def test_a_float32_query_over_a_bf16_cache(shape, threads: int) -> None:
     vectors, on one thread and with one stream's keys split."""
     batch, heads, kv_heads, dim, block_size = shape
     q, cache, ids, first, count = _case(sum(shape) + 1, *shape, torch.float32, torch.bfloat16)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        got = KERNEL(q, cache, ids, first, count, 0.3, None, None)
-    finally:
-        torch.set_num_threads(before)
+    got = _on_threads(threads, q, cache, ids, first, count, 0.3, None, None)
     want = _expected(q, cache, ids, first, count, 0.3, None, None)
     assert got.dtype == torch.float32 and got.shape == (batch, heads, dim)
     assert torch.allclose(got.double(), want, rtol=0, atol=2e-5)
@@ -111,12 +117,7 @@ def test_one_stream_split_over_threads(threads: int, extra: str, dtype: torch.dt
     q, cache, ids, first, count = _case(3, 1, 4, 1, 64, 4, dtype)
     count = torch.tensor([5 * 4 - int(first[0])])  # every key of the five blocks
     sinks = torch.tensor([0.5, -1.0, 3.0, 0.0]) if extra == "sinks" else None
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        got = KERNEL(q, cache, ids, first, count, 0.3, None, sinks)
-    finally:
-        torch.set_num_threads(before)
+    got = _on_threads(threads, q, cache, ids, first, count, 0.3, None, sinks)
     want = _expected(q, cache, ids, first, count, 0.3, None, sinks)
     if dtype == torch.float32:
         assert torch.allclose(got.double(), want, rtol=0, atol=2e-6)
@@ -180,12 +181,7 @@ def test_decode_step_in_place_equals_gather_and_sdpa(dtype, softcap, monkeypatch
     groups) gives the general path's output, and the kernel did compute them."""
     starts = np.array([0, 3, 5, 11, 17, 29])
     n, blocks = len(starts), 8
-    tables = BlockTables(len(WINDOWS))
-    for grp in range(len(WINDOWS)):
-        for s in range(n):
-            base = 1 + (grp * n + s) * blocks
-            tables.table[grp, s, :blocks] = np.arange(base, base + blocks)
-            tables.lengths[grp, s] = blocks
+    tables = consecutive_tables(len(WINDOWS), n, blocks)
     g = torch.Generator().manual_seed(5)
     cache = torch.randn(len(WINDOWS), 1 + len(WINDOWS) * n * blocks, BS, 2, KV_HEADS, DIM, generator=g).to(dtype)
     cache[:, 0] = 0  # the null block

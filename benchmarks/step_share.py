@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import json
 import random
 import statistics
 import sys
@@ -173,6 +174,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=32, help="decode steps per row count (half timed, half traced)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--isa", choices=("native", *ISA_KINDS), default="native", help="run as on this kind of CPU")
+    p.add_argument("--json", type=Path, default=None,
+                   help="also write the rows as JSON here (cpu_peers.py --share reads them)")
     args = p.parse_args()
     if args.isa != "native" and (code := rerun_as(args.isa)) is not None:
         sys.exit(code)
@@ -187,6 +190,7 @@ def main() -> None:
     print("\n| rows | step ms (median) | weight matmuls ms | matmul calls | ops dispatched | outside the matmuls |\n"
           "|---:|---:|---:|---:|---:|---:|")
     rng = random.Random(0)
+    measured = []
     for rows in [int(r) for r in args.rows.split(",")]:
         batch = [[rng.randrange(5, vocab) for _ in range(args.prompt_len)] for _ in range(rows)]
         params = SamplingParams(max_tokens=args.steps + 1, ignore_eos=True, temperature=0.0)
@@ -200,7 +204,10 @@ def main() -> None:
         mm = statistics.median(recorder.matmul_seconds)
         print(f"| {rows} | {step * 1e3:.1f} | {mm * 1e3:.1f} | {statistics.median(recorder.matmul_calls):.0f} | "
               f"{statistics.median(recorder.ops):.0f} | {1 - mm / step:.0%} |", flush=True)
+        measured.append({"rows": rows, "step_ms": step * 1e3, "matmul_ms": mm * 1e3, "outside": 1 - mm / step})
     llm.shutdown()
+    if args.json:
+        args.json.write_text(json.dumps(measured))
 
 
 if __name__ == "__main__":

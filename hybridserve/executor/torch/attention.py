@@ -79,13 +79,21 @@ class KeyPlan:
     num_blocks: int  # NB gathered per request (padded)
     from_batch: bool  # True: keys = gathered cached part + the chunk's own keys
     # [B, 1, C, keys] additive (0 or -inf; SDPA's CPU kernel is faster with a float mask
-    # than a bool one); None: plain causal over the chunk.
-    mask: torch.Tensor | None
+    # than a bool one); None: plain causal over the chunk. A decode plan builds it on first
+    # use (decode_mask), since the in-place decode kernel reads first_key / key_count instead.
+    _mask: torch.Tensor | None
     # Single-token queries reading after write: per request, the first key position counted
     # from the start of its first gathered block, and the number of keys (the mask's
     # allowed run, for the in-place decode kernel); None otherwise.
     first_key: torch.Tensor | None = None
     key_count: torch.Tensor | None = None
+    _pending: tuple[np.ndarray, np.ndarray, int, torch.device, torch.dtype] | None = None  # decode_mask's inputs
+
+    @property
+    def mask(self) -> torch.Tensor | None:
+        if self._pending is not None:
+            self._mask, self._pending = decode_mask(self.first_blk, *self._pending, self.num_blocks), None
+        return self._mask
 
 
 @dataclass
@@ -362,13 +370,20 @@ def _key_plan(layout: BatchLayout, starts: np.ndarray, counts: np.ndarray, windo
     first_blk = lo // bs
     nblk = np.where(end > lo, (end - 1) // bs - first_blk + 1, 0)
     NB = int(nblk.max())
+    if C == 1 and NB and not from_batch:
+        # A decode query at s reads the run lo..s: where it starts in the gathered blocks and
+        # its length (the in-place kernel's operands); the mask only where SDPA needs it.
+        return KeyPlan(first_blk, NB, False, None,
+                       first_key=torch.from_numpy((lo - first_blk * bs).astype(np.int64)).to(device),
+                       key_count=torch.from_numpy((end - lo).astype(np.int64)).to(device),
+                       _pending=(lo, end, bs, device, dtype))
     if NB == 0 and layout.B == 1 and window is None and chunk is None:
-        return KeyPlan(first_blk, 0, True, None)  # a first chunk under full attention: plain causal
+        return KeyPlan(first_blk, 0, True, _mask=None)  # a first chunk under full attention: plain causal
     parts = []
     if NB:
         kp = first_blk[:, None] * bs + np.arange(NB * bs)[None, :]  # [B, NB*bs] key positions
         in_range = (kp >= lo[:, None]) & (kp < end[:, None])
-        if C == 1:  # a decode query at s: in range already means causal and in window
+        if C == 1:  # a decode query reading from the batch: in range is causal and in window
             parts.append(in_range[:, None, :])
         else:
             parts.append(in_range[:, None, :] & (kp[:, None, :] <= qp[:, :, None])
@@ -384,11 +399,19 @@ def _key_plan(layout: BatchLayout, starts: np.ndarray, counts: np.ndarray, windo
     if NB == 0 and np.array_equal(allowed, np.broadcast_to(np.tri(C, dtype=bool), allowed.shape)):
         # Every query sees exactly the chunk's keys up to itself (first chunks of equal
         # length within the window): SDPA's own causal form, which skips the masked blocks.
-        return KeyPlan(first_blk, 0, True, None)
-    mask = np.where(allowed[:, None], np.float32(0), np.float32(-np.inf))
-    plan = KeyPlan(first_blk, NB, from_batch or NB == 0, torch.from_numpy(mask).to(device, dtype))
-    if C == 1 and NB and not from_batch:
-        # the allowed keys are the run lo..s: where it starts in the gathered blocks, its length
-        plan.first_key = torch.from_numpy((lo - first_blk * bs).astype(np.int64)).to(device)
-        plan.key_count = torch.from_numpy((end - lo).astype(np.int64)).to(device)
-    return plan
+        return KeyPlan(first_blk, 0, True, _mask=None)
+    return KeyPlan(first_blk, NB, from_batch or NB == 0, additive_mask(allowed, device, dtype))
+
+
+def additive_mask(allowed: np.ndarray, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """[B, C, keys] bool -> SDPA's [B, 1, C, keys] additive mask: 0 where allowed, else -inf."""
+    return torch.from_numpy(np.where(allowed[:, None], np.float32(0), np.float32(-np.inf))).to(device, dtype)
+
+
+def decode_mask(first_blk: np.ndarray, lo: np.ndarray, end: np.ndarray, bs: int, device: torch.device,
+                dtype: torch.dtype, num_blocks: int) -> torch.Tensor:
+    """The mask of single-token queries reading after write: over the num_blocks blocks
+    gathered from first_blk, each query sees the keys lo..end-1 (in range is causal and in
+    window already)."""
+    kp = first_blk[:, None] * bs + np.arange(num_blocks * bs)[None, :]  # [B, NB*bs] key positions
+    return additive_mask(((kp >= lo[:, None]) & (kp < end[:, None]))[:, None, :], device, dtype)

@@ -1,0 +1,68 @@
+"""A decode step's key plans (executor/torch/attention.py): each request's run of keys
+(first key in its gathered blocks, key count) and, where SDPA reads them, the mask over the
+gathered blocks, for full, sliding-window and chunked-local groups; the numbers are worked
+out by hand below."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from hybridserve.executor.torch.attention import StepAttention  # noqa: E402
+from tests.helpers.block_tables import consecutive_tables  # noqa: E402
+
+BS = 4
+WINDOWS, CHUNKS = [None, 6, None], [None, None, 8]  # full, sliding window 6, chunked local 8
+STARTS = np.array([0, 5, 11])  # one query each, at these positions
+
+# Per group: (first block column, blocks gathered, first key within them, key count, the
+# allowed key positions of each request). A query at s reads lo..s:
+#   full:        lo = 0;                s = 0, 5, 11 -> blocks 0.., 3 gathered (s = 11 needs 0-2)
+#   sliding 6:   lo = max(0, s - 5) = 0, 0, 6 -> first blocks 0, 0, 1; 2 gathered (11 // 4 - 1 + 1)
+#   chunked 8:   lo = s // 8 * 8 = 0, 0, 8 -> first blocks 0, 0, 2; 2 gathered (5 needs blocks 0-1)
+EXPECTED = [
+    ([0, 0, 0], 3, [0, 0, 0], [1, 6, 12], [range(0, 1), range(0, 6), range(0, 12)]),
+    ([0, 0, 1], 2, [0, 0, 2], [1, 6, 6], [range(0, 1), range(0, 6), range(6, 12)]),
+    ([0, 0, 2], 2, [0, 0, 0], [1, 6, 4], [range(0, 1), range(0, 6), range(8, 12)]),
+]
+
+
+def _step(in_place: bool, dtype: torch.dtype = torch.float32) -> StepAttention:
+    n = len(STARTS)
+    cache = torch.zeros(len(WINDOWS), 1 + len(WINDOWS) * n * 4, BS, 2, 1, 8, dtype=dtype)
+    return StepAttention([(g, cache[g]) for g in range(len(WINDOWS))], WINDOWS, consecutive_tables(len(WINDOWS), n, 4),
+                         BS, np.arange(n), STARTS, np.ones(n, dtype=np.int64), 8 ** -0.5, None, torch.device("cpu"),
+                         dtype, chunks=CHUNKS, in_place_decode=in_place)
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_requests_run_of_keys_and_its_mask(in_place: bool, dtype: torch.dtype) -> None:
+    step = _step(in_place, dtype)
+    for g, (first_blk, blocks, first_key, count, allowed) in enumerate(EXPECTED):
+        plan = step.groups[g].plans[0]
+        assert plan.first_blk.tolist() == first_blk and plan.num_blocks == blocks and not plan.from_batch
+        assert plan.first_key.tolist() == first_key and plan.key_count.tolist() == count
+        mask = plan.mask
+        assert mask.shape == (len(STARTS), 1, 1, blocks * BS) and mask.dtype == dtype
+        for r, keys in enumerate(allowed):
+            positions = first_blk[r] * BS + np.arange(blocks * BS)
+            want = np.where(np.isin(positions, list(keys)), 0.0, -np.inf)
+            assert mask[r, 0, 0].float().numpy().tolist() == want.tolist(), (g, r)
+
+
+def test_the_decode_plan_hands_the_kernel_the_same_runs() -> None:
+    """decode_plan (what the decode stack reads): slots, each request's gathered block ids,
+    and the runs above, per group."""
+    step = _step(True)
+    if step.decode_kernel is None:
+        pytest.skip("no C compiler: the in-place kernel is not built")
+    n = len(STARTS)
+    for g, (first_blk, blocks, first_key, count, _) in enumerate(EXPECTED):
+        slots, ids, first, key_count = step.decode_plan(g)
+        own = 1 + g * n * 4 + np.arange(n) * 4  # consecutive_tables: request r's first block
+        assert slots.tolist() == [int(own[r] + STARTS[r] // BS) * BS + int(STARTS[r] % BS) for r in range(n)]
+        assert ids.tolist() == [[int(own[r]) + first_blk[r] + j for j in range(blocks)] for r in range(n)]
+        assert first.tolist() == first_key and key_count.tolist() == count

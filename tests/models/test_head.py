@@ -22,6 +22,8 @@ from hybridserve.models.layers.head import (  # noqa: E402
     FBGEMM_HEAD_CHUNK_ROWS,
     FEW_ROWS,
     HEAD_CHUNK_ROWS,
+    QUADS_BESIDE_PACKED_MAX_ROWS,
+    QUADS_HEAD_CHUNK_ROWS,
     QUADS_WHOLE_MAX_ROWS,
     OutputHead,
     dequantize_int4_groups,
@@ -35,6 +37,7 @@ from hybridserve.models.layers.int8 import (  # noqa: E402
     PLAIN,
     QUANTIZE_BLOCK_ROWS,
     fbgemm_available,
+    gemm_weight_levels,
     int8_gemm_available,
     quantize_gemm_weight,
     quantize_int8_rows,
@@ -202,6 +205,44 @@ def test_a_quads_head_equals_fbgemms_chunks_bit_for_bit(quads_head: OutputHead, 
         assert quads_head.greedy(x, None) == fbgemm_head.greedy(x, None)
 
 
+@pytest.fixture
+def vnni_quads_head(weight: torch.Tensor, monkeypatch) -> OutputHead:
+    """An int8 head on int8_quads.c's VNNI build, as a CPU with VNNI and without AMX builds
+    it: oneDNN's path, weights of all 127 levels."""
+    kernel = quads_kernel()
+    if kernel is None or kernel.max_level < 127 or not int8_gemm_available():
+        pytest.skip("no AVX512-VNNI build of the int8_quads kernel here")
+    monkeypatch.setattr("hybridserve.models.layers.head.int8_path", lambda: PACKED)
+    head = OutputHead(weight, "int8")
+    assert head._quads is not None and head.chunk_rows == QUADS_HEAD_CHUNK_ROWS
+    return head
+
+
+@pytest.mark.parametrize("rows", [1, QUADS_WHOLE_MAX_ROWS + 1, QUADS_BESIDE_PACKED_MAX_ROWS,
+                                  QUADS_BESIDE_PACKED_MAX_ROWS + 1, 40])
+def test_a_vnni_quads_head_multiplies_exactly_and_as_onednn(vnni_quads_head: OutputHead, weight: torch.Tensor,
+                                                            rows: int, monkeypatch) -> None:
+    # The exact int32 sums of 127-level weights and activations, two float32 scales after
+    # them, whether the kernel multiplies (up to 16 rows) or oneDNN's chunks packed beside it
+    # at the first larger step; a head of oneDNN's chunks alone (where the kernel is not
+    # built) gives the same products bit for bit
+    assert vnni_quads_head._packed_chunks is None
+    x = _hidden(rows) * torch.linspace(0.5, 4.0, rows)[:, None]
+    values, scale = quantize_int8_rows(weight, 127)
+    x_values, x_scale = quantize_rows_uint8(x)
+    want = ((x_values.double() - 128) @ values.double().t()) * scale.double() * x_scale.double()
+    got = vnni_quads_head(x)
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
+    assert (vnni_quads_head._packed_chunks is not None) == (rows > QUADS_BESIDE_PACKED_MAX_ROWS)
+    assert vnni_quads_head.greedy(x, None) == got.argmax(dim=-1).tolist()
+    assert torch.equal(vnni_quads_head(x[:1]), got[:1])  # a row's logits whatever its step holds
+    monkeypatch.setattr("hybridserve.models.layers.head.quads_kernel", lambda: None)
+    onednn_head = OutputHead(weight, "int8")
+    assert onednn_head._quads is None
+    assert torch.equal(onednn_head(x), got)
+    assert onednn_head.greedy(x, None) == vnni_quads_head.greedy(x, None)
+
+
 def test_a_quads_head_holds_its_values_once(quads_head: OutputHead) -> None:
     # One int8 weight of the vocabulary (chunks are views of it) and a scale and column sum
     # per row: no second packed copy for another row count
@@ -244,9 +285,10 @@ needs_amx = pytest.mark.skipif(amx_kernel() is None, reason="no AMX int8 tiles (
 
 @pytest.mark.parametrize("path", [PACKED, PLAIN, FBGEMM, AMX])
 def test_chunk_rows_follow_the_int8_path(path: str, weight: torch.Tensor, monkeypatch) -> None:
-    # fbgemm's path takes smaller chunks (FBGEMM_HEAD_CHUNK_ROWS: 40,000 rows are 3 chunks,
-    # the last of 7,232 rows); the others HEAD_CHUNK_ROWS. Every chunking gives the same greedy
-    # tokens as the argmax of the whole logits.
+    # fbgemm's path and a head on int8_quads.c's kernel (on fbgemm's or oneDNN's path, where
+    # it is built and takes the weights' levels) take smaller chunks (16384: 40,000 rows are 3
+    # chunks, the last of 7,232 rows); the others HEAD_CHUNK_ROWS. Every chunking gives the
+    # same greedy tokens as the argmax of the whole logits.
     if path == FBGEMM and not fbgemm_available():
         pytest.skip("this torch has no fbgemm")
     if path == AMX and amx_kernel() is None:
@@ -255,8 +297,11 @@ def test_chunk_rows_follow_the_int8_path(path: str, weight: torch.Tensor, monkey
     monkeypatch.setattr("hybridserve.models.layers.head.int8_path", lambda: path)
     released: list[tuple[int, int]] = []
     head = OutputHead(weight, "int8", lambda a, b: released.append((a, b)))
-    if path == FBGEMM:
-        assert head.chunk_rows == FBGEMM_HEAD_CHUNK_ROWS == 16384
+    kernel = quads_kernel()
+    on_quads = path in (FBGEMM, PACKED) and kernel is not None and gemm_weight_levels() <= kernel.max_level
+    assert (head._quads is not None) == on_quads
+    if path == FBGEMM or on_quads:
+        assert head.chunk_rows == (QUADS_HEAD_CHUNK_ROWS if on_quads else FBGEMM_HEAD_CHUNK_ROWS) == 16384
         assert released == _int8_releases([(0, 16384), (16384, 32768), (32768, VOCAB)])
     else:
         assert head.chunk_rows == HEAD_CHUNK_ROWS

@@ -1,5 +1,6 @@
-"""models/layers/int8_quads.py: the layout by hand, the kernel's products by hand and at the
-int16 pairs' saturation edge, against exact sums for all shapes (hypothesis), bad input."""
+"""models/layers/int8_quads.py: the layout by hand, the kernel's products by hand, at the
+int16 pairs' saturation edge (AVX2) and at the full 127 levels (AVX512-VNNI, where the build
+has it), against exact sums for all shapes (hypothesis), bad input."""
 
 from __future__ import annotations
 
@@ -62,6 +63,11 @@ def test_shapes_and_levels_it_refuses() -> None:
         fill_quads(weight, 0, torch.full((TILE, 8), -64, dtype=torch.int8), torch.ones(TILE))
     with pytest.raises(ValueError, match="do not fit"):
         fill_quads(weight, 8, torch.zeros(TILE, 8, dtype=torch.int8), torch.ones(TILE))
+    # a VNNI build's kernel takes every level but -128 (max_level 127)
+    fill_quads(weight, 0, torch.full((TILE, 8), -127, dtype=torch.int8), torch.ones(TILE), max_level=127)
+    assert unpack_quads(weight).eq(-127).all() and weight.colsum.eq(-127 * 8).all()
+    with pytest.raises(ValueError, match="at most 127 levels"):
+        fill_quads(weight, 0, torch.full((TILE, 8), -128, dtype=torch.int8), torch.ones(TILE), max_level=127)
     with pytest.raises(ValueError, match="whole tiles"):
         weight.rows(0, 8)
 
@@ -97,20 +103,51 @@ def test_products_at_the_int16_pairs_edge() -> None:
     assert torch.equal(out, torch.stack([sign, -sign]) * 5_120_640.0)
 
 
+def test_the_kernels_levels_follow_its_build() -> None:
+    # 127 where the build has AVX512-VNNI (it is built for this CPU's flags, where the
+    # compiler takes them), else 63
+    if KERNEL is None:
+        pytest.skip("no int8_quads kernel here (no AVX2 or no compiler)")
+    from hybridserve.models.platform import native_build
+    from hybridserve.models.platform.cpu_features import read_cpu_flags
+
+    flags = native_build._accepted(native_build._compiler(), native_build.isa_flags(read_cpu_flags()))
+    assert KERNEL.max_level == (127 if "-mavx512vnni" in flags else 63)
+
+
+@needs_kernel
+def test_products_at_the_full_levels() -> None:
+    # VNNI's dot products add u8 x s8 straight into int32: activations 127 (stored 255)
+    # against weights 127 and -127 (stored 1) against -127 over 640 k make each column's
+    # sum 640 x 127 x 127 = 10,322,560 (exact in float32: below 2^24)
+    if KERNEL.max_level < 127:
+        pytest.skip("this build of the kernel takes 63 levels (AVX2 alone)")
+    k = 640
+    values = torch.full((TILE, k), 127, dtype=torch.int8)
+    values[1::2] = -127
+    x = torch.full((9, k), 255, dtype=torch.uint8)  # a register block of 8 rows and one more
+    x[1::2] = 1
+    out = KERNEL(x, pack_quads(values, torch.ones(TILE), 127))
+    sign = torch.tensor([1.0, -1.0] * (TILE // 2))
+    rows = torch.stack([sign if r % 2 == 0 else -sign for r in range(9)])
+    assert torch.equal(out, rows * 10_322_560.0)
+
+
 @needs_kernel
 @settings(max_examples=40, deadline=None)
-@given(rows=st.integers(0, 11), tiles=st.integers(1, 4), quads=st.integers(1, 40), seed=st.integers(0, 2**31 - 1),
+@given(rows=st.integers(0, 19), tiles=st.integers(1, 4), quads=st.integers(1, 40), seed=st.integers(0, 2**31 - 1),
        scaled=st.booleans())
 def test_products_equal_the_exact_sums_times_the_scales(rows: int, tiles: int, quads: int, seed: int, scaled: bool) -> None:
     # Any row count (register blocks and their remainders), tile count and depth: torch's
     # int32 sums times the weight's scale, bit for bit; the activations' row scale after
     g = torch.Generator().manual_seed(seed)
     n, k = tiles * TILE, quads * QUAD
-    values = torch.randint(-63, 64, (n, k), generator=g, dtype=torch.int8)
+    top = KERNEL.max_level  # the build's levels: 127 with VNNI, 63 on AVX2 alone
+    values = torch.randint(-top, top + 1, (n, k), generator=g, dtype=torch.int8)
     scale = torch.rand(n, generator=g) + 0.01
     levels = torch.randint(-127, 128, (rows, k), generator=g, dtype=torch.int32)
     x_scale = torch.rand(rows, 1, generator=g) if scaled else None
-    got = quads_matmul(KERNEL, pack_quads(values, scale))((levels + 128).to(torch.uint8), x_scale)
+    got = quads_matmul(KERNEL, pack_quads(values, scale, top))((levels + 128).to(torch.uint8), x_scale)
     want = (levels.double() @ values.double().t()).float().mul(scale)  # exact sums (< 2^24), rounded once
     if x_scale is not None:
         want = want.mul(x_scale)

@@ -23,6 +23,9 @@ def test_isa_flags_follow_the_cpu() -> None:
     zen4 = frozenset({"avx512f", "avx512bw", "avx512_bf16", "avx2", "fma"})
     assert isa_flags(zen4, "x86_64") == ("-mavx512f", "-mavx2", "-mfma", "-mavx512bf16")
     assert isa_flags(zen4 - {"avx512bw"}, "x86_64") == ("-mavx512f", "-mavx2", "-mfma")
+    assert isa_flags(zen4 | {"avx512_vnni"}, "x86_64") == ("-mavx512f", "-mavx2", "-mfma", "-mavx512bf16",
+                                                          "-mavx512vnni")
+    assert isa_flags(frozenset({"avx2", "fma", "avx512_vnni"}), "x86_64") == ("-mavx2", "-mfma")  # no AVX-512F
 
 
 def test_a_flag_the_compiler_refuses_is_dropped(monkeypatch) -> None:  # type: ignore[no-untyped-def]

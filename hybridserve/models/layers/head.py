@@ -14,10 +14,10 @@ parameters) and its bytes set the decode speed, so it gets its own representatio
   values and packed copy (the load's peak). On an x86 CPU with int8 dot products (VNNI / AMX-INT8) or AVX2 the hidden
   states are quantized too, per row (symmetric, 127 levels), and an int8 GEMM multiplies
   them (with AMX's integer tiles int8_amx.c, which also reduces each chunk to greedy's
-  argmax or to sampling's span summaries as it goes; with VNNI oneDNN's
-  `onednn.qlinear_pointwise`; on AVX2 alone int8_quads.c's u8 x s8 products, with the
-  weights narrowed to 63 levels, or fbgemm's where that kernel is not built:
-  models/layers/int8.py, int8_quads.py): at a decode
+  argmax or to sampling's span summaries as it goes; else int8_quads.c's u8 x s8
+  products, by VNNI's dot products or, on AVX2 alone, with the weights narrowed to 63
+  levels; where that kernel is not built, oneDNN's `onednn.qlinear_pointwise` (VNNI) or
+  fbgemm's GEMM (AVX2): models/layers/int8.py, int8_quads.py): at a decode
   batch of 64 the head is compute-bound, and the int8 dot products run several times
   faster than bf16 ones without AMX (`benchmarks/int8_rows.py`). Elsewhere PyTorch's
   weight-only int8 kernel (`_weight_int8pack_mm`) multiplies bfloat16 activations.
@@ -39,13 +39,13 @@ import torch
 from hybridserve.core.errors import ConfigError
 from hybridserve.models.layers.chunk_argmax import ChunkArgmax, chunk_argmax_kernel
 from hybridserve.models.layers import int8
-from hybridserve.models.layers.int8 import (FBGEMM, NARROW_WEIGHT_LEVELS, QUANTIZERS, BlockDone, int8_gemm_available,
+from hybridserve.models.layers.int8 import (FBGEMM, PACKED, QUANTIZERS, BlockDone, int8_gemm_available,
                                            int8_matmul, int8_path, quantize_gemm_weight, quantize_int8_rows,
                                            quantize_rows_uint8)
 from hybridserve.models.layers.int8_amx import AmxProduct, AmxSpanSource
 from hybridserve.models.layers.int8_quads import TILE as QUADS_TILE
 from hybridserve.models.layers.int8_quads import (QuadsKernel, QuadsWeight, fill_quads, quads_fit, quads_kernel,
-                                                 quads_matmul, zero_quads)
+                                                 quads_matmul, unpack_quads, zero_quads)
 from hybridserve.models.layers.linear import make_linear
 from hybridserve.models.layers.span_kernel import KERNEL
 from hybridserve.models.layers.span_logits import EXP_FLOOR, SPAN, LogitsBuffer, SpanLogits, padded_width
@@ -62,16 +62,26 @@ HEAD_CHUNK_ROWS = 32768
 # 32768 loses at 64 rows, while each chunk's call costs its own fixed time, which smaller
 # chunks repeat (`python benchmarks/head_chunks.py --isa avx2`; benchmarks/results/head_chunks.md).
 FBGEMM_HEAD_CHUNK_ROWS = 16384
+# Vocabulary rows per chunk of a head on int8_quads.c's kernel: as fbgemm's, and on VNNI
+# 16384 was as fast as 32768 or faster at 1, 16 and 64 rows (`python benchmarks/head_chunks.py
+# --chunks 16384,32768 --rows 1,16,64`; benchmarks/results/head_chunks.md, "VNNI").
+QUADS_HEAD_CHUNK_ROWS = 16384
 # Columns per span of row_max's first pass: short enough that searching the winning span
 # again costs little, long enough that the span maxima are few.
 ARGMAX_SPAN = 128
 # Up to this many rows span_logits summarises its whole buffer at once, and greedy reduces
 # whole rows once, not chunk by chunk.
 FEW_ROWS = 4
-# Up to this many rows a head on int8_quads.c's kernel (AVX2 alone) multiplies the whole
+# Up to this many rows a head on int8_quads.c's kernel (AVX2 alone or VNNI) multiplies the whole
 # vocabulary in one call, a few rows' logits then reduced at once; more rows go chunk by
 # chunk, each reduced while in cache (benchmarks/results/head_chunks.md, "one copy").
 QUADS_WHOLE_MAX_ROWS = 8
+# On oneDNN's path (VNNI without AMX), up to this many rows multiply on int8_quads.c's kernel
+# (about half of oneDNN's time at one row, alike at 16); more rows on oneDNN's packed chunks,
+# packed from the quads' values at the first such step, a second copy that only batches that
+# large pay for: there oneDNN's GEMM took 0.75-0.85x the kernel's time
+# (benchmarks/results/head_chunks.md, "VNNI").
+QUADS_BESIDE_PACKED_MAX_ROWS = 16
 INT4_GROUP_SIZE = 32  # hidden-dim weights sharing one int4 scale and offset (as GGUF's Q4_K sub-blocks)
 INT4_LAYERS = "q4"  # --quantization: the decoder's linears as int4 groups (models/layers/int4.py)
 # --quantization: the decoder's linears as the GGUF's own int8 groups (models/layers/int8_groups.py)
@@ -153,14 +163,16 @@ def _shifted(release_rows: ReleaseRows, offset: int, start: int, stop: int) -> N
 
 def _quads_head(weight: torch.Tensor) -> tuple[QuadsKernel, QuadsWeight] | None:
     """(int8_quads.c's kernel, a zero quads weight of `weight`'s shape to fill chunk by chunk)
-    where an int8 x int8 head on fbgemm's path can take it instead: the kernel built, the
-    weights narrowed to 63 levels (a CPU without int8 dot products) and the shape whole
-    tiles and quads; else None (fbgemm's chunks)."""
+    where an int8 x int8 head on fbgemm's or oneDNN's path can take it instead: the kernel
+    built, taking the weights' levels (int8.gemm_weight_levels: 127 with VNNI, 63 on AVX2
+    alone), and the shape whole tiles and quads; else None (fbgemm's or oneDNN's chunks)."""
     n, k = weight.shape
-    if weight.device.type != "cpu" or int8.gemm_weight_levels() > NARROW_WEIGHT_LEVELS or not quads_fit(n, k):
+    if weight.device.type != "cpu" or not quads_fit(n, k):
         return None
     kernel = quads_kernel()
-    return None if kernel is None else (kernel, zero_quads(n, k))
+    if kernel is None or int8.gemm_weight_levels() > kernel.max_level:
+        return None
+    return kernel, zero_quads(n, k)
 
 
 class OutputHead:
@@ -169,7 +181,8 @@ class OutputHead:
     def __init__(self, weight: torch.Tensor, quantization: str, release_rows: ReleaseRows | None = None,
                  chunk_rows: int | None = None, column_factors: torch.Tensor | None = None) -> None:
         """`chunk_rows`: vocabulary rows per chunk (default: HEAD_CHUNK_ROWS, or
-        FBGEMM_HEAD_CHUNK_ROWS on fbgemm's int8 path). `column_factors`: the smoothing of
+        QUADS_HEAD_CHUNK_ROWS on int8_quads.c's kernel, FBGEMM_HEAD_CHUNK_ROWS on fbgemm's).
+        `column_factors`: the smoothing of
         an int8 x int8 head (models/layers/smoothing.py: what produces the input has divided
         it by them), multiplied into the weight's columns before they are quantized."""
         self.out_dtype = weight.dtype
@@ -182,13 +195,20 @@ class OutputHead:
         # The decoder's int8 path (models/layers/int8.int8_path), one for every row count:
         # the head's weights are held once.
         self._int8_path = int8_path()
+        # On fbgemm's or oneDNN's path, int8_quads.c's kernel where it is built: the whole
+        # vocabulary in one weight that every row count reads (chunks are views of it),
+        # instead of packed chunks (int8_quads.py says why)
+        on_quads_path = self._int8_activations and self._int8_path in (FBGEMM, PACKED)
+        whole_tiles = (chunk_rows or QUADS_TILE) % QUADS_TILE == 0
+        self._quads = _quads_head(weight) if on_quads_path and whole_tiles else None
         on_fbgemm = self._int8_activations and self._int8_path == FBGEMM
-        self.chunk_rows = chunk_rows or (FBGEMM_HEAD_CHUNK_ROWS if on_fbgemm else HEAD_CHUNK_ROWS)
+        self.chunk_rows = chunk_rows or (QUADS_HEAD_CHUNK_ROWS if self._quads is not None
+                                         else FBGEMM_HEAD_CHUNK_ROWS if on_fbgemm else HEAD_CHUNK_ROWS)
         self._chunks: list[Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]] = []
-        # On fbgemm's path, int8_quads.c's kernel where it is built: the whole vocabulary in
-        # one weight that every row count reads (chunks are views of it), instead of fbgemm's
-        # packed chunks (int8_quads.py says why)
-        self._quads = _quads_head(weight) if on_fbgemm and self.chunk_rows % QUADS_TILE == 0 else None
+        # oneDNN's packed chunks beside a quads head on its path, for steps of more than
+        # QUADS_BESIDE_PACKED_MAX_ROWS rows: packed at the first such step (_chunks_for)
+        self._packed_beside = self._quads is not None and self._int8_path == PACKED
+        self._packed_chunks: list[Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]] | None = None
         self._logits_buffer = LogitsBuffer(self.vocab_size)
         for start in range(0, self.vocab_size, self.chunk_rows):
             stop = min(start + self.chunk_rows, self.vocab_size)
@@ -219,7 +239,7 @@ class OutputHead:
                 values, scale = quantize_gemm_weight(w, block_done, self._column_factors)
                 if self._quads is not None:
                     kernel, whole = self._quads
-                    fill_quads(whole, first_row, values, scale)
+                    fill_quads(whole, first_row, values, scale, kernel.max_level)
                     return quads_matmul(kernel, whole.rows(first_row, first_row + values.shape[0])), False
                 return int8_matmul(self._int8_path, values, scale), False
             values, scale = quantize_int8_rows(w, block_done=block_done)
@@ -247,14 +267,31 @@ class OutputHead:
             return quantize_rows_uint8(x) if self._quads is not None else QUANTIZERS[self._int8_path](x)
         return x.to(torch.bfloat16), None
 
+    def _chunks_for(self, rows: int) -> list[Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]]:
+        """The chunks' products for a step of `rows` rows: the head's own chunks, or beside a
+        quads head on oneDNN's path, above QUADS_BESIDE_PACKED_MAX_ROWS rows, oneDNN's packed
+        chunks of the same rows and values (packed at the first such step): the same
+        products, as plain_matmul's, bit for bit."""
+        if not self._packed_beside or rows <= QUADS_BESIDE_PACKED_MAX_ROWS:
+            return self._chunks
+        if self._packed_chunks is None:
+            assert self._quads is not None
+            _, whole = self._quads
+            self._packed_chunks = []
+            for start in range(0, self.vocab_size, self.chunk_rows):
+                rows_of = whole.rows(start, min(start + self.chunk_rows, self.vocab_size))
+                self._packed_chunks.append(int8_matmul(PACKED, unpack_quads(rows_of).contiguous(), rows_of.scale))
+            release_free_heap()  # the unpacked values' holes (models/platform/heap.py)
+        return self._packed_chunks
+
     def _products(self, hidden: torch.Tensor
                   ) -> tuple[list[Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]], HeadInput]:
         """The chunks' products for `hidden` and their input: up to QUADS_WHOLE_MAX_ROWS rows
         of a head on int8_quads.c's kernel one product of the whole vocabulary (the same
-        values as its chunks'), else the chunks."""
+        values as its chunks'), else the chunks (_chunks_for)."""
         if self._quads is not None and hidden.shape[0] <= QUADS_WHOLE_MAX_ROWS:
             return [quads_matmul(*self._quads)], self._input(hidden)
-        return self._chunks, self._input(hidden)
+        return self._chunks_for(hidden.shape[0]), self._input(hidden)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         chunks, x = self._products(hidden)
@@ -280,7 +317,7 @@ class OutputHead:
         index) while it is in cache, through row_max (first maximal index, as argmax)."""
         x = self._input(hidden)
         values, indices = [], []
-        for start, chunk in zip(range(0, self.vocab_size, self.chunk_rows), self._chunks):
+        for start, chunk in zip(range(0, self.vocab_size, self.chunk_rows), self._chunks_for(hidden.shape[0])):
             out = chunk(*x)
             if softcap:  # as logits(): tanh can make distinct logits equal, so argmax must see it
                 out = torch.tanh(out.to(self.out_dtype) / softcap) * softcap
@@ -296,9 +333,10 @@ class OutputHead:
         one [chunks, rows] pair merged once; a chunk of another dtype takes row_max."""
         values, row_scale = self._input(hidden)
         rows = values.shape[0]
-        best = torch.empty(len(self._chunks), rows)
-        index = torch.empty(len(self._chunks), rows, dtype=torch.int64)
-        for c, (start, chunk) in enumerate(zip(range(0, self.vocab_size, self.chunk_rows), self._chunks)):
+        chunks = self._chunks_for(rows)
+        best = torch.empty(len(chunks), rows)
+        index = torch.empty(len(chunks), rows, dtype=torch.int64)
+        for c, (start, chunk) in enumerate(zip(range(0, self.vocab_size, self.chunk_rows), chunks)):
             out = chunk(values, None)
             if kernel.supports(out):
                 kernel(out, row_scale, start, best[c], index[c])

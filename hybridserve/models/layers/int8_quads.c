@@ -1,18 +1,24 @@
-/* The int8 x int8 product of models/layers/int8_quads.py on AVX2 alone (its docstring says
- * where it serves and why): uint8 activations (whole levels + 128, quantize_rows_uint8's)
- * times int8 weight rows of at most 63 levels, the exact int32 sums scaled by each weight
- * row's float32 scale.
+/* The int8 x int8 product of models/layers/int8_quads.py (its docstring says where it
+ * serves and why): uint8 activations (whole levels + 128, quantize_rows_uint8's) times int8
+ * weight rows, the exact int32 sums scaled by each weight row's float32 scale.
  *
  * Layout ("quads"): the weight [N, K] as [N / TILE][K / 4][TILE][4] int8, four consecutive k
- * of a column side by side, so one 32-byte load holds four k of eight columns. vpmaddubsw
- * multiplies those by four broadcast activations and adds each pair into int16 (exact: a pair
- * is at most 2 x 255 x 63 = 32,130, within int16, which is why the weights have 63 levels on
- * this CPU: int8.gemm_weight_levels); vpmaddwd by ones adds the two pairs of a column into
- * int32 and vpaddd accumulates. The activations' +128 adds 128 x (the column's sum of
- * weights) to each sum, taken out by starting the accumulator at -128 x that sum (colsum,
- * made when the weight is packed). Each sum is at most K x 127 x 63 in magnitude, exact in
- * int32 and in float32 up to K = 2,096 (2^24 / 8,001): the float32 result is then
- * float(sum) x scale[n] rounded once, as torch._int_mm's product times the scale gives.
+ * of a column side by side, so one 64-byte line holds four k of a tile's sixteen columns.
+ * The activations' +128 adds 128 x (the column's sum of weights) to each sum, taken out by
+ * starting the accumulator at -128 x that sum (colsum, made when the weight is packed).
+ *
+ * Two instruction sets, one layout and one result:
+ * - AVX512-VNNI: vpdpbusd multiplies a line by four broadcast activations and adds each
+ *   column's four u8 x s8 products straight into its int32 sum, so weights keep all 127
+ *   levels (quads_levels). Each sum is at most K x 127 x 127 in magnitude, exact in float32
+ *   up to K = 1,040 (2^24 / 16,129).
+ * - AVX2: vpmaddubsw multiplies 32 bytes by the broadcast activations and adds each pair
+ *   into int16 (exact: a pair is at most 2 x 255 x 63 = 32,130, within int16, which is why
+ *   the weights have 63 levels there: int8.gemm_weight_levels); vpmaddwd by ones adds the
+ *   two pairs of a column into int32 and vpaddd accumulates. Each sum is at most
+ *   K x 127 x 63, exact in float32 up to K = 2,096.
+ * Either way the float32 result is float(sum) x scale[n] rounded once, as torch._int_mm's
+ * product times the scale gives.
  *
  * Threads take tiles of TILE columns; a tile's weights (K x TILE bytes, 10 KB at K = 640)
  * stay in L1 while every block of ROWS rows reads them. */
@@ -25,13 +31,104 @@
 
 int quads_tile(void) { return TILE; }
 
-#if defined(__AVX2__)
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+
+#define ROWS 8              /* rows per register block: 16 accumulators of AVX-512's 32 registers */
+#define PREFETCH_BYTES 1024 /* how far ahead of the loads the weights are asked for */
+
+int quads_available(void) { return 1; }
+int quads_levels(void) { return 127; }
+
+/* `mb` rows (a constant once inlined) of x (rows ldx apart) times `nt` (1 or 2, a constant)
+ * consecutive tiles' quads from wt (tiles K x TILE bytes apart) into out (rows ldo apart, the
+ * first tile's first column). Two tiles a step use each broadcast activation twice, so a
+ * batch's products are not bound by the broadcasts; a lone tile (one row, or an odd tile
+ * count's last) splits its quads between two accumulators instead, so a row's sums are not
+ * one chain of dependent vpdpbusd. */
+static inline __attribute__((always_inline)) void quads_rows(const int mb, const int nt, const uint8_t *x,
+                                                             int64_t ldx, int64_t K, const int8_t *wt,
+                                                             const int32_t *colsum, const float *scale, float *out,
+                                                             int64_t ldo) {
+    const __m512i minus128 = _mm512_set1_epi32(-128);
+    const int8_t *wt1 = wt + K * TILE;
+    __m512i acc[ROWS][2];
+    for (int r = 0; r < mb; r++) {
+        acc[r][0] = _mm512_mullo_epi32(_mm512_loadu_si512(colsum), minus128);
+        acc[r][1] = nt == 2 ? _mm512_mullo_epi32(_mm512_loadu_si512(colsum + TILE), minus128) : _mm512_setzero_si512();
+    }
+    const int64_t quads = K / 4;
+    if (nt == 2) {
+        for (int64_t q = 0; q < quads; q++) {
+            const int8_t *w = wt + q * 4 * TILE, *v = wt1 + q * 4 * TILE;
+            __builtin_prefetch(w + PREFETCH_BYTES, 0, 0);
+            __builtin_prefetch(v + PREFETCH_BYTES, 0, 0);
+            const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(v);
+            for (int r = 0; r < mb; r++) {
+                int32_t four;
+                memcpy(&four, x + r * ldx + q * 4, sizeof four);
+                const __m512i xb = _mm512_set1_epi32(four);
+                acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], xb, w0);
+                acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], xb, w1);
+            }
+        }
+    } else {
+        int64_t q = 0;
+        for (; q + 2 <= quads; q += 2) {
+            const int8_t *w = wt + q * 4 * TILE;
+            __builtin_prefetch(w + PREFETCH_BYTES, 0, 0);
+            __builtin_prefetch(w + PREFETCH_BYTES + 64, 0, 0);
+            const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 4 * TILE);
+            for (int r = 0; r < mb; r++) {
+                int32_t four[2];
+                memcpy(four, x + r * ldx + q * 4, sizeof four);
+                acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], _mm512_set1_epi32(four[0]), w0);
+                acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], _mm512_set1_epi32(four[1]), w1);
+            }
+        }
+        if (q < quads) { /* an odd number of quads: the last one */
+            const __m512i w0 = _mm512_loadu_si512(wt + q * 4 * TILE);
+            for (int r = 0; r < mb; r++) {
+                int32_t four;
+                memcpy(&four, x + r * ldx + q * 4, sizeof four);
+                acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], _mm512_set1_epi32(four), w0);
+            }
+        }
+        for (int r = 0; r < mb; r++) {
+            acc[r][0] = _mm512_add_epi32(acc[r][0], acc[r][1]);
+        }
+    }
+    const __m512 s0 = _mm512_loadu_ps(scale);
+    for (int r = 0; r < mb; r++) {
+        _mm512_storeu_ps(out + r * ldo, _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][0]), s0));
+    }
+    if (nt == 2) {
+        const __m512 s1 = _mm512_loadu_ps(scale + TILE);
+        for (int r = 0; r < mb; r++) {
+            _mm512_storeu_ps(out + r * ldo + TILE, _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][1]), s1));
+        }
+    }
+}
+
+#define TILES_A_STEP 2 /* tiles each step of quads_matmul's loop takes (a last odd one alone) */
+#define ROW_CASES(nt, xm, om)                                                                                    \
+    case 1: quads_rows(1, nt, xm, ldx, K, wt, ct, st, om, ldo); break;                                          \
+    case 2: quads_rows(2, nt, xm, ldx, K, wt, ct, st, om, ldo); break;                                          \
+    case 3: quads_rows(3, nt, xm, ldx, K, wt, ct, st, om, ldo); break;                                          \
+    case 4: quads_rows(4, nt, xm, ldx, K, wt, ct, st, om, ldo); break;                                          \
+    case 5: quads_rows(5, nt, xm, ldx, K, wt, ct, st, om, ldo); break;                                          \
+    case 6: quads_rows(6, nt, xm, ldx, K, wt, ct, st, om, ldo); break;                                          \
+    case 7: quads_rows(7, nt, xm, ldx, K, wt, ct, st, om, ldo); break;                                          \
+    default: quads_rows(ROWS, nt, xm, ldx, K, wt, ct, st, om, ldo); break;
+
+#elif defined(__AVX2__)
 #include <immintrin.h>
 
 #define ROWS 4            /* rows per register block: 8 accumulators of AVX2's 16 registers */
 #define PREFETCH_BYTES 1024 /* how far ahead of the loads the weights are asked for */
 
 int quads_available(void) { return 1; }
+int quads_levels(void) { return 63; }
 
 /* `mb` rows (a constant once inlined) of x (rows ldx apart) times one tile's quads (wt) into
  * out (rows ldo apart, the tile's first column). */
@@ -66,31 +163,44 @@ static inline __attribute__((always_inline)) void quads_rows(const int mb, const
     }
 }
 
+#define TILES_A_STEP 1
+#define ROW_CASES(nt, xm, om)                                                                                    \
+    case 1: quads_rows(1, xm, ldx, K, wt, ct, st, om, ldo); break;                                              \
+    case 2: quads_rows(2, xm, ldx, K, wt, ct, st, om, ldo); break;                                              \
+    case 3: quads_rows(3, xm, ldx, K, wt, ct, st, om, ldo); break;                                              \
+    default: quads_rows(ROWS, xm, ldx, K, wt, ct, st, om, ldo); break;
+
+#endif
+
+#ifdef ROWS /* one of the kernels above is built */
 /* x: uint8 [M, K] (levels + 128), rows ldx apart; w: the quads layout above, N a multiple
  * of TILE, K of 4; colsum: int32 [N], each column's sum of weights; scale: float32 [N];
  * out: float32 [M, N], rows ldo apart. */
 void quads_matmul(const uint8_t *x, int64_t ldx, int64_t M, int64_t K, const int8_t *w, const int32_t *colsum,
                   const float *scale, int64_t N, float *out, int64_t ldo, int32_t num_threads) {
-    const int64_t tiles = N / TILE;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (tiles > 1)
-    for (int64_t t = 0; t < tiles; t++) {
+    const int64_t tiles = N / TILE, steps = (tiles + TILES_A_STEP - 1) / TILES_A_STEP;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (steps > 1)
+    for (int64_t u = 0; u < steps; u++) {
+        const int64_t t = u * TILES_A_STEP;
         const int8_t *wt = w + t * K * TILE;
         const int32_t *ct = colsum + t * TILE;
         const float *st = scale + t * TILE;
+        const int whole = t + TILES_A_STEP <= tiles; /* else the last odd tile, alone */
         for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
             const uint8_t *xm = x + m0 * ldx;
             float *om = out + m0 * ldo + t * TILE;
-            switch (M - m0 < ROWS ? M - m0 : ROWS) {
-            case 1: quads_rows(1, xm, ldx, K, wt, ct, st, om, ldo); break;
-            case 2: quads_rows(2, xm, ldx, K, wt, ct, st, om, ldo); break;
-            case 3: quads_rows(3, xm, ldx, K, wt, ct, st, om, ldo); break;
-            default: quads_rows(ROWS, xm, ldx, K, wt, ct, st, om, ldo); break;
+            const int64_t mb = M - m0 < ROWS ? M - m0 : ROWS;
+            if (whole) {
+                switch (mb) { ROW_CASES(TILES_A_STEP, xm, om) }
+            } else {
+                switch (mb) { ROW_CASES(1, xm, om) }
             }
         }
     }
 }
 #else
 int quads_available(void) { return 0; }
+int quads_levels(void) { return 0; }
 
 void quads_matmul(const uint8_t *x, int64_t ldx, int64_t M, int64_t K, const int8_t *w, const int32_t *colsum,
                   const float *scale, int64_t N, float *out, int64_t ldo, int32_t num_threads) {

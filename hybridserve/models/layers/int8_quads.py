@@ -1,18 +1,24 @@
-"""An int8 x int8 product for CPUs with AVX2 alone: int8_quads.c (its comment says how),
-built by models/platform/native_build.py, one weight layout for every row count.
+"""An int8 x int8 product for CPUs without AMX: int8_quads.c (its comment says how), built
+by models/platform/native_build.py, one weight layout for every row count.
 
-Where it serves: the output head on AVX2 alone (models/layers/head.py), in place of
-fbgemm's GEMM and the i16 copy beside it for a few rows. fbgemm's packed matrix is 1.6x
-the int8 values (a [262144, 640] head packs into 259 MB), and its GEMM reads one row's head
-at well under the memory's speed, so a head that served both one stream and batches held
-its weights twice (168 MB of values on the i16 path, 259 MB packed for fbgemm). This
-kernel reads the one copy at the memory's speed for a row and is faster than fbgemm's
-GEMM from 4 rows to 64 (benchmarks/results/head_chunks.md, "One copy").
+Where it serves: the output head (models/layers/head.py) on AVX2 alone, in place of fbgemm's
+GEMM, and on AVX512-VNNI without AMX, in place of oneDNN's packed GEMM. fbgemm's packed matrix
+is 1.6x the int8 values (a [262144, 640] head packs into 259 MB), and its GEMM reads one
+row's head at well under the memory's speed, so a head that served both one stream and
+batches held its weights twice (168 MB of values on the i16 path, 259 MB packed for fbgemm).
+This kernel reads the one copy at the memory's speed for a row and is faster than fbgemm's
+GEMM from 4 rows to 64 (benchmarks/results/head_chunks.md, "One copy"); on VNNI it reads a
+row's head in about half of oneDNN's time (head_chunks.md, "VNNI").
+
+Built for AVX512-VNNI (vpdpbusd: u8 x s8 straight into int32) it takes weights of all 127
+levels; built for AVX2 alone (vpmaddubsw's int16 pairs) at most NARROW_WEIGHT_LEVELS, as
+int8.gemm_weight_levels narrows them there. QuadsKernel.max_level says which.
 
 The product is plain_matmul's (int8.py) bit for bit: exact int32 sums of the activations'
 levels times the weight's, times the weight row's float32 scale; the activations' row
 scale after it. Checked once against torch._int_mm on made-up extremes before first use;
-where it cannot be built or differs, the head keeps fbgemm (one warning says why).
+where it cannot be built or differs, the head keeps fbgemm's or oneDNN's GEMM (one warning
+says why).
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ _SUM_ROWS = 1024
 
 
 class QuadsWeight(NamedTuple):
-    """int8 weight rows [N, K] of at most NARROW_WEIGHT_LEVELS levels in int8_quads.c's
+    """int8 weight rows [N, K] (at most the kernel's max_level levels) in int8_quads.c's
     layout: values [N / TILE, K / QUAD, TILE, QUAD]; colsum int32 [N], each row's sum of
     values; scale float32 [N], each row's scale."""
 
@@ -72,15 +78,18 @@ def zero_quads(rows: int, cols: int) -> QuadsWeight:
                        torch.zeros(rows, dtype=torch.int32), torch.zeros(rows, dtype=torch.float32))
 
 
-def fill_quads(weight: QuadsWeight, first_row: int, values: torch.Tensor, scale: torch.Tensor) -> None:
-    """Rows first_row .. of zero_quads' `weight` from int8 `values` [rows, K] and their
-    float32 `scale` [rows] (first_row and rows whole tiles)."""
+def fill_quads(weight: QuadsWeight, first_row: int, values: torch.Tensor, scale: torch.Tensor,
+               max_level: int = NARROW_WEIGHT_LEVELS) -> None:
+    """Rows first_row .. of zero_quads' `weight` from int8 `values` [rows, K] of at most
+    `max_level` levels (the kernel's: QuadsKernel.max_level) and their float32 `scale` [rows]
+    (first_row and rows whole tiles)."""
     rows, cols = values.shape
     if (values.dtype != torch.int8 or cols != weight.shape[1] or first_row % TILE or rows % TILE
             or first_row + rows > weight.shape[0] or scale.shape != (rows,)):
         raise ValueError(f"int8 rows {first_row}..{first_row + rows} of {cols} do not fit quads {weight.shape}")
-    if rows and not -NARROW_WEIGHT_LEVELS <= int(values.min()) <= int(values.max()) <= NARROW_WEIGHT_LEVELS:
-        raise ValueError(f"quads weights take at most {NARROW_WEIGHT_LEVELS} levels (int16 pairs must not saturate)")
+    if rows and not -max_level <= int(values.min()) <= int(values.max()) <= max_level:
+        why = " (int16 pairs must not saturate)" if max_level == NARROW_WEIGHT_LEVELS else ""
+        raise ValueError(f"quads weights take at most {max_level} levels{why}")
     weight.values[first_row // TILE : (first_row + rows) // TILE] = (
         values.view(rows // TILE, TILE, cols // QUAD, QUAD).permute(0, 2, 1, 3))
     for start in range(0, rows, _SUM_ROWS):  # the int32 copy a sum makes, a block at a time
@@ -89,10 +98,10 @@ def fill_quads(weight: QuadsWeight, first_row: int, values: torch.Tensor, scale:
     weight.scale[first_row : first_row + rows] = scale
 
 
-def pack_quads(values: torch.Tensor, scale: torch.Tensor) -> QuadsWeight:
-    """int8 values [N, K] and float32 scale [N] as one quads weight."""
+def pack_quads(values: torch.Tensor, scale: torch.Tensor, max_level: int = NARROW_WEIGHT_LEVELS) -> QuadsWeight:
+    """int8 values [N, K] of at most `max_level` levels and float32 scale [N] as one quads weight."""
     weight = zero_quads(*values.shape)
-    fill_quads(weight, 0, values, scale)
+    fill_quads(weight, 0, values, scale, max_level)
     return weight
 
 
@@ -104,7 +113,9 @@ def unpack_quads(weight: QuadsWeight) -> torch.Tensor:
 
 class QuadsKernel:
     """(uint8 activations [M, K], levels + 128, unit column stride; a QuadsWeight [N, K])
-    -> float32 [M, N]: the exact int32 sums times each weight row's scale."""
+    -> float32 [M, N]: the exact int32 sums times each weight row's scale. `max_level`: the
+    largest |weight level| its build takes (127 with AVX512-VNNI, NARROW_WEIGHT_LEVELS with
+    AVX2 alone)."""
 
     def __init__(self) -> None:
         library = build("int8_quads", SOURCE)
@@ -114,6 +125,9 @@ class QuadsKernel:
         tile.restype = ctypes.c_int32
         if tile() != TILE:
             raise ValueError(f"int8_quads.c's tiles are {tile()} columns, int8_quads.py's {TILE}")
+        levels = library.quads_levels
+        levels.restype = ctypes.c_int32
+        self.max_level = int(levels())
         fn = library.quads_matmul
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         fn.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, i64, ctypes.c_int32]
@@ -140,7 +154,7 @@ class QuadsKernel:
 def quads_kernel() -> QuadsKernel | None:
     """The kernel, built and checked against torch._int_mm on first use; None where it
     cannot be built, the CPU lacks AVX2, or it differs (a warning says why)."""
-    return checked(QuadsKernel, _mismatch, "the int8 head stays on fbgemm")
+    return checked(QuadsKernel, _mismatch, "the int8 head stays on fbgemm's or oneDNN's GEMM")
 
 
 def quads_matmul(kernel: QuadsKernel, weight: QuadsWeight) -> Int8Matmul:
@@ -156,16 +170,16 @@ def quads_matmul(kernel: QuadsKernel, weight: QuadsWeight) -> Int8Matmul:
 
 def _mismatch(kernel: QuadsKernel) -> str:
     """'' when the kernel gives torch._int_mm's sums times the scale bit for bit on made-up
-    extremes (activation levels -127 and 127 against weights -63 and 63, every row count
-    up to a register block and a remainder, two tiles); else what differs."""
+    extremes (activation levels -127 and 127 against weights of the kernel's largest levels,
+    every row count up to a register block and a remainder, two tiles); else what differs."""
     g = torch.Generator().manual_seed(0)
-    rows, n, k = 7, 2 * TILE, 64
-    values = torch.randint(-NARROW_WEIGHT_LEVELS, NARROW_WEIGHT_LEVELS + 1, (n, k), generator=g, dtype=torch.int8)
-    values[0] = NARROW_WEIGHT_LEVELS
-    values[1] = -NARROW_WEIGHT_LEVELS
+    rows, n, k, top = 11, 2 * TILE, 64, kernel.max_level
+    values = torch.randint(-top, top + 1, (n, k), generator=g, dtype=torch.int8)
+    values[0] = top
+    values[1] = -top
     levels = torch.randint(-127, 128, (rows, k), generator=g, dtype=torch.int32)
     levels[0], levels[1] = 127, -127
     scale = torch.rand(n, generator=g) + 0.5
-    got = kernel((levels + UINT8_ZERO_POINT).to(torch.uint8), pack_quads(values, scale))
+    got = kernel((levels + UINT8_ZERO_POINT).to(torch.uint8), pack_quads(values, scale, top))
     want = torch._int_mm(levels.to(torch.int8), values.t()).mul(scale)
     return "" if torch.equal(got, want) else "differs from torch._int_mm's sums times the scale"

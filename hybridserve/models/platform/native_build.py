@@ -59,7 +59,9 @@ def isa_flags(cpu_flags: frozenset[str], machine: str | None = None) -> tuple[st
         # AVX512-BF16's conversion rounds a float32 vector to bf16 in one instruction
         # (native_vectors.h's round_bf16), where the CPU has it
         bf16 = ("-mavx512bf16",) if {"avx512_bf16", "avx512bw"} <= cpu_flags else ()
-        return ("-mavx512f", "-mavx2", "-mfma", *bf16)
+        # AVX512-VNNI's u8 x s8 dot product into int32 (int8_quads.c), where the CPU has it
+        vnni = ("-mavx512vnni",) if "avx512_vnni" in cpu_flags else ()
+        return ("-mavx512f", "-mavx2", "-mfma", *bf16, *vnni)
     if {"avx2", "fma"} <= cpu_flags:
         return ("-mavx2", "-mfma")
     return ()
@@ -73,9 +75,10 @@ def _compiler() -> str:
     return path
 
 
-# Flags a compiler may be too old for (GCC 9 and Clang 9 first took it): dropped where it
-# refuses them, so the kernels still build, with their portable code.
-OPTIONAL_FLAGS = ("-mavx512bf16",)
+# Flags a compiler may be too old for (GCC 9 and Clang 9 first took -mavx512bf16, GCC 8 and
+# Clang 6 -mavx512vnni): dropped where it refuses them, so the kernels still build, with their
+# portable code.
+OPTIONAL_FLAGS = ("-mavx512bf16", "-mavx512vnni")
 
 
 @cache

@@ -381,8 +381,7 @@ def _key_plan(layout: BatchLayout, starts: np.ndarray, counts: np.ndarray, windo
         return KeyPlan(first_blk, 0, True, _mask=None)  # a first chunk under full attention: plain causal
     parts = []
     if NB:
-        kp = first_blk[:, None] * bs + np.arange(NB * bs)[None, :]  # [B, NB*bs] key positions
-        in_range = (kp >= lo[:, None]) & (kp < end[:, None])
+        kp, in_range = _keys_in_range(first_blk, lo, end, bs, NB)
         if C == 1:  # a decode query reading from the batch: in range is causal and in window
             parts.append(in_range[:, None, :])
         else:
@@ -413,5 +412,12 @@ def decode_mask(first_blk: np.ndarray, lo: np.ndarray, end: np.ndarray, bs: int,
     """The mask of single-token queries reading after write: over the num_blocks blocks
     gathered from first_blk, each query sees the keys lo..end-1 (in range is causal and in
     window already)."""
-    kp = first_blk[:, None] * bs + np.arange(num_blocks * bs)[None, :]  # [B, NB*bs] key positions
-    return additive_mask(((kp >= lo[:, None]) & (kp < end[:, None]))[:, None, :], device, dtype)
+    return additive_mask(_keys_in_range(first_blk, lo, end, bs, num_blocks)[1][:, None, :], device, dtype)
+
+
+def _keys_in_range(first_blk: np.ndarray, lo: np.ndarray, end: np.ndarray, bs: int,
+                   num_blocks: int) -> tuple[np.ndarray, np.ndarray]:
+    """([B, num_blocks*bs] key positions of the blocks gathered from first_blk, whether each
+    is within its request's lo..end-1)."""
+    kp = first_blk[:, None] * bs + np.arange(num_blocks * bs)[None, :]
+    return kp, (kp >= lo[:, None]) & (kp < end[:, None])

@@ -207,7 +207,6 @@ class OutputHead:
         self._chunks: list[Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]] = []
         # oneDNN's packed chunks beside a quads head on its path, for steps of more than
         # QUADS_BESIDE_PACKED_MAX_ROWS rows: packed at the first such step (_chunks_for)
-        self._packed_beside = self._quads is not None and self._int8_path == PACKED
         self._packed_chunks: list[Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]] | None = None
         self._logits_buffer = LogitsBuffer(self.vocab_size)
         for start in range(0, self.vocab_size, self.chunk_rows):
@@ -272,10 +271,9 @@ class OutputHead:
         quads head on oneDNN's path, above QUADS_BESIDE_PACKED_MAX_ROWS rows, oneDNN's packed
         chunks of the same rows and values (packed at the first such step): the same
         products, as plain_matmul's, bit for bit."""
-        if not self._packed_beside or rows <= QUADS_BESIDE_PACKED_MAX_ROWS:
+        if self._quads is None or self._int8_path != PACKED or rows <= QUADS_BESIDE_PACKED_MAX_ROWS:
             return self._chunks
         if self._packed_chunks is None:
-            assert self._quads is not None
             _, whole = self._quads
             self._packed_chunks = []
             for start in range(0, self.vocab_size, self.chunk_rows):

@@ -83,7 +83,7 @@ def main() -> int:
         print("# --paths: no native kernel here, not timed")
         paths = []
     if kernel is not None:
-        missing = {"exact": kernel.amx, "folded": kernel.amx, "dpbf16": kernel.dpbf16, "i16": kernel.i16}
+        missing = {"exact": kernel.amx, "folded": kernel.amx, "dpbf16": kernel.dpbf16, "i16": kernel.i16, "vnni": kernel.vnni}
         if dropped := [p for p in paths if not missing.get(p, True)]:
             print(f"# --paths: this CPU has no {', '.join(dropped)}: not timed")
             paths = [p for p in paths if p not in dropped]

@@ -4,8 +4,8 @@ and every kernel path against float64 products of the groups' values, for all sh
 group sizes and row counts (hypothesis), each within what its arithmetic allows: the exact
 paths (vector loop, AMX per group) to float32 sums and one rounding of the output, the
 paths over bf16-rounded weights (folded AMX, expand) to bf16's rounding of each weight;
-the i16 path (inputs rounded to int16 per group) to that rounding's own bound, worked out
-here, and exactly where the inputs are whole multiples of their step; q, k, v stacked with
+the i16 and vnni paths (inputs rounded to int16 / int8 per group) to that rounding's own
+bound, worked out here, and exactly where the inputs are whole multiples of their step; q, k, v stacked with
 different group sizes; which layout each weight is packed in and which path each row
 count takes; bad input refused; a kernel that disagrees is not used."""
 
@@ -24,6 +24,7 @@ from hybridserve.models.layers import int8_groups  # noqa: E402
 from hybridserve.models.layers.int8_groups import (  # noqa: E402
     AMX_MIN_ROWS,
     DPBF16_MIN_ROWS,
+    VNNI_MIN_ROWS,
     EXPAND_MIN_ROWS,
     EXPAND_MIN_ROWS_NO_AMX,
     FOLDED_MIN_ROWS,
@@ -46,7 +47,9 @@ needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no C compiler: the ker
 # The paths this CPU runs: the AMX ones where the kernel found AMX.
 PATHS = (["vector", "expand"] + (["exact", "folded"] if KERNEL is not None and KERNEL.amx else [])
          + (["dpbf16"] if KERNEL is not None and KERNEL.dpbf16 else [])
-         + (["i16"] if KERNEL is not None and KERNEL.i16 else []))
+         + (["i16"] if KERNEL is not None and KERNEL.i16 else [])
+         + (["vnni"] if KERNEL is not None and KERNEL.vnni else []))
+ROUNDING_PATHS = {"i16", "vnni"}  # the inputs rounded per group, each multiplied exactly
 EXACT_PATHS = {"vector", "exact", "dpbf16"}
 BF16_EPS = 2.0 ** -8  # bf16's relative rounding bound (8 significant bits)
 
@@ -88,7 +91,7 @@ def test_weights_and_products_by_hand() -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("path", [p for p in PATHS if p not in ("folded", "i16")])  # whole 32s; inputs rounded
+@pytest.mark.parametrize("path", [p for p in PATHS if p not in ("folded", "i16", "vnni")])  # whole 32s; rounded
 def test_kernel_paths_by_hand(path: str) -> None:
     groups = hand_groups()
     packed = KERNEL.pack(groups, "tiles")
@@ -99,11 +102,12 @@ def test_kernel_paths_by_hand(path: str) -> None:
 
 
 def _random_groups(rng: np.random.Generator, out: int, width: int, size: int, offsets: bool,
-                   narrow: bool = False) -> GroupWeights:
-    """Values over all of int8, or narrow ones (NARROW_VALUES: [-64, 63], every block type but Q8_0's)."""
+                   narrow: bool = False, coarse: bool = False) -> GroupWeights:
+    """Values over all of int8, or narrow ones (NARROW_VALUES: [-64, 63], every block type but Q8_0's),
+    or coarse ones ([-16, 15]: Q5_0's, the default model's qkv and gate|up)."""
     scale = rng.uniform(0.001, 0.02, (out, width // size)).astype(np.float32)
     offset = rng.uniform(-0.05, 0.05, (out, width // size)).astype(np.float32) if offsets else None
-    low, high = (NARROW_VALUES[0], NARROW_VALUES[1] + 1) if narrow else (-128, 128)
+    low, high = (-16, 16) if coarse else (NARROW_VALUES[0], NARROW_VALUES[1] + 1) if narrow else (-128, 128)
     return GroupWeights.from_numpy(rng.integers(low, high, (out, width), dtype=np.int8), scale, offset, size)
 
 
@@ -136,12 +140,16 @@ def _bound(x: torch.Tensor, groups: GroupWeights, exact: bool, dtype: torch.dtyp
     return product_error + magnitude * (BF16_EPS if dtype == torch.bfloat16 else 2.0 ** -24) + 1e-30
 
 
-def _i16_rounding(x: torch.Tensor, groups: GroupWeights) -> np.ndarray:
-    """What rounding the inputs to int16 per group may move an output by: each input is
-    within half its group's step (max |x| / 32767) of what the i16 path multiplies, so at
-    most sum_k |w_k| * step_k / 2, with 1% for the float32 arithmetic of the step itself."""
+def _rounding(x: torch.Tensor, groups: GroupWeights, path: str = "i16") -> np.ndarray:
+    """What rounding the inputs per group may move an output by on a path that rounds them:
+    each input is within half its group's step (max |x| / 32767 on i16, max |x| / 127 on
+    vnni) of what the path multiplies, so at most sum_k |w_k| * step_k / 2, with 1% for the
+    float32 arithmetic of the step itself; zero on the other paths."""
+    if path not in ROUNDING_PATHS:
+        return np.zeros((x.shape[0], groups.values.shape[0]))
+    levels = 32767.0 if path == "i16" else 127.0
     xs = np.abs(x.double().numpy()).reshape(x.shape[0], -1, groups.group_size)
-    half_step = np.repeat(xs.max(axis=-1) / 65534.0, groups.group_size, axis=1)
+    half_step = np.repeat(xs.max(axis=-1) / (2 * levels), groups.group_size, axis=1)
     return half_step @ np.abs(groups.weight().double().numpy()).T * 1.01
 
 
@@ -149,23 +157,24 @@ def _i16_rounding(x: torch.Tensor, groups: GroupWeights) -> np.ndarray:
 @settings(max_examples=40, deadline=None)
 @given(tiles=st.integers(1, 3), width_32s=st.integers(1, 4), size=st.sampled_from([16, 32]), offsets=st.booleans(),
        rows=st.integers(1, 40), seed=st.integers(0, 2 ** 16), path=st.sampled_from(PATHS + ["auto"]),
-       narrow=st.booleans())
+       values=st.sampled_from(["int8", "narrow", "coarse"]), int8_inputs=st.booleans())
 def test_every_path_is_the_groups_product(tiles: int, width_32s: int, size: int, offsets: bool, rows: int,
-                                          seed: int, path: str, narrow: bool) -> None:
-    """Every path, on values of all of int8 or narrow ones (the exact AMX and DPBF16 paths
-    then sum q + 192 and take the bias back out), at rows of one and of two AMX row blocks."""
+                                          seed: int, path: str, values: str, int8_inputs: bool) -> None:
+    """Every path, on values of all of int8, narrow or 5-bit ones (the exact AMX and DPBF16
+    paths sum narrow ones as q + 192 and take the bias back out), at rows of one and of two
+    AMX row blocks; `auto` on weights whose inputs may be rounded to int8 or not."""
     rng = np.random.default_rng(seed)
-    groups = _random_groups(rng, 16 * tiles, 32 * width_32s, size, offsets, narrow)
-    dtype = torch.float32 if path in ("vector", "i16") and seed % 2 else torch.bfloat16
+    groups = _random_groups(rng, 16 * tiles, 32 * width_32s, size, offsets, values == "narrow", values == "coarse")
+    dtype = torch.float32 if path in ("vector", "i16", "vnni") and seed % 2 else torch.bfloat16
     x = torch.from_numpy(rng.standard_normal((rows, 32 * width_32s)).astype(np.float32)).to(dtype)
-    packed = KERNEL.pack(groups, {"auto": None, "i16": "pairs"}.get(path, "tiles"))
+    packed = KERNEL.pack(groups, {"auto": None, "i16": "pairs"}.get(path, "tiles"), int8_inputs)
     taken = path if path != "auto" else KERNEL.path(rows, dtype, packed)
     got = KERNEL(x, packed, path=None if path == "auto" else path)
     assert got.dtype == dtype and got.shape == (rows, 16 * tiles)
     error = np.abs(got.double().numpy() - _reference(x, groups))
     biased = packed.narrow and taken in ("exact", "dpbf16")
-    bound = _bound(x, groups, taken in EXACT_PATHS | {"i16"}, dtype, biased)
-    assert (error <= bound + (_i16_rounding(x, groups) if taken == "i16" else 0.0)).all()
+    bound = _bound(x, groups, taken in EXACT_PATHS | ROUNDING_PATHS, dtype, biased)
+    assert (error <= bound + _rounding(x, groups, taken)).all()
 
 
 @needs_kernel
@@ -247,7 +256,93 @@ def test_i16_groups_of_odd_eights(size: int) -> None:
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.from_numpy(rng.standard_normal((7, 6 * size)).astype(np.float32)).to(dtype)
         error = np.abs(KERNEL(x, packed).double().numpy() - _reference(x, groups))
-        assert (error <= _bound(x, groups, True, dtype) + _i16_rounding(x, groups)).all()
+        assert (error <= _bound(x, groups, True, dtype) + _rounding(x, groups)).all()
+
+
+needs_vnni = pytest.mark.skipif(KERNEL is None or not KERNEL.vnni, reason="no AVX512-VNNI: no vnni path")
+
+
+@needs_kernel
+@needs_vnni
+@pytest.mark.parametrize("size", [8, 16])
+def test_vnni_products_by_hand(size: int) -> None:
+    """Inputs that are whole multiples of their group's step (max |x| / 127) lose nothing to
+    vnni's rounding, and int8's ends (127 and -128, Q8_0's values: 255 and 0 once the path
+    adds 128) sum without overflow; groups of 8 are quantized one input at a time, of 16 a
+    vector at a time. Group 0's inputs 2^-7 [127, -127, 1, 2] (step 2^-7, sum 3 / 128),
+    group 1's 2^-3 [127, 5, -3, -127] (step 2^-3, sum 2 / 8), the rest zero; output 0's
+    values all 127, then all -128, scales 0.25 and 0.5, offsets 1 and -2:
+    (0.25 * 127 + 1) * 3 / 128 + (0.5 * -128 - 2) * 2 / 8 = 98.25 / 128 - 16.5
+    = -15.732421875; output 1's values zero with the same offsets: 3 / 128 - 2 / 4
+    = -0.4765625; the others zero (output 0 rounded to bf16's 8 bits: -15.75). Nine rows:
+    a whole block of eight and one more."""
+    values = torch.zeros(16, 2 * size, dtype=torch.int8)
+    values[0, :size], values[0, size:] = 127, -128
+    scale, offset = torch.zeros(16, 2), torch.zeros(16, 2)
+    scale[0] = torch.tensor([0.25, 0.5])
+    offset[:2] = torch.tensor([1.0, -2.0])
+    packed = KERNEL.pack(GroupWeights(values, scale, offset, size), "tiles")
+    first, second = [0.0] * size, [0.0] * size
+    first[:4] = [v * 2.0 ** -7 for v in (127, -127, 1, 2)]
+    second[:3], second[-1] = [v * 2.0 ** -3 for v in (127, 5, -3)], -127 * 2.0 ** -3
+    for dtype, top in ((torch.float32, -15.732421875), (torch.bfloat16, -15.75)):  # inputs exact in bf16
+        out = KERNEL(torch.tensor([first + second] * 9).to(dtype), packed, path="vnni").float()
+        assert out[:, 0].tolist() == [top] * 9 and out[:, 1].tolist() == [-0.4765625] * 9
+        assert out[:, 2:].eq(0).all()
+
+
+@needs_kernel
+@needs_vnni
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_vnni_carries_a_non_finite_input_to_its_row(bad: float) -> None:
+    """As on i16: a row with an infinite or NaN input comes out NaN, groups of 8 and of 16,
+    float32 and bf16; the other rows are untouched."""
+    rng = np.random.default_rng(13)
+    for size in (8, 16):
+        groups = _random_groups(rng, 16, 4 * size, size, False)
+        packed = KERNEL.pack(groups, "tiles")
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.from_numpy(rng.standard_normal((5, 4 * size)).astype(np.float32))
+            clean = KERNEL(x.to(dtype), packed, path="vnni")
+            x[1, size + 1] = bad
+            out = KERNEL(x.to(dtype), packed, path="vnni")
+            assert out[1].isnan().all()
+            assert torch.equal(out[0], clean[0]) and torch.equal(out[2:], clean[2:])
+
+
+@needs_kernel
+@needs_vnni
+def test_vnni_rows_are_computed_alone() -> None:
+    """Each row is quantized and multiplied by itself: a row's outputs are the same bits
+    alone, in a block of eight and after one (the blocks' remainders)."""
+    rng = np.random.default_rng(14)
+    packed = KERNEL.pack(_random_groups(rng, 32, 96, 32, True), "tiles")
+    x = torch.from_numpy(rng.standard_normal((17, 96)).astype(np.float32)).bfloat16()
+    together = KERNEL(x, packed, path="vnni")
+    for row in (0, 7, 8, 16):
+        assert torch.equal(KERNEL(x[row:row + 1], packed, path="vnni")[0], together[row])
+
+
+@needs_kernel
+@needs_vnni
+def test_vnni_quads_are_the_same_with_or_without_vbmi(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiles' values become quads by one vpermb where the CPU has AVX512-VBMI, by
+    unpacks elsewhere (a VNNI CPU without it): a kernel built as for such a CPU gives this
+    one's outputs bit for bit, at rows of every row block's remainder."""
+    from hybridserve.models.platform.cpu_features import CPU_FLAGS_ENV, read_cpu_flags
+
+    flags = read_cpu_flags()
+    if "avx512vbmi" not in flags:
+        pytest.skip("this CPU builds the unpacks already")
+    monkeypatch.setenv(CPU_FLAGS_ENV, " ".join(sorted(flags - {"avx512vbmi"})))
+    without = GroupKernel()
+    assert without.vnni
+    rng = np.random.default_rng(15)
+    groups = _random_groups(rng, 48, 96, 32, True, coarse=True)
+    x = torch.from_numpy(rng.standard_normal((17, 96)).astype(np.float32)).bfloat16()
+    for rows in (1, 7, 8, 9, 17):
+        assert torch.equal(KERNEL(x[:rows], KERNEL.pack(groups, "tiles"), path="vnni"),
+                           without(x[:rows], without.pack(groups, "tiles"), path="vnni"))
 
 
 @needs_kernel
@@ -316,9 +411,22 @@ def test_each_row_count_takes_its_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(KERNEL, "amx", False)
     monkeypatch.setattr(KERNEL, "native_bf16", True)
     monkeypatch.setattr(KERNEL, "dpbf16", True)
+    monkeypatch.setattr(KERNEL, "vnni", False)
     assert [KERNEL.path(r, torch.bfloat16, wide) for r in (1, DPBF16_MIN_ROWS - 1, DPBF16_MIN_ROWS,
                                                               EXPAND_MIN_ROWS_NO_AMX - 1, EXPAND_MIN_ROWS_NO_AMX)] \
         == ["vector", "vector", "dpbf16", "dpbf16", "expand"]
+    monkeypatch.setattr(KERNEL, "vnni", True)  # AVX512-VNNI besides: vnni for weights whose inputs may be int8
+    groups = _random_groups(np.random.default_rng(5), 16, 64, 32, False)
+    rounded = KERNEL.pack(groups, "tiles", int8_inputs=True)
+    assert [KERNEL.path(r, torch.bfloat16, rounded) for r in (1, DPBF16_MIN_ROWS, VNNI_MIN_ROWS - 1, VNNI_MIN_ROWS,
+                                                                 EXPAND_MIN_ROWS_NO_AMX - 1, EXPAND_MIN_ROWS_NO_AMX)] \
+        == ["vector", "dpbf16", "dpbf16", "vnni", "vnni", "expand"]
+    assert KERNEL.path(VNNI_MIN_ROWS, torch.bfloat16, wide) == "dpbf16"  # its inputs kept: the exact products
+    small = KERNEL.pack(hand_groups(), "tiles", int8_inputs=True)
+    assert KERNEL.path(VNNI_MIN_ROWS, torch.bfloat16, small) == "dpbf16"  # groups of 2, not whole 4s
+    assert KERNEL.path(VNNI_MIN_ROWS, torch.float32, rounded) == "vector"  # float32 asks for the exact loop
+    assert KERNEL.invariant_path(torch.bfloat16, rounded) == "dpbf16"  # the file's values exactly
+    monkeypatch.setattr(KERNEL, "vnni", False)
     monkeypatch.setattr(KERNEL, "native_bf16", False)  # torch's bf16 GEMM in software: never expand
     monkeypatch.setattr(KERNEL, "dpbf16", False)
     assert KERNEL.path(4 * EXPAND_MIN_ROWS, torch.bfloat16, wide) == "vector"
@@ -388,6 +496,12 @@ def test_a_mismatched_input_or_path_is_refused(monkeypatch: pytest.MonkeyPatch) 
         KERNEL.pack(hand_groups(), "rows")
     with pytest.raises(ValueError, match="the i16 path on a weight packed as tiles"):
         KERNEL(torch.zeros(1, 4), KERNEL.pack(hand_groups(), "tiles"), path="i16")
+    with pytest.raises(ValueError, match="vnni path needs AVX512-VNNI and groups of a multiple of 4"):
+        KERNEL(torch.zeros(1, 4), packed, path="vnni")  # groups of 2
+    monkeypatch.setattr(KERNEL, "vnni", False)  # nor does a CPU without VNNI reach its code
+    wide = KERNEL.pack(_random_groups(np.random.default_rng(1), 16, 64, 32, False), "tiles")
+    with pytest.raises(ValueError, match="vnni path needs AVX512-VNNI"):
+        KERNEL(torch.zeros(1, 64), wide, path="vnni")
     pairs = KERNEL.pack(hand_groups(), "pairs")
     for path in ("vector", "expand"):
         with pytest.raises(ValueError, match=f"the {path} path on a weight packed as pairs"):

@@ -25,6 +25,9 @@ def test_isa_flags_follow_the_cpu() -> None:
     assert isa_flags(zen4 - {"avx512bw"}, "x86_64") == ("-mavx512f", "-mavx2", "-mfma")
     assert isa_flags(zen4 | {"avx512_vnni"}, "x86_64") == ("-mavx512f", "-mavx2", "-mfma", "-mavx512bf16",
                                                           "-mavx512vnni")
+    assert isa_flags(zen4 | {"avx512_vnni", "avx512vbmi"}, "x86_64") == ("-mavx512f", "-mavx2", "-mfma",
+                                                                         "-mavx512bf16", "-mavx512vnni",
+                                                                         "-mavx512vbmi")
     assert isa_flags(frozenset({"avx2", "fma", "avx512_vnni"}), "x86_64") == ("-mavx2", "-mfma")  # no AVX-512F
 
 

@@ -45,6 +45,13 @@ from hybridserve.models.layers.rms_norm import rms_norm
 from hybridserve.models.layers.rope import RopeTable, apply_rope_
 from hybridserve.models.layers.span_logits import SpanLogits
 
+# The linears whose inputs a GGUF-groups decoder never rounds to int8 (the vnni path of
+# models/layers/int8_groups.py): the MLP's down projection, whose inputs (the activation
+# times up) carry the outliers that set each group's int8 step. Rounding its inputs too
+# took the default model's KL divergence from float32 from 0.0025 to 0.0032 nats, past
+# llama.cpp's 0.0027 (benchmarks/results/group_int8_kernels.md, "VNNI").
+EXACT_INPUT_ROLES = frozenset({"down"})
+
 
 class AttentionBackend(Protocol):
     """Computes one attention layer for the step's flat batch and stores its K/V."""
@@ -143,7 +150,8 @@ def _group_layer_linears(w: DecoderLayerWeights, release: bool) -> LayerLinears:
                           "with that mode")
     made = {}
     for name in ("qkv", "o", "gate_up", "down"):
-        made[name], made[name + "_residual"] = make_group_linear(getattr(w.groups, name), getattr(w, name + "_bias"))
+        made[name], made[name + "_residual"] = make_group_linear(getattr(w.groups, name), getattr(w, name + "_bias"),
+                                                                 int8_inputs=name not in EXACT_INPUT_ROLES)
     if release:
         w.groups = None
     return LayerLinears(**{f: made[f] for f in LayerLinears._fields})

@@ -10,7 +10,8 @@
  * and on DPBF16's pair products (AVX512-BF16 without AMX); for larger steps AMX_FOLDED and group_expand round each weight to bf16 first
  * (the arithmetic of a bf16 model), which lets a tile product run over all of K. I16 (CPUs
  * without native bf16) rounds the inputs instead, each row to int16 per group (2^-16 of
- * the group's largest), for AVX2's integer dot products.
+ * the group's largest), for AVX2's integer dot products; VNNI (AVX512-VNNI without AMX)
+ * rounds them to int8 per group (1/127 of the group's largest) for vpdpbusd.
  *
  * Layout: the weight in tiles of TILE output columns, values [N / TILE][K][TILE] (the
  * TILE columns' values of one k side by side, so one vector load feeds TILE outputs),
@@ -477,36 +478,43 @@ static inline float i16_lanes_sum(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+/* How the i16 and VNNI paths round the gs inputs from k0 of a row (bf16 or float32) to
+ * integers of at most `levels` in magnitude: the step (*d: the group's largest |x| over
+ * levels) and its inverse (the return value, 0 for a group of zeros), and the group's
+ * float32 sum where sum is not NULL. Whole 8s a vector at a time. An infinite or NaN input
+ * (the group's sum is then not finite) makes the step NaN, so the group's products are
+ * NaN as the float32 paths' would be, instead of vanishing with a zero inverse. */
+static float group_step(const void *x, int32_t x_bf16, int64_t k0, int64_t gs, float levels, float *d, float *sum) {
+    float t = 0.0f, s = 0.0f;
+    if (gs % 8 == 0) {
+        const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+        __m256 amax = _mm256_setzero_ps(), sums = _mm256_setzero_ps();
+        for (int64_t k = 0; k < gs; k += 8) {
+            const __m256 v = i16_load8(x, x_bf16, k0 + k);
+            amax = _mm256_max_ps(amax, _mm256_and_ps(v, magnitude));
+            sums = _mm256_add_ps(sums, v);
+        }
+        t = i16_lanes_max(amax);
+        s = i16_lanes_sum(sums);
+    } else {
+        for (int64_t k = 0; k < gs; k++) {
+            const float v = load_any(x, x_bf16, k0 + k), a = v < 0.0f ? -v : v;
+            t = a > t ? a : t;
+            s += v;
+        }
+    }
+    *d = __builtin_isfinite(s) ? t / levels : __builtin_nanf("");
+    if (sum) *sum = s;
+    return t > 0.0f && __builtin_isfinite(t) ? levels / t : 0.0f;
+}
+
 /* One row of K inputs (bf16 or float32) quantized per group of gs: xi (int16) and d, and
  * the group's float32 sums where xsum is not NULL. Groups of whole 8s a vector at a time. */
 static void i16_quantize_row(const void *x, int32_t x_bf16, int64_t K, int64_t gs, int16_t *xi, float *d,
                              float *xsum) {
-    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     for (int64_t g = 0; g < K / gs; g++) {
         const int64_t k0 = g * gs;
-        float top = 0.0f, sum = 0.0f;
-        if (gs % 8 == 0) {
-            __m256 amax = _mm256_setzero_ps(), sums = _mm256_setzero_ps();
-            for (int64_t k = 0; k < gs; k += 8) {
-                const __m256 v = i16_load8(x, x_bf16, k0 + k);
-                amax = _mm256_max_ps(amax, _mm256_and_ps(v, magnitude));
-                sums = _mm256_add_ps(sums, v);
-            }
-            top = i16_lanes_max(amax);
-            sum = i16_lanes_sum(sums);
-        } else {
-            for (int64_t k = 0; k < gs; k++) {
-                const float v = load_any(x, x_bf16, k0 + k), a = v < 0.0f ? -v : v;
-                top = a > top ? a : top;
-                sum += v;
-            }
-        }
-        /* an infinite or NaN input (its group's sum is then not finite) makes the group's
-         * products NaN, as the float32 paths' would be, instead of vanishing with the
-         * zero steps of 32767 / inf */
-        d[g] = __builtin_isfinite(sum) ? top / 32767.0f : __builtin_nanf("");
-        if (xsum) xsum[g] = sum;
-        const float inv = top > 0.0f ? 32767.0f / top : 0.0f;
+        const float inv = group_step(x, x_bf16, k0, gs, 32767.0f, d + g, xsum ? xsum + g : NULL);
         int64_t k = 0;
         if (gs % 8 == 0)
             for (; k < gs; k += 8) {
@@ -651,12 +659,188 @@ static int i16_linear(const void *x, int32_t x_bf16, int64_t ldx, int64_t M, int
 }
 #endif
 
+/* VNNI: AVX512-VNNI's vpdpbusd for CPUs with it but without AMX (Zen 4 class), where four
+ * int8 products a lane per instruction are twice AVX512-BF16's pairs. The inputs are
+ * rounded to int8 per row and group (as llama.cpp rounds its activations to Q8, here per
+ * group of the weight's gs rather than per 256): d = max |x| / 127, xi = round(x / d), each
+ * within d / 2 of x. The weights' values get + 128 (unsigned, vpdpbusd's first operand), so
+ * each group's int32 sum starts at -128 x sum_k xi, which takes that back out:
+ *   out[m, n] = sum_g scale[n, g] d[m, g] sum_k q[n, k] xi[m, k] + offset[n, g] sum_k x[m, k]
+ * (the offsets take the inputs' own float32 sums, as the other paths). A sum of 32 products
+ * is at most 32 x 255 x 127 in magnitude: int32 never overflows, and float32 holds it
+ * exactly. Each tile's values are transposed once into quads (four k of a column in one
+ * 32-bit lane), then every block of VNNI_ROWS rows reads them from L1 / L2. */
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(HAVE_I16)
+#define HAVE_VNNI 1
+#define VNNI 7      /* group_linear's amx: this path */
+#define VNNI_ROWS 8 /* rows per register block: 8 sums and 8 totals of AVX-512's 32 registers */
+
+/* 16 inputs from p (bf16 or float32) as float32. */
+static inline __m512 vnni_load16(const void *p, int32_t x_bf16, int64_t i) {
+    if (x_bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i))), 16));
+    return _mm512_loadu_ps((const float *)p + i);
+}
+
+/* One row of K inputs quantized per group of gs: xi (int8), the step d, start (-128 times
+ * the group's sum of xi: where its int32 sum begins) and, where xsum is not NULL, the
+ * group's float32 sum. Groups of whole 16s rounded a vector at a time. */
+static void vnni_quantize_row(const void *x, int32_t x_bf16, int64_t K, int64_t gs, int8_t *xi, float *d,
+                              int32_t *start, float *xsum) {
+    for (int64_t g = 0; g < K / gs; g++) {
+        const int64_t k0 = g * gs;
+        const float inv = group_step(x, x_bf16, k0, gs, 127.0f, d + g, xsum ? xsum + g : NULL);
+        int32_t total = 0;
+        int64_t k = 0;
+        if (gs % 16 == 0)
+            for (; k < gs; k += 16) {
+                /* rounded to nearest even (the default rounding mode); within [-127, 127] */
+                const __m512i i = _mm512_cvtps_epi32(_mm512_mul_ps(vnni_load16(x, x_bf16, k0 + k), _mm512_set1_ps(inv)));
+                _mm_storeu_si128((__m128i *)(xi + k0 + k), _mm512_cvtsepi32_epi8(i));
+                total += _mm512_reduce_add_epi32(i);
+            }
+        for (; k < gs; k++) {
+            const int32_t i = _mm_cvtss_si32(_mm_set_ss(load_any(x, x_bf16, k0 + k) * inv));
+            xi[k0 + k] = (int8_t)i;
+            total += i;
+        }
+        start[g] = -128 * total;
+    }
+}
+
+/* One tile's values [K][TILE] as quads [K / 4][TILE][4] plus 128 (as uint8): four k of a
+ * column side by side, one 64-byte line per four k. */
+static void vnni_quads(const int8_t *vt, int64_t K, uint8_t *quads) {
+#if defined(__AVX512VBMI__)
+    /* one vpermb a line where the CPU has AVX512-VBMI: byte 4c + j of the quads is byte
+     * 16j + c of the tiles */
+    uint8_t order[64];
+    for (int c = 0; c < TILE; c++)
+        for (int j = 0; j < 4; j++) order[4 * c + j] = (uint8_t)(16 * j + c);
+    const __m512i index = _mm512_loadu_si512((const void *)order), flip512 = _mm512_set1_epi8((char)0x80);
+    for (int64_t k = 0; k < K; k += 4)
+        _mm512_store_si512((void *)(quads + k * TILE),
+                           _mm512_xor_si512(_mm512_permutexvar_epi8(index, _mm512_loadu_si512((const void *)(vt + k * TILE))),
+                                            flip512));
+    return;
+#endif
+    const __m128i flip = _mm_set1_epi8((char)0x80); /* + 128 modulo 256: int8 to its uint8 */
+    for (int64_t k = 0; k < K; k += 4) {
+        const __m128i a = _mm_loadu_si128((const __m128i *)(vt + k * TILE));
+        const __m128i b = _mm_loadu_si128((const __m128i *)(vt + (k + 1) * TILE));
+        const __m128i c = _mm_loadu_si128((const __m128i *)(vt + (k + 2) * TILE));
+        const __m128i e = _mm_loadu_si128((const __m128i *)(vt + (k + 3) * TILE));
+        const __m128i ab_lo = _mm_unpacklo_epi8(a, b), ab_hi = _mm_unpackhi_epi8(a, b);
+        const __m128i ce_lo = _mm_unpacklo_epi8(c, e), ce_hi = _mm_unpackhi_epi8(c, e);
+        __m128i *out = (__m128i *)(quads + k * TILE);
+        _mm_store_si128(out, _mm_xor_si128(_mm_unpacklo_epi16(ab_lo, ce_lo), flip));     /* columns 0-3 */
+        _mm_store_si128(out + 1, _mm_xor_si128(_mm_unpackhi_epi16(ab_lo, ce_lo), flip)); /* 4-7 */
+        _mm_store_si128(out + 2, _mm_xor_si128(_mm_unpacklo_epi16(ab_hi, ce_hi), flip)); /* 8-11 */
+        _mm_store_si128(out + 3, _mm_xor_si128(_mm_unpackhi_epi16(ab_hi, ce_hi), flip)); /* 12-15 */
+    }
+}
+
+/* `mb` (a constant once inlined) rows of quantized inputs (xi rows K apart; d, start and
+ * xsum rows `groups` apart) times one tile's quads into res [mb][TILE]. */
+static inline __attribute__((always_inline)) void vnni_rows(const int mb, const int8_t *xi, const float *d,
+                                                            const int32_t *start, const float *xsum, int64_t K,
+                                                            int64_t groups, int64_t gs, const uint8_t *quads,
+                                                            const float *st, const float *ot, float *res) {
+    __m512 tot[VNNI_ROWS];
+    for (int r = 0; r < mb; r++) tot[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512i acc[VNNI_ROWS];
+        for (int r = 0; r < mb; r++) acc[r] = _mm512_set1_epi32(start[r * groups + g]);
+        for (int64_t k = g * gs; k < (g + 1) * gs; k += 4) {
+            const __m512i w = _mm512_load_si512((const void *)(quads + k * TILE));
+            for (int r = 0; r < mb; r++) {
+                int32_t four;
+                memcpy(&four, xi + r * K + k, sizeof four);
+                acc[r] = _mm512_dpbusd_epi32(acc[r], w, _mm512_set1_epi32(four));
+            }
+        }
+        const __m512 scale = _mm512_loadu_ps(st + g * TILE);
+        for (int r = 0; r < mb; r++)
+            tot[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(scale, _mm512_set1_ps(d[r * groups + g])),
+                                     tot[r]);
+        if (ot) {
+            const __m512 offset = _mm512_loadu_ps(ot + g * TILE);
+            for (int r = 0; r < mb; r++) tot[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xsum[r * groups + g]), tot[r]);
+        }
+    }
+    for (int r = 0; r < mb; r++) _mm512_storeu_ps(res + r * TILE, tot[r]);
+}
+
+/* group_linear's VNNI path (values in tiles, K and gs multiples of 4): the inputs
+ * quantized per row (threads take rows), then each tile's quads multiplied by every row
+ * block. Returns 0, or -1 where its scratch cannot be allocated. */
+static int vnni_linear(const void *x, int32_t x_bf16, int64_t ldx, int64_t M, int64_t K, const int8_t *values,
+                       const float *scale, const float *offset, int64_t N, int64_t gs, const float *bias,
+                       const void *residual, int64_t ldr, void *out, int64_t ldo, int32_t num_threads) {
+    const int64_t groups = K / gs, tiles = N / TILE;
+    const size_t elem = x_bf16 ? sizeof(uint16_t) : sizeof(float);
+    int8_t *xi = malloc((size_t)(M * K));
+    float *d = malloc(sizeof(float) * (size_t)(M * groups * (offset ? 2 : 1)));
+    int32_t *start = malloc(sizeof(int32_t) * (size_t)(M * groups));
+    if (!xi || !d || !start) {
+        free(xi);
+        free(d);
+        free(start);
+        return -1;
+    }
+    float *xsum = offset ? d + M * groups : NULL;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (tiles > 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++)
+            vnni_quantize_row((const char *)x + (size_t)(m * ldx) * elem, x_bf16, K, gs, xi + m * K, d + m * groups,
+                              start + m * groups, xsum ? xsum + m * groups : NULL);
+        uint8_t *quads = aligned_alloc(64, (size_t)(K * TILE));
+        if (!quads) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            if (!quads) continue;
+            float res[VNNI_ROWS * TILE] __attribute__((aligned(64)));
+            const float *st = scale + t * groups * TILE, *ot = offset ? offset + t * groups * TILE : NULL;
+            vnni_quads(values + t * K * TILE, K, quads);
+            for (int64_t m0 = 0; m0 < M; m0 += VNNI_ROWS) {
+                const int mb = M - m0 < VNNI_ROWS ? (int)(M - m0) : VNNI_ROWS;
+                const int8_t *xm = xi + m0 * K;
+                const float *dm = d + m0 * groups, *sm = xsum ? xsum + m0 * groups : NULL;
+                const int32_t *bm = start + m0 * groups;
+                switch (mb) {
+                case 1: vnni_rows(1, xm, dm, bm, sm, K, groups, gs, quads, st, ot, res); break;
+                case 2: vnni_rows(2, xm, dm, bm, sm, K, groups, gs, quads, st, ot, res); break;
+                case 3: vnni_rows(3, xm, dm, bm, sm, K, groups, gs, quads, st, ot, res); break;
+                case 4: vnni_rows(4, xm, dm, bm, sm, K, groups, gs, quads, st, ot, res); break;
+                case 5: vnni_rows(5, xm, dm, bm, sm, K, groups, gs, quads, st, ot, res); break;
+                case 6: vnni_rows(6, xm, dm, bm, sm, K, groups, gs, quads, st, ot, res); break;
+                case 7: vnni_rows(7, xm, dm, bm, sm, K, groups, gs, quads, st, ot, res); break;
+                default: vnni_rows(VNNI_ROWS, xm, dm, bm, sm, K, groups, gs, quads, st, ot, res); break;
+                }
+                store_rows(res, mb, m0, t, x_bf16, bias, residual, ldr, out, ldo);
+            }
+        }
+        free(quads);
+    }
+    free(xi);
+    free(d);
+    free(start);
+    return failed ? -1 : 0;
+}
+#endif
+
 /* x: [M, K] bf16 (x_bf16) or float32, rows ldx elements apart; values, scale, offset (or
  * NULL): the tiled layout above, N a multiple of TILE, K of gs, gs even; bias: float32 [N]
  * or NULL; residual: [M, N] in x's dtype, rows ldr apart, or NULL; out: [M, N] in x's
  * dtype, rows ldo apart; amx: the path (0 the vector loop, AMX_EXACT, AMX_FOLDED,
- * DPBF16, I16; the caller checks the CPU has it, and gives I16 its own layout, the
- * pairs); narrow: every value is in [-64, 63] (the exact AMX and
+ * DPBF16, I16, VNNI; the caller checks the CPU has it, and gives I16 its own layout,
+ * the pairs); narrow: every value is in [-64, 63] (the exact AMX and
  * DPBF16 paths then expand them faster, expand_pairs). Returns 0, or -1 where its scratch
  * cannot be allocated. */
 int group_linear(const void *x, int32_t x_bf16, int64_t ldx, int64_t M, int64_t K, const int8_t *values,
@@ -668,6 +852,11 @@ int group_linear(const void *x, int32_t x_bf16, int64_t ldx, int64_t M, int64_t 
     if (amx == I16 || amx == I16_AVX_VNNI || amx == I16_AVX512_VNNI)
         return i16_linear(x, x_bf16, ldx, M, K, values, scale, offset, N, gs, bias, residual, ldr, out, ldo,
                           num_threads, amx);
+#endif
+#ifdef HAVE_VNNI
+    if (amx == VNNI)
+        return vnni_linear(x, x_bf16, ldx, M, K, values, scale, offset, N, gs, bias, residual, ldr, out, ldo,
+                           num_threads);
 #endif
 #ifdef HAVE_X86_TARGETS
     if (amx && x_bf16) {
@@ -820,6 +1009,15 @@ int group_linear_has_i16_vnni(void) {
 /* 1 where this build has the I16 path (an AVX2 build: every x86-64 CPU it runs on has it). */
 int group_linear_has_i16(void) {
 #ifdef HAVE_I16
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* 1 where this build has the VNNI path (an AVX512-VNNI build: the CPU has it). */
+int group_linear_has_vnni(void) {
+#ifdef HAVE_VNNI
     return 1;
 #else
     return 0;

@@ -13,6 +13,9 @@ to float32 rounding (tests/models/test_int8_groups.py). On CPUs without native b
 weight is packed in pairs instead, for the i16 path: the inputs rounded to int16 per group
 (2^-16 of the group's largest) and multiplied by AVX2's int16 dot products (one vpdpwssd
 where the CPU has AVX-VNNI or AVX512-VNNI), the general path's result to that rounding.
+Where the CPU has AVX512-VNNI but not AMX, batches of VNNI_MIN_ROWS rows or more of the
+weights whose caller allows it (int8_inputs) take vpdpbusd on inputs rounded to int8 per
+group, as llama.cpp rounds its activations: the general path's result to that rounding.
 Where no compiler is found, or off the CPU, the general path runs.
 """
 
@@ -46,8 +49,10 @@ NARROW_VALUES = (-64, 63)
 # AVX512-BF16 pair products per group ("dpbf16", the file's values exactly); "expand" is
 # the weight rounded to bf16 at each call and multiplied by torch's GEMM (large steps);
 # "i16" the inputs rounded to int16 per group (2^-16 of the group's largest) and AVX2's
-# int16 dot products, on a weight packed for it alone (LAYOUTS).
-PATHS = {"vector": 0, "exact": 1, "folded": 2, "dpbf16": 3, "i16": 4, "expand": -1}
+# int16 dot products, on a weight packed for it alone (LAYOUTS); "vnni" the inputs rounded
+# to int8 per group (a step of 1/127 of the group's largest) and AVX512-VNNI's vpdpbusd, on
+# the tiles (where the CPU has VNNI but not AMX).
+PATHS = {"vector": 0, "exact": 1, "folded": 2, "dpbf16": 3, "i16": 4, "vnni": 7, "expand": -1}
 # The i16 path's products (int8_groups.c's I16 codes): vpmaddwd + vpaddd with AVX2 alone,
 # one vpdpwssd with AVX-VNNI or AVX512-VNNI; exact int32 sums either way.
 I16_DOT = {"": 4, "avx_vnni": 5, "avx512_vnni": 6}
@@ -58,13 +63,17 @@ LAYOUTS = ("tiles", "pairs")
 # What rounding an input to int16 may move it by, relative to its group's largest: half a
 # step of max |x| / 32767 (int8_groups.c's i16_quantize_row).
 I16_HALF_STEP = 0.5 / 32767
+# The same for the vnni path's rounding to int8 (int8_groups.c's vnni_quantize_row).
+VNNI_HALF_STEP = 0.5 / 127
 # Rows of bf16 inputs from which each path takes over (benchmarks/group_linear.py --paths,
 # benchmarks/results/group_int8_kernels.md): with AMX, exact, then folded, then expand;
-# with AVX512-BF16 but no AMX, dpbf16, then expand from EXPAND_MIN_ROWS_NO_AMX; without
+# with AVX512-BF16 but no AMX, vnni where the CPU has AVX512-VNNI (else dpbf16), then expand
+# from EXPAND_MIN_ROWS_NO_AMX; without
 # native bf16 (torch's bf16 GEMM is software there: never expand), i16 at every row count on
 # a weight packed as pairs, the vector loop on others.
 AMX_MIN_ROWS = 3
 DPBF16_MIN_ROWS = 4
+VNNI_MIN_ROWS = 8
 FOLDED_MIN_ROWS = 32
 EXPAND_MIN_ROWS = 512
 EXPAND_MIN_ROWS_NO_AMX = 512
@@ -168,7 +177,9 @@ class PackedGroups(NamedTuple):
     """GroupWeights in the kernel's tiles (int8_groups.c): values [out / TILE, in, TILE] as
     `layout` says (LAYOUTS: tiles, or the i16 path's pairs in the same shape),
     scale and offset [out / TILE, in / group_size, TILE]; narrow: every value is in
-    NARROW_VALUES (Q4_K, Q5_0, Q6_K blocks; Q8_0's are not), which the kernel expands faster."""
+    NARROW_VALUES (Q4_K, Q5_0, Q6_K blocks; Q8_0's are not), which the kernel expands faster;
+    int8_inputs: the vnni path may serve it, rounding its inputs to int8 (the caller says
+    so, for inputs that rounding costs little: models/arch/decoder.py's EXACT_INPUT_ROLES)."""
 
     values: torch.Tensor
     scale: torch.Tensor
@@ -176,6 +187,7 @@ class PackedGroups(NamedTuple):
     group_size: int
     narrow: bool = False
     layout: str = "tiles"
+    int8_inputs: bool = False
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -253,6 +265,7 @@ class GroupKernel:
         self.native_bf16 = has_native_bf16(flags)
         self.dpbf16 = bool(library.group_linear_has_dpbf16()) and "avx512_bf16" in flags
         self.i16 = bool(library.group_linear_has_i16()) and "avx2" in flags
+        self.vnni = bool(library.group_linear_has_vnni()) and "avx512_vnni" in flags
         # the i16 path's products as one vpdpwssd where the CPU has one (I16_DOT codes)
         vnni = bool(library.group_linear_has_i16_vnni())
         self.i16_dot = ("avx512_vnni" if vnni and {"avx512_vnni", "avx512vl"} <= flags
@@ -272,11 +285,11 @@ class GroupKernel:
         size = groups.group_size
         return rows % TILE == 0 and size % 2 == 0 and size <= MAX_KERNEL_GROUP and groups.values.device.type == "cpu"
 
-    def pack(self, groups: GroupWeights, layout: str | None = None) -> PackedGroups:
+    def pack(self, groups: GroupWeights, layout: str | None = None, int8_inputs: bool = False) -> PackedGroups:
         """The weight in the kernel's tiles, on transparent huge pages where Linux offers them
         (a step streams them whole: models/platform/huge_pages.py); in `layout` (tests and
         benchmarks), else as the paths this CPU takes for it read it: pairs where the CPU
-        has no native bf16, tiles elsewhere."""
+        has no native bf16, tiles elsewhere. int8_inputs: PackedGroups'."""
         groups.check()
         offset = None if groups.offset is None else on_huge_pages(_tiles(groups.offset))
         narrow = groups.values.numel() > 0 and NARROW_VALUES[0] <= int(groups.values.min()) \
@@ -287,7 +300,7 @@ class GroupKernel:
             raise ValueError(f"no packed layout {layout!r}: {', '.join(LAYOUTS)}")
         values = _pairs(groups.values) if layout == "pairs" else _tiles(groups.values)
         return PackedGroups(on_huge_pages(values), on_huge_pages(_tiles(groups.scale)), offset, groups.group_size,
-                            narrow, layout)
+                            narrow, layout, int8_inputs)
 
     def _expand_mm(self, x: torch.Tensor, packed: PackedGroups, bias: torch.Tensor | None,
                    residual: torch.Tensor | None) -> torch.Tensor:
@@ -326,6 +339,8 @@ class GroupKernel:
         if not self.amx:
             if self.native_bf16 and rows >= EXPAND_MIN_ROWS_NO_AMX:
                 return "expand"
+            if self.vnni and rows >= VNNI_MIN_ROWS and packed.group_size % 4 == 0 and packed.int8_inputs:
+                return "vnni"
             return "dpbf16" if self.dpbf16 and rows >= DPBF16_MIN_ROWS else "vector"
         if rows >= EXPAND_MIN_ROWS:
             return "expand"
@@ -372,6 +387,8 @@ class GroupKernel:
             raise ValueError(f"the {path} path needs AMX and bf16 inputs")  # AMX code without AMX would fault
         if path == "dpbf16" and not (self.dpbf16 and x.dtype == torch.bfloat16):
             raise ValueError("the dpbf16 path needs AVX512-BF16 and bf16 inputs")
+        if path == "vnni" and not (self.vnni and packed.group_size % 4 == 0):
+            raise ValueError("the vnni path needs AVX512-VNNI and groups of a multiple of 4")
         if (path == "i16") != (packed.layout == "pairs") or (path == "i16" and not self.i16):
             raise ValueError(f"the {path} path on a weight packed as {packed.layout} (i16 needs AVX2 and pairs, "
                              "every other path tiles)")
@@ -400,11 +417,15 @@ def group_kernel() -> GroupKernel | None:
     return checked(GroupKernel, _mismatch, "int8 group linears take the general path")
 
 
-def i16_input_error(x: torch.Tensor, groups: GroupWeights) -> torch.Tensor:
-    """The most the i16 path's rounding of the inputs can move each output: every input is
-    within I16_HALF_STEP times its group's largest |x| of the value multiplied, so an output
-    moves by at most the sum over k of |weight| times that."""
-    half_step = x.float().abs().view(x.shape[0], -1, groups.group_size).amax(-1) * I16_HALF_STEP
+def input_rounding_error(x: torch.Tensor, groups: GroupWeights, path: str) -> torch.Tensor:
+    """The most a path's rounding of the inputs can move each output: on i16 (vnni) every
+    input is within I16_HALF_STEP (VNNI_HALF_STEP) times its group's largest |x| of the
+    value multiplied, so an output moves by at most the sum over k of |weight| times that;
+    zero on the other paths, which multiply the inputs as they are."""
+    half = {"i16": I16_HALF_STEP, "vnni": VNNI_HALF_STEP}.get(path)
+    if half is None:
+        return torch.zeros(x.shape[0], groups.values.shape[0])
+    half_step = x.float().abs().view(x.shape[0], -1, groups.group_size).amax(-1) * half
     return half_step.repeat_interleave(groups.group_size, dim=1) @ groups.weight().abs().t()
 
 
@@ -413,12 +434,12 @@ def _mismatch(kernel: GroupKernel) -> str:
     within 2^-7 of the sum of the terms' magnitudes (one bf16 rounding of the output, and
     of each weight where the path rounds the weights to bf16: a wrong scale, offset, tile or
     row is off by far more), plus, on the i16 path, what its rounding of the inputs allows
-    (i16_input_error), at rows of every row block's remainder, with offsets, a bias and a
-    residual, in groups of 16 and 32, on narrow values too, float32 inputs on the vector
-    loop and i16."""
+    (input_rounding_error), and on the vnni path its rounding to int8, at rows of every
+    row block's remainder, with offsets, a bias and a residual, in groups of 16 and 32, on
+    narrow values too, float32 inputs on the vector loop, i16 and vnni."""
     g = torch.Generator().manual_seed(0)
     paths = ["vector", "expand"] + (["exact", "folded"] if kernel.amx else []) + (["dpbf16"] if kernel.dpbf16 else [])
-    paths += ["i16"] if kernel.i16 else []
+    paths += (["i16"] if kernel.i16 else []) + (["vnni"] if kernel.vnni else [])
     for size, (low, high) in ((16, (-128, 128)), (32, (-128, 128)), (32, (NARROW_VALUES[0], NARROW_VALUES[1] + 1))):
         groups = GroupWeights(torch.randint(low, high, (48, 96), dtype=torch.int8, generator=g),
                               torch.rand(48, 96 // size, generator=g), torch.randn(48, 96 // size, generator=g), size)
@@ -427,12 +448,12 @@ def _mismatch(kernel: GroupKernel) -> str:
         pairs = kernel.pack(groups, "pairs") if kernel.i16 else None
         for path in paths:
             for rows in (1, 2, 3, 4, 5, 9, 17):
-                for dtype in (torch.float32, torch.bfloat16) if path in ("vector", "i16") else (torch.bfloat16,):
+                for dtype in (torch.float32, torch.bfloat16) if path in ("vector", "i16", "vnni") else (torch.bfloat16,):
                     x, h = torch.randn(rows, 96, generator=g).to(dtype), torch.randn(rows, 48, generator=g).to(dtype)
                     got = kernel(x, pairs if path == "i16" else packed, bias, h, path=path).float()
                     expected = group_linear_general(x, groups, bias, h).float()
                     magnitude = x.float().abs() @ groups.weight().abs().t() + h.float().abs() + bias.abs()
-                    allowed = magnitude * 2.0 ** -7 + (i16_input_error(x, groups) if path == "i16" else 0.0)
+                    allowed = magnitude * 2.0 ** -7 + input_rounding_error(x, groups, path)
                     if not ((got - expected).abs() <= allowed).all():
                         return (f"the {path} path differs from the general path at {rows} {dtype} rows, groups of "
                                 f"{size}, values in [{low}, {high})")
@@ -456,14 +477,16 @@ class PackedLinear:
         return self.kernel(x, self.packed, self.bias, h, path=self.path)
 
 
-def make_group_linear(groups: GroupWeights, bias: torch.Tensor | None) -> tuple[Linear, ResidualLinear]:
+def make_group_linear(groups: GroupWeights, bias: torch.Tensor | None,
+                      int8_inputs: bool = False) -> tuple[Linear, ResidualLinear]:
     """(linear, residual_linear) for a group weight: inputs and outputs in the activations'
-    dtype (bf16 or float32), products and sums in float32."""
+    dtype (bf16 or float32), products and sums in float32; with int8_inputs, batches of
+    VNNI_MIN_ROWS rows or more may take the vnni path where the CPU has it (PackedGroups)."""
     groups.check()
     bias32 = None if bias is None else bias.detach().float()
     kernel = group_kernel() if GroupKernel.packable(groups) else None
     if kernel is not None:
-        fast = PackedLinear(kernel, kernel.pack(groups), bias32)  # the only copy kept: the caller drops `groups`
+        fast = PackedLinear(kernel, kernel.pack(groups, int8_inputs=int8_inputs), bias32)  # the caller drops `groups`
         return fast, fast.residual
 
     def linear(x: torch.Tensor) -> torch.Tensor:

@@ -61,7 +61,9 @@ def isa_flags(cpu_flags: frozenset[str], machine: str | None = None) -> tuple[st
         bf16 = ("-mavx512bf16",) if {"avx512_bf16", "avx512bw"} <= cpu_flags else ()
         # AVX512-VNNI's u8 x s8 dot product into int32 (int8_quads.c), where the CPU has it
         vnni = ("-mavx512vnni",) if "avx512_vnni" in cpu_flags else ()
-        return ("-mavx512f", "-mavx2", "-mfma", *bf16, *vnni)
+        # AVX512-VBMI's byte permutes (int8_groups.c's vnni_quads), where the CPU has them
+        vbmi = ("-mavx512vbmi",) if "avx512vbmi" in cpu_flags else ()
+        return ("-mavx512f", "-mavx2", "-mfma", *bf16, *vnni, *vbmi)
     if {"avx2", "fma"} <= cpu_flags:
         return ("-mavx2", "-mfma")
     return ()
@@ -78,7 +80,7 @@ def _compiler() -> str:
 # Flags a compiler may be too old for (GCC 9 and Clang 9 first took -mavx512bf16, GCC 8 and
 # Clang 6 -mavx512vnni): dropped where it refuses them, so the kernels still build, with their
 # portable code.
-OPTIONAL_FLAGS = ("-mavx512bf16", "-mavx512vnni")
+OPTIONAL_FLAGS = ("-mavx512bf16", "-mavx512vnni", "-mavx512vbmi")
 
 
 @cache

@@ -27,6 +27,7 @@ from hybridserve.models.layers.int8_groups import (  # noqa: E402
     VNNI_MIN_ROWS,
     EXPAND_MIN_ROWS,
     EXPAND_MIN_ROWS_NO_AMX,
+    EXPAND_MIN_ROWS_VNNI,
     FOLDED_MIN_ROWS,
     GroupKernel,
     GroupWeights,
@@ -419,8 +420,9 @@ def test_each_row_count_takes_its_path(monkeypatch: pytest.MonkeyPatch) -> None:
     groups = _random_groups(np.random.default_rng(5), 16, 64, 32, False)
     rounded = KERNEL.pack(groups, "tiles", int8_inputs=True)
     assert [KERNEL.path(r, torch.bfloat16, rounded) for r in (1, DPBF16_MIN_ROWS, VNNI_MIN_ROWS - 1, VNNI_MIN_ROWS,
-                                                                 EXPAND_MIN_ROWS_NO_AMX - 1, EXPAND_MIN_ROWS_NO_AMX)] \
-        == ["vector", "dpbf16", "dpbf16", "vnni", "vnni", "expand"]
+                                                                 EXPAND_MIN_ROWS_NO_AMX, EXPAND_MIN_ROWS_VNNI - 1,
+                                                                 EXPAND_MIN_ROWS_VNNI)] \
+        == ["vector", "dpbf16", "dpbf16", "vnni", "vnni", "vnni", "expand"]
     assert KERNEL.path(VNNI_MIN_ROWS, torch.bfloat16, wide) == "dpbf16"  # its inputs kept: the exact products
     small = KERNEL.pack(hand_groups(), "tiles", int8_inputs=True)
     assert KERNEL.path(VNNI_MIN_ROWS, torch.bfloat16, small) == "dpbf16"  # groups of 2, not whole 4s

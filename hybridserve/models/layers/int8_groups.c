@@ -691,21 +691,23 @@ static void vnni_quantize_row(const void *x, int32_t x_bf16, int64_t K, int64_t 
     for (int64_t g = 0; g < K / gs; g++) {
         const int64_t k0 = g * gs;
         const float inv = group_step(x, x_bf16, k0, gs, 127.0f, d + g, xsum ? xsum + g : NULL);
-        int32_t total = 0;
+        /* summed modulo 2^32: a non-finite input's lanes convert to INT_MIN, whose sums may
+         * wrap (its group's step is NaN whatever they hold); finite ones sum exactly */
+        uint32_t total = 0;
         int64_t k = 0;
         if (gs % 16 == 0)
             for (; k < gs; k += 16) {
                 /* rounded to nearest even (the default rounding mode); within [-127, 127] */
                 const __m512i i = _mm512_cvtps_epi32(_mm512_mul_ps(vnni_load16(x, x_bf16, k0 + k), _mm512_set1_ps(inv)));
                 _mm_storeu_si128((__m128i *)(xi + k0 + k), _mm512_cvtsepi32_epi8(i));
-                total += _mm512_reduce_add_epi32(i);
+                total += (uint32_t)_mm512_reduce_add_epi32(i);
             }
         for (; k < gs; k++) {
             const int32_t i = _mm_cvtss_si32(_mm_set_ss(load_any(x, x_bf16, k0 + k) * inv));
-            xi[k0 + k] = (int8_t)i;
-            total += i;
+            xi[k0 + k] = (int8_t)(i < -127 ? -127 : i > 127 ? 127 : i);
+            total += (uint32_t)i;
         }
-        start[g] = -128 * total;
+        start[g] = (int32_t)(0u - 128u * total);
     }
 }
 

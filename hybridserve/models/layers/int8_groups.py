@@ -67,8 +67,9 @@ I16_HALF_STEP = 0.5 / 32767
 VNNI_HALF_STEP = 0.5 / 127
 # Rows of bf16 inputs from which each path takes over (benchmarks/group_linear.py --paths,
 # benchmarks/results/group_int8_kernels.md): with AMX, exact, then folded, then expand;
-# with AVX512-BF16 but no AMX, vnni where the CPU has AVX512-VNNI (else dpbf16), then expand
-# from EXPAND_MIN_ROWS_NO_AMX; without
+# with AVX512-BF16 but no AMX, dpbf16, then expand from EXPAND_MIN_ROWS_NO_AMX, and where the
+# CPU has AVX512-VNNI, vnni from VNNI_MIN_ROWS to EXPAND_MIN_ROWS_VNNI for the weights whose
+# inputs may be rounded (1.4x expand's speed at 256-600 rows, level at 2048); without
 # native bf16 (torch's bf16 GEMM is software there: never expand), i16 at every row count on
 # a weight packed as pairs, the vector loop on others.
 AMX_MIN_ROWS = 3
@@ -77,6 +78,7 @@ VNNI_MIN_ROWS = 8
 FOLDED_MIN_ROWS = 32
 EXPAND_MIN_ROWS = 512
 EXPAND_MIN_ROWS_NO_AMX = 512
+EXPAND_MIN_ROWS_VNNI = 2048
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 ResidualLinear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -337,10 +339,11 @@ class GroupKernel:
         if dtype != torch.bfloat16:
             return "vector"
         if not self.amx:
+            vnni = self.vnni and packed.int8_inputs and packed.group_size % 4 == 0
+            if vnni and VNNI_MIN_ROWS <= rows < EXPAND_MIN_ROWS_VNNI:
+                return "vnni"
             if self.native_bf16 and rows >= EXPAND_MIN_ROWS_NO_AMX:
                 return "expand"
-            if self.vnni and rows >= VNNI_MIN_ROWS and packed.group_size % 4 == 0 and packed.int8_inputs:
-                return "vnni"
             return "dpbf16" if self.dpbf16 and rows >= DPBF16_MIN_ROWS else "vector"
         if rows >= EXPAND_MIN_ROWS:
             return "expand"

@@ -154,3 +154,23 @@ def test_models_the_c_loop_does_not_walk_have_no_stack(gemma: Path, tmp_path: Pa
             assert model.decode_stack is None and DecodeStack.build(model) is None
         finally:
             llm.shutdown()
+
+
+@needs_kernels
+def test_layers_whose_linears_take_other_paths_have_no_stack(gemma: Path) -> None:
+    """The stack runs one path per role for every layer: a layer whose qkv may not round its
+    inputs to int8 where the others may (or whose groups are not whole 4s) would take
+    another path there, so such a model keeps the loop."""
+    llm = _llm(gemma, "bfloat16")
+    try:
+        model = _model(llm)
+        assert DecodeStack.build(model) is not None
+        qkv = model._linears[1].qkv
+        packed = qkv.packed
+        assert packed.int8_inputs and not model._linears[1].down.packed.int8_inputs  # decoder.EXACT_INPUT_ROLES
+        qkv.packed = packed._replace(int8_inputs=False)
+        assert DecodeStack.build(model) is None
+        qkv.packed = packed
+        assert DecodeStack.build(model) is not None
+    finally:
+        llm.shutdown()

@@ -9,8 +9,9 @@ forms summing norms exactly and computing the activation where the loop takes AT
 are all what that loop does: bf16 or float32 on the CPU (float32: SiLU or the tanh GELU,
 act_mul.COMPUTED), one rank, sandwich norms with q/k norms
 (Gemma 3), every linear a packed int8-group weight (--quantization gguf-groups) of one
-shape per role in every layer (the kernel's path depends on the shape alone; group sizes
-may differ), and every native kernel the loop calls built. A step is taken (`__call__`
+shape per role in every layer (the kernel's path depends on the shape, on whether the
+inputs may be rounded to int8 and on whether the groups are whole 4s, each the same per
+role in every layer; group sizes may differ), and every native kernel the loop calls built. A step is taken (`__call__`
 answers its final residual stream; None leaves it to the loop) when:
 - the step's attention hands every group to its in-place decode kernel
   (StepAttention.decode_plan: one token per request, every slot written, no padding), whose
@@ -158,7 +159,9 @@ class DecodeStack:
         linears = [[getattr(lin, role) for role in ROLES] for lin in model._linears]
         if not all(isinstance(lin, PackedLinear) for lins in linears for lin in lins):
             return None
-        shapes = [tuple(lin.packed.shape for lin in lins) for lins in linears]  # group sizes may differ
+        # what the kernel's path depends on (GroupKernel.path), per role; group sizes may differ
+        shapes = [tuple((lin.packed.shape, lin.packed.int8_inputs, lin.packed.group_size % 4 == 0) for lin in lins)
+                  for lins in linears]
         if any(s != shapes[0] for s in shapes):
             return None
         qk, norms, act = qk_norm_rope_kernel(), residual_norms_kernel(), act_mul_kernel()

@@ -47,9 +47,9 @@ from hybridserve.models.layers.span_logits import SpanLogits
 
 # The linears whose inputs a GGUF-groups decoder never rounds to int8 (the vnni path of
 # models/layers/int8_groups.py): the MLP's down projection, whose inputs (the activation
-# times up) carry the outliers that set each group's int8 step. Rounding its inputs too
-# took the default model's KL divergence from float32 from 0.0025 to 0.0032 nats, past
-# llama.cpp's 0.0027 (benchmarks/results/group_int8_kernels.md, "VNNI").
+# times up) carry the outliers that set each group's int8 step: rounding them cost the
+# default model as much KL divergence from float32 as the other three roles together, and
+# took it past llama.cpp's on the same GGUF (benchmarks/results/group_int8_kernels.md, "VNNI").
 EXACT_INPUT_ROLES = frozenset({"down"})
 
 

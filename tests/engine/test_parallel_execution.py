@@ -329,9 +329,10 @@ def test_workers_of_a_killed_driver_exit() -> None:
         def alive(pid: int) -> bool:
             try:
                 os.kill(pid, 0)
-            except ProcessLookupError:
+                with open(f"/proc/{pid}/stat") as stat:  # reaped between the two looks: ESRCH or ENOENT
+                    status = stat.read().rsplit(")", 1)[1].split()[0]
+            except OSError:
                 return False
-            status = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
             return status != "Z"
 
         deadline = time.monotonic() + 20

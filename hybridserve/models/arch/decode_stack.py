@@ -160,7 +160,7 @@ class DecodeStack:
         if not all(isinstance(lin, PackedLinear) for lins in linears for lin in lins):
             return None
         # what the kernel's path depends on (GroupKernel.path), per role; group sizes may differ
-        shapes = [tuple((lin.packed.shape, lin.packed.int8_inputs, lin.packed.group_size % 4 == 0) for lin in lins)
+        shapes = [tuple((lin.packed.shape, lin.packed.int8_inputs, lin.packed.whole_quads) for lin in lins)
                   for lins in linears]
         if any(s != shapes[0] for s in shapes):
             return None

@@ -196,6 +196,11 @@ class PackedGroups(NamedTuple):
         tiles, cols, tile = self.values.shape
         return tiles * tile, cols
 
+    @property
+    def whole_quads(self) -> bool:
+        """Groups of whole 4s: the vnni path sums four products a lane, never across groups."""
+        return self.group_size % 4 == 0
+
 
 def _tiles(t: torch.Tensor) -> torch.Tensor:
     """t [N, C] as the kernel's tiles [N / TILE, C, TILE], a view (on_huge_pages copies it)."""
@@ -339,7 +344,7 @@ class GroupKernel:
         if dtype != torch.bfloat16:
             return "vector"
         if not self.amx:
-            vnni = self.vnni and packed.int8_inputs and packed.group_size % 4 == 0
+            vnni = self.vnni and packed.int8_inputs and packed.whole_quads
             if vnni and VNNI_MIN_ROWS <= rows < EXPAND_MIN_ROWS_VNNI:
                 return "vnni"
             if self.native_bf16 and rows >= EXPAND_MIN_ROWS_NO_AMX:
@@ -390,7 +395,7 @@ class GroupKernel:
             raise ValueError(f"the {path} path needs AMX and bf16 inputs")  # AMX code without AMX would fault
         if path == "dpbf16" and not (self.dpbf16 and x.dtype == torch.bfloat16):
             raise ValueError("the dpbf16 path needs AVX512-BF16 and bf16 inputs")
-        if path == "vnni" and not (self.vnni and packed.group_size % 4 == 0):
+        if path == "vnni" and not (self.vnni and packed.whole_quads):
             raise ValueError("the vnni path needs AVX512-VNNI and groups of a multiple of 4")
         if (path == "i16") != (packed.layout == "pairs") or (path == "i16" and not self.i16):
             raise ValueError(f"the {path} path on a weight packed as {packed.layout} (i16 needs AVX2 and pairs, "

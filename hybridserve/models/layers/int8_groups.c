@@ -744,11 +744,17 @@ static void vnni_quads(const int8_t *vt, int64_t K, uint8_t *quads) {
 }
 
 /* `mb` (a constant once inlined) rows of quantized inputs (xi rows K apart; d, start and
- * xsum rows `groups` apart) times one tile's quads into res [mb][TILE]. */
+ * xsum rows `groups` apart) times one tile's quads into res [mb][TILE]. Where next is not
+ * NULL (the first row block of a tile that has a successor), the next tile's values, one
+ * line per four k, and its scales and offsets, one line per group, are asked into L2 as the
+ * products run: without it a tile's values were read only once its products were done,
+ * so the weights' reads and the products took turns (8-16 rows ran ~1.5x longer;
+ * benchmarks/results/group_int8_kernels.md, "VNNI prefetch"). */
 static inline __attribute__((always_inline)) void vnni_rows(const int mb, const int8_t *xi, const float *d,
                                                             const int32_t *start, const float *xsum, int64_t K,
                                                             int64_t groups, int64_t gs, const uint8_t *quads,
-                                                            const float *st, const float *ot, float *res) {
+                                                            const float *st, const float *ot, float *res,
+                                                            const int8_t *next) {
     __m512 tot[VNNI_ROWS];
     for (int r = 0; r < mb; r++) tot[r] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
@@ -756,6 +762,7 @@ static inline __attribute__((always_inline)) void vnni_rows(const int mb, const 
         for (int r = 0; r < mb; r++) acc[r] = _mm512_set1_epi32(start[r * groups + g]);
         for (int64_t k = g * gs; k < (g + 1) * gs; k += 4) {
             const __m512i w = _mm512_load_si512((const void *)(quads + k * TILE));
+            if (next) _mm_prefetch((const char *)(next + k * TILE), _MM_HINT_T1);
             for (int r = 0; r < mb; r++) {
                 int32_t four;
                 memcpy(&four, xi + r * K + k, sizeof four);
@@ -763,6 +770,10 @@ static inline __attribute__((always_inline)) void vnni_rows(const int mb, const 
             }
         }
         const __m512 scale = _mm512_loadu_ps(st + g * TILE);
+        if (next) {
+            _mm_prefetch((const char *)(st + (groups + g) * TILE), _MM_HINT_T1);
+            if (ot) _mm_prefetch((const char *)(ot + (groups + g) * TILE), _MM_HINT_T1);
+        }
         for (int r = 0; r < mb; r++)
             tot[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(scale, _mm512_set1_ps(d[r * groups + g])),
                                      tot[r]);
@@ -811,19 +822,20 @@ static int vnni_linear(const void *x, int32_t x_bf16, int64_t ldx, int64_t M, in
             const float *st = scale + t * groups * TILE, *ot = offset ? offset + t * groups * TILE : NULL;
             vnni_quads(values + t * K * TILE, K, quads);
             for (int64_t m0 = 0; m0 < M; m0 += VNNI_ROWS) {
+                const int8_t *next = m0 == 0 && t + 1 < tiles ? values + (t + 1) * K * TILE : NULL;
                 const int mb = M - m0 < VNNI_ROWS ? (int)(M - m0) : VNNI_ROWS;
                 const int8_t *xm = xi + m0 * K;
                 const float *dm = d + m0 * groups, *sm = xsum ? xsum + m0 * groups : NULL;
                 const int32_t *bm = start + m0 * groups;
                 switch (mb) {
-                case 1: vnni_rows(1, xm, dm, bm, sm, K, groups, gs, quads, st, ot, res); break;
-                case 2: vnni_rows(2, xm, dm, bm, sm, K, groups, gs, quads, st, ot, res); break;
-                case 3: vnni_rows(3, xm, dm, bm, sm, K, groups, gs, quads, st, ot, res); break;
-                case 4: vnni_rows(4, xm, dm, bm, sm, K, groups, gs, quads, st, ot, res); break;
-                case 5: vnni_rows(5, xm, dm, bm, sm, K, groups, gs, quads, st, ot, res); break;
-                case 6: vnni_rows(6, xm, dm, bm, sm, K, groups, gs, quads, st, ot, res); break;
-                case 7: vnni_rows(7, xm, dm, bm, sm, K, groups, gs, quads, st, ot, res); break;
-                default: vnni_rows(VNNI_ROWS, xm, dm, bm, sm, K, groups, gs, quads, st, ot, res); break;
+                case 1: vnni_rows(1, xm, dm, bm, sm, K, groups, gs, quads, st, ot, res, next); break;
+                case 2: vnni_rows(2, xm, dm, bm, sm, K, groups, gs, quads, st, ot, res, next); break;
+                case 3: vnni_rows(3, xm, dm, bm, sm, K, groups, gs, quads, st, ot, res, next); break;
+                case 4: vnni_rows(4, xm, dm, bm, sm, K, groups, gs, quads, st, ot, res, next); break;
+                case 5: vnni_rows(5, xm, dm, bm, sm, K, groups, gs, quads, st, ot, res, next); break;
+                case 6: vnni_rows(6, xm, dm, bm, sm, K, groups, gs, quads, st, ot, res, next); break;
+                case 7: vnni_rows(7, xm, dm, bm, sm, K, groups, gs, quads, st, ot, res, next); break;
+                default: vnni_rows(VNNI_ROWS, xm, dm, bm, sm, K, groups, gs, quads, st, ot, res, next); break;
                 }
                 store_rows(res, mb, m0, t, x_bf16, bias, residual, ldr, out, ldo);
             }

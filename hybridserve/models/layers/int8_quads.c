@@ -21,7 +21,8 @@
  * product times the scale gives.
  *
  * Threads take tiles of TILE columns; a tile's weights (K x TILE bytes, 10 KB at K = 640)
- * stay in L1 while every block of ROWS rows reads them. */
+ * stay in L1 while every block of ROWS rows reads them, and the first block asks for the
+ * next tiles' weights into L2 as it goes (`next`), so the reads overlap the products. */
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -49,7 +50,7 @@ int quads_levels(void) { return 127; }
 static inline __attribute__((always_inline)) void quads_rows(const int mb, const int nt, const uint8_t *x,
                                                              int64_t ldx, int64_t K, const int8_t *wt,
                                                              const int32_t *colsum, const float *scale, float *out,
-                                                             int64_t ldo) {
+                                                             int64_t ldo, const int8_t *next) {
     const __m512i minus128 = _mm512_set1_epi32(-128);
     const int8_t *wt1 = wt + K * TILE;
     __m512i acc[ROWS][2];
@@ -63,6 +64,10 @@ static inline __attribute__((always_inline)) void quads_rows(const int mb, const
             const int8_t *w = wt + q * 4 * TILE, *v = wt1 + q * 4 * TILE;
             __builtin_prefetch(w + PREFETCH_BYTES, 0, 0);
             __builtin_prefetch(v + PREFETCH_BYTES, 0, 0);
+            if (next) {
+                _mm_prefetch((const char *)(next + q * 4 * TILE), _MM_HINT_T1);
+                _mm_prefetch((const char *)(next + (K + q * 4) * TILE), _MM_HINT_T1);
+            }
             const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(v);
             for (int r = 0; r < mb; r++) {
                 int32_t four;
@@ -110,16 +115,20 @@ static inline __attribute__((always_inline)) void quads_rows(const int mb, const
     }
 }
 
+/* From this many rows each step's first row block asks for the next step's tiles into L2
+ * as its products run: without it the weights were read only once a step's products were
+ * done (benchmarks/results/head_chunks.md, "next tiles prefetched"). */
+#define PREFETCH_NEXT_MIN_ROWS 1
 #define TILES_A_STEP 2 /* tiles each step of quads_matmul's loop takes (a last odd one alone) */
 #define ROW_CASES(nt, xm, om)                                                                                    \
-    case 1: quads_rows(1, nt, xm, ldx, K, wt, ct, st, om, ldo); break;                                          \
-    case 2: quads_rows(2, nt, xm, ldx, K, wt, ct, st, om, ldo); break;                                          \
-    case 3: quads_rows(3, nt, xm, ldx, K, wt, ct, st, om, ldo); break;                                          \
-    case 4: quads_rows(4, nt, xm, ldx, K, wt, ct, st, om, ldo); break;                                          \
-    case 5: quads_rows(5, nt, xm, ldx, K, wt, ct, st, om, ldo); break;                                          \
-    case 6: quads_rows(6, nt, xm, ldx, K, wt, ct, st, om, ldo); break;                                          \
-    case 7: quads_rows(7, nt, xm, ldx, K, wt, ct, st, om, ldo); break;                                          \
-    default: quads_rows(ROWS, nt, xm, ldx, K, wt, ct, st, om, ldo); break;
+    case 1: quads_rows(1, nt, xm, ldx, K, wt, ct, st, om, ldo, next); break;                                         \
+    case 2: quads_rows(2, nt, xm, ldx, K, wt, ct, st, om, ldo, next); break;                                         \
+    case 3: quads_rows(3, nt, xm, ldx, K, wt, ct, st, om, ldo, next); break;                                         \
+    case 4: quads_rows(4, nt, xm, ldx, K, wt, ct, st, om, ldo, next); break;                                         \
+    case 5: quads_rows(5, nt, xm, ldx, K, wt, ct, st, om, ldo, next); break;                                         \
+    case 6: quads_rows(6, nt, xm, ldx, K, wt, ct, st, om, ldo, next); break;                                         \
+    case 7: quads_rows(7, nt, xm, ldx, K, wt, ct, st, om, ldo, next); break;                                         \
+    default: quads_rows(ROWS, nt, xm, ldx, K, wt, ct, st, om, ldo, next); break;
 
 #elif defined(__AVX2__)
 #include <immintrin.h>
@@ -134,7 +143,8 @@ int quads_levels(void) { return 63; }
  * out (rows ldo apart, the tile's first column). */
 static inline __attribute__((always_inline)) void quads_rows(const int mb, const uint8_t *x, int64_t ldx,
                                                              int64_t K, const int8_t *wt, const int32_t *colsum,
-                                                             const float *scale, float *out, int64_t ldo) {
+                                                             const float *scale, float *out, int64_t ldo,
+                                                             const int8_t *next) {
     const __m256i ones = _mm256_set1_epi16(1), minus128 = _mm256_set1_epi32(-128);
     const __m256i start0 = _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i *)colsum), minus128);
     const __m256i start1 = _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i *)(colsum + 8)), minus128);
@@ -146,6 +156,7 @@ static inline __attribute__((always_inline)) void quads_rows(const int mb, const
     for (int64_t q = 0; q < K / 4; q++) {
         const int8_t *w = wt + q * 4 * TILE;
         __builtin_prefetch(w + PREFETCH_BYTES, 0, 0);
+        if (next) _mm_prefetch((const char *)(next + q * 4 * TILE), _MM_HINT_T1);
         const __m256i w0 = _mm256_loadu_si256((const __m256i *)w);
         const __m256i w1 = _mm256_loadu_si256((const __m256i *)(w + 32));
         for (int r = 0; r < mb; r++) {
@@ -163,12 +174,15 @@ static inline __attribute__((always_inline)) void quads_rows(const int mb, const
     }
 }
 
+/* As above; on AVX2 it was measured only in an AVX2 build on a Zen 4 host, where one row
+ * gained nothing and batches 5-10%: so batches only. */
+#define PREFETCH_NEXT_MIN_ROWS (ROWS + 1)
 #define TILES_A_STEP 1
 #define ROW_CASES(nt, xm, om)                                                                                    \
-    case 1: quads_rows(1, xm, ldx, K, wt, ct, st, om, ldo); break;                                              \
-    case 2: quads_rows(2, xm, ldx, K, wt, ct, st, om, ldo); break;                                              \
-    case 3: quads_rows(3, xm, ldx, K, wt, ct, st, om, ldo); break;                                              \
-    default: quads_rows(ROWS, xm, ldx, K, wt, ct, st, om, ldo); break;
+    case 1: quads_rows(1, xm, ldx, K, wt, ct, st, om, ldo, next); break;                                             \
+    case 2: quads_rows(2, xm, ldx, K, wt, ct, st, om, ldo, next); break;                                             \
+    case 3: quads_rows(3, xm, ldx, K, wt, ct, st, om, ldo, next); break;                                             \
+    default: quads_rows(ROWS, xm, ldx, K, wt, ct, st, om, ldo, next); break;
 
 #endif
 
@@ -187,6 +201,8 @@ void quads_matmul(const uint8_t *x, int64_t ldx, int64_t M, int64_t K, const int
         const float *st = scale + t * TILE;
         const int whole = t + TILES_A_STEP <= tiles; /* else the last odd tile, alone */
         for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
+            const int ahead = m0 == 0 && M >= PREFETCH_NEXT_MIN_ROWS && t + TILES_A_STEP < tiles;
+            const int8_t *next = ahead ? wt + TILES_A_STEP * K * TILE : NULL;
             const uint8_t *xm = x + m0 * ldx;
             float *om = out + m0 * ldo + t * TILE;
             const int64_t mb = M - m0 < ROWS ? M - m0 : ROWS;

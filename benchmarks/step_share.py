@@ -18,7 +18,7 @@ alternate between two kinds, in the same run, so both see the same machine:
   stack adds their wall time up itself (DecodeStack.linear_seconds); the native kernels no dispatch mode sees
   (native_matmuls: the int8-group linears of gguf-groups, models/layers/int8_groups.py;
   the AMX int8 products and the head's argmax over them, models/layers/int8_amx.py; the
-  AVX2 head's u8 x s8 products, models/layers/int8_quads.py) are
+  head's u8 x s8 products and its argmax over them, models/layers/int8_quads.py) are
   timed per call the same way. Attention's batched products (bmm) are not weight matmuls and count as
   outside.
 Printed per row count: the medians of the step and of its matmuls (ms), the ops a traced
@@ -60,9 +60,9 @@ WEIGHT_MATMULS = {
 def native_matmuls(group_kernel, amx_kernel, quads_kernel):  # type: ignore[no-untyped-def]
     """The native kernels' weight matmuls (class, method): the int8 groups' linears, the
     AMX int8 products, the head's argmax among them (products whose outputs it reduces),
-    and the AVX2 head's u8 x s8 products (int8_quads.c)."""
+    and the u8 x s8 head products of int8_quads.c (AVX2 or VNNI), its argmax likewise."""
     return [(group_kernel, "__call__"), (amx_kernel, "__call__"), (amx_kernel, "argmax_chunks"),
-            (quads_kernel, "__call__")]
+            (quads_kernel, "__call__"), (quads_kernel, "argmax")]
 
 
 def matmul_timer():  # type: ignore[no-untyped-def]

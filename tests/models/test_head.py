@@ -252,6 +252,44 @@ def test_a_quads_head_holds_its_values_once(quads_head: OutputHead) -> None:
     assert len(quads_head._chunks) == 3  # FBGEMM_HEAD_CHUNK_ROWS: 16384, 16384, 7232
 
 
+@pytest.mark.parametrize("build", ["avx2", "vnni"])
+@pytest.mark.parametrize("rows", [1, 3, QUADS_WHOLE_MAX_ROWS + 1, QUADS_BESIDE_PACKED_MAX_ROWS + 1, 70])
+def test_a_quads_heads_fused_greedy_takes_the_tokens_of_the_general_paths(build: str, rows: int, request) -> None:
+    # greedy_quads (int8_quads.c's argmax, no logits written) against greedy_by_chunks and
+    # the argmax of the same kernel's logits, at row counts inside and past a register
+    # block, the whole-vocabulary product and oneDNN's copy; greedy steps of any size pack
+    # no oneDNN copy
+    head = request.getfixturevalue("quads_head" if build == "avx2" else "vnni_quads_head")
+    x = _hidden(rows) * torch.linspace(0.5, 4.0, rows)[:, None]
+    fused = head.greedy_quads(x)
+    assert fused == head.greedy(x, None)
+    assert head._packed_chunks is None
+    assert fused == head.greedy_by_chunks(x, None) == head(x).argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("build", ["avx2", "vnni"])
+def test_a_quads_heads_fused_greedy_breaks_ties_to_the_first_index(build: str, monkeypatch, request) -> None:
+    # equal maxima in two chunks, and twice within the second chunk in tiles far enough apart
+    # that the kernel's two threads each see one; rows of zeros (their products all zero)
+    # elsewhere
+    w = torch.zeros(VOCAB, HIDDEN)
+    w[3, 0] = w[QUADS_HEAD_CHUNK_ROWS + 5, 0] = 1.0
+    w[VOCAB - 40, 1] = w[QUADS_HEAD_CHUNK_ROWS + 2, 1] = 1.0
+    x = torch.zeros(3, HIDDEN)
+    x[0, 0] = x[1, 1] = 1.0  # row 2 all zeros: every product ties at zero, column 0 wins
+    request.getfixturevalue("quads_head" if build == "avx2" else "vnni_quads_head")  # the path, or a skip
+    head = OutputHead(w, "int8")
+    assert head.greedy_quads(x) == head.greedy_by_chunks(x, None) == [3, QUADS_HEAD_CHUNK_ROWS + 2, 0]
+
+
+def test_a_quads_heads_fused_greedy_leaves_non_finite_rows_to_the_general_paths(quads_head: OutputHead) -> None:
+    # A row scale that is not finite would make NaN products, which torch's max orders
+    x = _hidden(2)
+    x[1, 0] = float("inf")
+    assert quads_head.greedy_quads(x) is None
+    assert quads_head.greedy(x, None) == quads_head.greedy_by_chunks(x, None)
+
+
 def test_int4_head_equals_matmul_of_its_dequantized_weight(weight: torch.Tensor) -> None:
     x = _hidden(3)
     values, scale, offset = quantize_int4_groups(weight)

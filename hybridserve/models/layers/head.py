@@ -16,7 +16,7 @@ parameters) and its bytes set the decode speed, so it gets its own representatio
   them (with AMX's integer tiles int8_amx.c, which also reduces each chunk to greedy's
   argmax or to sampling's span summaries as it goes; else int8_quads.c's u8 x s8
   products, by VNNI's dot products or, on AVX2 alone, with the weights narrowed to 63
-  levels; where that kernel is not built, oneDNN's `onednn.qlinear_pointwise` (VNNI) or
+  levels, which also reduces a greedy step to its argmax as it goes; where that kernel is not built, oneDNN's `onednn.qlinear_pointwise` (VNNI) or
   fbgemm's GEMM (AVX2): models/layers/int8.py, int8_quads.py): at a decode
   batch of 64 the head is compute-bound, and the int8 dot products run several times
   faster than bf16 ones without AMX (`benchmarks/int8_rows.py`). Elsewhere PyTorch's
@@ -302,9 +302,14 @@ class OutputHead:
         greedy_by_chunks, the general path, or up to FEW_ROWS rows (QUADS_WHOLE_MAX_ROWS on
         int8_quads.c's kernel) greedy_few_rows; where
         every chunk's kernel has its own argmax and nothing is soft-capped, greedy_fused;
-        else, where nothing is soft-capped and chunk_argmax.c is built, greedy_native."""
+        on int8_quads.c's kernel with nothing soft-capped, greedy_quads; else, where nothing
+        is soft-capped and chunk_argmax.c is built, greedy_native."""
         if self._fused is not None and not softcap:
             return self.greedy_fused(hidden)
+        if self._quads is not None and not softcap:
+            tokens = self.greedy_quads(hidden)
+            if tokens is not None:
+                return tokens
         if hidden.shape[0] <= (FEW_ROWS if self._quads is None else max(FEW_ROWS, QUADS_WHOLE_MAX_ROWS)):
             return self.greedy_few_rows(hidden, softcap)
         kernel = None if softcap else chunk_argmax_kernel()
@@ -352,6 +357,21 @@ class OutputHead:
         assert self._fused is not None
         values, row_scale = self._input(hidden)
         return self._fused[0].kernel.argmax_chunks(values, self._fused, row_scale)[1].tolist()
+
+    def greedy_quads(self, hidden: torch.Tensor) -> list[int] | None:
+        """greedy_native's tokens from int8_quads.c's argmax (QuadsKernel.argmax: the same
+        products times the same row scales, the first column among equal maxima) over the
+        whole vocabulary in one call, which writes no logits: a step's [rows, vocab] float32
+        no longer goes through memory and back (64 MB at 64 rows), and no oneDNN copy of
+        the weights is packed for greedy steps of more than QUADS_BESIDE_PACKED_MAX_ROWS rows.
+        None where a row scale is not finite (a NaN or inf hidden state): the other paths
+        order NaN logits as torch's max does."""
+        assert self._quads is not None
+        values, row_scale = self._input(hidden)
+        if row_scale is None or not bool(torch.isfinite(row_scale).all()):
+            return None
+        kernel, whole = self._quads
+        return kernel.argmax(values, whole, row_scale.float())[1].tolist()
 
     def greedy_few_rows(self, hidden: torch.Tensor, softcap: float | None) -> list[int]:
         """greedy_by_chunks' tokens, for a few rows (one stream's decode step): every chunk's

@@ -24,6 +24,8 @@
  * stay in L1 while every block of ROWS rows reads them, and the first block asks for the
  * next tiles' weights into L2 as it goes (`next`), so the reads overlap the products. */
 
+#include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -187,6 +189,27 @@ static inline __attribute__((always_inline)) void quads_rows(const int mb, const
 #endif
 
 #ifdef ROWS /* one of the kernels above is built */
+/* Row block m0 of step t (TILES_A_STEP tiles from tile t, or the last odd tile alone) into
+ * om (rows ldo apart, the step's first column); the first block asks for the next step's
+ * tiles into L2 meanwhile. */
+static inline void step_block(const uint8_t *x, int64_t ldx, int64_t M, int64_t K, const int8_t *w,
+                              const int32_t *colsum, const float *scale, int64_t tiles, int64_t t, int64_t m0,
+                              float *om, int64_t ldo) {
+    const int8_t *wt = w + t * K * TILE;
+    const int32_t *ct = colsum + t * TILE;
+    const float *st = scale + t * TILE;
+    const int whole = t + TILES_A_STEP <= tiles; /* else the last odd tile, alone */
+    const int ahead = m0 == 0 && M >= PREFETCH_NEXT_MIN_ROWS && t + TILES_A_STEP < tiles;
+    const int8_t *next = ahead ? wt + TILES_A_STEP * K * TILE : NULL;
+    const uint8_t *xm = x + m0 * ldx;
+    const int64_t mb = M - m0 < ROWS ? M - m0 : ROWS;
+    if (whole) {
+        switch (mb) { ROW_CASES(TILES_A_STEP, xm, om) }
+    } else {
+        switch (mb) { ROW_CASES(1, xm, om) }
+    }
+}
+
 /* x: uint8 [M, K] (levels + 128), rows ldx apart; w: the quads layout above, N a multiple
  * of TILE, K of 4; colsum: int32 [N], each column's sum of weights; scale: float32 [N];
  * out: float32 [M, N], rows ldo apart. */
@@ -194,25 +217,106 @@ void quads_matmul(const uint8_t *x, int64_t ldx, int64_t M, int64_t K, const int
                   const float *scale, int64_t N, float *out, int64_t ldo, int32_t num_threads) {
     const int64_t tiles = N / TILE, steps = (tiles + TILES_A_STEP - 1) / TILES_A_STEP;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (steps > 1)
-    for (int64_t u = 0; u < steps; u++) {
-        const int64_t t = u * TILES_A_STEP;
-        const int8_t *wt = w + t * K * TILE;
-        const int32_t *ct = colsum + t * TILE;
-        const float *st = scale + t * TILE;
-        const int whole = t + TILES_A_STEP <= tiles; /* else the last odd tile, alone */
-        for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
-            const int ahead = m0 == 0 && M >= PREFETCH_NEXT_MIN_ROWS && t + TILES_A_STEP < tiles;
-            const int8_t *next = ahead ? wt + TILES_A_STEP * K * TILE : NULL;
-            const uint8_t *xm = x + m0 * ldx;
-            float *om = out + m0 * ldo + t * TILE;
-            const int64_t mb = M - m0 < ROWS ? M - m0 : ROWS;
-            if (whole) {
-                switch (mb) { ROW_CASES(TILES_A_STEP, xm, om) }
-            } else {
-                switch (mb) { ROW_CASES(1, xm, om) }
+    for (int64_t u = 0; u < steps; u++)
+        for (int64_t m0 = 0; m0 < M; m0 += ROWS)
+            step_block(x, ldx, M, K, w, colsum, scale, tiles, u * TILES_A_STEP, m0,
+                       out + m0 * ldo + u * TILES_A_STEP * TILE, ldo);
+}
+
+/* Greedy's reduction's lanes: 16 columns side by side (one AVX-512 register, two AVX2 ones). */
+#define ARGMAX_LANES 16
+typedef float lanes_f __attribute__((vector_size(ARGMAX_LANES * 4)));
+typedef int32_t lanes_i __attribute__((vector_size(ARGMAX_LANES * 4)));
+
+/* Greedy's reduction fused into the product (chunk_argmax.c's, without the logits): for
+ * each row m, the largest out[m][n] * row_scale[m] over the N columns, out as quads_matmul
+ * computes it and the row scale's multiply rounded as chunk_argmax.c's, and the first
+ * column holding it, plus `start`, into best and index [M]. Each step's products go to a
+ * buffer of one row block that stays in L1, instead of [M, N] logits through memory. Every
+ * row_scale must be finite (the caller checks): the products are then finite, with no NaN
+ * to order. As chunk_argmax.c, each row keeps lanes of ARGMAX_LANES columns, each lane its
+ * maximum and the first column holding it (it moves only on a strictly greater product).
+ * Threads take contiguous runs of steps in thread order (a static schedule); at the end
+ * each thread's lanes give its run's first maximum (the largest lane, the first column
+ * among equals), and the runs are merged in order, the first column among equals winning.
+ * Returns 0, or -1 where its scratch cannot be allocated. */
+int quads_argmax(const uint8_t *x, int64_t ldx, int64_t M, int64_t K, const int8_t *w, const int32_t *colsum,
+                 const float *scale, int64_t N, const float *row_scale, int64_t start, float *best, int64_t *index,
+                 int32_t num_threads) {
+    const int64_t tiles = N / TILE, steps = (tiles + TILES_A_STEP - 1) / TILES_A_STEP;
+    const int teams = num_threads > 0 ? num_threads : 1;
+    float *run_best = malloc(sizeof(float) * (size_t)(teams * M));
+    int64_t *run_index = malloc(sizeof(int64_t) * (size_t)(teams * M));
+    lanes_f *lane_max = aligned_alloc(64, sizeof(lanes_f) * (size_t)(teams * M));
+    lanes_i *lane_at = aligned_alloc(64, sizeof(lanes_i) * (size_t)(teams * M));
+    if (!run_best || !run_index || !lane_max || !lane_at) {
+        free(run_best);
+        free(run_index);
+        free(lane_max);
+        free(lane_at);
+        return -1;
+    }
+    lanes_i iota;
+    for (int k = 0; k < ARGMAX_LANES; k++) iota[k] = k;
+    for (int64_t i = 0; i < teams * M; i++) run_best[i] = -INFINITY, run_index[i] = 0; /* threads not started */
+#pragma omp parallel num_threads(teams) if (steps > 1)
+    {
+        const int me = omp_get_thread_num();
+        lanes_f *my_max = lane_max + me * M;
+        lanes_i *my_at = lane_at + me * M;
+        for (int64_t m = 0; m < M; m++) {
+            for (int k = 0; k < ARGMAX_LANES; k++) my_max[m][k] = -INFINITY;
+            my_at[m] = iota;
+        }
+        enum { WIDTH = TILES_A_STEP * TILE };
+        float buf[ROWS * WIDTH] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int64_t u = 0; u < steps; u++) {
+            const int64_t t = u * TILES_A_STEP;
+            const int64_t cols = (t + TILES_A_STEP <= tiles ? TILES_A_STEP : tiles - t) * TILE;
+            for (int64_t m0 = 0; m0 < M; m0 += ROWS) {
+                step_block(x, ldx, M, K, w, colsum, scale, tiles, t, m0, buf, WIDTH);
+                const int64_t mb = M - m0 < ROWS ? M - m0 : ROWS;
+                for (int64_t r = 0; r < mb; r++) {
+                    lanes_f top = my_max[m0 + r];
+                    lanes_i at = my_at[m0 + r];
+                    const float s = row_scale[m0 + r];
+                    for (int64_t c = 0; c < cols; c += ARGMAX_LANES) {
+                        lanes_f v;
+                        memcpy(&v, buf + r * WIDTH + c, sizeof v);
+                        v *= s;
+                        const lanes_i greater = v > top;
+                        top = (lanes_f)(((lanes_i)v & greater) | ((lanes_i)top & ~greater));
+                        at = ((iota + (int32_t)(t * TILE + c)) & greater) | (at & ~greater);
+                    }
+                    my_max[m0 + r] = top;
+                    my_at[m0 + r] = at;
+                }
             }
         }
+        for (int64_t m = 0; m < M; m++) { /* this thread's run: the largest lane, the first column among equals */
+            float peak = my_max[m][0];
+            int64_t first = my_at[m][0];
+            for (int k = 1; k < ARGMAX_LANES; k++)
+                if (my_max[m][k] > peak || (my_max[m][k] == peak && my_at[m][k] < first))
+                    peak = my_max[m][k], first = my_at[m][k];
+            run_best[me * M + m] = peak;
+            run_index[me * M + m] = first;
+        }
     }
+    for (int64_t m = 0; m < M; m++) {
+        float top = -INFINITY;
+        int64_t at = 0;
+        for (int th = 0; th < teams; th++)
+            if (run_best[th * M + m] > top) top = run_best[th * M + m], at = run_index[th * M + m];
+        best[m] = top;
+        index[m] = start + at;
+    }
+    free(run_best);
+    free(run_index);
+    free(lane_max);
+    free(lane_at);
+    return 0;
 }
 #else
 int quads_available(void) { return 0; }
@@ -223,5 +327,13 @@ void quads_matmul(const uint8_t *x, int64_t ldx, int64_t M, int64_t K, const int
     (void)x, (void)ldx, (void)M, (void)K, (void)w, (void)colsum, (void)scale, (void)N, (void)out, (void)ldo;
     (void)num_threads;
     abort(); /* int8_quads.py never calls it where quads_available() is 0 */
+}
+
+int quads_argmax(const uint8_t *x, int64_t ldx, int64_t M, int64_t K, const int8_t *w, const int32_t *colsum,
+                 const float *scale, int64_t N, const float *row_scale, int64_t start, float *best, int64_t *index,
+                 int32_t num_threads) {
+    (void)x, (void)ldx, (void)M, (void)K, (void)w, (void)colsum, (void)scale, (void)N, (void)row_scale;
+    (void)start, (void)best, (void)index, (void)num_threads;
+    abort(); /* as quads_matmul */
 }
 #endif

@@ -16,7 +16,8 @@ int8.gemm_weight_levels narrows them there. QuadsKernel.max_level says which.
 
 The product is plain_matmul's (int8.py) bit for bit: exact int32 sums of the activations'
 levels times the weight's, times the weight row's float32 scale; the activations' row
-scale after it. Checked once against torch._int_mm on made-up extremes before first use;
+scale after it. QuadsKernel.argmax reduces the same products to greedy's tokens as they
+come out (chunk_argmax.c's reduction), writing no logits. Checked once against torch._int_mm on made-up extremes before first use;
 where it cannot be built or differs, the head keeps fbgemm's or oneDNN's GEMM (one warning
 says why).
 """
@@ -133,6 +134,10 @@ class QuadsKernel:
         fn.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, i64, ctypes.c_int32]
         fn.restype = None
         self._fn = fn
+        argmax = library.quads_argmax
+        argmax.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ctypes.c_int32]
+        argmax.restype = ctypes.c_int32
+        self._argmax = argmax
 
     def __call__(self, x: torch.Tensor, weight: QuadsWeight, out: torch.Tensor | None = None) -> torch.Tensor:
         n, k = weight.shape
@@ -148,6 +153,28 @@ class QuadsKernel:
             self._fn(x.data_ptr(), x.stride(0), rows, k, weight.values.data_ptr(), weight.colsum.data_ptr(),
                      weight.scale.data_ptr(), n, out.data_ptr(), out.stride(0), torch.get_num_threads())
         return out
+
+
+    def argmax(self, x: torch.Tensor, weight: QuadsWeight, row_scale: torch.Tensor, start: int = 0
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(best float32 [rows], index int64 [rows]): each row's largest product times its
+        row scale, as __call__'s products times `row_scale` [rows] (float32, every value
+        finite) round, and the first column holding it, plus `start`: chunk_argmax's
+        reduction of those products, without writing them."""
+        n, k = weight.shape
+        if x.dtype != torch.uint8 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
+            raise ValueError(f"quads activations: uint8 [rows, {k}] with unit column stride, not {x.dtype} "
+                             f"{tuple(x.shape)}")
+        rows = x.shape[0]
+        scale = row_scale.reshape(-1)
+        if scale.dtype != torch.float32 or scale.shape != (rows,) or not scale.is_contiguous():
+            raise ValueError(f"quads row scale: float32 [{rows}], contiguous")
+        best, index = torch.empty(rows), torch.empty(rows, dtype=torch.int64)
+        if rows and self._argmax(x.data_ptr(), x.stride(0), rows, k, weight.values.data_ptr(),
+                                 weight.colsum.data_ptr(), weight.scale.data_ptr(), n, scale.data_ptr(), start,
+                                 best.data_ptr(), index.data_ptr(), torch.get_num_threads()):
+            raise MemoryError(f"int8_quads: no memory for a {rows}-row argmax's scratch")
+        return best, index
 
 
 @cache

@@ -16,8 +16,9 @@ parameters) and its bytes set the decode speed, so it gets its own representatio
   them (with AMX's integer tiles int8_amx.c, which also reduces each chunk to greedy's
   argmax or to sampling's span summaries as it goes; else int8_quads.c's u8 x s8
   products, by VNNI's dot products or, on AVX2 alone, with the weights narrowed to 63
-  levels, which also reduces a greedy step to its argmax as it goes; where that kernel is not built, oneDNN's `onednn.qlinear_pointwise` (VNNI) or
-  fbgemm's GEMM (AVX2): models/layers/int8.py, int8_quads.py): at a decode
+  levels, which also reduces a greedy step to its argmax as it goes; where that kernel
+  is not built, oneDNN's `onednn.qlinear_pointwise` (VNNI) or fbgemm's GEMM (AVX2):
+  models/layers/int8.py, int8_quads.py): at a decode
   batch of 64 the head is compute-bound, and the int8 dot products run several times
   faster than bf16 ones without AMX (`benchmarks/int8_rows.py`). Elsewhere PyTorch's
   weight-only int8 kernel (`_weight_int8pack_mm`) multiplies bfloat16 activations.
@@ -371,7 +372,7 @@ class OutputHead:
         if row_scale is None or not bool(torch.isfinite(row_scale).all()):
             return None
         kernel, whole = self._quads
-        return kernel.argmax(values, whole, row_scale.float())[1].tolist()
+        return kernel.argmax(values, whole, row_scale)[1].tolist()
 
     def greedy_few_rows(self, hidden: torch.Tensor, softcap: float | None) -> list[int]:
         """greedy_by_chunks' tokens, for a few rows (one stream's decode step): every chunk's

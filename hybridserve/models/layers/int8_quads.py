@@ -17,9 +17,9 @@ int8.gemm_weight_levels narrows them there. QuadsKernel.max_level says which.
 The product is plain_matmul's (int8.py) bit for bit: exact int32 sums of the activations'
 levels times the weight's, times the weight row's float32 scale; the activations' row
 scale after it. QuadsKernel.argmax reduces the same products to greedy's tokens as they
-come out (chunk_argmax.c's reduction), writing no logits. Checked once against torch._int_mm on made-up extremes before first use;
-where it cannot be built or differs, the head keeps fbgemm's or oneDNN's GEMM (one warning
-says why).
+come out (chunk_argmax.c's reduction), writing no logits. Checked once against
+torch._int_mm on made-up extremes before first use; where it cannot be built or differs,
+the head keeps fbgemm's or oneDNN's GEMM (one warning says why).
 """
 
 from __future__ import annotations
@@ -153,7 +153,6 @@ class QuadsKernel:
             self._fn(x.data_ptr(), x.stride(0), rows, k, weight.values.data_ptr(), weight.colsum.data_ptr(),
                      weight.scale.data_ptr(), n, out.data_ptr(), out.stride(0), torch.get_num_threads())
         return out
-
 
     def argmax(self, x: torch.Tensor, weight: QuadsWeight, row_scale: torch.Tensor, start: int = 0
                ) -> tuple[torch.Tensor, torch.Tensor]:

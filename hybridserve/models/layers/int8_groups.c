@@ -136,6 +136,19 @@ static inline float load_any(const void *p, int bf16, int64_t i) {
 #define AMX_FOLDED 2 /* the weights rounded to bf16 per tile, products over all of K (K % 32 == 0) */
 #define DPBF16 3     /* no AMX: AVX512-BF16 pair products per group, the file's values exactly */
 #define DP_ROWS 8    /* rows per register block of the DPBF16 path */
+/* The cases of a switch over a row block's rows mb (1..7, else `full`), each calling
+ * ROW_BLOCK_CALL(n) (defined at the switch) with a constant n: the inlined row function
+ * then unrolls its loops over rows for each count. */
+#define ROW_BLOCK_CASES(full)                                                                                     \
+    case 1: ROW_BLOCK_CALL(1); break;                                                                             \
+    case 2: ROW_BLOCK_CALL(2); break;                                                                             \
+    case 3: ROW_BLOCK_CALL(3); break;                                                                             \
+    case 4: ROW_BLOCK_CALL(4); break;                                                                             \
+    case 5: ROW_BLOCK_CALL(5); break;                                                                             \
+    case 6: ROW_BLOCK_CALL(6); break;                                                                             \
+    case 7: ROW_BLOCK_CALL(7); break;                                                                             \
+    default: ROW_BLOCK_CALL(full); break;
+
 #define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16")))
 /* 1 where Linux lets this process use AMX's tile data (asked for once), else 0. */
 int group_linear_amx_ready(void) { return amx_request_tiles(); }
@@ -278,16 +291,9 @@ DPBF16_TARGET static void dp_tile(const uint16_t *x, int64_t M, int64_t K, int64
             const uint16_t *xm = x + m0 * K;
             const float *sm = xsum + m0 * groups;
             float *rm = res + m0 * TILE;
-            switch (mb) {
-            case 1: dp_rows(1, xm, K, groups, gs, g0, g1, pairs, st, ot, sm, rm, narrow); break;
-            case 2: dp_rows(2, xm, K, groups, gs, g0, g1, pairs, st, ot, sm, rm, narrow); break;
-            case 3: dp_rows(3, xm, K, groups, gs, g0, g1, pairs, st, ot, sm, rm, narrow); break;
-            case 4: dp_rows(4, xm, K, groups, gs, g0, g1, pairs, st, ot, sm, rm, narrow); break;
-            case 5: dp_rows(5, xm, K, groups, gs, g0, g1, pairs, st, ot, sm, rm, narrow); break;
-            case 6: dp_rows(6, xm, K, groups, gs, g0, g1, pairs, st, ot, sm, rm, narrow); break;
-            case 7: dp_rows(7, xm, K, groups, gs, g0, g1, pairs, st, ot, sm, rm, narrow); break;
-            default: dp_rows(DP_ROWS, xm, K, groups, gs, g0, g1, pairs, st, ot, sm, rm, narrow); break;
-            }
+#define ROW_BLOCK_CALL(n) dp_rows(n, xm, K, groups, gs, g0, g1, pairs, st, ot, sm, rm, narrow)
+            switch (mb) { ROW_BLOCK_CASES(DP_ROWS) }
+#undef ROW_BLOCK_CALL
         }
     }
 }
@@ -827,16 +833,9 @@ static int vnni_linear(const void *x, int32_t x_bf16, int64_t ldx, int64_t M, in
                 const int8_t *xm = xi + m0 * K;
                 const float *dm = d + m0 * groups, *sm = xsum ? xsum + m0 * groups : NULL;
                 const int32_t *bm = start + m0 * groups;
-                switch (mb) {
-                case 1: vnni_rows(1, xm, dm, bm, sm, K, groups, gs, quads, st, ot, res, next); break;
-                case 2: vnni_rows(2, xm, dm, bm, sm, K, groups, gs, quads, st, ot, res, next); break;
-                case 3: vnni_rows(3, xm, dm, bm, sm, K, groups, gs, quads, st, ot, res, next); break;
-                case 4: vnni_rows(4, xm, dm, bm, sm, K, groups, gs, quads, st, ot, res, next); break;
-                case 5: vnni_rows(5, xm, dm, bm, sm, K, groups, gs, quads, st, ot, res, next); break;
-                case 6: vnni_rows(6, xm, dm, bm, sm, K, groups, gs, quads, st, ot, res, next); break;
-                case 7: vnni_rows(7, xm, dm, bm, sm, K, groups, gs, quads, st, ot, res, next); break;
-                default: vnni_rows(VNNI_ROWS, xm, dm, bm, sm, K, groups, gs, quads, st, ot, res, next); break;
-                }
+#define ROW_BLOCK_CALL(n) vnni_rows(n, xm, dm, bm, sm, K, groups, gs, quads, st, ot, res, next)
+                switch (mb) { ROW_BLOCK_CASES(VNNI_ROWS) }
+#undef ROW_BLOCK_CALL
                 store_rows(res, mb, m0, t, x_bf16, bias, residual, ldr, out, ldo);
             }
         }

@@ -48,6 +48,7 @@ from hybridserve.models.layers.int8_quads import TILE as QUADS_TILE
 from hybridserve.models.layers.int8_quads import (QuadsKernel, QuadsWeight, fill_quads, quads_fit, quads_kernel,
                                                  quads_matmul, unpack_quads, zero_quads)
 from hybridserve.models.layers.linear import make_linear
+from hybridserve.models.layers.row_levels import row_levels_kernel
 from hybridserve.models.layers.span_kernel import KERNEL
 from hybridserve.models.layers.span_logits import EXP_FLOOR, SPAN, LogitsBuffer, SpanLogits, padded_width
 from hybridserve.models.platform.cpu_features import GGUF_GROUPS
@@ -264,8 +265,21 @@ class OutputHead:
         if self.quantization == "none":
             return x, None
         if self.quantization == "int8" and self._int8_activations:
-            return quantize_rows_uint8(x) if self._quads is not None else QUANTIZERS[self._int8_path](x)
+            if self._quads is None:
+                return QUANTIZERS[self._int8_path](x)
+            levels = self._quads_levels(x)
+            return levels if levels is not None else quantize_rows_uint8(x)
         return x.to(torch.bfloat16), None
+
+    @staticmethod
+    def _quads_levels(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """quantize_rows_uint8(x), the quads head's input: by row_levels.c where it is built
+        (one call, the same bits), else eagerly; None where a value of x is not finite."""
+        native = row_levels_kernel()
+        if native is not None and native.supports(x):
+            return native(x)
+        values, scale = quantize_rows_uint8(x)
+        return (values, scale) if bool(torch.isfinite(scale).all()) else None
 
     def _chunks_for(self, rows: int) -> list[Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]]:
         """The chunks' products for a step of `rows` rows: the head's own chunks, or beside a
@@ -367,10 +381,11 @@ class OutputHead:
         the weights is packed for greedy steps of more than QUADS_BESIDE_PACKED_MAX_ROWS rows.
         None where a row scale is not finite (a NaN or inf hidden state): the other paths
         order NaN logits as torch's max does."""
-        assert self._quads is not None
-        values, row_scale = self._input(hidden)
-        if row_scale is None or not bool(torch.isfinite(row_scale).all()):
+        assert self._quads is not None and self.quantization == "int8" and self._int8_activations
+        levels = self._quads_levels(hidden.contiguous())
+        if levels is None:
             return None
+        values, row_scale = levels
         kernel, whole = self._quads
         return kernel.argmax(values, whole, row_scale)[1].tolist()
 

@@ -165,13 +165,14 @@ def test_a_tiny_decoder_step_equals_the_eager_loop_bit_for_bit(kind: str, calls_
 @pytest.mark.parametrize("lengths", [[20, 30], LENGTHS])  # forward's eager loop; a large step
 def test_a_pre_norm_step_takes_the_norm_alone_bit_for_bit(lengths: list[int], monkeypatch) -> None:
     """Mistral's layers (pre-norm: the matmuls make the residual adds) take the kernel's norm
-    twice a layer; without it, the eager norms with exact sums give the same hidden states."""
+    twice a layer, and the final norm once; without it, the eager norms with exact sums give
+    the same hidden states."""
     model = load_model(hf_tiny.tiny_model_dir("mistral"), "cpu", torch.bfloat16, "none", compile=False)
     calls = []
     real = ResidualNorms.norm
     monkeypatch.setattr(ResidualNorms, "norm", lambda self, *a: calls.append(1) or real(self, *a))
     with_kernel = prefill(model, lengths)
-    assert len(calls) == 2 * model.cfg.num_layers
+    assert len(calls) == 2 * model.cfg.num_layers + 1
     monkeypatch.setattr(decoder_module, "residual_norms_kernel", lambda: None)
     exact = decoder_module.rms_norm
     monkeypatch.setattr(decoder_module, "rms_norm", lambda *a, exact_sums=False: exact(*a, exact_sums=True))

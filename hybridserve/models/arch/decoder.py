@@ -262,6 +262,11 @@ class StagedModel(nn.Module):
         greedy_tokens), the residual stream to send to the next stage on the others."""
         if self.final_norm is None:
             return h
+        # bf16 by the native kernel where it is built, as the layers' norms (exact sums, one
+        # call where the eager norm is nine ops)
+        norms = residual_norms_kernel() if h.dtype == torch.bfloat16 and h.device.type == "cpu" else None
+        if norms is not None and norms.supports_norm(h, self.final_norm):
+            return norms.norm(h, self.final_norm, self._eps)
         return rms_norm(h, self.final_norm, self._eps, 1.0 / self.cfg.hidden_size, exact_sums=self.batch_invariant)
 
     def add_row_parallel(self, h: torch.Tensor, x: torch.Tensor, linear: Linear, residual: ResidualLinear

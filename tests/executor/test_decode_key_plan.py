@@ -1,16 +1,20 @@
 """A decode step's key plans (executor/torch/attention.py): each request's run of keys
 (first key in its gathered blocks, key count) and, where SDPA reads them, the mask over the
 gathered blocks, for full, sliding-window and chunked-local groups; the numbers are worked
-out by hand below."""
+out by hand below. The decode steps' own planner (StepAttention._plan_decode) makes the
+general path's plans on any tables, windows and positions."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 
 from hybridserve.executor.torch.attention import StepAttention  # noqa: E402
+from hybridserve.executor.torch.requests import BlockTables  # noqa: E402
 from tests.helpers.block_tables import consecutive_tables  # noqa: E402
 
 BS = 4
@@ -66,3 +70,56 @@ def test_the_decode_plan_hands_the_kernel_the_same_runs() -> None:
         assert slots.tolist() == [int(own[r] + STARTS[r] // BS) * BS + int(STARTS[r] % BS) for r in range(n)]
         assert ids.tolist() == [[int(own[r]) + first_blk[r] + j for j in range(blocks)] for r in range(n)]
         assert first.tolist() == first_key and key_count.tolist() == count
+
+
+def _plans(step: StepAttention) -> list:
+    """Everything a step's attention reads, per group, as plain values."""
+    out = [[(b.req.tolist(), b.B, b.C, b.row_slice, b.q_gather, b.valid_rows, b.valid_sel) for b in step.batches]]
+    for gp in step.groups:
+        out.append((gp.slots.tolist(), None if gp.write_sel is None else gp.write_sel.tolist(),
+                    [None if ids is None else ids.tolist() for ids in gp.gather_ids],
+                    [(p.first_blk.tolist(), p.num_blocks, p.from_batch,
+                      None if p.first_key is None else (p.first_key.dtype, p.first_key.tolist()),
+                      None if p.key_count is None else (p.key_count.dtype, p.key_count.tolist()),
+                      None if p.mask is None else p.mask.tolist()) for p in gp.plans]))
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), n=st.integers(1, 6), bs=st.sampled_from([1, 2, 4, 16]), per_token=st.booleans())
+def test_the_decode_planner_makes_the_general_paths_plans(data, n: int, bs: int, per_token: bool) -> None:
+    """Random decode steps: groups full, sliding or chunked-local; block ids random (null
+    ones, window-tail allocation's, where a step falls back to the general path); positions
+    random, sometimes all 0 (every key in the batch)."""
+    kinds = data.draw(st.lists(st.sampled_from([(None, None), (3, None), (9, None), (None, 4), (None, 8)]),
+                               min_size=1, max_size=4))
+    windows, chunks = [w for w, _ in kinds], [c for _, c in kinds]
+    starts = np.array(data.draw(st.lists(st.integers(0, 40), min_size=n, max_size=n)), dtype=np.int64)
+    if data.draw(st.booleans()):
+        starts[:] = 0
+    tables = BlockTables(len(kinds))
+    rows = np.array(data.draw(st.permutations(range(8)))[:n], dtype=np.int64)
+    null_share = data.draw(st.sampled_from([0.0, 0.0, 0.3]))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    for g in range(len(kinds)):
+        for r, start in zip(rows, starts):
+            blocks = int(start) // bs + 1 + int(rng.integers(0, 2))
+            ids = rng.integers(1, 500, blocks) * (rng.random(blocks) >= null_share)
+            tables.append(g, int(r), ids.tolist())
+    cache = torch.zeros(500, bs, 2, 1, 8)
+
+    def step() -> StepAttention:
+        return StepAttention([(g, cache) for g in range(len(kinds))], windows, tables, bs, rows, starts,
+                             np.ones(n, dtype=np.int64), 0.5, None, torch.device("cpu"), torch.float32,
+                             chunks=chunks, per_token=per_token)
+
+    try:
+        fast = _plans(step())
+    except RuntimeError as exc:  # batch-invariant attention with a null slot: both refuse
+        fast = str(exc)
+    with pytest.MonkeyPatch.context() as general:
+        general.setattr(StepAttention, "_plan_decode", lambda *a, **k: False)
+        try:
+            assert fast == _plans(step())
+        except RuntimeError as exc:
+            assert fast == str(exc)

@@ -30,7 +30,8 @@ from the batch are the rounded ones too, so attention reads the same values eith
 Requests are computed in padded batches: all decode-sized requests together (one
 gather per layer, no per-request loop), long prefill chunks one by one. A batch of
 single-token queries reading after write (a decode step) skips the gather: the kernel of
-paged_decode.py reads its keys from the blocks in place.
+paged_decode.py reads its keys from the blocks in place. Such a step's plans are made by
+StepAttention._plan_decode, a fast path beside the general planner that gives its plans.
 """
 
 from __future__ import annotations
@@ -136,6 +137,9 @@ class StepAttention:
         self.softcap = softcap
         self.num_tokens = T = int(counts.sum())
         bs = block_size
+        chunk_of = chunks if chunks is not None else [None] * len(groups)
+        if T == len(counts) and self._plan_decode(groups, chunk_of, tables, bs, rows, starts, device, dtype):
+            return
         offsets = np.cumsum(counts) - counts
         self.batches = _partition(counts, offsets, device)
         if T == len(counts):  # a pure decode step: one token per request
@@ -151,7 +155,6 @@ class StepAttention:
         real = blk != 0
         all_real = real.all(axis=1)
         slots = torch.from_numpy(blk * bs + tok_pos % bs).to(device)
-        chunk_of = chunks if chunks is not None else [None] * len(groups)
         # Groups that share (window, chunk, read mode) share their key plans and gather together.
         plans: dict[_PlanKey, KeyPlan] = {}
         by_plan: dict[_PlanKey, list[int]] = {}
@@ -184,6 +187,50 @@ class StepAttention:
                 gather_ids=[gather_ids[(g, b)] for b in range(len(self.batches))],
                 plans=[plan_of[(g, b)] for b in range(len(self.batches))],
             ))
+
+    def _plan_decode(self, groups: list[int | None], chunks: list[int | None], tables: BlockTables, bs: int,
+                     rows: np.ndarray, starts: np.ndarray, device: torch.device, dtype: torch.dtype) -> bool:
+        """The plans __init__'s general path makes for a decode step (one token per request)
+        whose every token has a real block in every group and some request has keys cached,
+        built directly: one batch without padding, every group reading after write, one key
+        plan per (window, chunk). True once set; False (nothing set) for other decode steps,
+        which the general path plans. A decode step is most steps, and its plan runs between
+        kernels that have evicted the caches, where each numpy and torch call costs several
+        times its warm time (tests/executor/test_decode_key_plan.py: the same plans)."""
+        n = len(starts)
+        starts = starts.astype(np.int64, copy=False)  # the plans' int64 (decode_plan)
+        cols = starts // bs
+        if np.any(cols >= tables.lengths[:, rows]):
+            raise RuntimeError("a scheduled token has no block in its table (scheduler and runner out of sync)")
+        blk = tables.table[:, rows, cols]  # [G, n]
+        if not blk.all() or not (self.per_token or starts.any()):
+            return False  # a null slot (window-tail allocation), or every key in the batch
+        self.batches = [BatchLayout(np.arange(n), n, 1, (0, n), None, None, None)]
+        slots = torch.from_numpy(blk * bs + starts % bs).to(device)
+        end = starts + 1
+        by_plan: dict[tuple[int | None, int | None], list[int]] = {}
+        for g, window in enumerate(groups):
+            by_plan.setdefault((window, chunks[g]), []).append(g)
+        plan_of: list[KeyPlan | None] = [None] * len(groups)
+        ids_of: list[torch.Tensor | None] = [None] * len(groups)
+        for (window, chunk), gs in by_plan.items():
+            if window is not None:
+                lo = np.maximum(0, end - window)
+            elif chunk is not None:
+                lo = starts // chunk * chunk
+            else:
+                lo = np.zeros_like(starts)
+            first_blk = lo // bs
+            num_blocks = int((cols - first_blk).max()) + 1
+            ids = tables.gather(gs, rows, first_blk[:, None] + np.arange(num_blocks)[None, :])
+            ids_t = torch.from_numpy(ids.reshape(len(gs), -1)).to(device)
+            plan = KeyPlan(first_blk, num_blocks, False, None, first_key=torch.from_numpy(lo - first_blk * bs).to(device),
+                           key_count=torch.from_numpy(end - lo).to(device), _pending=(lo, end, bs, device, dtype))
+            for g, ids_g in zip(gs, ids_t.unbind(0)):
+                plan_of[g], ids_of[g] = plan, ids_g
+        self.groups = [GroupPlan(slots=slots_g, write_sel=None, gather_ids=[ids_g], plans=[plan])  # type: ignore[list-item]
+                       for slots_g, ids_g, plan in zip(slots.unbind(0), ids_of, plan_of)]
+        return True
 
     def decode_plan(self, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(slots [T], block ids [T, NB], first key [T], key count [T]) of `group`, all int64

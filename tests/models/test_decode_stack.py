@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import random
 import types
+import weakref
 from pathlib import Path
 
 import pytest
@@ -172,5 +173,33 @@ def test_layers_whose_linears_take_other_paths_have_no_stack(gemma: Path) -> Non
         assert DecodeStack.build(model) is None
         qkv.packed = packed
         assert DecodeStack.build(model) is not None
+    finally:
+        llm.shutdown()
+
+
+@needs_kernels
+def test_the_stack_reads_the_caches_each_step_hands_it(gemma: Path) -> None:
+    """The caches' addresses are checked once and reused while every layer's view is the same
+    tensor; a new view (another runner's caches) is checked and read anew, one the stack does
+    not write is refused, and the stack keeps no cache alive."""
+    llm = _llm(gemma)
+    try:
+        stack = _model(llm).decode_stack
+        assert stack is not None
+        shape = (4, 16, 2, 1, 256)
+        first = [torch.zeros(shape, dtype=torch.bfloat16) for _ in stack.layer_ids]
+        found = stack._caches_of(first)
+        assert found is not None and stack._caches_of(list(first)) is found
+        assert list(found[0]) == [c.data_ptr() for c in first] and found[2:] == (16, torch.bfloat16)
+        second = first[:-1] + [torch.zeros(shape, dtype=torch.bfloat16)]
+        again = stack._caches_of(second)
+        assert again is not None and again[0][len(second) - 1] == second[-1].data_ptr()
+        assert stack._caches_of(first[:-1] + [torch.zeros(shape, dtype=torch.bfloat16).transpose(0, 1)]) is None
+        assert stack._caches_of(first[:-1] + [torch.zeros(shape, dtype=torch.float16)]) is None
+        held = second[-1]
+        del second, again, found
+        gone = weakref.ref(held)
+        del held
+        assert gone() is None
     finally:
         llm.shutdown()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import weakref
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -143,6 +144,7 @@ class DecodeStack:
                            head_dim=cfg.head_dim, intermediate=cfg.intermediate_size, eps=float(model._eps),
                            f32=int(f32), activation=COMPUTED.get(cfg.activation, -1))
         self._qkv_width = self._layers[0].linears[0].n
+        self._caches_seen: tuple[list[weakref.ref[torch.Tensor]], tuple[Any, Any, int, torch.dtype]] | None = None
         # Benchmarks (step_share.py) set a c_double: every step adds its linears' wall time to it.
         self.linear_seconds: ctypes.c_double | None = None
 
@@ -195,6 +197,25 @@ class DecodeStack:
             self._paths[rows] = None if "expand" in names else tuple(self._group_kernel.path_code(n) for n in names)
         return self._paths[rows]
 
+    def _caches_of(self, caches: list[torch.Tensor]) -> tuple[Any, Any, int, torch.dtype] | None:
+        """(the caches' addresses and block strides as decode_stack.c reads them, block size,
+        dtype), or None where the caches are not what the stack writes: in the model's dtype
+        (or all in bf16 under a float32 model: write_kv rounds), contiguous, [blocks, block
+        size, 2, ...]. The runner's cache views live as long as it does: checked once, then
+        reused while each layer's view is the same tensor (held weakly, not kept alive)."""
+        seen = self._caches_seen
+        if seen is not None and len(seen[0]) == len(caches) and all(r() is c for r, c in zip(seen[0], caches)):
+            return seen[1]
+        block_size, cache_dtype = caches[0].shape[1], caches[0].dtype
+        if cache_dtype != self.dtype and (self.dtype, cache_dtype) != (torch.float32, torch.bfloat16):
+            return None
+        if not all(c.dtype == cache_dtype and c.is_contiguous() and c.shape[1:3] == (block_size, 2) for c in caches):
+            return None
+        found = ((_ptr * len(caches))(*[c.data_ptr() for c in caches]),
+                 (_i64 * len(caches))(*[c.stride(0) for c in caches]), block_size, cache_dtype)
+        self._caches_seen = ([weakref.ref(c) for c in caches], found)
+        return found
+
     def __call__(self, h: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]], backend: Any,
                  act_table: torch.Tensor | None) -> torch.Tensor | None:
         """The final residual stream of the step whose input is h [rows, hidden] (the model's
@@ -212,13 +233,10 @@ class DecodeStack:
         plans = {g: decode_plan(g) for g in set(groups)}
         if any(p is None for p in plans.values()):
             return None
-        caches = [c for _, c in entries]
-        block_size, cache_dtype = caches[0].shape[1], caches[0].dtype
-        # The caches in the model's dtype, or all in bf16 under a float32 model (write_kv rounds).
-        if cache_dtype != dtype and (dtype, cache_dtype) != (torch.float32, torch.bfloat16):
+        caches = self._caches_of([c for _, c in entries])
+        if caches is None:
             return None
-        if not all(c.dtype == cache_dtype and c.is_contiguous() and c.shape[1:3] == (block_size, 2) for c in caches):
-            return None
+        cache_ptrs, strides, block_size, cache_dtype = caches
         ropes = [rope.get(t, (None, None)) for t in self._rope_types]
         for cos, sin in ropes:
             if cos is not None and not (cos.shape == (rows, 1, self._step.head_dim) and cos.is_contiguous()
@@ -235,8 +253,6 @@ class DecodeStack:
             _GroupStep(slots.data_ptr(), ids.data_ptr(), first.data_ptr(), count.data_ptr(), ids.shape[1])
             for slots, ids, first, count in (plans[g] for g in order)])  # type: ignore[misc]
         rope_steps = (_RopeStep * len(ropes))(*[_RopeStep(_ptr_of(cos), _ptr_of(sin)) for cos, sin in ropes])
-        cache_ptrs = (_ptr * len(caches))(*[c.data_ptr() for c in caches])
-        strides = (_i64 * len(caches))(*[c.stride(0) for c in caches])
         s = self._step
         hidden, inter = s.hidden, s.intermediate
         h = h.contiguous()

@@ -91,6 +91,7 @@ def test_every_decode_step_gives_the_loops_hidden_states(gemma: Path, dtype: str
     model = _model(llm)
     stack = model.decode_stack
     assert isinstance(stack, DecodeStack)
+    assert stack.final_normed  # one stage: the final norm is the stack's too, compared below
     forward = type(model).forward
     taken, steps, differing = [0], [], []
 
@@ -98,6 +99,8 @@ def test_every_decode_step_gives_the_loops_hidden_states(gemma: Path, dtype: str
         out = DecodeStack.__call__(stack, *args)
         taken[0] += out is not None
         return out
+
+    counted.final_normed = stack.final_normed  # type: ignore[attr-defined]
 
     def both(self, input_ids, positions, max_position, backend, hidden_in=None):  # type: ignore[no-untyped-def]
         out = forward(self, input_ids, positions, max_position, backend, hidden_in)

@@ -13,6 +13,7 @@
  *     h, x = h + rms_norm(attn W_o) * w, rms_norm(..) * w'  residual_norms
  *     act = act(gate) * up of x W_gate_up                   group_linear, act_mul
  *     h, x = h + rms_norm(act W_down) * w, the next layer's input norm (none after the last)
+ *   rms_norm(h) * final_norm                               (a last stage: StagedModel.stage_output)
  * so a bf16 model's hidden states are bit for bit the loop's. Why: at decode sizes the loop
  * spent about as long in Python, ctypes and torch's dispatch around ~180 kernel calls a step
  * as the kernels outside the matmuls took.
@@ -109,6 +110,8 @@ struct step {
     const void *h;             /* the input [rows, hidden]; read only */
     void *h_out[2];            /* the residual stream, alternately */
     void *x, *qkv, *attn, *sub, *gate_up, *act;
+    const void *final_norm; /* the model's final norm weight; NULL: not a last stage */
+    void *final_out;        /* the final-normed hidden [rows, hidden] where final_norm is set */
     double *linear_seconds; /* where the linears' wall time is added (benchmarks); NULL: not timed */
 };
 
@@ -152,8 +155,9 @@ static void act_mul(const struct kernels *k, const struct step *s) {
         k->act_mul(s->gate_up, 2 * s->intermediate, s->rows, s->intermediate, s->act_table, s->act, s->threads);
 }
 
-/* Runs the layers; returns which h_out holds the final residual stream (0 or 1), or -1
- * where a linear failed (group_linear: no memory for an input copy). */
+/* Runs the layers, then the final norm into final_out where final_norm is set; returns
+ * which h_out holds the final residual stream (0 or 1), or -1 where a linear failed
+ * (group_linear: no memory for an input copy). */
 int decode_stack(const struct kernels *k, const struct layer *layers, int64_t num_layers, const struct step *s) {
     const int64_t rows = s->rows, hidden = s->hidden, hd = s->head_dim;
     const int64_t qkv_width = layers[0].linears[QKV].n;
@@ -186,5 +190,6 @@ int decode_stack(const struct kernels *k, const struct layer *layers, int64_t nu
         h = s->h_out[next];
         next ^= 1;
     }
+    if (s->final_norm) k->rms_norms(h, hidden, rows, hidden, s->final_norm, s->eps, inv_hidden, s->final_out, s->threads);
     return next ^ 1;
 }

@@ -12,7 +12,8 @@ act_mul.COMPUTED), one rank, sandwich norms with q/k norms
 shape per role in every layer (the kernel's path depends on the shape, on whether the
 inputs may be rounded to int8 and on whether the groups are whole 4s, each the same per
 role in every layer; group sizes may differ), and every native kernel the loop calls built. A step is taken (`__call__`
-answers its final residual stream; None leaves it to the loop) when:
+answers its final residual stream, on a last stage final-normed as stage_output does; None
+leaves it to the loop) when:
 - the step's attention hands every group to its in-place decode kernel
   (StepAttention.decode_plan: one token per request, every slot written, no padding), whose
   address the stack calls;
@@ -78,7 +79,7 @@ class _Step(ctypes.Structure):
                 ("kv_bf16", _i32), ("activation", _i32), ("groups", _ptr),
                 ("ropes", _ptr), ("caches", _ptr), ("block_strides", _ptr), ("act_table", _ptr), ("h", _ptr),
                 ("h_out", _ptr * 2), ("x", _ptr), ("qkv", _ptr), ("attn", _ptr), ("sub", _ptr), ("gate_up", _ptr),
-                ("act", _ptr), ("linear_seconds", _ptr)]
+                ("act", _ptr), ("final_norm", _ptr), ("final_out", _ptr), ("linear_seconds", _ptr)]
 
 
 @cache
@@ -144,6 +145,12 @@ class DecodeStack:
                            head_dim=cfg.head_dim, intermediate=cfg.intermediate_size, eps=float(model._eps),
                            f32=int(f32), activation=COMPUTED.get(cfg.activation, -1))
         self._qkv_width = self._layers[0].linears[0].n
+        # A last stage's final norm is the stack's last call (rms_norms), where stage_output's
+        # is the same kernel in bf16: __call__ then answers the final-normed hidden.
+        self._final_norm: torch.Tensor | None = model.final_norm
+        self.final_normed = self._final_norm is not None
+        if self._final_norm is not None:
+            self._step.final_norm = self._final_norm.data_ptr()
         self._caches_seen: tuple[list[weakref.ref[torch.Tensor]], tuple[Any, Any, int, torch.dtype]] | None = None
         # Benchmarks (step_share.py) set a c_double: every step adds its linears' wall time to it.
         self.linear_seconds: ctypes.c_double | None = None
@@ -182,6 +189,8 @@ class DecodeStack:
             if not (norms.supports(h, h, w.post_attn_norm, w.pre_ffn_norm)
                     and norms.supports(h, h, w.post_ffn_norm, w.input_norm)):
                 return None
+        if model.final_norm is not None and not norms.supports_norm(h, model.final_norm):
+            return None
         gate_up = torch.zeros(1, 2 * cfg.intermediate_size, dtype=dtype)
         if not (act.supports(gate_up) if dtype == torch.bfloat16 else act.supports_computed(gate_up, cfg.activation)):
             return None
@@ -218,7 +227,8 @@ class DecodeStack:
 
     def __call__(self, h: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]], backend: Any,
                  act_table: torch.Tensor | None) -> torch.Tensor | None:
-        """The final residual stream of the step whose input is h [rows, hidden] (the model's
+        """The final residual stream (final-normed where `final_normed`: a last stage, as
+        stage_output's bf16 norm bit for bit) of the step whose input is h [rows, hidden] (the model's
         dtype), or None where the step is not one the stack takes (module docstring).
         act_table: act_mul's table of the model's activation (bf16; float32 computes it)."""
         rows, dtype = h.shape[0], self.dtype
@@ -272,8 +282,10 @@ class DecodeStack:
         s.h_out[0], s.h_out[1] = out[0].data_ptr(), out[1].data_ptr()
         s.x, s.qkv, s.attn, s.sub = x.data_ptr(), qkv.data_ptr(), attn.data_ptr(), sub.data_ptr()
         s.gate_up, s.act = gate_up.data_ptr(), act.data_ptr()
+        normed = torch.empty(rows, hidden, dtype=dtype) if self.final_normed else None
+        s.final_out = _ptr_of(normed)
         s.linear_seconds = None if self.linear_seconds is None else ctypes.addressof(self.linear_seconds)
         final = self._fn(ctypes.byref(self._kernels), self._layers, len(self._layers), ctypes.byref(s))
         if final < 0:
             raise MemoryError(f"int8 groups: no memory for a {rows}-row input's float32 copy")
-        return out[final]
+        return out[final] if normed is None else normed

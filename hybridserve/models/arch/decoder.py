@@ -549,7 +549,7 @@ class DecoderLM(StagedModel):
             table = self._act_table(self._act, cfg.intermediate_size) if self.dtype == torch.bfloat16 else None
             final = self.decode_stack(h, rope, backend, table)
             if final is not None:
-                return self.stage_output(final)
+                return final if self.decode_stack.final_normed else self.stage_output(final)
         if chains is not None:
             assert self._dtype_chains is not None
             try:

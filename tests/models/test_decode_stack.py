@@ -206,3 +206,34 @@ def test_the_stack_reads_the_caches_each_step_hands_it(gemma: Path) -> None:
         assert gone() is None
     finally:
         llm.shutdown()
+
+
+@needs_kernels
+def test_the_stack_gathers_rope_rows_from_tables_it_grows(gemma: Path, monkeypatch) -> None:
+    """The stack reads RoPE rows from the model's tables by position, growing them as their
+    lookup does: tables cut to 8 rows, then steps at positions up to ~70, give the loop's
+    tokens. A position past the tables (a caller breaking the max_position contract) is
+    an IndexError, not a read past them."""
+    llm = _llm(gemma)
+    model = _model(llm)
+    stack = model.decode_stack
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    captured = []
+    real = DecodeStack.__call__
+    monkeypatch.setattr(DecodeStack, "__call__", lambda self, *a: captured.append(a) or real(self, *a))
+    try:
+        for table in model._rope.values():
+            table._grow(8)
+        fast = [o.outputs[0].token_ids for o in llm.generate(_batch(4, 5), params, use_tqdm=False)]
+        assert captured and all(t.cos.shape[0] > 60 for t in model._rope.values())
+        model.decode_stack = None
+        for table in model._rope.values():
+            table._grow(8)
+        loop = [o.outputs[0].token_ids for o in llm.generate(_batch(4, 5), params, use_tqdm=False)]
+        assert fast == loop
+        h, positions, max_position, rope, backend, table = captured[-1]
+        rows = next(iter(rope.values())).cos.shape[0]
+        with pytest.raises(IndexError, match="past the RoPE tables"):
+            real(stack, h, torch.full_like(positions, rows + 3), max_position, rope, backend, table)
+    finally:
+        llm.shutdown()

@@ -90,7 +90,7 @@ struct group_step {
 };
 
 struct rope_step {
-    const void *cos, *sin; /* [rows, 1, head_dim]; NULL: no RoPE */
+    const void *cos, *sin; /* a RoPE table's [table_rows, head_dim] (RopeTable); NULL: no RoPE */
 };
 
 struct step {
@@ -104,6 +104,9 @@ struct step {
     int32_t activation; /* float32: act_mul_f32's activation code */
     const struct group_step *groups;
     const struct rope_step *ropes;
+    int64_t num_ropes, table_rows; /* ropes' count; the rows every table has at least */
+    const int64_t *positions;      /* [rows]: each row's position, the table row it reads */
+    void *rope_rows;               /* [num_ropes][2][rows][head_dim]: each table's rows gathered */
     void *const *caches;       /* per layer: [blocks, block_size, 2, kv_heads, head_dim] */
     const int64_t *block_strides; /* per layer, in elements */
     const uint16_t *act_table; /* bf16 only */
@@ -155,23 +158,45 @@ static void act_mul(const struct kernels *k, const struct step *s) {
         k->act_mul(s->gate_up, 2 * s->intermediate, s->rows, s->intermediate, s->act_table, s->act, s->threads);
 }
 
+/* Each RoPE table's rows of the step's positions, cos then sin, into rope_rows (as
+ * RopeTable.lookup gathers them for the loop); -2 where a position is past the tables. */
+static int gather_ropes(const struct step *s) {
+    const int64_t rows = s->rows, bytes = s->head_dim * (s->f32 ? 4 : 2);
+    for (int64_t r = 0; r < rows; r++)
+        if (s->positions[r] < 0 || s->positions[r] >= s->table_rows) return -2;
+    char *out = s->rope_rows;
+    for (int64_t j = 0; j < s->num_ropes; j++) {
+        const struct rope_step *t = &s->ropes[j];
+        if (!t->cos) continue;
+        for (int64_t r = 0; r < rows; r++) {
+            memcpy(out + (2 * j * rows + r) * bytes, (const char *)t->cos + s->positions[r] * bytes, bytes);
+            memcpy(out + ((2 * j + 1) * rows + r) * bytes, (const char *)t->sin + s->positions[r] * bytes, bytes);
+        }
+    }
+    return 0;
+}
+
 /* Runs the layers, then the final norm into final_out where final_norm is set; returns
- * which h_out holds the final residual stream (0 or 1), or -1 where a linear failed
- * (group_linear: no memory for an input copy). */
+ * which h_out holds the final residual stream (0 or 1), -1 where a linear failed
+ * (group_linear: no memory for an input copy), or -2 where a position is past the RoPE
+ * tables. */
 int decode_stack(const struct kernels *k, const struct layer *layers, int64_t num_layers, const struct step *s) {
     const int64_t rows = s->rows, hidden = s->hidden, hd = s->head_dim;
     const int64_t qkv_width = layers[0].linears[QKV].n;
     const double inv_hidden = 1.0 / (double)hidden, inv_hd = 1.0 / (double)hd;
+    const int64_t rope_bytes = rows * hd * (s->f32 ? 4 : 2);
     const void *h = s->h;
     int next = 0;
+    if (gather_ropes(s)) return -2;
     k->rms_norms(h, hidden, rows, hidden, layers[0].input_norm, s->eps, inv_hidden, s->x, s->threads);
     for (int64_t i = 0; i < num_layers; i++) {
         const struct layer *L = &layers[i];
         const struct group_step *g = &s->groups[L->group];
-        const struct rope_step *r = &s->ropes[L->rope];
+        const int has_rope = s->ropes[L->rope].cos != NULL;
+        const char *cos = (const char *)s->rope_rows + 2 * L->rope * rope_bytes;
         if (linear(k, s, &L->linears[QKV], s->paths[QKV], s->x, hidden, s->qkv)) return -1;
-        k->qk_norm_rope(s->qkv, rows, qkv_width, s->heads + s->kv_heads, hd, L->qk_norm, s->eps, inv_hd, r->cos, r->sin,
-                        s->threads);
+        k->qk_norm_rope(s->qkv, rows, qkv_width, s->heads + s->kv_heads, hd, L->qk_norm, s->eps, inv_hd,
+                        has_rope ? cos : NULL, has_rope ? cos + rope_bytes : NULL, s->threads);
         write_kv(s, g, s->caches[i], qkv_width);
         k->attend(s->qkv, qkv_width, s->caches[i], s->block_strides[i], s->block_size, s->kv_heads, hd, g->ids,
                   g->blocks_per_row, g->first, g->count, rows, s->heads, s->scale, s->softcap, NULL, s->attn,

@@ -39,6 +39,7 @@ from hybridserve.models.layers.act_mul import COMPUTED, act_mul_kernel
 from hybridserve.models.layers.int8_groups import PackedLinear
 from hybridserve.models.layers.qk_norm_rope import qk_norm_rope_kernel
 from hybridserve.models.layers.residual_norms import residual_norms_kernel
+from hybridserve.models.layers.rope import RopeTable
 from hybridserve.core.errors import one_line
 from hybridserve.models.platform.native_build import NativeBuildError, build
 
@@ -69,7 +70,7 @@ class _GroupStep(ctypes.Structure):
 
 
 class _RopeStep(ctypes.Structure):
-    _fields_ = [("cos", _ptr), ("sin", _ptr)]
+    _fields_ = [("cos", _ptr), ("sin", _ptr)]  # a RopeTable's whole tables
 
 
 class _Step(ctypes.Structure):
@@ -77,7 +78,8 @@ class _Step(ctypes.Structure):
                 ("intermediate", _i64), ("block_size", _i64), ("eps", ctypes.c_double), ("scale", ctypes.c_float),
                 ("softcap", ctypes.c_float), ("paths", _i32 * len(ROLES)), ("threads", _i32), ("f32", _i32),
                 ("kv_bf16", _i32), ("activation", _i32), ("groups", _ptr),
-                ("ropes", _ptr), ("caches", _ptr), ("block_strides", _ptr), ("act_table", _ptr), ("h", _ptr),
+                ("ropes", _ptr), ("num_ropes", _i64), ("table_rows", _i64), ("positions", _ptr), ("rope_rows", _ptr),
+                ("caches", _ptr), ("block_strides", _ptr), ("act_table", _ptr), ("h", _ptr),
                 ("h_out", _ptr * 2), ("x", _ptr), ("qkv", _ptr), ("attn", _ptr), ("sub", _ptr), ("gate_up", _ptr),
                 ("act", _ptr), ("final_norm", _ptr), ("final_out", _ptr), ("linear_seconds", _ptr)]
 
@@ -225,14 +227,19 @@ class DecodeStack:
         self._caches_seen = ([weakref.ref(c) for c in caches], found)
         return found
 
-    def __call__(self, h: torch.Tensor, rope: dict[str, tuple[torch.Tensor, torch.Tensor]], backend: Any,
-                 act_table: torch.Tensor | None) -> torch.Tensor | None:
+    def __call__(self, h: torch.Tensor, positions: torch.Tensor, max_position: int, rope: dict[str, RopeTable],
+                 backend: Any, act_table: torch.Tensor | None) -> torch.Tensor | None:
         """The final residual stream (final-normed where `final_normed`: a last stage, as
         stage_output's bf16 norm bit for bit) of the step whose input is h [rows, hidden] (the model's
-        dtype), or None where the step is not one the stack takes (module docstring).
-        act_table: act_mul's table of the model's activation (bf16; float32 computes it)."""
+        dtype) at `positions` ([rows] int64, at most max_position), or None where the step is
+        not one the stack takes (module docstring). rope: the model's RoPE tables by layer
+        type, whose rows of the step's positions the stack gathers itself (as their lookup
+        does for the loop). act_table: act_mul's table of the model's activation (bf16;
+        float32 computes it)."""
         rows, dtype = h.shape[0], self.dtype
         if act_table is None and dtype == torch.bfloat16:
+            return None
+        if positions.dtype != torch.int64 or positions.shape != (rows,) or not positions.is_contiguous():
             return None
         paths = self._paths_for(rows) if rows else None
         decode_plan, attend = getattr(backend, "decode_plan", None), getattr(backend, "decode_kernel", None)
@@ -247,11 +254,16 @@ class DecodeStack:
         if caches is None:
             return None
         cache_ptrs, strides, block_size, cache_dtype = caches
-        ropes = [rope.get(t, (None, None)) for t in self._rope_types]
-        for cos, sin in ropes:
-            if cos is not None and not (cos.shape == (rows, 1, self._step.head_dim) and cos.is_contiguous()
-                                        and sin.is_contiguous() and cos.dtype == dtype):
-                return None
+        tables = [rope.get(t) for t in self._rope_types]
+        table_rows = max_position + 1
+        for table in tables:
+            if table is not None:
+                table.ensure(max_position)
+                cos, sin = table.cos, table.sin
+                if not (cos.dtype == dtype and cos.shape[1] == self._step.head_dim and cos.is_contiguous()
+                        and sin.is_contiguous()):
+                    return None
+                table_rows = min(table_rows, cos.shape[0], sin.shape[0])
         if attend is not self._attend:
             self._kernels.attend, self._attend = _address(attend._fn), attend
         order = sorted(plans)  # the group steps' order, which each layer's index points into
@@ -262,7 +274,8 @@ class DecodeStack:
         group_steps = (_GroupStep * len(order))(*[
             _GroupStep(slots.data_ptr(), ids.data_ptr(), first.data_ptr(), count.data_ptr(), ids.shape[1])
             for slots, ids, first, count in (plans[g] for g in order)])  # type: ignore[misc]
-        rope_steps = (_RopeStep * len(ropes))(*[_RopeStep(_ptr_of(cos), _ptr_of(sin)) for cos, sin in ropes])
+        rope_steps = (_RopeStep * len(tables))(*[_RopeStep(None, None) if t is None else
+                                                 _RopeStep(t.cos.data_ptr(), t.sin.data_ptr()) for t in tables])
         s = self._step
         hidden, inter = s.hidden, s.intermediate
         h = h.contiguous()
@@ -272,11 +285,14 @@ class DecodeStack:
         attn = torch.empty(rows, s.heads * s.head_dim, dtype=dtype)
         gate_up = torch.empty(rows, 2 * inter, dtype=dtype)
         act = torch.empty(rows, inter, dtype=dtype)
+        rope_rows = torch.empty(len(tables), 2, rows, s.head_dim, dtype=dtype)
         s.rows, s.block_size, s.kv_bf16 = rows, block_size, int(cache_dtype == torch.bfloat16)
         s.scale, s.softcap = backend.scale, backend.softcap or 0.0
         s.paths[:] = paths
         s.threads = torch.get_num_threads()
         s.groups, s.ropes = ctypes.addressof(group_steps), ctypes.addressof(rope_steps)
+        s.num_ropes, s.table_rows = len(tables), table_rows
+        s.positions, s.rope_rows = positions.data_ptr(), rope_rows.data_ptr()
         s.caches, s.block_strides = ctypes.addressof(cache_ptrs), ctypes.addressof(strides)
         s.act_table, s.h = _ptr_of(act_table), h.data_ptr()
         s.h_out[0], s.h_out[1] = out[0].data_ptr(), out[1].data_ptr()
@@ -286,6 +302,8 @@ class DecodeStack:
         s.final_out = _ptr_of(normed)
         s.linear_seconds = None if self.linear_seconds is None else ctypes.addressof(self.linear_seconds)
         final = self._fn(ctypes.byref(self._kernels), self._layers, len(self._layers), ctypes.byref(s))
+        if final == -2:
+            raise IndexError(f"a position of the step is past the RoPE tables (max_position {max_position})")
         if final < 0:
             raise MemoryError(f"int8 groups: no memory for a {rows}-row input's float32 copy")
         return out[final] if normed is None else normed

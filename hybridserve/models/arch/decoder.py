@@ -525,8 +525,8 @@ class DecoderLM(StagedModel):
         stage_output: the final hidden [T, hidden] on the last stage, else the residual stream."""
         cfg = self.cfg
         h = self.stage_input(input_ids, hidden_in).to(self.dtype)
-        rope = {t: table.lookup(positions, max_position) for t, table in self._rope.items()}
         if self.int8_layers:
+            rope = {t: table.lookup(positions, max_position) for t, table in self._rope.items()}
             return self.stage_output(self._int8_layers(h, rope, backend))
         nq, nkv, hd, eps = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self._eps
         inv_hd = 1.0 / hd
@@ -547,9 +547,10 @@ class DecoderLM(StagedModel):
             # The loop below in one native call, for the decode steps it takes (decode_stack.py).
             # bf16 takes the activation from act_mul's table; float32 computes it
             table = self._act_table(self._act, cfg.intermediate_size) if self.dtype == torch.bfloat16 else None
-            final = self.decode_stack(h, rope, backend, table)
+            final = self.decode_stack(h, positions, max_position, self._rope, backend, table)
             if final is not None:
                 return final if self.decode_stack.final_normed else self.stage_output(final)
+        rope = {t: table.lookup(positions, max_position) for t, table in self._rope.items()}
         if chains is not None:
             assert self._dtype_chains is not None
             try:

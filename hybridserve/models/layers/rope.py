@@ -85,10 +85,14 @@ class RopeTable:
         self.dtype = dtype
         self._grow(self.cos.shape[0])
 
-    def lookup(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, signed sin for `positions` ([T] long, on the table's device), each [T, 1, head_dim]."""
+    def ensure(self, max_position: int) -> None:
+        """Grow the tables (doubling) until they hold position `max_position`."""
         if max_position >= self.cos.shape[0]:
             self._grow(max(2 * self.cos.shape[0], max_position + 1))
+
+    def lookup(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, signed sin for `positions` ([T] long, on the table's device), each [T, 1, head_dim]."""
+        self.ensure(max_position)
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 

@@ -73,8 +73,13 @@ def test_the_decode_plan_hands_the_kernel_the_same_runs() -> None:
 
 
 def _plans(step: StepAttention) -> list:
-    """Everything a step's attention reads, per group, as plain values."""
+    """Everything a step's attention reads, per group, as plain values; and what decode_plan
+    hands the decode stack, which reads it as contiguous memory."""
     out = [[(b.req.tolist(), b.B, b.C, b.row_slice, b.q_gather, b.valid_rows, b.valid_sel) for b in step.batches]]
+    for g in range(len(step.groups)):
+        handed = step.decode_plan(g)
+        assert handed is None or all(t.is_contiguous() and t.dtype == torch.int64 for t in handed)
+        out.append(None if handed is None else [t.tolist() for t in handed])
     for gp in step.groups:
         out.append((gp.slots.tolist(), None if gp.write_sel is None else gp.write_sel.tolist(),
                     [None if ids is None else ids.tolist() for ids in gp.gather_ids],

@@ -138,7 +138,9 @@ class StepAttention:
         self.num_tokens = T = int(counts.sum())
         bs = block_size
         chunk_of = chunks if chunks is not None else [None] * len(groups)
-        if T == len(counts) and self._plan_decode(groups, chunk_of, tables, bs, rows, starts, device, dtype):
+        self.planned_decode = T == len(counts) and self._plan_decode(groups, chunk_of, tables, bs, rows, starts,
+                                                                     device, dtype)
+        if self.planned_decode:
             return
         offsets = np.cumsum(counts) - counts
         self.batches = _partition(counts, offsets, device)
@@ -206,7 +208,8 @@ class StepAttention:
         if not blk.all() or not (self.per_token or starts.any()):
             return False  # a null slot (window-tail allocation), or every key in the batch
         self.batches = [BatchLayout(np.arange(n), n, 1, (0, n), None, None, None)]
-        slots = torch.from_numpy(blk * bs + starts % bs).to(device)
+        # C order: numpy lays a slice-then-fancy-index result out group-minor
+        slots = torch.from_numpy(np.ascontiguousarray(blk * bs + starts % bs)).to(device)
         end = starts + 1
         by_plan: dict[tuple[int | None, int | None], list[int]] = {}
         for g, window in enumerate(groups):
@@ -241,6 +244,8 @@ class StepAttention:
             return None
         gp = self.groups[group]
         plan, ids = gp.plans[0], gp.gather_ids[0]
+        if self.planned_decode:  # _plan_decode's: every slot written, each tensor its own contiguous rows
+            return gp.slots, ids.view(self.num_tokens, -1), plan.first_key, plan.key_count  # type: ignore
         if gp.write_sel is not None or plan.key_count is None or plan.first_key is None or ids is None:
             return None
         return gp.slots.contiguous(), ids.view(self.num_tokens, -1).contiguous(), plan.first_key, plan.key_count

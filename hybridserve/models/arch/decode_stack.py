@@ -277,33 +277,41 @@ class DecodeStack:
         rope_steps = (_RopeStep * len(tables))(*[_RopeStep(None, None) if t is None else
                                                  _RopeStep(t.cos.data_ptr(), t.sin.data_ptr()) for t in tables])
         s = self._step
-        hidden, inter = s.hidden, s.intermediate
+        hidden = s.hidden
         h = h.contiguous()
-        out = [torch.empty(rows, hidden, dtype=dtype) for _ in range(2)]
-        x, sub = torch.empty(rows, hidden, dtype=dtype), torch.empty(rows, hidden, dtype=dtype)
-        qkv = torch.empty(rows, self._qkv_width, dtype=dtype)
-        attn = torch.empty(rows, s.heads * s.head_dim, dtype=dtype)
-        gate_up = torch.empty(rows, 2 * inter, dtype=dtype)
-        act = torch.empty(rows, inter, dtype=dtype)
-        rope_rows = torch.empty(len(tables), 2, rows, s.head_dim, dtype=dtype)
+        # Every buffer the C loop writes, in one allocation (each a torch call at a step's
+        # cold start): the residual streams, x, sub, qkv, attn, gate_up, act, the RoPE rows
+        # and the final-normed hidden, each from a 64-byte boundary.
+        widths = (hidden, hidden, hidden, hidden, self._qkv_width, s.heads * s.head_dim, 2 * s.intermediate,
+                  s.intermediate, len(tables) * 2 * s.head_dim, hidden if self.final_normed else 0)
+        elem = 4 if s.f32 else 2
+        starts, total = [], 0
+        for width in widths:
+            starts.append(total)
+            total += -(-rows * width * elem // 64) * 64
+        work = torch.empty(total // elem, dtype=dtype)
+        base = work.data_ptr()
+        out_at, x, sub, qkv, attn, gate_up, act, rope_rows, normed_at = (
+            [base + starts[0], base + starts[1]], *(base + a for a in starts[2:]))
         s.rows, s.block_size, s.kv_bf16 = rows, block_size, int(cache_dtype == torch.bfloat16)
         s.scale, s.softcap = backend.scale, backend.softcap or 0.0
         s.paths[:] = paths
         s.threads = torch.get_num_threads()
         s.groups, s.ropes = ctypes.addressof(group_steps), ctypes.addressof(rope_steps)
         s.num_ropes, s.table_rows = len(tables), table_rows
-        s.positions, s.rope_rows = positions.data_ptr(), rope_rows.data_ptr()
+        s.positions, s.rope_rows = positions.data_ptr(), rope_rows
         s.caches, s.block_strides = ctypes.addressof(cache_ptrs), ctypes.addressof(strides)
         s.act_table, s.h = _ptr_of(act_table), h.data_ptr()
-        s.h_out[0], s.h_out[1] = out[0].data_ptr(), out[1].data_ptr()
-        s.x, s.qkv, s.attn, s.sub = x.data_ptr(), qkv.data_ptr(), attn.data_ptr(), sub.data_ptr()
-        s.gate_up, s.act = gate_up.data_ptr(), act.data_ptr()
-        normed = torch.empty(rows, hidden, dtype=dtype) if self.final_normed else None
-        s.final_out = _ptr_of(normed)
+        s.h_out[0], s.h_out[1] = out_at
+        s.x, s.qkv, s.attn, s.sub, s.gate_up, s.act = x, qkv, attn, sub, gate_up, act
+        s.final_out = normed_at if self.final_normed else None
         s.linear_seconds = None if self.linear_seconds is None else ctypes.addressof(self.linear_seconds)
         final = self._fn(ctypes.byref(self._kernels), self._layers, len(self._layers), ctypes.byref(s))
         if final == -2:
             raise IndexError(f"a position of the step is past the RoPE tables (max_position {max_position})")
         if final < 0:
             raise MemoryError(f"int8 groups: no memory for a {rows}-row input's float32 copy")
-        return out[final] if normed is None else normed
+        # what comes back: the final-normed hidden, else the final residual stream (a view
+        # of the workspace, which it keeps alive)
+        first = starts[-1] if self.final_normed else starts[final]
+        return work[first // elem : first // elem + rows * hidden].view(rows, hidden)

@@ -48,6 +48,7 @@ from hybridserve.models.layers.int8_amx import amx_kernel  # noqa: E402
 from hybridserve.models.layers.int8_quads import quads_kernel  # noqa: E402
 from hybridserve.models.loaders.safetensors_map import MappedCheckpoint  # noqa: E402
 from hybridserve.models.layers.span_logits import SPAN  # noqa: E402
+from hybridserve.models.layers.span_native import NativeSummaries  # noqa: E402
 
 VOCAB = HEAD_CHUNK_ROWS + 7232  # two chunks, the second partial
 HIDDEN = 64
@@ -288,6 +289,38 @@ def test_a_quads_heads_fused_greedy_leaves_non_finite_rows_to_the_general_paths(
     x[1, 0] = float("inf")
     assert quads_head.greedy_quads(x) is None
     assert quads_head.greedy(x, None) == quads_head.greedy_by_chunks(x, None)
+
+
+@pytest.mark.parametrize("build", ["avx2", "vnni"])
+@pytest.mark.parametrize("rows", [1, 5, QUADS_BESIDE_PACKED_MAX_ROWS + 1, 40])
+def test_a_quads_heads_span_logits_are_its_products_summarised_as_they_come_out(build: str, rows: int,
+                                                                               monkeypatch) -> None:
+    # A vocabulary of whole spans: int8_quads.c scales and summarises each span of its
+    # products while they are in cache. The logits are the head's own (its products times
+    # the row scales), each span's maximum is theirs, and maxima and masses are what the
+    # general path's summary kernel makes of those logits, bit for bit; no oneDNN copy is
+    # packed for them at any row count.
+    kernel = quads_kernel()
+    if kernel is None:
+        pytest.skip("no int8_quads kernel here (no AVX2 or no compiler)")
+    if build == "avx2":
+        _narrow_fbgemm_path(monkeypatch)
+    elif kernel.max_level < 127 or not int8_gemm_available():
+        pytest.skip("no AVX512-VNNI build of the int8_quads kernel here")
+    else:
+        monkeypatch.setattr("hybridserve.models.layers.head.int8_path", lambda: PACKED)
+    vocab = 40 * SPAN
+    head = OutputHead(torch.randn(vocab, HIDDEN, generator=torch.Generator().manual_seed(5)), "int8")
+    assert head._quads is not None
+    x = _hidden(rows) * torch.linspace(0.5, 4.0, rows)[:, None]
+    inv_t = torch.linspace(0.5, 2.0, rows)
+    got = head.span_logits(x, inv_t, None)
+    assert head._packed_chunks is None
+    logits = head(x)  # above QUADS_BESIDE_PACKED_MAX_ROWS rows by oneDNN's copy, the same products
+    assert torch.equal(got.logits[:, :vocab], logits)
+    assert torch.equal(got.span_max, logits.view(rows, vocab // SPAN, SPAN).amax(-1))
+    want_max, want_mass = NativeSummaries()(logits, inv_t)
+    assert torch.equal(got.span_max, want_max) and torch.equal(got.span_sum, want_mass)
 
 
 def test_int4_head_equals_matmul_of_its_dequantized_weight(weight: torch.Tensor) -> None:

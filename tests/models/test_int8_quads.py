@@ -1,6 +1,7 @@
 """models/layers/int8_quads.py: the layout by hand, the kernel's products by hand, at the
 int16 pairs' saturation edge (AVX2) and at the full 127 levels (AVX512-VNNI, where the build
-has it), against exact sums for all shapes (hypothesis), bad input."""
+has it), against exact sums for all shapes (hypothesis), bad input; sampling's span logits from the product
+equal to the product then the summary kernel's pass, bit for bit."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ from hybridserve.models.layers.int8_quads import (  # noqa: E402
     unpack_quads,
     zero_quads,
 )
+from hybridserve.models.layers.span_logits import EXP_FLOOR, SPAN  # noqa: E402
+from hybridserve.models.layers.span_native import NativeSummaries  # noqa: E402
 
 KERNEL = quads_kernel()
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason="no int8_quads kernel here (no AVX2 or no compiler)")
@@ -177,3 +180,40 @@ def test_bad_inputs_are_named() -> None:
     with pytest.raises(ValueError, match="output"):
         KERNEL(torch.zeros(2, 8, dtype=torch.uint8), weight, torch.empty(2, TILE + 1))
     assert KERNEL(torch.zeros(0, 8, dtype=torch.uint8), weight).shape == (0, TILE)
+
+
+@needs_kernel
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(0, 19), spans=st.integers(1, 3), quads=st.integers(1, 40), seed=st.integers(0, 2**31 - 1))
+def test_span_logits_are_the_products_scaled_and_summarised(rows: int, spans: int, quads: int, seed: int) -> None:
+    # Any row count (register blocks, groups of summarised rows and their remainders), span
+    # count and depth: the products times the row scales, and span_native's summaries of
+    # them, bit for bit; the row scales and inverse temperatures differ per row
+    g = torch.Generator().manual_seed(seed)
+    n, k = spans * SPAN, quads * QUAD
+    top = KERNEL.max_level
+    weight = pack_quads(torch.randint(-top, top + 1, (n, k), generator=g, dtype=torch.int8),
+                        torch.rand(n, generator=g) + 0.01, top)
+    x = torch.randint(1, 256, (rows, k), generator=g, dtype=torch.uint8)
+    row_scale, inv_t = torch.rand(rows, generator=g) * 0.1, torch.rand(rows, generator=g) + 0.25
+    out = torch.full((rows, n + 8), -1.0)[:, 4 : 4 + n]  # rows n + 8 apart: the strided case
+    peak, mass = KERNEL.span_logits(x, weight, row_scale, inv_t, EXP_FLOOR, out)
+    want = KERNEL(x, weight)
+    want_peak, want_mass = NativeSummaries().scale_and_summarise(want, row_scale[:, None], inv_t)
+    assert torch.equal(out, want) and torch.equal(peak, want_peak) and torch.equal(mass, want_mass)
+    assert peak.shape == (rows, spans)
+
+
+@needs_kernel
+def test_span_logits_refuse_what_they_do_not_read() -> None:
+    weight = zero_quads(SPAN + TILE, 8)
+    x, ones = torch.zeros(2, 8, dtype=torch.uint8), torch.ones(2)
+    with pytest.raises(ValueError, match="not whole spans"):
+        KERNEL.span_logits(x, weight, ones, ones, EXP_FLOOR, torch.empty(2, SPAN + TILE))
+    weight = zero_quads(SPAN, 8)
+    with pytest.raises(ValueError, match="row scale"):
+        KERNEL.span_logits(x, weight, torch.ones(3), ones, EXP_FLOOR, torch.empty(2, SPAN))
+    with pytest.raises(ValueError, match="inverse temperature"):
+        KERNEL.span_logits(x, weight, ones, ones.double(), EXP_FLOOR, torch.empty(2, SPAN))
+    with pytest.raises(ValueError, match="span logits"):
+        KERNEL.span_logits(x, weight, ones, ones, EXP_FLOOR, torch.empty(2, SPAN, dtype=torch.bfloat16))

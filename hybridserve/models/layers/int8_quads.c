@@ -30,6 +30,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "span_summary.h"
+
 #define TILE 16 /* columns per tile (int8_quads.py's TILE) */
 
 int quads_tile(void) { return TILE; }
@@ -318,9 +320,69 @@ int quads_argmax(const uint8_t *x, int64_t ldx, int64_t M, int64_t K, const int8
     free(lane_at);
     return 0;
 }
+/* Each of rows m0 .. m0 + count - 1's span at `first` (rows ldo apart) times its row's scale,
+ * as the eager multiply rounds it, stored back and copied side by side into side (count x
+ * SPAN). Not inlined: the products are stored before the summaries read them, so no
+ * multiply is fused into the summaries' arithmetic (span_summaries.c's order). */
+static __attribute__((noinline)) void scale_rows(float *first, int64_t ldo, int64_t count, const float *row_scale,
+                                                 float *side) {
+    for (int64_t r = 0; r < count; r++) {
+        float *p = first + r * ldo;
+        const float s = row_scale[r];
+        for (int c = 0; c < SPAN; c++) side[r * SPAN + c] = p[c] = p[c] * s;
+    }
+}
+
+/* Sampling's span logits (models/layers/span_logits.py) from the product: quads_matmul's
+ * products of N whole spans (N % SPAN == 0), each multiplied by its row's scale row_scale[m]
+ * and stored into out (rows ldo apart), and each span's summary at its row's inverse
+ * temperature inv_t[m] (span_summary.h's summarise_spans) into peak and mass [M, N / SPAN],
+ * contiguous: span_summaries.c's scale_and_summarise of quads_matmul's output, bit for bit,
+ * without reading [M, N] float32 back from memory (64 MB a step at 64 rows of Gemma 3's
+ * vocabulary). Threads take spans (contiguous runs, a static schedule); a span's products
+ * go to out a step at a time as quads_matmul writes them, then, still in cache, each GROUP
+ * rows' spans are scaled and summarised side by side. Returns 0, or -2 where N is not
+ * whole spans. */
+int quads_span_logits(const uint8_t *x, int64_t ldx, int64_t M, int64_t K, const int8_t *w, const int32_t *colsum,
+                      const float *scale, int64_t N, const float *row_scale, const float *inv_t, float exp_floor,
+                      float *out, int64_t ldo, float *peak, float *mass, int32_t num_threads) {
+    if (N % SPAN) return -2;
+    const int64_t tiles = N / TILE, spans = N / SPAN;
+    enum { STEPS_A_SPAN = SPAN / TILE / TILES_A_STEP };
+#pragma omp parallel num_threads(num_threads) if (spans > 1)
+    {
+        float side[GROUP * SPAN] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < spans; j++) {
+            float *os = out + j * SPAN;
+            for (int64_t u = 0; u < STEPS_A_SPAN; u++)
+                for (int64_t m0 = 0; m0 < M; m0 += ROWS)
+                    step_block(x, ldx, M, K, w, colsum, scale, tiles, j * (SPAN / TILE) + u * TILES_A_STEP, m0,
+                               os + m0 * ldo + u * TILES_A_STEP * TILE, ldo);
+            for (int64_t r0 = 0; r0 < M; r0 += GROUP) {
+                const int64_t count = M - r0 < GROUP ? M - r0 : GROUP;
+                scale_rows(os + r0 * ldo, ldo, count, row_scale + r0, side);
+                float *pk = peak + r0 * spans + j, *ms = mass + r0 * spans + j;
+                if (count == GROUP) /* a constant count: the call unrolls (span_summary.h) */
+                    summarise_spans(side, GROUP, 0, 1.0f, inv_t + r0, 1, exp_floor, pk, ms, spans);
+                else
+                    summarise_spans(side, (int)count, 0, 1.0f, inv_t + r0, 1, exp_floor, pk, ms, spans);
+            }
+        }
+    }
+    return 0;
+}
 #else
 int quads_available(void) { return 0; }
 int quads_levels(void) { return 0; }
+
+int quads_span_logits(const uint8_t *x, int64_t ldx, int64_t M, int64_t K, const int8_t *w, const int32_t *colsum,
+                      const float *scale, int64_t N, const float *row_scale, const float *inv_t, float exp_floor,
+                      float *out, int64_t ldo, float *peak, float *mass, int32_t num_threads) {
+    (void)x, (void)ldx, (void)M, (void)K, (void)w, (void)colsum, (void)scale, (void)N, (void)row_scale;
+    (void)inv_t, (void)exp_floor, (void)out, (void)ldo, (void)peak, (void)mass, (void)num_threads;
+    abort(); /* as quads_matmul */
+}
 
 void quads_matmul(const uint8_t *x, int64_t ldx, int64_t M, int64_t K, const int8_t *w, const int32_t *colsum,
                   const float *scale, int64_t N, float *out, int64_t ldo, int32_t num_threads) {

@@ -32,6 +32,7 @@ from typing import NamedTuple
 import torch
 
 from hybridserve.models.layers.int8 import NARROW_WEIGHT_LEVELS, UINT8_ZERO_POINT, Int8Matmul
+from hybridserve.models.layers.span_logits import SPAN
 from hybridserve.models.platform.huge_pages import zeros_on_huge_pages
 from hybridserve.models.platform.native_build import NativeBuildError, build, checked
 
@@ -138,6 +139,11 @@ class QuadsKernel:
         argmax.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, i64, ptr, ptr, ctypes.c_int32]
         argmax.restype = ctypes.c_int32
         self._argmax = argmax
+        span_logits = library.quads_span_logits
+        span_logits.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ctypes.c_float, ptr, i64, ptr, ptr,
+                                ctypes.c_int32]
+        span_logits.restype = ctypes.c_int32
+        self._span_logits = span_logits
 
     def __call__(self, x: torch.Tensor, weight: QuadsWeight, out: torch.Tensor | None = None) -> torch.Tensor:
         n, k = weight.shape
@@ -174,6 +180,33 @@ class QuadsKernel:
                                  best.data_ptr(), index.data_ptr(), torch.get_num_threads()):
             raise MemoryError(f"int8_quads: no memory for a {rows}-row argmax's scratch")
         return best, index
+
+    def span_logits(self, x: torch.Tensor, weight: QuadsWeight, row_scale: torch.Tensor, inv_t: torch.Tensor,
+                    exp_floor: float, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sampling's span logits from the product: __call__'s products times `row_scale`
+        ([rows] float32: as the eager multiply rounds them) into `out` (float32 [rows, N],
+        unit column stride; N whole spans of span_logits.SPAN), and each span's (maximum,
+        mass) at its row's inverse temperature inv_t [rows] (float32 [rows, N / SPAN] each):
+        span_native's scale_and_summarise of __call__'s output, bit for bit, in one pass."""
+        n, k = weight.shape
+        if x.dtype != torch.uint8 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
+            raise ValueError(f"quads activations: uint8 [rows, {k}] with unit column stride, not {x.dtype} "
+                             f"{tuple(x.shape)}")
+        rows = x.shape[0]
+        scale, temperature = row_scale.reshape(-1), inv_t.reshape(-1)
+        for name, t in (("row scale", scale), ("inverse temperature", temperature)):
+            if t.dtype != torch.float32 or t.shape != (rows,) or not t.is_contiguous():
+                raise ValueError(f"quads {name}: float32 [{rows}], contiguous")
+        if out.dtype != torch.float32 or out.shape != (rows, n) or out.stride(1) != 1:
+            raise ValueError(f"quads span logits: float32 [{rows}, {n}] with unit column stride")
+        spans = n // SPAN
+        peak, mass = torch.empty(rows, spans), torch.empty(rows, spans)
+        if rows and self._span_logits(x.data_ptr(), x.stride(0), rows, k, weight.values.data_ptr(),
+                                      weight.colsum.data_ptr(), weight.scale.data_ptr(), n, scale.data_ptr(),
+                                      temperature.data_ptr(), exp_floor, out.data_ptr(), out.stride(0),
+                                      peak.data_ptr(), mass.data_ptr(), torch.get_num_threads()):
+            raise ValueError(f"quads span logits: {n} columns are not whole spans of {SPAN}")
+        return peak, mass
 
 
 @cache

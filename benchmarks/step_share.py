@@ -6,8 +6,8 @@
 
 The goal this answers (issue 40): time outside the matmuls at most 20% of a decode step,
 on every CPU. For R rows, R prompts of random ids (--prompt-len each) are generated
-greedily, --steps decode steps each; every step runs R rows, one token each. Steps
-alternate between two kinds, in the same run, so both see the same machine:
+greedily (or sampled: --temperature, --top-p), --steps decode steps each; every step runs
+R rows, one token each. Steps alternate between two kinds, in the same run, so both see the same machine:
 - timed: the engine's whole step (ModelRunner.execute: inputs, the model, attention, KV
   writes, the head, sampling), wall clock;
 - traced: the same kind of step run under a dispatch mode that times each weight matmul
@@ -20,7 +20,10 @@ alternate between two kinds, in the same run, so both see the same machine:
   the AMX int8 products and the head's argmax over them, models/layers/int8_amx.py; the
   head's u8 x s8 products and its argmax over them, models/layers/int8_quads.py) are
   timed per call the same way. Attention's batched products (bmm) are not weight matmuls and count as
-  outside.
+  outside; so do a sampled step's span summaries: where int8_quads.c makes them as its
+  products come out, a traced step runs the product alone (timed) and then the summaries'
+  own pass (the same values). The AMX kernel's span logits are not split so: on an AMX
+  host a sampled step's head product counts as outside.
 Printed per row count: the medians of the step and of its matmuls (ms), the ops a traced
 step dispatches (every aten op, views included: a count that does not move with the
 machine's load), and the share outside = 1 - matmuls / step. A fixed thread count (--threads) keeps the thread governor
@@ -82,6 +85,7 @@ def matmul_timer():  # type: ignore[no-untyped-def]
             from hybridserve.models.layers.int8_amx import AmxKernel
             from hybridserve.models.layers.int8_groups import GroupKernel
             from hybridserve.models.layers.int8_quads import QuadsKernel
+            from hybridserve.models.layers.span_native import NativeSummaries
 
             timer, restores = self, []
 
@@ -101,6 +105,18 @@ def matmul_timer():  # type: ignore[no-untyped-def]
                 real = getattr(owner, name)
                 setattr(owner, name, timed_version(real))
                 restores.append((owner, name, real))
+            # A sampled step's head on int8_quads.c summarises its spans as the products come
+            # out (QuadsKernel.span_logits): traced, the product runs alone, timed as above,
+            # then the summaries' own pass, outside (the same logits and summaries, bit for bit)
+            real_spans = QuadsKernel.span_logits
+            summaries = NativeSummaries()
+
+            def product_then_summaries(kernel, x, weight, row_scale, inv_t, exp_floor, out):  # type: ignore[no-untyped-def]
+                kernel(x, weight, out)  # QuadsKernel.__call__, timed
+                return summaries.scale_and_summarise(out, row_scale.reshape(-1, 1), inv_t)
+
+            QuadsKernel.span_logits = product_then_summaries
+            restores.append((QuadsKernel, "span_logits", real_spans))
             self._restore = lambda: [setattr(owner, name, real) for owner, name, real in restores]
             return super().__enter__()
 
@@ -174,6 +190,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=32, help="decode steps per row count (half timed, half traced)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--isa", choices=("native", *ISA_KINDS), default="native", help="run as on this kind of CPU")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sample the decode steps at this temperature (0: greedy, the default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="and with this top_p (with --temperature > 0)")
     p.add_argument("--json", type=Path, default=None,
                    help="also write the rows as JSON here (cpu_peers.py --share reads them)")
     args = p.parse_args()
@@ -186,14 +205,17 @@ def main() -> None:
     llm = LLM(args.model, progress=False, enable_prefix_caching=False, num_threads=args.threads)
     runner = llm.parts.engine.executor.runner
     vocab = llm.parts.model_config.vocab_size
-    print(f"# model {args.model or 'default'}; {args.prompt_len}-token prompts; {args.steps} decode steps per row count")
+    sampling = "greedy" if not args.temperature else f"sampled at temperature {args.temperature}, top_p {args.top_p}"
+    print(f"# model {args.model or 'default'}; {args.prompt_len}-token prompts; {args.steps} decode steps per row count; "
+          f"{sampling}")
     print("\n| rows | step ms (median) | weight matmuls ms | matmul calls | ops dispatched | outside the matmuls |\n"
           "|---:|---:|---:|---:|---:|---:|")
     rng = random.Random(0)
     measured = []
     for rows in [int(r) for r in args.rows.split(",")]:
         batch = [[rng.randrange(5, vocab) for _ in range(args.prompt_len)] for _ in range(rows)]
-        params = SamplingParams(max_tokens=args.steps + 1, ignore_eos=True, temperature=0.0)
+        params = SamplingParams(max_tokens=args.steps + 1, ignore_eos=True, temperature=args.temperature,
+                                top_p=args.top_p, seed=0)
         llm.generate(batch, params, use_tqdm=False)  # warm-up: the same shapes once
         recorder = StepRecorder(runner, rows)
         try:

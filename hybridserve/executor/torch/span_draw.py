@@ -47,13 +47,11 @@ class NativeDraw:
                 return None
             arguments = pieces.arguments()
         rows, spans = sl.span_max.shape
-        span_max, span_sum = sl.span_max.contiguous(), sl.span_sum.contiguous()
-        inv_t = sl.inv_temperature.to(torch.float32).contiguous()
-        greedy_u8 = greedy.to(torch.uint8).contiguous()
-        top_k = top_k.to(torch.int64).contiguous()
-        top_p = top_p.to(torch.float32).contiguous()
-        min_p = min_p.to(torch.float32).contiguous()
-        u = u.to(torch.float64).contiguous()
+        span_max, span_sum = _as(sl.span_max, torch.float32), _as(sl.span_sum, torch.float32)
+        inv_t = _as(sl.inv_temperature, torch.float32)
+        greedy_u8 = _as(greedy, torch.uint8)
+        top_k, top_p, min_p = _as(top_k, torch.int64), _as(top_p, torch.float32), _as(min_p, torch.float32)
+        u = _as(u, torch.float64)
         if u.shape != (rows, attempts + 1):
             raise ValueError(f"{rows} rows need draws [{rows}, {attempts + 1}], got {tuple(u.shape)}")
         tokens = torch.empty(rows, dtype=torch.int64)
@@ -64,3 +62,9 @@ class NativeDraw:
         if failed:
             raise MemoryError("the native draw could not allocate its scratch")
         return tokens
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t as contiguous `dtype`, itself where it already is (no dispatch: each costs a few
+    microseconds of a step whose caches the head has just evicted)."""
+    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()

@@ -495,8 +495,7 @@ class OutputHead:
         assert row_scale is not None  # int8 activations: the quads head's input
         kernel, whole = self._quads
         padded = self._logits_buffer.rows(values.shape[0])
-        peak, mass = kernel.span_logits(values, whole, row_scale.reshape(-1), inv_t.reshape(-1).contiguous(),
-                                        EXP_FLOOR, padded)
+        peak, mass = kernel.span_logits(values, whole, row_scale, inv_t.contiguous(), EXP_FLOOR, padded)
         return SpanLogits(vocab_size=self.vocab_size, inv_temperature=inv_t, span_max=peak, span_sum=mass,
                           buffer=self._logits_buffer, padded=padded)
 

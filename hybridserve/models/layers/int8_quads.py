@@ -147,10 +147,7 @@ class QuadsKernel:
 
     def __call__(self, x: torch.Tensor, weight: QuadsWeight, out: torch.Tensor | None = None) -> torch.Tensor:
         n, k = weight.shape
-        if x.dtype != torch.uint8 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
-            raise ValueError(f"quads activations: uint8 [rows, {k}] with unit column stride, not {x.dtype} "
-                             f"{tuple(x.shape)}")
-        rows = x.shape[0]
+        rows = _rows_of(x, k)
         if out is None:
             out = torch.empty(rows, n)
         elif out.dtype != torch.float32 or out.shape != (rows, n) or out.stride(1) != 1:
@@ -167,13 +164,8 @@ class QuadsKernel:
         finite) round, and the first column holding it, plus `start`: chunk_argmax's
         reduction of those products, without writing them."""
         n, k = weight.shape
-        if x.dtype != torch.uint8 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
-            raise ValueError(f"quads activations: uint8 [rows, {k}] with unit column stride, not {x.dtype} "
-                             f"{tuple(x.shape)}")
-        rows = x.shape[0]
-        scale = row_scale.reshape(-1)
-        if scale.dtype != torch.float32 or scale.shape != (rows,) or not scale.is_contiguous():
-            raise ValueError(f"quads row scale: float32 [{rows}], contiguous")
+        rows = _rows_of(x, k)
+        scale = _per_row(row_scale, rows, "row scale")
         best, index = torch.empty(rows), torch.empty(rows, dtype=torch.int64)
         if rows and self._argmax(x.data_ptr(), x.stride(0), rows, k, weight.values.data_ptr(),
                                  weight.colsum.data_ptr(), weight.scale.data_ptr(), n, scale.data_ptr(), start,
@@ -189,14 +181,8 @@ class QuadsKernel:
         mass) at its row's inverse temperature inv_t [rows] (float32 [rows, N / SPAN] each):
         span_native's scale_and_summarise of __call__'s output, bit for bit, in one pass."""
         n, k = weight.shape
-        if x.dtype != torch.uint8 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
-            raise ValueError(f"quads activations: uint8 [rows, {k}] with unit column stride, not {x.dtype} "
-                             f"{tuple(x.shape)}")
-        rows = x.shape[0]
-        scale, temperature = row_scale.reshape(-1), inv_t.reshape(-1)
-        for name, t in (("row scale", scale), ("inverse temperature", temperature)):
-            if t.dtype != torch.float32 or t.shape != (rows,) or not t.is_contiguous():
-                raise ValueError(f"quads {name}: float32 [{rows}], contiguous")
+        rows = _rows_of(x, k)
+        scale, temperature = _per_row(row_scale, rows, "row scale"), _per_row(inv_t, rows, "inverse temperature")
         if out.dtype != torch.float32 or out.shape != (rows, n) or out.stride(1) != 1:
             raise ValueError(f"quads span logits: float32 [{rows}, {n}] with unit column stride")
         spans = n // SPAN
@@ -207,6 +193,23 @@ class QuadsKernel:
                                       peak.data_ptr(), mass.data_ptr(), torch.get_num_threads()):
             raise ValueError(f"quads span logits: {n} columns are not whole spans of {SPAN}")
         return peak, mass
+
+
+def _rows_of(x: torch.Tensor, k: int) -> int:
+    """The row count of quads activations x: uint8 [rows, k] with unit column stride
+    (ValueError otherwise)."""
+    if x.dtype != torch.uint8 or x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
+        raise ValueError(f"quads activations: uint8 [rows, {k}] with unit column stride, not {x.dtype} "
+                         f"{tuple(x.shape)}")
+    return x.shape[0]
+
+
+def _per_row(t: torch.Tensor, rows: int, name: str) -> torch.Tensor:
+    """t as [rows] float32, one value a row, contiguous (ValueError naming `name` otherwise)."""
+    flat = t.reshape(-1)
+    if flat.dtype != torch.float32 or flat.shape != (rows,) or not flat.is_contiguous():
+        raise ValueError(f"quads {name}: float32 [{rows}], contiguous")
+    return flat
 
 
 @cache

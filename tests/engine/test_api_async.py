@@ -171,17 +171,24 @@ def test_an_engine_out_of_restarts_is_dead_and_says_so() -> None:
 
 def test_a_request_whose_sampling_fails_fails_alone(engine: AsyncLLM, monkeypatch) -> None:
     """A sampler fault confined to one request's rows (seed 666 here) fails that request;
-    the others in the same steps finish with the tokens they would have had."""
-    from hybridserve.executor.torch import sampler
+    the others in the same steps finish with the tokens they would have had. The fault
+    hits the plain batches' fast path too, which leaves the batch to the general path."""
+    from hybridserve.executor.torch import model_runner, sampler
 
-    real = sampler.sample
+    real, real_plain = sampler.sample, model_runner.sample_plain
 
     def picky(logits, rows):
         if any(r.params.seed == 666 for r in rows):
             raise IndexError("boom")
         return real(logits, rows)
 
+    def picky_plain(logits, draw_params, positions):
+        if 666 in draw_params.seeds.tolist():
+            raise IndexError("boom")
+        return real_plain(logits, draw_params, positions)
+
     monkeypatch.setattr(sampler, "sample", picky)
+    monkeypatch.setattr(model_runner, "sample_plain", picky_plain)
     params = SamplingParams(max_tokens=12, temperature=0.8, seed=5)
     ref = LLM(str(tiny_serving_dir()), max_model_len=MAX_LEN, progress=False, dtype="float32")
     want = [o.text for o in ref.generate(PROMPTS[:3], params, use_tqdm=False)]

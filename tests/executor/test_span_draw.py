@@ -18,7 +18,7 @@ from hybridserve.executor.torch.span_draw import UNDECIDED  # noqa: E402
 from hybridserve.executor.torch.span_sampler import CANDIDATE_SPANS, draw, draw_fast  # noqa: E402
 from hybridserve.models.layers.span_logits import SPAN, SpanLogits, span_logits_from  # noqa: E402
 
-native = span_sampler._native_draw()
+native = span_sampler.native_draw()
 needs_native = pytest.mark.skipif(native is None, reason="the native draw is not built here (no C compiler)")
 
 COMBOS = [

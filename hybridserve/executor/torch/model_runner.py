@@ -37,6 +37,7 @@ from hybridserve.executor.torch.grammar import RequestGrammar
 from hybridserve.executor.torch.kv_cache import PagedKVCache, dtype_name
 from hybridserve.executor.torch.logits_controls import TokenHistory
 from hybridserve.executor.torch.mamba_states import GroupSubset, MambaLayout, StepBackend, StepMambaStates
+from hybridserve.executor.torch.plain_sampling import DrawParamsCache, sample_plain
 from hybridserve.executor.torch.requests import BlockTables, RequestState
 from hybridserve.executor.torch.sampler import (SampleRow, inv_temperatures, is_greedy, logprob_info,
                                                 reads_one_span_per_row, sample_isolated, target_logprobs)
@@ -112,6 +113,8 @@ class ModelRunner:
         ]
         self.tables = BlockTables(len(kv_cache_config.groups))
         self.states: dict[str, RequestState] = {}
+        # The draw parameters of the last batch of plain sampled rows (plain_sampling.py)
+        self._draw_params = DrawParamsCache(model.cfg.vocab_size)
         # Seeds of preempted requests, so a resumed request keeps its draws.
         self._parked_seeds: dict[str, int] = {}
         # Draws the seeds of requests that bring none (every tensor-parallel rank draws the
@@ -137,12 +140,13 @@ class ModelRunner:
         seed = self._parked_seeds.pop(new.request_id, p.seed)
         if seed is None:
             seed = int(torch.randint(0, 1 << 62, (1,), generator=self.seed_generator))
+        plain = (p.logprobs is None and not p.min_tokens and not p.has_logits_controls
+                 and p.structured_output is None)
         state = RequestState(
             req_id=new.request_id, token_ids=list(new.token_ids), num_computed=num_computed,
             params=new.sampling_params, row=self.tables.alloc_row(), seed=seed,
             num_prompt_tokens=len(new.prompt_token_ids), eos_token_id=new.eos_token_id,
-            plain_greedy=(is_greedy(p) and p.logprobs is None and not p.min_tokens
-                          and not p.has_logits_controls and p.structured_output is None),
+            plain=plain, plain_greedy=plain and is_greedy(p),
         )
         if p.structured_output is not None and self.samples:
             self._attach_grammar(state)
@@ -176,6 +180,18 @@ class ModelRunner:
             for g, num_null in enumerate(sr.num_null_blocks):
                 if num_null:
                     self.tables.set_null_prefix(g, state.row, num_null)
+
+    def _sample_plain(self, states: list[RequestState], hidden: torch.Tensor
+                      ) -> tuple[list[int], dict[int, str]] | None:
+        """plain_sampling's (tokens, failed rows) for plain states sampling one row each
+        (hidden's rows, in order); None where it cannot run or fails: the general path then
+        samples them, confining a fault to its rows."""
+        dp = self._draw_params.of(states)
+        positions = [len(s.token_ids) for s in states]
+        try:
+            return sample_plain(self.model.span_logits(hidden, dp.inv_t, stored=dp.stored), dp, positions)
+        except Exception:  # noqa: BLE001 - sampled again by the general path, row by row if it must
+            return None
 
     @staticmethod
     def _banned(state: RequestState, ahead: int = 0) -> tuple[int, ...]:
@@ -367,8 +383,13 @@ class ModelRunner:
             rows = np.concatenate([np.arange(ends[i] - w, ends[i]) for i, w in zip(samplers, widths)])
             hidden = hidden[torch.from_numpy(rows).to(self.device)]
         lps: list = []
+        failed_rows: dict[int, str] = {}
+        # one row per sampler (no drafts), each plain: plain_sampling's fast path
+        plain_rows = len(samplers) == hidden.shape[0] and all(states[i].plain for i in samplers)
         if all(states[i].plain_greedy for i in samplers):
             tokens = self.model.greedy_tokens(hidden)  # no full logits tensor
+        elif plain_rows and (plain := self._sample_plain([states[i] for i in samplers], hidden)) is not None:
+            tokens, failed_rows = plain
         else:
             masks = {i: g.masks(drafts[i], w) for i, w in zip(samplers, widths)
                      if (g := states[i].extra.get("grammar")) is not None}
@@ -379,11 +400,11 @@ class ModelRunner:
             inv_t = inv_temperatures(rows_info)
             stored = not reads_one_span_per_row(rows_info, self.model.cfg.vocab_size)
             tokens, lps, failed_rows = sample_isolated(
-                lambda r: self.model.span_logits(hidden[r], inv_t[r], stored=stored), rows_info)
-            if failed_rows:
-                row_owner = [i for i, w in zip(samplers, widths) for _ in range(w)]
-                for r, reason in failed_rows.items():
-                    failed.setdefault(states[row_owner[r]].req_id, reason)
+                lambda r: self.model.span_logits(*_rows_of(r, hidden, inv_t), stored=stored), rows_info)
+        if failed_rows:
+            row_owner = [i for i, w in zip(samplers, widths) for _ in range(w)]
+            for r, reason in failed_rows.items():
+                failed.setdefault(states[row_owner[r]].req_id, reason)
         at = 0
         for i, w in zip(samplers, widths):
             targets = tokens[at : at + w]
@@ -398,3 +419,11 @@ class ModelRunner:
                 logprobs[states[i].req_id] = logprob_info(lps[at : at + a + 1])
             at += w
         return sampled, logprobs
+
+
+def _rows_of(rows: list[int], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each tensor's `rows`: the tensors themselves where those are all their rows in order
+    (no copy)."""
+    if rows == list(range(tensors[0].shape[0])):
+        return tensors
+    return tuple(t[rows] for t in tensors)

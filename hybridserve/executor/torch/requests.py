@@ -31,7 +31,9 @@ class RequestState:
     seed: int = 0  # keys this request's draws (executor/torch/sampling_keys.py)
     num_prompt_tokens: int = 0
     eos_token_id: int | None = None
-    plain_greedy: bool = False  # greedy, no logprobs, no min_tokens: the argmax fast path
+    # No logprobs, min_tokens, logits controls or grammar: plain_sampling's fast path
+    plain: bool = False
+    plain_greedy: bool = False  # plain and greedy: the argmax fast path
     extra: dict[str, Any] = field(default_factory=dict)  # room for drafter / Mamba bookkeeping
 
 

@@ -26,6 +26,10 @@
 #include "span_summary.h"
 
 #define UNDECIDED (-1)
+/* span_draw_keyed's mark for a row whose every token is masked (span_draw writes 0). */
+#define MASKED (-2)
+/* The most draws a row reads (attempts + 1): sampling_keys.DRAWS_PER_POSITION's bound. */
+#define MAX_DRAWS 16
 /* The span masses' exponent floor (span_summary.h's exp_nonpositive needs x >= -87): a
  * term at exp(-87) ~ 1.6e-38 moves no float64 cumulative mass of at least 1. */
 #define EXP_FLOOR_SPANS (-87.0f)
@@ -306,7 +310,7 @@ static int64_t draw_row(const Logits *l, int64_t row, const float *span_max, con
                         int64_t spans, float inv_t, int greedy, int64_t top_k, float top_p, float min_p,
                         const double *u, int attempts, int64_t candidate_spans, double *mass, double *cdf) {
     const float peak = row_max(span_max, spans);
-    if (peak == -INFINITY) return 0; /* every token masked: the caller reports the row */
+    if (peak == -INFINITY) return MASKED; /* every token masked: the caller reports the row */
     int64_t peak_span = 0;
     while (span_max[peak_span] != peak) peak_span++;
     if (greedy) {
@@ -350,6 +354,54 @@ static int64_t draw_row(const Logits *l, int64_t row, const float *span_max, con
     return draw_above(l, row, span_max, spans, peak, inv_t, t.theta, u[attempts], mass, cdf);
 }
 
+/* SplitMix64's finaliser (sampling_keys._mix). */
+static inline uint64_t mix64(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+/* Draw k of (seed, position) as sampling_keys.uniforms computes it: output
+ * per_position * position + k of SplitMix64 from the seed, its top 53 bits in [0, 1). */
+static inline double keyed_uniform(uint64_t seed, int64_t position, int64_t per_position, int k) {
+    const uint64_t counter = (uint64_t)position * (uint64_t)per_position + (uint64_t)k;
+    const uint64_t z = mix64(mix64(seed) + (counter + 1) * 0x9E3779B97F4A7C15ull);
+    return (double)(z >> 11) * 0x1p-53;
+}
+
+/* Both entries' loop: draws from u [rows, attempts + 1], or where u is NULL keyed by
+ * seeds[r] and positions[r]; an all-masked row MASKED where report_masked, else 0. */
+static int draw_rows(const Logits *l, int64_t rows, int64_t spans, const float *span_max, const float *span_sum,
+                     const float *inv_t, const uint8_t *greedy, const int64_t *top_k, const float *top_p,
+                     const float *min_p, const double *u, const uint64_t *seeds, const int64_t *positions,
+                     int64_t per_position, int32_t attempts, int64_t candidate_spans, int report_masked,
+                     int64_t *tokens, int32_t num_threads) {
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (rows > 1)
+    {
+        double *mass = malloc((size_t)spans * sizeof *mass), *cdf = malloc((size_t)spans * sizeof *cdf);
+        if (!mass || !cdf) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t r = 0; r < rows; r++) {
+            if (!mass || !cdf) continue;
+            double keyed[MAX_DRAWS];
+            const double *draws = u ? u + r * (attempts + 1) : keyed;
+            if (!u)
+                for (int k = 0; k <= attempts; k++) keyed[k] = keyed_uniform(seeds[r], positions[r], per_position, k);
+            const int64_t token = draw_row(l, r, span_max + r * spans, span_sum + r * spans, spans, inv_t[r],
+                                           greedy[r], top_k[r], top_p[r], min_p[r], draws, attempts, candidate_spans,
+                                           mass, cdf);
+            tokens[r] = token == MASKED && !report_masked ? 0 : token;
+        }
+        free(mass);
+        free(cdf);
+    }
+    return failed ? -1 : 0;
+}
+
 int32_t span_draw_span(void) { return SPAN; }
 
 /* tokens[r] for rows 0 .. rows - 1 (UNDECIDED where the candidates do not decide theta);
@@ -362,23 +414,21 @@ int span_draw(float *const *base, const int64_t *ld, const int64_t *first, int64
               const int64_t *top_k, const float *top_p, const float *min_p, const double *u, int32_t attempts,
               int64_t candidate_spans, int64_t *tokens, int32_t num_threads, SpanFill fill, const void *source) {
     const Logits l = {base, ld, first, fill, source};
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads) if (rows > 1)
-    {
-        double *mass = malloc((size_t)spans * sizeof *mass), *cdf = malloc((size_t)spans * sizeof *cdf);
-        if (!mass || !cdf) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t r = 0; r < rows; r++) {
-            if (!mass || !cdf) continue;
-            tokens[r] = draw_row(&l, r, span_max + r * spans, span_sum + r * spans, spans, inv_t[r], greedy[r],
-                                 top_k[r], top_p[r], min_p[r], u + r * (attempts + 1), attempts, candidate_spans,
-                                 mass, cdf);
-        }
-        free(mass);
-        free(cdf);
-    }
-    return failed ? -1 : 0;
+    return draw_rows(&l, rows, spans, span_max, span_sum, inv_t, greedy, top_k, top_p, min_p, u, NULL, NULL, 0,
+                     attempts, candidate_spans, 0, tokens, num_threads);
+}
+
+/* span_draw with each row's draws keyed by (seeds[r], positions[r]) as sampling_keys
+ * computes them (per_position: its DRAWS_PER_POSITION; attempts + 1 <= MAX_DRAWS), and a
+ * row whose every token is masked marked MASKED. Returns 0, -1 where scratch could not be
+ * allocated, -2 where attempts + 1 is more than MAX_DRAWS or per_position. */
+int span_draw_keyed(float *const *base, const int64_t *ld, const int64_t *first, int64_t rows, int64_t spans,
+                    const float *span_max, const float *span_sum, const float *inv_t, const uint8_t *greedy,
+                    const int64_t *top_k, const float *top_p, const float *min_p, const uint64_t *seeds,
+                    const int64_t *positions, int64_t per_position, int32_t attempts, int64_t candidate_spans,
+                    int64_t *tokens, int32_t num_threads, SpanFill fill, const void *source) {
+    if (attempts + 1 > MAX_DRAWS || attempts + 1 > per_position) return -2;
+    const Logits l = {base, ld, first, fill, source};
+    return draw_rows(&l, rows, spans, span_max, span_sum, inv_t, greedy, top_k, top_p, min_p, NULL, seeds, positions,
+                     per_position, attempts, candidate_spans, 1, tokens, num_threads);
 }

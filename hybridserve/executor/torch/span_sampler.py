@@ -78,7 +78,7 @@ def draw(sl: SpanLogits, greedy: torch.Tensor, top_k: torch.Tensor, top_p: torch
     """draw_fast's tokens: the native draw's (span_draw.c) where it is built and decides a
     row, draw_fast's for the rows it leaves undecided (the others passed to it as greedy
     rows, which cost it least), or for every row where it cannot run."""
-    native = _native_draw()
+    native = native_draw()
     tokens = native(sl, greedy, top_k, top_p, min_p, u, ATTEMPTS, CANDIDATE_SPANS) if native is not None else None
     if tokens is None:
         return draw_fast(sl, greedy, top_k, top_p, min_p, u)
@@ -90,7 +90,7 @@ def draw(sl: SpanLogits, greedy: torch.Tensor, top_k: torch.Tensor, top_p: torch
 
 
 @cache
-def _native_draw() -> NativeDraw | None:
+def native_draw() -> NativeDraw | None:
     return checked(lambda: NativeDraw(SPAN), _draw_mismatch, "sampling draws in draw_fast")
 
 

@@ -494,6 +494,41 @@ def test_summaries_without_stored_logits_and_the_spans_computed_again_are_the_st
     assert unstored.source is None and unstored.is_dense
 
 
+@pytest.mark.parametrize("rows", [1, 17, 40])
+def test_a_quads_heads_summaries_without_stored_logits_draw_the_stored_ones_tokens(
+        weight: torch.Tensor, rows: int, monkeypatch) -> None:
+    # int8_quads.c's head (this CPU's build) over whole spans: with stored False the same
+    # summaries and no logits written; the spans the draw reads are computed again, so plain
+    # rows draw the stored logits' tokens, and a dense need computes the stored logits
+    from hybridserve.core.request import SamplingParams
+    from hybridserve.executor.torch.plain_sampling import DrawParams, sample_plain
+    kernel = quads_kernel()
+    if kernel is None:
+        pytest.skip("no int8_quads kernel here (no AVX2 or no compiler)")
+    if kernel.max_level < 127:  # AVX2 alone: beside fbgemm's path
+        _narrow_fbgemm_path(monkeypatch)
+    elif int8_gemm_available():  # VNNI: beside oneDNN's
+        monkeypatch.setattr("hybridserve.models.layers.head.int8_path", lambda: PACKED)
+    else:
+        pytest.skip("this torch has no int8 GEMM beside the VNNI kernel")
+    head = OutputHead(weight[: 90 * SPAN], "int8")
+    assert head._quads is not None
+    x = _hidden(rows) * torch.linspace(0.1, 10.0, rows)[:, None]
+    params = [SamplingParams(temperature=t) for t in (1.0, 0.3, 0.0, 1.7)] * (rows // 4 + 1)
+    dp = DrawParams(params[:rows], list(range(rows)), head.vocab_size)
+    stored = head.span_logits(x, dp.inv_t, None)
+    unstored = head.span_logits(x, dp.inv_t, None, stored=False)
+    assert stored.source is None and unstored.source is not None
+    assert torch.equal(unstored.span_max, stored.span_max) and torch.equal(unstored.span_sum, stored.span_sum)
+    positions = [7 * r for r in range(rows)]
+    got, want = sample_plain(unstored, dp, positions), sample_plain(stored, dp, positions)
+    assert got is not None and got == want and unstored.source is not None  # read a span at a time
+    expected = stored.logits.clone()
+    stored.logits.fill_(float("nan"))  # the buffer they share: whatever is there is overwritten
+    assert torch.equal(unstored.logits, expected)
+    assert unstored.source is None and unstored.is_dense
+
+
 @needs_amx
 def test_stored_false_changes_nothing_where_the_head_has_no_fused_kernel(weight: torch.Tensor,
                                                                           monkeypatch) -> None:

@@ -1,7 +1,9 @@
 """models/layers/int8_quads.py: the layout by hand, the kernel's products by hand, at the
 int16 pairs' saturation edge (AVX2) and at the full 127 levels (AVX512-VNNI, where the build
 has it), against exact sums for all shapes (hypothesis), bad input; sampling's span logits from the product
-equal to the product then the summary kernel's pass, bit for bit."""
+equal to the product then the summary kernel's pass, bit for bit; the summaries alone equal
+to them, and the logits they leave unstored computed again a span at a time or whole, bit for
+bit."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ torch = pytest.importorskip("torch")
 from hybridserve.models.layers.int8_quads import (  # noqa: E402
     QUAD,
     TILE,
+    QuadsSpanSource,
     fill_quads,
     pack_quads,
     quads_fit,
@@ -182,6 +185,19 @@ def test_bad_inputs_are_named() -> None:
     assert KERNEL(torch.zeros(0, 8, dtype=torch.uint8), weight).shape == (0, TILE)
 
 
+def _span_operands(rows: int, spans: int, quads: int, seed: int) -> tuple:
+    """A quads weight of `spans` spans and `quads` quads of depth at the build's levels, rows
+    of activations, each row's scale and inverse temperature: all from `seed`."""
+    assert KERNEL is not None
+    g = torch.Generator().manual_seed(seed)
+    n, k = spans * SPAN, quads * QUAD
+    top = KERNEL.max_level
+    weight = pack_quads(torch.randint(-top, top + 1, (n, k), generator=g, dtype=torch.int8),
+                        torch.rand(n, generator=g) + 0.01, top)
+    x = torch.randint(1, 256, (rows, k), generator=g, dtype=torch.uint8)
+    return weight, x, torch.rand(rows, generator=g) * 0.1, torch.rand(rows, generator=g) + 0.25
+
+
 @needs_kernel
 @settings(max_examples=30, deadline=None)
 @given(rows=st.integers(0, 19), spans=st.integers(1, 3), quads=st.integers(1, 40), seed=st.integers(0, 2**31 - 1))
@@ -189,13 +205,8 @@ def test_span_logits_are_the_products_scaled_and_summarised(rows: int, spans: in
     # Any row count (register blocks, groups of summarised rows and their remainders), span
     # count and depth: the products times the row scales, and span_native's summaries of
     # them, bit for bit; the row scales and inverse temperatures differ per row
-    g = torch.Generator().manual_seed(seed)
-    n, k = spans * SPAN, quads * QUAD
-    top = KERNEL.max_level
-    weight = pack_quads(torch.randint(-top, top + 1, (n, k), generator=g, dtype=torch.int8),
-                        torch.rand(n, generator=g) + 0.01, top)
-    x = torch.randint(1, 256, (rows, k), generator=g, dtype=torch.uint8)
-    row_scale, inv_t = torch.rand(rows, generator=g) * 0.1, torch.rand(rows, generator=g) + 0.25
+    weight, x, row_scale, inv_t = _span_operands(rows, spans, quads, seed)
+    n = spans * SPAN
     out = torch.full((rows, n + 8), -1.0)[:, 4 : 4 + n]  # rows n + 8 apart: the strided case
     peak, mass = KERNEL.span_logits(x, weight, row_scale, inv_t, EXP_FLOOR, out)
     want = KERNEL(x, weight)
@@ -217,3 +228,30 @@ def test_span_logits_refuse_what_they_do_not_read() -> None:
         KERNEL.span_logits(x, weight, ones, ones.double(), EXP_FLOOR, torch.empty(2, SPAN))
     with pytest.raises(ValueError, match="span logits"):
         KERNEL.span_logits(x, weight, ones, ones, EXP_FLOOR, torch.empty(2, SPAN, dtype=torch.bfloat16))
+
+
+@needs_kernel
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 19), spans=st.integers(1, 3), quads=st.integers(1, 40), seed=st.integers(0, 2**31 - 1))
+def test_summaries_alone_and_the_spans_computed_again_are_the_stored_ones(rows: int, spans: int, quads: int,
+                                                                          seed: int) -> None:
+    # Without an output the same summaries, bit for bit; the source gives every span of every
+    # row as span_logits stores it (a row alone, whichever register block stored it), and
+    # all of them at once
+    assert KERNEL is not None
+    weight, x, row_scale, inv_t = _span_operands(rows, spans, quads, seed)
+    n = spans * SPAN
+    out = torch.empty(rows, n)
+    peak, mass = KERNEL.span_logits(x, weight, row_scale, inv_t, EXP_FLOOR, out)
+    alone_peak, alone_mass = KERNEL.span_logits(x, weight, row_scale, inv_t, EXP_FLOOR, None)
+    assert torch.equal(alone_peak, peak) and torch.equal(alone_mass, mass)
+    source = QuadsSpanSource(KERNEL, x, weight, row_scale, inv_t, EXP_FLOOR)
+    for r in range(rows):
+        for j in range(spans):
+            assert torch.equal(source.span(r, j), out[r, j * SPAN : (j + 1) * SPAN])
+    padded = torch.full((rows, n), float("nan"))
+    source.materialize(padded)
+    assert torch.equal(padded, out)
+    with pytest.raises(IndexError):
+        source.span(rows, 0)
+

@@ -45,8 +45,8 @@ from hybridserve.models.layers.int8 import (FBGEMM, PACKED, QUANTIZERS, BlockDon
                                            quantize_rows_uint8)
 from hybridserve.models.layers.int8_amx import AmxProduct, AmxSpanSource
 from hybridserve.models.layers.int8_quads import TILE as QUADS_TILE
-from hybridserve.models.layers.int8_quads import (QuadsKernel, QuadsWeight, fill_quads, quads_fit, quads_kernel,
-                                                 quads_matmul, unpack_quads, zero_quads)
+from hybridserve.models.layers.int8_quads import (QuadsKernel, QuadsSpanSource, QuadsWeight, fill_quads, quads_fit,
+                                                 quads_kernel, quads_matmul, unpack_quads, zero_quads)
 from hybridserve.models.layers.linear import make_linear
 from hybridserve.models.layers.row_levels import row_levels_kernel
 from hybridserve.models.layers.span_kernel import KERNEL
@@ -426,14 +426,14 @@ class OutputHead:
         reused buffer and summarised at once (they stay in cache anyway, and one summary
         costs fewer parallel regions than one per chunk), as are chunks that are not whole
         spans. Where every chunk's kernel summarises its own spans: _span_logits_fused, which
-        with `stored` False keeps only the summaries (elsewhere `stored` changes nothing); on
-        int8_quads.c's kernel, _span_logits_quads."""
+        with `stored` False keeps only the summaries; so does _span_logits_quads on
+        int8_quads.c's kernel (elsewhere `stored` changes nothing)."""
         inv_t = inv_temperature.to(torch.float32)
         if self._fused is not None and not softcap and self.vocab_size % SPAN == 0:
             x = self._input(hidden)
             return self._span_logits_fused(x, inv_t) if stored else self._span_summaries_fused(x, inv_t)
         if self._quads is not None and not softcap and self.vocab_size % SPAN == 0:
-            return self._span_logits_quads(hidden, inv_t)
+            return self._span_logits_quads(hidden, inv_t, stored)
         chunks, x = self._products(hidden)
         if hidden.shape[0] > FEW_ROWS and self.chunk_rows % SPAN == 0:
             pad = padded_width(self.vocab_size) - self.vocab_size
@@ -484,18 +484,27 @@ class OutputHead:
         return SpanLogits(vocab_size=self.vocab_size, inv_temperature=inv_t, span_max=torch.cat(peaks, dim=1),
                           span_sum=torch.cat(masses, dim=1), buffer=self._logits_buffer, padded=padded)
 
-    def _span_logits_quads(self, hidden: torch.Tensor, inv_t: torch.Tensor) -> SpanLogits:
+    def _span_logits_quads(self, hidden: torch.Tensor, inv_t: torch.Tensor, stored: bool = True) -> SpanLogits:
         """span_logits on int8_quads.c's kernel (QuadsKernel.span_logits): the whole
         vocabulary's products, scaled and summarised span by span while in cache, into the
         reused buffer: the same logits and summaries as its product followed by
         scale_and_summarise, with no [rows, vocabulary] float32 read back from memory and,
-        above QUADS_BESIDE_PACKED_MAX_ROWS rows, no oneDNN copy of the weights."""
+        above QUADS_BESIDE_PACKED_MAX_ROWS rows, no oneDNN copy of the weights. With
+        `stored` False the summaries alone, the logits computed again where they are read
+        (QuadsSpanSource): no [rows, vocabulary] float32 written either (67 MB a step at 64
+        rows of Gemma 3's vocabulary)."""
         assert self._quads is not None
         values, row_scale = self._input(hidden)
         assert row_scale is not None  # int8 activations: the quads head's input
         kernel, whole = self._quads
+        inv_t = inv_t.contiguous()
+        if not stored:
+            peak, mass = kernel.span_logits(values, whole, row_scale, inv_t, EXP_FLOOR, None)
+            return SpanLogits(vocab_size=self.vocab_size, inv_temperature=inv_t, span_max=peak, span_sum=mass,
+                              buffer=self._logits_buffer,
+                              source=QuadsSpanSource(kernel, values, whole, row_scale, inv_t, EXP_FLOOR))
         padded = self._logits_buffer.rows(values.shape[0])
-        peak, mass = kernel.span_logits(values, whole, row_scale, inv_t.contiguous(), EXP_FLOOR, padded)
+        peak, mass = kernel.span_logits(values, whole, row_scale, inv_t, EXP_FLOOR, padded)
         return SpanLogits(vocab_size=self.vocab_size, inv_temperature=inv_t, span_max=peak, span_sum=mass,
                           buffer=self._logits_buffer, padded=padded)
 

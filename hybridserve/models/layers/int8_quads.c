@@ -341,27 +341,38 @@ static __attribute__((noinline)) void scale_rows(float *first, int64_t ldo, int6
  * without reading [M, N] float32 back from memory (64 MB a step at 64 rows of Gemma 3's
  * vocabulary). Threads take spans (contiguous runs, a static schedule); a span's products
  * go to out a step at a time as quads_matmul writes them, then, still in cache, each GROUP
- * rows' spans are scaled and summarised side by side. Returns 0, or -2 where N is not
- * whole spans. */
+ * rows' spans are scaled and summarised side by side. With out NULL the summaries alone:
+ * each span's products go to a scratch of the thread's own (M x SPAN floats) and nothing
+ * is written to memory but the summaries; quads_fill_span computes a span again, bit for
+ * bit. Returns 0, -1 where that scratch cannot be allocated, or -2 where N is not whole
+ * spans. */
 int quads_span_logits(const uint8_t *x, int64_t ldx, int64_t M, int64_t K, const int8_t *w, const int32_t *colsum,
                       const float *scale, int64_t N, const float *row_scale, const float *inv_t, float exp_floor,
                       float *out, int64_t ldo, float *peak, float *mass, int32_t num_threads) {
     if (N % SPAN) return -2;
     const int64_t tiles = N / TILE, spans = N / SPAN;
     enum { STEPS_A_SPAN = SPAN / TILE / TILES_A_STEP };
+    int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (spans > 1)
     {
         float side[GROUP * SPAN] __attribute__((aligned(64)));
+        float *scratch = out ? NULL : aligned_alloc(64, sizeof(float) * (size_t)(M * SPAN));
+        const int64_t ld = out ? ldo : SPAN;
+        if (!out && !scratch) {
+#pragma omp atomic write
+            failed = 1;
+        }
 #pragma omp for schedule(static)
         for (int64_t j = 0; j < spans; j++) {
-            float *os = out + j * SPAN;
+            if (!out && !scratch) continue;
+            float *os = out ? out + j * SPAN : scratch;
             for (int64_t u = 0; u < STEPS_A_SPAN; u++)
                 for (int64_t m0 = 0; m0 < M; m0 += ROWS)
                     step_block(x, ldx, M, K, w, colsum, scale, tiles, j * (SPAN / TILE) + u * TILES_A_STEP, m0,
-                               os + m0 * ldo + u * TILES_A_STEP * TILE, ldo);
+                               os + m0 * ld + u * TILES_A_STEP * TILE, ld);
             for (int64_t r0 = 0; r0 < M; r0 += GROUP) {
                 const int64_t count = M - r0 < GROUP ? M - r0 : GROUP;
-                scale_rows(os + r0 * ldo, ldo, count, row_scale + r0, side);
+                scale_rows(os + r0 * ld, ld, count, row_scale + r0, side);
                 float *pk = peak + r0 * spans + j, *ms = mass + r0 * spans + j;
                 if (count == GROUP) /* a constant count: the call unrolls (span_summary.h) */
                     summarise_spans(side, GROUP, 0, 1.0f, inv_t + r0, 1, exp_floor, pk, ms, spans);
@@ -369,8 +380,34 @@ int quads_span_logits(const uint8_t *x, int64_t ldx, int64_t M, int64_t K, const
                     summarise_spans(side, (int)count, 0, 1.0f, inv_t + r0, 1, exp_floor, pk, ms, spans);
             }
         }
+        free(scratch);
     }
-    return 0;
+    return failed ? -1 : 0;
+}
+
+/* What quads_fill_span reads: quads_span_logits' operands (N whole spans). */
+typedef struct {
+    const uint8_t *x;
+    int64_t ldx, K;
+    const int8_t *w;
+    const int32_t *colsum;
+    const float *scale;
+    int64_t N;
+    const float *row_scale;
+} QuadsSpans;
+
+/* Span `span` of row `row` of the logits quads_span_logits computes from `source` (a
+ * QuadsSpans), into out[0 .. SPAN - 1]: the same products (exact int32 sums, whichever
+ * register block computes them) times the row's scale, rounded as scale_rows rounds
+ * them: the values it stores, bit for bit (logit_pieces.h's SpanFill). */
+void quads_fill_span(const void *source, int64_t row, int64_t span, float *out) {
+    const QuadsSpans *s = source;
+    enum { STEPS_A_SPAN = SPAN / TILE / TILES_A_STEP };
+    for (int64_t u = 0; u < STEPS_A_SPAN; u++)
+        step_block(s->x + row * s->ldx, s->ldx, 1, s->K, s->w, s->colsum, s->scale, s->N / TILE,
+                   span * (SPAN / TILE) + u * TILES_A_STEP, 0, out + u * TILES_A_STEP * TILE, SPAN);
+    const float r = s->row_scale[row];
+    for (int c = 0; c < SPAN; c++) out[c] = out[c] * r;
 }
 #else
 int quads_available(void) { return 0; }
@@ -381,6 +418,11 @@ int quads_span_logits(const uint8_t *x, int64_t ldx, int64_t M, int64_t K, const
                       float *out, int64_t ldo, float *peak, float *mass, int32_t num_threads) {
     (void)x, (void)ldx, (void)M, (void)K, (void)w, (void)colsum, (void)scale, (void)N, (void)row_scale;
     (void)inv_t, (void)exp_floor, (void)out, (void)ldo, (void)peak, (void)mass, (void)num_threads;
+    abort(); /* as quads_matmul */
+}
+
+void quads_fill_span(const void *source, int64_t row, int64_t span, float *out) {
+    (void)source, (void)row, (void)span, (void)out;
     abort(); /* as quads_matmul */
 }
 

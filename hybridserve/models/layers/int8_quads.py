@@ -144,6 +144,11 @@ class QuadsKernel:
                                 ctypes.c_int32]
         span_logits.restype = ctypes.c_int32
         self._span_logits = span_logits
+        fill = library.quads_fill_span
+        fill.argtypes = [ptr, i64, i64, ptr]
+        fill.restype = None
+        self._fill = fill
+        self.fill_address: int = ctypes.cast(fill, ctypes.c_void_p).value or 0
 
     def __call__(self, x: torch.Tensor, weight: QuadsWeight, out: torch.Tensor | None = None) -> torch.Tensor:
         n, k = weight.shape
@@ -174,25 +179,72 @@ class QuadsKernel:
         return best, index
 
     def span_logits(self, x: torch.Tensor, weight: QuadsWeight, row_scale: torch.Tensor, inv_t: torch.Tensor,
-                    exp_floor: float, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                    exp_floor: float, out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Sampling's span logits from the product: __call__'s products times `row_scale`
         ([rows] float32: as the eager multiply rounds them) into `out` (float32 [rows, N],
         unit column stride; N whole spans of span_logits.SPAN), and each span's (maximum,
         mass) at its row's inverse temperature inv_t [rows] (float32 [rows, N / SPAN] each):
-        span_native's scale_and_summarise of __call__'s output, bit for bit, in one pass."""
+        span_native's scale_and_summarise of __call__'s output, bit for bit, in one pass.
+        With out None the summaries alone, the logits written nowhere (QuadsSpanSource
+        computes them again)."""
         n, k = weight.shape
         rows = _rows_of(x, k)
         scale, temperature = _per_row(row_scale, rows, "row scale"), _per_row(inv_t, rows, "inverse temperature")
-        if out.dtype != torch.float32 or out.shape != (rows, n) or out.stride(1) != 1:
+        if out is not None and (out.dtype != torch.float32 or out.shape != (rows, n) or out.stride(1) != 1):
             raise ValueError(f"quads span logits: float32 [{rows}, {n}] with unit column stride")
+        if n % SPAN:
+            raise ValueError(f"quads span logits: {n} columns are not whole spans of {SPAN}")
         spans = n // SPAN
         peak, mass = torch.empty(rows, spans), torch.empty(rows, spans)
         if rows and self._span_logits(x.data_ptr(), x.stride(0), rows, k, weight.values.data_ptr(),
                                       weight.colsum.data_ptr(), weight.scale.data_ptr(), n, scale.data_ptr(),
-                                      temperature.data_ptr(), exp_floor, out.data_ptr(), out.stride(0),
-                                      peak.data_ptr(), mass.data_ptr(), torch.get_num_threads()):
-            raise ValueError(f"quads span logits: {n} columns are not whole spans of {SPAN}")
+                                      temperature.data_ptr(), exp_floor, None if out is None else out.data_ptr(),
+                                      0 if out is None else out.stride(0), peak.data_ptr(), mass.data_ptr(),
+                                      torch.get_num_threads()):
+            raise MemoryError(f"int8_quads: no memory for a {rows}-row span scratch")
         return peak, mass
+
+
+class _QuadsSpans(ctypes.Structure):
+    """int8_quads.c's QuadsSpans."""
+
+    _fields_ = [("x", ctypes.c_void_p), ("ldx", ctypes.c_int64), ("K", ctypes.c_int64), ("w", ctypes.c_void_p),
+                ("colsum", ctypes.c_void_p), ("scale", ctypes.c_void_p), ("N", ctypes.c_int64),
+                ("row_scale", ctypes.c_void_p)]
+
+
+class QuadsSpanSource:
+    """The logits QuadsKernel.span_logits summarised without storing (out None), exactly as
+    it stores them (span_logits.LogitsSource): all of them by span_logits again, or a span
+    at a time by int8_quads.c's quads_fill_span at `fill_address` with `address` (this
+    object holds the operands those point into, and must outlive the calls)."""
+
+    def __init__(self, kernel: QuadsKernel, x: torch.Tensor, weight: QuadsWeight, row_scale: torch.Tensor,
+                 inv_t: torch.Tensor, exp_floor: float) -> None:
+        n, k = weight.shape
+        self.rows = _rows_of(x, k)
+        self.spans = n // SPAN
+        scale = _per_row(row_scale, self.rows, "row scale")
+        self._held = (kernel, x, weight, scale, inv_t, exp_floor)
+        self._fields = _QuadsSpans(x.data_ptr(), x.stride(0), k, weight.values.data_ptr(), weight.colsum.data_ptr(),
+                                   weight.scale.data_ptr(), n, scale.data_ptr())
+        self.address: int = ctypes.addressof(self._fields)
+        self.fill_address = kernel.fill_address
+
+    def materialize(self, padded: torch.Tensor) -> None:
+        kernel, x, weight, scale, inv_t, exp_floor = self._held
+        kernel.span_logits(x, weight, scale, inv_t, exp_floor, padded[:, : weight.shape[0]])
+
+    def native(self) -> tuple[int, int]:
+        return self.fill_address, self.address
+
+    def span(self, row: int, j: int) -> torch.Tensor:
+        """Span j of row `row`, float32 [SPAN], computed in Python's thread."""
+        if not (0 <= row < self.rows and 0 <= j < self.spans):
+            raise IndexError(f"span {j} of row {row}: the source has {self.rows} rows of {self.spans} spans")
+        out = torch.empty(SPAN, dtype=torch.float32)
+        self._held[0]._fill(self.address, row, j, out.data_ptr())
+        return out
 
 
 def _rows_of(x: torch.Tensor, k: int) -> int:

@@ -320,16 +320,34 @@ int quads_argmax(const uint8_t *x, int64_t ldx, int64_t M, int64_t K, const int8
     free(lane_at);
     return 0;
 }
-/* Each of rows m0 .. m0 + count - 1's span at `first` (rows ldo apart) times its row's scale,
- * as the eager multiply rounds it, stored back and copied side by side into side (count x
- * SPAN). Not inlined: the products are stored before the summaries read them, so no
- * multiply is fused into the summaries' arithmetic (span_summaries.c's order). */
-static __attribute__((noinline)) void scale_rows(float *first, int64_t ldo, int64_t count, const float *row_scale,
-                                                 float *side) {
+/* One span's SPAN floats from src (64-byte aligned) to dst: streamed past the caches where
+ * dst is aligned too (the logits buffer's rows), so its lines are not first read from
+ * memory only to be overwritten (a step's logits are written once, and the draw reads a
+ * few spans of them). */
+static inline void store_span(float *dst, const float *src) {
+    if ((uintptr_t)dst % 64) {
+        memcpy(dst, src, SPAN * sizeof *dst);
+        return;
+    }
+#ifdef __AVX512F__
+    for (int c = 0; c < SPAN; c += 16) _mm512_stream_ps(dst + c, _mm512_load_ps(src + c));
+#else
+    for (int c = 0; c < SPAN; c += 8) _mm256_stream_ps(dst + c, _mm256_load_ps(src + c));
+#endif
+}
+
+/* Each of `count` rows' span of products at `first` (rows ld apart) times its row's scale,
+ * as the eager multiply rounds it, side by side into side (count x SPAN), and where out is
+ * set into out (rows ldo apart). Not inlined: the products are scaled and stored before the
+ * summaries read them, so no multiply is fused into the summaries' arithmetic
+ * (span_summaries.c's order). */
+static __attribute__((noinline)) void scale_rows(const float *first, int64_t ld, int64_t count,
+                                                 const float *row_scale, float *side, float *out, int64_t ldo) {
     for (int64_t r = 0; r < count; r++) {
-        float *p = first + r * ldo;
+        const float *p = first + r * ld;
         const float s = row_scale[r];
-        for (int c = 0; c < SPAN; c++) side[r * SPAN + c] = p[c] = p[c] * s;
+        for (int c = 0; c < SPAN; c++) side[r * SPAN + c] = p[c] * s;
+        if (out) store_span(out + r * ldo, side + r * SPAN);
     }
 }
 
@@ -340,12 +358,11 @@ static __attribute__((noinline)) void scale_rows(float *first, int64_t ldo, int6
  * contiguous: span_summaries.c's scale_and_summarise of quads_matmul's output, bit for bit,
  * without reading [M, N] float32 back from memory (64 MB a step at 64 rows of Gemma 3's
  * vocabulary). Threads take spans (contiguous runs, a static schedule); a span's products
- * go to out a step at a time as quads_matmul writes them, then, still in cache, each GROUP
- * rows' spans are scaled and summarised side by side. With out NULL the summaries alone:
- * each span's products go to a scratch of the thread's own (M x SPAN floats) and nothing
- * is written to memory but the summaries; quads_fill_span computes a span again, bit for
- * bit. Returns 0, -1 where that scratch cannot be allocated, or -2 where N is not whole
- * spans. */
+ * go to a scratch of the thread's own (M x SPAN floats) a step at a time as quads_matmul
+ * writes them, then, still in cache, each GROUP rows' spans are scaled, streamed to out
+ * (store_span) and summarised side by side. With out NULL the summaries alone: nothing is
+ * written to memory but the summaries; quads_fill_span computes a span again, bit for bit.
+ * Returns 0, -1 where the scratch cannot be allocated, or -2 where N is not whole spans. */
 int quads_span_logits(const uint8_t *x, int64_t ldx, int64_t M, int64_t K, const int8_t *w, const int32_t *colsum,
                       const float *scale, int64_t N, const float *row_scale, const float *inv_t, float exp_floor,
                       float *out, int64_t ldo, float *peak, float *mass, int32_t num_threads) {
@@ -356,23 +373,22 @@ int quads_span_logits(const uint8_t *x, int64_t ldx, int64_t M, int64_t K, const
 #pragma omp parallel num_threads(num_threads) if (spans > 1)
     {
         float side[GROUP * SPAN] __attribute__((aligned(64)));
-        float *scratch = out ? NULL : aligned_alloc(64, sizeof(float) * (size_t)(M * SPAN));
-        const int64_t ld = out ? ldo : SPAN;
-        if (!out && !scratch) {
+        float *scratch = aligned_alloc(64, sizeof(float) * (size_t)(M * SPAN));
+        if (!scratch) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(static)
         for (int64_t j = 0; j < spans; j++) {
-            if (!out && !scratch) continue;
-            float *os = out ? out + j * SPAN : scratch;
+            if (!scratch) continue;
             for (int64_t u = 0; u < STEPS_A_SPAN; u++)
                 for (int64_t m0 = 0; m0 < M; m0 += ROWS)
                     step_block(x, ldx, M, K, w, colsum, scale, tiles, j * (SPAN / TILE) + u * TILES_A_STEP, m0,
-                               os + m0 * ld + u * TILES_A_STEP * TILE, ld);
+                               scratch + m0 * SPAN + u * TILES_A_STEP * TILE, SPAN);
             for (int64_t r0 = 0; r0 < M; r0 += GROUP) {
                 const int64_t count = M - r0 < GROUP ? M - r0 : GROUP;
-                scale_rows(os + r0 * ld, ld, count, row_scale + r0, side);
+                scale_rows(scratch + r0 * SPAN, SPAN, count, row_scale + r0, side,
+                           out ? out + r0 * ldo + j * SPAN : NULL, ldo);
                 float *pk = peak + r0 * spans + j, *ms = mass + r0 * spans + j;
                 if (count == GROUP) /* a constant count: the call unrolls (span_summary.h) */
                     summarise_spans(side, GROUP, 0, 1.0f, inv_t + r0, 1, exp_floor, pk, ms, spans);
@@ -380,6 +396,7 @@ int quads_span_logits(const uint8_t *x, int64_t ldx, int64_t M, int64_t K, const
                     summarise_spans(side, (int)count, 0, 1.0f, inv_t + r0, 1, exp_floor, pk, ms, spans);
             }
         }
+        _mm_sfence(); /* the streamed logits are in memory before the caller reads them */
         free(scratch);
     }
     return failed ? -1 : 0;

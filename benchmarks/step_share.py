@@ -20,11 +20,10 @@ R rows, one token each. Steps alternate between two kinds, in the same run, so b
   the AMX int8 products and the head's argmax over them, models/layers/int8_amx.py; the
   head's u8 x s8 products and its argmax over them, models/layers/int8_quads.py) are
   timed per call the same way. Attention's batched products (bmm) are not weight matmuls and count as
-  outside; so do a sampled step's span summaries: where int8_quads.c makes them as its
-  products come out, a traced step runs the product alone (timed) and then the summaries'
-  own pass (the same values); where it keeps the summaries alone (a batch of plain
-  temperature rows), the product is timed as greedy's is (its argmax: the products
-  reduced in cache) and the summaries' kernel runs outside. The AMX kernel's span logits are not split so: on an AMX
+  outside; so do a sampled step's span summaries and the stored logits' writes: where
+  int8_quads.c makes them as its products come out, a traced step times the product as
+  greedy's is (its argmax: the products reduced in cache, at the kernel's rate) and then
+  runs the real kernel outside (the same values). The AMX kernel's span logits are not split so: on an AMX
   host a sampled step's head product counts as outside.
 Printed per row count: the medians of the step and of its matmuls (ms), the ops a traced
 step dispatches (every aten op, views included: a count that does not move with the
@@ -87,7 +86,6 @@ def matmul_timer():  # type: ignore[no-untyped-def]
             from hybridserve.models.layers.int8_amx import AmxKernel
             from hybridserve.models.layers.int8_groups import GroupKernel
             from hybridserve.models.layers.int8_quads import QuadsKernel
-            from hybridserve.models.layers.span_native import NativeSummaries
 
             timer, restores = self, []
 
@@ -108,19 +106,14 @@ def matmul_timer():  # type: ignore[no-untyped-def]
                 setattr(owner, name, timed_version(real))
                 restores.append((owner, name, real))
             # A sampled step's head on int8_quads.c summarises its spans as the products come
-            # out (QuadsKernel.span_logits): traced, the product runs alone, timed as above,
-            # then the summaries' own pass, outside (the same logits and summaries, bit for bit).
-            # Summaries alone (no logits stored): the product timed as greedy's, reduced in
-            # cache by the argmax, then the real kernel, outside (its summaries, bit for bit)
+            # out (QuadsKernel.span_logits), storing them or not: traced, the product is timed
+            # as greedy's is (its argmax: the products reduced in cache, at the kernel's rate),
+            # then the real kernel runs outside (the same logits and summaries, bit for bit)
             real_spans = QuadsKernel.span_logits
-            summaries = NativeSummaries()
 
             def product_then_summaries(kernel, x, weight, row_scale, inv_t, exp_floor, out):  # type: ignore[no-untyped-def]
-                if out is None:
-                    kernel.argmax(x, weight, row_scale)  # QuadsKernel.argmax, timed
-                    return real_spans(kernel, x, weight, row_scale, inv_t, exp_floor, None)
-                kernel(x, weight, out)  # QuadsKernel.__call__, timed
-                return summaries.scale_and_summarise(out, row_scale.reshape(-1, 1), inv_t)
+                kernel.argmax(x, weight, row_scale)  # QuadsKernel.argmax, timed
+                return real_spans(kernel, x, weight, row_scale, inv_t, exp_floor, out)
 
             QuadsKernel.span_logits = product_then_summaries
             restores.append((QuadsKernel, "span_logits", real_spans))

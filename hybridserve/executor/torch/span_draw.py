@@ -13,8 +13,8 @@ from typing import Sequence
 import torch
 
 from hybridserve.executor.torch.logit_pieces import LogitPieces
-from hybridserve.models.layers.span_logits import SpanLogits
 from hybridserve.executor.torch.sampling_keys import DRAWS_PER_POSITION
+from hybridserve.models.layers.span_logits import SpanLogits
 from hybridserve.models.platform.native_build import build_for_spans
 
 SOURCE = Path(__file__).with_name("span_draw.c")
@@ -66,7 +66,6 @@ class NativeDraw:
             raise MemoryError("the native draw could not allocate its scratch")
         return tokens
 
-
     def keyed(self, sl: SpanLogits, parameters: tuple[int, int, int, int, int], positions: Sequence[int],
               attempts: int, candidate_spans: int) -> list[int] | None:
         """__call__'s tokens (a list) with each row's draws keyed by (seed, position) as
@@ -87,7 +86,7 @@ class NativeDraw:
         inv_t = _as(sl.inv_temperature, torch.float32)
         tokens = (ctypes.c_int64 * rows)()
         status = self._keyed(*arguments, rows, spans, span_max.data_ptr(), span_sum.data_ptr(), inv_t.data_ptr(),
-                             *parameters[:4], parameters[4], (ctypes.c_int64 * rows)(*positions), DRAWS_PER_POSITION,
+                             *parameters, (ctypes.c_int64 * rows)(*positions), DRAWS_PER_POSITION,
                              attempts, candidate_spans, tokens, torch.get_num_threads(), fill, context)
         if status == -2:
             raise ValueError(f"{attempts + 1} draws per row: at most {DRAWS_PER_POSITION} are keyed per position")

@@ -225,8 +225,14 @@ void quads_matmul(const uint8_t *x, int64_t ldx, int64_t M, int64_t K, const int
                        out + m0 * ldo + u * TILES_A_STEP * TILE, ldo);
 }
 
-/* Greedy's reduction's lanes: 16 columns side by side (one AVX-512 register, two AVX2 ones). */
+/* Greedy's reduction's lanes: one register of columns side by side (16 with AVX-512, 8 with
+ * AVX2: with vectors of two AVX2 registers the reduction cost as much again as the product
+ * it reduces, benchmarks/results/head_chunks.md). */
+#ifdef __AVX512F__
 #define ARGMAX_LANES 16
+#else
+#define ARGMAX_LANES 8
+#endif
 typedef float lanes_f __attribute__((vector_size(ARGMAX_LANES * 4)));
 typedef int32_t lanes_i __attribute__((vector_size(ARGMAX_LANES * 4)));
 

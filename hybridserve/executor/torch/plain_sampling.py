@@ -23,7 +23,7 @@ import torch
 
 from hybridserve.core.request import SamplingParams
 from hybridserve.executor.torch.requests import RequestState
-from hybridserve.executor.torch.sampler import SampleRow, is_greedy, reads_one_span_per_row
+from hybridserve.executor.torch.sampler import SampleRow, inv_temperatures, is_greedy, reads_one_span_per_row
 from hybridserve.executor.torch.sampling_keys import uniforms
 from hybridserve.executor.torch.span_draw import MASKED, UNDECIDED
 from hybridserve.executor.torch.span_sampler import ATTEMPTS, CANDIDATE_SPANS, draw_fast, native_draw
@@ -45,13 +45,13 @@ class DrawParams:
         self.top_k = torch.tensor([p.top_k if p.top_k < vocab_size else 0 for p in params], dtype=torch.int64)
         self.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
         self.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
-        self.inv_t = torch.tensor([1.0 if is_greedy(p) else 1.0 / p.temperature for p in params],
-                                  dtype=torch.float32)
+        rows = [SampleRow(p) for p in params]
+        self.inv_t = inv_temperatures(rows)
         self.seeds = np.array(seeds, dtype=np.uint64)
         # what the native draw reads, in its order (NativeDraw.keyed)
         self.addresses = (self.greedy.data_ptr(), self.top_k.data_ptr(), self.top_p.data_ptr(),
                           self.min_p.data_ptr(), self.seeds.ctypes.data)
-        self.stored = not reads_one_span_per_row([SampleRow(p) for p in params], vocab_size)
+        self.stored = not reads_one_span_per_row(rows, vocab_size)
 
 
 class DrawParamsCache:

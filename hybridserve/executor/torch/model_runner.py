@@ -235,8 +235,7 @@ class ModelRunner:
         starts = np.array(starts_l, dtype=np.int64)
         counts = np.array(counts_l, dtype=np.int64)
         rows = np.array([s.row for s in states], dtype=np.int64)
-        ends = np.cumsum(counts)
-        positions = np.repeat(starts - (ends - counts), counts) + np.arange(int(ends[-1]))
+        ends, positions, max_position = step_positions(starts_l, counts_l)
         cfg = self.model.cfg
         attn: StepAttention | StepBackend | None = None
         if self.group_windows:
@@ -253,8 +252,7 @@ class ModelRunner:
             mamba_states = StepMambaStates.build(self.mamba, self.tables, rows, starts, counts_l, self.device,
                                                  verify, from_source)
             attn = StepBackend(attn, mamba_states)
-        return StepBatch(ends, torch.from_numpy(positions).to(self.device), int(positions.max()), attn,
-                         mamba_states)
+        return StepBatch(ends, torch.from_numpy(positions).to(self.device), max_position, attn, mamba_states)
 
     def _sample_and_advance(self, so: SchedulerOutput, states: list[RequestState], counts: list[int],
                             drafts: list[list[int]], hidden: torch.Tensor, batch: StepBatch) -> ModelRunnerOutput:
@@ -419,6 +417,25 @@ class ModelRunner:
                 logprobs[states[i].req_id] = logprob_info(lps[at : at + a + 1])
             at += w
         return sampled, logprobs
+
+
+def step_positions(starts: list[int], counts: list[int]) -> tuple[np.ndarray, np.ndarray, int]:
+    """(ends [R]: the end of each request's tokens in the flat batch, positions [T]: each
+    token's position, the largest position) of requests whose counts[i] tokens start at
+    position starts[i]. A decode step (one token each) is most steps: its positions are the
+    starts, without the general path's five numpy calls (tests/executor/
+    test_step_positions.py: the same arrays)."""
+    n = len(counts)
+    if counts.count(1) == n:
+        return np.arange(1, n + 1, dtype=np.int64), np.array(starts, dtype=np.int64), max(starts)
+    return step_positions_general(np.array(starts, dtype=np.int64), np.array(counts, dtype=np.int64))
+
+
+def step_positions_general(starts: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """step_positions for any step (int64 starts and counts)."""
+    ends = np.cumsum(counts)
+    positions = np.repeat(starts - (ends - counts), counts) + np.arange(int(ends[-1]))
+    return ends, positions, int(positions.max())
 
 
 def _rows_of(rows: list[int], *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -314,4 +314,4 @@ class DecodeStack:
         # what comes back: the final-normed hidden, else the final residual stream (a view
         # of the workspace, which it keeps alive)
         first = starts[-1] if self.final_normed else starts[final]
-        return work[first // elem : first // elem + rows * hidden].view(rows, hidden)
+        return work.as_strided((rows, hidden), (hidden, 1), first // elem)  # one call, not a slice and a view

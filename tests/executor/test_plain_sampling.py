@@ -15,10 +15,9 @@ from hypothesis import strategies as st  # noqa: E402
 
 from hybridserve.core.request import SamplingParams  # noqa: E402
 from hybridserve.executor.torch import span_sampler  # noqa: E402
-from hybridserve.executor.torch.plain_sampling import (ALL_MASKED, DrawParams, DrawParamsCache,  # noqa: E402
-                                                        sample_plain)
+from hybridserve.executor.torch.plain_sampling import DrawParams, DrawParamsCache, sample_plain  # noqa: E402
 from hybridserve.executor.torch.requests import RequestState  # noqa: E402
-from hybridserve.executor.torch.sampler import SampleRow, inv_temperatures, sample  # noqa: E402
+from hybridserve.executor.torch.sampler import ALL_MASKED, SampleRow, inv_temperatures, sample  # noqa: E402
 from hybridserve.executor.torch.span_draw import MASKED, UNDECIDED  # noqa: E402
 from hybridserve.models.layers.span_logits import SPAN, SpanLogits, span_logits_from  # noqa: E402
 

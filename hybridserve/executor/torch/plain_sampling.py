@@ -23,15 +23,12 @@ import torch
 
 from hybridserve.core.request import SamplingParams
 from hybridserve.executor.torch.requests import RequestState
-from hybridserve.executor.torch.sampler import SampleRow, inv_temperatures, is_greedy, reads_one_span_per_row
+from hybridserve.executor.torch.sampler import (ALL_MASKED, SampleRow, inv_temperatures, is_greedy,
+                                                reads_one_span_per_row)
 from hybridserve.executor.torch.sampling_keys import uniforms
 from hybridserve.executor.torch.span_draw import MASKED, UNDECIDED
-from hybridserve.executor.torch.span_sampler import ATTEMPTS, CANDIDATE_SPANS, draw_fast, native_draw
+from hybridserve.executor.torch.span_sampler import ATTEMPTS, CANDIDATE_SPANS, draw_undecided, native_draw
 from hybridserve.models.layers.span_logits import SpanLogits
-
-# sampler.sample's reason for a row it cannot sample because every token is masked.
-ALL_MASKED = "every token of the vocabulary is masked (allowed tokens, bans, grammar)"
-
 
 class DrawParams:
     """One batch's draw parameters, a row per request in batch order, in the dtypes the
@@ -92,13 +89,10 @@ def sample_plain(sl: SpanLogits, dp: DrawParams, positions: Sequence[int]) -> tu
                 failed[i] = ALL_MASKED
             elif t == UNDECIDED:
                 undecided.append(i)
-    if undecided:  # draw_fast decides them, the others passed as greedy rows (its cheapest)
+    if undecided:
         u = torch.from_numpy(uniforms(dp.seeds.tolist(), positions, ATTEMPTS + 1))
-        greedy = torch.ones(len(tokens), dtype=torch.bool)
-        greedy[undecided] = False
-        rest = draw_fast(sl, greedy, dp.top_k, dp.top_p, dp.min_p, u).tolist()
-        for i in undecided:
-            tokens[i] = rest[i]
+        for i, token in zip(undecided, draw_undecided(sl, undecided, dp.top_k, dp.top_p, dp.min_p, u)):
+            tokens[i] = token
     for i in failed:  # any token will do: the engine fails the request
         tokens[i] = int(sl.logits[i].max(dim=0).indices)
     return tokens, failed

@@ -30,6 +30,8 @@ from hybridserve.models.layers.span_kernel import KERNEL
 from hybridserve.models.layers.span_logits import SPAN, SpanLogits, span_logits_from
 from hybridserve.models.platform.native_build import checked
 
+# The reason a row cannot be sampled when every token of it is masked.
+ALL_MASKED = "every token of the vocabulary is masked (allowed tokens, bans, grammar)"
 # A row's (logprob of its token, top-n alternatives or None), or None without logprobs.
 RowLogprobs = tuple[float, list[tuple[int, float]] | None] | None
 
@@ -98,7 +100,7 @@ def sample(logits: SpanLogits | torch.Tensor, rows: list[SampleRow]
     u = torch.from_numpy(uniforms([r.seed for r in rows], [r.position for r in rows], ATTEMPTS + 1))
     tokens = draw(sl, greedy, top_k, top_p, min_p, u)
     for i in (sl.span_max.amax(dim=1) == float("-inf")).nonzero().squeeze(1).tolist():
-        failed.setdefault(i, "every token of the vocabulary is masked (allowed tokens, bans, grammar)")
+        failed.setdefault(i, ALL_MASKED)
     for i in failed:  # any token will do: the engine fails the request
         tokens[i] = sl.logits[i].max(dim=0).indices
     token_list = tokens.tolist()

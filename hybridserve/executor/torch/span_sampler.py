@@ -82,11 +82,19 @@ def draw(sl: SpanLogits, greedy: torch.Tensor, top_k: torch.Tensor, top_p: torch
     tokens = native(sl, greedy, top_k, top_p, min_p, u, ATTEMPTS, CANDIDATE_SPANS) if native is not None else None
     if tokens is None:
         return draw_fast(sl, greedy, top_k, top_p, min_p, u)
-    undecided = tokens == UNDECIDED
-    if bool(undecided.any()):
-        rest = draw_fast(sl, greedy | ~undecided, top_k, top_p, min_p, u)
-        tokens[undecided] = rest[undecided]
+    undecided = (tokens == UNDECIDED).nonzero().squeeze(1).tolist()
+    if undecided:
+        tokens[undecided] = torch.tensor(draw_undecided(sl, undecided, top_k, top_p, min_p, u))
     return tokens
+
+
+def draw_undecided(sl: SpanLogits, rows: list[int], top_k: torch.Tensor, top_p: torch.Tensor,
+                   min_p: torch.Tensor, u: torch.Tensor) -> list[int]:
+    """draw_fast's tokens of `rows` (rows the native draw left UNDECIDED, never greedy), the
+    batch's other rows passed to it as greedy rows, which cost it least."""
+    greedy = torch.ones(sl.num_rows, dtype=torch.bool)
+    greedy[rows] = False
+    return draw_fast(sl, greedy, top_k, top_p, min_p, u)[rows].tolist()
 
 
 @cache

@@ -29,6 +29,7 @@ import torch
 
 from hybridserve.models.platform.cpu_features import read_cpu_flags
 from hybridserve.models.platform.huge_pages import on_huge_pages
+from hybridserve.models.layers.span_logits import SpanFill
 from hybridserve.models.platform.native_build import build, checked
 
 SOURCE = Path(__file__).with_name("int8_amx.c")
@@ -101,12 +102,8 @@ class AmxKernel:
                           ctypes.c_int32]
         spans.restype = ctypes.c_int
         self._span_logits = spans
-        fill = library.int8_amx_fill_span
-        fill.argtypes = [ptr, i64, i64, ptr]
-        fill.restype = None
-        self._fill = fill
         # what native samplers call for a span of logits that were summarised, not stored
-        self.fill_address: int = ctypes.cast(fill, ctypes.c_void_p).value or 0
+        self.fill = SpanFill(library, "int8_amx_fill_span")
 
     def __call__(self, x: torch.Tensor, weight: AmxWeight, scale: torch.Tensor,
                  row_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -273,15 +270,11 @@ class AmxSpanSource:
                                      ctypes.cast(self._w, ctypes.c_void_p), ctypes.cast(self._scale, ctypes.c_void_p),
                                      ctypes.cast(self._first, ctypes.c_void_p))
         self.address: int = ctypes.addressof(self._fields)
-        self.fill_address = self.kernel.fill_address
+        self.fill_address = self.kernel.fill.address
 
     def span(self, row: int, j: int) -> torch.Tensor:
         """Span j of row `row`, float32 [SPAN]."""
-        if not (0 <= row < self.rows and 0 <= j < self.spans):
-            raise IndexError(f"span {j} of row {row}: the source has {self.rows} rows of {self.spans} spans")
-        out = torch.empty(SPAN, dtype=torch.float32)
-        self.kernel._fill(self.address, row, j, out.data_ptr())
-        return out
+        return self.kernel.fill.span(self.address, self.rows, self.spans, row, j)
 
 
 def _plain_product(x: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, row_scale: torch.Tensor

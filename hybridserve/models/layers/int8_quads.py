@@ -32,7 +32,7 @@ from typing import NamedTuple
 import torch
 
 from hybridserve.models.layers.int8 import NARROW_WEIGHT_LEVELS, UINT8_ZERO_POINT, Int8Matmul
-from hybridserve.models.layers.span_logits import SPAN
+from hybridserve.models.layers.span_logits import SPAN, SpanFill
 from hybridserve.models.platform.huge_pages import zeros_on_huge_pages
 from hybridserve.models.platform.native_build import NativeBuildError, build, checked
 
@@ -144,11 +144,7 @@ class QuadsKernel:
                                 ctypes.c_int32]
         span_logits.restype = ctypes.c_int32
         self._span_logits = span_logits
-        fill = library.quads_fill_span
-        fill.argtypes = [ptr, i64, i64, ptr]
-        fill.restype = None
-        self._fill = fill
-        self.fill_address: int = ctypes.cast(fill, ctypes.c_void_p).value or 0
+        self.fill = SpanFill(library, "quads_fill_span")  # a span of unstored logits (QuadsSpanSource)
 
     def __call__(self, x: torch.Tensor, weight: QuadsWeight, out: torch.Tensor | None = None) -> torch.Tensor:
         n, k = weight.shape
@@ -229,7 +225,7 @@ class QuadsSpanSource:
         self._fields = _QuadsSpans(x.data_ptr(), x.stride(0), k, weight.values.data_ptr(), weight.colsum.data_ptr(),
                                    weight.scale.data_ptr(), n, scale.data_ptr())
         self.address: int = ctypes.addressof(self._fields)
-        self.fill_address = kernel.fill_address
+        self.fill_address = kernel.fill.address
 
     def materialize(self, padded: torch.Tensor) -> None:
         kernel, x, weight, scale, inv_t, exp_floor = self._held
@@ -240,11 +236,7 @@ class QuadsSpanSource:
 
     def span(self, row: int, j: int) -> torch.Tensor:
         """Span j of row `row`, float32 [SPAN], computed in Python's thread."""
-        if not (0 <= row < self.rows and 0 <= j < self.spans):
-            raise IndexError(f"span {j} of row {row}: the source has {self.rows} rows of {self.spans} spans")
-        out = torch.empty(SPAN, dtype=torch.float32)
-        self._held[0]._fill(self.address, row, j, out.data_ptr())
-        return out
+        return self._held[0].fill.span(self.address, self.rows, self.spans, row, j)
 
 
 def _rows_of(x: torch.Tensor, k: int) -> int:

@@ -20,6 +20,7 @@ which no sampler ever picks.
 
 from __future__ import annotations
 
+import ctypes
 from typing import Callable, Protocol
 
 import torch
@@ -51,6 +52,26 @@ class LogitsSource(Protocol):
         """(address of a C function void fill(const void *context, int64_t row, int64_t span,
         float *out) writing span `span` of a row's logits to out[0 .. SPAN - 1], its
         context's address); both valid while this object lives."""
+
+
+class SpanFill:
+    """A kernel library's span fill (LogitsSource.native's C function, `name` in `library`),
+    bound once: `address` for native samplers, `span` for a read from Python's thread."""
+
+    def __init__(self, library: ctypes.CDLL, name: str) -> None:
+        fn = getattr(library, name)
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+        fn.restype = None
+        self._fn = fn
+        self.address: int = ctypes.cast(fn, ctypes.c_void_p).value or 0
+
+    def span(self, context: int, rows: int, spans: int, row: int, j: int) -> torch.Tensor:
+        """Span j of row `row` of the source at `context` (rows x spans), float32 [SPAN]."""
+        if not (0 <= row < rows and 0 <= j < spans):
+            raise IndexError(f"span {j} of row {row}: the source has {rows} rows of {spans} spans")
+        out = torch.empty(SPAN, dtype=torch.float32)
+        self._fn(context, row, j, out.data_ptr())
+        return out
 
 
 def padded_width(vocab_size: int, span: int = SPAN) -> int:

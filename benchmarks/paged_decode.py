@@ -9,9 +9,12 @@ write included).
     python benchmarks/paged_decode.py --isa avx2                  # as on a CPU with AVX2 alone
 
 Gemma 3 270M's attention by default (4 query heads on 1 kv head of 256, blocks of 16);
---layers distinct layer caches are called in turn (as a step's layers are, so the keys
-are not all in cache), --calls passes over them per round, the paths alternating within
-each round; the median of the rounds' per-layer means is printed with the ratio and each
+--layers distinct layer caches, in one pool on transparent huge pages as the engine's KV
+pool is (executor/torch/kv_cache.py), are called in turn, each call after --between-mb of
+other memory is read (a step's layers stream their weights between two attention calls,
+so the keys are not in cache: 10 MB is about a Gemma 3 270M layer's int8 weights and its
+share of the head), --calls passes over them per round, the paths alternating within each
+round, each call timed alone; the median of the rounds' per-layer means is printed with the ratio and each
 output's largest difference from the attention written out in float64 on the same inputs.
 Prints CPU flags, load, commit and threads. Whole decode steps with the kernel on and off:
 `python benchmarks/native_step.py --kernels paged_decode`.
@@ -35,6 +38,7 @@ from common import rerun_as_avx2, torch_header  # noqa: E402
 from hybridserve.executor.torch.attention import StepAttention  # noqa: E402
 from hybridserve.executor.torch.paged_decode import paged_decode  # noqa: E402
 from hybridserve.executor.torch.requests import BlockTables  # noqa: E402
+from hybridserve.models.platform.huge_pages import zeros_on_huge_pages  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -51,6 +55,8 @@ def main() -> int:
     p.add_argument("--cache-dtype", choices=list(DTYPES), default=None,
                    help="the cache's (default: --dtype; bfloat16 under float32: a float32 model's bf16 cache)")
     p.add_argument("--layers", type=int, default=18)
+    p.add_argument("--between-mb", type=float, default=10.0,
+                   help="memory read before each call, not timed (0: the layers' keys may stay in cache)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--calls", type=int, default=5)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -65,11 +71,12 @@ def main() -> int:
     dtype, bs = DTYPES[a.dtype], a.block_size
     cache_dtype = DTYPES[a.cache_dtype or a.dtype]
     print(f"{a.heads} heads on {a.kv_heads} kv heads of {a.head_dim}, {a.dtype} over a {cache_dtype} cache, "
-          f"blocks of {bs}, {a.layers} layers, "
+          f"blocks of {bs}, {a.layers} layers on huge pages, {a.between_mb:g} MB read before each call, "
           f"{a.calls} passes x {a.rounds} rounds, paths alternating; microseconds per layer call")
     print("| rows | keys | in place us | gather + SDPA us | gather / in place | in place max abs error | "
           "gather + SDPA max abs error |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
+    between = torch.ones(int(a.between_mb * 2**20) // 4) if a.between_mb > 0 else None
     g = torch.Generator().manual_seed(0)
     for rows in (int(r) for r in a.rows.split(",")):
         for keys in (int(k) for k in a.keys.split(",")):
@@ -78,8 +85,10 @@ def main() -> int:
             tables.table = np.zeros((1, rows, per_row), dtype=np.int64)
             tables.table[0] = 1 + np.arange(rows * per_row).reshape(rows, per_row)
             tables.lengths = np.full((1, rows), per_row)
-            caches = [torch.randn(1 + rows * per_row, bs, 2, a.kv_heads, a.head_dim, generator=g).to(cache_dtype)
-                      for _ in range(a.layers)]
+            pool = zeros_on_huge_pages((a.layers, 1 + rows * per_row, bs, 2, a.kv_heads, a.head_dim), cache_dtype)
+            for layer in range(a.layers):
+                pool[layer] = torch.randn(pool.shape[1:], generator=g).to(cache_dtype)
+            caches = list(pool.unbind(0))
             q = torch.randn(rows, a.heads, a.head_dim, generator=g).to(dtype)
             kv = torch.randn(rows, 2, a.kv_heads, a.head_dim, generator=g).to(dtype)
             starts = np.full(rows, keys - 1)
@@ -94,11 +103,15 @@ def main() -> int:
             times: dict[bool, list[float]] = {True: [], False: []}
             for _ in range(a.rounds):
                 for mode, s in steps.items():
-                    t = time.perf_counter()
+                    spent = 0.0
                     for _ in range(a.calls):
                         for layer in range(a.layers):
+                            if between is not None:
+                                between.sum()
+                            t = time.perf_counter()
                             s.attention(layer, q, kv)
-                    times[mode].append((time.perf_counter() - t) / (a.calls * a.layers) * 1e6)
+                            spent += time.perf_counter() - t
+                    times[mode].append(spent / (a.calls * a.layers) * 1e6)
             fast, general = statistics.median(times[True]), statistics.median(times[False])
             want = reference(q, kv, caches[0], a.head_dim ** -0.5, keys - 1, bs).view(rows, -1)
             err = {m: (o.double() - want).abs().max().item() for m, o in outs.items()}

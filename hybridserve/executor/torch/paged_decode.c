@@ -19,8 +19,8 @@
  * (a float32 model whose K/V are kept in bf16).
  *
  * Memory: a layer's keys are not in cache when its step reads them, and a request's blocks
- * lie anywhere in the pool, so each key's rows are asked for a few tokens ahead into L1 and
- * further ahead into L2 as the keys are scored. bf16 rows are read as pairs of elements
+ * lie anywhere in the pool, so each key's rows are asked for into L2 well ahead of its
+ * scoring and its key row into L1 shortly before (a run's first rows as it starts). bf16 rows are read as pairs of elements
  * (attend_pairs: one shift and one mask widen them) where the head size allows.
  *
  * Written with GCC / Clang vector extensions, as span_summaries.c: the compiler flags pick
@@ -41,10 +41,13 @@
 /* Keys scored before each update of the running maximum: enough to amortise the rescale
  * of the accumulators, few enough for their scores to stay in L1. */
 #define KEY_TILE 32
-/* How many tokens ahead of the one scored its key and value rows are asked for: into L1
- * shortly before use, and into L2 further ahead (a request's blocks lie anywhere, so the
- * hardware's stream prefetchers lose the thread at each block and each 4 KB page). */
-#define PREFETCH_AHEAD 4
+/* How many tokens ahead of the one scored its rows are asked for: its key and value rows
+ * into L2 well ahead (a request's blocks lie anywhere, so the hardware's stream prefetchers
+ * lose the thread at each block and each 4 KB page), then its key row alone into L1 just
+ * before it is scored. Asking for the value rows into L1 as well, or for either row into
+ * L1 from further ahead, evicts the tile's value rows before the value pass reads them:
+ * benchmarks/results/paged_decode.md has the variants' times. */
+#define PREFETCH_AHEAD 2
 #define PREFETCH_L2_AHEAD 16
 /* Query heads of one kv head accumulated at once (a larger group is taken in parts). */
 #define HEADS 4
@@ -116,13 +119,25 @@ static inline __attribute__((always_inline)) key_walk walk_from(const key_rows *
                       cursor_at(kr, first + PREFETCH_L2_AHEAD)};
 }
 
+/* The rows of a run's first tokens, which key_row's look-ahead never asks for, asked for
+ * as the run starts (before its queries are read), so the first keys do not wait for
+ * memory one after another: all of each into L2, the first PREFETCH_AHEAD keys into L1. */
+static inline __attribute__((always_inline)) void prefetch_start(const key_rows *kr, int64_t first, int64_t count) {
+    cursor c = cursor_at(kr, first);
+    const int64_t n = count < PREFETCH_L2_AHEAD ? count : PREFETCH_L2_AHEAD;
+    for (int64_t t = 0; t < n; t++) prefetch_token(kr, &c, t >= PREFETCH_AHEAD);
+}
+
 /* The row of key t of a run of `count` (the one under walk->at), asking for the rows
  * further on: called as each key is scored, so the requests spread over the scoring
  * instead of queueing up at once. */
 static inline __attribute__((always_inline)) const char *key_row(const key_rows *kr, key_walk *walk, int64_t t,
                                                                  int64_t count) {
-    if (t + PREFETCH_AHEAD < count) prefetch_token(kr, &walk->near, 0);
     if (t + PREFETCH_L2_AHEAD < count) prefetch_token(kr, &walk->far, 1);
+    if (t + PREFETCH_AHEAD < count) {
+        const char *row = next_row(kr, &walk->near);
+        for (int64_t b = 0; b < kr->row_bytes; b += 64) __builtin_prefetch(row + b, 0, 3);
+    }
     return next_row(kr, &walk->at);
 }
 
@@ -229,6 +244,7 @@ static inline __attribute__((always_inline)) void attend(const char *q, int64_t 
     float qf[HEADS][d], acc[HEADS][d];
     float m[HEADS], l[HEADS], s[HEADS][KEY_TILE];
     const char *key[KEY_TILE];
+    prefetch_start(&kr, first, count);
     for (int h = 0; h < nh; h++) {
         const char *row = q + (h0 + h) * q_head_stride * (q_bf16 ? 2 : 4);
         for (int64_t i = 0; i < d; i++) qf[h][i] = load_one(row, i, q_bf16) * scale;
@@ -312,6 +328,7 @@ static inline __attribute__((always_inline)) void attend_pairs(const char *q, in
     float qs[HEADS][d], acc[HEADS][d];
     float m[HEADS], l[HEADS], s[HEADS][KEY_TILE];
     const char *key[KEY_TILE];
+    prefetch_start(&kr, first, count);
     for (int h = 0; h < nh; h++) {
         const char *row = q + (h0 + h) * q_head_stride * (q_bf16 ? 2 : 4);
         for (int64_t c = 0; c < d; c += PAIR_SPAN) {

@@ -6,6 +6,8 @@ general path's plans on any tables, windows and positions."""
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -72,14 +74,26 @@ def test_the_decode_plan_hands_the_kernel_the_same_runs() -> None:
         assert first.tolist() == first_key and key_count.tolist() == count
 
 
+def _read(address: int, count: int) -> list[int]:
+    return list((ctypes.c_int64 * count).from_address(address))
+
+
 def _plans(step: StepAttention) -> list:
     """Everything a step's attention reads, per group, as plain values; and what decode_plan
     hands the decode stack, which reads it as contiguous memory."""
     out = [[(b.req.tolist(), b.B, b.C, b.row_slice, b.q_gather, b.valid_rows, b.valid_sel) for b in step.batches]]
-    for g in range(len(step.groups)):
+    for g in range(len(step.layers)):  # one layer per group in these steps
+        at = step.decode_plan_addresses(g)  # first: a natively planned step's, before its tensors exist
         handed = step.decode_plan(g)
         assert handed is None or all(t.is_contiguous() and t.dtype == torch.int64 for t in handed)
         out.append(None if handed is None else [t.tolist() for t in handed])
+        assert (at is None) == (handed is None)
+        if at is not None:  # the stack's addresses hold the same numbers
+            slots, ids, first, count, per_row = at
+            n = step.num_tokens
+            assert per_row == handed[1].shape[1]
+            assert [_read(slots, n), _read(ids, n * per_row), _read(first, n), _read(count, n)] == \
+                [t.reshape(-1).tolist() for t in handed]
     for gp in step.groups:
         out.append((gp.slots.tolist(), None if gp.write_sel is None else gp.write_sel.tolist(),
                     [None if ids is None else ids.tolist() for ids in gp.gather_ids],

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from hybridserve.executor.torch.decode_plan import native_decode_plan
 from hybridserve.executor.torch.paged_decode import PagedDecode, paged_decode
 from hybridserve.executor.torch.requests import BlockTables
 from hybridserve.models.platform.cpu_features import read_cpu_flags
@@ -112,7 +113,7 @@ class StepAttention:
                  block_size: int, rows: np.ndarray, starts: np.ndarray, counts: np.ndarray, scale: float,
                  softcap: float | None, device: torch.device, dtype: torch.dtype,
                  chunks: list[int | None] | None = None, in_place_decode: bool = True,
-                 per_token: bool = False) -> None:
+                 per_token: bool = False, num_tokens: int | None = None) -> None:
         """`layers[i]` = (group, cache view) of model layer i; `groups[g]` = window of group g
         (None: not sliding); `chunks[g]` = attention chunk size of a chunked-local group g
         (None or omitted: not chunked); rows/starts/counts: per request of the step.
@@ -121,7 +122,9 @@ class StepAttention:
         model's steps): every token is a query of its own, its keys read back from the
         cache after the step's writes by the in-place kernel, which never splits a query's
         keys between threads: each row's attention is then computed alike whatever the
-        step holds (RuntimeError where the kernel is not built, or a token has no block)."""
+        step holds (RuntimeError where the kernel is not built, or a token has no block).
+        `num_tokens`: counts' sum where the caller has it (a numpy sum after the step's
+        kernels costs tens of microseconds)."""
         self.layers = layers
         self.decode_kernel: PagedDecode | None = paged_decode() if in_place_decode else None
         self.per_token = per_token
@@ -135,15 +138,18 @@ class StepAttention:
                 rows, counts = rows[tok_req], np.ones(len(tok_req), dtype=counts.dtype)
         self.scale = scale
         self.softcap = softcap
-        self.num_tokens = T = int(counts.sum())
+        self.num_tokens = T = int(counts.sum()) if num_tokens is None else num_tokens
         bs = block_size
         chunk_of = chunks if chunks is not None else [None] * len(groups)
+        self._batches: list[BatchLayout] | None = None
+        self._groups: list[GroupPlan] | None = None
+        self._handed: list[tuple[torch.Tensor, ...]] = []  # decode_plan_addresses' arrays, kept alive
         self.planned_decode = T == len(counts) and self._plan_decode(groups, chunk_of, tables, bs, rows, starts,
                                                                      device, dtype)
         if self.planned_decode:
             return
         offsets = np.cumsum(counts) - counts
-        self.batches = _partition(counts, offsets, device)
+        self._batches = _partition(counts, offsets, device)
         if T == len(counts):  # a pure decode step: one token per request
             tok_pos, tok_rows = starts, rows
         else:
@@ -180,10 +186,10 @@ class StepAttention:
             ids = torch.from_numpy(tables.gather(gs, rows[layout.req], cols).reshape(len(gs), -1)).to(device)
             gather_ids.update({(g, b): ids[k] for k, g in enumerate(gs)})
         plan_of = {(g, key[0]): plans[key] for key, gs in by_plan.items() for g in gs}
-        self.groups: list[GroupPlan] = []
+        self._groups = []
         for g in range(len(groups)):
             sel = None if all_real[g] else np.nonzero(real[g])[0]
-            self.groups.append(GroupPlan(
+            self._groups.append(GroupPlan(
                 slots=slots[g] if sel is None else slots[g][torch.from_numpy(sel).to(device)],
                 write_sel=None if sel is None else torch.from_numpy(sel).to(device),
                 gather_ids=[gather_ids[(g, b)] for b in range(len(self.batches))],
@@ -193,47 +199,53 @@ class StepAttention:
     def _plan_decode(self, groups: list[int | None], chunks: list[int | None], tables: BlockTables, bs: int,
                      rows: np.ndarray, starts: np.ndarray, device: torch.device, dtype: torch.dtype) -> bool:
         """The plans __init__'s general path makes for a decode step (one token per request)
-        whose every token has a real block in every group and some request has keys cached,
-        built directly: one batch without padding, every group reading after write, one key
-        plan per (window, chunk). True once set; False (nothing set) for other decode steps,
-        which the general path plans. A decode step is most steps, and its plan runs between
+        whose every token has a real block in every group and some request has keys cached
+        (or the steps are batch-invariant), made in one native call (decode_plan.c): one
+        batch without padding, every group reading after write, one key plan per (window,
+        chunk). True once set; False (nothing set) for other decode steps, and where the
+        planner is not built: the general path plans those. The step's GroupPlans and
+        BatchLayout are made from the native plan only when something reads them (the
+        model's own layer loop); the decode stack reads its addresses
+        (decode_plan_addresses). Why: a decode step is most steps, and its plan runs between
         kernels that have evicted the caches, where each numpy and torch call costs several
         times its warm time (tests/executor/test_decode_key_plan.py: the same plans)."""
-        n = len(starts)
-        starts = starts.astype(np.int64, copy=False)  # the plans' int64 (decode_plan)
-        cols = starts // bs
-        if np.any(cols >= tables.lengths[:, rows]):
-            raise RuntimeError("a scheduled token has no block in its table (scheduler and runner out of sync)")
-        blk = tables.table[:, rows, cols]  # [G, n]
-        if not blk.all() or not (self.per_token or starts.any()):
+        planner = native_decode_plan()
+        if planner is None:
+            return False
+        plan = planner(tables, np.ascontiguousarray(rows, dtype=np.int64), np.ascontiguousarray(starts, dtype=np.int64),
+                       bs, tuple(groups), tuple(chunks), self.per_token)
+        if plan is None:
             return False  # a null slot (window-tail allocation), or every key in the batch
-        self.batches = [BatchLayout(np.arange(n), n, 1, (0, n), None, None, None)]
-        # C order: numpy lays a slice-then-fancy-index result out group-minor
-        slots = torch.from_numpy(np.ascontiguousarray(blk * bs + starts % bs)).to(device)
-        end = starts + 1
-        by_plan: dict[tuple[int | None, int | None], list[int]] = {}
-        for g, window in enumerate(groups):
-            by_plan.setdefault((window, chunks[g]), []).append(g)
-        plan_of: list[KeyPlan | None] = [None] * len(groups)
-        ids_of: list[torch.Tensor | None] = [None] * len(groups)
-        for (window, chunk), gs in by_plan.items():
-            if window is not None:
-                lo = np.maximum(0, end - window)
-            elif chunk is not None:
-                lo = starts // chunk * chunk
-            else:
-                lo = np.zeros_like(starts)
-            first_blk = lo // bs
-            num_blocks = int((cols - first_blk).max()) + 1
-            ids = tables.gather(gs, rows, first_blk[:, None] + np.arange(num_blocks)[None, :])
-            ids_t = torch.from_numpy(ids.reshape(len(gs), -1)).to(device)
-            plan = KeyPlan(first_blk, num_blocks, False, None, first_key=torch.from_numpy(lo - first_blk * bs).to(device),
-                           key_count=torch.from_numpy(end - lo).to(device), _pending=(lo, end, bs, device, dtype))
-            for g, ids_g in zip(gs, ids_t.unbind(0)):
-                plan_of[g], ids_of[g] = plan, ids_g
-        self.groups = [GroupPlan(slots=slots_g, write_sel=None, gather_ids=[ids_g], plans=[plan])  # type: ignore[list-item]
-                       for slots_g, ids_g, plan in zip(slots.unbind(0), ids_of, plan_of)]
+        self._native_plan, self._plan_device, self._plan_dtype, self._plan_bs = plan, device, dtype, bs
         return True
+
+    @property
+    def batches(self) -> list[BatchLayout]:
+        if self._batches is None:  # a natively planned decode step: one batch, no padding
+            n = self.num_tokens
+            self._batches = [BatchLayout(np.arange(n), n, 1, (0, n), None, None, None)]
+        return self._batches
+
+    @property
+    def groups(self) -> list[GroupPlan]:
+        if self._groups is None:
+            self._groups = self._groups_of_native_plan()
+        return self._groups
+
+    def _groups_of_native_plan(self) -> list[GroupPlan]:
+        """The GroupPlans of a natively planned decode step, as the general path makes them."""
+        plan, device, dtype, bs = self._native_plan, self._plan_device, self._plan_dtype, self._plan_bs
+        key_plans = []
+        for p, nb in enumerate(plan.num_blocks):
+            first, count, first_blk = plan.run(p)
+            lo = first_blk * bs + first
+            key_plans.append(KeyPlan(first_blk, nb, False, None, first_key=torch.from_numpy(first).to(device),
+                                     key_count=torch.from_numpy(count).to(device),
+                                     _pending=(lo, lo + count, bs, device, dtype)))
+        return [GroupPlan(slots=torch.from_numpy(plan.slots(g)).to(device), write_sel=None,
+                          gather_ids=[torch.from_numpy(plan.ids(g)).reshape(-1).to(device)],
+                          plans=[key_plans[plan.plan_of[g]]])
+                for g in range(len(plan.plan_of))]
 
     def decode_plan(self, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(slots [T], block ids [T, NB], first key [T], key count [T]) of `group`, all int64
@@ -244,11 +256,22 @@ class StepAttention:
             return None
         gp = self.groups[group]
         plan, ids = gp.plans[0], gp.gather_ids[0]
-        if self.planned_decode:  # _plan_decode's: every slot written, each tensor its own contiguous rows
-            return gp.slots, ids.view(self.num_tokens, -1), plan.first_key, plan.key_count  # type: ignore
         if gp.write_sel is not None or plan.key_count is None or plan.first_key is None or ids is None:
             return None
         return gp.slots.contiguous(), ids.view(self.num_tokens, -1).contiguous(), plan.first_key, plan.key_count
+
+    def decode_plan_addresses(self, group: int) -> tuple[int, int, int, int, int] | None:
+        """decode_plan(group)'s arrays as (slots, block ids, first key, key count addresses,
+        blocks per request), valid while this step lives; a natively planned step's without
+        making a tensor."""
+        if self.planned_decode and self.decode_kernel is not None and self._plan_device.type == "cpu":
+            return self._native_plan.addresses(group)
+        handed = self.decode_plan(group)
+        if handed is None:
+            return None
+        slots, ids, first, count = handed
+        self._handed.append(handed)
+        return slots.data_ptr(), ids.data_ptr(), first.data_ptr(), count.data_ptr(), ids.shape[1]
 
     def attention(self, layer_idx: int, q: torch.Tensor, kv: torch.Tensor, sinks: torch.Tensor | None = None
                   ) -> torch.Tensor:

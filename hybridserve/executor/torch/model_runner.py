@@ -242,7 +242,7 @@ class ModelRunner:
             tables = self.tables if self.mamba is None else GroupSubset(self.tables, self.mamba.attn_groups)
             attn = StepAttention(self.layers, self.group_windows, tables, self.kv.block_size,  # type: ignore[arg-type]
                                  rows, starts, counts, cfg.attn_scale, cfg.attn_softcap, self.device, self.model.dtype,
-                                 self.group_chunks, per_token=self.model.batch_invariant)
+                                 self.group_chunks, per_token=self.model.batch_invariant, num_tokens=sum(counts_l))
         mamba_states: StepMambaStates | None = None
         if self.mamba is not None:
             # Requests verifying drafts keep the state after every token, so a rejected

@@ -15,7 +15,7 @@ role in every layer; group sizes may differ), and every native kernel the loop c
 answers its final residual stream, on a last stage final-normed as stage_output does; None
 leaves it to the loop) when:
 - the step's attention hands every group to its in-place decode kernel
-  (StepAttention.decode_plan: one token per request, every slot written, no padding), whose
+  (StepAttention.decode_plan_addresses: one token per request, every slot written, no padding), whose
   address the stack calls;
 - every layer's cache is in the model's dtype, or all in bf16 under a float32 model (its
   K/V rounded as they are written, as the loop's index_copy_ converts them);
@@ -242,7 +242,7 @@ class DecodeStack:
         if positions.dtype != torch.int64 or positions.shape != (rows,) or not positions.is_contiguous():
             return None
         paths = self._paths_for(rows) if rows else None
-        decode_plan, attend = getattr(backend, "decode_plan", None), getattr(backend, "decode_kernel", None)
+        decode_plan, attend = getattr(backend, "decode_plan_addresses", None), getattr(backend, "decode_kernel", None)
         if paths is None or decode_plan is None or attend is None:
             return None
         entries = [backend.layers[i] for i in self.layer_ids]  # (group, cache) per layer
@@ -271,9 +271,7 @@ class DecodeStack:
             for layer, g in zip(self._layers, groups):
                 layer.group = order.index(g)
             self._groups_of_layers = groups
-        group_steps = (_GroupStep * len(order))(*[
-            _GroupStep(slots.data_ptr(), ids.data_ptr(), first.data_ptr(), count.data_ptr(), ids.shape[1])
-            for slots, ids, first, count in (plans[g] for g in order)])  # type: ignore[misc]
+        group_steps = (_GroupStep * len(order))(*[_GroupStep(*plans[g]) for g in order])  # type: ignore[misc]
         rope_steps = (_RopeStep * len(tables))(*[_RopeStep(None, None) if t is None else
                                                  _RopeStep(t.cos.data_ptr(), t.sin.data_ptr()) for t in tables])
         s = self._step
@@ -306,12 +304,14 @@ class DecodeStack:
         s.x, s.qkv, s.attn, s.sub, s.gate_up, s.act = x, qkv, attn, sub, gate_up, act
         s.final_out = normed_at if self.final_normed else None
         s.linear_seconds = None if self.linear_seconds is None else ctypes.addressof(self.linear_seconds)
+        # what comes back: the final-normed hidden, else the final residual stream (a view
+        # of the workspace, which it keeps alive); one call, not a slice and a view, made
+        # before the layers where it is known then (a torch call after them costs several
+        # times as much: they evict the caches)
+        normed = work.as_strided((rows, hidden), (hidden, 1), starts[-1] // elem) if self.final_normed else None
         final = self._fn(ctypes.byref(self._kernels), self._layers, len(self._layers), ctypes.byref(s))
         if final == -2:
             raise IndexError(f"a position of the step is past the RoPE tables (max_position {max_position})")
         if final < 0:
             raise MemoryError(f"int8 groups: no memory for a {rows}-row input's float32 copy")
-        # what comes back: the final-normed hidden, else the final residual stream (a view
-        # of the workspace, which it keeps alive)
-        first = starts[-1] if self.final_normed else starts[final]
-        return work.as_strided((rows, hidden), (hidden, 1), first // elem)  # one call, not a slice and a view
+        return normed if normed is not None else work.as_strided((rows, hidden), (hidden, 1), starts[final] // elem)

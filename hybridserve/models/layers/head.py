@@ -428,7 +428,7 @@ class OutputHead:
         spans. Where every chunk's kernel summarises its own spans: _span_logits_fused, which
         with `stored` False keeps only the summaries; so does _span_logits_quads on
         int8_quads.c's kernel (elsewhere `stored` changes nothing)."""
-        inv_t = inv_temperature.to(torch.float32)
+        inv_t = inv_temperature if inv_temperature.dtype == torch.float32 else inv_temperature.to(torch.float32)
         if self._fused is not None and not softcap and self.vocab_size % SPAN == 0:
             x = self._input(hidden)
             return self._span_logits_fused(x, inv_t) if stored else self._span_summaries_fused(x, inv_t)
@@ -497,12 +497,15 @@ class OutputHead:
         values, row_scale = self._input(hidden)
         assert row_scale is not None  # int8 activations: the quads head's input
         kernel, whole = self._quads
-        inv_t = inv_t.contiguous()
+        if not inv_t.is_contiguous():
+            inv_t = inv_t.contiguous()
         if not stored:
+            # the source first: its checks are torch calls, cheaper before the kernel streams
+            # the head's weights through the caches than after
+            source = QuadsSpanSource(kernel, values, whole, row_scale, inv_t, EXP_FLOOR)
             peak, mass = kernel.span_logits(values, whole, row_scale, inv_t, EXP_FLOOR, None)
             return SpanLogits(vocab_size=self.vocab_size, inv_temperature=inv_t, span_max=peak, span_sum=mass,
-                              buffer=self._logits_buffer,
-                              source=QuadsSpanSource(kernel, values, whole, row_scale, inv_t, EXP_FLOOR))
+                              buffer=self._logits_buffer, source=source)
         padded = self._logits_buffer.rows(values.shape[0])
         peak, mass = kernel.span_logits(values, whole, row_scale, inv_t, EXP_FLOOR, padded)
         return SpanLogits(vocab_size=self.vocab_size, inv_temperature=inv_t, span_max=peak, span_sum=mass,

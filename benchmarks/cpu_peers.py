@@ -328,12 +328,13 @@ def drive(a: argparse.Namespace, hf_dir: Path, busy: list[subprocess.Popen]) -> 
 
 
 def step_share(a: argparse.Namespace, isa: list[str], tmp: Path) -> dict[int, float]:
-    """{rows: share of hybridserve's decode step outside the weight matmuls} from step_share.py."""
+    """{rows: share of hybridserve's decode step outside the weight matmuls} from step_share.py
+    (its paired steps' median: the estimate the host's drift moves least)."""
     rows = sorted({DECODE_ROWS[wl] for wl in a.workloads.split(",")})
     out = tmp / "step_share.json"
     command = [*isa, sys.executable, str(REPO / "benchmarks" / "step_share.py"), "--rows", ",".join(map(str, rows)),
                "--threads", str(a.threads or os.cpu_count())]
-    shares = {r["rows"]: r["outside"] for r in run_json(command + ["--json", str(out)], out, a.log)}
+    shares = {r["rows"]: r["outside_paired"] for r in run_json(command + ["--json", str(out)], out, a.log)}
     print(f"# outside the matmuls (step_share.py): {', '.join(f'{r} rows {v:.0%}' for r, v in shares.items())} "
           f"load {load()}", flush=True)
     return shares

@@ -27,7 +27,11 @@ R rows, one token each. Steps alternate between two kinds, in the same run, so b
   host a sampled step's head product counts as outside.
 Printed per row count: the medians of the step and of its matmuls (ms), the ops a traced
 step dispatches (every aten op, views included: a count that does not move with the
-machine's load), and the share outside = 1 - matmuls / step. A fixed thread count (--threads) keeps the thread governor
+machine's load), the share outside = 1 - matmuls / step from those medians, and the median
+of the same share taken per pair of adjacent steps (a timed one and the traced one after
+it, ~20-100 ms apart), with its interquartile range: on a host whose speed drifts by
+10-25% within seconds the pairs see the same speed, where the two medians may not.
+--repeat generates the row count's batch that many times, pooling the steps. A fixed thread count (--threads) keeps the thread governor
 from switching counts between the two kinds of steps.
 --isa runs the measurement as on another kind of CPU (cpu_features.as_isa_env: avx2,
 AVX2 alone; avx512, AVX-512 without BF16 or VNNI; avx512-bf16, BF16 and VNNI without AMX):
@@ -209,6 +213,7 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sample the decode steps at this temperature (0: greedy, the default)")
     p.add_argument("--top-p", type=float, default=1.0, help="and with this top_p (with --temperature > 0)")
+    p.add_argument("--repeat", type=int, default=1, help="measured generations per row count (steps pooled)")
     p.add_argument("--json", type=Path, default=None,
                    help="also write the rows as JSON here (cpu_peers.py --share reads them)")
     args = p.parse_args()
@@ -224,8 +229,8 @@ def main() -> None:
     sampling = "greedy" if not args.temperature else f"sampled at temperature {args.temperature}, top_p {args.top_p}"
     print(f"# model {args.model or 'default'}; {args.prompt_len}-token prompts; {args.steps} decode steps per row count; "
           f"{sampling}")
-    print("\n| rows | step ms (median) | weight matmuls ms | matmul calls | ops dispatched | outside the matmuls |\n"
-          "|---:|---:|---:|---:|---:|---:|")
+    print("\n| rows | step ms (median) | weight matmuls ms | matmul calls | ops dispatched | outside the matmuls | "
+          "outside, paired steps (median, IQR) |\n|---:|---:|---:|---:|---:|---:|---:|")
     rng = random.Random(0)
     measured = []
     for rows in [int(r) for r in args.rows.split(",")]:
@@ -235,14 +240,20 @@ def main() -> None:
         llm.generate(batch, params, use_tqdm=False)  # warm-up: the same shapes once
         recorder = StepRecorder(runner, rows)
         try:
-            llm.generate(batch, params, use_tqdm=False)
+            for _ in range(args.repeat):
+                llm.generate(batch, params, use_tqdm=False)
         finally:
             recorder.restore()
         step = statistics.median(recorder.step_seconds)
         mm = statistics.median(recorder.matmul_seconds)
+        # each timed step, then the traced one after it (StepRecorder alternates them)
+        paired = [1 - m / s for s, m in zip(recorder.step_seconds, recorder.matmul_seconds)]
+        q1, q2, q3 = statistics.quantiles(paired, n=4) if len(paired) > 1 else (paired * 3)
         print(f"| {rows} | {step * 1e3:.1f} | {mm * 1e3:.1f} | {statistics.median(recorder.matmul_calls):.0f} | "
-              f"{statistics.median(recorder.ops):.0f} | {1 - mm / step:.0%} |", flush=True)
-        measured.append({"rows": rows, "step_ms": step * 1e3, "matmul_ms": mm * 1e3, "outside": 1 - mm / step})
+              f"{statistics.median(recorder.ops):.0f} | {1 - mm / step:.0%} | {q2:.0%} ({q1:.0%}-{q3:.0%}) |",
+              flush=True)
+        measured.append({"rows": rows, "step_ms": step * 1e3, "matmul_ms": mm * 1e3, "outside": 1 - mm / step,
+                         "outside_paired": q2})
     llm.shutdown()
     if args.json:
         args.json.write_text(json.dumps(measured))

@@ -1,5 +1,6 @@
 """The embedding looked up with pread (models/loaders/file_rows.py) against the mapped view
-it replaces: the same rows bit for bit, and no file page mapped by a lookup."""
+it replaces: the same rows bit for bit (by its native reader and by its Python loop), no
+file page mapped by a lookup, and named errors for an id out of range and a file cut short."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import pytest
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
+from hybridserve.core.errors import ConfigError  # noqa: E402
+from hybridserve.models.loaders.file_rows import FileRows, read_rows_native  # noqa: E402
 from hybridserve.models.loaders.loader import load_model  # noqa: E402
 from hybridserve.models.loaders.safetensors_map import MappedCheckpoint  # noqa: E402
 from tests.helpers import hf_tiny  # noqa: E402
@@ -38,15 +41,38 @@ def table(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.Tensor]
     return path, values
 
 
-def test_rows_read_from_the_file_equal_the_mapped_rows(table: tuple[Path, torch.Tensor]) -> None:
+@pytest.mark.parametrize("native", [True, False])
+def test_rows_read_from_the_file_equal_the_mapped_rows(table: tuple[Path, torch.Tensor], native: bool) -> None:
+    """The native reader (one call a lookup) and the Python loop alike."""
+    if native and read_rows_native() is None:
+        pytest.skip("no C compiler: the native reader is not built")
     path, values = table
     checkpoint = MappedCheckpoint([path])
     rows = checkpoint.row_reader("table")
     ids = torch.tensor([[0, ROWS - 1, 17, 17], [4000, 1, 2, 3]])
-    assert torch.equal(rows(ids), torch.nn.functional.embedding(ids, checkpoint.tensor("table")))
-    assert torch.equal(rows(ids[0]), values[ids[0]])
-    with pytest.raises(IndexError):
-        rows(torch.tensor([ROWS]))
+    assert torch.equal(rows(ids, native=native), torch.nn.functional.embedding(ids, checkpoint.tensor("table")))
+    assert torch.equal(rows(ids[0], native=native), values[ids[0]])
+    assert torch.equal(rows(ids[:, ::2], native=native), values[ids[:, ::2]])  # strided ids
+    assert rows(torch.tensor([], dtype=torch.long), native=native).shape == (0, COLS)
+    for bad in (ROWS, -1):
+        with pytest.raises(IndexError, match=f"index {bad} is out of range for {ROWS} rows"):
+            rows(torch.tensor([3, bad, 5]), native=native)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_file_cut_short_under_the_reader_is_a_named_error(tmp_path: Path, native: bool) -> None:
+    """A row past the end of a file truncated after loading: ConfigError naming the row."""
+    if native and read_rows_native() is None:
+        pytest.skip("no C compiler: the native reader is not built")
+    path = tmp_path / "cut.safetensors"
+    values = torch.arange(64 * 8, dtype=torch.float32).view(64, 8)
+    safetensors_torch.save_file({"table": values}, str(path))
+    rows = FileRows(path, path.stat().st_size - values.numel() * 4, (64, 8), torch.float32)
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size - 10 * 8 * 4)  # rows 54 .. 63 gone
+    assert torch.equal(rows(torch.tensor([0, 53]), native=native), values[[0, 53]])
+    with pytest.raises(ConfigError, match="ended inside row 60"):
+        rows(torch.tensor([1, 60]), native=native)
 
 
 def test_a_lookup_maps_no_page_of_the_file(table: tuple[Path, torch.Tensor]) -> None:

@@ -20,7 +20,7 @@ import ctypes
 import os
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -63,7 +63,7 @@ class FileRows:
                 self._fail(row, missing=True)
         return out.view(*ids.shape, self.cols)
 
-    def _fail(self, row: int, missing: bool) -> None:
+    def _fail(self, row: int, missing: bool) -> NoReturn:
         if missing:
             raise ConfigError(f"the checkpoint file ended inside row {row}: was it changed while loaded?")
         raise IndexError(f"index {row} is out of range for {self.num_rows} rows")
